@@ -1,0 +1,152 @@
+// Shared declarations for the CPU Adam kernels. Torch-free: raw pointers and sizes only.
+//
+// Every instruction set implements the same canonical per-element math (adam_scalar_elem below,
+// with the same fused multiply-adds in the same places), so the scalar, AVX2 and AVX512 paths give
+// bit-identical results; the vector paths use the scalar helpers for their tails.
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace hzo {
+
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct AdamArgs {
+  float* param;            // fp32 master, updated in place
+  const void* grad;        // grad_dtype
+  float* exp_avg;          // fp32
+  float* exp_avg_sq;       // fp32
+  void* param_out;         // optional copy of the updated param in out_dtype (nullptr: none)
+  DType grad_dtype;
+  DType out_dtype;
+  float grad_scale;        // multiplies the gradient in-register (loss-scale unscale * clip coef)
+  float beta1, beta2, one_minus_beta1, one_minus_beta2;
+  float eps;
+  float decay;             // AdamW: 1 - lr * wd (applied to the param before the update); 1 otherwise
+  float l2;                // Adam (not W): weight decay added to the gradient; 0 otherwise
+  float step_size;         // lr / (1 - beta1^step), computed in double
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed in double
+};
+
+// One function table per instruction set; [begin, end) is an element range.
+using AdamFn = void (*)(const AdamArgs&, size_t begin, size_t end);
+// Adds the sum of squares of grad[begin, end) into 16 fp64 lanes: element i goes to lane i % 16.
+// The fixed lane assignment makes the result independent of the instruction set.
+using NormFn = void (*)(const void* grad, DType dt, size_t begin, size_t end, double lanes[16]);
+// acc[i] = (overwrite ? 0 : acc[i]) + grad[i] * scale  (the add is not fused, like torch's add_)
+using AccumFn = void (*)(float* acc, const void* grad, DType dt, float scale, bool overwrite, size_t begin,
+                         size_t end);
+
+struct KernelTable {
+  const char* name;
+  AdamFn adam;
+  NormFn norm;
+  AccumFn accumulate;
+};
+
+KernelTable scalar_kernels();
+KernelTable avx2_kernels();
+KernelTable avx512_kernels();
+
+// Internal linkage on purpose: each translation unit is compiled with its own -m flags, and an
+// inline function with external linkage could be merged by the linker into the AVX512 copy and then
+// executed on a CPU without AVX512.
+namespace {
+
+inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, NaN kept quiet; same rule as c10::BFloat16.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0u);
+  } else if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: value = man * 2^-24, exact in fp32
+      float v = static_cast<float>(man) * 5.9604644775390625e-08f;
+      u = sign | f32_bits(v);
+    }
+  } else {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  return bits_f32(u);
+}
+
+// Round to nearest even, IEEE overflow to inf, subnormals kept; same results as F16C's vcvtps2ph.
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u = f32_bits(f);
+  uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a < 0x38800000u) {  // below the smallest normal half: round to a multiple of 2^-24
+    float v = bits_f32(a) * 16777216.0f;  // exact scaling by 2^24
+    float r = std::nearbyint(v);           // current rounding mode: nearest even
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(r));
+  }
+  uint32_t mant_round = a + 0xfffu + ((a >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((mant_round - 0x38000000u) >> 13));
+}
+
+inline float load_grad(const void* g, DType dt, size_t i) {
+  switch (dt) {
+    case DType::F32: return static_cast<const float*>(g)[i];
+    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+    default: return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
+  }
+}
+
+inline void store_out(void* out, DType dt, size_t i, float v) {
+  switch (dt) {
+    case DType::F32: static_cast<float*>(out)[i] = v; break;
+    case DType::BF16: static_cast<uint16_t*>(out)[i] = f32_to_bf16(v); break;
+    default: static_cast<uint16_t*>(out)[i] = f32_to_f16(v); break;
+  }
+}
+
+// The canonical update of one element. The vector kernels perform exactly these operations.
+inline void adam_scalar_elem(const AdamArgs& a, size_t i) {
+  float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
+  float p = a.param[i];
+  if (a.l2 != 0.0f) g = std::fma(a.l2, p, g);
+  p = p * a.decay;
+  float m = std::fma(a.one_minus_beta1, g - a.exp_avg[i], a.exp_avg[i]);
+  float v = std::fma(a.one_minus_beta2, g * g, a.exp_avg_sq[i] * a.beta2);
+  float denom = std::sqrt(v) / a.bias_correction2_sqrt + a.eps;
+  p = std::fma(-a.step_size, m / denom, p);
+  a.exp_avg[i] = m;
+  a.exp_avg_sq[i] = v;
+  a.param[i] = p;
+  if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
+}
+
+inline void norm_scalar_range(const void* g, DType dt, size_t begin, size_t end, double lanes[16]) {
+  for (size_t i = begin; i < end; ++i) {
+    double x = static_cast<double>(load_grad(g, dt, i));
+    lanes[i & 15] = std::fma(x, x, lanes[i & 15]);
+  }
+}
+
+inline void accumulate_scalar_elem(float* acc, const void* g, DType dt, float scale, bool overwrite, size_t i) {
+  float x = load_grad(g, dt, i) * scale;
+  acc[i] = overwrite ? x : acc[i] + x;
+}
+
+}  // namespace
+}  // namespace hzo
