@@ -1,0 +1,140 @@
+"""Host memory for the offloaded optimizer: the allocation plan and the arena that realises it.
+
+``plan_host_memory`` is the one source of truth for what the engine allocates; the memory planner
+(``hf_zero_offload.planner``) calls the same function.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+_ALIGN = 4096  # every region starts on a page: no two regions share a cache line or a page
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Bytes the engine allocates, by region. ``regions`` maps name -> (numel, dtype)."""
+    numel: int
+    regions: dict = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(_round(n * _bytes(dt)) for n, dt, where in self.regions.values() if where == "host")
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(n * _bytes(dt) for n, dt, where in self.regions.values() if where == "device")
+
+    def bytes_by_region(self) -> dict:
+        return {k: n * _bytes(dt) for k, (n, dt, _) in self.regions.items()}
+
+
+def _round(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def store_dtype(param_dtypes: set, gradient_accumulation_steps: int) -> torch.dtype:
+    """dtype of the host gradient store: the grads' own 16-bit dtype when each step sees one
+    micro-batch (2 B/param), fp32 when micro-batches accumulate (summing in 16-bit would lose bits)."""
+    if gradient_accumulation_steps == 1 and len(param_dtypes) == 1:
+        return next(iter(param_dtypes))
+    return torch.float32
+
+
+def plan_host_memory(numel: int, *, param_dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
+                     gradient_accumulation_steps: int = 1, delayed_param_update: bool = False,
+                     bucket_numel: int, tile_numel: int, max_param_numel: int = 0, cuda: bool = True) -> HostPlan:
+    """Regions for ``numel`` trainable params held in ``param_dtype`` on the device.
+
+    host: fp32 master + exp_avg + exp_avg_sq (12 B/param); the gradient store (2 or 4 B/param, two
+    of them with DPU, whose step reads one while backward fills the other); pinned staging for
+    gradient buckets going down; staging for updated params going up (two tiles, or a full copy
+    with DPU since its step finishes while the device still runs on the previous params).
+    device: two gradient buckets. Without CUDA the buckets already live in host memory, so there is
+    no separate staging for them.
+    """
+    grad_dtype = grad_dtype or param_dtype
+    sdt = store_dtype({grad_dtype}, gradient_accumulation_steps)
+    bucket = max(min(bucket_numel, numel), max_param_numel, 1)
+    tile = max(min(tile_numel, numel), 1)
+    regions = {
+        "master": (numel, torch.float32, "host"),
+        "exp_avg": (numel, torch.float32, "host"),
+        "exp_avg_sq": (numel, torch.float32, "host"),
+        "grad_store": (numel * (2 if delayed_param_update else 1), sdt, "host"),
+        **({"grad_staging": (2 * bucket, grad_dtype, "host")} if cuda else {}),
+        "param_staging": ((numel if delayed_param_update else 2 * tile), param_dtype, "host"),
+        "grad_buckets": (2 * bucket, grad_dtype, "device"),
+    }
+    return HostPlan(numel=numel, regions=regions)
+
+
+class HostArena:
+    """One host allocation carved into the plan's regions; pinned when CUDA is present.
+
+    Pinning registers an ordinary allocation with cudaHostRegister instead of using torch's pinned
+    caching allocator, which rounds every block up to a power of two (up to ~2x the RAM).
+    """
+
+    def __init__(self, plan: HostPlan, *, pin: bool, check_ram: bool = True):
+        self.plan = plan
+        layout, total = {}, 0
+        for name, (n, dt, where) in plan.regions.items():
+            if where != "host":
+                continue
+            layout[name] = (total, n, dt)
+            total += _round(n * _bytes(dt))
+        self.nbytes = total
+        if check_ram:
+            check_host_ram(total)
+        self._buf = torch.empty(total, dtype=torch.uint8)
+        self.pinned = _register(self._buf) if pin else False
+        self.regions = {name: self._buf[off:off + n * _bytes(dt)].view(dt) for name, (off, n, dt) in layout.items()}
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+            self.pinned = False
+        self.regions = {}
+        self._buf = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def check_host_ram(nbytes: int) -> None:
+    avail = psutil.virtual_memory().available
+    if nbytes > avail:
+        raise MemoryError(
+            f"hf_zero_offload needs {nbytes / 2**30:.2f} GiB of host RAM for the offloaded optimizer "
+            f"(fp32 master + Adam moments + gradient store + staging) but only {avail / 2**30:.2f} GiB is "
+            f"available; free memory, use fewer ranks per node, or shard with --sharded_ddp")
+
+
+_warned_pin = False
+
+
+def _register(buf: torch.Tensor) -> bool:
+    global _warned_pin
+    if not torch.cuda.is_available() or buf.numel() == 0:
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+        ok = int(getattr(err, "value", err)) == 0
+    except Exception as exc:  # pragma: no cover - depends on the driver
+        ok, err = False, exc
+    if not ok and not _warned_pin:
+        _warned_pin = True
+        warnings.warn(f"hf_zero_offload: pinning {buf.numel() / 2**30:.2f} GiB of host memory failed ({err}); "
+                      "continuing with pageable memory (slower host<->device copies)", RuntimeWarning)
+    return ok

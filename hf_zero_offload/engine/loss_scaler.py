@@ -1,0 +1,57 @@
+"""fp16 loss scaling with DeepSpeed's semantics.
+
+Dynamic (``loss_scale == 0``): start at ``2**initial_scale_power``. On an overflow the step is
+skipped; the scale is halved only once ``hysteresis`` overflows have been absorbed (the hysteresis
+budget is refilled each time the scale grows), never below ``min_loss_scale``. After
+``loss_scale_window`` steps without an overflow, the scale doubles.
+Static (``loss_scale > 0``): the scale never changes; overflow steps are still skipped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LossScaler:
+    scale: float = 1.0
+    dynamic: bool = False
+    scale_window: int = 1000
+    min_scale: float = 1.0
+    hysteresis: int = 2
+    cur_hysteresis: int = 2
+    cur_iter: int = 0
+    last_overflow_iter: int = -1
+    scale_factor: float = 2.0
+
+    @classmethod
+    def from_fp16(cls, *, enabled: bool, loss_scale: float = 0.0, initial_scale_power: int = 16,
+                  loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0) -> "LossScaler":
+        if not enabled:
+            return cls()
+        if loss_scale > 0:
+            return cls(scale=float(loss_scale))
+        return cls(scale=float(2 ** initial_scale_power), dynamic=True, scale_window=loss_scale_window,
+                   min_scale=float(min_loss_scale), hysteresis=hysteresis, cur_hysteresis=hysteresis)
+
+    def update(self, overflow: bool) -> None:
+        """Advance one optimizer step; ``overflow`` says whether its gradients held inf/nan."""
+        if self.dynamic:
+            if overflow:
+                if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                    self.scale = max(self.scale / self.scale_factor, self.min_scale)
+                else:
+                    self.cur_hysteresis -= 1
+                self.last_overflow_iter = self.cur_iter
+            elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                self.cur_hysteresis = self.hysteresis
+                self.scale *= self.scale_factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = set(state) - set(self.__dict__)
+        if unknown:
+            raise ValueError(f"loss scaler state has unknown keys {sorted(unknown)}")
+        self.__dict__.update(state)

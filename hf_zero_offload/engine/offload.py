@@ -1,0 +1,354 @@
+"""The ZeRO-Offload optimizer: fp32 master weights and Adam moments on the CPU.
+
+``OffloadAdam`` is a ``torch.optim.Optimizer`` over the device parameters (so LR schedulers work on
+its ``param_groups``). The device keeps only the parameters, in the training dtype, and two gradient
+buckets; gradients stream down during backward (``pipeline.GradPipeline``), and ``step()`` runs:
+
+1. wait for the last gradient copy; one fused pass per run of parameters gives the squared norm in
+   fp64, whose finiteness is the overflow flag;
+2. fp16 overflow: skip (masters, moments and step counts untouched), report it, lower the scale;
+3. ``grad_scale = clip_coef / loss_scale`` and the fused CPU Adam over the flat arena, tile by tile,
+   writing each updated tile in the training dtype to staging that is copied to the device at once,
+   so CPU compute overlaps the transfer;
+4. with the delayed parameter update (DPU) after its warm-up, step 3 runs on a worker thread while
+   the device computes the next step on the previous parameters.
+
+Params without a gradient in a window are skipped like ``torch.optim.AdamW`` skips them (their own
+step count does not advance). Tied parameters are one ``Parameter`` and get one master.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from .buffers import HostArena, plan_host_memory, store_dtype
+from .loss_scaler import LossScaler
+from .pipeline import GradPipeline
+from .streams import Streams
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 0.0              # 0: no clipping
+    fp16: dict | None = None                # LossScaler.from_fp16 keywords; None: no loss scaling
+    bucket_numel: int = 200_000_000
+    tile_numel: int = 1 << 22
+    pin_memory: bool = True
+    dpu: bool = False
+    dpu_warmup_steps: int = 40
+    num_threads: int | None = None
+
+
+@dataclass
+class StepResult:
+    skipped: bool
+    grad_norm: float
+    loss_scale: float
+
+
+class OffloadAdam(torch.optim.Optimizer):
+    def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
+                 options: OffloadOptions = OffloadOptions()):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
+        super().__init__(params, defaults)
+        self.options = options
+        self.scaler = LossScaler.from_fp16(**(options.fp16 or {"enabled": False}))
+        self._slots: list[list[tuple[torch.nn.Parameter, int, int]]] = []  # per group: (param, offset, numel)
+        seen, offset = set(), 0
+        for group in self.param_groups:
+            group_slots = []
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError("a parameter appears twice in the optimizer's param groups")
+                seen.add(id(p))
+                if not p.requires_grad:
+                    continue  # frozen: never gets a gradient, owns no optimizer state
+                group_slots.append((p, offset, p.numel()))
+                offset += p.numel()
+            self._slots.append(group_slots)
+        all_slots = [s for g in self._slots for s in g]
+        if not all_slots:
+            raise ValueError("OffloadAdam got no trainable parameters")
+        self.numel = offset
+        device = all_slots[0][0].device
+        if any(p.device != device for p, _, _ in all_slots):
+            raise ValueError("every trainable parameter must be on the same device")
+        self.param_dtype = param_dtype or all_slots[0][0].dtype
+        self.streams = Streams(device)
+        gas = options.gradient_accumulation_steps
+        self.plan = plan_host_memory(
+            self.numel, param_dtype=self.param_dtype, gradient_accumulation_steps=gas,
+            delayed_param_update=options.dpu, bucket_numel=options.bucket_numel, tile_numel=options.tile_numel,
+            max_param_numel=max(n for _, _, n in all_slots), cuda=self.streams.cuda)
+        self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda)
+        r = self.arena.regions
+        self.master, self.exp_avg, self.exp_avg_sq = r["master"], r["exp_avg"], r["exp_avg_sq"]
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self._stores = list(r["grad_store"].view(2 if options.dpu else 1, self.numel).unbind(0))
+        self._store_index = 0
+        self.param_staging = r["param_staging"]
+        tile = self.plan.regions["param_staging"][0] // (1 if options.dpu else 2)
+        self._tiles = None if options.dpu else self.param_staging.view(2, tile)
+        with torch.no_grad():
+            for p, off, n in all_slots:
+                # Masters come from the parameters as given (fp32 for a model about to be cast):
+                # casting first and copying back would lose the low mantissa bits for good.
+                self.master[off:off + n].copy_(p.detach().reshape(-1))
+                if p.dtype != self.param_dtype:
+                    p.data = p.data.to(self.param_dtype)
+        bucket_n = self.plan.regions["grad_buckets"][0] // 2
+        buckets = torch.empty(2, bucket_n, dtype=self.param_dtype, device=device)
+        staging = r["grad_staging"].view(2, bucket_n) if "grad_staging" in r else None
+        self.pipeline = GradPipeline(all_slots, streams=self.streams, buckets=buckets, staging=staging,
+                                     accumulate=store_dtype({self.param_dtype}, gas) == torch.float32)
+        self.pipeline.new_window(self._stores[0])
+        self._param_steps = torch.zeros(len(all_slots), dtype=torch.int64)
+        self._slot_index = {off: i for i, (_, off, _) in enumerate(all_slots)}
+        self.global_steps = 0        # step() calls, skipped ones included (the DPU warm-up counts these)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hzo-dpu") if options.dpu else None
+        self._pending: Future | None = None
+        self.needs_publish = False   # DPU: masters are ahead of the device parameters
+        self.last = StepResult(False, 0.0, self.scaler.scale)
+        self._flat_slots = all_slots
+        self._offsets = [off for _, off, _ in all_slots]
+        self._tile_events = [None, None]
+        self._publish_event = None
+
+    # -- the step ------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.pipeline.drain()
+        store = self.pipeline.store
+        runs = self._runs()
+        sumsq = sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads) for r in runs)
+        finite = math.isfinite(sumsq)
+        self.global_steps += 1
+        if self.options.fp16 and self.options.fp16.get("enabled") and not finite:
+            self.scaler.update(True)
+            self.last = StepResult(True, float("inf"), self.scaler.scale)
+            self.pipeline.new_window(store)
+            return loss
+        loss_scale = self.scaler.scale
+        norm = math.sqrt(sumsq) / loss_scale if finite else float("nan")
+        clip = 1.0
+        if self.options.max_grad_norm > 0:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, clamped to 1
+            clip = min(self.options.max_grad_norm / (norm + 1e-6), 1.0) if finite else float("nan")
+        grad_scale = clip / loss_scale
+        self.scaler.update(False)
+        self.last = StepResult(False, norm, self.scaler.scale)
+        hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after
+        for run in runs:
+            self._param_steps[run.slots] += 1
+        if self._worker is not None and self.global_steps > self.options.dpu_warmup_steps:
+            self._wait_worker()
+            self._publish_all()
+            next_store = self._stores[self._store_index ^ 1]
+            self._store_index ^= 1
+            self.pipeline.new_window(next_store)
+            self._pending = self._worker.submit(self._dpu_step, runs, store, grad_scale, hyper)
+            self.needs_publish = True
+        else:
+            self._wait_worker()
+            if self.needs_publish:
+                self._publish_all()
+            self._adam_runs(runs, store, grad_scale, hyper, True)
+            self.pipeline.new_window(store)
+        return loss
+
+    def _runs(self) -> list["_Run"]:
+        """Maximal runs of consecutive params of one group that all received a gradient and share a
+        step count. One kernel call (tile by tile) covers a run."""
+        runs: list[_Run] = []
+        received = self.pipeline.received
+        for gi, slots in enumerate(self._slots):
+            cur = None
+            for _, off, n in slots:
+                idx = self._slot_index[off]
+                if off not in received:
+                    cur = None
+                    continue
+                step = int(self._param_steps[idx]) + 1
+                if cur is not None and cur.step == step and cur.end == off:
+                    cur.end = off + n
+                    cur.slots.append(idx)
+                else:
+                    cur = _Run(gi, off, off + n, step, [idx])
+                    runs.append(cur)
+        return runs
+
+    def _adam_runs(self, runs, store, grad_scale: float, hyper: list[dict], publish: bool) -> None:
+        """The fused CPU Adam over each run, tile by tile. ``publish``: each updated tile goes to the
+        device as soon as it is written, overlapping the next tile's compute; otherwise (a DPU step)
+        the full-size staging keeps the result until ``_publish_all``."""
+        full = self._tiles is None
+        tile_numel = self.options.tile_numel if full else self._tiles.shape[1]
+        if full:
+            # The full-size staging may still be feeding the previous upload: never rewrite it early.
+            self.streams.host_wait(self._publish_event)
+        k = 0
+        for run in runs:
+            h = hyper[run.group]
+            a = run.start
+            while a < run.end:
+                b = min(run.end, a + tile_numel)
+                if full:
+                    out = self.param_staging[a:b]
+                else:
+                    slot = k % 2
+                    # A staging tile is rewritten only after its previous upload finished.
+                    self.streams.host_wait(self._tile_events[slot])
+                    out = self._tiles[slot, :b - a]
+                ops.adam_step(self.master[a:b], store[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                              step=run.step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                              weight_decay=h["weight_decay"], adamw=h["adamw_mode"], grad_scale=grad_scale,
+                              param_out=out, num_threads=self.options.num_threads)
+                if publish:
+                    ev = self._upload(out, a, b)
+                    if full:
+                        self._publish_event = ev
+                    else:
+                        self._tile_events[slot] = ev
+                k += 1
+                a = b
+        if publish:
+            self._upload_done()
+
+    def _dpu_step(self, runs, store, grad_scale: float, hyper: list[dict]) -> None:
+        self._adam_runs(runs, store, grad_scale, hyper, publish=False)
+
+    def _upload(self, src: torch.Tensor, a: int, b: int):
+        """Copy staging ``src`` holding flat range [a, b) into the device parameters it covers."""
+        s = self.streams
+        if s.cuda:
+            # Parameters may still be read by kernels queued before the step: uploads wait for them.
+            s.wait(s.h2d, s.event())
+        with s.use(s.h2d):
+            for p, off, n in self._pieces(a, b):
+                lo, hi = max(a, off), min(b, off + n)
+                p.data.view(-1)[lo - off:hi - off].copy_(src[lo - a:hi - a], non_blocking=s.cuda)
+        return s.event(s.h2d) if s.cuda else None
+
+    def _upload_done(self) -> None:
+        # The next forward reads the parameters: the compute stream waits for the last upload.
+        if self.streams.cuda:
+            self.streams.wait(self.streams.compute(), self.streams.event(self.streams.h2d))
+
+    def _pieces(self, a: int, b: int):
+        lo = bisect.bisect_right(self._offsets, a) - 1
+        for i in range(max(lo, 0), len(self._flat_slots)):
+            p, off, n = self._flat_slots[i]
+            if off >= b:
+                break
+            if off + n > a:
+                yield p, off, n
+
+    def _publish_all(self) -> None:
+        """DPU: the masters computed on the worker reach the device parameters."""
+        if not self.needs_publish:
+            return
+        ev = self._upload(self.param_staging, 0, self.numel)
+        self._upload_done()
+        # The worker rewrites the staging next; it must not start before this upload finished.
+        self._publish_event = ev
+        self.needs_publish = False
+
+    def _wait_worker(self) -> None:
+        if self._pending is not None:
+            self._pending.result()  # re-raises a failure of the worker here
+            self._pending = None
+
+    def flush(self) -> None:
+        """Finish an in-flight DPU step and publish its parameters (end of training, final save)."""
+        self._wait_worker()
+        self._publish_all()
+        self.streams.host_wait(self._publish_event)
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_meta(self) -> dict:
+        """Everything but the big tensors (JSON-serialisable)."""
+        self._wait_worker()  # the masters must be final; the device may stay one step behind (DPU)
+        return {
+            "format": "hf_zero_offload.offload/1",
+            "numel": self.numel,
+            "param_dtype": str(self.param_dtype).replace("torch.", ""),
+            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                             for g in self.param_groups],
+            "slots": [[[off, n, list(p.shape)] for p, off, n in g] for g in self._slots],
+            "param_steps": self._param_steps.tolist(),
+            "loss_scaler": self.scaler.state_dict(),
+            "global_steps": self.global_steps,
+            "needs_publish": self.needs_publish,
+        }
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Views of the arena (no copy): the checkpoint writer streams them to disk."""
+        self._wait_worker()
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def state_dict(self) -> dict:
+        # Clones: torch.save of a view would write the whole arena (gradient stores included).
+        return {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_state_meta(state)
+        for name, dst in self.state_tensors().items():
+            dst.copy_(state[name])
+        self.finish_load()
+
+    def load_state_meta(self, meta: dict) -> None:
+        if meta.get("format") != "hf_zero_offload.offload/1":
+            raise ValueError(f"not an hf_zero_offload offload state (format={meta.get('format')!r})")
+        mine = [[[off, n, list(p.shape)] for p, off, n in g] for g in self._slots]
+        if meta["numel"] != self.numel or meta["slots"] != mine:
+            raise ValueError(f"optimizer state does not match this model: saved {meta['numel']} trainable elements "
+                             f"in {sum(map(len, meta['slots']))} params, this model has {self.numel} in "
+                             f"{sum(map(len, mine))}")
+        self._wait_worker()
+        for group, saved in zip(self.param_groups, meta["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+        self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
+        self.scaler.load_state_dict(meta["loss_scaler"])
+        self.global_steps = meta["global_steps"]
+        self.needs_publish = meta["needs_publish"]
+
+    def finish_load(self) -> None:
+        """After the tensors are in place: rebuild what a checkpoint does not store."""
+        if self.needs_publish:
+            # DPU staging is the masters rounded to the training dtype (nearest even, like the kernel).
+            self.param_staging.copy_(self.master)
+
+    def close(self) -> None:
+        self._wait_worker()
+        self.pipeline.close()
+        if self._worker is not None:
+            self._worker.shutdown()
+        self.arena.close()
+
+
+@dataclass
+class _Run:
+    group: int
+    start: int
+    end: int
+    step: int
+    slots: list

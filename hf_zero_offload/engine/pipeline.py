@@ -1,0 +1,117 @@
+"""Gradients leave the device during backward.
+
+Each parameter's gradient, once fully accumulated for this backward, is copied into the current
+device bucket and the device gradient is freed. A full bucket goes down to pinned host staging by
+an async copy on a side stream, in the gradient's own dtype; the two buckets alternate, so one fills
+while the other drains. When a bucket slot comes round again, the host waits for its copy and
+scatters it into the flat host gradient store (16-bit copy, or fp32 accumulation across
+micro-batches), so the device never sees the accumulator. On CPU the same path runs with plain
+tensors: the buckets are host memory, so they are scattered directly.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from .streams import Streams
+
+_SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thread
+
+
+class GradPipeline:
+    def __init__(self, slots: list[tuple[torch.nn.Parameter, int, int]], *, streams: Streams,
+                 buckets: torch.Tensor, staging: torch.Tensor | None, accumulate: bool):
+        self.streams = streams
+        self.buckets = buckets            # [2, bucket_numel] on the device
+        self.staging = staging            # [2, bucket_numel] pinned host (CUDA) or None (CPU)
+        self.bucket_numel = buckets.shape[1]
+        self.accumulate = accumulate      # fp32 store, summing micro-batches
+        self.store: torch.Tensor | None = None   # flat host gradient store, set by the engine
+        self.received: dict[int, int] = {}       # flat offset -> grads received in this window
+        self._index = {}
+        self._slot, self._cursor = 0, 0
+        self._pending = ([], [])
+        self._done = [None, None]
+        self._handles = []
+        for p, offset, numel in slots:
+            if numel > self.bucket_numel:
+                raise ValueError(f"bucket of {self.bucket_numel} elements cannot hold a {numel}-element parameter")
+            self._index[p] = (offset, numel)
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- backward side -------------------------------------------------------------------------
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if g.dtype != self.buckets.dtype:
+            raise TypeError(f"gradient dtype {g.dtype} differs from the engine's {self.buckets.dtype}; "
+                            "keep every trainable parameter in the training dtype")
+        offset, numel = self._index[p]
+        if self._cursor + numel > self.bucket_numel:
+            self._flush()
+        self.buckets[self._slot, self._cursor:self._cursor + numel].copy_(g.reshape(-1))
+        self._pending[self._slot].append((offset, self._cursor, numel))
+        self._cursor += numel
+        # Freed on the compute stream right after the copy kernel that reads it was queued there:
+        # the caching allocator reuses memory in stream order, so the copy still reads valid data.
+        p.grad = None
+
+    def _flush(self) -> None:
+        if self._cursor == 0:
+            return
+        slot, used = self._slot, self._cursor
+        if self.streams.cuda:
+            filled = self.streams.event()          # every copy into this bucket is queued before it
+            self.streams.wait(self.streams.d2h, filled)
+            with self.streams.use(self.streams.d2h):
+                self.staging[slot, :used].copy_(self.buckets[slot, :used], non_blocking=True)
+            self._done[slot] = self.streams.event(self.streams.d2h)
+            self._slot, self._cursor = slot ^ 1, 0
+            # Before the other bucket is refilled, its previous copy must have landed: the host
+            # waits on it (so the device may overwrite it: later compute-stream work is queued
+            # after this host wait) and scatters its staging into the store.
+            self._retire(self._slot)
+        else:
+            self._slot, self._cursor = slot ^ 1, 0
+            self._retire(slot)
+
+    def _retire(self, slot: int) -> None:
+        if not self._pending[slot]:
+            return
+        self.streams.host_wait(self._done[slot])
+        self._done[slot] = None
+        src = self.staging[slot] if self.streams.cuda else self.buckets[slot]
+        for offset, boff, numel in self._pending[slot]:
+            seen = self.received.get(offset, 0)
+            dst = self.store[offset:offset + numel]
+            piece = src[boff:boff + numel]
+            threads = 1 if numel < _SMALL else None
+            if self.accumulate:
+                ops.accumulate_grad(dst, piece, overwrite=seen == 0, num_threads=threads)
+            elif seen:
+                raise RuntimeError(
+                    "a parameter received a second gradient before step(): with gradient_accumulation_steps=1 "
+                    "the engine keeps one 16-bit gradient per step; set gradient_accumulation_steps to the "
+                    "number of backward passes per step")
+            else:
+                dst.copy_(piece)
+            self.received[offset] = seen + 1
+        self._pending[slot].clear()
+
+    # -- step side -----------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Send the partly filled bucket and wait until every gradient is in the store."""
+        self._flush()
+        for slot in (self._slot ^ 1, self._slot):  # the older copy first
+            self._retire(slot)
+
+    def new_window(self, store: torch.Tensor) -> None:
+        """Start accumulating the next step's gradients into ``store``."""
+        self.store = store
+        self.received = {}

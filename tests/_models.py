@@ -1,0 +1,49 @@
+"""Small models shared by the engine tests."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    """A frozen layer, a tied weight (embedding == output projection) and a branch that is used
+    only on some steps (so some params get no gradient in some steps)."""
+
+    def __init__(self, vocab: int = 50, dim: int = 24):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.branch = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, ids: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.frozen(h)
+        h = h + self.body(h)
+        if use_branch:
+            h = h + self.branch(h)
+        return self.head(self.norm(h))
+
+
+def batches(n: int, *, vocab: int = 50, seed: int = 0, batch: int = 4, seq: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append((ids, torch.randint(0, vocab, (batch, seq), generator=g), i % 3 != 2))
+    return out
+
+
+def loss_fn(model: nn.Module, ids, labels, use_branch) -> torch.Tensor:
+    logits = model(ids, use_branch)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def param_groups(model: nn.Module, weight_decay: float):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
