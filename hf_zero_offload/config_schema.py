@@ -1,0 +1,430 @@
+"""The ``ds_config.json`` key tables and the validator behind :mod:`hf_zero_offload.config`.
+
+Every key hf_zero_offload knows is listed here with one of four kinds:
+
+* ``use``: read and turned into a field of :class:`~hf_zero_offload.config.TrainingConfig`;
+* ``ignore``: a harmless DeepSpeed key (one that transformers, accelerate or the HF docs write); its type is
+  checked, its value has no effect;
+* ``unsupported``: a DeepSpeed feature hf_zero_offload does not implement; accepted and ignored only while it is
+  switched off (``false``/``null``/``0``, a section with ``"enabled": false``, or a section whose values are all
+  off), otherwise a :class:`ConfigError` saying what to use instead;
+* ``section``: a nested object with its own table.
+
+Stdlib only: no torch, no transformers.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Callable, NamedTuple
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A ds_config problem; the message names the file (or ``<dict>``) and the key path."""
+
+
+class _Bad(Exception):
+    """Raised by a value check: ``expected`` describes the accepted values."""
+
+    def __init__(self, expected: str):
+        super().__init__(expected)
+        self.expected = expected
+
+
+class _Unsupported(Exception):
+    """Raised by a value check for a value naming a DeepSpeed feature we do not implement."""
+
+
+class Spec(NamedTuple):
+    kind: str  # "use" | "ignore" | "unsupported"
+    check: Callable[[Any], Any] | None = None  # value -> normalised value, raises _Bad/_Unsupported
+    auto: bool = False  # "auto" accepted (resolved from TrainingArguments)
+    children: dict[str, "Spec"] | None = None  # nested object
+    harmless: Callable[[Any], bool] | None = None  # for "unsupported": values accepted and ignored
+    why: str = ""  # for "unsupported": the reason and what to use instead
+
+
+# ---------------------------------------------------------------- value checks
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def boolean(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _Bad("true or false")
+    return v
+
+
+def integer(lo: int | None = None, what: str = "an integer") -> Callable[[Any], int]:
+    """Integers; integral floats such as ``2e8`` (DeepSpeed's spelling of sizes) become ints."""
+
+    def check(v: Any) -> int:
+        if not _is_num(v) or (isinstance(v, float) and not v.is_integer()) or (lo is not None and v < lo):
+            raise _Bad(what)
+        return int(v)
+
+    return check
+
+
+def number(lo: float | None = None, hi: float | None = None, what: str = "a number",
+           lo_open: bool = False) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        if not _is_num(v):
+            raise _Bad(what)
+        if lo is not None and (v < lo or (lo_open and v == lo)):
+            raise _Bad(what)
+        if hi is not None and v >= hi:
+            raise _Bad(what)
+        return float(v)
+
+    return check
+
+
+def choice(*options: str, unsupported: dict[str, str] | None = None,
+           casefold: bool = False) -> Callable[[Any], str]:
+    """One of ``options`` (returned in its canonical spelling); ``unsupported`` maps other known names to a why."""
+    table = {(o.lower() if casefold else o): o for o in options}
+    others = {(k.lower() if casefold else k): w for k, w in (unsupported or {}).items()}
+
+    def check(v: Any) -> str:
+        key = v.lower() if casefold and isinstance(v, str) else v
+        if isinstance(key, str) and key in table:
+            return table[key]
+        if isinstance(key, str) and key in others:
+            raise _Unsupported(others[key])
+        raise _Bad("one of " + ", ".join(repr(o) for o in options))
+
+    return check
+
+
+def betas(v: Any) -> tuple[float, float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(_is_num(b) and 0 <= b < 1 for b in v):
+        raise _Bad("a list of two numbers in [0, 1)")
+    return (float(v[0]), float(v[1]))
+
+
+def stage(v: Any) -> int:
+    if v == 3 and not isinstance(v, bool):
+        raise _Unsupported("ZeRO stage 3 (parameter partitioning) is not implemented; use stage 2 with "
+                           "offload_optimizer (or DeepSpeed/FSDP when the parameters alone do not fit)")
+    return choice_int(v, (0, 1, 2))
+
+
+def choice_int(v: Any, options: tuple[int, ...]) -> int:
+    n = integer()(v) if _is_num(v) else None
+    if n not in options:
+        raise _Bad("one of " + ", ".join(map(str, options)))
+    return n
+
+
+def anything(v: Any) -> Any:
+    return v
+
+
+def an_object(v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise _Bad("an object")
+    return v
+
+
+def str_or_null(v: Any) -> Any:
+    if v is not None and not isinstance(v, str):
+        raise _Bad("a string or null")
+    return v
+
+
+def _off(v: Any) -> bool:
+    """A switched-off value or section: false/null/0/""/[], {"enabled": false}, or an object of such values."""
+    if isinstance(v, dict):
+        if "enabled" in v:
+            return v["enabled"] is False
+        return all(_off(x) for x in v.values())
+    return v is None or v is False or v == 0 or v == "" or v == []
+
+
+def _eq(value: Any) -> Callable[[Any], bool]:
+    """Harmless when equal to ``value`` (with bools and numbers kept apart)."""
+    return lambda v: isinstance(v, bool) == isinstance(value, bool) and v == value
+
+
+def _device_none(v: Any) -> bool:
+    return isinstance(v, dict) and v.get("device", "none") in ("none", None)
+
+
+def _grad_accum_fp32(v: Any) -> bool:
+    return isinstance(v, dict) and set(v) <= {"grad_accum_dtype"} and v.get("grad_accum_dtype") in (None, "fp32")
+
+
+# ---------------------------------------------------------------- the tables
+
+
+def use(check: Callable[[Any], Any], auto: bool = False) -> Spec:
+    return Spec("use", check, auto)
+
+
+def section(children: dict[str, Spec]) -> Spec:
+    return Spec("use", None, False, children)
+
+
+def ignore(check: Callable[[Any], Any] = anything) -> Spec:
+    return Spec("ignore", check)
+
+
+def unsupported(why: str, harmless: Callable[[Any], bool] = _off) -> Spec:
+    return Spec("unsupported", harmless=harmless, why=why)
+
+
+_REPORT_TO = "use TrainingArguments --report_to"
+_STAGE3 = "it only applies to ZeRO stage 3, which hf_zero_offload does not implement; remove it"
+
+FP16 = {
+    "enabled": use(boolean, auto=True),
+    "loss_scale": use(number(0, what="a number >= 0 (0 = dynamic)")),
+    "initial_scale_power": use(integer(0, "an integer >= 0")),
+    "loss_scale_window": use(integer(1, "an integer >= 1")),
+    "hysteresis": use(integer(1, "an integer >= 1")),
+    "min_loss_scale": use(number(0, what="a number > 0", lo_open=True)),
+    "consecutive_hysteresis": unsupported("the loss scaler keeps plain hysteresis; set it to false"),
+    "auto_cast": unsupported("inputs are not cast by the engine; the Trainer's --fp16 autocast handles it"),
+    "fp16_master_weights_and_grads": unsupported("master weights are always fp32 on the host"),
+}
+BF16 = {
+    "enabled": use(boolean, auto=True),
+    "immediate_grad_update": ignore(boolean),
+    "check_grad_overflow": ignore(boolean),
+}
+OPTIMIZER_TYPES_UNSUPPORTED = {
+    name: f"only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
+    for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "FusedLamb", "Lion", "Adagrad", "SGD",
+                 "MuAdam", "MuAdamW", "MuSGD", "Muon", "Adafactor", "CPUAdam", "FusedAdam")
+}
+OPTIMIZER = {
+    "type": use(choice("Adam", "AdamW", unsupported=OPTIMIZER_TYPES_UNSUPPORTED, casefold=True)),
+    "params": section({
+        "lr": use(number(0, what="a number >= 0"), auto=True),
+        "betas": use(betas, auto=True),
+        "eps": use(number(0, what="a number > 0", lo_open=True), auto=True),
+        "weight_decay": use(number(0, what="a number >= 0"), auto=True),
+        "adam_w_mode": use(boolean),
+        "torch_adam": ignore(boolean),  # only picks DeepSpeed's implementation; the math is the same
+        "bias_correction": unsupported("Adam always applies bias correction here", harmless=_eq(True)),
+        "amsgrad": unsupported("AMSGrad has no kernel here; set it to false"),
+    }),
+}
+SCHEDULER = {
+    "type": use(choice("WarmupLR", "WarmupDecayLR", unsupported={
+        t: "remove the 'scheduler' block and use TrainingArguments --lr_scheduler_type"
+        for t in ("OneCycle", "LRRangeTest", "WarmupCosineLR")})),
+    "params": section({
+        "warmup_min_lr": use(number(0, what="a number >= 0"), auto=True),
+        "warmup_max_lr": use(number(0, what="a number >= 0"), auto=True),
+        "warmup_num_steps": use(integer(1, "an integer >= 1"), auto=True),
+        "warmup_type": use(choice("log", "linear")),
+        "total_num_steps": use(integer(1, "an integer >= 1"), auto=True),
+        "last_batch_iteration": ignore(integer(-1, "an integer >= -1")),
+    }),
+}
+OFFLOAD_OPTIMIZER = {
+    "device": use(choice("cpu", "none", unsupported={
+        "nvme": "NVMe offload (ZeRO-Infinity) is not implemented; use \"device\": \"cpu\""})),
+    "pin_memory": use(boolean),
+    "nvme_path": ignore(str_or_null),
+    "buffer_count": ignore(integer(0, "an integer >= 0")),
+    "pipeline": ignore(boolean),
+    "pipeline_read": ignore(boolean),
+    "pipeline_write": ignore(boolean),
+    "fast_init": ignore(boolean),
+    "ratio": unsupported("partial offload (ratio < 1) is not implemented; the whole optimizer state is "
+                         "offloaded", harmless=_eq(1)),
+}
+ZERO = {
+    "stage": use(stage),
+    "offload_optimizer": section(OFFLOAD_OPTIMIZER),
+    "cpu_offload": use(boolean),  # legacy spelling of offload_optimizer.device == "cpu"
+    "cpu_offload_use_pin_memory": use(boolean),  # legacy spelling of offload_optimizer.pin_memory
+    "overlap_comm": use(boolean),
+    "contiguous_gradients": use(boolean),
+    "reduce_scatter": use(boolean),
+    "reduce_bucket_size": use(integer(1, "a positive integer"), auto=True),
+    "allgather_partitions": use(boolean),
+    "allgather_bucket_size": use(integer(1, "a positive integer"), auto=True),
+    "round_robin_gradients": use(boolean),
+    "delayed_param_update": section({
+        "enabled": use(boolean),
+        "warmup_steps": use(integer(0, "an integer >= 0")),
+    }),
+    # harmless: ours already behaves this way, or the key has no meaning below stage 3
+    "load_from_fp32_weights": ignore(boolean),
+    "elastic_checkpoint": ignore(boolean),
+    "ignore_unused_parameters": ignore(boolean),
+    "use_multi_rank_bucket_allreduce": ignore(boolean),
+    "sub_group_size": ignore(integer(0, "an integer >= 0")),
+    "memory_efficient_linear": ignore(boolean),
+    "gather_16bit_weights_on_model_save": ignore(boolean),
+    "stage3_gather_16bit_weights_on_model_save": ignore(boolean),  # accelerate writes it for every stage
+    "stage3_gather_fp16_weights_on_model_save": ignore(boolean),
+    "legacy_stage1": unsupported("the legacy stage-1 implementation is not available; set it to false"),
+    "offload_param": unsupported("parameter offload needs ZeRO stage 3; only offload_optimizer is implemented",
+                                 harmless=_device_none),
+    "cpu_offload_params": unsupported("parameter offload needs ZeRO stage 3; only offload_optimizer is "
+                                      "implemented"),
+    "zero_hpz_partition_size": unsupported("ZeRO++ hierarchical partitioning is not implemented",
+                                           harmless=lambda v: v in (None, 1)),
+    "zero_quantized_weights": unsupported("ZeRO++ quantized weights are not implemented"),
+    "zero_quantized_nontrainable_weights": unsupported("ZeRO++ quantized weights are not implemented"),
+    "zero_quantized_gradients": unsupported("ZeRO++ quantized gradients are not implemented"),
+    "mics_shard_size": unsupported("MiCS sharding is not implemented", harmless=lambda v: v in (None, -1, 0)),
+    "mics_hierarchical_params_gather": unsupported("MiCS sharding is not implemented"),
+    **{k: unsupported(_STAGE3) for k in ("prefetch_bucket_size", "param_persistence_threshold",
+                                          "model_persistence_threshold", "max_live_parameters",
+                                          "max_reuse_distance", "pipeline_loading_checkpoint",
+                                          "override_module_apply")},
+}
+STAGE3_PREFIX = Spec("unsupported", harmless=lambda v: False, why=_STAGE3)
+
+TOP = {
+    "train_batch_size": use(integer(1, "a positive integer"), auto=True),
+    "train_micro_batch_size_per_gpu": use(integer(1, "a positive integer"), auto=True),
+    "gradient_accumulation_steps": use(integer(1, "a positive integer"), auto=True),
+    "gradient_clipping": use(number(0, what="a number >= 0 (0 = off)"), auto=True),
+    "fp16": section(FP16),
+    "bf16": section(BF16),
+    "bfloat16": section(BF16),  # legacy spelling of "bf16"
+    "optimizer": section(OPTIMIZER),
+    "scheduler": section(SCHEDULER),
+    "zero_optimization": section(ZERO),
+    "steps_per_print": use(integer(1, "a positive integer")),
+    "wall_clock_breakdown": use(boolean),
+    # accepted and ignored
+    "zero_allow_untested_optimizer": ignore(boolean),
+    "zero_force_ds_cpu_optimizer": ignore(boolean),
+    "memory_breakdown": ignore(boolean),
+    "dump_state": ignore(boolean),
+    "dataloader_drop_last": ignore(boolean),
+    "checkpoint": ignore(an_object),  # transformers writes checkpoint.use_node_local_storage
+    # unsupported features (fine while switched off)
+    "amp": unsupported("NVIDIA Apex AMP is not used; use the fp16/bf16 sections or --fp16/--bf16"),
+    "torch_autocast": unsupported("use the fp16/bf16 sections or --fp16/--bf16"),
+    "activation_checkpointing": unsupported("use TrainingArguments --gradient_checkpointing"),
+    "flops_profiler": unsupported("use torch.profiler or a Trainer callback"),
+    "tensorboard": unsupported(_REPORT_TO),
+    "wandb": unsupported(_REPORT_TO),
+    "csv_monitor": unsupported(_REPORT_TO),
+    "comet": unsupported(_REPORT_TO),
+    "elasticity": unsupported("elastic batch sizes are not implemented; set the batch sizes explicitly"),
+    "pipeline": unsupported("pipeline parallelism is not implemented"),
+    "sparse_gradients": unsupported("sparse gradients are not implemented; embeddings get dense gradients"),
+    "sparse_attention": unsupported("use the model's own attention implementation"),
+    "communication_data_type": unsupported("gradients are reduced in their own dtype"),
+    "seq_parallel_communication_data_type": unsupported("sequence parallelism is not implemented"),
+    "prescale_gradients": unsupported("gradients are averaged after the reduction"),
+    "gradient_predivide_factor": unsupported("gradients are averaged after the reduction", harmless=_eq(1)),
+    "disable_allgather": unsupported("ZeRO-1/2 always all-gathers the updated parameters"),
+    "data_types": unsupported("gradients are accumulated in fp32 only", harmless=_grad_accum_fp32),
+    "progressive_layer_drop": unsupported("progressive layer drop is not implemented"),
+    "curriculum_learning": unsupported("curriculum learning is not implemented"),
+    "data_efficiency": unsupported("DeepSpeed's data efficiency library is not implemented"),
+    "compression_training": unsupported("compression training is not implemented"),
+    "quantize_training": unsupported("quantized training is not implemented"),
+    "eigenvalue": unsupported("eigenvalue computation is not implemented"),
+    "autotuning": unsupported("DeepSpeed autotuning is not implemented"),
+    "aio": unsupported("async I/O serves NVMe offload, which is not implemented"),
+    "nebula": unsupported("Nebula checkpointing is not implemented; the Trainer saves checkpoints"),
+    "hybrid_engine": unsupported("the RLHF hybrid engine is not implemented"),
+    "compile": unsupported("use TrainingArguments --torch_compile"),
+}
+
+
+# ---------------------------------------------------------------- the walker
+
+_FIRST = ("stage", "type", "device", "enabled")  # checked first so their messages win
+
+
+def _err(source: str, path: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: {path}: {msg}")
+
+
+def _unknown(source: str, path: str, key: str, table: dict[str, Spec]) -> ConfigError:
+    close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    where = "top level" if "." not in path else f"'{path.rsplit('.', 1)[0]}'"
+    return ConfigError(f"{source}: {path}: unknown key at {where}{hint}; supported keys there: "
+                       + ", ".join(k for k, s in table.items() if s.kind == "use"))
+
+
+def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str) -> dict:
+    out: dict[str, Any] = {}
+    for key in sorted(node, key=lambda k: k not in _FIRST):
+        value, path = node[key], f"{prefix}{key}"
+        spec = table.get(key)
+        if spec is None and table is ZERO and key.startswith("stage3_"):
+            spec = STAGE3_PREFIX
+        if spec is None:
+            raise _unknown(source, path, key, table)
+        if spec.kind == "unsupported":
+            if spec.harmless is not None and spec.harmless(value):
+                continue
+            raise _err(source, path, f"{value!r} is not supported by hf_zero_offload: {spec.why}")
+        if value == AUTO:
+            if spec.auto:
+                out[key] = AUTO
+                continue
+            raise _err(source, path, '"auto" is not accepted for this key (only for batch sizes, gradient_'
+                       'clipping, optimizer/scheduler params, fp16/bf16.enabled and the bucket sizes)')
+        if spec.children is not None:
+            if not isinstance(value, dict):
+                raise _err(source, path, f"expected an object, got {value!r}")
+            sub = _walk(value, spec.children, path + ".", source)
+        else:
+            try:
+                sub = spec.check(value)
+            except _Bad as e:
+                raise _err(source, path, f"expected {e.expected}, got {value!r}") from None
+            except _Unsupported as e:
+                raise _err(source, path, f"{value!r} is not supported by hf_zero_offload: {e}") from None
+        if spec.kind == "use":
+            out[key] = sub
+    return out
+
+
+def validate(raw: Any, source: str) -> dict:
+    """Check ``raw`` against the tables; return a normalised copy (ignored keys dropped, "auto" kept)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a JSON object, got {type(raw).__name__}")
+    cfg = _walk(raw, TOP, "", source)
+    if "bf16" in cfg and "bfloat16" in cfg:
+        raise _err(source, "bfloat16", 'legacy spelling of "bf16"; give only one of them')
+    if "bfloat16" in cfg:
+        cfg["bf16"] = cfg.pop("bfloat16")
+    if cfg.get("fp16", {}).get("enabled") is True and cfg.get("bf16", {}).get("enabled") is True:
+        raise _err(source, "bf16.enabled", "fp16 and bf16 cannot both be enabled")
+    for name in ("optimizer", "scheduler"):
+        if name in cfg and "type" not in cfg[name]:
+            raise _err(source, f"{name}.type", "required when the '" + name + "' block is given")
+    opt = cfg.get("optimizer", {})
+    if opt.get("type") == "AdamW" and opt.get("params", {}).get("adam_w_mode") is False:
+        raise _err(source, "optimizer.params.adam_w_mode",
+                   'false contradicts "type": "AdamW"; use "type": "Adam" for L2-style weight decay')
+    sched = cfg.get("scheduler", {})
+    if sched.get("type") == "WarmupLR" and "total_num_steps" in sched.get("params", {}):
+        raise _err(source, "scheduler.params.total_num_steps", "only used by WarmupDecayLR; remove it")
+    zero = cfg.get("zero_optimization", {})
+    off = zero.get("offload_optimizer", {})
+    if "cpu_offload" in zero and "device" in off and zero["cpu_offload"] != (off["device"] == "cpu"):
+        raise _err(source, "zero_optimization.cpu_offload",
+                   f"contradicts offload_optimizer.device={off['device']!r}; drop the legacy key")
+    if ("cpu_offload_use_pin_memory" in zero and "pin_memory" in off
+            and zero["cpu_offload_use_pin_memory"] != off["pin_memory"]):
+        raise _err(source, "zero_optimization.cpu_offload_use_pin_memory",
+                   "contradicts offload_optimizer.pin_memory; drop the legacy key")
+    offload = zero.get("cpu_offload", False) or off.get("device") == "cpu"
+    if offload and zero.get("stage", 0) == 0:
+        raise _err(source, "zero_optimization.stage", "optimizer offload needs ZeRO stage 1 or 2, got 0")
+    if zero.get("delayed_param_update", {}).get("enabled") and not offload:
+        raise _err(source, "zero_optimization.delayed_param_update.enabled",
+                   'the delayed parameter update needs "offload_optimizer": {"device": "cpu"}')
+    return cfg

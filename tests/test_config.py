@@ -1,0 +1,326 @@
+"""ds_config.json validation and "auto" resolution (hf_zero_offload.config)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_zero_offload.config import (
+    ArgsView,
+    ConfigError,
+    DPUConfig,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    ZeroConfig,
+    load_config,
+    resolve,
+)
+
+DATA = Path(__file__).parent / "data" / "configs"
+BLOG_1GPU = DATA / "ds_config_1gpu.json"
+BLOG_MULTI = DATA / "ds_config.json"
+MODERN = DATA / "ds_config_zero2_auto.json"
+
+# The blog's command line (lr 3e-5, warmup 500, fp16), on 2 GPUs.
+BLOG_ARGS = ArgsView(per_device_train_batch_size=20, world_size=2, learning_rate=3e-5, weight_decay=3e-7,
+                     warmup_steps=500, fp16=True)
+
+
+def errmsg(cfg, args=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, args)
+    return str(e.value)
+
+
+def zero2(**zero) -> dict:
+    return {"zero_optimization": {"stage": 2, **zero}}
+
+
+# ---------------------------------------------------------------- the reference configs
+
+
+@pytest.mark.parametrize("path", [BLOG_1GPU, BLOG_MULTI])
+def test_blog_configs_load_unchanged(path):
+    before = path.read_text()
+    raw = load_config(path)
+    assert raw == json.loads(before)
+    for args in (None, BLOG_ARGS):
+        cfg = resolve(path, args)
+        assert cfg.source == str(path)
+        assert cfg.fp16 == FP16Config(enabled=True, loss_scale=0.0, initial_scale_power=16, loss_scale_window=1000,
+                                      hysteresis=2, min_loss_scale=1.0)
+        assert not cfg.bf16
+        z = cfg.zero
+        assert (z.stage, z.offload, z.pin_memory, z.overlap_comm, z.reduce_scatter, z.contiguous_gradients) == (
+            2, True, True, True, True, True)
+        assert z.reduce_bucket_size == z.allgather_bucket_size == 200_000_000
+        assert isinstance(z.reduce_bucket_size, int)
+        assert cfg.optimizer == OptimizerConfig("Adam", 3e-5, (0.9, 0.999), 1e-8, 3e-7, True)
+        assert cfg.scheduler == SchedulerConfig("WarmupLR", 0.0, 3e-5, 500, "log", None)
+    assert path.read_text() == before
+    # with args, the missing batch keys and gradient_clipping follow TrainingArguments
+    cfg = resolve(path, BLOG_ARGS)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (40, 20, 1)
+    assert cfg.gradient_clipping == 1.0
+
+
+def test_modern_auto_config_resolves_every_auto_key():
+    args = ArgsView(per_device_train_batch_size=4, gradient_accumulation_steps=3, world_size=2, max_grad_norm=0.5,
+                    learning_rate=2e-4, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6, weight_decay=0.01,
+                    warmup_steps=7, max_steps=1000, bf16=True, hidden_size=1024)
+    cfg = resolve(MODERN, args)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size) == (4, 3, 24)
+    assert cfg.gradient_clipping == 0.5
+    assert cfg.optimizer == OptimizerConfig("AdamW", 2e-4, (0.8, 0.99), 1e-6, 0.01, True)
+    assert cfg.scheduler == SchedulerConfig("WarmupDecayLR", 0.0, 2e-4, 7, "log", 1000)
+    assert cfg.fp16.enabled is False and cfg.bf16 is True
+    assert cfg.zero.reduce_bucket_size == cfg.zero.allgather_bucket_size == 1024 * 1024
+    assert cfg.zero.offload and cfg.zero.pin_memory and cfg.zero.round_robin_gradients
+    assert cfg.steps_per_print == 2000
+    # warmup_steps 0 -> 1 (DeepSpeed rejects 0), fp16 from --fp16
+    cfg = resolve(MODERN, dataclasses.replace(args, warmup_steps=0, bf16=False, fp16=True))
+    assert cfg.scheduler.warmup_num_steps == 1 and cfg.fp16.enabled and not cfg.bf16
+
+
+def test_auto_without_args_names_every_key():
+    msg = errmsg(MODERN)
+    assert str(MODERN) in msg and "TrainingArguments" in msg
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping", "fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+                "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_max_lr",
+                "scheduler.params.warmup_num_steps", "scheduler.params.total_num_steps",
+                "zero_optimization.reduce_bucket_size"):
+        assert key in msg
+    # auto values that do not come from TrainingArguments resolve without them
+    cfg = resolve({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto"}},
+                   **zero2(reduce_bucket_size=123, allgather_bucket_size="auto")})
+    assert cfg.scheduler.warmup_min_lr == 0.0 and cfg.zero.allgather_bucket_size == 123
+
+
+def test_auto_needs_hidden_size_and_max_steps():
+    raw = json.loads(MODERN.read_text())
+    msg = errmsg(raw, ArgsView(max_steps=None, hidden_size=None, fp16=True))
+    assert "zero_optimization.reduce_bucket_size" in msg and "hidden_size" in msg
+    assert "scheduler.params.total_num_steps" in msg
+    raw["scheduler"]["params"].pop("total_num_steps")
+    assert "required by WarmupDecayLR" in errmsg(raw, ArgsView(hidden_size=8))
+    assert resolve(raw, ArgsView(hidden_size=8, max_steps=50)).scheduler.total_num_steps == 50
+
+
+def test_mismatches_are_listed_together():
+    raw = json.loads(BLOG_1GPU.read_text())
+    raw["gradient_clipping"] = 0.0
+    raw["train_micro_batch_size_per_gpu"] = 16
+    args = dataclasses.replace(BLOG_ARGS, learning_rate=5e-5, adam_epsilon=1e-6, adam_beta1=0.8, fp16=False)
+    msg = errmsg(raw, args)
+    lines = [line for line in msg.splitlines() if line.startswith("- ")]
+    assert "- optimizer.params.lr=3e-05 vs --learning_rate 5e-05" in lines
+    assert "- optimizer.params.eps=1e-08 vs --adam_epsilon 1e-06" in lines
+    assert "- optimizer.params.betas=[0.9, 0.999] vs --adam_beta1/--adam_beta2 [0.8, 0.999]" in lines
+    assert "- scheduler.params.warmup_max_lr=3e-05 vs --learning_rate 5e-05" in lines
+    assert "- gradient_clipping=0.0 vs --max_grad_norm 1.0" in lines
+    assert "- train_micro_batch_size_per_gpu=16 vs --per_device_train_batch_size 20" in lines
+    assert "- fp16.enabled=True vs --fp16 False" in lines
+    assert len(lines) == 7 and "<dict>" in msg and '"auto"' in msg
+
+
+def test_train_batch_size_consistency():
+    assert "train_batch_size=64 vs world_size" in errmsg(
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, ArgsView(per_device_train_batch_size=4,
+                                                                               world_size=2))
+    ok = resolve({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4},
+                 ArgsView(per_device_train_batch_size=4, gradient_accumulation_steps=4, world_size=2))
+    assert ok.train_batch_size == 32
+    # without args the world size is unknown: train_batch_size must be a multiple of micro * gas
+    assert "not a multiple" in errmsg({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
+                                       "gradient_accumulation_steps": 1})
+    c = resolve({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4})
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (12, 4, 3)
+    c = resolve({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+    assert c.train_batch_size == 8
+
+
+# ---------------------------------------------------------------- defaults and semantics
+
+
+def test_defaults_for_missing_sections():
+    cfg = resolve({})
+    assert cfg == TrainingConfig(source="<dict>")
+    assert cfg.zero == ZeroConfig(0, False, True, False, True, True, 500_000_000, True, 500_000_000, False,
+                                  DPUConfig(False, 40))
+    assert cfg.optimizer is None and cfg.scheduler is None and cfg.gradient_clipping == 1.0
+    assert cfg.steps_per_print == 10 and not cfg.fp16.enabled and not cfg.bf16
+    with_args = resolve({}, ArgsView(max_grad_norm=0.3, fp16=True, per_device_train_batch_size=2))
+    assert with_args.gradient_clipping == 0.3 and with_args.fp16.enabled and with_args.train_batch_size == 2
+    # a bare optimizer block: DeepSpeed's defaults without args, TrainingArguments' with them
+    assert resolve({"optimizer": {"type": "Adam"}}).optimizer == OptimizerConfig("Adam", 1e-3, (0.9, 0.999),
+                                                                                 1e-8, 0.0, True)
+    assert resolve({"optimizer": {"type": "Adam"}}, ArgsView(weight_decay=0.1)).optimizer.weight_decay == 0.1
+    assert resolve({"scheduler": {"type": "WarmupLR"}}).scheduler == SchedulerConfig()
+
+
+def test_optimizer_type_semantics():
+    assert resolve({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer.adam_w_mode is False
+    assert resolve({"optimizer": {"type": "adamw"}}).optimizer.type == "AdamW"
+    assert "adam_w_mode" in errmsg({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    assert "optimizer.type" in errmsg({"optimizer": {"params": {"lr": 1e-3}}})
+    assert resolve({"optimizer": {"type": "Adam", "params": {"torch_adam": True}}}).optimizer is not None
+
+
+def test_legacy_spellings_and_offload_rules():
+    assert resolve({"bfloat16": {"enabled": True}}).bf16
+    assert "bfloat16" in errmsg({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+    z = resolve(zero2(cpu_offload=True, cpu_offload_use_pin_memory=False)).zero
+    assert z.offload and not z.pin_memory
+    assert "cpu_offload" in errmsg(zero2(cpu_offload=False, offload_optimizer={"device": "cpu"}))
+    assert not resolve(zero2(offload_optimizer={"device": "none"})).zero.offload
+    assert "stage 1 or 2" in errmsg({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    dpu = zero2(delayed_param_update={"enabled": True, "warmup_steps": 10})
+    assert "offload" in errmsg(dpu)
+    dpu["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert resolve(dpu).zero.delayed_param_update == DPUConfig(True, 10)
+
+
+def test_harmless_deepspeed_keys_are_ignored():
+    raw = {
+        "zero_allow_untested_optimizer": True, "checkpoint": {"use_node_local_storage": True},
+        "amp": {"enabled": False, "opt_level": "O1"}, "tensorboard": {"enabled": False, "output_path": "x"},
+        "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                     "number_checkpoints": None},
+        "sparse_gradients": False, "gradient_predivide_factor": 1.0, "data_types": {"grad_accum_dtype": "fp32"},
+        "fp16": {"enabled": True, "auto_cast": False, "consecutive_hysteresis": False},
+        "bf16": {"enabled": False},
+        **zero2(offload_optimizer={"device": "cpu", "pin_memory": True, "nvme_path": None, "ratio": 1.0},
+                offload_param={"device": "none"}, stage3_gather_16bit_weights_on_model_save=False,
+                sub_group_size=1e9, load_from_fp32_weights=True),
+    }
+    cfg = resolve(raw)
+    assert cfg.zero.offload and cfg.fp16.enabled
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_unknown_keys_suggest_the_closest():
+    msg = errmsg({"gradient_acumulation_steps": 2})
+    assert "gradient_acumulation_steps" in msg and "did you mean 'gradient_accumulation_steps'?" in msg
+    msg = errmsg(zero2(overlap_com=True))
+    assert "zero_optimization.overlap_com" in msg and "did you mean 'overlap_comm'?" in msg
+    msg = errmsg(zero2(offload_optimizer={"device": "cpu", "pin_memroy": True}))
+    assert "zero_optimization.offload_optimizer.pin_memroy" in msg and "'pin_memory'" in msg
+    assert "did you mean" not in errmsg({"completely_unrelated": 1})
+
+
+@pytest.mark.parametrize("raw, path, hint", [
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "stage 3"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}, "zero_optimization.stage", ""),
+    (zero2(stage3_max_live_parameters=1e9), "zero_optimization.stage3_max_live_parameters", "stage 3"),
+    (zero2(offload_param={"device": "cpu"}), "zero_optimization.offload_param", "stage 3"),
+    (zero2(offload_optimizer={"device": "nvme", "nvme_path": "/x"}), "zero_optimization.offload_optimizer.device",
+     "NVMe"),
+    (zero2(offload_optimizer={"device": "cpu", "ratio": 0.3}), "zero_optimization.offload_optimizer.ratio", ""),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 5}}}, "optimizer.type", "Adam/AdamW"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type", "Adam/AdamW"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0}}}, "scheduler.type", "--lr_scheduler_type"),
+    ({"scheduler": {"type": "LRRangeTest"}}, "scheduler.type", "--lr_scheduler_type"),
+    ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp", "--fp16"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing",
+     "--gradient_checkpointing"),
+    ({"flops_profiler": {"enabled": True}}, "flops_profiler", ""),
+    ({"wandb": {"enabled": True}}, "wandb", "--report_to"),
+    ({"csv_monitor": {"enabled": True}}, "csv_monitor", "--report_to"),
+    ({"sparse_gradients": True}, "sparse_gradients", ""),
+    ({"communication_data_type": "fp16"}, "communication_data_type", ""),
+    ({"elasticity": {"enabled": True}}, "elasticity", ""),
+    ({"pipeline": {"stages": "auto"}}, "pipeline", ""),
+    ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis", ""),
+])
+def test_unsupported_features(raw, path, hint):
+    msg = errmsg(raw)
+    assert f"<dict>: {path}:" in msg and "not supported by hf_zero_offload" in msg and hint in msg
+
+
+@pytest.mark.parametrize("raw, path, expected", [
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage", "one of 0, 1, 2"),
+    (zero2(reduce_bucket_size=-5), "zero_optimization.reduce_bucket_size", "positive integer"),
+    (zero2(allgather_bucket_size=2.5e0), "zero_optimization.allgather_bucket_size", "positive integer"),
+    (zero2(overlap_comm="yes"), "zero_optimization.overlap_comm", "true or false"),
+    (zero2(offload_optimizer={"device": "gpu"}), "zero_optimization.offload_optimizer.device", "'cpu', 'none'"),
+    ({"fp16": {"enabled": 1}}, "fp16.enabled", "true or false"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, "optimizer.params.lr", "a number"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "optimizer.params.betas", "two numbers"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}, "scheduler.params.warmup_type",
+     "'log', 'linear'"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu", "positive integer"),
+    ({"gradient_clipping": -1}, "gradient_clipping", ">= 0"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window", ">= 1"),
+    ({"zero_optimization": "2"}, "zero_optimization", "an object"),
+])
+def test_wrong_types_and_values(raw, path, expected):
+    msg = errmsg(raw)
+    assert f"<dict>: {path}:" in msg and "expected" in msg and expected in msg
+    with pytest.raises(ConfigError):
+        load_config(raw)
+
+
+def test_value_rules():
+    assert "both" in errmsg({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert "both" in errmsg({"bf16": {"enabled": True}}, ArgsView(fp16=True, bf16=True))
+    assert '"auto" is not accepted' in errmsg({"zero_optimization": {"stage": "auto"}})
+    assert "only used by WarmupDecayLR" in errmsg(
+        {"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}})
+    # DeepSpeed's number spellings: integral floats become ints
+    assert resolve({"train_micro_batch_size_per_gpu": 8.0, **zero2(reduce_bucket_size=5e8)}).zero \
+        .reduce_bucket_size == 500_000_000
+    assert isinstance(ConfigError("x"), ValueError)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text('{\n  "fp16": {"enabled": true,}\n}\n')
+    with pytest.raises(ConfigError, match=rf"{bad}:2:\d+: invalid JSON"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'missing.json'}: cannot read"):
+        resolve(str(tmp_path / "missing.json"))
+    bad.write_text('{"steps_per_print": 1, "steps_per_print": 2}')
+    with pytest.raises(ConfigError, match="duplicate key 'steps_per_print'"):
+        load_config(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_config(bad)
+    bad.write_text('{"zero_optimization": {"stage": 3}}')
+    with pytest.raises(ConfigError, match=rf"^{bad}: zero_optimization.stage: 3 is not supported"):
+        resolve(bad)
+
+
+# ---------------------------------------------------------------- dataclasses
+
+
+def test_to_dict_round_trip_and_frozen():
+    cfg = resolve(MODERN, ArgsView(max_steps=10, hidden_size=64, fp16=True))
+    d = cfg.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert d["zero"]["stage"] == 2 and d["optimizer"]["betas"] == [0.9, 0.999] and d["source"] == str(MODERN)
+    assert TrainingConfig.from_dict(copy.deepcopy(d)) == cfg
+    assert TrainingConfig.from_dict(resolve({}).to_dict()) == resolve({})
+    for obj, name in ((cfg, "gradient_clipping"), (cfg.zero, "stage"), (cfg.fp16, "enabled"),
+                      (cfg.optimizer, "lr"), (cfg.scheduler, "warmup_num_steps"),
+                      (cfg.zero.delayed_param_update, "enabled"), (ArgsView(), "fp16")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 0)
+    hash(cfg)
+
+
+def test_config_module_stays_free_of_transformers():
+    import hf_zero_offload.config as config
+    import hf_zero_offload.config_schema as schema
+
+    for mod in (config, schema):
+        src = Path(mod.__file__).read_text()
+        for banned in ("import transformers", "import argparse", "from transformers", "from .engine", "import torch"):
+            assert banned not in src
