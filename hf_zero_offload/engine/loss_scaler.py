@@ -22,6 +22,7 @@ class LossScaler:
     cur_iter: int = 0
     last_overflow_iter: int = -1
     scale_factor: float = 2.0
+    enabled: bool = False     # fp16 on: overflow steps are skipped
 
     @classmethod
     def from_fp16(cls, *, enabled: bool, loss_scale: float = 0.0, initial_scale_power: int = 16,
@@ -29,8 +30,8 @@ class LossScaler:
         if not enabled:
             return cls()
         if loss_scale > 0:
-            return cls(scale=float(loss_scale))
-        return cls(scale=float(2 ** initial_scale_power), dynamic=True, scale_window=loss_scale_window,
+            return cls(scale=float(loss_scale), enabled=True)
+        return cls(scale=float(2 ** initial_scale_power), dynamic=True, enabled=True, scale_window=loss_scale_window,
                    min_scale=float(min_loss_scale), hysteresis=hysteresis, cur_hysteresis=hysteresis)
 
     def update(self, overflow: bool) -> None:

@@ -80,7 +80,10 @@ class OffloadAdam(torch.optim.Optimizer):
         device = all_slots[0][0].device
         if any(p.device != device for p, _, _ in all_slots):
             raise ValueError("every trainable parameter must be on the same device")
-        self.param_dtype = param_dtype or all_slots[0][0].dtype
+        fp16_on = bool(options.fp16 and options.fp16.get("enabled"))
+        self.param_dtype = param_dtype or (torch.float16 if fp16_on else all_slots[0][0].dtype)
+        if fp16_on and self.param_dtype != torch.float16:
+            raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {self.param_dtype}")
         self.streams = Streams(device)
         gas = options.gradient_accumulation_steps
         self.plan = plan_host_memory(
@@ -142,7 +145,7 @@ class OffloadAdam(torch.optim.Optimizer):
         sumsq = sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads) for r in runs)
         finite = math.isfinite(sumsq)
         self.global_steps += 1
-        if self.options.fp16 and self.options.fp16.get("enabled") and not finite:
+        if self.scaler.enabled and not finite:
             self.scaler.update(True)
             self.last = StepResult(True, float("inf"), self.scaler.scale)
             self.pipeline.new_window(store)

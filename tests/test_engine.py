@@ -1,0 +1,286 @@
+"""The offload engine against torch.optim.AdamW, element by element (CPU: same code path, no streams)."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from _models import TinyNet, batches, loss_fn, param_groups
+from hf_zero_offload.engine import LossScaler, OffloadAdam, OffloadOptions, plan_host_memory
+
+LR, WD = 1e-2, 0.1
+SMALL = dict(bucket_numel=1000, tile_numel=300)  # several buckets and tiles even on a tiny model
+
+
+def make_pair(seed=0, **opts):
+    torch.manual_seed(seed)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    ref = torch.optim.AdamW(param_groups(ref_model, WD), lr=LR, foreach=False)
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
+    return ref_model, ref, model, opt
+
+
+def assert_models_close(a, b, **tol):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pb.detach().float(), pa.detach().float(), msg=name, **tol)
+
+
+def test_fp32_matches_adamw_with_frozen_tied_and_unused_params():
+    ref_model, ref, model, opt = make_pair()
+    frozen_before = model.frozen.weight.detach().clone()
+    branch_steps = 0
+    for ids, labels, use_branch in batches(20):
+        loss_fn(ref_model, ids, labels, use_branch).backward()
+        ref.step()
+        ref.zero_grad()
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+        branch_steps += use_branch
+    assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
+    assert torch.equal(model.frozen.weight, frozen_before)
+    assert model.head.weight is model.embed.weight
+    # the branch skipped steps exactly like AdamW (its own step count did not advance)
+    assert ref.state[ref_model.branch.weight]["step"].item() == branch_steps < 20
+    assert opt.numel == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_gradient_accumulation_1_vs_4_same_global_batch():
+    torch.manual_seed(0)
+    m1 = TinyNet()
+    m4 = copy.deepcopy(m1)
+    o1 = OffloadAdam(param_groups(m1, WD), lr=LR, options=OffloadOptions(**SMALL))
+    o4 = OffloadAdam(param_groups(m4, WD), lr=LR, options=OffloadOptions(gradient_accumulation_steps=4, **SMALL))
+    for ids, labels, _ in batches(8, batch=8):
+        loss_fn(m1, ids, labels, True).backward()
+        o1.step()
+        o1.zero_grad()
+        for i in range(4):  # 4 micro-batches of 2, loss scaled by 1/4 as the Trainer does
+            sl = slice(2 * i, 2 * i + 2)
+            (loss_fn(m4, ids[sl], labels[sl], True) / 4).backward()
+        o4.step()
+        o4.zero_grad()
+    assert_models_close(m1, m4, rtol=2e-5, atol=2e-6)
+
+
+def test_gradient_accumulation_matches_adamw_accumulating_on_device():
+    ref_model, ref, model, opt = make_pair(gradient_accumulation_steps=3)
+    for ids, labels, use_branch in batches(12):
+        for m in (ref_model, model):
+            for i in range(3):
+                (loss_fn(m, ids[i:i + 1], labels[i:i + 1], use_branch) / 3).backward()
+        ref.step()
+        ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_matches_clip_grad_norm():
+    ref_model, ref, model, opt = make_pair(max_grad_norm=0.05)
+    norms = []
+    for ids, labels, use_branch in batches(10):
+        loss_fn(ref_model, ids, labels, use_branch).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05).item())
+        ref.step()
+        ref.zero_grad()
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.last.grad_norm == pytest.approx(norms[-1], rel=1e-5)
+    assert min(norms) > 0.05  # clipping was active
+    assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
+
+
+def test_second_backward_without_accumulation_is_an_error():
+    # fp32 stores accumulate like torch does; a 16-bit store holds exactly one gradient per step
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=torch.bfloat16, options=OffloadOptions(**SMALL))
+    model.bfloat16()
+    ids, labels, _ = batches(1)[0]
+    loss_fn(model, ids, labels, True).backward()
+    with pytest.raises(RuntimeError, match="gradient_accumulation_steps"):
+        loss_fn(model, ids, labels, True).backward()
+        opt.step()
+
+
+def test_fp16_overflow_skips_step_and_follows_hysteresis():
+    torch.manual_seed(0)
+    model = TinyNet()
+    fp16 = dict(enabled=True, loss_scale=0, initial_scale_power=8, loss_scale_window=1000, hysteresis=2,
+                min_loss_scale=1)
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(fp16=fp16, **SMALL))
+    model.half()  # frozen params and buffers; the engine already cast the trainable ones
+    assert model.body[0].weight.dtype == torch.float16
+    data = batches(6)
+    expected_scales, skipped = [], []
+    for k, (ids, labels, use_branch) in enumerate(data):
+        loss = opt.scale_loss(loss_fn(model, ids, labels, use_branch))
+        if k in (2, 3):
+            loss = loss * float("inf")  # injected overflow
+        masters = opt.master.clone()
+        params = [p.detach().clone() for p in model.parameters()]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.last.skipped)
+        expected_scales.append(opt.loss_scale)
+        if k in (2, 3):
+            assert torch.equal(opt.master, masters)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert skipped == [False, False, True, True, False, False]
+    # hysteresis 2: the first overflow only spends the hysteresis, the second halves the scale
+    assert expected_scales == [256, 256, 256, 128, 128, 128]
+    assert int(opt._param_steps.max()) == 4  # step counts untouched by skipped steps
+
+
+def test_loss_scaler_window_and_min_scale():
+    s = LossScaler.from_fp16(enabled=True, loss_scale=0, initial_scale_power=2, loss_scale_window=3,
+                             hysteresis=1, min_loss_scale=2)
+    seen = []
+    for overflow in [False, False, False, True, True, True, False, False, False]:
+        s.update(overflow)
+        seen.append(s.scale)
+    assert seen == [4, 4, 8, 4, 2, 2, 2, 2, 4]
+    static = LossScaler.from_fp16(enabled=True, loss_scale=128)
+    static.update(True)
+    assert static.scale == 128
+
+
+def test_bf16_masters_track_fp32_reference():
+    ref_model, ref, _, _ = make_pair()
+    model = copy.deepcopy(ref_model)
+    init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=torch.bfloat16, options=OffloadOptions(**SMALL))
+    assert model.body[0].weight.dtype == torch.bfloat16
+    model.bfloat16()
+    for ids, labels, use_branch in batches(10):
+        loss_fn(ref_model, ids, labels, use_branch).backward()
+        ref.step()
+        ref.zero_grad()
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+    # masters in fp32 stay within bf16 forward rounding of the fp32 run; device params are the masters rounded
+    offsets = {id(p): (off, n) for g in opt._slots for p, off, n in g}
+    for (name, pr), p in zip(ref_model.named_parameters(), model.parameters()):
+        if not p.requires_grad:
+            continue
+        off, n = offsets[id(p)]
+        master = opt.master[off:off + n].view_as(p)
+        # Adam's normalised update amplifies rounding where a gradient is near zero, so bound the
+        # typical deviation against the distance trained, and the worst one by a few LR-sized steps.
+        diff = (master - pr.detach()).abs()
+        moved = (pr.detach() - init[name]).abs().mean()
+        assert diff.mean() <= 0.02 * moved, (name, diff.mean().item(), moved.item())
+        assert diff.max() <= 5 * LR, (name, diff.max().item())
+        assert torch.equal(p.detach(), master.to(torch.bfloat16)), name
+
+
+def _dpu_reference(data, warmup):
+    """Hand-written delayed update: AdamW on fp32 masters; the device model's params lag one step after the warm-up."""
+    torch.manual_seed(0)
+    device_model = TinyNet()
+    master_model = copy.deepcopy(device_model)
+    ref = torch.optim.AdamW(param_groups(master_model, WD), lr=LR, foreach=False)
+    pairs = [(d, m) for d, m in zip(device_model.parameters(), master_model.parameters()) if d.requires_grad]
+    for k, (ids, labels, use_branch) in enumerate(data, start=1):
+        loss_fn(device_model, ids, labels, use_branch).backward()
+        for d, m in pairs:
+            m.grad, d.grad = d.grad, None
+        with torch.no_grad():
+            if k > warmup:  # publish params(k-1), then compute params(k) on the side
+                for d, m in pairs:
+                    d.copy_(m)
+            ref.step()
+            ref.zero_grad()
+            if k <= warmup:
+                for d, m in pairs:
+                    d.copy_(m)
+    return device_model, master_model
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_dpu_follows_the_delayed_schedule(warmup):
+    data = batches(9)
+    ref_device, ref_master = _dpu_reference(data, warmup)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR,
+                      options=OffloadOptions(dpu=True, dpu_warmup_steps=warmup, **SMALL))
+    for ids, labels, use_branch in data:
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.needs_publish == (len(data) > warmup)
+    assert_models_close(ref_device, model, rtol=1e-5, atol=1e-6)  # device one step behind
+    opt.flush()
+    assert_models_close(ref_master, model, rtol=1e-5, atol=1e-6)  # masters are the latest step
+    opt.close()
+
+
+@pytest.mark.parametrize("opts", [{}, {"dpu": True, "dpu_warmup_steps": 2}, {"gradient_accumulation_steps": 2}],
+                         ids=["sync", "dpu", "gas2"])
+def test_resume_is_bit_exact(opts):
+    data = batches(10)
+    gas = opts.get("gradient_accumulation_steps", 1)
+
+    def train(model, opt, part):
+        for ids, labels, use_branch in part:
+            for i in range(gas):
+                (loss_fn(model, ids[i::gas], labels[i::gas], use_branch) / gas).backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    full = TinyNet()
+    init = copy.deepcopy(full)
+    o_full = OffloadAdam(param_groups(full, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
+    train(full, o_full, data)
+
+    first = copy.deepcopy(init)
+    o_first = OffloadAdam(param_groups(first, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
+    train(first, o_first, data[:5])
+    state = o_first.state_dict()
+    model_state = copy.deepcopy(first.state_dict())
+    o_first.close()
+
+    second = copy.deepcopy(init)
+    second.load_state_dict(model_state)
+    o_second = OffloadAdam(param_groups(second, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
+    o_second.load_state_dict(state)
+    train(second, o_second, data[5:])
+    for a, b in zip(full.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+    o_full.flush()  # DPU: wait for the last step and publish it
+    o_second.flush()
+    for a, b in zip(full.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(o_full.master, o_second.master)
+    assert torch.equal(o_full.exp_avg_sq, o_second.exp_avg_sq)
+
+
+def test_state_from_another_model_is_refused():
+    _, _, model, opt = make_pair()
+    other = OffloadAdam(torch.nn.Linear(3, 3).parameters(), options=OffloadOptions(**SMALL))
+    with pytest.raises(ValueError, match="does not match this model"):
+        other.load_state_dict(opt.state_dict())
+
+
+def test_host_bytes_per_param_for_16bit_models():
+    n = 3_000_000_000
+    for gas, dpu in [(1, False), (4, False), (1, True)]:
+        plan = plan_host_memory(n, param_dtype=torch.float16, gradient_accumulation_steps=gas,
+                                delayed_param_update=dpu, bucket_numel=200_000_000, tile_numel=1 << 22)
+        assert plan.host_bytes / n <= 18.3, (gas, dpu, plan.host_bytes / n)
+        assert plan.device_bytes == 2 * 200_000_000 * 2
+
+
+def test_engine_allocates_its_plan():
+    _, _, model, opt = make_pair()
+    assert opt.arena.nbytes == opt.plan.host_bytes
+    assert math.isclose(opt.plan.regions["master"][0], opt.numel)
