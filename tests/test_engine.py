@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -225,7 +226,7 @@ def test_dpu_follows_the_delayed_schedule(warmup):
 
 @pytest.mark.parametrize("opts", [{}, {"dpu": True, "dpu_warmup_steps": 2}, {"gradient_accumulation_steps": 2}],
                          ids=["sync", "dpu", "gas2"])
-def test_resume_is_bit_exact(opts):
+def test_resume_is_bit_exact(opts, tmp_path):
     data = batches(10)
     gas = opts.get("gradient_accumulation_steps", 1)
 
@@ -245,14 +246,15 @@ def test_resume_is_bit_exact(opts):
     first = copy.deepcopy(init)
     o_first = OffloadAdam(param_groups(first, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
     train(first, o_first, data[:5])
-    state = o_first.state_dict()
+    o_first.save_checkpoint(str(tmp_path))
+    assert os.listdir(tmp_path) == ["rank0_of_1.hzo"]  # no temporary file left behind
     model_state = copy.deepcopy(first.state_dict())
     o_first.close()
 
     second = copy.deepcopy(init)
     second.load_state_dict(model_state)
     o_second = OffloadAdam(param_groups(second, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
-    o_second.load_state_dict(state)
+    o_second.load_checkpoint(str(tmp_path))
     train(second, o_second, data[5:])
     for a, b in zip(full.parameters(), second.parameters()):
         assert torch.equal(a, b)
@@ -284,3 +286,17 @@ def test_engine_allocates_its_plan():
     _, _, model, opt = make_pair()
     assert opt.arena.nbytes == opt.plan.host_bytes
     assert math.isclose(opt.plan.regions["master"][0], opt.numel)
+
+
+def test_state_dict_round_trip():
+    _, _, model, opt = make_pair()
+    for ids, labels, use_branch in batches(3):
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+    state = opt.state_dict()
+    torch.manual_seed(1)
+    other_model = TinyNet()
+    other = OffloadAdam(param_groups(other_model, WD), lr=LR, options=OffloadOptions(**SMALL))
+    other.load_state_dict(state)
+    assert torch.equal(other.master, opt.master) and torch.equal(other.exp_avg, opt.exp_avg)
+    assert other.state_meta() == opt.state_meta()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from . import checkpoint
 from .buffers import HostArena, plan_host_memory, store_dtype
 from .loss_scaler import LossScaler
 from .pipeline import GradPipeline
@@ -339,6 +340,18 @@ class OffloadAdam(torch.optim.Optimizer):
         if self.needs_publish:
             # DPU staging is the masters rounded to the training dtype (nearest even, like the kernel).
             self.param_staging.copy_(self.master)
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Atomically write this engine's state to ``directory/rank0_of_1.hzo``."""
+        checkpoint.write_state(checkpoint.rank_file(directory, 0, 1), self.state_meta(), self.state_tensors())
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load ``directory/rank0_of_1.hzo`` straight into the arena (no second copy in RAM)."""
+        path = checkpoint.rank_file(directory, 0, 1)
+        meta, _, _ = checkpoint.read_header(path)
+        self.load_state_meta(meta)
+        checkpoint.read_into(path, self.state_tensors())
+        self.finish_load()
 
     def close(self) -> None:
         self._wait_worker()
