@@ -125,6 +125,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._offsets = [off for _, off, _ in all_slots]
         self._tile_events = [None, None]
         self._publish_event = None
+        self._prepared = None
 
     # -- the step ------------------------------------------------------------------------------
     @property
@@ -140,10 +141,9 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.pipeline.drain()
+        runs, sumsq = self._prepare()
+        self._prepared = None
         store = self.pipeline.store
-        runs = self._runs()
-        sumsq = sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads) for r in runs)
         finite = math.isfinite(sumsq)
         self.global_steps += 1
         if self.scaler.enabled and not finite:
@@ -178,6 +178,22 @@ class OffloadAdam(torch.optim.Optimizer):
             self._adam_runs(runs, store, grad_scale, hyper, True)
             self.pipeline.new_window(store)
         return loss
+
+    def _prepare(self):
+        """Wait for this step's gradients; (runs, squared norm of the loss-scaled gradients)."""
+        if self._prepared is None:
+            self.pipeline.drain()
+            runs = self._runs()
+            store = self.pipeline.store
+            sumsq = sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads) for r in runs)
+            self._prepared = (runs, sumsq)
+        return self._prepared
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of this step's (unscaled) gradients, before clipping; inf on overflow.
+        Computed once per step (``step()`` reuses it), so the Trainer can log it before stepping."""
+        _, sumsq = self._prepare()
+        return math.sqrt(sumsq) / self.scaler.scale if math.isfinite(sumsq) else float("inf")
 
     def _runs(self) -> list["_Run"]:
         """Maximal runs of consecutive params of one group that all received a gradient and share a
