@@ -24,6 +24,7 @@ import torch
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 
 from . import ops
+from .consolidate import write_param_names
 from .config import ArgsView, TrainingConfig, load_config, resolve
 from .engine import OffloadAdam, OffloadOptions
 from .schedulers import SkipAwareScheduler, build_scheduler
@@ -219,11 +220,20 @@ class ZeroOffloadMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._zo_raw is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self.zero_engine.save_checkpoint(os.path.join(output_dir, STATE_DIR))
+        state_dir = os.path.join(output_dir, STATE_DIR)
+        self.zero_engine.save_checkpoint(state_dir)
+        if self.args.should_save:
+            write_param_names(state_dir, self._zo_slot_names())
         if self.args.should_save:
             tmp = os.path.join(output_dir, _SCHEDULER_NAME + ".tmp")
             torch.save(self.lr_scheduler.state_dict(), tmp)
             os.replace(tmp, os.path.join(output_dir, _SCHEDULER_NAME))
+
+    def _zo_slot_names(self) -> list[list[str]]:
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        return [aliases[id(p)] for g in self.zero_engine.slot_params() for p in g]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._zo_raw is None:

@@ -303,6 +303,10 @@ class OffloadAdam(torch.optim.Optimizer):
         self._publish_all()
         self.streams.host_wait(self._publish_event)
 
+    def slot_params(self) -> list[list[torch.nn.Parameter]]:
+        """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
+        return [[p for p, _, _ in g] for g in self._slots]
+
     # -- state ---------------------------------------------------------------------------------
     def state_meta(self) -> dict:
         """Everything but the big tensors (JSON-serialisable)."""

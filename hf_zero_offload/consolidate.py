@@ -1,0 +1,114 @@
+"""``hf-zero-offload consolidate CHECKPOINT_DIR OUTPUT_DIR``: fp32 weights from a training checkpoint.
+
+The Trainer saves the model in the training dtype (16-bit with fp16/bf16); the exact fp32 weights
+are the optimizer's masters under ``CHECKPOINT_DIR/zero_offload/``. This writes the checkpoint's
+safetensors files again with every trainable tensor replaced by its fp32 master (frozen tensors and
+buffers upcast), and copies the config files, so ``from_pretrained(OUTPUT_DIR)`` loads it. Tied
+weights stay tied: the output holds exactly the keys the checkpoint held, and the master of a
+tied parameter is found under any of its names. Needs no transformers and no GPU.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .engine import checkpoint
+
+NAMES_FILE = "param_names.json"
+
+
+def write_param_names(state_dir: str, slot_names: list[list[str]]) -> None:
+    """``slot_names``: for each engine slot in flat order, every name the parameter has (tied aliases)."""
+    os.makedirs(state_dir, exist_ok=True)
+    tmp = os.path.join(state_dir, NAMES_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(slot_names, f)
+    os.replace(tmp, os.path.join(state_dir, NAMES_FILE))
+
+
+def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's fp32 master by name (all aliases), from all rank files."""
+    files = sorted(glob.glob(os.path.join(state_dir, "rank*_of_*.hzo")))
+    if not files:
+        raise FileNotFoundError(f"no optimizer state files (rank*_of_*.hzo) in {state_dir}")
+    with open(os.path.join(state_dir, NAMES_FILE)) as f:
+        names = json.load(f)
+    meta, _, _ = checkpoint.read_header(files[0])
+    flat = _flat_master(files, meta)
+    slots = [s for g in meta["slots"] for s in g]
+    if len(slots) != len(names):
+        raise ValueError(f"{state_dir}: {len(slots)} parameters in the state but {len(names)} names")
+    out = {}
+    for (offset, numel, shape), aliases in zip(slots, names):
+        t = flat[offset:offset + numel].view(shape)
+        for name in aliases:
+            out[name] = t
+    return out
+
+
+def _flat_master(files: list[str], meta: dict) -> torch.Tensor:
+    world = meta.get("world_size", 1)
+    if world == 1:
+        return checkpoint.read_tensor(files[0], "master")
+    # Sharded: each rank holds the flat range [shard_start, shard_end) of the padded flat layout.
+    pieces = []
+    for r in range(world):
+        path = checkpoint.rank_file(os.path.dirname(files[0]), r, world)
+        m, _, _ = checkpoint.read_header(path)
+        pieces.append((m["shard_start"], checkpoint.read_tensor(path, "master")))
+    pieces.sort(key=lambda x: x[0])
+    return torch.cat([p for _, p in pieces])
+
+
+def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
+    state_dir = os.path.join(checkpoint_dir, "zero_offload")
+    masters = full_masters(state_dir)
+    weight_files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
+    if not weight_files:
+        raise FileNotFoundError(f"no *.safetensors model weights in {checkpoint_dir}")
+    os.makedirs(output_dir, exist_ok=True)
+    written = []
+    for path in weight_files:
+        tensors = {}
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata()
+            for key in f.keys():
+                t = masters.get(key)
+                tensors[key] = (t if t is not None else f.get_tensor(key)).float().contiguous()
+        dst = os.path.join(output_dir, os.path.basename(path))
+        tmp = dst + ".tmp"
+        save_file(tensors, tmp, metadata=metadata or {"format": "pt"})
+        os.replace(tmp, dst)
+        written.append(dst)
+    for extra in glob.glob(os.path.join(checkpoint_dir, "*.json")) + glob.glob(os.path.join(checkpoint_dir, "*.model")):
+        name = os.path.basename(extra)
+        if name.startswith(("trainer_state", "optimizer")):
+            continue
+        dst = os.path.join(output_dir, name)
+        if name == "config.json":
+            with open(extra) as f:
+                cfg = json.load(f)
+            cfg["dtype"] = cfg["torch_dtype"] = "float32"
+            with open(dst, "w") as f:
+                json.dump(cfg, f, indent=2)
+        elif name.endswith(".index.json"):
+            with open(extra) as f:
+                index = json.load(f)
+            index.setdefault("metadata", {})["total_size"] = sum(os.path.getsize(w) for w in written)
+            with open(dst, "w") as f:
+                json.dump(index, f, indent=2)
+        else:
+            shutil.copyfile(extra, dst)
+    return written
+
+
+def consolidate_main(args) -> int:
+    written = consolidate(args.checkpoint_dir, args.output_dir)
+    print(f"wrote fp32 weights: {', '.join(written)}")
+    return 0

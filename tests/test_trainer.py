@@ -1,0 +1,130 @@
+"""The Trainer integration on CPU: a tiny random-init T5 through ZeroOffloadSeq2SeqTrainer."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Seq2SeqTrainer, T5ForConditionalGeneration
+
+from _t5 import ToyDataset, tiny_t5
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+from hf_zero_offload.config import ConfigError
+from hf_zero_offload.consolidate import consolidate
+
+OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+COMMON = dict(per_device_train_batch_size=4, num_train_epochs=1, max_steps=6, use_cpu=True, report_to=[],
+              logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-3,
+              weight_decay=0.01)
+
+
+def args(tmp_path, name, **kw):
+    return ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / name), **{**COMMON, **kw})
+
+
+def run(trainer_cls, targs, seed=0, **kw):
+    model = tiny_t5(seed)
+    trainer = trainer_cls(model=model, args=targs, train_dataset=ToyDataset(), **kw)
+    trainer.train(resume_from_checkpoint=kw.pop("resume", None))
+    return model, trainer
+
+
+def losses(trainer, key="loss"):
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+def test_flags_parse():
+    parser = HfArgumentParser(ZeroOffloadSeq2SeqTrainingArguments)
+    (a,) = parser.parse_args_into_dataclasses(["--output_dir", "x", "--zero_offload", "ds_config.json",
+                                               "--sharded_ddp", "--predict_with_generate"])
+    assert a.zero_offload == "ds_config.json" and a.sharded_ddp and a.predict_with_generate
+    (b,) = parser.parse_args_into_dataclasses(["--output_dir", "x"])
+    assert b.zero_offload is None and not b.sharded_ddp
+
+
+def test_fp32_equals_plain_trainer_with_accumulation_clipping_and_warmup(tmp_path):
+    kw = dict(gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=2)
+    ref_model, ref = run(Seq2SeqTrainer, args(tmp_path, "ref", optim="adamw_torch", **kw))
+    model, ours = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "ours", zero_offload=OFFLOAD, **kw))
+    for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    assert losses(ours) == pytest.approx(losses(ref), rel=1e-6)
+    assert losses(ours, "grad_norm") == pytest.approx(losses(ref, "grad_norm"), rel=1e-5)
+    assert max(losses(ref, "grad_norm")) > 0.5  # clipping was active
+    assert losses(ours, "learning_rate") == pytest.approx(losses(ref, "learning_rate"))
+
+
+def test_bf16_trains_with_a_16bit_model(tmp_path):
+    model, trainer = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "bf16", bf16=True, max_steps=10,
+                                                         learning_rate=3e-3, zero_offload=OFFLOAD))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    seen = losses(trainer)
+    assert seen[-1] < seen[0]
+    assert all(g > 0 for g in losses(trainer, "grad_norm"))
+
+
+def test_fp16_overflow_skips_logs_and_holds_the_lr_schedule(tmp_path):
+    cfg = {**OFFLOAD, "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 40, "hysteresis": 1,
+                                "loss_scale_window": 1000, "min_loss_scale": 1}}
+    model, trainer = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "fp16", fp16=True, max_steps=8, warmup_steps=4,
+                                                         zero_offload=cfg))
+    scales = losses(trainer, "loss_scale")
+    assert scales[0] < 2.0 ** 40 and scales == sorted(scales, reverse=True)  # halved on each overflow
+    engine = trainer.zero_engine
+    skipped = engine.scaler.cur_iter - int(engine._param_steps.max())
+    assert skipped >= 1
+    assert trainer.lr_scheduler.last_epoch == trainer.state.global_step - skipped
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+
+
+def test_resume_is_exact(tmp_path):
+    kw = dict(gradient_accumulation_steps=2, max_grad_norm=1.0, zero_offload=OFFLOAD, save_strategy="steps",
+              save_steps=3)
+    full_model, full = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "full", **kw))
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    assert sorted(os.listdir(ckpt / "zero_offload")) == ["param_names.json", "rank0_of_1.hzo"]
+    model = tiny_t5(seed=1)  # different init: everything must come from the checkpoint
+    trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=args(tmp_path, "resumed", **kw), train_dataset=ToyDataset())
+    trainer.train(resume_from_checkpoint=str(ckpt))
+    for a, b in zip(full_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert losses(trainer) == losses(full)  # the first 3 come from the checkpoint's trainer_state.json
+    assert len(losses(full)) == 6
+
+
+def test_consolidate_round_trip(tmp_path):
+    kw = dict(bf16=True, zero_offload=OFFLOAD, save_strategy="steps", save_steps=3, max_steps=3)
+    model, trainer = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "run", **kw))
+    out = tmp_path / "fp32"
+    consolidate(str(tmp_path / "run" / "checkpoint-3"), str(out))
+    loaded = T5ForConditionalGeneration.from_pretrained(out)
+    engine = trainer.zero_engine
+    assert loaded.lm_head.weight.data_ptr() == loaded.shared.weight.data_ptr()  # still tied
+    masters = {}
+    for g in engine._slots:
+        for p, off, n in g:
+            masters[id(p)] = engine.master[off:off + n].view(p.shape)
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert q.dtype == torch.float32
+        assert torch.equal(q, masters[id(p)]), name
+
+
+def test_unknown_key_is_named_with_a_suggestion(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimiser": {"device": "cpu"}}}))
+    with pytest.raises(ConfigError, match=r"offload_optimiser.*did you mean 'offload_optimizer'"):
+        ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=args(tmp_path, "x", zero_offload=str(path)))
+
+
+def test_mismatches_are_listed_together(tmp_path):
+    cfg = {**OFFLOAD, "gradient_clipping": 2.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}
+    with pytest.raises(ConfigError) as err:
+        run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "x", zero_offload=cfg))
+    assert "gradient_clipping" in str(err.value) and "lr" in str(err.value)
+
+
+def test_unsupported_feature_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="not supported"):
+        ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=args(tmp_path, "x", zero_offload={
+            "zero_optimization": {"stage": 3}}))
