@@ -1,0 +1,637 @@
+"""ZeRO stage 1/2 across data-parallel ranks, with or without CPU offload: ``ShardedAdam``.
+
+Every rank holds the whole model (replicated, no DDP wrapper: the engine does the only gradient
+reduction) and 1/W of the optimizer: fp32 master weights, Adam moments and the reduced gradients of
+its shard. One step:
+
+1. gradients are summed across ranks so that each rank gets only its shard's sum. Stage 2: during
+   backward, in buckets (post-accumulate-grad hooks; the device gradients are freed as soon as they
+   are in a bucket). Stage 1: at ``step()``, from the ordinary full ``.grad`` of every rank;
+2. each rank's squared norm (fp64) and its "which params got a gradient" counts are all-reduced in
+   one small collective: the global norm clips like ``clip_grad_norm_``, a non-finite sum (fp16
+   overflow on any rank) makes every rank skip, and the loss scaler stays identical everywhere;
+3. each rank runs Adam over its shard (offload: the fused CPU kernel over a ``HostArena`` built from
+   ``plan_host_memory(shard_numel)``; no offload: on the device, ``torch._fused_adamw_`` on CUDA or
+   the fused CPU kernel when the device is the CPU). Gradients are averaged like DDP: the sum is
+   multiplied by 1/W inside the optimizer pass (``grad_scale``), not in a separate pass;
+4. the updated shards are all-gathered in buckets of ``allgather_bucket_numel`` elements and copied
+   into the model's parameters.
+
+Partitioning: equal flat slices of the flat layout (trainable params in param-group order, padded to
+a multiple of W). Chosen over a greedy per-parameter assignment because memory per rank is then
+exactly N/W (a greedy split of a model with a few huge embeddings can be far off), all collectives
+move equal pieces (reduce-scatter/all-gather need that), and a checkpoint can be re-cut for any
+world size by plain offset arithmetic. The price is that a parameter may straddle two ranks; that
+only matters to bookkeeping (``sharding_layout``).
+
+Reduction: stage 1 cuts each rank's shard into rounds of ``bucket_numel / W`` elements; round k
+gathers element range k of every shard into one buffer, so one ``reduce_scatter`` leaves each rank
+its own summed piece (gloo supports reduce-scatter in the torch versions we require, NCCL always).
+Stage 2 buckets hold whole parameters in backward order, so a bucket's owner pieces are usually
+unequal: each owner's piece goes to it with ``dist.reduce`` (as much traffic per rank as a
+reduce-scatter); a bucket that happens to split into W equal pieces uses ``reduce_scatter``.
+Buckets are launched strictly in index order, and a callback at the end of every backward launches
+the ones still waiting (zero-filled for params that got no gradient), so all ranks issue the same
+collectives in the same order even when ranks use different parameters. Gradient accumulation:
+stage 1 accumulates in ``.grad`` and communicates once per step; stage 2 reduces every micro-batch
+(a local accumulator would be full-size, which is what stage 2 exists to avoid) and sums into the
+shard's fp32 gradient store.
+
+Params that no rank touched in a step are skipped like ``torch.optim.AdamW`` skips them (their step
+count stays); a param used on some ranks only counts as zero gradient on the others (DDP's
+``find_unused_parameters`` behaviour). Limits: every rank must run the same number of backward
+passes per step, each touching at least one trainable parameter; no delayed parameter update;
+module buffers are not broadcast (seed or load them equally).
+
+Launch with torchrun; the engine uses the default process group (or the one given). The caller
+initialises it: ``dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")`` and,
+on GPUs, ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``::
+
+    # one node, 8 GPUs
+    torchrun --standalone --nproc_per_node=8 train.py ...
+    # two nodes: run on each node, with NODE_RANK 0 and 1 and MASTER_ADDR the first node's address
+    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=$NODE_RANK \\
+             --rdzv_backend=c10d --rdzv_endpoint=$MASTER_ADDR:29500 --rdzv_id=job1 train.py ...
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from .. import ops
+from . import sharding_ckpt
+from .buffers import HostArena, HostPlan, plan_host_memory
+from .loss_scaler import LossScaler
+from .offload import OffloadOptions, StepResult
+from .sharding_layout import FlatIndex, Partition, make_buckets, make_runs
+from .streams import Streams
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedAdam(torch.optim.Optimizer):
+    """``device_adam`` (no offload only): "auto" (torch's fused AdamW on CUDA, the fused CPU kernel
+    when the device is the CPU), "torch" or "kernel" to force one (tests cover the CUDA path's math
+    on the CPU with "torch")."""
+
+    def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
+                 options: OffloadOptions = OffloadOptions(), stage: int = 2, offload: bool = True,
+                 process_group=None, allgather_bucket_numel: int = 200_000_000, device_adam: str = "auto"):
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        if options.dpu:
+            raise ValueError("ShardedAdam has no delayed parameter update: set dpu off (it is an OffloadAdam feature)")
+        if device_adam not in ("auto", "torch", "kernel"):
+            raise ValueError(f"device_adam must be 'auto', 'torch' or 'kernel', got {device_adam!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
+        super().__init__(params, defaults)
+        self.options, self.stage, self.offload = options, stage, offload
+        self.process_group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        elif process_group is not None:
+            raise ValueError("a process_group was given but torch.distributed is not initialised")
+        else:
+            self.world_size, self.rank = 1, 0  # one process: same engine, no collectives
+        self.scaler = LossScaler.from_fp16(**(options.fp16 or {"enabled": False}))
+
+        self._slots: list[tuple[torch.nn.Parameter, int, int]] = []   # flat: (param, offset, numel)
+        self._groups: list[list[int]] = []                             # per group: flat slot indices
+        seen, offset = set(), 0
+        for group in self.param_groups:
+            idxs = []
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError("a parameter appears twice in the optimizer's param groups")
+                seen.add(id(p))
+                if not p.requires_grad:
+                    continue
+                idxs.append(len(self._slots))
+                self._slots.append((p, offset, p.numel()))
+                offset += p.numel()
+            self._groups.append(idxs)
+        if not self._slots:
+            raise ValueError("ShardedAdam got no trainable parameters")
+        self.numel = offset
+        self.device = self._slots[0][0].device
+        if any(p.device != self.device for p, _, _ in self._slots):
+            raise ValueError("every trainable parameter must be on the same device")
+        self._broadcast_params(allgather_bucket_numel)
+        fp16_on = bool(options.fp16 and options.fp16.get("enabled"))
+        self.param_dtype = param_dtype or (torch.float16 if fp16_on else self._slots[0][0].dtype)
+        if fp16_on and self.param_dtype != torch.float16:
+            raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {self.param_dtype}")
+
+        self.streams = Streams(self.device)
+        cuda = self.streams.cuda
+        self.comm_stream = torch.cuda.Stream(device=self.device) if cuda else None
+        self.partition = part = Partition(self.numel, self.world_size)
+        S, W = part.shard_numel, self.world_size
+        self.shard_start, self.shard_end = part.start(self.rank), part.end(self.rank)
+        self._real = self.shard_end - self.shard_start
+        self._torch_adam = device_adam == "torch" or (device_adam == "auto" and not offload and cuda)
+        if self._torch_adam and offload:
+            raise ValueError("device_adam='torch' steps on the device: it needs offload=False")
+        self._index = FlatIndex(self._slots)
+        self._slot_of = {id(p): i for i, (p, _, _) in enumerate(self._slots)}
+        max_n = max(n for _, _, n in self._slots)
+        cap = max(min(options.bucket_numel, part.padded_numel), max_n)
+        if stage == 2:
+            self._buckets = make_buckets(self._slots, cap, part.padded_numel)
+            self._bucket_of = [0] * len(self._slots)
+            for k, b in enumerate(self._buckets):
+                for i in b.slots:
+                    self._bucket_of[i] = k
+            seg = max(b.numel for b in self._buckets)
+            bucket_region = 2 * seg
+        else:
+            self._chunk = seg = max(1, min(options.bucket_numel // W, S))   # per rank and round
+            bucket_region = (W + 1) * seg                                     # round input + output
+        self._gchunk = max(1, min(allgather_bucket_numel // W, S))
+        self.plan = self._make_plan(S, seg, bucket_region, cuda)
+        self._allocate(cuda)
+        self._init_state()
+
+        self._handles = []
+        if stage == 2:
+            for p, _, _ in self._slots:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._param_steps = [0] * len(self._slots)
+        self._received = [0] * len(self._slots)   # local: gradients received in this window
+        self._micro = 0                            # stage 2: backward passes reduced in this window
+        self._reset_backward()
+        self._buf_slot = 0
+        self._inflight = [None, None]              # CUDA: per bucket buffer, the reduction not yet delivered
+        self._done = [None, None]
+        self.global_steps = 0
+        self.needs_publish = False                 # no delayed update: the parameters are always current
+        self.last = StepResult(False, 0.0, self.scaler.scale)
+
+    # -- construction ----------------------------------------------------------------------------
+    def _make_plan(self, S: int, seg: int, bucket_region: int, cuda: bool) -> HostPlan:
+        """``plan_host_memory`` over the shard, adapted: without offload the state lives on the
+        device; the bucket/staging sizes are the sharded ones; the param-dtype shard and the
+        all-gather buffer are added."""
+        o = self.options
+        base = plan_host_memory(S, param_dtype=self.param_dtype,
+                                gradient_accumulation_steps=o.gradient_accumulation_steps if self.stage == 2 else 1,
+                                bucket_numel=o.bucket_numel, tile_numel=o.tile_numel, cuda=cuda).regions
+        where = "host" if self.offload else "device"
+        regions = {k: (base[k][0], base[k][1], where) for k in ("master", "exp_avg", "exp_avg_sq", "grad_store")}
+        if self._torch_adam:  # torch's fused kernels want the gradient in the state's dtype
+            regions["grad_store"] = (S, torch.float32, where)
+        if self.offload and cuda:
+            regions["grad_staging"] = (seg, self.param_dtype, "host")  # the host waits for each copy
+            regions["param_staging"] = base["param_staging"]
+        regions["grad_buckets"] = (bucket_region, self.param_dtype, "device")
+        if self.param_dtype != torch.float32 or (self.offload and cuda):
+            regions["shard_out"] = (S, self.param_dtype, "device")  # the updated shard, ready to gather
+        regions["gather_buffer"] = (self.world_size * self._gchunk if self.world_size > 1 else 0, self.param_dtype,
+                                    "device")
+        return HostPlan(numel=S, regions=regions)
+
+    def _allocate(self, cuda: bool) -> None:
+        host = {k: v for k, v in self.plan.regions.items() if v[2] == "host"}
+        self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda) if host else None
+        r = dict(self.arena.regions) if self.arena else {}
+        for k, (n, dt, where) in self.plan.regions.items():
+            if where == "device":
+                r[k] = torch.empty(n, dtype=dt, device=self.device)
+        self.regions = r
+        self.allocated_bytes = self.plan.bytes_by_region()  # exact sizes (the arena rounds each to a page)
+        self.master, self.exp_avg, self.exp_avg_sq, self.store = (
+            r["master"], r["exp_avg"], r["exp_avg_sq"], r["grad_store"])
+        self.shard_out = r.get("shard_out")
+        self._gather_buf = r["gather_buffer"]
+        b = r["grad_buckets"]
+        if self.stage == 2:
+            self._bucket_bufs = b.view(2, -1)
+        else:
+            W, c = self.world_size, self._chunk
+            self._round_in, self._round_out = b[:W * c], b[W * c:]
+        self._grad_staging = r.get("grad_staging")
+        if "param_staging" in r:
+            self._tiles = r["param_staging"].view(2, -1)
+            self._tile_events = [None, None]
+
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        for t in (self.master, self.exp_avg, self.exp_avg_sq, self.store):
+            t.zero_()
+        lo = self.shard_start
+        for p, off, a, b in self._index.pieces(lo, self.shard_end):
+            # Masters come from the parameters as given (fp32 for a model about to be cast).
+            self.master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
+        for p, _, _ in self._slots:
+            if p.dtype != self.param_dtype:
+                p.data = p.data.to(self.param_dtype)
+        if self.shard_out is not None:
+            self.shard_out.zero_()
+            self.shard_out.copy_(self.master)  # params not updated in a step are gathered unchanged
+
+    @torch.no_grad()
+    def _broadcast_params(self, cap: int) -> None:
+        """Rank 0's weights (trainable and frozen) to every rank, in coalesced chunks."""
+        if self.world_size == 1:
+            return
+        unique = list({id(p): p for g in self.param_groups for p in g["params"]}.values())
+        chunk: list[torch.Tensor] = []
+
+        def send():
+            flat = torch.cat([p.detach().reshape(-1) for p in chunk])
+            dist.broadcast(flat, group=self.process_group, group_src=0)
+            o = 0
+            for p in chunk:
+                p.data.copy_(flat[o:o + p.numel()].view_as(p))
+                o += p.numel()
+            chunk.clear()
+
+        for p in unique:
+            if chunk and (p.dtype != chunk[0].dtype or p.device != chunk[0].device
+                          or sum(q.numel() for q in chunk) + p.numel() > cap):
+                send()
+            chunk.append(p)
+        send()
+
+    # -- stage 2: backward side ------------------------------------------------------------------
+    def _reset_backward(self) -> None:
+        self._in_backward = False
+        self._next = 0
+        self._hooked = [False] * len(self._slots)
+        self._ready = [0] * (len(self._buckets) if self.stage == 2 else 0)
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if p.grad is None:
+            return
+        if p.grad.dtype != self.param_dtype:
+            raise TypeError(f"gradient dtype {p.grad.dtype} differs from the engine's {self.param_dtype}; "
+                            "keep every trainable parameter in the training dtype")
+        i = self._slot_of[id(p)]
+        if not self._in_backward:
+            self._in_backward = True
+            # Runs once the whole backward is done: launches the buckets still waiting.
+            Variable._execution_engine.queue_callback(self._end_backward)
+        if self._hooked[i]:
+            return
+        self._hooked[i] = True
+        self._ready[self._bucket_of[i]] += 1
+        # Strictly in bucket order, so every rank issues the same collectives in the same order.
+        while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next].slots):
+            self._launch(self._next)
+            self._next += 1
+
+    def _end_backward(self) -> None:
+        while self._next < len(self._buckets):
+            self._launch(self._next)
+            self._next += 1
+        self._reset_backward()
+        self._micro += 1
+
+    @torch.no_grad()
+    def _launch(self, k: int) -> None:
+        b = self._buckets[k]
+        j = self._buf_slot
+        self._buf_slot ^= 1
+        self._retire(j)  # CUDA: this buffer's previous reduction has been read and delivered
+        buf = self._bucket_bufs[j, :b.numel]
+        for i in b.slots:
+            p, off, n = self._slots[i]
+            dst = buf[off - b.start:off - b.start + n]
+            if self._hooked[i]:
+                dst.copy_(p.grad.reshape(-1))
+                # Freed on the compute stream right after the copy that reads it was queued there:
+                # the caching allocator reuses memory in stream order, so the copy reads valid data.
+                p.grad = None
+                self._received[i] += 1
+            else:
+                dst.zero_()  # no gradient on this rank in this backward: contributes zero
+        if b.end > self.numel:
+            buf[self.numel - b.start:].zero_()
+        self._reduce(buf, b.start, b.end, j, first=self._micro == 0)
+
+    # -- reduction, shared by both stages ----------------------------------------------------------
+    def _reduce(self, buf: torch.Tensor, a: int, b: int, j: int, *, first: bool) -> None:
+        """Sum ``buf`` (padded flat range [a, b)) across ranks; this rank's part lands in its store."""
+        segs = self.partition.segments(a, b)
+        mine = [(lo, hi) for r, lo, hi in segs if r == self.rank]
+        if self.world_size == 1:
+            for lo, hi in mine:
+                self._deliver(buf[lo - a:hi - a], lo - self.shard_start, first)
+            return
+        cuda, pg = self.streams.cuda, self.process_group
+        if cuda:
+            # The bucket was filled on the compute stream: the collective, queued from the comm
+            # stream, must start after those copies.
+            self.streams.wait(self.comm_stream, self.streams.event())
+        works, out = [], None
+        with self.streams.use(self.comm_stream):
+            c = (b - a) // self.world_size
+            if len(segs) == self.world_size and all(hi - lo == c for _, lo, hi in segs):
+                out = torch.empty(c, dtype=buf.dtype, device=buf.device)  # transient, one shard piece
+                works.append(_reduce_scatter(out, buf, group=pg, async_op=cuda))
+            else:
+                for owner, lo, hi in segs:
+                    works.append(dist.reduce(buf[lo - a:hi - a], group=pg, group_dst=owner, async_op=cuda))
+        pieces = [(out if out is not None else buf[lo - a:hi - a], lo - self.shard_start) for lo, hi in mine]
+        if cuda:
+            self._inflight[j] = (works, pieces, first)
+        else:
+            for src, at in pieces:
+                self._deliver(src, at, first)
+
+    def _retire(self, j: int) -> None:
+        """CUDA: finish buffer ``j``'s reduction and deliver this rank's part (no-op on CPU)."""
+        if self._inflight[j] is None:
+            return
+        works, pieces, first = self._inflight[j]
+        self._inflight[j] = None
+        s = self.streams
+        with s.use(self.comm_stream):
+            for w in works:
+                w.wait()  # the comm stream waits for the collective before reading its result
+            for src, at in pieces:
+                self._deliver(src, at, first)
+        self._done[j] = s.event(self.comm_stream)
+        # The compute stream refills this buffer next: it must wait until the delivery read it.
+        s.wait(s.compute(), self._done[j])
+
+    def _drain(self) -> None:
+        for j in (self._buf_slot, self._buf_slot ^ 1):  # the older launch first
+            self._retire(j)
+
+    def _deliver(self, src: torch.Tensor, at: int, first: bool) -> None:
+        """``store[at:at + n] = src`` (first gradient of the window) or ``+= src``."""
+        n = src.numel()
+        dst = self.store[at:at + n]
+        if self.store.device.type != "cpu":            # device store (CUDA, no offload); comm stream
+            dst.copy_(src) if first else dst.add_(src)
+            return
+        if src.device.type != "cpu":                   # offload on CUDA: down through pinned staging
+            stage = self._grad_staging[:n]
+            stage.copy_(src, non_blocking=True)        # on the current stream, after the reduction
+            # The host reads the staging next (and the next delivery may rewrite it): wait for the copy.
+            self.streams.host_wait(self.streams.event(torch.cuda.current_stream(self.device)))
+            src = stage
+        if dst.dtype == torch.float32:
+            ops.accumulate_grad(dst, src, overwrite=first, num_threads=self.options.num_threads)
+        elif not first:
+            raise RuntimeError(
+                "a parameter received a second gradient before step(): with gradient_accumulation_steps=1 "
+                "the engine keeps one 16-bit gradient per step; set gradient_accumulation_steps to the "
+                "number of backward passes per step")
+        else:
+            dst.copy_(src)
+
+    @torch.no_grad()
+    def _reduce_stage1(self) -> None:
+        """Round k: element range k of every rank's shard, from the full ``.grad``s, one reduce-scatter."""
+        W, S, c, N = self.world_size, self.partition.shard_numel, self._chunk, self.numel
+        for k0 in range(0, S, c):
+            ck = min(c, S - k0)
+            x = self._round_in[:W * ck]
+            for r in range(W):
+                a = r * S + k0
+                piece = x[r * ck:(r + 1) * ck]
+                for p, off, lo, hi in self._index.pieces(a, min(a + ck, N)):
+                    if p.grad is None:
+                        piece[lo - a:hi - a].zero_()
+                    else:
+                        piece[lo - a:hi - a].copy_(p.grad.reshape(-1)[lo - off:hi - off])
+                if a + ck > N:
+                    piece[max(N - a, 0):].zero_()
+            if W == 1:
+                self._deliver(x, k0, True)
+                continue
+            out = self._round_out[:ck]
+            _reduce_scatter(out, x, group=self.process_group)
+            self._deliver(out, k0, True)
+        for i, (p, _, _) in enumerate(self._slots):
+            if p.grad is not None:
+                self._received[i] = 1
+                p.grad = None  # reduced: the full gradient is no longer needed
+
+    # -- the step --------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.stage == 1:
+            self._reduce_stage1()
+        else:
+            self._drain()
+            if self._micro == 0:
+                self.store.zero_()  # no backward in this window: no gradient anywhere
+        stats = self._global_stats()
+        total, received = stats[0], [c > 0 for c in stats[1:]]
+        finite = math.isfinite(total)
+        self.global_steps += 1
+        if self.scaler.enabled and not finite:
+            self.scaler.update(True)
+            self.last = StepResult(True, float("inf"), self.scaler.scale)
+            self._new_window()
+            return loss
+        loss_scale = self.scaler.scale
+        norm = math.sqrt(total) / (loss_scale * self.world_size) if finite else float("nan")
+        clip = 1.0
+        if self.options.max_grad_norm > 0:
+            clip = min(self.options.max_grad_norm / (norm + 1e-6), 1.0) if finite else float("nan")
+        grad_scale = clip / (loss_scale * self.world_size)  # the store holds the sum over ranks
+        self.scaler.update(False)
+        self.last = StepResult(False, norm, self.scaler.scale)
+        runs = make_runs(self._groups, self._slots, received, self._param_steps)
+        for run in runs:
+            for i in run.slots:
+                self._param_steps[i] += 1
+        self._adam(runs, grad_scale, [dict(g) for g in self.param_groups])
+        self._gather(self.shard_out if self.shard_out is not None else self.master)
+        self._new_window()
+        return loss
+
+    def _global_stats(self) -> list[float]:
+        """[sum of squares of the summed gradient, then per param: ranks that produced a gradient]."""
+        real = self.store[:self._real]
+        if self.store.device.type == "cpu":
+            sq = torch.tensor([ops.grad_norm_sq(real, num_threads=self.options.num_threads)], dtype=torch.float64)
+        else:
+            sq = torch.linalg.vector_norm(real, dtype=torch.float64).square().reshape(1)
+        stats = torch.cat([sq.to(self.device), torch.tensor(self._received, dtype=torch.float64).to(self.device)])
+        if self.world_size > 1:
+            dist.all_reduce(stats, group=self.process_group)
+        return stats.tolist()
+
+    def _new_window(self) -> None:
+        self._received = [0] * len(self._slots)
+        self._micro = 0
+
+    def _adam(self, runs, grad_scale: float, hyper: list[dict]) -> None:
+        lo, hi = self.shard_start, self.shard_end
+        parts = [(max(r.start, lo) - lo, min(r.end, hi) - lo, r) for r in runs if r.start < hi and r.end > lo]
+        s = self.streams
+        tiled = self.offload and s.cuda
+        if tiled:
+            # shard_out was read by the last all-gather (queued on the compute stream): the uploads
+            # that overwrite it are queued after that.
+            s.wait(s.h2d, s.event())
+        k = 0
+        for a, b, run in parts:
+            h = hyper[run.group]
+            kw = dict(lr=h["lr"], weight_decay=h["weight_decay"], eps=h["eps"])
+            if self._torch_adam:
+                fused = torch._fused_adamw_ if h["adamw_mode"] else torch._fused_adam_
+                fused([self.master[a:b]], [self.store[a:b]], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [],
+                      [torch.tensor(float(run.step), device=self.device)], beta1=h["betas"][0],
+                      beta2=h["betas"][1], amsgrad=False, maximize=False, found_inf=None,
+                      grad_scale=torch.tensor(1.0 / grad_scale, device=self.device), **kw)  # it divides
+                if self.shard_out is not None:
+                    self.shard_out[a:b].copy_(self.master[a:b])
+                continue
+            step_kw = dict(step=run.step, beta1=h["betas"][0], beta2=h["betas"][1], adamw=h["adamw_mode"],
+                           grad_scale=grad_scale, num_threads=self.options.num_threads, **kw)
+            if not tiled:
+                out = None if self.shard_out is None else self.shard_out[a:b]
+                ops.adam_step(self.master[a:b], self.store[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                              param_out=out, **step_kw)
+                continue
+            tile = self._tiles.shape[1]
+            for t in range(a, b, tile):
+                e = min(b, t + tile)
+                slot = k % 2
+                k += 1
+                # A staging tile is rewritten only after its previous upload finished.
+                s.host_wait(self._tile_events[slot])
+                out = self._tiles[slot, :e - t]
+                ops.adam_step(self.master[t:e], self.store[t:e], self.exp_avg[t:e], self.exp_avg_sq[t:e],
+                              param_out=out, **step_kw)
+                with s.use(s.h2d):
+                    self.shard_out[t:e].copy_(out, non_blocking=True)
+                self._tile_events[slot] = s.event(s.h2d)
+        if tiled:
+            # The all-gather (compute stream) reads shard_out: it waits for the last upload.
+            s.wait(s.compute(), s.event(s.h2d))
+
+    @torch.no_grad()
+    def _gather(self, src: torch.Tensor) -> None:
+        """Every rank's updated shard into the model's parameters, ``allgather_bucket_numel`` at a time."""
+        W, S, g, N = self.world_size, self.partition.shard_numel, self._gchunk, self.numel
+        if W == 1:
+            self._write_params(0, N, src[:N])
+            return
+        for k0 in range(0, S, g):
+            gk = min(g, S - k0)
+            out = self._gather_buf[:W * gk]
+            _all_gather(out, src[k0:k0 + gk], group=self.process_group)
+            for r in range(W):
+                a = r * S + k0
+                b = min(a + gk, N)
+                if b > a:
+                    self._write_params(a, b, out[r * gk:r * gk + b - a])
+
+    def _write_params(self, a: int, b: int, src: torch.Tensor) -> None:
+        for p, off, lo, hi in self._index.pieces(a, b):
+            p.data.view(-1)[lo - off:hi - off].copy_(src[lo - a:hi - a])
+
+    def flush(self) -> None:
+        """Nothing is deferred past ``step()`` (no delayed update); finishes in-flight reductions."""
+        self._drain()
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_meta(self) -> dict:
+        return {
+            "format": sharding_ckpt.FORMAT,
+            "numel": self.numel,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "shard_start": self.shard_start,
+            "shard_end": self.shard_end,
+            "stage": self.stage,
+            "offload": self.offload,
+            "param_dtype": str(self.param_dtype).replace("torch.", ""),
+            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                             for g in self.param_groups],
+            "slots": self._slot_meta(),
+            "param_steps": list(self._param_steps),
+            "loss_scaler": self.scaler.state_dict(),
+            "global_steps": self.global_steps,
+            "needs_publish": False,
+        }
+
+    def _slot_meta(self) -> list:
+        return [[[self._slots[i][1], self._slots[i][2], list(self._slots[i][0].shape)] for i in g]
+                for g in self._groups]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's shard (views, no padding): the checkpoint writer streams them to disk."""
+        n = self._real
+        return {"master": self.master[:n], "exp_avg": self.exp_avg[:n], "exp_avg_sq": self.exp_avg_sq[:n]}
+
+    def state_dict(self) -> dict:
+        return {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Same world size only (a checkpoint directory can be re-partitioned: ``load_checkpoint``)."""
+        if state.get("world_size") != self.world_size or state.get("shard_start") != self.shard_start:
+            raise ValueError(f"this state is rank {state.get('rank')} of {state.get('world_size')}; this engine is "
+                             f"rank {self.rank} of {self.world_size}: use save_checkpoint/load_checkpoint to "
+                             "change the world size")
+        self.load_state_meta(state)
+        for k, dst in self.state_tensors().items():
+            dst.copy_(state[k])
+
+    def load_state_meta(self, meta: dict) -> None:
+        sharding_ckpt.check_model(meta, self.numel, self._slot_meta())
+        for group, saved in zip(self.param_groups, meta["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+        self._param_steps = list(meta["param_steps"])
+        self.scaler.load_state_dict(meta["loss_scaler"])
+        self.global_steps = meta["global_steps"]
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes ``rank{r}_of_{W}.hzo`` atomically; then rank 0 writes ``meta.json``
+        (the partition map) atomically, so a complete ``meta.json`` means a complete checkpoint."""
+        sharding_ckpt.save(self, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Loads a checkpoint of any world size (ShardedAdam's, or OffloadAdam's ``rank0_of_1.hzo``):
+        each rank reads the slices of the saved shards that overlap its own."""
+        sharding_ckpt.load(self, directory)
+
+    def publish_masters(self) -> None:
+        """Set the model's parameters from the fp32 masters (after loading an OffloadAdam DPU state,
+        whose masters were ahead of the saved parameters)."""
+        src = self.master
+        if self.shard_out is not None:
+            self.shard_out.copy_(self.master)
+            src = self.shard_out
+        self._gather(src)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank allocated, by role (``plan`` has them by region)."""
+        b = self.allocated_bytes
+        get = lambda *ks: sum(b.get(k, 0) for k in ks)  # noqa: E731
+        return {"optimizer_state": get("master", "exp_avg", "exp_avg_sq"),
+                "grad_store": get("grad_store"),
+                "grad_buffers": get("grad_buckets", "grad_staging"),
+                "param_buffers": get("shard_out", "gather_buffer", "param_staging"),
+                "host": self.plan.host_bytes, "device": self.plan.device_bytes}
+
+    def close(self) -> None:
+        self._drain()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.arena is not None:
+            self.arena.close()

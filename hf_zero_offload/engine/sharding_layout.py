@@ -1,0 +1,129 @@
+"""Index arithmetic for ``ShardedAdam``: the partition map, the gradient buckets, runs of parameters.
+
+Everything here is pure bookkeeping over the flat layout (trainable params in param-group order,
+``offset`` = sum of the sizes before): no tensors are allocated and no collective is issued, so
+every rank computes the same answers from the same model.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Equal flat slices: rank r owns [r * S, (r + 1) * S) of the flat layout padded to W * S.
+
+    Every rank allocates exactly S = ceil(N / W) elements of each optimizer-state tensor (the last
+    ranks' tails are padding that no parameter maps to), so collectives move equal pieces and the
+    memory per rank is N / W to within one element.
+    """
+    numel: int
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return max(1, -(-self.numel // self.world_size))
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def start(self, rank: int) -> int:
+        return min(rank * self.shard_numel, self.numel)
+
+    def end(self, rank: int) -> int:
+        return min((rank + 1) * self.shard_numel, self.numel)
+
+    def ranges(self) -> list[list[int]]:
+        return [[self.start(r), self.end(r)] for r in range(self.world_size)]
+
+    def segments(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """(owner, lo, hi) for each rank's part of the padded flat range [a, b), in rank order."""
+        s = self.shard_numel
+        out = []
+        for r in range(a // s, min(self.world_size, -(-b // s))):
+            lo, hi = max(a, r * s), min(b, (r + 1) * s)
+            if hi > lo:
+                out.append((r, lo, hi))
+        return out
+
+
+@dataclass
+class Bucket:
+    """A contiguous flat range [start, end) holding whole parameters (``slots``: indices into the
+    flat slot list); the bucket holding the last parameter also covers the padding up to W * S."""
+    start: int
+    end: int
+    slots: list
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def make_buckets(slots: list[tuple], cap: int, padded_numel: int) -> list[Bucket]:
+    """Stage-2 buckets in launch order. Backward produces gradients roughly from the last
+    registered parameter to the first, so buckets are cut walking the flat layout backwards:
+    bucket 0 holds the last parameters and is usually the first to fill."""
+    buckets: list[Bucket] = []
+    cur: Bucket | None = None
+    for i in range(len(slots) - 1, -1, -1):
+        _, off, n = slots[i]
+        if cur is not None and cur.end - off <= cap:
+            cur.start = off
+            cur.slots.append(i)
+            continue
+        cur = Bucket(off, off + n, [i])
+        buckets.append(cur)
+    buckets[0].end = padded_numel  # bucket 0 holds the last parameter: the padding rides along, as zeros
+    return buckets
+
+
+class FlatIndex:
+    """Which parameters a flat range touches (bisect over the sorted offsets)."""
+
+    def __init__(self, slots: list[tuple]):
+        self.slots = slots
+        self.offsets = [off for _, off, _ in slots]
+
+    def pieces(self, a: int, b: int):
+        """(param, its offset, lo, hi): the part [lo, hi) of [a, b) that lies in each parameter."""
+        i = max(bisect.bisect_right(self.offsets, a) - 1, 0)
+        for p, off, n in self.slots[i:]:
+            if off >= b:
+                break
+            lo, hi = max(a, off), min(b, off + n)
+            if hi > lo:
+                yield p, off, lo, hi
+
+
+@dataclass
+class Run:
+    """Consecutive params of one group that all received a gradient and share a step count:
+    one optimizer call covers the run."""
+    group: int
+    start: int
+    end: int
+    step: int
+    slots: list
+
+
+def make_runs(groups: list[list[int]], slots: list[tuple], received: list[bool], param_steps: list[int]) -> list[Run]:
+    """``groups``: per param group, the flat slot indices in order."""
+    runs: list[Run] = []
+    for gi, idxs in enumerate(groups):
+        cur = None
+        for i in idxs:
+            _, off, n = slots[i]
+            if not received[i]:
+                cur = None
+                continue
+            step = param_steps[i] + 1
+            if cur is not None and cur.step == step and cur.end == off:
+                cur.end = off + n
+                cur.slots.append(i)
+            else:
+                cur = Run(gi, off, off + n, step, [i])
+                runs.append(cur)
+    return runs
