@@ -1,0 +1,99 @@
+"""Run a function on N local processes joined in a torch.distributed group (gloo by default).
+
+    results = run_distributed(fn, arg1, arg2, world_size=2)
+
+``fn(rank, world_size, *args)`` must be importable by name (a module-level function of a test module
+or helper): each rank is a fresh ``spawn`` process. The process group is initialised before ``fn``
+runs and destroyed after. Return values are pickled back (tensors included, as copies), in rank
+order. If any rank raises, ``run_distributed`` raises ``DistributedError`` with every failing rank's
+traceback; a rank that hangs (e.g. a collective its peer never joins) is killed after ``timeout``.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, backend, threads, collective_timeout, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)  # ranks share the machine's cores
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=collective_timeout))
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo", threads: int = 1,
+                    timeout: float = 120.0, collective_timeout: float = 60.0) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, threads, collective_timeout, fn, args,
+                                              results), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got, errors = {}, {}
+    grace = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) + len(errors) < world_size:
+            if errors and grace is None:
+                # a peer of a failed rank may wait in a collective forever: give it a moment to report
+                grace = time.monotonic() + 3.0
+            left = min(deadline, grace or deadline) - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead and results.empty():
+                    time.sleep(0.5)
+                    if results.empty():
+                        for p in dead:
+                            errors.setdefault(procs.index(p), f"process exited with code {p.exitcode}")
+                continue
+            if ok:
+                got[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if len(got) == world_size else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world_size) if r not in got and r not in errors]
+    if errors or missing:
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+        if missing:
+            parts.append(f"ranks {missing} gave no result within {timeout:.0f} s (killed)")
+        raise DistributedError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(parts))
+    return [got[r] for r in range(world_size)]
