@@ -24,6 +24,15 @@ def make_pair(seed=0, **opts):
     return ref_model, ref, model, opt
 
 
+def train_both(ref_model, ref, model, opt, data):
+    """The same batches through torch AdamW and the engine, one optimizer step per batch."""
+    for ids, labels, use_branch in data:
+        for m, o in ((ref_model, ref), (model, opt)):
+            loss_fn(m, ids, labels, use_branch).backward()
+            o.step()
+            o.zero_grad()
+
+
 def assert_models_close(a, b, **tol):
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pb.detach().float(), pa.detach().float(), msg=name, **tol)
@@ -32,15 +41,9 @@ def assert_models_close(a, b, **tol):
 def test_fp32_matches_adamw_with_frozen_tied_and_unused_params():
     ref_model, ref, model, opt = make_pair()
     frozen_before = model.frozen.weight.detach().clone()
-    branch_steps = 0
-    for ids, labels, use_branch in batches(20):
-        loss_fn(ref_model, ids, labels, use_branch).backward()
-        ref.step()
-        ref.zero_grad()
-        loss_fn(model, ids, labels, use_branch).backward()
-        opt.step()
-        opt.zero_grad()
-        branch_steps += use_branch
+    data = batches(20)
+    train_both(ref_model, ref, model, opt, data)
+    branch_steps = sum(use_branch for _, _, use_branch in data)
     assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
     assert torch.equal(model.frozen.weight, frozen_before)
     assert model.head.weight is model.embed.weight
@@ -159,13 +162,7 @@ def test_bf16_masters_track_fp32_reference():
     opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=torch.bfloat16, options=OffloadOptions(**SMALL))
     assert model.body[0].weight.dtype == torch.bfloat16
     model.bfloat16()
-    for ids, labels, use_branch in batches(10):
-        loss_fn(ref_model, ids, labels, use_branch).backward()
-        ref.step()
-        ref.zero_grad()
-        loss_fn(model, ids, labels, use_branch).backward()
-        opt.step()
-        opt.zero_grad()
+    train_both(ref_model, ref, model, opt, batches(10))
     # masters in fp32 stay within bf16 forward rounding of the fp32 run; device params are the masters rounded
     offsets = {id(p): (off, n) for g in opt._slots for p, off, n in g}
     for (name, pr), p in zip(ref_model.named_parameters(), model.parameters()):

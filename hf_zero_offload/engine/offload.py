@@ -71,6 +71,9 @@ class OffloadAdam(torch.optim.Optimizer):
                 seen.add(id(p))
                 if not p.requires_grad:
                     continue  # frozen: never gets a gradient, owns no optimizer state
+                if not p.is_contiguous():
+                    raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; updates are copied "
+                                     "into parameters as flat ranges")
                 group_slots.append((p, offset, p.numel()))
                 offset += p.numel()
             self._slots.append(group_slots)
@@ -348,6 +351,7 @@ class OffloadAdam(torch.optim.Optimizer):
                              f"in {sum(map(len, meta['slots']))} params, this model has {self.numel} in "
                              f"{sum(map(len, mine))}")
         self._wait_worker()
+        self._prepared = None
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
@@ -375,6 +379,8 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         self._wait_worker()
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.streams.device)  # no copy may still read the arena we unpin
         self.pipeline.close()
         if self._worker is not None:
             self._worker.shutdown()
