@@ -144,6 +144,14 @@ class ZeroOffloadMixin:
                 return backward(engine.scale_loss(loss) if engine is not None else loss, **kw)
 
             self.accelerator.backward = scaled_backward
+            prepare_model = self.accelerator.prepare_model
+
+            def prepare_without_ddp(model, device_placement=None, evaluation_mode=False):
+                # No DDP wrapper: the engine reduces (or reduce-scatters) gradients itself, and a DDP
+                # all-reduce on top would double the reduction. evaluation_mode skips only the wrapping.
+                return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+            self.accelerator.prepare_model = prepare_without_ddp
 
     @property
     def zero_engine(self):
