@@ -37,6 +37,8 @@ def _entry(rank, world_size, port, backend, threads, collective_timeout, fn, arg
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)  # ranks share the machine's cores
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout))

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _dist import run_distributed
 from _models import TinyNet, batches, loss_fn, param_groups
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+from hf_zero_offload.engine import sharding
 from hf_zero_offload.engine.sharding import ShardedAdam
 from hf_zero_offload.engine.sharding_ckpt import load_into_offload
 
@@ -27,7 +28,10 @@ GATHER = 1000
 TIGHT = dict(rtol=1e-5, atol=1e-6)
 CONFIGS = {"s1": dict(stage=1, offload=False), "s1-off": dict(stage=1, offload=True),
            "s2": dict(stage=2, offload=False), "s2-off": dict(stage=2, offload=True),
-           "s2-torch": dict(stage=2, offload=False, device_adam="torch")}
+           "s2-torch": dict(stage=2, offload=False, device_adam="torch"),
+           # the reduce-scatter that NCCL gets (gloo reduces to owners): stage 1 rounds, and a stage 2
+           # model in one bucket, which splits into equal owner pieces
+           "s1-rs": dict(stage=1, offload=True, rs=True), "s2-rs": dict(stage=2, offload=False, rs=True, bucket=10**6)}
 
 
 def rank_data(rank: int, n: int, mixed: bool = False):
@@ -56,19 +60,27 @@ def train(model, opt, data, gas=1, clip=0.0, grad_bytes=None):
     return norms
 
 
-def ddp_run(data, gas=1, clip=0.0):
+def ddp_run(data, gas=1, clip=0.0, device="cpu"):
     torch.manual_seed(0)
-    model = TinyNet()
-    ddp = DDP(model, find_unused_parameters=True)
+    model = TinyNet().to(device)
+    ddp = DDP(model, find_unused_parameters=True, device_ids=[device] if device != "cpu" else None)
     opt = torch.optim.AdamW(param_groups(model, WD), lr=LR, foreach=False)
     grad_bytes = []
     norms = train(ddp, opt, data, gas, clip, grad_bytes)
     return model, norms, grad_bytes
 
 
-def sharded(model, fp16=None, gas=1, clip=0.0, **cfg):
-    opts = OffloadOptions(gradient_accumulation_steps=gas, max_grad_norm=clip, fp16=fp16, **SMALL)
-    return ShardedAdam(param_groups(model, WD), lr=LR, options=opts, allgather_bucket_numel=GATHER, **cfg)
+def sharded(model, fp16=None, gas=1, clip=0.0, rs=False, bucket=None, **cfg):
+    opts = OffloadOptions(gradient_accumulation_steps=gas, max_grad_norm=clip, fp16=fp16,
+                          **{**SMALL, **({"bucket_numel": bucket} if bucket else {})})
+    sharding.FORCE_REDUCE_SCATTER = rs
+    try:
+        opt = ShardedAdam(param_groups(model, WD), lr=LR, options=opts, allgather_bucket_numel=GATHER, **cfg)
+    finally:
+        sharding.FORCE_REDUCE_SCATTER = False
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        assert opt._use_rs == (rs and dist.is_initialized())
+    return opt
 
 
 def flat_params(model):
@@ -89,7 +101,7 @@ def _parity_job(rank, world):
         data = rank_data(rank, 10, mixed)
         ref, _, ddp_grad_bytes = ddp_run(data)
         for name, cfg in CONFIGS.items():
-            if mixed and name not in ("s1", "s2-off"):
+            if mixed and name not in ("s1", "s2-off", "s2-rs"):
                 continue
             torch.manual_seed(0)
             model = TinyNet()
@@ -110,7 +122,7 @@ def _parity_job(rank, world):
             assert mem["grad_store"] == 4 * shard, mem
             if cfg["stage"] == 2:
                 assert grad_bytes == [0] * 10  # every .grad left during backward
-                assert mem["grad_buffers"] <= 2 * 4 * (SMALL["bucket_numel"] + world)
+                assert mem["grad_buffers"] <= 2 * 4 * (cfg.get("bucket", SMALL["bucket_numel"]) + world)
             else:
                 assert max(grad_bytes) == max(ddp_grad_bytes) == 4 * n_trainable  # full .grad until step()
             out[(name, mixed)] = dict(mem=mem, params=flat_params(model))
@@ -316,3 +328,67 @@ def _fail_on_rank_1(rank, world):
     if rank == 1:
         raise ValueError("boom")
     dist.barrier()  # rank 0 waits for a peer that is gone: the helper must not hang
+
+
+def test_bf16_world_size_one_is_offload_adam_bit_for_bit():
+    data = batches(6)
+    torch.manual_seed(0)
+    init = TinyNet()
+    ref = copy.deepcopy(init)
+    ro = OffloadAdam(param_groups(ref, WD), lr=LR, param_dtype=torch.bfloat16, options=OffloadOptions(**SMALL))
+    ref.bfloat16()
+    train(ref, ro, data)
+    for name in ("s1", "s2-off"):
+        model = copy.deepcopy(init)
+        opt = sharded(model, param_dtype=torch.bfloat16, **CONFIGS[name])
+        model.bfloat16()
+        train(model, opt, data)
+        assert torch.equal(opt.master, ro.master[:opt.numel]) and torch.equal(flat_params(model), flat_params(ref))
+
+
+# -- CUDA (opt-in: -m cuda) ----------------------------------------------------------------------------
+CUDA_CONFIGS = ("s1", "s2", "s2-off", "s1-rs")
+
+
+def _cuda_parity(rank, world, device):
+    data = [(ids.to(device), labels.to(device), ub) for ids, labels, ub in rank_data(rank, 10)]
+    ref, _, _ = ddp_run(data, device=device)
+    for name in CUDA_CONFIGS:
+        torch.manual_seed(0)
+        model = TinyNet().to(device)
+        opt = sharded(model, **CONFIGS[name])
+        grad_bytes = []
+        train(model, opt, data, grad_bytes=grad_bytes)
+        torch.cuda.synchronize()
+        assert_models_close(ref, model, rtol=1e-4, atol=1e-5)
+        if CONFIGS[name]["stage"] == 2:
+            assert grad_bytes == [0] * 10
+        opt.close()
+    return True
+
+
+def _cuda_job(rank, world):
+    return _cuda_parity(rank, world, f"cuda:{torch.cuda.current_device()}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_world_size_one_matches_adamw():
+    device = "cuda"
+    data = [(ids.to(device), labels.to(device), ub) for ids, labels, ub in batches(10)]
+    torch.manual_seed(0)
+    ref_model = TinyNet().to(device)
+    ref = torch.optim.AdamW(param_groups(ref_model, WD), lr=LR, foreach=False)
+    train(ref_model, ref, data)
+    for name in ("s1", "s2", "s2-off", "s1-off"):
+        torch.manual_seed(0)
+        model = TinyNet().to(device)
+        train(model, sharded(model, **CONFIGS[name]), data)
+        torch.cuda.synchronize()
+        assert_models_close(ref_model, model, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_two_gpus_match_ddp():
+    assert run_distributed(_cuda_job, backend="nccl", timeout=300) == [True, True]
