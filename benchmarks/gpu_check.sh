@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The ONE prepared GPU check for hf_zero_offload. Run it, from the repository root, on a machine with a
+# CUDA GPU (written for one H200 with a 15-minute device budget; this script stays under 9 minutes):
+#
+#     bash benchmarks/gpu_check.sh            # results go to $OUT (the device tool copies $OUT back)
+#
+# What it does, in order; every step has its own `timeout`, a failing step never stops the next one,
+# and a summary of all steps is printed at the end (also written to $OUT/summary.txt):
+#   1. hardware      the hardware line (CPU, cores, RAM, torch, SIMD level, GPU)   -> $OUT/hardware.json
+#   2. install       pip install --no-build-isolation --no-deps --no-index -e .  (compiles the C++ kernels;
+#                    the image already has torch, pybind11, scikit-build-core, cmake; nothing is downloaded)
+#   3. cuda tests    pytest -m cuda -q tests/test_engine_cuda.py (GPU parity with torch AdamW, gradient
+#                    accumulation, clipping, fp16 overflow, DPU, resume, a stream-race test, gradient memory
+#                    bounded by the buckets, pinned arena); without pytest on the image, the same file through
+#                    a small fallback runner (benchmarks/gpu_check.py tests)       -> $OUT/cuda_tests.log
+#   4. offload step  benchmarks/offload_step.py, CUDA memory capped at 24 GiB
+#                    (torch.cuda.set_per_process_memory_fraction), two sizes:
+#                      500M params bf16: every row fits, so the step-time ratios vs no offload are meaningful
+#                      1B params bf16:   no-offload may run out of memory under the cap (that is the point)
+#                                                                                  -> $OUT/offload_step_gpu_*.json
+#   5. adam step     benchmarks/adam_step.py: the host CPU Adam of the GPU machine  -> $OUT/adam_step_gpu_host.json
+#
+# Knobs (environment): OUT (default ./gpu_out), PY (default python3 if it has torch, else python),
+# SKIP_INSTALL=1 (package already built), SMALL=1 (tiny sizes: a smoke test of this script on any machine),
+# BUDGET_S (default 515: steps are cut short so the whole script ends inside it).
+
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+PY="${PY:-$(command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null && echo python3 || echo python)}"
+BUDGET_S="${BUDGET_S:-515}"
+START=$(date +%s)
+SUMMARY=()
+export PYTHONUNBUFFERED=1
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+
+# run NAME LIMIT_S CMD...: runs CMD under `timeout`, never longer than what is left of the budget; its output
+# goes to $OUT/NAME.log and to the console; the outcome goes into the summary.
+run() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET_S - ($(date +%s) - START) - 5 ))
+  if (( left < 15 )); then
+    SUMMARY+=("$(printf '%-22s SKIPPED (time budget spent)' "$name")")
+    return
+  fi
+  (( limit > left )) && limit=$left
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  local dt=$(( $(date +%s) - t0 ))
+  local what="ok"
+  (( rc == 124 || rc == 137 )) && what="TIMED OUT"
+  (( rc != 0 && rc != 124 && rc != 137 )) && what="FAILED"
+  SUMMARY+=("$(printf '%-22s %-9s rc=%-3s %4ss' "$name" "$what" "$rc" "$dt")")
+}
+
+if [[ "${SMALL:-0}" == 1 ]]; then
+  SIZE_A=(--params 4e6 --tokens 64 --steps 3); SIZE_B=(--params 8e6 --tokens 64 --steps 3); ADAM=(--numel 2000000 --repeat 3)
+else
+  SIZE_A=(--params 5e8 --tokens 4096 --steps 6); SIZE_B=(--params 1e9 --tokens 2048 --steps 5); ADAM=(--numel 50000000 --repeat 8)
+fi
+
+# 1. hardware (nvidia-smi first: it needs no Python package)
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/nvidia_smi.csv" 2>&1
+run hardware 30 "$PY" benchmarks/gpu_check.py hardware --json "$OUT/hardware.json"
+
+# 2. build + install the package in place (no downloads: --no-index; build deps come from the image)
+if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
+  run install 170 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e .
+fi
+run import 30 "$PY" -c "import hf_zero_offload, hf_zero_offload._C as c; from hf_zero_offload import ops; print('simd', ops.simd_level(), ops.available_simd_levels())"
+
+# 3. the CUDA tests (pytest's -m overrides the default "not slow and not cuda" from pyproject.toml)
+if "$PY" -c "import pytest" 2>/dev/null; then
+  run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider tests/test_engine_cuda.py
+else
+  echo "pytest is not installed on this image: using the fallback runner"
+  run cuda_tests 170 "$PY" benchmarks/gpu_check.py tests tests/test_engine_cuda.py
+fi
+
+# 4. one training step with and without offload (JSON per size); 24 GiB CUDA cap
+run offload_step_500m 110 "$PY" benchmarks/offload_step.py "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 \
+  --json "$OUT/offload_step_gpu_500m.json"
+run offload_step_1b 110 "$PY" benchmarks/offload_step.py "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
+  --json "$OUT/offload_step_gpu_1b.json"
+
+# 5. the host-side CPU Adam of this machine (no GPU involved)
+if [[ -f benchmarks/adam_step.py ]]; then
+  run adam_step 60 "$PY" benchmarks/adam_step.py "${ADAM[@]}" --json "$OUT/adam_step_gpu_host.json"
+else
+  SUMMARY+=("$(printf '%-22s SKIPPED (benchmarks/adam_step.py missing)' adam_step)")
+fi
+
+# summary: every step's outcome, then the measured targets
+{
+  echo
+  echo "=== gpu_check summary ($(( $(date +%s) - START ))s of ${BUDGET_S}s budget) ==="
+  [[ -f "$OUT/hardware.log" ]] && head -n 1 "$OUT/hardware.log"
+  [[ -f "$OUT/nvidia_smi.csv" ]] && tail -n +2 "$OUT/nvidia_smi.csv"
+  printf '%s\n' "${SUMMARY[@]}"
+  [[ -f "$OUT/cuda_tests.log" ]] && grep -E "passed|failed|skipped|error|FAILED|XFAIL|XPASS" "$OUT/cuda_tests.log" | tail -n 25
+  "$PY" benchmarks/gpu_check.py summary "$OUT" 2>&1
+  echo "files in $OUT:"; ls -1 "$OUT"
+} 2>&1 | tee "$OUT/summary.txt"
