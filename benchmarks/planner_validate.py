@@ -1,0 +1,229 @@
+"""Planner validation: predicted vs measured memory.
+
+CPU tier (default; Linux, any machine):
+  * parameter counts: planner (meta model) vs a real CPU model from the same config;
+  * offload host bytes: planner row vs ``OffloadAdam(...).arena.nbytes`` with the same options;
+  * activation peaks of one real forward + backward on the CPU (kernel-measured: VmHWM with every
+    tensor its own mmap, see ``planner_trace.measure_cpu_steps``) vs the meta-trace prediction in the
+    row's dtype, and vs the alternative "trace fp32 and halve the activations".
+
+GPU tier (``--gpu``; needs CUDA) -- WRITTEN BUT NOT YET RUN: the build machine has no GPU and this
+task had no device machine. For t5-large / t5-3b it runs real training steps (baseline fp32 +
+torch AdamW, torch AMP fp16 + GradScaler, ZeRO-2 + CPU offload with ``OffloadAdam``) at a given batch
+size and compares ``torch.cuda.max_memory_allocated()`` over steps 2-3 (optimizer state exists) with
+the planner's ``device_bytes_at_batch_size``.
+
+    python benchmarks/planner_validate.py                        # CPU tier, writes benchmarks/results/
+    python benchmarks/planner_validate.py --gpu --gpu-models t5-large,t5-3b --gpu-batch 8
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from hf_zero_offload import planner  # noqa: E402
+from hf_zero_offload import planner_trace as trace  # noqa: E402
+
+try:
+    from _common import hardware, hardware_line, print_table, write_json  # noqa: E402
+except ImportError:  # minimal stand-ins when benchmarks/_common.py is absent
+    import json
+    import platform
+
+    def hardware():
+        return {"cpu": platform.processor() or platform.machine(), "logical_cores": os.cpu_count(),
+                "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+    def hardware_line(info=None):
+        return " | ".join(f"{k}: {v}" for k, v in (info or hardware()).items())
+
+    def print_table(rows, columns, file=None):
+        keys = [c if isinstance(c, str) else c[0] for c in columns]
+        print("  ".join(keys), file=file)
+        for r in rows:
+            print("  ".join(str(r.get(k, "-")) for k in keys), file=file)
+
+    def write_json(path, payload):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+
+MODELS = ROOT / "configs" / "models"
+MiB = 2 ** 20
+KEEP = {"fp32": True, "half": False, "amp": True}  # the gradient policy of the rows that train in each mode
+
+
+def _pct(pred, real):
+    return round(100.0 * (pred - real) / real, 2)
+
+
+def cpu_params(name: str) -> dict:
+    config = trace.load_config(MODELS / f"{name}.json")
+    n_meta, _ = trace.count_params(trace.build_model(config))
+    real = trace.build_model(config, device="cpu")
+    n_real = sum(p.numel() for p in real.parameters())
+    return {"model": name, "planner": n_meta, "real_model": n_real, "equal": n_meta == n_real}
+
+
+def cpu_engine(name: str) -> list[dict]:
+    from hf_zero_offload.engine.offload import OffloadAdam, OffloadOptions
+
+    out = []
+    config = trace.load_config(MODELS / f"{name}.json")
+    opts = dict(bucket_numel=1 << 20, tile_numel=1 << 16)
+    p = planner.plan(config, cuda=False, dtype="bf16", configs=["zero2_offload", "zero2_offload_dpu"], seq_len=16,
+                     tgt_len=16, **opts)
+    for row, dpu in zip(p.rows, (False, True)):
+        model = trace.build_model(config, device="cpu")
+        opt = OffloadAdam(model.parameters(), param_dtype=torch.bfloat16, options=OffloadOptions(dpu=dpu, **opts))
+        out.append({"model": name, "row": row.name, "planner_host_bytes": row.host_bytes,
+                    "engine_arena_nbytes": opt.arena.nbytes, "equal": row.host_bytes == opt.arena.nbytes})
+        opt.arena.close()
+        if opt._worker is not None:
+            opt._worker.shutdown()
+    return out
+
+
+def cpu_activations(name: str, batches, seq_len: int, tgt_len: int) -> list[dict]:
+    config = trace.load_config(MODELS / f"{name}.json")
+    half = torch.bfloat16  # the CPU's 16-bit type for real runs (fp16 has the same sizes)
+    profs = trace.profile_modes(config, half_dtype=half, seq_len=seq_len, tgt_len=tgt_len)
+    jobs = [(mode, bs, KEEP[mode]) for mode in ("fp32", "half", "amp") for bs in batches]
+    t0 = time.perf_counter()
+    measured = trace.measure_cpu_steps(config, jobs, half_dtype=half, seq_len=seq_len, tgt_len=tgt_len)
+    print(f"  {name}: {len(jobs)} real CPU steps measured in {time.perf_counter() - t0:.1f} s")
+    f32 = profs["fp32"]
+    rows = []
+    for (mode, bs, keep), real in zip(jobs, measured):
+        pred = profs[mode].peak(bs, keep)
+        if mode == "fp32":
+            halved = None
+        elif mode == "half":  # fp32 trace, everything halved (drop-gradient policy like the ZeRO-2 rows)
+            halved = f32.peak(bs, False) // 2
+        else:  # amp: fp32 activations halved, fp32 gradients kept, plus the autocast weight copies
+            halved = (f32.peak(bs, True) - f32.grad_bytes) // 2 + f32.grad_bytes + profs["amp"].param_cast_bytes
+        rows.append({"model": name, "mode": mode, "batch": bs, "grads": "kept" if keep else "freed",
+                     "measured_MiB": round(real / MiB, 1), "traced_MiB": round(pred / MiB, 1),
+                     "traced_err_%": _pct(pred, real),
+                     "fp32_halved_MiB": None if halved is None else round(halved / MiB, 1),
+                     "fp32_halved_err_%": None if halved is None else _pct(halved, real)})
+    return rows
+
+
+# -- GPU tier (untested: no GPU on the build machine) -------------------------------------------------
+def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, steps: int = 3) -> dict:
+    """max_memory_allocated over steps 2..steps of real training on cuda:0, vs the planner."""
+    from hf_zero_offload.engine.offload import OffloadAdam, OffloadOptions
+
+    dev = torch.device("cuda", 0)
+    config = trace.load_config(MODELS / f"{name}.json")
+    p = planner.plan(config, gpus=1, dtype="fp16", seq_len=seq_len, tgt_len=tgt_len, batch_size=batch, configs=[row])
+    pred = p.rows[0].device_bytes_at_batch_size
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    torch.manual_seed(0)
+    model = trace.build_model(config, device=dev)
+    batch_t = trace.dummy_batch(config, batch, seq_len, tgt_len, dev)
+    batch_t["input_ids"].random_(2, config.vocab_size)
+    batch_t["labels"].random_(2, config.vocab_size)
+    if row == "zero2_offload":
+        opt = OffloadAdam(model.parameters(), lr=1e-5, param_dtype=torch.float16,
+                          options=OffloadOptions(fp16={"enabled": True}))
+        scaler, amp = None, None
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        scaler = torch.amp.GradScaler("cuda") if row == "fp16" else None
+        amp = torch.float16 if row == "fp16" else None
+    for step in range(steps):
+        if step == 1:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+            loss = model(**batch_t).loss
+        if isinstance(opt, OffloadAdam):
+            opt.scale_loss(loss).backward()
+            opt.step()
+        elif scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss
+    torch.cuda.synchronize(dev)
+    real = torch.cuda.max_memory_allocated(dev)
+    if isinstance(opt, OffloadAdam):
+        opt.flush()
+        opt.arena.close()
+    del opt, model, batch_t
+    torch.cuda.empty_cache()
+    return {"model": name, "row": row, "batch": batch, "measured_GiB": round(real / 2**30, 3),
+            "planned_GiB": round(pred / 2**30, 3), "err_%": _pct(pred, real)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="t5-tiny,t5-small", help="CPU tier models (configs/models/NAME.json)")
+    ap.add_argument("--batches", default="2,8")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--tgt-len", type=int, default=128)
+    ap.add_argument("--gpu", action="store_true", help="run the GPU tier (needs CUDA; untested so far)")
+    ap.add_argument("--gpu-models", default="t5-large,t5-3b")
+    ap.add_argument("--gpu-rows", default="baseline,fp16,zero2_offload")
+    ap.add_argument("--gpu-batch", type=int, default=4)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_validate.json"))
+    args = ap.parse_args(argv)
+
+    info = hardware()
+    print(hardware_line(info))
+    models = [m for m in args.models.split(",") if m]
+    batches = [int(b) for b in args.batches.split(",")]
+    result = {"hardware": info, "hardware_line": hardware_line(info), "seq_len": args.seq_len,
+              "tgt_len": args.tgt_len}
+
+    params = [cpu_params(m) for m in models]
+    print("\nparameter counts (tied weights once)")
+    print_table(params, ["model", "planner", "real_model", "equal"])
+    engine = [r for m in models for r in cpu_engine(m)]
+    print("\noffload host bytes: planner vs OffloadAdam arena (CPU, bf16, bucket 1M, tile 64K)")
+    print_table(engine, ["model", "row", "planner_host_bytes", "engine_arena_nbytes", "equal"])
+    print(f"\nactivation peak of one forward + backward (seq {args.seq_len}, tgt {args.tgt_len}), "
+          "real CPU step vs prediction")
+    acts = [r for m in models for r in cpu_activations(m, batches, args.seq_len, args.tgt_len)]
+    print_table(acts, ["model", "mode", "batch", "grads", "measured_MiB", "traced_MiB", "traced_err_%",
+                       "fp32_halved_MiB", "fp32_halved_err_%"])
+    result.update(params=params, engine=engine, activations=acts)
+
+    if args.gpu:
+        if not torch.cuda.is_available():
+            print("--gpu: no CUDA device; GPU tier skipped", file=sys.stderr)
+        else:
+            gpu = []
+            for m in args.gpu_models.split(","):
+                for row in args.gpu_rows.split(","):
+                    try:
+                        gpu.append(gpu_measure(m, row, args.gpu_batch, args.seq_len, args.tgt_len))
+                    except torch.OutOfMemoryError as exc:
+                        gpu.append({"model": m, "row": row, "batch": args.gpu_batch, "error": f"OOM: {exc}"[:200]})
+                        torch.cuda.empty_cache()
+            print("\nGPU: torch.cuda.max_memory_allocated vs planner device bytes at the batch size")
+            print_table(gpu, ["model", "row", "batch", "measured_GiB", "planned_GiB", "err_%", "error"])
+            result["gpu"] = gpu
+    write_json(args.out, result)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

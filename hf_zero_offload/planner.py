@@ -1,0 +1,337 @@
+"""Memory planner: model-state bytes per configuration and the largest batch that fits a GPU.
+
+``hf-zero-offload estimate --model CONFIG --gpus N`` (or ``plan(...)`` / ``print_plan(...)``) prints one
+row per training configuration, per rank:
+
+- model states on the device and on the host: one documented function per configuration below
+  (``states_*``); the offload rows call the engine's own ``plan_host_memory``, so the planner and
+  ``OffloadAdam`` cannot disagree about what the engine allocates;
+- activations: measured, not guessed, by tracing one forward + backward of the model built on the
+  meta device (``planner_trace``), in the dtype the configuration trains in;
+- the largest batch whose peak fits ``--gpu-mem-gib`` minus a safety margin of
+  ``SAFETY_BYTES`` (0.5 GiB: CUDA context outside torch's accounting, cuBLAS/cuDNN workspaces) plus
+  ``SAFETY_FRACTION`` (5 % of the card: caching-allocator rounding and fragmentation).
+
+Not modelled: optimizer-step temporaries (the step runs after backward freed the activations, and
+fused/foreach AdamW temporaries are far below the activation peak), eval/generation (beam search),
+activation checkpointing, label smoothing computed outside the model, frozen parameters (every
+parameter counts as trainable), dynamic padding (``--seq-len``/``--tgt-len`` are the padded lengths:
+with padding to the longest in the batch, real batches are shorter and more samples fit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .engine.buffers import plan_host_memory
+from . import planner_trace as trace
+
+GiB = 2 ** 30
+SAFETY_BYTES = GiB // 2
+SAFETY_FRACTION = 0.05
+FP32, HALF, ADAM = 4, 2, 8  # bytes per param: fp32 tensor, 16-bit tensor, Adam's two fp32 moments
+
+_HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# -- model states per configuration (bytes per rank; n = trainable params, N = ranks) ------------------
+def _engine_defaults() -> dict:
+    from .engine.offload import OffloadOptions
+
+    o = OffloadOptions()
+    return {"bucket_numel": o.bucket_numel, "tile_numel": o.tile_numel}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engines' buffers depend on; defaults are ``OffloadOptions``' own."""
+    bucket_numel: int
+    tile_numel: int
+    gradient_accumulation_steps: int = 1
+    max_param_numel: int = 0
+    cuda: bool = True
+    half_dtype: torch.dtype = torch.float16
+
+
+def _engine_plan(numel: int, s: EngineSettings, dpu: bool):
+    return plan_host_memory(numel, param_dtype=s.half_dtype, gradient_accumulation_steps=s.gradient_accumulation_steps,
+                            delayed_param_update=dpu, bucket_numel=s.bucket_numel, tile_numel=s.tile_numel,
+                            max_param_numel=s.max_param_numel, cuda=s.cuda)
+
+
+def states_baseline(n: int, gpus: int) -> tuple[dict, int]:
+    """fp32 training, torch AdamW, DDP when gpus > 1: params 4 + grads 4 + Adam moments 8 B/param, and
+    DDP's reducer keeps its own flat copy of the gradients (4 B/param; gradient_as_bucket_view=False,
+    the Trainer's default)."""
+    dev = {"params_fp32": FP32 * n, "grads_fp32": FP32 * n, "adam_moments": ADAM * n}
+    if gpus > 1:
+        dev["ddp_buckets"] = FP32 * n
+    return dev, 0
+
+
+def states_amp(n: int, gpus: int, autocast_copies: int) -> tuple[dict, int]:
+    """torch AMP (plain --fp16/--bf16): the model stays fp32 (4 + grads 4 + Adam 8 B/param, DDP buckets
+    4 B/param when gpus > 1) plus autocast's 16-bit copies of the weights that feed matmuls, which
+    live from their first use in forward until backward has used them (measured by the trace)."""
+    dev, _ = states_baseline(n, gpus)
+    dev["autocast_weight_copies"] = autocast_copies
+    return dev, 0
+
+
+def states_stage1_fp32(n: int, gpus: int) -> tuple[dict, int]:
+    """ZeRO-1 (--sharded_ddp) in fp32: full params 4 + full grads 4 B/param; each rank keeps the Adam
+    moments (8 B/param) of its 1/N of the params."""
+    return {"params_fp32": FP32 * n, "grads_fp32": FP32 * n, "adam_moments": ADAM * n // gpus}, 0
+
+
+def states_stage1_16bit(n: int, gpus: int) -> tuple[dict, int]:
+    """ZeRO-1 (--sharded_ddp --fp16) with the engine's 16-bit model: params 2 + full grads 2 B/param;
+    each rank keeps fp32 masters (4) and Adam moments (8) of its 1/N."""
+    return {"params_16bit": HALF * n, "grads_16bit": HALF * n, "fp32_masters": FP32 * n // gpus,
+            "adam_moments": ADAM * n // gpus}, 0
+
+
+def states_zero2(n: int, gpus: int, s: EngineSettings) -> tuple[dict, int]:
+    """ZeRO-2 without offload: 16-bit params 2 B/param; gradients go through two device buckets
+    (the engine's bucket size rule) and each rank keeps only its 1/N: grads 2/N, fp32 masters 4/N and
+    Adam moments 8/N B/param. The owned gradient slice is booked as live for the whole step."""
+    buckets = _engine_plan(n, s, dpu=False).regions["grad_buckets"]
+    return {"params_16bit": HALF * n, "grads_16bit_owned": HALF * n // gpus, "fp32_masters": FP32 * n // gpus,
+            "adam_moments": ADAM * n // gpus, "grad_buckets": buckets[0] * buckets[1].itemsize}, 0
+
+
+def states_zero2_offload(n: int, gpus: int, s: EngineSettings, dpu: bool) -> tuple[dict, int]:
+    """ZeRO-2 + CPU offload (``OffloadAdam``): the device keeps 16-bit params (2 B/param) and the
+    engine's gradient buckets; the host holds exactly ``plan_host_memory`` for this rank's
+    ceil(n/N) params (fp32 masters, moments, gradient store(s), staging; page-aligned regions)."""
+    plan = _engine_plan(-(-n // gpus), s, dpu=dpu)
+    return {"params_16bit": HALF * n, "grad_buckets": plan.device_bytes}, plan.host_bytes
+
+
+# -- the rows ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowSpec:
+    name: str
+    mode: str          # activation trace: "fp32" | "half" | "amp"
+    keep_grads: bool   # all gradients stay on the device until step() (DDP, ZeRO-1)
+    description: str
+
+
+def row_specs(dtype: str = "fp16") -> list[RowSpec]:
+    return [
+        RowSpec("baseline", "fp32", True, "fp32, torch AdamW (DDP when gpus > 1)"),
+        RowSpec(dtype, "amp", True, f"torch autocast {dtype}, fp32 params (DDP when gpus > 1)"),
+        RowSpec("sharded_stage1_fp32", "fp32", True, "ZeRO-1 (--sharded_ddp), fp32"),
+        RowSpec(f"sharded_stage1_{dtype}", "half", True, f"ZeRO-1 (--sharded_ddp --{dtype}), 16-bit params"),
+        RowSpec("zero2", "half", False, f"ZeRO-2, {dtype}, no offload"),
+        RowSpec("zero2_offload", "half", False, f"ZeRO-2 + CPU offload, {dtype}"),
+        RowSpec("zero2_offload_dpu", "half", False, f"ZeRO-2 + CPU offload + delayed param update, {dtype}"),
+    ]
+
+
+def row_states(spec: RowSpec, n: int, gpus: int, s: EngineSettings, prof) -> tuple[dict, int]:
+    if spec.name == "baseline":
+        return states_baseline(n, gpus)
+    if spec.mode == "amp":
+        return states_amp(n, gpus, prof.param_cast_bytes)
+    if spec.name == "sharded_stage1_fp32":
+        return states_stage1_fp32(n, gpus)
+    if spec.name.startswith("sharded_stage1_"):
+        return states_stage1_16bit(n, gpus)
+    if spec.name == "zero2":
+        return states_zero2(n, gpus, s)
+    return states_zero2_offload(n, gpus, s, dpu=spec.name.endswith("_dpu"))
+
+
+@dataclass
+class Row:
+    name: str
+    description: str
+    device_bytes_model_states: int
+    host_bytes: int
+    # the line of the event that sets the peak at large batch sizes (see planner_trace), minus the
+    # state bytes the trace holds (kept grads, autocast copies); the const may be negative when the
+    # gradients are not all alive yet at that moment. max_batch_size uses the exact peak.
+    activation_bytes_per_sample: int
+    activation_bytes_const: int
+    max_batch_size: int
+    device_bytes_total: int        # exact peak at max_batch_size (at 1 when nothing fits)
+    device_bytes_budget: int
+    device_states: dict = field(default_factory=dict)
+    batch_size: int | None = None
+    device_bytes_at_batch_size: int | None = None
+    fits: bool | None = None
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    max_param_numel: int
+    gpus: int
+    gpu_mem_gib: float
+    dtype: str
+    seq_len: int
+    tgt_len: int
+    rows: list
+    seconds: float = 0.0
+    exact_lines: bool = True
+
+    def to_json(self) -> dict:
+        return {"params": self.params, "configs": [asdict(r) for r in self.rows]}
+
+
+def device_budget(gpu_mem_gib: float) -> int:
+    """Bytes torch may allocate: the card minus SAFETY_FRACTION of it minus SAFETY_BYTES."""
+    return int(gpu_mem_gib * GiB * (1 - SAFETY_FRACTION)) - SAFETY_BYTES
+
+
+def _max_batch(static: int, prof, keep: bool, budget: int) -> int:
+    def fits(b):
+        return static + prof.peak(b, keep) <= budget
+
+    if not fits(1):
+        return 0
+    hi = 2
+    while fits(hi) and hi < 1 << 20:
+        hi *= 2
+    lo = hi // 2  # fits(lo) holds, fits(hi) does not (or the search cap was hit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _model_name(src) -> str:
+    if isinstance(src, (str, bytes)) or hasattr(src, "__fspath__"):
+        return str(src)
+    if isinstance(src, dict):
+        return src.get("_name_or_path") or f"{src.get('model_type', '?')} config (dict)"
+    return getattr(src, "name_or_path", "") or getattr(src, "model_type", type(src).__name__)
+
+
+def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtype: str = "fp16",
+         seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
+         tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
+         configs: list[str] | None = None) -> Plan:
+    """Plan every configuration for the model (a config JSON path, a model directory, a dict, a
+    ``PretrainedConfig`` or a model with ``.config``) on ``gpus`` GPUs of ``gpu_mem_gib`` each.
+    ``cuda=False`` plans the engine as it allocates on a CPU-only machine (no separate bucket staging)."""
+    t0 = time.perf_counter()
+    if dtype not in _HALF_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_HALF_DTYPES)}, got {dtype!r}")
+    if gpus < 1:
+        raise ValueError("gpus must be >= 1")
+    src = getattr(model_config_or_path, "config", model_config_or_path)
+    config = trace.load_config(src)
+    model = trace.build_model(config)
+    n, max_numel = trace.count_params(model)
+    defaults = _engine_defaults()
+    settings = EngineSettings(bucket_numel or defaults["bucket_numel"], tile_numel or defaults["tile_numel"],
+                              gradient_accumulation_steps, max_numel, cuda, _HALF_DTYPES[dtype])
+    specs = [s for s in row_specs(dtype) if configs is None or s.name in configs]
+    profiles = trace.profile_modes(config, {s.mode for s in specs}, half_dtype=settings.half_dtype,
+                                   seq_len=seq_len, tgt_len=tgt_len, model=model)
+    budget = device_budget(gpu_mem_gib)
+    rows = []
+    for spec in specs:
+        prof = profiles[spec.mode]
+        dev, host = row_states(spec, n, gpus, settings, prof)
+        states = sum(dev.values())
+        # state bytes the trace itself holds at its peak: kept gradients, autocast's weight copies
+        in_trace = (prof.grad_bytes if spec.keep_grads else 0) + (prof.param_cast_bytes if spec.mode == "amp" else 0)
+        static = states - in_trace
+        mb = _max_batch(static, prof, spec.keep_grads, budget)
+        at = max(mb, 1)
+        a, b = prof.asymptote(spec.keep_grads)
+        row = Row(spec.name, spec.description, states, host, b, a - in_trace, mb,
+                  static + prof.peak(at, spec.keep_grads), budget, dev)
+        if batch_size:
+            row.batch_size = batch_size
+            row.device_bytes_at_batch_size = static + prof.peak(batch_size, spec.keep_grads)
+            row.fits = row.device_bytes_at_batch_size <= budget
+        rows.append(row)
+    return Plan(_model_name(src), n, max_numel, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, rows,
+                time.perf_counter() - t0, all(p.aligned for p in profiles.values()))
+
+
+# -- output ------------------------------------------------------------------------------------------
+def format_plan(p: Plan) -> str:
+    g = lambda x: f"{x / GiB:.2f}"  # noqa: E731
+    head = ["configuration", "device states GiB", "host GiB", "act/sample GiB", "act const GiB", "max batch",
+            "device GiB @max|1"]
+    if p.rows and p.rows[0].batch_size:
+        head += [f"device GiB @{p.rows[0].batch_size}", "fits"]
+    cells = []
+    for r in p.rows:
+        line = [r.name, g(r.device_bytes_model_states), g(r.host_bytes), f"{r.activation_bytes_per_sample / GiB:.3f}",
+                g(r.activation_bytes_const), str(r.max_batch_size), g(r.device_bytes_total)]
+        if r.batch_size:
+            line += [g(r.device_bytes_at_batch_size), "yes" if r.fits else "no"]
+        cells.append(line)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    fmt = lambda vals: "  ".join(v.ljust(w) if i == 0 else v.rjust(w)  # noqa: E731
+                                 for i, (v, w) in enumerate(zip(vals, widths)))
+    budget = p.rows[0].device_bytes_budget if p.rows else device_budget(p.gpu_mem_gib)
+    out = [
+        f"model: {p.model}",
+        f"params: {p.params:,} ({p.params / 1e9:.3f} B; tied weights counted once)",
+        f"per rank, {p.gpus} GPU(s) of {p.gpu_mem_gib:g} GiB; {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
+        f"budget {budget / GiB:.2f} GiB = card - {SAFETY_FRACTION:.0%} - {SAFETY_BYTES / GiB:g} GiB "
+        f"(CUDA context, allocator fragmentation)",
+        fmt(head), fmt(["-" * w for w in widths]), *(fmt(c) for c in cells),
+        "act const < 0: at the activation peak (end of forward) no gradient exists yet, while the model states "
+        "count all of them",
+        "host = this rank's offloaded optimizer (pinned when CUDA is present); activations: one training step "
+        f"traced on meta tensors at batch {'/'.join(map(str, trace.TRACE_BATCHES))}"
+        f"{'' if p.exact_lines else ' (two-point fit)'}; planned in {p.seconds:.1f} s",
+    ]
+    return "\n".join(out)
+
+
+def print_plan(model_config_or_plan, *, file=None, **plan_kwargs) -> Plan:
+    """Print the plan (``format_plan``) for a model, config or ready ``Plan``; returns the plan."""
+    p = model_config_or_plan if isinstance(model_config_or_plan, Plan) else plan(model_config_or_plan, **plan_kwargs)
+    print(format_plan(p), file=file or sys.stdout)
+    return p
+
+
+# -- CLI ---------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="config JSON file or local model directory")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (GPUs)")
+    parser.add_argument("--gpu-mem-gib", type=float, default=24.0, help="memory of one GPU in GiB")
+    half = parser.add_mutually_exclusive_group()
+    half.add_argument("--fp16", dest="dtype", action="store_const", const="fp16", help="16-bit = fp16 (default)")
+    half.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="16-bit = bf16")
+    parser.set_defaults(dtype="fp16")
+    parser.add_argument("--seq-len", type=int, default=128, help="padded source length")
+    parser.add_argument("--tgt-len", type=int, default=128, help="padded target length (seq2seq)")
+    parser.add_argument("--batch-size", type=int, default=None, help="also report the memory at this batch size")
+    parser.add_argument("--bucket-numel", type=int, default=None, help="gradient bucket size (engine default)")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--configs", default=None, help="comma-separated row names (default: all)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def main(args: argparse.Namespace) -> int:
+    p = plan(args.model, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib, dtype=args.dtype, seq_len=args.seq_len,
+             tgt_len=args.tgt_len, batch_size=args.batch_size, bucket_numel=args.bucket_numel,
+             gradient_accumulation_steps=args.gradient_accumulation_steps,
+             configs=args.configs.split(",") if args.configs else None)
+    if args.json:
+        print(json.dumps(p.to_json(), indent=2))
+    else:
+        print(format_plan(p))
+    return 0
+
+
+if __name__ == "__main__":
+    _p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(_p)
+    sys.exit(main(_p.parse_args()))

@@ -1,0 +1,385 @@
+"""Activation memory, measured: one training step traced on a model that has no data.
+
+The model is built from its config on the ``meta`` device (shapes, dtypes and ``nbytes``, no storage),
+and one forward + backward runs under ``LiveBytes``, a ``TorchDispatchMode`` that sees every aten op
+below autograd. Each op's new output storages are counted at creation (views of an input are not new)
+and a weakref finalizer on the storage subtracts them when the storage dies, so ``live`` is what a
+caching allocator would hold as "allocated" at each moment (allocator rounding and op-internal
+workspaces are not seen: the planner's safety margin covers them).
+
+Gradients: a post-accumulate-grad hook frees each parameter's gradient as soon as it is final (what
+the bucketed engines do) and adds its size to ``kept``; ``live + kept`` is then the timeline of a
+step that keeps every gradient until ``step()`` (DDP, ZeRO-1). One trace gives both.
+
+Linearity in the batch size: with batch sizes B1 and B2 (both >= 2: B=1 takes other code paths in
+broadcasting ops) the two traces emit the same sequence of events, so each event t has an exact
+line ``live_t(B) = a_t + b_t * B`` and the peak at any B is ``max_t(a_t + b_t * B)`` -- convex, and
+exact rather than a secant through two peaks (at small B the peak sits late in backward where
+gradients dominate; at large B at the start of backward). When the sequences differ (a model with
+data-dependent control flow) the two peaks give one line.
+
+16-bit training, three ways. Checked against real CPU steps (``benchmarks/planner_validate.py``,
+t5-small, seq 128, batch 2 and 8): tracing in the row's own dtype was within 0.6 % in every mode;
+"trace fp32 and halve" was off by -28 % to +7 % (it misses what stays fp32 or 1 byte: upcast
+softmax and norms, dropout masks, the fp32 loss), so every row is traced in its own dtype:
+- ``"fp32"``: the model in fp32.
+- ``"half"``: the model itself in fp16/bf16 (the ZeRO engines: 16-bit params, fp32 masters in the
+  optimizer), traced in that dtype on meta.
+- ``"amp"``: torch autocast with fp32 params (plain ``--fp16``/``--bf16``, DDP). Meta tensors carry
+  no autocast key, so this trace uses ``FakeTensorMode`` tensors that claim to be on the CPU and runs
+  CPU autocast (no GPU needed). Its cast policy matches CUDA's for the ops a T5 step uses
+  (linear/matmul to 16-bit; cross-entropy in fp32; T5 upcasts its softmax and norm itself); CUDA also upcasts
+  softmax/layer_norm/pow/sum of 16-bit inputs, which models that feed those ops 16-bit tensors
+  would see as extra fp32 copies. Autocast's fp16 copies of the weights are counted separately
+  (``param_cast_bytes``): the planner books them as model states.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+TRACE_BATCHES = (2, 4)
+
+
+_NO_DATA_SCALAR = {True: 0.0, False: 0}
+
+
+def _tensors(x, out: list) -> list:
+    """The tensors in an op's arguments or results (nested tuples/lists/dicts); faster than pytree."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _tensors(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, out)
+    return out
+
+
+def _no_data(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of storages created by the ops run under it, with an event timeline."""
+
+    def __init__(self, ignore=()):
+        super().__init__()
+        self.live = 0
+        self.kept = 0            # gradients dropped by the hook but booked as if kept
+        self.peak = 0
+        self.peak_keep = 0
+        self.param_cast_bytes = 0
+        self.timeline: list[int] = []       # live after each op
+        self.timeline_keep: list[int] = []  # live + kept after each op
+        self._seen = WeakIdKeyDictionary()
+        self._params = {t.untyped_storage()._cdata for t in ignore}
+
+    def _free(self, nbytes: int, _ref) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and _no_data(args[0]):
+            # .item() on a tensor without data (e.g. transformers' "is the attention mask all ones?"):
+            # answer False/0, which keeps the general (materialised-mask) path: the conservative one.
+            return _NO_DATA_SCALAR[args[0].dtype.is_floating_point]
+        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs), [])}
+        out = func(*args, **kwargs)
+        new = 0
+        for t in _tensors(out, []):
+            st = t.untyped_storage()
+            if st._cdata in inputs or st in self._seen:
+                continue  # a view of, or the same storage as, something already counted or not ours
+            nb = st.nbytes()
+            self._seen[st] = weakref.ref(st, lambda r, nb=nb: self._free(nb, r))
+            new += nb
+        if new:
+            if func is torch.ops.aten._to_copy.default and inputs & self._params:
+                self.param_cast_bytes += new   # autocast's 16-bit copy of a weight
+            self.live += new
+            self.peak = max(self.peak, self.live)
+            self.peak_keep = max(self.peak_keep, self.live + self.kept)
+        self.timeline.append(self.live)
+        self.timeline_keep.append(self.live + self.kept)
+        return out
+
+
+@dataclass
+class Trace:
+    batch_size: int
+    peak: int
+    peak_keep: int
+    param_cast_bytes: int
+    grad_bytes: int
+    timeline: list = field(repr=False, default_factory=list)
+    timeline_keep: list = field(repr=False, default_factory=list)
+
+
+# -- the model ---------------------------------------------------------------------------------------
+def load_config(model_config_or_path):
+    """A transformers config from a PretrainedConfig, a dict (with ``model_type``), a config JSON file
+    or a model directory. Never touches the network: a path must exist."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model_config_or_path, PretrainedConfig):
+        return model_config_or_path
+    if isinstance(model_config_or_path, dict):
+        d = dict(model_config_or_path)
+        return AutoConfig.for_model(d.pop("model_type", "t5"), **d)
+    path = os.fspath(model_config_or_path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such config file or model directory (the planner works offline: "
+                                "pass a local config.json or a directory holding one)")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def build_model(config, *, dtype: torch.dtype = torch.float32, device="meta"):
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    cls = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    with torch.device(device):
+        model = cls.from_config(config, dtype=dtype)
+    return model.train()
+
+
+def to_fake(model, fake_mode, dtype: torch.dtype | None = None):
+    """Replace every param/buffer by a FakeTensor on the CPU (floating ones in ``dtype`` when given),
+    keeping tied params tied."""
+    memo = {}
+    with fake_mode:
+        for mod in model.modules():
+            for store in (mod._parameters, mod._buffers):
+                for name, t in store.items():
+                    if t is None:
+                        continue
+                    if id(t) not in memo:
+                        dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                        new = torch.empty(t.shape, dtype=dt, device="cpu")
+                        if isinstance(t, torch.nn.Parameter):
+                            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                        memo[id(t)] = new
+                    store[name] = memo[id(t)]
+    return model
+
+
+def dummy_batch(config, batch_size: int, seq_len: int, tgt_len: int, device="meta") -> dict:
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if getattr(config, "is_encoder_decoder", False):
+        batch["labels"] = torch.zeros(batch_size, tgt_len, dtype=torch.long, device=device)
+    else:
+        batch["labels"] = ids.clone()
+    return batch
+
+
+def _loss(model, batch):
+    return model(**batch).loss  # the outputs (logits) die here, as in Trainer.compute_loss
+
+
+def trace_step(model, batch: dict, *, autocast_dtype: torch.dtype | None = None, fake_mode=None) -> Trace:
+    """One forward + backward of ``model`` on ``batch`` under ``LiveBytes`` (works on meta, fake and
+    real tensors). Gradients are freed by a hook as soon as they are final and booked in ``kept``."""
+    params = list(model.parameters())
+    tracker = LiveBytes(ignore=params)
+    grad_bytes = 0
+
+    def hook(p):
+        nonlocal grad_bytes
+        nb = p.grad.untyped_storage().nbytes()
+        grad_bytes += nb
+        tracker.kept += nb
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+    device_type = "cpu"
+    amp = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+    try:
+        with fake_mode or contextlib.nullcontext(), tracker:
+            with amp:
+                loss = _loss(model, batch)
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    bs = next(iter(batch.values())).shape[0]
+    return Trace(bs, tracker.peak, tracker.peak_keep, tracker.param_cast_bytes, grad_bytes,
+                 tracker.timeline, tracker.timeline_keep)
+
+
+# -- lines in the batch size -------------------------------------------------------------------------
+@dataclass
+class ActivationProfile:
+    """Per-event lines ``a + b * B`` (bytes) for the two gradient policies of one traced mode."""
+    mode: str                    # "fp32" | "half" | "amp"
+    a: np.ndarray                # drop-gradients timeline intercepts
+    b: np.ndarray
+    a_keep: np.ndarray           # keep-gradients timeline
+    b_keep: np.ndarray
+    grad_bytes: int              # all gradients of one step in the traced dtype
+    param_cast_bytes: int        # autocast's weight copies (amp only)
+    aligned: bool                # event-by-event lines (False: one line through the two peaks)
+    traces: list = field(repr=False, default_factory=list)
+
+    def lines(self, keep: bool):
+        return (self.a_keep, self.b_keep) if keep else (self.a, self.b)
+
+    def peak(self, batch_size: int, keep: bool) -> int:
+        a, b = self.lines(keep)
+        return int(np.max(a + b * batch_size))
+
+    def asymptote(self, keep: bool) -> tuple[int, int]:
+        """(intercept, slope) of the event that sets the peak at large batch sizes: the steepest line
+        (the highest among equally steep ones). Its slope is the activation cost of one sample."""
+        a, b = self.lines(keep)
+        i = int(np.lexsort((a, b))[-1])
+        return int(round(a[i])), int(round(b[i]))
+
+
+def _fit(t1: Trace, t2: Trace, keep: bool):
+    y1 = t1.timeline_keep if keep else t1.timeline
+    y2 = t2.timeline_keep if keep else t2.timeline
+    db = t2.batch_size - t1.batch_size
+    if len(y1) == len(y2):
+        y1, y2 = np.asarray(y1, dtype=np.float64), np.asarray(y2, dtype=np.float64)
+        b = (y2 - y1) / db
+        return y1 - b * t1.batch_size, b, True
+    p1, p2 = (t1.peak_keep, t2.peak_keep) if keep else (t1.peak, t2.peak)
+    b = (p2 - p1) / db
+    return np.array([p1 - b * t1.batch_size]), np.array([b]), False
+
+
+MODES = ("fp32", "half", "amp")
+
+
+def _batch(config, bs, seq_len, tgt_len, fake_mode):
+    if fake_mode is None:
+        return dummy_batch(config, bs, seq_len, tgt_len, "meta")
+    with fake_mode:
+        return dummy_batch(config, bs, seq_len, tgt_len, "cpu")
+
+
+def profile_modes(config, modes=MODES, *, half_dtype: torch.dtype = torch.float16, seq_len: int = 128,
+                  tgt_len: int = 128, batches=TRACE_BATCHES, model=None) -> dict:
+    """Trace one training step at two batch sizes in each of ``modes`` ("fp32" | "half" | "amp") on
+    one meta model (built once; converted in place fp32 -> 16-bit -> fake fp32 for autocast)."""
+    model = model if model is not None else build_model(config)
+    out = {}
+    for mode in [m for m in MODES if m in modes]:
+        fake_mode, autocast_dtype = None, None
+        if mode == "half":
+            model.to(half_dtype)
+        elif mode == "amp":
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            fake_mode, autocast_dtype = FakeTensorMode(), half_dtype
+            to_fake(model, fake_mode, torch.float32)
+        traces = [trace_step(model, _batch(config, bs, seq_len, tgt_len, fake_mode), autocast_dtype=autocast_dtype,
+                             fake_mode=fake_mode) for bs in batches]
+        t1, t2 = traces[0], traces[-1]
+        a, b, aligned = _fit(t1, t2, keep=False)
+        ak, bk, aligned_k = _fit(t1, t2, keep=True)
+        for t in traces:  # the lines are all we keep
+            t.timeline, t.timeline_keep = [], []
+        out[mode] = ActivationProfile(mode, a, b, ak, bk, t2.grad_bytes, t2.param_cast_bytes, aligned and aligned_k,
+                                      traces)
+    return out
+
+
+def profile_activations(config, mode: str, **kwargs) -> ActivationProfile:
+    return profile_modes(config, (mode,), **kwargs)[mode]
+
+
+def count_params(model) -> tuple[int, int]:
+    """(trainable params, largest trainable param) counting tied params once."""
+    ps = [p for p in model.parameters() if p.requires_grad]  # parameters() yields each tensor once
+    return sum(p.numel() for p in ps), max((p.numel() for p in ps), default=0)
+
+
+# -- ground truth on the CPU: a real step, measured by the kernel's resident-set high-water mark ------
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int) -> list[int]:
+    import gc
+
+    torch.set_num_threads(1)
+    peaks = []
+    for mode, batch_size, keep_grads in jobs:
+        torch.manual_seed(0)
+        model = build_model(config, dtype=half_dtype if mode == "half" else torch.float32, device="cpu")
+        batch = dummy_batch(config, batch_size, seq_len, tgt_len, "cpu")
+        amp = (lambda: torch.autocast("cpu", dtype=half_dtype)) if mode == "amp" else contextlib.nullcontext
+        if not keep_grads:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+
+        def step():
+            with amp():
+                loss = _loss(model, batch)
+            loss.backward()
+            del loss
+
+        step()  # warm-up: lazily created kernels, caches and the autograd engine's threads
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        before = _status_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        step()
+        peaks.append(_status_bytes("VmHWM") - before)
+        del model, batch
+        gc.collect()
+    return peaks
+
+
+def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16, seq_len: int = 128,
+                      tgt_len: int = 128, timeout: float = 600) -> list[int]:
+    """Peak extra resident memory (bytes) of one real forward + backward on the CPU per job
+    ``(mode, batch_size, keep_grads)`` (Linux only), each on a fresh model, one process for all.
+
+    The process runs with ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor above 64 KiB is its own
+    mmap that glibc returns to the kernel when freed: the resident-set high-water mark (``VmHWM``,
+    reset before the step) minus the RSS before the step is then the step's peak of live tensor
+    memory, measured by the kernel rather than by the planner's own accounting."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    cfg = load_config(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "config.json")
+        cfg.to_json_file(path)
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+        args = json.dumps([path, [list(j) for j in jobs], str(half_dtype).split(".")[-1], seq_len, tgt_len])
+        res = subprocess.run([sys.executable, "-m", "hf_zero_offload.planner_trace", args], env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"measurement process failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    _path, _jobs, _dt, _seq, _tgt = json.loads(sys.argv[1])
+    print(json.dumps(_measure_in_process(load_config(_path), _jobs, getattr(torch, _dt), _seq, _tgt)))
