@@ -18,9 +18,9 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from . import checkpoint
+    from . import consolidate
 
-    return checkpoint.consolidate_main(args)
+    return consolidate.consolidate_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from transformers import HfArgumentParser, Seq2SeqTrainer, T5ForConditionalGener
 from _t5 import ToyDataset, tiny_t5
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 from hf_zero_offload.config import ConfigError
-from hf_zero_offload.consolidate import consolidate
+from hf_zero_offload.cli import main as cli_main
 
 OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 COMMON = dict(per_device_train_batch_size=4, num_train_epochs=1, max_steps=6, use_cpu=True, report_to=[],
@@ -97,7 +97,7 @@ def test_consolidate_round_trip(tmp_path):
     kw = dict(bf16=True, zero_offload=OFFLOAD, save_strategy="steps", save_steps=3, max_steps=3)
     model, trainer = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "run", **kw))
     out = tmp_path / "fp32"
-    consolidate(str(tmp_path / "run" / "checkpoint-3"), str(out))
+    assert cli_main(["consolidate", str(tmp_path / "run" / "checkpoint-3"), str(out)]) == 0
     loaded = T5ForConditionalGeneration.from_pretrained(out)
     engine = trainer.zero_engine
     assert loaded.lm_head.weight.data_ptr() == loaded.shared.weight.data_ptr()  # still tied
