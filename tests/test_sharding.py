@@ -79,7 +79,7 @@ def sharded(model, fp16=None, gas=1, clip=0.0, rs=False, bucket=None, **cfg):
     finally:
         sharding.FORCE_REDUCE_SCATTER = False
     if not dist.is_initialized() or dist.get_backend() == "gloo":
-        assert opt._use_rs == (rs and dist.is_initialized())
+        assert opt.reducer.use_rs == (rs and dist.is_initialized())
     return opt
 
 

@@ -24,24 +24,22 @@ move equal pieces (reduce-scatter/all-gather need that), and a checkpoint can be
 world size by plain offset arithmetic. The price is that a parameter may straddle two ranks; that
 only matters to bookkeeping (``sharding_layout``).
 
-Reduction: stage 1 cuts each rank's shard into rounds of ``bucket_numel / W`` elements; round k
-gathers element range k of every shard into one buffer, so one ``reduce_scatter`` leaves each rank
-its own summed piece (gloo supports reduce-scatter in the torch versions we require, NCCL always).
-Stage 2 buckets hold whole parameters in backward order, so a bucket's owner pieces are usually
-unequal: each owner's piece goes to it with ``dist.reduce`` (as much traffic per rank as a
-reduce-scatter); a bucket that happens to split into W equal pieces uses ``reduce_scatter``.
-Buckets are launched strictly in index order, and a callback at the end of every backward launches
-the ones still waiting (zero-filled for params that got no gradient), so all ranks issue the same
-collectives in the same order even when ranks use different parameters. Gradient accumulation:
-stage 1 accumulates in ``.grad`` and communicates once per step; stage 2 reduces every micro-batch
-(a local accumulator would be full-size, which is what stage 2 exists to avoid) and sums into the
-shard's fp32 gradient store.
+Reduction (``sharding_reduce``): stage 1 reduces shard-aligned rounds of the full ``.grad``s at
+``step()``; stage 2 reduces whole-parameter buckets to their owners during backward, in bucket
+order, with the buckets still waiting launched at the end of every backward, so all ranks issue the
+same collectives in the same order even when they used different parameters. Equal owner pieces go
+through one reduce-scatter (NCCL), otherwise each piece is reduced to its owner (and always on
+gloo, whose reduce-scatter is slower). Gradient accumulation: stage 1 accumulates in ``.grad`` and
+communicates once per step; stage 2 reduces every micro-batch (a local accumulator would be
+full-size, which is what stage 2 exists to avoid) and sums into the shard's fp32 gradient store.
 
 Params that no rank touched in a step are skipped like ``torch.optim.AdamW`` skips them (their step
 count stays); a param used on some ranks only counts as zero gradient on the others (DDP's
 ``find_unused_parameters`` behaviour). Limits: every rank must run the same number of backward
 passes per step, each touching at least one trainable parameter; no delayed parameter update;
-module buffers are not broadcast (seed or load them equally).
+only the optimizer's parameters are broadcast from rank 0 (not frozen params left out of the
+param groups, nor module buffers: seed or load those equally). Gradients are summed over ranks in
+their own dtype, as DDP does (fp16: an overflow of the sum is an overflow like any other).
 
 Launch with torchrun; the engine uses the default process group (or the one given). The caller
 initialises it: ``dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")`` and,
@@ -59,25 +57,31 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
 from .. import ops
 from . import sharding_ckpt
 from .buffers import HostArena, HostPlan, plan_host_memory
 from .loss_scaler import LossScaler
 from .offload import OffloadOptions, StepResult
-from .sharding_layout import FlatIndex, Partition, make_buckets, make_runs
+from .sharding_layout import Partition, make_runs
+from .sharding_reduce import GradReducer
 from .streams import Streams
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 FORCE_REDUCE_SCATTER = False  # tests: run the NCCL layout's reduce-scatter on gloo too
 
 
 class ShardedAdam(torch.optim.Optimizer):
-    """``device_adam`` (no offload only): "auto" (torch's fused AdamW on CUDA, the fused CPU kernel
-    when the device is the CPU), "torch" or "kernel" to force one (tests cover the CUDA path's math
-    on the CPU with "torch")."""
+    """Adam/AdamW over replicated parameters with the optimizer state sharded across ranks.
+
+    The public surface is ``OffloadAdam``'s (``step``, ``zero_grad``, ``scale_loss``, ``loss_scale``,
+    ``last``, ``flush``, ``close``, ``state_meta``, ``state_tensors``, ``save_checkpoint``,
+    ``load_checkpoint``, ``numel``, ``plan``) plus ``memory_bytes()``. ``stage``: 1 or 2;
+    ``offload``: optimizer state and step on the CPU; ``process_group``: default group when None
+    (no initialised group: one process, world size 1). ``device_adam`` (no offload only): "auto"
+    (torch's fused AdamW on CUDA, the fused CPU kernel when the device is the CPU), or "torch" /
+    "kernel" to force one (the tests run the CUDA path's math on the CPU with "torch").
+    """
 
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
@@ -133,10 +137,6 @@ class ShardedAdam(torch.optim.Optimizer):
 
         self.streams = Streams(self.device)
         cuda = self.streams.cuda
-        self.comm_stream = torch.cuda.Stream(device=self.device) if cuda else None
-        # reduce-scatter where the layout allows it, except on gloo: there (torch 2.13, 2 ranks) it
-        # took 1.7x the time of reducing each owner's piece to its owner, which moves the same bytes.
-        self._use_rs = self.world_size > 1 and (FORCE_REDUCE_SCATTER or dist.get_backend(process_group) != "gloo")
         self.partition = part = Partition(self.numel, self.world_size)
         S, W = part.shard_numel, self.world_size
         self.shard_start, self.shard_end = part.start(self.rank), part.end(self.rank)
@@ -146,37 +146,18 @@ class ShardedAdam(torch.optim.Optimizer):
             raise ValueError("device_adam='torch' steps on the device: it needs offload=False")
         if device_adam == "kernel" and not offload and cuda:
             raise ValueError("device_adam='kernel' is the CPU kernel: on CUDA use offload=True or device_adam='torch'")
-        self._index = FlatIndex(self._slots)
-        self._slot_of = {id(p): i for i, (p, _, _) in enumerate(self._slots)}
-        max_n = max(n for _, _, n in self._slots)
-        cap = max(min(options.bucket_numel, part.padded_numel), max_n)
-        if stage == 2:
-            self._buckets = make_buckets(self._slots, cap, part.padded_numel)
-            self._bucket_of = [0] * len(self._slots)
-            for k, b in enumerate(self._buckets):
-                for i in b.slots:
-                    self._bucket_of[i] = k
-            seg = max(b.numel for b in self._buckets)
-            bucket_region = 2 * seg
-        else:
-            self._chunk = seg = max(1, min(options.bucket_numel // W, S))   # per rank and round
-            bucket_region = (W + self._use_rs) * seg                          # round input (+ output)
+        # reduce-scatter where the layout allows it, except on gloo (see sharding_reduce)
+        use_rs = W > 1 and (FORCE_REDUCE_SCATTER or dist.get_backend(process_group) != "gloo")
+        self.reducer = GradReducer(slots=self._slots, partition=part, rank=self.rank, process_group=process_group,
+                                   streams=self.streams, param_dtype=self.param_dtype, stage=stage,
+                                   bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs)
+        self._index, self._slot_of = self.reducer.index, self.reducer.slot_of
         self._gchunk = max(1, min(allgather_bucket_numel // W, S))
-        self.plan = self._make_plan(S, seg, bucket_region, cuda)
+        self.plan = self._make_plan(S, self.reducer.seg, self.reducer.buffer_numel, cuda)
         self._allocate(cuda)
         self._init_state()
-
-        self._handles = []
-        if stage == 2:
-            for p, _, _ in self._slots:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.reducer.bind(self.regions["grad_buckets"], self.store, self.regions.get("grad_staging"))
         self._param_steps = [0] * len(self._slots)
-        self._received = [0] * len(self._slots)   # local: gradients received in this window
-        self._micro = 0                            # stage 2: backward passes reduced in this window
-        self._reset_backward()
-        self._buf_slot = 0
-        self._inflight = [None, None]              # CUDA: per bucket buffer, the reduction not yet delivered
-        self._done = [None, None]
         self.global_steps = 0
         self.needs_publish = False                 # no delayed update: the parameters are always current
         self.last = StepResult(False, 0.0, self.scaler.scale)
@@ -217,13 +198,6 @@ class ShardedAdam(torch.optim.Optimizer):
             r["master"], r["exp_avg"], r["exp_avg_sq"], r["grad_store"])
         self.shard_out = r.get("shard_out")
         self._gather_buf = r["gather_buffer"]
-        b = r["grad_buckets"]
-        if self.stage == 2:
-            self._bucket_bufs = b.view(2, -1)
-        else:
-            W, c = self.world_size, self._chunk
-            self._round_in, self._round_out = b[:W * c], (b[W * c:] if self._use_rs else None)
-        self._grad_staging = r.get("grad_staging")
         if "param_staging" in r:
             self._tiles = r["param_staging"].view(2, -1)
             self._tile_events = [None, None]
@@ -267,162 +241,6 @@ class ShardedAdam(torch.optim.Optimizer):
             chunk.append(p)
         send()
 
-    # -- stage 2: backward side ------------------------------------------------------------------
-    def _reset_backward(self) -> None:
-        self._in_backward = False
-        self._next = 0
-        self._hooked = [False] * len(self._slots)
-        self._ready = [0] * (len(self._buckets) if self.stage == 2 else 0)
-
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if p.grad is None:
-            return
-        if p.grad.dtype != self.param_dtype:
-            raise TypeError(f"gradient dtype {p.grad.dtype} differs from the engine's {self.param_dtype}; "
-                            "keep every trainable parameter in the training dtype")
-        i = self._slot_of[id(p)]
-        if not self._in_backward:
-            self._in_backward = True
-            # Runs once the whole backward is done: launches the buckets still waiting.
-            Variable._execution_engine.queue_callback(self._end_backward)
-        if self._hooked[i]:
-            return
-        self._hooked[i] = True
-        self._ready[self._bucket_of[i]] += 1
-        # Strictly in bucket order, so every rank issues the same collectives in the same order.
-        while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next].slots):
-            self._launch(self._next)
-            self._next += 1
-
-    def _end_backward(self) -> None:
-        while self._next < len(self._buckets):
-            self._launch(self._next)
-            self._next += 1
-        self._reset_backward()
-        self._micro += 1
-
-    @torch.no_grad()
-    def _launch(self, k: int) -> None:
-        b = self._buckets[k]
-        j = self._buf_slot
-        self._buf_slot ^= 1
-        self._retire(j)  # CUDA: this buffer's previous reduction has been read and delivered
-        buf = self._bucket_bufs[j, :b.numel]
-        for i in b.slots:
-            p, off, n = self._slots[i]
-            dst = buf[off - b.start:off - b.start + n]
-            if self._hooked[i]:
-                dst.copy_(p.grad.reshape(-1))
-                # Freed on the compute stream right after the copy that reads it was queued there:
-                # the caching allocator reuses memory in stream order, so the copy reads valid data.
-                p.grad = None
-                self._received[i] += 1
-            else:
-                dst.zero_()  # no gradient on this rank in this backward: contributes zero
-        if b.end > self.numel:
-            buf[self.numel - b.start:].zero_()
-        segs = [(r, lo - b.start, hi - b.start) for r, lo, hi in self.partition.segments(b.start, b.end)]
-        mine = [lo for r, lo, _ in self.partition.segments(b.start, b.end) if r == self.rank]
-        self._reduce(buf, segs, mine[0] - self.shard_start if mine else 0, j, first=self._micro == 0)
-
-    # -- reduction, shared by both stages ----------------------------------------------------------
-    def _reduce(self, buf: torch.Tensor, pieces: list, at: int, j: int, *, first: bool,
-                out: torch.Tensor | None = None) -> None:
-        """Sum ``buf`` across ranks; ``pieces``: (owner, lo, hi) ranges of ``buf`` in rank order. The
-        sum of this rank's piece lands in its gradient store at ``at``."""
-        mine = [(lo, hi) for r, lo, hi in pieces if r == self.rank]
-        if self.world_size == 1:
-            for lo, hi in mine:
-                self._deliver(buf[lo:hi], at, first)
-            return
-        cuda, pg = self.streams.cuda, self.process_group
-        if cuda:
-            # The bucket was filled on the compute stream: the collective, queued from the comm
-            # stream, must start after those copies.
-            self.streams.wait(self.comm_stream, self.streams.event())
-        works, src = [], None
-        with self.streams.use(self.comm_stream):
-            c = buf.numel() // self.world_size
-            if self._use_rs and len(pieces) == self.world_size and all(hi - lo == c for _, lo, hi in pieces):
-                src = out[:c] if out is not None else torch.empty(c, dtype=buf.dtype, device=buf.device)
-                works.append(_reduce_scatter(src, buf, group=pg, async_op=cuda))
-            else:
-                for owner, lo, hi in pieces:
-                    works.append(dist.reduce(buf[lo:hi], group=pg, group_dst=owner, async_op=cuda))
-                src = buf[mine[0][0]:mine[0][1]] if mine else None
-        if cuda:  # retired when buffer j is needed again (or at step): the works still read it
-            self._inflight[j] = (works, src, at, first)
-        elif src is not None:
-            self._deliver(src, at, first)
-
-    def _retire(self, j: int) -> None:
-        """CUDA: finish buffer ``j``'s reduction and deliver this rank's part (no-op on CPU)."""
-        if self._inflight[j] is None:
-            return
-        works, src, at, first = self._inflight[j]
-        self._inflight[j] = None
-        s = self.streams
-        with s.use(self.comm_stream):
-            for w in works:
-                w.wait()  # the comm stream waits for the collective before reading its result
-            if src is not None:
-                self._deliver(src, at, first)
-        self._done[j] = s.event(self.comm_stream)
-        # The compute stream refills this buffer next: it must wait until the delivery read it.
-        s.wait(s.compute(), self._done[j])
-
-    def _drain(self) -> None:
-        for j in (self._buf_slot, self._buf_slot ^ 1):  # the older launch first
-            self._retire(j)
-
-    def _deliver(self, src: torch.Tensor, at: int, first: bool) -> None:
-        """``store[at:at + n] = src`` (first gradient of the window) or ``+= src``."""
-        n = src.numel()
-        dst = self.store[at:at + n]
-        if self.store.device.type != "cpu":            # device store (CUDA, no offload); comm stream
-            dst.copy_(src) if first else dst.add_(src)
-            return
-        if src.device.type != "cpu":                   # offload on CUDA: down through pinned staging
-            stage = self._grad_staging[:n]
-            stage.copy_(src, non_blocking=True)        # on the current stream, after the reduction
-            # The host reads the staging next (and the next delivery may rewrite it): wait for the copy.
-            self.streams.host_wait(self.streams.event(torch.cuda.current_stream(self.device)))
-            src = stage
-        if dst.dtype == torch.float32:
-            ops.accumulate_grad(dst, src, overwrite=first, num_threads=self.options.num_threads)
-        elif not first:
-            raise RuntimeError(
-                "a parameter received a second gradient before step(): with gradient_accumulation_steps=1 "
-                "the engine keeps one 16-bit gradient per step; set gradient_accumulation_steps to the "
-                "number of backward passes per step")
-        else:
-            dst.copy_(src)
-
-    @torch.no_grad()
-    def _reduce_stage1(self) -> None:
-        """Round k: element range k of every rank's shard, from the full ``.grad``s, one reduce-scatter."""
-        W, S, c, N = self.world_size, self.partition.shard_numel, self._chunk, self.numel
-        for k0 in range(0, S, c):
-            ck = min(c, S - k0)
-            x = self._round_in[:W * ck]
-            for r in range(W):
-                a = r * S + k0
-                piece = x[r * ck:(r + 1) * ck]
-                for p, off, lo, hi in self._index.pieces(a, min(a + ck, N)):
-                    if p.grad is None:
-                        piece[lo - a:hi - a].zero_()
-                    else:
-                        piece[lo - a:hi - a].copy_(p.grad.reshape(-1)[lo - off:hi - off])
-                if a + ck > N:
-                    piece[max(N - a, 0):].zero_()
-            pieces = [(r, r * ck, (r + 1) * ck) for r in range(W)]
-            self._reduce(x, pieces, k0, 0, first=True, out=self._round_out)
-            self._retire(0)  # CUDA: deliver now (the next round rewrites x)
-        for i, (p, _, _) in enumerate(self._slots):
-            if p.grad is not None:
-                self._received[i] = 1
-                p.grad = None  # reduced: the full gradient is no longer needed
-
     # -- the step --------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
@@ -438,10 +256,10 @@ class ShardedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.stage == 1:
-            self._reduce_stage1()
+            self.reducer.reduce_full()
         else:
-            self._drain()
-            if self._micro == 0:
+            self.reducer.drain()
+            if self.reducer.micro == 0:
                 self.store.zero_()  # no backward in this window: no gradient anywhere
         stats = self._global_stats()
         total, received = stats[0], [c > 0 for c in stats[1:]]
@@ -450,7 +268,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.scaler.enabled and not finite:
             self.scaler.update(True)
             self.last = StepResult(True, float("inf"), self.scaler.scale)
-            self._new_window()
+            self.reducer.new_window()
             return loss
         loss_scale = self.scaler.scale
         norm = math.sqrt(total) / (loss_scale * self.world_size) if finite else float("nan")
@@ -466,7 +284,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 self._param_steps[i] += 1
         self._adam(runs, grad_scale, [dict(g) for g in self.param_groups])
         self._gather(self.shard_out if self.shard_out is not None else self.master)
-        self._new_window()
+        self.reducer.new_window()
         return loss
 
     def _global_stats(self) -> list[float]:
@@ -476,14 +294,11 @@ class ShardedAdam(torch.optim.Optimizer):
             sq = torch.tensor([ops.grad_norm_sq(real, num_threads=self.options.num_threads)], dtype=torch.float64)
         else:
             sq = torch.linalg.vector_norm(real, dtype=torch.float64).square().reshape(1)
-        stats = torch.cat([sq.to(self.device), torch.tensor(self._received, dtype=torch.float64).to(self.device)])
+        counts = torch.tensor(self.reducer.received, dtype=torch.float64)
+        stats = torch.cat([sq.to(self.device), counts.to(self.device)])
         if self.world_size > 1:
             dist.all_reduce(stats, group=self.process_group)
         return stats.tolist()
-
-    def _new_window(self) -> None:
-        self._received = [0] * len(self._slots)
-        self._micro = 0
 
     def _adam(self, runs, grad_scale: float, hyper: list[dict]) -> None:
         lo, hi = self.shard_start, self.shard_end
@@ -556,7 +371,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Nothing is deferred past ``step()`` (no delayed update); finishes in-flight reductions."""
-        self._drain()
+        self.reducer.drain()
 
     # -- state -----------------------------------------------------------------------------------
     def state_meta(self) -> dict:
@@ -639,11 +454,8 @@ class ShardedAdam(torch.optim.Optimizer):
                 "host": self.plan.host_bytes, "device": self.plan.device_bytes}
 
     def close(self) -> None:
-        self._drain()
+        self.reducer.close()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)  # no copy may still read the arena we unpin
-        for h in self._handles:
-            h.remove()
-        self._handles = []
         if self.arena is not None:
             self.arena.close()
