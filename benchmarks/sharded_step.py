@@ -127,6 +127,7 @@ def main() -> int:
     info = hardware()
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json == "-" else print
     say(hardware_line(info))
+    load_before = os.getloadavg()[0]  # other work on the machine skews times, not memory
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -153,13 +154,13 @@ def main() -> int:
         row["time_vs_ddp"] = row["iter_ms"] / ddp["iter_ms"]
     say(f"model: {rows[0]['params'] / 1e6:.1f}M params (Linear {args.width}x{args.width} stack), fp32, "
         f"{args.world} ranks x {args.threads} threads, gloo, batch {args.batch}/rank, reduce bucket {args.bucket}, "
-        f"all-gather bucket {args.allgather_bucket}")
+        f"all-gather bucket {args.allgather_bucket}; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print_table(rows, [("name", "row"), ("state_MB", "state MB", ".1f"), ("grads_MB", "grads MB", ".1f"),
                        ("pbufs_MB", "param bufs MB", ".1f"), ("total_MB", "total MB", ".1f"),
                        ("mem_vs_ddp", "mem/ddp", ".2f"), ("iter_ms", "iter ms", ".1f"), ("step_ms", "step ms", ".1f"),
                        ("time_vs_ddp", "time/ddp", ".2f")], file=sys.stderr if args.json == "-" else None)
     write_json(args.json, {"benchmark": "sharded_step", "hardware_line": hardware_line(info), "hardware": info,
-                           "args": vars(args), "rows": rows})
+                           "args": vars(args), "load_average": [load_before, os.getloadavg()[0]], "rows": rows})
     return 0
 
 
