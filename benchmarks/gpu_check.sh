@@ -81,9 +81,9 @@ else
 fi
 
 # 4. one training step with and without offload (JSON per size); 24 GiB CUDA cap
-run offload_step_500m 110 "$PY" benchmarks/offload_step.py "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 \
+run offload_step_500m 120 "$PY" benchmarks/offload_step.py "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 \
   --json "$OUT/offload_step_gpu_500m.json"
-run offload_step_1b 110 "$PY" benchmarks/offload_step.py "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
+run offload_step_1b 150 "$PY" benchmarks/offload_step.py "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
   --json "$OUT/offload_step_gpu_1b.json"
 
 # 5. the host-side CPU Adam of this machine (no GPU involved)
