@@ -158,6 +158,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._init_state()
         self.reducer.bind(self.regions["grad_buckets"], self.store, self.regions.get("grad_staging"))
         self._param_steps = [0] * len(self._slots)
+        self._prepared = None
         self.global_steps = 0
         self.needs_publish = False                 # no delayed update: the parameters are always current
         self.last = StepResult(False, 0.0, self.scaler.scale)
@@ -255,14 +256,8 @@ class ShardedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.stage == 1:
-            self.reducer.reduce_full()
-        else:
-            self.reducer.drain()
-            if self.reducer.micro == 0:
-                self.store.zero_()  # no backward in this window: no gradient anywhere
-        stats = self._global_stats()
-        total, received = stats[0], [c > 0 for c in stats[1:]]
+        total, received = self._prepare()
+        self._prepared = None
         finite = math.isfinite(total)
         self.global_steps += 1
         if self.scaler.enabled and not finite:
@@ -286,6 +281,31 @@ class ShardedAdam(torch.optim.Optimizer):
         self._gather(self.shard_out if self.shard_out is not None else self.master)
         self.reducer.new_window()
         return loss
+
+    def _prepare(self) -> tuple[float, list[bool]]:
+        """Finish this step's reduction; (global sum of squares, which params any rank updated)."""
+        if self._prepared is None:
+            if self.stage == 1:
+                self.reducer.reduce_full()
+            else:
+                self.reducer.drain()
+                if self.reducer.micro == 0:
+                    self.store.zero_()  # no backward in this window: no gradient anywhere
+            stats = self._global_stats()
+            self._prepared = (stats[0], [c > 0 for c in stats[1:]])
+        return self._prepared
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of this step's averaged, unscaled gradients before clipping; inf on overflow.
+        Computed once per step (``step()`` reuses it), so the Trainer can log it before stepping."""
+        total, _ = self._prepare()
+        if not math.isfinite(total):
+            return float("inf")
+        return math.sqrt(total) / (self.scaler.scale * self.world_size)
+
+    def slot_params(self) -> list[list[torch.nn.Parameter]]:
+        """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
+        return [[self._slots[i][0] for i in idxs] for idxs in self._groups]
 
     def _global_stats(self) -> list[float]:
         """[sum of squares of the summed gradient, then per param: ranks that produced a gradient]."""
@@ -418,6 +438,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def load_state_meta(self, meta: dict) -> None:
         sharding_ckpt.check_model(meta, self.numel, self._slot_meta())
+        self._prepared = None
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         self._param_steps = list(meta["param_steps"])
