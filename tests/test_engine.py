@@ -38,8 +38,9 @@ def assert_models_close(a, b, **tol):
         torch.testing.assert_close(pb.detach().float(), pa.detach().float(), msg=name, **tol)
 
 
-def test_fp32_matches_adamw_with_frozen_tied_and_unused_params():
-    ref_model, ref, model, opt = make_pair()
+@pytest.mark.parametrize("scatter_thread", [False, True], ids=["inline", "thread"])
+def test_fp32_matches_adamw_with_frozen_tied_and_unused_params(scatter_thread):
+    ref_model, ref, model, opt = make_pair(scatter_thread=scatter_thread)
     frozen_before = model.frozen.weight.detach().clone()
     data = batches(20)
     train_both(ref_model, ref, model, opt, data)
@@ -70,8 +71,9 @@ def test_gradient_accumulation_1_vs_4_same_global_batch():
     assert_models_close(m1, m4, rtol=2e-5, atol=2e-6)
 
 
-def test_gradient_accumulation_matches_adamw_accumulating_on_device():
-    ref_model, ref, model, opt = make_pair(gradient_accumulation_steps=3)
+@pytest.mark.parametrize("scatter_thread", [False, True], ids=["inline", "thread"])
+def test_gradient_accumulation_matches_adamw_accumulating_on_device(scatter_thread):
+    ref_model, ref, model, opt = make_pair(gradient_accumulation_steps=3, scatter_thread=scatter_thread)
     for ids, labels, use_branch in batches(12):
         for m in (ref_model, model):
             for i in range(3):
@@ -221,8 +223,9 @@ def test_dpu_follows_the_delayed_schedule(warmup):
     opt.close()
 
 
-@pytest.mark.parametrize("opts", [{}, {"dpu": True, "dpu_warmup_steps": 2}, {"gradient_accumulation_steps": 2}],
-                         ids=["sync", "dpu", "gas2"])
+@pytest.mark.parametrize("opts", [{}, {"dpu": True, "dpu_warmup_steps": 2}, {"gradient_accumulation_steps": 2},
+                                  {"scatter_thread": True, "dpu": True, "dpu_warmup_steps": 1}],
+                         ids=["sync", "dpu", "gas2", "thread-dpu"])
 def test_resume_is_bit_exact(opts, tmp_path):
     data = batches(10)
     gas = opts.get("gradient_accumulation_steps", 1)
@@ -297,3 +300,30 @@ def test_state_dict_round_trip():
     other.load_state_dict(state)
     assert torch.equal(other.master, opt.master) and torch.equal(other.exp_avg, opt.exp_avg)
     assert other.state_meta() == opt.state_meta()
+
+
+def test_dpu_keeps_params_that_never_had_a_gradient():
+    torch.manual_seed(0)
+    model = TinyNet()
+    before = model.branch.weight.detach().clone()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(dpu=True, dpu_warmup_steps=0, **SMALL))
+    for ids, labels, _ in batches(4):
+        loss_fn(model, ids, labels, False).backward()  # the branch never runs
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    assert torch.equal(model.branch.weight, before)
+    opt.close()
+
+
+def test_second_gradient_error_surfaces_from_the_scatter_thread():
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=torch.bfloat16,
+                      options=OffloadOptions(scatter_thread=True, **SMALL))
+    model.bfloat16()
+    ids, labels, _ = batches(1)[0]
+    loss_fn(model, ids, labels, True).backward()
+    with pytest.raises(RuntimeError, match="gradient_accumulation_steps"):
+        loss_fn(model, ids, labels, True).backward()
+        opt.step()

@@ -223,9 +223,6 @@ def test_cuda_dpu_follows_the_delayed_schedule(warmup):
     opt.close()
 
 
-@pytest.mark.xfail(strict=False, reason="engine: with DPU the full-size param staging is never initialised, so a "
-                                        "param that has not yet received a gradient is published from garbage "
-                                        "(zeros on a fresh allocation); seen on CPU too")
 def test_cuda_dpu_keeps_params_that_never_got_a_gradient():
     torch.manual_seed(0)
     used, unused = nn.Linear(16, 16, device=DEV), nn.Linear(16, 16, device=DEV)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-_ALIGN = 4096  # every region starts on a page: no two regions share a cache line or a page
+_ALIGN = 4096
+PINNED_REGIONS = ("grad_staging", "param_staging")  # what crosses PCIe  # every region starts on a page: no two regions share a cache line or a page
 
 
 def _bytes(dtype: torch.dtype) -> int:
@@ -86,21 +87,30 @@ class HostArena:
     def __init__(self, plan: HostPlan, *, pin: bool, check_ram: bool = True):
         self.plan = plan
         layout, total = {}, 0
-        for name, (n, dt, where) in plan.regions.items():
-            if where != "host":
-                continue
+        # Regions the device copies from or to go last, so that one contiguous range is pinned; the
+        # masters, moments and gradient store are only touched by the CPU and stay pageable (pinning
+        # them would only cost registration time and locked-memory budget).
+        host = [(k, v) for k, v in plan.regions.items() if v[2] == "host"]
+        host.sort(key=lambda kv: kv[0] in PINNED_REGIONS)
+        pin_from = None
+        for name, (n, dt, _) in host:
+            if name in PINNED_REGIONS and pin_from is None:
+                pin_from = total
             layout[name] = (total, n, dt)
             total += _round(n * _bytes(dt))
         self.nbytes = total
         if check_ram:
             check_host_ram(total)
         self._buf = torch.empty(total, dtype=torch.uint8)
-        self.pinned = _register(self._buf) if pin else False
+        self._pinned_range = self._buf[pin_from:] if pin_from is not None else self._buf[:0]
+        self.pinned = _register(self._pinned_range) if pin else False
         self.regions = {name: self._buf[off:off + n * _bytes(dt)].view(dt) for name, (off, n, dt) in layout.items()}
 
     def close(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+            # An async copy may still read or write the staging: let it land before unpinning.
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._pinned_range.data_ptr())
             self.pinned = False
         self.regions = {}
         self._buf = None

@@ -44,6 +44,7 @@ class OffloadOptions:
     dpu: bool = False
     dpu_warmup_steps: int = 40
     num_threads: int | None = None
+    scatter_thread: bool | None = None      # gradient scatter on a helper thread (default: on CUDA)
 
 
 @dataclass
@@ -111,11 +112,16 @@ class OffloadAdam(torch.optim.Optimizer):
                 self.master[off:off + n].copy_(p.detach().reshape(-1))
                 if p.dtype != self.param_dtype:
                     p.data = p.data.to(self.param_dtype)
+        if options.dpu:
+            # _publish_all uploads the whole staging: it must hold every parameter, also those that
+            # have not received a gradient yet (their masters, rounded like the kernel rounds).
+            self.param_staging.copy_(self.master)
         bucket_n = self.plan.regions["grad_buckets"][0] // 2
         buckets = torch.empty(2, bucket_n, dtype=self.param_dtype, device=device)
         staging = r["grad_staging"].view(2, bucket_n) if "grad_staging" in r else None
         self.pipeline = GradPipeline(all_slots, streams=self.streams, buckets=buckets, staging=staging,
-                                     accumulate=store_dtype({self.param_dtype}, gas) == torch.float32)
+                                     accumulate=store_dtype({self.param_dtype}, gas) == torch.float32,
+                                     scatter_thread=options.scatter_thread)
         self.pipeline.new_window(self._stores[0])
         self._param_steps = torch.zeros(len(all_slots), dtype=torch.int64)
         self._slot_index = {off: i for i, (_, off, _) in enumerate(all_slots)}
@@ -361,7 +367,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def finish_load(self) -> None:
         """After the tensors are in place: rebuild what a checkpoint does not store."""
-        if self.needs_publish:
+        if self._tiles is None:
             # DPU staging is the masters rounded to the training dtype (nearest even, like the kernel).
             self.param_staging.copy_(self.master)
 

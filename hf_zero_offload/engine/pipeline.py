@@ -3,12 +3,14 @@
 Each parameter's gradient, once fully accumulated for this backward, is copied into the current
 device bucket and the device gradient is freed. A full bucket goes down to pinned host staging by
 an async copy on a side stream, in the gradient's own dtype; the two buckets alternate, so one fills
-while the other drains. When a bucket slot comes round again, the host waits for its copy and
-scatters it into the flat host gradient store (16-bit copy, or fp32 accumulation across
-micro-batches), so the device never sees the accumulator. On CPU the same path runs with plain
-tensors: the buckets are host memory, so they are scattered directly.
+while the other drains. A helper thread waits for each copy and scatters the staging into the flat
+host gradient store (16-bit copy, or fp32 accumulation across micro-batches), so neither the device
+nor the autograd thread waits for the CPU, and the device never sees the accumulator. On CPU the same
+path runs with plain tensors (the buckets are host memory, scattered directly), inline by default.
 """
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -20,7 +22,8 @@ _SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thr
 
 class GradPipeline:
     def __init__(self, slots: list[tuple[torch.nn.Parameter, int, int]], *, streams: Streams,
-                 buckets: torch.Tensor, staging: torch.Tensor | None, accumulate: bool):
+                 buckets: torch.Tensor, staging: torch.Tensor | None, accumulate: bool,
+                 scatter_thread: bool | None = None):
         self.streams = streams
         self.buckets = buckets            # [2, bucket_numel] on the device
         self.staging = staging            # [2, bucket_numel] pinned host (CUDA) or None (CPU)
@@ -30,8 +33,12 @@ class GradPipeline:
         self.received: dict[int, int] = {}       # flat offset -> grads received in this window
         self._index = {}
         self._slot, self._cursor = 0, 0
-        self._pending = ([], [])
+        self._pending = [[], []]
         self._done = [None, None]
+        self._futures = [None, None]
+        # Default: a scatter thread on CUDA (backward must not stall), inline on CPU (nothing to overlap).
+        use_thread = streams.cuda if scatter_thread is None else scatter_thread
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hzo-scatter") if use_thread else None
         self._handles = []
         for p, offset, numel in slots:
             if numel > self.bucket_numel:
@@ -40,6 +47,8 @@ class GradPipeline:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -66,28 +75,43 @@ class GradPipeline:
         if self._cursor == 0:
             return
         slot, used = self._slot, self._cursor
-        if self.streams.cuda:
-            filled = self.streams.event()          # every copy into this bucket is queued before it
-            self.streams.wait(self.streams.d2h, filled)
-            with self.streams.use(self.streams.d2h):
+        s = self.streams
+        if s.cuda:
+            # The staging half is rewritten only after its previous scatter finished reading it.
+            self._wait(slot)
+            filled = s.event()          # every copy into this bucket is queued before it
+            s.wait(s.d2h, filled)
+            with s.use(s.d2h):
                 self.staging[slot, :used].copy_(self.buckets[slot, :used], non_blocking=True)
-            self._done[slot] = self.streams.event(self.streams.d2h)
-            self._slot, self._cursor = slot ^ 1, 0
-            # Before the other bucket is refilled, its previous copy must have landed: the host
-            # waits on it (so the device may overwrite it: later compute-stream work is queued
-            # after this host wait) and scatters its staging into the store.
-            self._retire(self._slot)
+            self._done[slot] = s.event(s.d2h)
+        self._submit(slot)
+        self._slot, self._cursor = slot ^ 1, 0
+        if s.cuda:
+            # Device-side wait: kernels refilling the other bucket start after its copy down landed,
+            # without blocking this (autograd) thread.
+            s.wait(s.compute(), self._done[self._slot])
         else:
-            self._slot, self._cursor = slot ^ 1, 0
-            self._retire(slot)
+            self._wait(self._slot)  # on CPU the bucket itself is what the scatter reads
 
-    def _retire(self, slot: int) -> None:
-        if not self._pending[slot]:
+    def _submit(self, slot: int) -> None:
+        pending, self._pending[slot] = self._pending[slot], []
+        if self._pool is None:
+            self._retire(slot, pending)
+        else:
+            # The scatter runs on a helper thread so backward keeps queueing device work meanwhile.
+            self._futures[slot] = self._pool.submit(self._retire, slot, pending)
+
+    def _wait(self, slot: int) -> None:
+        fut, self._futures[slot] = self._futures[slot], None
+        if fut is not None:
+            fut.result()  # re-raises a failed scatter here
+
+    def _retire(self, slot: int, pending: list) -> None:
+        if not pending:
             return
-        self.streams.host_wait(self._done[slot])
-        self._done[slot] = None
+        self.streams.host_wait(self._done[slot])  # the copy down must have landed in staging
         src = self.staging[slot] if self.streams.cuda else self.buckets[slot]
-        for offset, boff, numel in self._pending[slot]:
+        for offset, boff, numel in pending:
             seen = self.received.get(offset, 0)
             dst = self.store[offset:offset + numel]
             piece = src[boff:boff + numel]
@@ -102,14 +126,13 @@ class GradPipeline:
             else:
                 dst.copy_(piece)
             self.received[offset] = seen + 1
-        self._pending[slot].clear()
 
     # -- step side -----------------------------------------------------------------------------
     def drain(self) -> None:
         """Send the partly filled bucket and wait until every gradient is in the store."""
         self._flush()
         for slot in (self._slot ^ 1, self._slot):  # the older copy first
-            self._retire(slot)
+            self._wait(slot)
 
     def new_window(self, store: torch.Tensor) -> None:
         """Start accumulating the next step's gradients into ``store``."""
