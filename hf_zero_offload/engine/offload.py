@@ -133,7 +133,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._flat_slots = all_slots
         self._offsets = [off for _, off, _ in all_slots]
         self._tile_events = [None, None]
-        self._publish_event = None
+        self._staging_events: dict[int, object] = {}  # DPU staging tile index -> its last upload
         self._prepared = None
 
     # -- the step ------------------------------------------------------------------------------
@@ -231,9 +231,6 @@ class OffloadAdam(torch.optim.Optimizer):
         the full-size staging keeps the result until ``_publish_all``."""
         full = self._tiles is None
         tile_numel = self.options.tile_numel if full else self._tiles.shape[1]
-        if full:
-            # The full-size staging may still be feeding the previous upload: never rewrite it early.
-            self.streams.host_wait(self._publish_event)
         k = 0
         for run in runs:
             h = hyper[run.group]
@@ -241,6 +238,9 @@ class OffloadAdam(torch.optim.Optimizer):
             while a < run.end:
                 b = min(run.end, a + tile_numel)
                 if full:
+                    # This range of the full-size staging may still feed the previous publish: wait
+                    # for the upload of just the staging tiles it overlaps, not the whole model.
+                    self._wait_staging(a, b)
                     out = self.param_staging[a:b]
                 else:
                     slot = k % 2
@@ -254,7 +254,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 if publish:
                     ev = self._upload(out, a, b)
                     if full:
-                        self._publish_event = ev
+                        self._mark_staging(a, b, ev)
                     else:
                         self._tile_events[slot] = ev
                 k += 1
@@ -295,11 +295,24 @@ class OffloadAdam(torch.optim.Optimizer):
         """DPU: the masters computed on the worker reach the device parameters."""
         if not self.needs_publish:
             return
-        ev = self._upload(self.param_staging, 0, self.numel)
+        # Tile by tile, each with its own event: the worker's next step may rewrite a staging tile
+        # as soon as that tile's upload landed, while later tiles are still in flight.
+        t = self.options.tile_numel
+        for a in range(0, self.numel, t):
+            b = min(self.numel, a + t)
+            self._mark_staging(a, b, self._upload(self.param_staging[a:b], a, b))
         self._upload_done()
-        # The worker rewrites the staging next; it must not start before this upload finished.
-        self._publish_event = ev
         self.needs_publish = False
+
+    def _mark_staging(self, a: int, b: int, event) -> None:
+        t = self.options.tile_numel
+        for i in range(a // t, (b - 1) // t + 1):
+            self._staging_events[i] = event
+
+    def _wait_staging(self, a: int, b: int) -> None:
+        t = self.options.tile_numel
+        for i in range(a // t, (b - 1) // t + 1):
+            self.streams.host_wait(self._staging_events.pop(i, None))
 
     def _wait_worker(self) -> None:
         if self._pending is not None:
@@ -310,7 +323,9 @@ class OffloadAdam(torch.optim.Optimizer):
         """Finish an in-flight DPU step and publish its parameters (end of training, final save)."""
         self._wait_worker()
         self._publish_all()
-        self.streams.host_wait(self._publish_event)
+        for ev in self._staging_events.values():
+            self.streams.host_wait(ev)
+        self._staging_events.clear()
 
     def slot_params(self) -> list[list[torch.nn.Parameter]]:
         """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
