@@ -68,6 +68,16 @@ PYBIND11_MODULE(_C, m) {
         hzo::accumulate(reinterpret_cast<float*>(acc), reinterpret_cast<const void*>(grad), d,
                         static_cast<float>(scale), overwrite, n, nthreads);
       });
+  m.def(
+      "stream_ref",
+      [](uintptr_t p, uintptr_t g, uintptr_t m_, uintptr_t v, size_t n, int nthreads) {
+        py::gil_scoped_release release;
+        hzo::stream_ref(reinterpret_cast<float*>(p), reinterpret_cast<const float*>(g), reinterpret_cast<float*>(m_),
+                        reinterpret_cast<float*>(v), n, nthreads);
+      },
+      "benchmark reference: fp32 Adam's memory traffic (4 reads, 3 writes) without its arithmetic");
+  m.def("set_thread_pool", &hzo::set_thread_pool,
+        "True: persistent worker threads (default); False: fresh threads per call (benchmarks)");
   m.def("best_level", &hzo::best_level);
   m.def("available_levels", &hzo::available_levels);
   m.def("current_level", &hzo::current_level);

@@ -43,9 +43,15 @@ class CPUAdam(torch.optim.Optimizer):
                     raise TypeError(f"CPUAdam needs float32 parameters; got {p.dtype}")
 
     def __setstate__(self, state):
+        # Also the path of load_state_dict, whose saved groups replace ours: a group saved by
+        # torch.optim.Adam/AdamW has no "adamw_mode" but says "decoupled_weight_decay".
         super().__setstate__(state)
         for group in self.param_groups:
-            group.setdefault("adamw_mode", True)
+            group.setdefault("adamw_mode", bool(group.get("decoupled_weight_decay", True)))
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st and not torch.is_tensor(st["step"]):
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -54,7 +60,10 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            for flag in ("amsgrad", "maximize"):  # may come in with a torch.optim.Adam(W) state dict
+                if group.get(flag):
+                    raise ValueError(f"CPUAdam does not support {flag}=True (param group loaded from another optimizer?)")
+            beta1, beta2 = (float(b) for b in group["betas"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -72,12 +81,12 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg"],
                     state["exp_avg_sq"],
                     step=int(state["step"].item()),
-                    lr=group["lr"],
+                    lr=float(group["lr"]),  # a tensor lr (some schedulers) becomes a float here
                     beta1=beta1,
                     beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    adamw=group["adamw_mode"],
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    adamw=bool(group["adamw_mode"]),
                     num_threads=self.num_threads,
                 )
         return loss

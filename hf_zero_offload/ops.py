@@ -7,6 +7,7 @@ silently (a hidden copy would make an in-place update disappear).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -109,8 +110,9 @@ def adam_step(
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
     if param_out is not None:
         _check("param_out", param_out, _HALF_OR_FLOAT, n)
-    if isinstance(step, bool) or not isinstance(step, int):
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(f"step must be an int (1-based count after this update), got {type(step).__name__}")
+    step = int(step)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the 1-based count after this update), got {step}")
     for name, value in (("beta1", beta1), ("beta2", beta2)):

@@ -1,0 +1,139 @@
+"""Shared helpers for the benchmarks: hardware line, timing, plain-text tables, JSON output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware() -> dict[str, Any]:
+    """The facts a reader needs to compare two runs, as a dict (also stored in the JSON)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+    try:
+        import psutil
+
+        info["physical_cores"] = psutil.cpu_count(logical=False)
+        info["ram_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except Exception:  # psutil is optional here
+        pass
+    try:
+        from hf_zero_offload import ops
+
+        info["simd"] = ops.simd_level()
+        info["simd_available"] = ops.available_simd_levels()
+    except Exception as exc:  # the package may not be built yet
+        info["simd"] = f"unavailable ({type(exc).__name__})"
+    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return info
+
+
+def hardware_line(info: Mapping[str, Any] | None = None) -> str:
+    info = dict(info or hardware())
+    cores = f"{info.get('logical_cores')} logical cores"
+    if info.get("physical_cores"):
+        cores += f" ({info['physical_cores']} physical)"
+    parts = [
+        f"CPU: {info['cpu']}",
+        cores,
+        f"torch {info['torch']} ({info['torch_threads']} threads)",
+        f"SIMD: {info.get('simd')}",
+        f"GPU: {info['gpu'] or 'none'}",
+    ]
+    if info.get("ram_gib"):
+        parts.insert(2, f"{info['ram_gib']} GiB RAM")
+    return " | ".join(parts)
+
+
+def time_calls(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> list[float]:
+    """Seconds per call of ``fn``, ``repeat`` times after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: Iterable[float]) -> float:
+    return statistics.median(list(xs))
+
+
+Column = str | tuple  # "key" or (key, header) or (key, header, format spec)
+
+
+def _norm_col(col: Column) -> tuple[str, str, str]:
+    if isinstance(col, str):
+        return col, col, ""
+    key = col[0]
+    header = col[1] if len(col) > 1 else key
+    fmt = col[2] if len(col) > 2 else ""
+    return key, header, fmt
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column]) -> str:
+    """A plain-text table; numbers right-aligned, missing values shown as '-'."""
+    cols = [_norm_col(c) for c in columns]
+    cells = []
+    for row in rows:
+        line = []
+        for key, _, fmt in cols:
+            v = row.get(key)
+            if v is None:
+                line.append("-")
+            elif fmt and isinstance(v, (int, float)):
+                line.append(format(v, fmt))
+            else:
+                line.append(str(v))
+        cells.append(line)
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, (_, h, _) in enumerate(cols)]
+    numeric = [all(isinstance(row.get(k), (int, float)) or row.get(k) is None for row in rows) for k, _, _ in cols]
+
+    def fmt_line(vals):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+
+    out = [fmt_line([h for _, h, _ in cols]), fmt_line(["-" * w for w in widths])]
+    out += [fmt_line(r) for r in cells]
+    return "\n".join(out)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column], file=None) -> None:
+    print(format_table(rows, columns), file=file or sys.stdout)
+
+
+def write_json(path_or_stdout: str | os.PathLike | None, payload: Any) -> None:
+    """Write ``payload`` as JSON to a file (parent folders created) or to stdout when given '-'."""
+    if path_or_stdout is None:
+        return
+    text = json.dumps(payload, indent=2, default=str)
+    if str(path_or_stdout) == "-":
+        print(text)
+        return
+    path = os.fspath(path_or_stdout)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text + "\n")

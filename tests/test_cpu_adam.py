@@ -1,0 +1,220 @@
+"""CPUAdam against torch.optim.AdamW / Adam: training, LR schedulers, state dicts both ways."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_zero_offload import CPUAdam, ops
+
+# a few ulp per step: CPUAdam's second moment uses one fma where torch's addcmul rounds twice
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def restore_simd():
+    before = ops.simd_level()
+    yield
+    ops.set_simd_level(before)
+
+
+@pytest.fixture(params=ops.available_simd_levels())
+def simd(request):
+    ops.set_simd_level(request.param)
+    return request.param
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(13, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5))
+
+
+def _batches(k, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 13, generator=gen), torch.randn(8, 5, generator=gen)) for _ in range(k)]
+
+
+def _train(model, opt, batches, sched=None):
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def _assert_models_close(a, b, **tol):
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, **(tol or TOL))
+
+
+def _assert_states_close(opt_a, opt_b):
+    for (pa, sa), (pb, sb) in zip(opt_a.state.items(), opt_b.state.items()):
+        assert sa["step"].dtype == torch.float32 and sa["step"].dim() == 0
+        assert float(sa["step"]) == float(sb["step"])
+        torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], **TOL)
+        torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], **TOL)
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_matches_torch(simd, adamw):
+    ours_m, ref_m = _model(), _model()
+    kw = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1)
+    ours = CPUAdam(ours_m.parameters(), adamw_mode=adamw, **kw)
+    ref = (torch.optim.AdamW if adamw else torch.optim.Adam)(ref_m.parameters(), foreach=False, **kw)
+    batches = _batches(10)
+    _train(ours_m, ours, batches)
+    _train(ref_m, ref, batches)
+    _assert_models_close(ours_m, ref_m)
+    _assert_states_close(ours, ref)
+
+
+@pytest.mark.parametrize("sched_name", ["lambda", "step"])
+def test_lr_scheduler(sched_name):
+    ours_m, ref_m = _model(), _model()
+    ours = CPUAdam(ours_m.parameters(), lr=1e-2, weight_decay=0.01)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+
+    def make(opt):
+        if sched_name == "lambda":
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) * 0.9**s)
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.3)
+
+    batches = _batches(12)
+    s_ours, s_ref = make(ours), make(ref)
+    _train(ours_m, ours, batches, s_ours)
+    _train(ref_m, ref, batches, s_ref)
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    _assert_models_close(ours_m, ref_m)
+
+
+def test_hyperparameters_read_each_step():
+    ours_m, ref_m = _model(), _model()
+    ours = CPUAdam(ours_m.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    for i, batch in enumerate(_batches(6)):
+        for opt in (ours, ref):
+            g = opt.param_groups[0]
+            g["lr"], g["weight_decay"], g["betas"], g["eps"] = 1e-2 / (i + 1), 0.02 * i, (0.9, 0.95 + 0.008 * i), 1e-6
+        _train(ours_m, ours, [batch])
+        _train(ref_m, ref, [batch])
+    _assert_models_close(ours_m, ref_m)
+
+
+def test_param_groups_and_missing_grads():
+    ours_m, ref_m = _model(), _model()
+    groups = lambda m: [  # noqa: E731
+        {"params": list(m[0].parameters()), "lr": 1e-2, "weight_decay": 0.1},
+        {"params": list(m[2].parameters()), "lr": 3e-3},
+    ]
+    ours = CPUAdam(groups(ours_m), lr=1e-3)
+    ref = torch.optim.AdamW(groups(ref_m), lr=1e-3, weight_decay=0.0, foreach=False)
+    for m in (ours_m, ref_m):
+        m[2].bias.requires_grad_(False)  # never gets a grad: no state
+    _train(ours_m, ours, _batches(4))
+    _train(ref_m, ref, _batches(4))
+    _assert_models_close(ours_m, ref_m)
+    assert ours_m[2].bias not in ours.state
+
+
+def _state_dict_round_trip(first_cls, second_cls):
+    """Train with one optimizer, move its state dict to the other, continue; compare with a run
+    that never switched."""
+    kw = dict(lr=5e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    make = {
+        "ours": lambda ps: CPUAdam(ps, **kw),
+        "torch": lambda ps: torch.optim.AdamW(ps, foreach=False, **kw),
+    }
+    b1, b2 = _batches(5, seed=3), _batches(5, seed=4)
+
+    m1 = _model()
+    o1 = make[first_cls](m1.parameters())
+    _train(m1, o1, b1)
+    sd = copy.deepcopy(o1.state_dict())
+
+    # the switched run: same weights, new optimizer of the other kind, loaded state
+    m2 = copy.deepcopy(m1)
+    o2 = make[second_cls](m2.parameters())
+    o2.load_state_dict(sd)
+    st = next(iter(o2.state.values()))
+    assert st["step"].dtype == torch.float32 and st["step"].dim() == 0 and float(st["step"]) == 5.0
+    assert o2.param_groups[0]["lr"] == kw["lr"]
+    _train(m2, o2, b2)
+
+    # the reference run keeps the first optimizer
+    _train(m1, o1, b2)
+    _assert_models_close(m1, m2)
+    _assert_states_close(o2, o1)
+    return o2
+
+
+def test_state_dict_ours_to_torch():
+    o2 = _state_dict_round_trip("ours", "torch")
+    assert o2.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_state_dict_torch_to_ours():
+    o2 = _state_dict_round_trip("torch", "ours")
+    assert o2.param_groups[0]["adamw_mode"] is True
+
+
+def test_state_dict_torch_adam_to_ours_keeps_l2_mode():
+    m1, m2 = _model(), _model()
+    ref = torch.optim.Adam(m1.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    _train(m1, ref, _batches(3))
+    ours = CPUAdam(m2.parameters(), lr=1e-2, weight_decay=0.1, adamw_mode=True)
+    m2.load_state_dict(m1.state_dict())
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # load_state_dict may share the tensors
+    assert ours.param_groups[0]["adamw_mode"] is False
+    _train(m1, ref, _batches(3, seed=9))
+    _train(m2, ours, _batches(3, seed=9))
+    _assert_models_close(m1, m2)
+
+
+def test_state_dict_ours_to_ours_exact():
+    m1 = _model()
+    o1 = CPUAdam(m1.parameters(), lr=1e-2, weight_decay=0.01)
+    _train(m1, o1, _batches(3))
+    m2 = copy.deepcopy(m1)
+    o2 = CPUAdam(m2.parameters(), lr=1.0)
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+    b = _batches(3, seed=5)
+    _train(m1, o1, b)
+    _train(m2, o2, b)
+    for pa, pb in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_rejects_unsupported_groups_and_params():
+    m = _model()
+    ref = torch.optim.AdamW(m.parameters(), amsgrad=True)
+    ours = CPUAdam(m.parameters())
+    ours.load_state_dict(ref.state_dict())
+    _train_once = lambda: _train(m, ours, _batches(1))  # noqa: E731
+    with pytest.raises(ValueError, match="amsgrad"):
+        _train_once()
+    with pytest.raises(TypeError, match="float32"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="CPU"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    with pytest.raises(ValueError, match="lr"):
+        CPUAdam(m.parameters(), lr=-1.0)
+    with pytest.raises(ValueError, match="betas"):
+        CPUAdam(m.parameters(), betas=(1.0, 0.9))
+
+
+def test_closure_and_thread_count():
+    m_a, m_b = _model(), _model()
+    o_a = CPUAdam(m_a.parameters(), lr=1e-2, num_threads=1)
+    o_b = CPUAdam(m_b.parameters(), lr=1e-2, num_threads=2)
+    (x, y), = _batches(1)
+    for m, o in ((m_a, o_a), (m_b, o_b)):
+        def closure(m=m, o=o):
+            o.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+        assert o.step(closure) is not None
+    for pa, pb in zip(m_a.parameters(), m_b.parameters()):
+        assert torch.equal(pa, pb)
