@@ -321,13 +321,13 @@ def _after(fn, then):
 def _force_synchronous(opt: OffloadAdam) -> None:
     """The same engine with every asynchronous hand-off made synchronous: the device is drained
     after every gradient hook, bucket flush/retire and parameter-tile upload. (Patches private
-    methods on this instance only: the pipeline calls self._flush/self._retire, the engine
-    self._upload, so instance attributes take precedence.)"""
+    methods on this instance only: the pipeline calls self._flush/self._retire, the uploader
+    self._copy, so instance attributes take precedence.)"""
     sync = torch.cuda.synchronize
     pipe = opt.pipeline
     pipe._flush = _after(pipe._flush, sync)
     pipe._retire = _after(pipe._retire, sync)
-    opt._upload = _after(opt._upload, sync)
+    opt.uploader._copy = _after(opt.uploader._copy, sync)
     for p, _, _ in opt._flat_slots:
         p.register_post_accumulate_grad_hook(lambda _p: sync())  # runs after the engine's own hook
 

@@ -18,7 +18,6 @@ step count does not advance). Tied parameters are one ``Parameter`` and get one 
 """
 from __future__ import annotations
 
-import bisect
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from .buffers import HostArena, plan_host_memory, store_dtype
 from .loss_scaler import LossScaler
 from .pipeline import GradPipeline
 from .streams import Streams
+from .upload import ParamUploader
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,6 @@ class OffloadAdam(torch.optim.Optimizer):
         self._stores = list(r["grad_store"].view(2 if options.dpu else 1, self.numel).unbind(0))
         self._store_index = 0
         self.param_staging = r["param_staging"]
-        tile = self.plan.regions["param_staging"][0] // (1 if options.dpu else 2)
-        self._tiles = None if options.dpu else self.param_staging.view(2, tile)
         with torch.no_grad():
             for p, off, n in all_slots:
                 # Masters come from the parameters as given (fp32 for a model about to be cast):
@@ -130,10 +128,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._pending: Future | None = None
         self.needs_publish = False   # DPU: masters are ahead of the device parameters
         self.last = StepResult(False, 0.0, self.scaler.scale)
-        self._flat_slots = all_slots
-        self._offsets = [off for _, off, _ in all_slots]
-        self._tile_events = [None, None]
-        self._staging_events: dict[int, object] = {}  # DPU staging tile index -> its last upload
+        self.uploader = ParamUploader(self.streams, all_slots, self.param_staging, full=options.dpu,
+                                      tile_numel=options.tile_numel)
         self._prepared = None
 
     # -- the step ------------------------------------------------------------------------------
@@ -229,90 +225,33 @@ class OffloadAdam(torch.optim.Optimizer):
         """The fused CPU Adam over each run, tile by tile. ``publish``: each updated tile goes to the
         device as soon as it is written, overlapping the next tile's compute; otherwise (a DPU step)
         the full-size staging keeps the result until ``_publish_all``."""
-        full = self._tiles is None
-        tile_numel = self.options.tile_numel if full else self._tiles.shape[1]
+        up = self.uploader
         k = 0
         for run in runs:
             h = hyper[run.group]
             a = run.start
             while a < run.end:
-                b = min(run.end, a + tile_numel)
-                if full:
-                    # This range of the full-size staging may still feed the previous publish: wait
-                    # for the upload of just the staging tiles it overlaps, not the whole model.
-                    self._wait_staging(a, b)
-                    out = self.param_staging[a:b]
-                else:
-                    slot = k % 2
-                    # A staging tile is rewritten only after its previous upload finished.
-                    self.streams.host_wait(self._tile_events[slot])
-                    out = self._tiles[slot, :b - a]
+                b = min(run.end, a + up.tile_numel)
+                out = up.out_buffer(k, a, b)
                 ops.adam_step(self.master[a:b], store[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
                               step=run.step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                               weight_decay=h["weight_decay"], adamw=h["adamw_mode"], grad_scale=grad_scale,
                               param_out=out, num_threads=self.options.num_threads)
                 if publish:
-                    ev = self._upload(out, a, b)
-                    if full:
-                        self._mark_staging(a, b, ev)
-                    else:
-                        self._tile_events[slot] = ev
+                    up.upload(k, out, a, b)
                 k += 1
                 a = b
         if publish:
-            self._upload_done()
+            up.finish()
 
     def _dpu_step(self, runs, store, grad_scale: float, hyper: list[dict]) -> None:
         self._adam_runs(runs, store, grad_scale, hyper, publish=False)
 
-    def _upload(self, src: torch.Tensor, a: int, b: int):
-        """Copy staging ``src`` holding flat range [a, b) into the device parameters it covers."""
-        s = self.streams
-        if s.cuda:
-            # Parameters may still be read by kernels queued before the step: uploads wait for them.
-            s.wait(s.h2d, s.event())
-        with s.use(s.h2d):
-            for p, off, n in self._pieces(a, b):
-                lo, hi = max(a, off), min(b, off + n)
-                p.data.view(-1)[lo - off:hi - off].copy_(src[lo - a:hi - a], non_blocking=s.cuda)
-        return s.event(s.h2d) if s.cuda else None
-
-    def _upload_done(self) -> None:
-        # The next forward reads the parameters: the compute stream waits for the last upload.
-        if self.streams.cuda:
-            self.streams.wait(self.streams.compute(), self.streams.event(self.streams.h2d))
-
-    def _pieces(self, a: int, b: int):
-        lo = bisect.bisect_right(self._offsets, a) - 1
-        for i in range(max(lo, 0), len(self._flat_slots)):
-            p, off, n = self._flat_slots[i]
-            if off >= b:
-                break
-            if off + n > a:
-                yield p, off, n
-
     def _publish_all(self) -> None:
         """DPU: the masters computed on the worker reach the device parameters."""
-        if not self.needs_publish:
-            return
-        # Tile by tile, each with its own event: the worker's next step may rewrite a staging tile
-        # as soon as that tile's upload landed, while later tiles are still in flight.
-        t = self.options.tile_numel
-        for a in range(0, self.numel, t):
-            b = min(self.numel, a + t)
-            self._mark_staging(a, b, self._upload(self.param_staging[a:b], a, b))
-        self._upload_done()
-        self.needs_publish = False
-
-    def _mark_staging(self, a: int, b: int, event) -> None:
-        t = self.options.tile_numel
-        for i in range(a // t, (b - 1) // t + 1):
-            self._staging_events[i] = event
-
-    def _wait_staging(self, a: int, b: int) -> None:
-        t = self.options.tile_numel
-        for i in range(a // t, (b - 1) // t + 1):
-            self.streams.host_wait(self._staging_events.pop(i, None))
+        if self.needs_publish:
+            self.uploader.publish_all(self.numel)
+            self.needs_publish = False
 
     def _wait_worker(self) -> None:
         if self._pending is not None:
@@ -323,9 +262,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """Finish an in-flight DPU step and publish its parameters (end of training, final save)."""
         self._wait_worker()
         self._publish_all()
-        for ev in self._staging_events.values():
-            self.streams.host_wait(ev)
-        self._staging_events.clear()
+        self.uploader.wait_all()
 
     def slot_params(self) -> list[list[torch.nn.Parameter]]:
         """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
@@ -382,7 +319,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def finish_load(self) -> None:
         """After the tensors are in place: rebuild what a checkpoint does not store."""
-        if self._tiles is None:
+        if self.options.dpu:
             # DPU staging is the masters rounded to the training dtype (nearest even, like the kernel).
             self.param_staging.copy_(self.master)
 
