@@ -1,0 +1,369 @@
+#!/usr/bin/env python
+"""Fine-tune a seq2seq model (T5, BART, ...) with the Hugging Face Trainer plus ``hf_zero_offload``.
+
+The command-line interface of the legacy transformers v4.2 ``examples/seq2seq/finetune_trainer.py`` (the one of the
+HF blog post "Fit More and Train Faster With ZeRO via DeepSpeed and FairScale"), on transformers 5.x, with two
+additions from ``hf_zero_offload``: ``--zero_offload ds_config.json`` (ZeRO-2 + CPU offload) and ``--sharded_ddp``.
+
+    python examples/seq2seq/finetune_trainer.py --model_name_or_path t5-large --data_dir wmt_en_ro \\
+        --task translation_en_to_ro --output_dir output_dir --do_train --do_eval --predict_with_generate \\
+        --zero_offload configs/ds_config_1gpu.json ...
+
+Offline and without pretrained weights: ``--config_name configs/models/t5-small.json`` builds a randomly initialised
+model; with no ``--tokenizer_name``/``--model_name_or_path`` a T5-style SentencePiece tokenizer is trained on the
+training text and saved with the model. See examples/seq2seq/README.md.
+"""
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    HfArgumentParser,
+    set_seed,
+)
+from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
+
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments  # noqa: E402
+
+import seq2seq_utils as su  # noqa: E402
+from train_tokenizer import train_t5_tokenizer  # noqa: E402
+
+logger = logging.getLogger("finetune_trainer")
+
+
+@dataclass
+class ModelArguments:
+    """Which model/config/tokenizer to fine-tune from (legacy names)."""
+
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Pretrained model: a local directory (or a Hub id when online). Either this or "
+                          "--config_name (random initialisation) is needed."},
+    )
+    config_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Config name or path (a directory or a config .json such as configs/models/t5-small.json). "
+                          "Without --model_name_or_path the model is randomly initialised from it."},
+    )
+    tokenizer_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer name or path if not the same as model_name_or_path. With neither, a T5-style "
+                          "SentencePiece tokenizer is trained on the training text and saved in --output_dir."},
+    )
+    cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "Where to store downloaded pretrained models."}
+    )
+    freeze_encoder: bool = field(default=False, metadata={"help": "Whether to freeze the encoder."})
+    freeze_embeds: bool = field(default=False, metadata={"help": "Whether to freeze the embeddings."})
+    tokenizer_vocab_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "(new) Size of a tokenizer trained here, sentinels included; default: the config's "
+                          "vocab_size. A randomly initialised model is then built with this vocabulary."},
+    )
+
+
+@dataclass
+class DataTrainingArguments:
+    """What data to train and evaluate on (legacy names, plus --dataset_name and legacy --label_smoothing)."""
+
+    data_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Directory with line-aligned train|val|test.source/.target files (legacy layout)."},
+    )
+    task: str = field(
+        default="summarization",
+        metadata={"help": "summarization, translation_en_to_ro, translation_en_to_de, ... (selects the T5 prefix "
+                          "and task_specific_params of the config)."},
+    )
+    max_source_length: int = field(
+        default=1024, metadata={"help": "Max tokenized source length; longer sequences are truncated."}
+    )
+    max_target_length: int = field(
+        default=128, metadata={"help": "Max tokenized target length for training; longer ones are truncated."}
+    )
+    val_max_target_length: int = field(
+        default=142, metadata={"help": "Max target length for validation (labels and generation)."}
+    )
+    test_max_target_length: int = field(
+        default=142, metadata={"help": "Max target length for test (labels and generation)."}
+    )
+    n_train: int = field(default=-1, metadata={"help": "# training examples. -1 means use all."})
+    n_val: int = field(default=-1, metadata={"help": "# validation examples. -1 means use all."})
+    n_test: int = field(default=-1, metadata={"help": "# test examples. -1 means use all."})
+    src_lang: Optional[str] = field(default=None, metadata={"help": "Source language id for translation."})
+    tgt_lang: Optional[str] = field(default=None, metadata={"help": "Target language id for translation."})
+    eval_beams: Optional[int] = field(
+        default=None, metadata={"help": "# num_beams to use for evaluation (default: task_specific_params or 1)."}
+    )
+    ignore_pad_token_for_loss: bool = field(
+        default=True, metadata={"help": "If only pad tokens should be ignored (label padding becomes -100)."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "(new) A `datasets` dataset instead of --data_dir (needs the package and "
+                                        "network or a cache)."}
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "(new) Its config, e.g. ro-en."})
+    label_smoothing: Optional[float] = field(
+        default=None,
+        metadata={"help": "Legacy flag: label smoothing epsilon, mapped to --label_smoothing_factor."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Legacy flag (gone from TrainingArguments in transformers 5): allow training into a "
+                          "non-empty --output_dir."},
+    )
+
+
+class Seq2SeqTrainer(ZeroOffloadSeq2SeqTrainer):
+    """``ZeroOffloadSeq2SeqTrainer`` plus a working ``--sortish_sampler``.
+
+    In transformers 5.x ``Seq2SeqTrainingArguments.sortish_sampler`` is still parsed but nothing reads it; here it
+    selects ``LengthGroupedSampler`` (mega-batches of 50 batches sorted by length, longest first: the legacy
+    SortishSampler's scheme) over the source lengths in characters, as the legacy sampler used.
+    """
+
+    def _get_train_sampler(self, train_dataset=None):
+        ds = train_dataset if train_dataset is not None else self.train_dataset
+        if getattr(self.args, "sortish_sampler", False) and isinstance(ds, su.Seq2SeqTextDataset):
+            return LengthGroupedSampler(
+                self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths=ds.src_lens
+            )
+        return super()._get_train_sampler(train_dataset)
+
+
+def parse_args(argv: Optional[List[str]] = None):
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, ZeroOffloadSeq2SeqTrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=su.rewrite_legacy_argv(argv))
+
+
+def _load_texts(model_args, data_args, split: str, n_obs: int):
+    if data_args.data_dir:
+        return su.read_split(data_args.data_dir, split, n_obs)
+    return su.load_hf_dataset_split(data_args.dataset_name, data_args.dataset_config_name, split,
+                                    data_args.src_lang, data_args.tgt_lang, model_args.cache_dir, n_obs)
+
+
+def _round_up(n: int, multiple: int = 8) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
+    model_args, data_args, training_args = parse_args(argv)
+
+    # ---- checks and setup ---------------------------------------------------------------------------------------
+    if not (model_args.model_name_or_path or model_args.config_name):
+        raise ValueError("give --model_name_or_path (pretrained) or --config_name (random initialisation)")
+    if bool(data_args.data_dir) == bool(data_args.dataset_name):
+        raise ValueError("give exactly one of --data_dir (legacy layout) or --dataset_name")
+    if (training_args.do_train and os.path.isdir(training_args.output_dir) and os.listdir(training_args.output_dir)
+            and not data_args.overwrite_output_dir and not training_args.resume_from_checkpoint):
+        raise ValueError(f"Output directory ({training_args.output_dir}) already exists and is not empty. "
+                         "Use --overwrite_output_dir to overcome.")
+    if data_args.label_smoothing is not None:
+        training_args.label_smoothing_factor = data_args.label_smoothing
+    if training_args.generation_max_length is None:
+        training_args.generation_max_length = data_args.val_max_target_length
+    if training_args.generation_num_beams is None and data_args.eval_beams is not None:
+        training_args.generation_num_beams = data_args.eval_beams
+
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
+        level=logging.INFO if training_args.should_log else logging.WARNING,
+    )
+    logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
+    logger.warning(
+        "process rank %s, device %s, n_gpu %s, distributed %s, fp16 %s, bf16 %s, zero_offload %s, sharded_ddp %s",
+        training_args.local_process_index, training_args.device, training_args.n_gpu,
+        training_args.parallel_mode.value == "distributed", training_args.fp16, training_args.bf16,
+        training_args.zero_offload, training_args.sharded_ddp,
+    )
+    set_seed(training_args.seed)
+
+    # ---- config, data text, tokenizer, model --------------------------------------------------------------------
+    config = AutoConfig.from_pretrained(model_args.config_name or model_args.model_name_or_path,
+                                        cache_dir=model_args.cache_dir)
+    prefix = su.task_prefix(data_args.task, config)
+
+    need_eval = training_args.do_eval or training_args.eval_strategy != "no"
+    texts = {}
+    train_tokenizer_here = not (model_args.tokenizer_name or model_args.model_name_or_path)
+    if training_args.do_train or train_tokenizer_here:
+        texts["train"] = _load_texts(model_args, data_args, "train", data_args.n_train)
+    if need_eval:
+        texts["val"] = _load_texts(model_args, data_args, "val", data_args.n_val)
+    if training_args.do_predict:
+        texts["test"] = _load_texts(model_args, data_args, "test", data_args.n_test)
+
+    if train_tokenizer_here:
+        vocab_size = model_args.tokenizer_vocab_size or config.vocab_size
+        src, tgt = texts["train"]
+        logger.info("training a SentencePiece unigram tokenizer (vocab <= %d) on %d training pairs",
+                    vocab_size, len(src))
+        # Rank 0 trains and saves; the other ranks then load its files (one tokenizer for all ranks).
+        with training_args.main_process_first(desc="tokenizer training"):
+            if training_args.process_index == 0:
+                tokenizer = train_t5_tokenizer([prefix + s for s in src] + list(tgt), vocab_size,
+                                               save_dir=training_args.output_dir)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
+        logger.info("tokenizer: %d ids (saved in %s)", len(tokenizer), training_args.output_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path,
+                                                  cache_dir=model_args.cache_dir)
+    for attr, value in (("src_lang", data_args.src_lang), ("tgt_lang", data_args.tgt_lang)):
+        if value is not None and hasattr(tokenizer, attr):
+            setattr(tokenizer, attr, value)
+
+    if model_args.model_name_or_path:
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, config=config,
+                                                      cache_dir=model_args.cache_dir)
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
+    else:
+        if len(tokenizer) > config.vocab_size or (train_tokenizer_here and model_args.tokenizer_vocab_size):
+            config.vocab_size = _round_up(len(tokenizer))
+        model = AutoModelForSeq2SeqLM.from_config(config)
+        logger.info("randomly initialised %s from %s", type(model).__name__, model_args.config_name)
+    if model.config.decoder_start_token_id is None:
+        raise ValueError("the model config needs decoder_start_token_id")
+    gen_params = su.task_generation_params(data_args.task, config)  # legacy use_task_specific_params
+    for k, v in gen_params.items():
+        setattr(model.generation_config, k, v)
+
+    if model_args.freeze_embeds:
+        su.freeze_embeds(model)
+    if model_args.freeze_encoder:
+        su.freeze_encoder(model)
+    n_total, n_trainable = su.count_params(model)
+    logger.info("model: %.2fM parameters, %.2fM trainable; task %s, prefix %r",
+                n_total / 1e6, n_trainable / 1e6, data_args.task, prefix)
+
+    # ==== MEMORY-PLAN HOOK =======================================================================================
+    # With --zero_offload / --sharded_ddp, hf_zero_offload.planner.print_plan prints the per-rank device and host
+    # memory of each configuration (baseline, fp16, ZeRO-1/2, offload) for this model at this batch size, before
+    # training starts. Older versions of the package lack the planner: then nothing is printed. A failing printout
+    # must never stop a training run, hence the broad except around the call.
+    if (training_args.zero_offload or training_args.sharded_ddp) and training_args.process_index == 0:
+        try:
+            from hf_zero_offload.planner import print_plan
+        except ImportError:
+            print_plan = None
+        if print_plan is not None:
+            try:
+                cuda = torch.cuda.is_available() and not training_args.use_cpu
+                plan_kwargs = dict(
+                    gpus=max(1, training_args.world_size), dtype="bf16" if training_args.bf16 else "fp16",
+                    seq_len=data_args.max_source_length, tgt_len=data_args.max_target_length,
+                    batch_size=training_args.per_device_train_batch_size,
+                    gradient_accumulation_steps=training_args.gradient_accumulation_steps, cuda=cuda,
+                )
+                if cuda:
+                    plan_kwargs["gpu_mem_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+                print_plan(model, **plan_kwargs)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("hf_zero_offload.planner.print_plan failed (training goes on): %s", e)
+    # =============================================================================================================
+
+    # ---- datasets and trainer -----------------------------------------------------------------------------------
+    max_len = {"train": data_args.max_target_length, "val": data_args.val_max_target_length,
+               "test": data_args.test_max_target_length}
+    datasets = {
+        split: su.Seq2SeqTextDataset(tokenizer, src, tgt, data_args.max_source_length, max_len[split], prefix)
+        for split, (src, tgt) in texts.items()
+        if split != "train" or training_args.do_train
+    }
+    collator = DataCollatorForSeq2Seq(
+        tokenizer, model=model,
+        label_pad_token_id=-100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id,
+    )
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=datasets.get("train"),
+        eval_dataset=datasets.get("val"),
+        data_collator=collator,
+        processing_class=tokenizer,
+        compute_metrics=su.build_compute_metrics(tokenizer) if training_args.predict_with_generate else None,
+    )
+
+    all_metrics: Dict[str, float] = {}
+    is_main = trainer.is_world_process_zero()
+    os.makedirs(training_args.output_dir, exist_ok=True)
+
+    def handle_metrics(split: str, metrics: Dict[str, float]) -> None:
+        all_metrics.update(metrics)
+        if is_main:
+            logger.info("***** %s metrics *****", split)
+            for key in sorted(metrics):
+                logger.info("  %s = %s", key, metrics[key])
+            su.save_json(metrics, os.path.join(training_args.output_dir, f"{split}_results.json"))
+
+    # ---- train --------------------------------------------------------------------------------------------------
+    if training_args.do_train:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        metrics = dict(train_result.metrics)
+        metrics["train_n_objs"] = len(datasets["train"])
+        metrics["train_peak_device_mem_bytes"] = (
+            int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+        )
+        metrics["train_peak_host_rss_bytes"] = su.peak_host_rss_bytes()
+        trainer.save_model()  # the model and, as processing_class, the tokenizer
+        if is_main:
+            trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
+        handle_metrics("train", metrics)
+
+    # ---- evaluate -----------------------------------------------------------------------------------------------
+    if training_args.do_eval:
+        logger.info("*** Evaluate ***")
+        metrics = trainer.evaluate(metric_key_prefix="val", max_length=data_args.val_max_target_length,
+                                   num_beams=training_args.generation_num_beams)
+        metrics["val_n_objs"] = len(datasets["val"])
+        handle_metrics("val", metrics)
+
+    if training_args.do_predict:
+        logger.info("*** Predict ***")
+        out = trainer.predict(datasets["test"], metric_key_prefix="test",
+                              max_length=data_args.test_max_target_length,
+                              num_beams=training_args.generation_num_beams)
+        metrics = dict(out.metrics)
+        metrics["test_n_objs"] = len(datasets["test"])
+        handle_metrics("test", metrics)
+        if is_main and training_args.predict_with_generate:
+            preds = out.predictions[0] if isinstance(out.predictions, tuple) else out.predictions
+            preds = [[t for t in row if t >= 0] for row in preds.tolist()]
+            lines = [s.strip() for s in tokenizer.batch_decode(preds, skip_special_tokens=True)]
+            with open(os.path.join(training_args.output_dir, "test_generations.txt"), "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+
+    if is_main:
+        su.save_json(all_metrics, os.path.join(training_args.output_dir, "all_results.json"))
+    return all_metrics
+
+
+def _mp_fn(index):  # for xla_spawn (TPUs), as the legacy script had
+    main()
+
+
+if __name__ == "__main__":
+    main()

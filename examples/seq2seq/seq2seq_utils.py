@@ -1,0 +1,236 @@
+"""Helpers for ``finetune_trainer.py``: legacy data layout, task prefixes, metrics, freezing, legacy flags."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+logger = logging.getLogger(__name__)
+
+# T5's task prefixes (the public t5 configs carry the same strings in ``task_specific_params``).
+T5_TASK_PREFIXES = {
+    "summarization": "summarize: ",
+    "translation_en_to_de": "translate English to German: ",
+    "translation_en_to_fr": "translate English to French: ",
+    "translation_en_to_ro": "translate English to Romanian: ",
+}
+# Generation settings the legacy script copied from ``task_specific_params`` into the model config.
+_GENERATION_KEYS = ("num_beams", "early_stopping", "length_penalty", "no_repeat_ngram_size", "min_length")
+
+# Flags of the v4.2 command lines (the blog's) that transformers 5.x renamed or removed.
+LEGACY_FLAG_RENAMES = {
+    "--evaluation_strategy": "--eval_strategy",
+    "--adam_eps": "--adam_epsilon",
+    "--lr_scheduler": "--lr_scheduler_type",
+    "--no_cuda": "--use_cpu",
+}
+
+
+def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
+    """Map the v4.2 flag spellings onto today's names (``--flag value`` and ``--flag=value`` forms)."""
+    out: List[str] = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if name in LEGACY_FLAG_RENAMES:
+            new = LEGACY_FLAG_RENAMES[name]
+            logger.warning("legacy flag %s is spelled %s in transformers 5.x; mapped", name, new)
+            out.append(new + eq + value)
+        elif name == "--adafactor":
+            out += ["--optim", "adafactor"]
+        else:
+            out.append(arg)
+    return out
+
+
+def task_prefix(task: str, config) -> str:
+    """The source prefix: ``config.task_specific_params[task]["prefix"]``, else T5's table for T5 models."""
+    params = (getattr(config, "task_specific_params", None) or {}).get(task) or {}
+    if "prefix" in params:
+        return params["prefix"] or ""
+    if getattr(config, "model_type", None) in ("t5", "mt5", "umt5"):
+        if task in T5_TASK_PREFIXES:
+            return T5_TASK_PREFIXES[task]
+        if task.startswith("translation_") and task.count("_") == 3:
+            return ""  # unknown pair: no prefix rather than a wrong one
+    return getattr(config, "prefix", None) or ""
+
+
+def task_generation_params(task: str, config) -> Dict:
+    """Generation settings for ``task`` from ``config.task_specific_params`` (legacy ``use_task_specific_params``)."""
+    params = (getattr(config, "task_specific_params", None) or {}).get(task) or {}
+    return {k: params[k] for k in _GENERATION_KEYS if k in params}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data: the legacy --data_dir layout (line-aligned {split}.source / {split}.target)
+
+
+def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], List[str]]:
+    src_path = os.path.join(data_dir, f"{split}.source")
+    tgt_path = os.path.join(data_dir, f"{split}.target")
+    for path in (src_path, tgt_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: --data_dir must hold train|val|test.source/.target")
+    with open(src_path, encoding="utf-8") as f:
+        src = [line.rstrip("\n") for line in f]
+    with open(tgt_path, encoding="utf-8") as f:
+        tgt = [line.rstrip("\n") for line in f]
+    if len(src) != len(tgt):
+        raise ValueError(f"{split}: {len(src)} source lines but {len(tgt)} target lines in {data_dir}")
+    if n_obs is not None and n_obs >= 0:
+        src, tgt = src[:n_obs], tgt[:n_obs]
+    return src, tgt
+
+
+def load_hf_dataset_split(dataset_name: str, config_name: Optional[str], split: str, src_lang: Optional[str],
+                          tgt_lang: Optional[str], cache_dir: Optional[str], n_obs: int = -1) -> Tuple[List[str], List[str]]:
+    """Read one split of a ``datasets`` dataset (translation column, or source/target-like text columns)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(
+            "--dataset_name needs the `datasets` package (pip install datasets) and network access to the Hub; "
+            "offline, use --data_dir with the legacy train|val|test.source/.target layout instead"
+        ) from e
+    hf_split = {"val": "validation"}.get(split, split)
+    try:
+        ds = datasets.load_dataset(dataset_name, config_name, split=hf_split, cache_dir=cache_dir)
+    except Exception as e:  # offline, unknown name, missing split
+        raise RuntimeError(
+            f"could not load {dataset_name!r} ({config_name!r}) split {hf_split!r}: {e}. Offline "
+            "(HF_HUB_OFFLINE=1 or no network) only cached datasets load; use --data_dir for local files"
+        ) from e
+    if n_obs is not None and n_obs >= 0:
+        ds = ds.select(range(min(n_obs, len(ds))))
+    cols = ds.column_names
+    if "translation" in cols:
+        if not (src_lang and tgt_lang):
+            raise ValueError("a translation dataset needs --src_lang and --tgt_lang (e.g. en and ro)")
+        s, t = src_lang.split("_")[0], tgt_lang.split("_")[0]
+        pairs = ds["translation"]
+        return [p[s] for p in pairs], [p[t] for p in pairs]
+    for a, b in (("source", "target"), ("document", "summary"), ("article", "highlights"), ("text", "summary")):
+        if a in cols and b in cols:
+            return list(ds[a]), list(ds[b])
+    raise ValueError(f"do not know which columns of {dataset_name} are source and target: {cols}")
+
+
+class Seq2SeqTextDataset(Dataset):
+    """Pairs of strings, tokenized one item at a time (cheap with a fast tokenizer, no start-up cost on big splits).
+
+    ``src_lens`` (characters, as the legacy sortish sampler used) feed the length-grouped sampler.
+    """
+
+    def __init__(self, tokenizer, sources: List[str], targets: List[str], max_source_length: int,
+                 max_target_length: int, prefix: str = ""):
+        self.tokenizer = tokenizer
+        self.sources = [prefix + s for s in sources]
+        self.targets = targets
+        self.max_source_length = max_source_length
+        self.max_target_length = max_target_length
+        self.src_lens = [len(s) for s in self.sources]
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, i: int) -> Dict[str, List[int]]:
+        enc = self.tokenizer(self.sources[i], max_length=self.max_source_length, truncation=True)
+        lab = self.tokenizer(text_target=self.targets[i], max_length=self.max_target_length, truncation=True)
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": lab["input_ids"]}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def build_compute_metrics(tokenizer) -> Callable:
+    """sacrebleu corpus BLEU and the mean generated length (non-pad tokens), as the legacy script reported."""
+    import sacrebleu
+
+    pad = tokenizer.pad_token_id
+
+    def compute_metrics(eval_pred) -> Dict[str, float]:
+        preds, labels = eval_pred.predictions, eval_pred.label_ids
+        if isinstance(preds, tuple):
+            preds = preds[0]
+        preds = np.where(preds != -100, preds, pad)
+        labels = np.where(labels != -100, labels, pad)
+        pred_str = [s.strip() for s in tokenizer.batch_decode(preds, skip_special_tokens=True)]
+        label_str = [s.strip() for s in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        bleu = sacrebleu.corpus_bleu(pred_str, [label_str]).score
+        gen_len = float(np.mean([(row != pad).sum() for row in preds])) if len(preds) else 0.0
+        return {"bleu": round(bleu, 4), "gen_len": round(gen_len, 4)}
+
+    return compute_metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Freezing (legacy --freeze_embeds / --freeze_encoder)
+
+
+def _freeze(module: Optional[torch.nn.Module]) -> None:
+    if module is not None:
+        for p in module.parameters():
+            p.requires_grad_(False)
+
+
+def freeze_embeds(model) -> None:
+    """T5: ``shared`` and the encoder/decoder ``embed_tokens`` (tied, so also the LM head when tied); others:
+    the input embeddings plus any positional embeddings of the encoder/decoder."""
+    if getattr(model.config, "model_type", None) in ("t5", "mt5", "umt5"):
+        _freeze(getattr(model, "shared", None))
+        for stack in (model.get_encoder(), model.get_decoder()):
+            _freeze(getattr(stack, "embed_tokens", None))
+        return
+    _freeze(model.get_input_embeddings())
+    for stack in (model.get_encoder(), model.get_decoder()):
+        _freeze(getattr(stack, "embed_positions", None))
+        _freeze(getattr(stack, "embed_tokens", None))
+
+
+def freeze_encoder(model) -> None:
+    _freeze(model.get_encoder())
+
+
+def count_params(model) -> Tuple[int, int]:
+    seen, total, trainable = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Results
+
+
+def peak_host_rss_bytes() -> Optional[int]:
+    """Peak resident set size of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    try:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+    except Exception:
+        try:
+            import psutil
+
+            return int(psutil.Process().memory_info().rss)  # current, not peak: the best psutil offers portably
+        except Exception:
+            return None
+
+
+def save_json(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=4, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
