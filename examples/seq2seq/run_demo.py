@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""``make demo``: train a small randomly initialised T5 on a SYNTHETIC toy translation corpus, offline, on CPU or GPU.
+
+1. Writes the synthetic corpus (examples/seq2seq/synthetic_data.py) to output/demo_data, unless it is there.
+2. Runs examples/seq2seq/finetune_trainer.py with configs/models/t5-demo.json (random init, a SentencePiece tokenizer
+   trained on the fly), ``--zero_offload configs/ds_config_1gpu.json``, training + generate-eval (BLEU).
+3. Prints the metrics and checks that output/demo/all_results.json exists.
+
+``--smoke`` runs the same steps at toy sizes (a few training steps) for the test suite. The corpus is synthetic: the
+BLEU it reports says that the pipeline learns, nothing about real translation quality.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import synthetic_data  # noqa: E402
+
+# Full demo: sized so that it finishes in well under 5 minutes on a 2-core CPU and BLEU rises clearly from ~0.
+# (Measured: the legacy --sortish_sampler slows convergence on this toy task a lot, 38 vs 62 BLEU, so it is off;
+# the DeepSpeed-style WarmupLR of ds_config_1gpu.json keeps the lr constant after warm-up: 1e-3 beat 3e-3.)
+FULL = dict(n_train=5000, n_val=200, n_test=200, epochs=8, train_bs=32, eval_bs=100, lr=1e-3, warmup=100,
+            max_steps=None)
+# Smoke: the same pipeline in seconds.
+SMOKE = dict(n_train=64, n_val=16, n_test=16, epochs=1, train_bs=8, eval_bs=16, lr=3e-3, warmup=0, max_steps=5)
+
+
+def build_command(data_dir: str, output_dir: str, sizes: dict, model_config: str, use_gpu: bool) -> list:
+    cmd = [
+        sys.executable, os.path.join(HERE, "finetune_trainer.py"),
+        "--config_name", model_config,
+        "--data_dir", data_dir,
+        "--task", "translation_en_to_ro",
+        "--output_dir", output_dir,
+        "--overwrite_output_dir",
+        "--do_train", "--do_eval",
+        "--predict_with_generate",
+        "--zero_offload", os.path.join(ROOT, "configs", "ds_config_1gpu.json"),
+        "--n_train", str(sizes["n_train"]), "--n_val", str(sizes["n_val"]),
+        "--max_source_length", "64", "--max_target_length", "64",
+        "--val_max_target_length", "64", "--test_max_target_length", "64",
+        "--per_device_train_batch_size", str(sizes["train_bs"]),
+        "--per_device_eval_batch_size", str(sizes["eval_bs"]),
+        "--learning_rate", str(sizes["lr"]),
+        "--warmup_steps", str(sizes["warmup"]),
+        "--num_train_epochs", str(sizes["epochs"]),
+        "--eval_beams", "1",
+        "--logging_steps", "25",
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--disable_tqdm", "true",
+        "--seed", "42",
+    ]
+    if sizes.get("max_steps"):
+        cmd += ["--max_steps", str(sizes["max_steps"])]
+    if use_gpu:
+        cmd += ["--fp16"]
+    else:
+        cmd += ["--use_cpu"]
+        if cpu_has_native_bf16():
+            cmd += ["--bf16"]  # measured ~1.2x faster than fp32 for t5-demo on a 2-core AVX512-BF16 CPU
+    return cmd
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 autocast is faster than fp32 there; without them it is slower, so stay in fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="toy sizes and 5 training steps (for tests)")
+    p.add_argument("--output_root", default=os.path.join(ROOT, "output"),
+                   help="where demo_data/ and demo/ go (default: ./output)")
+    p.add_argument("--model_config", default=os.path.join(ROOT, "configs", "models", "t5-demo.json"))
+    p.add_argument("--cpu", action="store_true", help="stay on the CPU even when CUDA is available")
+    a = p.parse_args(argv)
+
+    t0 = time.time()
+    sizes = SMOKE if a.smoke else FULL
+    tag = "demo_smoke" if a.smoke else "demo"
+    data_dir = os.path.join(a.output_root, f"{tag}_data")
+    output_dir = os.path.join(a.output_root, tag)
+    if all(os.path.isfile(os.path.join(data_dir, f"{s}.{e}")) for s in ("train", "val", "test")
+           for e in ("source", "target")):
+        print(f"[demo] synthetic data already in {data_dir}")
+    else:
+        synthetic_data.write_corpus(data_dir, sizes["n_train"], sizes["n_val"], sizes["n_test"], seed=0)
+        print(f"[demo] wrote synthetic data to {data_dir}")
+
+    use_gpu = False
+    if not a.cpu:
+        try:
+            import torch
+
+            use_gpu = torch.cuda.is_available()
+        except ImportError:
+            pass
+    cmd = build_command(data_dir, output_dir, sizes, a.model_config, use_gpu)
+    print("[demo] " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd), flush=True)
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+
+    results_path = os.path.join(output_dir, "all_results.json")
+    if not os.path.isfile(results_path):
+        raise SystemExit(f"[demo] FAILED: {results_path} was not written")
+    with open(results_path) as f:
+        metrics = json.load(f)
+    print(f"[demo] {results_path}:")
+    for key in ("train_loss", "train_runtime", "train_samples_per_second", "val_loss", "val_bleu", "val_gen_len",
+                "val_runtime", "train_peak_host_rss_bytes", "train_peak_device_mem_bytes"):
+        print(f"[demo]   {key:28s} {metrics.get(key)}")
+    print(f"[demo] done in {time.time() - t0:.1f} s (synthetic data: BLEU shows the pipeline learns, nothing more)")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
