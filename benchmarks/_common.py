@@ -137,3 +137,42 @@ def write_json(path_or_stdout: str | os.PathLike | None, payload: Any) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text + "\n")
+
+
+def _proc_stat_busy() -> float | None:
+    """Seconds of CPU time all processes have used (from /proc/stat), or None where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        vals = [int(x) for x in fields]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+        return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ForeignLoad:
+    """Measures how many cores *other* processes kept busy while the block ran (a shared machine
+    makes memory-bound timings meaningless when that is not ~0):
+
+        with ForeignLoad() as load: ...
+        load.cores  # average number of cores used by other processes, or None
+    """
+
+    def __enter__(self):
+        self._busy0 = _proc_stat_busy()
+        t = os.times()
+        self._self0 = t.user + t.system
+        self._wall0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        busy1 = _proc_stat_busy()
+        t = os.times()
+        wall = time.perf_counter() - self._wall0
+        if self._busy0 is None or busy1 is None or wall <= 0:
+            self.cores = None
+        else:
+            own = t.user + t.system - self._self0
+            self.cores = max(0.0, (busy1 - self._busy0 - own) / wall)
+        return False

@@ -19,6 +19,7 @@ multi-pass pipelines it is an effective rate; "moved B/p" counts what each pipel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -40,7 +41,7 @@ if ARGS.threads is not None:  # before torch (and DeepSpeed's own OpenMP runtime
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import hardware, hardware_line, median, print_table, write_json  # noqa: E402
+from _common import ForeignLoad, hardware, hardware_line, median, print_table, write_json  # noqa: E402
 
 from hf_zero_offload import _C, ops  # noqa: E402
 
@@ -148,12 +149,17 @@ def main() -> int:
         "torch foreach fp32": ("fp32", 28, peer(b, torch_foreach, mixed=False)),
         "torch fused mixed": ("mixed", 40, peer(b, torch_fused, mixed=True)),
     }
+    versions = {"torch": torch.__version__}
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        # DeepSpeed logs (and JIT-builds) on stdout: keep stdout clean for --json -
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        ds = lambda ps: DeepSpeedCPUAdam(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)  # noqa
-        spec["DeepSpeed fp32"] = ("fp32", 28, peer(b, ds, mixed=False))
-        spec["DeepSpeed mixed"] = ("mixed", 40, peer(b, ds, mixed=True))
+            versions["deepspeed"] = deepspeed.__version__
+            ds = lambda ps: DeepSpeedCPUAdam(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)  # noqa
+            spec["DeepSpeed fp32"] = ("fp32", 28, peer(b, ds, mixed=False))
+            spec["DeepSpeed mixed"] = ("mixed", 40, peer(b, ds, mixed=True))
     except Exception as exc:  # not installed, or its CPU Adam failed to build
         skipped["DeepSpeed"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     try:
@@ -165,7 +171,8 @@ def main() -> int:
         skipped["torchao"] = f"not importable ({type(exc).__name__}: {exc})".splitlines()[0][:200]
 
     say(f"running {len(spec)} rows, {repeat} timed steps each, in 3 passes ...")
-    times = run_blocks({k: v[2] for k, v in spec.items()}, repeat, slow=("torch foreach fp32",))
+    with ForeignLoad() as load:
+        times = run_blocks({k: v[2] for k, v in spec.items()}, repeat, slow=("torch foreach fp32",))
     for name, (kind, moved, _) in spec.items():
         ts = times[name]
         ms = median(ts) * 1e3
@@ -186,6 +193,9 @@ def main() -> int:
                 file=out_stream)
     for name, why in skipped.items():
         say(f"skipped {name}: {why}")
+    if load.cores is not None:
+        say(f"other processes kept {load.cores:.2f} cores busy on average during the timed runs"
+            + ("  (WARNING: shared machine, timings disturbed)" if load.cores > 0.2 else ""))
 
     # targets (the issue's, stated for 50M params / 2 threads on the 2-core build machine)
     checks = []
@@ -214,6 +224,8 @@ def main() -> int:
         "bytes_per_param_fused": FUSED_BYTES,
         "rows": rows,
         "skipped": skipped,
+        "peer_versions": versions,
+        "foreign_load_cores": load.cores,
         "targets": [dict(target=label, met=bool(ok), value=value) for label, ok, value in checks],
     })
     return 0
