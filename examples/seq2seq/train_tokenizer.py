@@ -10,6 +10,7 @@ The result follows T5's layout: ``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2, the 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from typing import Iterable, Optional
@@ -52,11 +53,18 @@ def train_t5_tokenizer(
     with tempfile.TemporaryDirectory(prefix="hzo_spm_") as tmp:
         corpus = os.path.join(tmp, "corpus.txt")
         n_lines = 0
+        rng = random.Random(0)
         with open(corpus, "w", encoding="utf-8") as f:
             for line in texts:
-                line = line.strip()
-                if line:
-                    f.write(line + "\n")
+                words = line.split()
+                if words:
+                    # Shuffle the words of each line. Pieces never cross whitespace, so the unigram model's
+                    # objective is unchanged, but SentencePiece seeds its candidates from repeated substrings
+                    # whose left context varies: a word always at the same place (the task prefix, the fixed word
+                    # order of a low-diversity corpus) is otherwise never a candidate and ends up split into
+                    # characters ("translate" -> "tra ns la te"). Measured: synthetic corpus 28 -> 16 tokens a line.
+                    rng.shuffle(words)
+                    f.write(" ".join(words) + "\n")
                     n_lines += 1
         if n_lines == 0:
             raise ValueError("no training text for the tokenizer")
