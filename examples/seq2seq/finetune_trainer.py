@@ -129,7 +129,7 @@ class DataTrainingArguments:
     )
 
 
-class Seq2SeqTrainer(ZeroOffloadSeq2SeqTrainer):
+class LegacySeq2SeqTrainer(ZeroOffloadSeq2SeqTrainer):
     """``ZeroOffloadSeq2SeqTrainer`` plus a working ``--sortish_sampler``.
 
     In transformers 5.x ``Seq2SeqTrainingArguments.sortish_sampler`` is still parsed but nothing reads it; here it
@@ -295,7 +295,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         tokenizer, model=model,
         label_pad_token_id=-100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id,
     )
-    trainer = Seq2SeqTrainer(
+    trainer = LegacySeq2SeqTrainer(
         model=model,
         args=training_args,
         train_dataset=datasets.get("train"),
