@@ -131,11 +131,18 @@ class ZeroOffloadMixin:
             self._zo_raw = load_config(raw)  # fail fast on unknown keys, before any model work
             self._zo_source = raw if isinstance(raw, str) else "<dict>"
             self._zo_precision = (bool(targs.fp16), bool(targs.bf16))
-            # Loss scaling and the 16-bit model are ours: Accelerate must neither autocast nor run a
-            # GradScaler (it would find no gradients: they already left the device).
+            saved = (targs.fp16, targs.bf16, targs.mixed_precision)
+            # Loss scaling and the 16-bit model are ours: Accelerate, created in Trainer.__init__, must
+            # neither autocast nor run a GradScaler (it would find no gradients: they already left the
+            # device). The caller's arguments get their values back once the accelerator exists.
             targs.fp16 = targs.bf16 = False
             targs.mixed_precision = "no"
-        super().__init__(*args, **kwargs)
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                targs.fp16, targs.bf16, targs.mixed_precision = saved
+        else:
+            super().__init__(*args, **kwargs)
         if self._zo_raw is not None:
             backward = self.accelerator.backward
 

@@ -76,6 +76,7 @@ def test_fp16_overflow_skips_logs_and_holds_the_lr_schedule(tmp_path):
     assert skipped >= 1
     assert trainer.lr_scheduler.last_epoch == trainer.state.global_step - skipped
     assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert trainer.args.fp16 and trainer.accelerator.scaler is None  # caller's flag kept; no GradScaler
 
 
 def test_resume_is_exact(tmp_path):
