@@ -1,0 +1,174 @@
+"""benchmarks/t5_table.py --smoke end to end (CPU, offline): three one-process rows of finetune_trainer.py on t5-tiny,
+then the JSON / markdown / PNG outputs. Also the batch-size search on a fake probe (no training runs)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+SCRIPT = os.path.join(BENCH, "t5_table.py")
+
+pytest.importorskip("transformers")
+pytest.importorskip("sentencepiece")
+pytest.importorskip("sacrebleu")
+pytest.importorskip("matplotlib")
+
+SMOKE_ROWS = ["baseline", "zero2_offload", "zero2_offload_dpu"]
+ROW_KEYS = {"name", "configuration", "nproc", "batch_size", "status", "train_runtime", "val_runtime",
+            "peak_device_mem_gib", "peak_host_rss_mib", "train_loss", "cmd", "foreign_cores"}
+
+
+def _t5_table():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import t5_table
+
+    return t5_table
+
+
+def test_smoke_outputs(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--cpu", "--out_dir", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    payload = json.loads((tmp_path / "t5_table_smoke.json").read_text())
+    assert payload["smoke"] is True and payload["mode"] == "cpu"
+    assert {"hardware", "hardware_line", "command", "loadavg_before", "loadavg_after", "settings", "rows",
+            "notes", "blog_reference"} <= set(payload)
+    assert "--smoke" in payload["command"]
+    assert len(payload["loadavg_before"]) == 3
+    rows = payload["rows"]
+    assert [r["name"] for r in rows] == SMOKE_ROWS
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["status"] == "ok", r.get("log_tail")
+        assert r["nproc"] == 1 and r["batch_size"] == payload["settings"]["batch_size"]
+        assert r["train_runtime"] > 0 and r["val_runtime"] > 0
+        assert r["peak_host_rss_mib"] > 0 and r["peak_device_mem_gib"] is None  # CPU: no device memory
+        assert r["train_loss"] == pytest.approx(r["train_loss"])  # finite
+        assert "finetune_trainer.py" in r["cmd"] and "--use_cpu" in r["cmd"]
+    assert "--zero_offload" not in rows[0]["cmd"]
+    assert "ds_config_1gpu.json" in rows[1]["cmd"]
+    assert "ds_config_1gpu_dpu.json" in rows[2]["cmd"]  # the temporary copy with delayed_param_update
+
+    md = (tmp_path / "t5_table_smoke.md").read_text()
+    assert "| configuration | procs |" in md
+    for r in rows:
+        assert f"| {r['configuration']} |" in md
+    assert "30.95" in md  # the blog's baseline row, for comparison
+
+    png = (tmp_path / "t5_table_smoke.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert wall < 120, f"smoke run took {wall:.0f} s"
+
+
+def test_rows_cpu(tmp_path):
+    t5 = _t5_table()
+    a = t5.parse_args([])
+    t5._defaults(a, cuda=False)
+    rows = t5.build_rows(a, str(tmp_path), cuda=False)
+    assert [r.name for r in rows] == ["baseline", "half", "sharded_ddp", "sharded_ddp_half", "zero2", "zero2_offload",
+                                      "zero2_offload_1p", "zero2_offload_dpu"]
+    by = {r.name: r for r in rows}
+    assert by["baseline"].nproc == 2 and by["zero2_offload_dpu"].nproc == 1
+    assert "--bf16" in by["half"].flags and "--fp16" not in by["zero2"].flags
+    assert by["zero2_offload"].flags[1].endswith("ds_config.json")
+    dpu_cfg = json.loads(open(by["zero2_offload_dpu"].flags[1]).read())
+    assert dpu_cfg["zero_optimization"]["delayed_param_update"] == {"enabled": True, "warmup_steps": 10}
+    assert dpu_cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    stage = json.loads(open(by["sharded_ddp"].flags[2]).read())
+    assert by["sharded_ddp"].flags[0] == "--sharded_ddp" and stage == {"zero_optimization": {"stage": 1}}
+    # GPU: fp16 and the same row names
+    g = t5.build_rows(a, str(tmp_path), cuda=True)
+    assert "--fp16" in {f for r in g for f in r.flags} and "--bf16" not in {f for r in g for f in r.flags}
+
+
+def test_command_cpu_and_caps(tmp_path):
+    t5 = _t5_table()
+    a = t5.parse_args(["--nproc", "2"])
+    t5._defaults(a, cuda=False)
+    runner = t5.Runner(a, str(tmp_path), str(tmp_path / "data"), cuda=False, log_dir=str(tmp_path))
+    assert runner.launcher is None  # no cap on CPU unless --host_mem_gib
+    row = t5.RowSpec("baseline", "b", [], 2)
+    cmd = runner.command(row, 16, str(tmp_path / "o"), probe=False)
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes"] and "--nproc_per_node" in cmd
+    assert cmd[cmd.index("--ddp_backend") + 1] == "gloo" and "--use_cpu" in cmd
+    assert "--predict_with_generate" in cmd and cmd[cmd.index("--eval_beams") + 1] == "4"
+    assert cmd[cmd.index("--per_device_train_batch_size") + 1] == "16"
+    probe = runner.command(t5.RowSpec("x", "x", [], 1), 8, str(tmp_path / "p"), probe=True)
+    assert "--do_eval" not in probe and probe[probe.index("--max_steps") + 1] == "3"
+    assert "--ddp_backend" not in probe  # one process: no process group
+
+    # GPU mode: the generated launcher applies the per-process memory fraction before running the script
+    g = t5.parse_args([])
+    t5._defaults(g, cuda=True)
+    gr = t5.Runner(g, str(tmp_path), str(tmp_path / "data"), cuda=True, log_dir=str(tmp_path))
+    text = open(gr.launcher).read()
+    assert "set_per_process_memory_fraction" in text and "runpy.run_path" in text
+    env = gr.env(t5.RowSpec("zero2", "z", [], 2))
+    assert env["HZO_GPU_MEM_GIB"] == "24.0" and env["HZO_SCRIPT"].endswith("finetune_trainer.py")
+    gcmd = gr.command(t5.RowSpec("zero2", "z", [], 2), 8, "o", probe=True)
+    assert gr.launcher in gcmd and t5.SCRIPT not in gcmd and "--use_cpu" not in gcmd
+
+
+def test_launcher_applies_host_cap_and_runs_script(tmp_path):
+    """The generated launcher (CPU path: RLIMIT_AS) sets the cap, then runs HZO_SCRIPT as __main__ with its argv."""
+    t5 = _t5_table()
+    a = t5.parse_args(["--host_mem_gib", "64"])
+    t5._defaults(a, cuda=False)
+    runner = t5.Runner(a, str(tmp_path), str(tmp_path), cuda=False, log_dir=str(tmp_path))
+    target = tmp_path / "target.py"
+    target.write_text("import resource, sys\nif __name__ == '__main__':\n"
+                      "    print(resource.getrlimit(resource.RLIMIT_AS)[0], sys.argv[0].endswith('target.py'), "
+                      "sys.argv[1:])\n")
+    env = runner.env(t5.RowSpec("x", "x", [], 1))
+    env["HZO_SCRIPT"] = str(target)
+    out = subprocess.run([sys.executable, runner.launcher, "--a", "1"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(64 * 2**30), "True", "['--a',", "'1']"]
+
+
+@pytest.mark.parametrize("limit,start,multiple", [(37, 16, 1), (37, 200, 1), (50, 16, 10), (1, 16, 1), (0, 4, 1),
+                                                  (5000, 16, 1)])
+def test_find_max_bs(limit, start, multiple):
+    t5 = _t5_table()
+    calls = []
+
+    def probe(bs):
+        calls.append(bs)
+        return "ok" if bs <= limit else "oom"
+
+    bs, seen, err = t5.find_max_bs(probe, start, multiple, max_bs=1024, log=lambda m: None)
+    expected = min(1024, limit // multiple * multiple)
+    assert err is None and bs == expected
+    assert len(calls) == len(set(calls)) <= 20
+
+
+def test_find_max_bs_rel_tol():
+    t5 = _t5_table()
+    bs, seen, err = t5.find_max_bs(lambda b: "ok" if b <= 100 else "oom", 16, 1, log=lambda m: None, rel_tol=0.05)
+    failing = min(b for b, st in seen.items() if st == "oom")
+    assert err is None and 95 <= bs <= 100 and failing - bs <= 0.05 * bs and len(seen) <= 10
+
+
+def test_find_max_bs_error_stops():
+    t5 = _t5_table()
+    bs, seen, err = t5.find_max_bs(lambda b: "ok" if b <= 20 else "error", 16, 1, log=lambda m: None)
+    assert bs == 16 and "not out-of-memory" in err
+
+
+def test_t5_3b_recipe_needs_gpu(tmp_path):
+    t5 = _t5_table()
+    if t5._gpu_count():
+        pytest.skip("a GPU is present: the recipe would run")
+    assert t5.main(["--t5_3b_recipe", "--out_dir", str(tmp_path)]) == 0
+    assert not list(tmp_path.iterdir())
