@@ -30,6 +30,7 @@ from .buffers import HostArena, plan_host_memory, store_dtype
 from .loss_scaler import LossScaler
 from .pipeline import GradPipeline
 from .streams import Streams
+from .runs import Run, make_runs
 from .upload import ParamUploader
 
 
@@ -123,6 +124,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self.pipeline.new_window(self._stores[0])
         self._param_steps = torch.zeros(len(all_slots), dtype=torch.int64)
         self._slot_index = {off: i for i, (_, off, _) in enumerate(all_slots)}
+        self._group_slots = [[self._slot_index[off] for _, off, _ in g] for g in self._slots]
         self.global_steps = 0        # step() calls, skipped ones included (the DPU warm-up counts these)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hzo-dpu") if options.dpu else None
         self._pending: Future | None = None
@@ -200,26 +202,12 @@ class OffloadAdam(torch.optim.Optimizer):
         _, sumsq = self._prepare()
         return math.sqrt(sumsq) / self.scaler.scale if math.isfinite(sumsq) else float("inf")
 
-    def _runs(self) -> list["_Run"]:
+    def _runs(self) -> list[Run]:
         """Maximal runs of consecutive params of one group that all received a gradient and share a
         step count. One kernel call (tile by tile) covers a run."""
-        runs: list[_Run] = []
         received = self.pipeline.received
-        for gi, slots in enumerate(self._slots):
-            cur = None
-            for _, off, n in slots:
-                idx = self._slot_index[off]
-                if off not in received:
-                    cur = None
-                    continue
-                step = int(self._param_steps[idx]) + 1
-                if cur is not None and cur.step == step and cur.end == off:
-                    cur.end = off + n
-                    cur.slots.append(idx)
-                else:
-                    cur = _Run(gi, off, off + n, step, [idx])
-                    runs.append(cur)
-        return runs
+        return make_runs(self._group_slots, self.uploader.slots,
+                         [off in received for _, off, _ in self.uploader.slots], self._param_steps.tolist())
 
     def _adam_runs(self, runs, store, grad_scale: float, hyper: list[dict], publish: bool) -> None:
         """The fused CPU Adam over each run, tile by tile. ``publish``: each updated tile goes to the
@@ -343,12 +331,3 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._worker is not None:
             self._worker.shutdown()
         self.arena.close()
-
-
-@dataclass
-class _Run:
-    group: int
-    start: int
-    end: int
-    step: int
-    slots: list

@@ -63,7 +63,8 @@ from . import sharding_ckpt
 from .buffers import HostArena, HostPlan, plan_host_memory
 from .loss_scaler import LossScaler
 from .offload import OffloadOptions, StepResult
-from .sharding_layout import Partition, make_runs
+from .runs import make_runs
+from .sharding_layout import Partition
 from .sharding_reduce import GradReducer
 from .streams import Streams
 
