@@ -25,11 +25,8 @@ NAMES_FILE = "param_names.json"
 
 def write_param_names(state_dir: str, slot_names: list[list[str]]) -> None:
     """``slot_names``: for each engine slot in flat order, every name the parameter has (tied aliases)."""
-    os.makedirs(state_dir, exist_ok=True)
-    tmp = os.path.join(state_dir, NAMES_FILE + ".tmp")
-    with open(tmp, "w") as f:
+    with checkpoint.atomic_open(os.path.join(state_dir, NAMES_FILE), "w") as f:
         json.dump(slot_names, f)
-    os.replace(tmp, os.path.join(state_dir, NAMES_FILE))
 
 
 def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
@@ -82,9 +79,8 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
                 t = masters.get(key)
                 tensors[key] = (t if t is not None else f.get_tensor(key)).float().contiguous()
         dst = os.path.join(output_dir, os.path.basename(path))
-        tmp = dst + ".tmp"
-        save_file(tensors, tmp, metadata=metadata or {"format": "pt"})
-        os.replace(tmp, dst)
+        with checkpoint.atomic_path(dst) as tmp:
+            save_file(tensors, tmp, metadata=metadata or {"format": "pt"})
         written.append(dst)
     for extra in glob.glob(os.path.join(checkpoint_dir, "*.json")) + glob.glob(os.path.join(checkpoint_dir, "*.model")):
         name = os.path.basename(extra)

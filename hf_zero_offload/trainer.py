@@ -27,6 +27,7 @@ from . import ops
 from .consolidate import write_param_names
 from .config import ArgsView, TrainingConfig, load_config, resolve
 from .engine import OffloadAdam, OffloadOptions
+from .engine.checkpoint import atomic_path
 from .schedulers import SkipAwareScheduler, build_scheduler
 
 __all__ = [
@@ -240,9 +241,8 @@ class ZeroOffloadMixin:
         if self.args.should_save:
             write_param_names(state_dir, self._zo_slot_names())
         if self.args.should_save:
-            tmp = os.path.join(output_dir, _SCHEDULER_NAME + ".tmp")
-            torch.save(self.lr_scheduler.state_dict(), tmp)
-            os.replace(tmp, os.path.join(output_dir, _SCHEDULER_NAME))
+            with atomic_path(os.path.join(output_dir, _SCHEDULER_NAME)) as tmp:
+                torch.save(self.lr_scheduler.state_dict(), tmp)
 
     def _zo_slot_names(self) -> list[list[str]]:
         aliases: dict[int, list[str]] = {}

@@ -9,6 +9,7 @@ are fsynced, then renamed: a crash leaves the previous checkpoint intact, never 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -27,6 +28,29 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yield a temporary name beside ``path``; once the caller has written it, fsync it and rename it
+    over ``path``. A crash or an exception leaves the previous file (or none), never half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "wb"):
+    """``open(path, mode)`` for writing, made atomic with :func:`atomic_path`."""
+    with atomic_path(path) as tmp, open(tmp, mode) as f:
+        yield f
+
+
 def write_state(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     entries, offset = {}, 0
     for name, t in tensors.items():
@@ -36,21 +60,12 @@ def write_state(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None
         entries[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
         offset += nbytes
     header = json.dumps({"meta": meta, "tensors": entries}).encode()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
-            for t in tensors.values():
-                raw = t.detach().view(-1).view(torch.uint8).numpy()  # a view of the tensor's bytes
-                for i in range(0, raw.size, _CHUNK):
-                    f.write(memoryview(raw[i:i + _CHUNK]))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_open(path, "wb") as f:
+        f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
+        for t in tensors.values():
+            raw = t.detach().view(-1).view(torch.uint8).numpy()  # a view of the tensor's bytes
+            for i in range(0, raw.size, _CHUNK):
+                f.write(memoryview(raw[i:i + _CHUNK]))
 
 
 def read_header(path: str) -> tuple[dict, dict, int]:

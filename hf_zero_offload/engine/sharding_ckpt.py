@@ -31,16 +31,8 @@ _TENSORS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with checkpoint.atomic_open(path, "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 def _barrier(opt) -> None:
