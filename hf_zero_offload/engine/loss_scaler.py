@@ -34,6 +34,10 @@ class LossScaler:
         return cls(scale=float(2 ** initial_scale_power), dynamic=True, enabled=True, scale_window=loss_scale_window,
                    min_scale=float(min_loss_scale), hysteresis=hysteresis, cur_hysteresis=hysteresis)
 
+    def scale_loss(self, loss):
+        """The loss to call backward on: multiplied by the current scale (unchanged at scale 1)."""
+        return loss * self.scale if self.scale != 1.0 else loss
+
     def update(self, overflow: bool) -> None:
         """Advance one optimizer step; ``overflow`` says whether its gradients held inf/nan."""
         if self.dynamic:

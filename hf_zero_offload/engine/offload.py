@@ -140,7 +140,7 @@ class OffloadAdam(torch.optim.Optimizer):
         return self.scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+        return self.scaler.scale_loss(loss)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -249,7 +249,7 @@ class ShardedAdam(torch.optim.Optimizer):
         return self.scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+        return self.scaler.scale_loss(loss)
 
     @torch.no_grad()
     def step(self, closure=None):
