@@ -5,42 +5,24 @@ of csrc/adam.h: exp_avg is bit-identical to torch's lerp; exp_avg_sq uses one fu
 where torch's addcmul rounds twice, so params and exp_avg_sq agree with torch to a few ulp and are
 compared with tight tolerances, while every instruction set and every thread count must agree with
 the scalar path bit for bit (torch.equal).
+
+This file: the Adam step against torch, across instruction sets and threads, and the conversions
+(param_out rounding, gradient widening). ``test_ops_norms.py``: the gradient norm and accumulation;
+``test_ops_dispatch.py``: argument checks and the choice of instruction set.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from _kernels import GRAD_DTYPES, LEVELS, restore_simd, simd  # noqa: F401  (fixtures)
+from _kernels import dtname as _dtname
 
 from hf_zero_offload import ops
 
-LEVELS = ops.available_simd_levels()
 SIZES = [1, 7, 15, 16, 17, 4097, 2**20 + 3]
-GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OUT_DTYPES = [None, torch.float32, torch.bfloat16, torch.float16]
 # fp32 state after 10 steps: a few ulp from torch (one fma vs addcmul's two roundings).
 TOL = dict(rtol=2e-6, atol=1e-6)
-
-
-@pytest.fixture(autouse=True)
-def restore_simd():
-    before = ops.simd_level()
-    yield
-    ops.set_simd_level(before)
-
-
-@pytest.fixture(params=LEVELS)
-def simd(request):
-    ops.set_simd_level(request.param)
-    assert ops.simd_level() == request.param
-    return request.param
-
-
-def _dtname(d):
-    return "none" if d is None else str(d).replace("torch.", "")
 
 
 def _grads(n, steps, dtype, seed):
@@ -277,238 +259,3 @@ def test_grad_widening_edge_cases(simd, grad_dtype):
     acc = torch.empty(g.numel())
     ops.accumulate_grad(acc, g, overwrite=True)
     assert _same_with_nans(acc, g.float())
-
-
-# ---------------------------------------------------------------------------------------------
-# norm and accumulate
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 4097, 2**20 + 3])
-@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=_dtname)
-def test_grad_norm_sq(simd, n, grad_dtype):
-    g = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10).to(grad_dtype)
-    total, finite = ops.grad_norm_sq_and_finite(g)
-    ref = (g.double() ** 2).sum().item()
-    assert finite
-    assert total == pytest.approx(ref, rel=1e-12, abs=0)
-
-
-@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=_dtname)
-def test_grad_norm_detects_non_finite(simd, bad, grad_dtype):
-    n = 100_003
-    for pos in (0, 17, n - 1):
-        g = torch.randn(n).to(grad_dtype)
-        g[pos] = bad
-        total, finite = ops.grad_norm_sq_and_finite(g)
-        assert not finite and not (total == total and abs(total) != float("inf"))
-
-
-def test_grad_norm_large_finite_values_stay_finite():
-    g = torch.full((1000,), 3.0e38)  # the sum would overflow fp32, not fp64
-    total, finite = ops.grad_norm_sq_and_finite(g)
-    assert finite and total == pytest.approx((g.double() ** 2).sum().item(), rel=1e-12)
-    assert ops.grad_norm_sq_and_finite(torch.empty(0)) == (0.0, True)
-
-
-def test_grad_norm_bit_identical_across_isas():
-    g = torch.randn(3 * 65536 + 1234, generator=torch.Generator().manual_seed(5))
-    results = set()
-    for level in LEVELS:
-        ops.set_simd_level(level)
-        for t in (1, 2, 3):
-            results.add(ops.grad_norm_sq_and_finite(g, num_threads=t)[0])
-    assert len(results) == 1
-
-
-@pytest.mark.parametrize("n", [1, 17, 4097, 2**20 + 3])
-@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=_dtname)
-def test_accumulate_grad(simd, n, grad_dtype):
-    gen = torch.Generator().manual_seed(n)
-    acc0 = torch.randn(n, generator=gen)
-    g = torch.randn(n, generator=gen).to(grad_dtype)
-    acc = acc0.clone()
-    ops.accumulate_grad(acc, g, scale=0.375)
-    assert torch.equal(acc, acc0 + g.float() * 0.375)  # multiply, then a separate add (like add_)
-    ops.accumulate_grad(acc, g, scale=3.0, overwrite=True)
-    assert torch.equal(acc, g.float() * 3.0)
-    acc2 = acc0.clone()
-    for _ in range(3):
-        ops.accumulate_grad(acc2, g)
-    assert torch.equal(acc2, acc0 + g.float() + g.float() + g.float())
-
-
-def test_empty_tensors_are_noops():
-    e = torch.empty(0)
-    ops.adam_step(e, e, e.clone(), e.clone(), step=1, lr=1e-3)
-    ops.accumulate_grad(e, torch.empty(0, dtype=torch.bfloat16))
-
-
-# ---------------------------------------------------------------------------------------------
-# bad input: ValueError / TypeError naming the argument
-# ---------------------------------------------------------------------------------------------
-
-
-def _adam_args(n=8):
-    return dict(param=torch.zeros(n), grad=torch.zeros(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
-
-
-def _noncontig(dtype=torch.float32, n=8):
-    return torch.zeros(n, 2, dtype=dtype)[:, 0]
-
-
-def _meta(dtype=torch.float32, n=8):
-    return torch.empty(n, dtype=dtype, device="meta")
-
-
-ADAM_BAD = [
-    ("param", torch.zeros(8, dtype=torch.bfloat16), TypeError),
-    ("param", torch.zeros(8, dtype=torch.float64), TypeError),
-    ("param", _noncontig(), ValueError),
-    ("param", _meta(), ValueError),
-    ("param", [0.0] * 8, TypeError),
-    ("grad", torch.zeros(9), ValueError),
-    ("grad", torch.zeros(8, dtype=torch.float64), TypeError),
-    ("grad", torch.zeros(8, dtype=torch.int32), TypeError),
-    ("grad", _noncontig(torch.bfloat16), ValueError),
-    ("grad", _meta(torch.bfloat16), ValueError),
-    ("exp_avg", torch.zeros(7), ValueError),
-    ("exp_avg", torch.zeros(8, dtype=torch.bfloat16), TypeError),
-    ("exp_avg", _noncontig(), ValueError),
-    ("exp_avg", _meta(), ValueError),
-    ("exp_avg_sq", torch.zeros(16), ValueError),
-    ("exp_avg_sq", torch.zeros(8, dtype=torch.float16), TypeError),
-    ("exp_avg_sq", _noncontig(), ValueError),
-    ("exp_avg_sq", _meta(), ValueError),
-    ("param_out", torch.zeros(9, dtype=torch.bfloat16), ValueError),
-    ("param_out", torch.zeros(8, dtype=torch.float64), TypeError),
-    ("param_out", _noncontig(torch.float16), ValueError),
-    ("param_out", _meta(torch.bfloat16), ValueError),
-]
-
-
-@pytest.mark.parametrize("name,value,exc", ADAM_BAD, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(ADAM_BAD)])
-def test_adam_step_bad_tensor(name, value, exc):
-    args = _adam_args()
-    args[name] = value
-    before = args["param"].clone() if name != "param" else None
-    with pytest.raises(exc, match=rf"^{name}\b"):
-        ops.adam_step(args.pop("param"), args.pop("grad"), args.pop("exp_avg"), args.pop("exp_avg_sq"), step=1,
-                      lr=1e-3, **args)
-    if before is not None:
-        assert before.eq(0).all()
-
-
-def test_cuda_tensor_is_rejected_by_device_type():
-    # no GPU here: a meta tensor has a non-CPU device type just like a CUDA one; on a GPU host check both
-    devices = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
-    for dev in devices:
-        args = _adam_args()
-        args["grad"] = torch.zeros(8, device=dev)
-        with pytest.raises(ValueError, match=rf"^grad must be a CPU tensor, got a tensor on {dev}"):
-            ops.adam_step(args["param"], args["grad"], args["exp_avg"], args["exp_avg_sq"], step=1, lr=1e-3)
-
-
-@pytest.mark.parametrize(
-    "kwargs,exc,name",
-    [
-        (dict(step=0), ValueError, "step"),
-        (dict(step=-3), ValueError, "step"),
-        (dict(step=1.0), TypeError, "step"),
-        (dict(step=True), TypeError, "step"),
-        (dict(step=1, beta1=1.0), ValueError, "beta1"),
-        (dict(step=1, beta2=-0.1), ValueError, "beta2"),
-        (dict(step=1, num_threads=0), ValueError, "num_threads"),
-        (dict(step=1, num_threads=1.5), ValueError, "num_threads"),
-    ],
-)
-def test_adam_step_bad_scalar(kwargs, exc, name):
-    a = _adam_args()
-    with pytest.raises(exc, match=rf"^{name}\b"):
-        ops.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], lr=1e-3, **kwargs)
-
-
-def test_adam_step_accepts_integral_step_types():
-    a = _adam_args()
-    ops.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], step=torch.tensor(2).item(), lr=1e-3)
-    import numpy as np
-
-    ops.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], step=np.int64(3), lr=1e-3)
-
-
-@pytest.mark.parametrize(
-    "acc,grad,exc,name",
-    [
-        (torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8), TypeError, "acc"),
-        (_noncontig(), torch.zeros(8), ValueError, "acc"),
-        (_meta(), torch.zeros(8), ValueError, "acc"),
-        (torch.zeros(8), torch.zeros(9), ValueError, "grad"),
-        (torch.zeros(8), torch.zeros(8, dtype=torch.int64), TypeError, "grad"),
-        (torch.zeros(8), _noncontig(torch.float16), ValueError, "grad"),
-        (torch.zeros(8), _meta(), ValueError, "grad"),
-        (torch.zeros(8), "grad", TypeError, "grad"),
-    ],
-)
-def test_accumulate_grad_bad_input(acc, grad, exc, name):
-    with pytest.raises(exc, match=rf"^{name}\b"):
-        ops.accumulate_grad(acc, grad)
-
-
-@pytest.mark.parametrize(
-    "grad,exc",
-    [
-        (torch.zeros(8, dtype=torch.float64), TypeError),
-        (_noncontig(), ValueError),
-        (_meta(), ValueError),
-        (None, TypeError),
-    ],
-)
-def test_grad_norm_bad_input(grad, exc):
-    with pytest.raises(exc, match=r"^grad\b"):
-        ops.grad_norm_sq_and_finite(grad)
-    with pytest.raises(ValueError, match=r"^num_threads\b"):
-        ops.grad_norm_sq_and_finite(torch.zeros(4), num_threads=-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# instruction-set choice
-# ---------------------------------------------------------------------------------------------
-
-
-def test_levels_reported():
-    assert LEVELS[0] == "scalar"
-    assert set(LEVELS) <= {"scalar", "avx2", "avx512"}
-    assert ops.simd_level() in LEVELS
-    with pytest.raises(ValueError, match="unknown SIMD level"):
-        ops.set_simd_level("sse9")
-
-
-def _import_with_env(value):
-    env = dict(os.environ, HF_ZERO_OFFLOAD_SIMD=value)
-    code = "from hf_zero_offload import ops; print(ops.simd_level())"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-
-
-def test_env_override_selects_level():
-    r = _import_with_env("scalar")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "scalar"
-
-
-def test_env_override_rejects_unknown_or_unsupported_level():
-    missing = [lvl for lvl in ("avx2", "avx512") if lvl not in LEVELS]
-    for value in ["sse9"] + missing:
-        r = _import_with_env(value)
-        assert r.returncode != 0
-        assert "HF_ZERO_OFFLOAD_SIMD" in r.stderr and value in r.stderr
-        if value in missing:
-            assert "lacks" in r.stderr
-
-
-def test_unsupported_level_message():
-    missing = [lvl for lvl in ("avx2", "avx512") if lvl not in LEVELS]
-    if not missing:
-        pytest.skip("this CPU supports every level; the env-var subprocess test covers unknown names")
-    with pytest.raises(ValueError, match="lacks"):
-        ops.set_simd_level(missing[0])
