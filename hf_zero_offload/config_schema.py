@@ -10,13 +10,18 @@ Every key hf_zero_offload knows is listed here with one of four kinds:
   off), otherwise a :class:`ConfigError` saying what to use instead;
 * ``section``: a nested object with its own table.
 
+The kinds (:class:`~hf_zero_offload.config_checks.Spec`) and the value checks live in
+:mod:`hf_zero_offload.config_checks`; this module holds the tables and walks a config through them.
+
 Stdlib only: no torch, no transformers.
 """
 from __future__ import annotations
 
 import difflib
-import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
+
+from .config_checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer,
+                            number, section, stage, str_or_null, unsupported, use)
 
 AUTO = "auto"
 
@@ -25,125 +30,7 @@ class ConfigError(ValueError):
     """A ds_config problem; the message names the file (or ``<dict>``) and the key path."""
 
 
-class _Bad(Exception):
-    """Raised by a value check: ``expected`` describes the accepted values."""
-
-    def __init__(self, expected: str):
-        super().__init__(expected)
-        self.expected = expected
-
-
-class _Unsupported(Exception):
-    """Raised by a value check for a value naming a DeepSpeed feature we do not implement."""
-
-
-class Spec(NamedTuple):
-    kind: str  # "use" | "ignore" | "unsupported"
-    check: Callable[[Any], Any] | None = None  # value -> normalised value, raises _Bad/_Unsupported
-    auto: bool = False  # "auto" accepted (resolved from TrainingArguments)
-    children: dict[str, "Spec"] | None = None  # nested object
-    harmless: Callable[[Any], bool] | None = None  # for "unsupported": values accepted and ignored
-    why: str = ""  # for "unsupported": the reason and what to use instead
-
-
-# ---------------------------------------------------------------- value checks
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def boolean(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise _Bad("true or false")
-    return v
-
-
-def integer(lo: int | None = None, what: str = "an integer") -> Callable[[Any], int]:
-    """Integers; integral floats such as ``2e8`` (DeepSpeed's spelling of sizes) become ints."""
-
-    def check(v: Any) -> int:
-        if not _is_num(v) or (isinstance(v, float) and not v.is_integer()) or (lo is not None and v < lo):
-            raise _Bad(what)
-        return int(v)
-
-    return check
-
-
-def number(lo: float | None = None, hi: float | None = None, what: str = "a number",
-           lo_open: bool = False) -> Callable[[Any], float]:
-    def check(v: Any) -> float:
-        if not _is_num(v):
-            raise _Bad(what)
-        if lo is not None and (v < lo or (lo_open and v == lo)):
-            raise _Bad(what)
-        if hi is not None and v >= hi:
-            raise _Bad(what)
-        return float(v)
-
-    return check
-
-
-def choice(*options: str, unsupported: dict[str, str] | None = None,
-           casefold: bool = False) -> Callable[[Any], str]:
-    """One of ``options`` (returned in its canonical spelling); ``unsupported`` maps other known names to a why."""
-    table = {(o.lower() if casefold else o): o for o in options}
-    others = {(k.lower() if casefold else k): w for k, w in (unsupported or {}).items()}
-
-    def check(v: Any) -> str:
-        key = v.lower() if casefold and isinstance(v, str) else v
-        if isinstance(key, str) and key in table:
-            return table[key]
-        if isinstance(key, str) and key in others:
-            raise _Unsupported(others[key])
-        raise _Bad("one of " + ", ".join(repr(o) for o in options))
-
-    return check
-
-
-def betas(v: Any) -> tuple[float, float]:
-    if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(_is_num(b) and 0 <= b < 1 for b in v):
-        raise _Bad("a list of two numbers in [0, 1)")
-    return (float(v[0]), float(v[1]))
-
-
-def stage(v: Any) -> int:
-    if v == 3 and not isinstance(v, bool):
-        raise _Unsupported("ZeRO stage 3 (parameter partitioning) is not implemented; use stage 2 with "
-                           "offload_optimizer (or DeepSpeed/FSDP when the parameters alone do not fit)")
-    return choice_int(v, (0, 1, 2))
-
-
-def choice_int(v: Any, options: tuple[int, ...]) -> int:
-    n = integer()(v) if _is_num(v) else None
-    if n not in options:
-        raise _Bad("one of " + ", ".join(map(str, options)))
-    return n
-
-
-def anything(v: Any) -> Any:
-    return v
-
-
-def an_object(v: Any) -> dict:
-    if not isinstance(v, dict):
-        raise _Bad("an object")
-    return v
-
-
-def str_or_null(v: Any) -> Any:
-    if v is not None and not isinstance(v, str):
-        raise _Bad("a string or null")
-    return v
-
-
-def _off(v: Any) -> bool:
-    """A switched-off value or section: false/null/0/""/[], {"enabled": false}, or an object of such values."""
-    if isinstance(v, dict):
-        if "enabled" in v:
-            return v["enabled"] is False
-        return all(_off(x) for x in v.values())
-    return v is None or v is False or v == 0 or v == "" or v == []
+# ---------------------------------------------------------------- harmless values of unsupported keys
 
 
 def _eq(value: Any) -> Callable[[Any], bool]:
@@ -160,22 +47,6 @@ def _grad_accum_fp32(v: Any) -> bool:
 
 
 # ---------------------------------------------------------------- the tables
-
-
-def use(check: Callable[[Any], Any], auto: bool = False) -> Spec:
-    return Spec("use", check, auto)
-
-
-def section(children: dict[str, Spec]) -> Spec:
-    return Spec("use", None, False, children)
-
-
-def ignore(check: Callable[[Any], Any] = anything) -> Spec:
-    return Spec("ignore", check)
-
-
-def unsupported(why: str, harmless: Callable[[Any], bool] = _off) -> Spec:
-    return Spec("unsupported", harmless=harmless, why=why)
 
 
 _REPORT_TO = "use TrainingArguments --report_to"
@@ -382,9 +253,9 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str) -> dict:
         else:
             try:
                 sub = spec.check(value)
-            except _Bad as e:
+            except BadValue as e:
                 raise _err(source, path, f"expected {e.expected}, got {value!r}") from None
-            except _Unsupported as e:
+            except UnsupportedValue as e:
                 raise _err(source, path, f"{value!r} is not supported by hf_zero_offload: {e}") from None
         if spec.kind == "use":
             out[key] = sub
