@@ -17,6 +17,8 @@ its shard. One step:
 4. the updated shards are all-gathered in buckets of ``allgather_bucket_numel`` elements and copied
    into the model's parameters.
 
+Step 1 is ``sharding_reduce``; steps 2-4 are ``sharding_update``; checkpoints are ``sharding_ckpt``.
+
 Partitioning: equal flat slices of the flat layout (trainable params in param-group order, padded to
 a multiple of W). Chosen over a greedy per-parameter assignment because memory per rank is then
 exactly N/W (a greedy split of a model with a few huge embeddings can be far off), all collectives
@@ -58,8 +60,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import ops
-from . import sharding_ckpt
+from . import sharding_ckpt, sharding_update
 from .buffers import HostArena, HostPlan, plan_host_memory
 from .loss_scaler import LossScaler
 from .offload import OffloadOptions, StepResult
@@ -68,7 +69,6 @@ from .sharding_layout import Partition
 from .sharding_reduce import GradReducer
 from .streams import Streams
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 FORCE_REDUCE_SCATTER = False  # tests: run the NCCL layout's reduce-scatter on gloo too
 
 
@@ -278,8 +278,8 @@ class ShardedAdam(torch.optim.Optimizer):
         for run in runs:
             for i in run.slots:
                 self._param_steps[i] += 1
-        self._adam(runs, grad_scale, [dict(g) for g in self.param_groups])
-        self._gather(self.shard_out if self.shard_out is not None else self.master)
+        sharding_update.adam(self, runs, grad_scale, [dict(g) for g in self.param_groups])
+        sharding_update.gather(self, self.shard_out if self.shard_out is not None else self.master)
         self.reducer.new_window()
         return loss
 
@@ -292,7 +292,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 self.reducer.drain()
                 if self.reducer.micro == 0:
                     self.store.zero_()  # no backward in this window: no gradient anywhere
-            stats = self._global_stats()
+            stats = sharding_update.global_stats(self)
             self._prepared = (stats[0], [c > 0 for c in stats[1:]])
         return self._prepared
 
@@ -307,88 +307,6 @@ class ShardedAdam(torch.optim.Optimizer):
     def slot_params(self) -> list[list[torch.nn.Parameter]]:
         """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
         return [[self._slots[i][0] for i in idxs] for idxs in self._groups]
-
-    def _global_stats(self) -> list[float]:
-        """[sum of squares of the summed gradient, then per param: ranks that produced a gradient]."""
-        real = self.store[:self._real]
-        if self.store.device.type == "cpu":
-            sq = torch.tensor([ops.grad_norm_sq(real, num_threads=self.options.num_threads)], dtype=torch.float64)
-        else:
-            sq = torch.linalg.vector_norm(real, dtype=torch.float64).square().reshape(1)
-        counts = torch.tensor(self.reducer.received, dtype=torch.float64)
-        stats = torch.cat([sq.to(self.device), counts.to(self.device)])
-        if self.world_size > 1:
-            dist.all_reduce(stats, group=self.process_group)
-        return stats.tolist()
-
-    def _adam(self, runs, grad_scale: float, hyper: list[dict]) -> None:
-        lo, hi = self.shard_start, self.shard_end
-        parts = [(max(r.start, lo) - lo, min(r.end, hi) - lo, r) for r in runs if r.start < hi and r.end > lo]
-        s = self.streams
-        tiled = self.offload and s.cuda
-        if tiled:
-            # shard_out was read by the last all-gather (queued on the compute stream): the uploads
-            # that overwrite it are queued after that.
-            s.wait(s.h2d, s.event())
-        k = 0
-        for a, b, run in parts:
-            h = hyper[run.group]
-            kw = dict(lr=h["lr"], weight_decay=h["weight_decay"], eps=h["eps"])
-            if self._torch_adam:
-                fused = torch._fused_adamw_ if h["adamw_mode"] else torch._fused_adam_
-                fused([self.master[a:b]], [self.store[a:b]], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [],
-                      [torch.tensor(float(run.step), device=self.device)], beta1=h["betas"][0],
-                      beta2=h["betas"][1], amsgrad=False, maximize=False, found_inf=None,
-                      grad_scale=torch.tensor(1.0 / grad_scale, device=self.device), **kw)  # it divides
-                if self.shard_out is not None:
-                    self.shard_out[a:b].copy_(self.master[a:b])
-                continue
-            step_kw = dict(step=run.step, beta1=h["betas"][0], beta2=h["betas"][1], adamw=h["adamw_mode"],
-                           grad_scale=grad_scale, num_threads=self.options.num_threads, **kw)
-            if not tiled:
-                out = None if self.shard_out is None else self.shard_out[a:b]
-                ops.adam_step(self.master[a:b], self.store[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
-                              param_out=out, **step_kw)
-                continue
-            tile = self._tiles.shape[1]
-            for t in range(a, b, tile):
-                e = min(b, t + tile)
-                slot = k % 2
-                k += 1
-                # A staging tile is rewritten only after its previous upload finished.
-                s.host_wait(self._tile_events[slot])
-                out = self._tiles[slot, :e - t]
-                ops.adam_step(self.master[t:e], self.store[t:e], self.exp_avg[t:e], self.exp_avg_sq[t:e],
-                              param_out=out, **step_kw)
-                with s.use(s.h2d):
-                    self.shard_out[t:e].copy_(out, non_blocking=True)
-                self._tile_events[slot] = s.event(s.h2d)
-        if tiled:
-            # The all-gather (compute stream) reads shard_out: it waits for the last upload.
-            s.wait(s.compute(), s.event(s.h2d))
-
-    @torch.no_grad()
-    def _gather(self, src: torch.Tensor) -> None:
-        """Every rank's updated shard into the model's parameters, ``allgather_bucket_numel`` at a time."""
-        W, S, g, N = self.world_size, self.partition.shard_numel, self._gchunk, self.numel
-        if W == 1:
-            self._write_params(0, N, src[:N])
-            return
-        for k0 in range(0, S, g):
-            gk = min(g, S - k0)
-            out = self._gather_buf[:W * gk]
-            # Reusing ``out``: a collective starts after the work already queued on the current
-            # stream, so the previous round's copies into the params have read it by then.
-            _all_gather(out, src[k0:k0 + gk], group=self.process_group)
-            for r in range(W):
-                a = r * S + k0
-                b = min(a + gk, N)
-                if b > a:
-                    self._write_params(a, b, out[r * gk:r * gk + b - a])
-
-    def _write_params(self, a: int, b: int, src: torch.Tensor) -> None:
-        for p, off, lo, hi in self._index.pieces(a, b):
-            p.data.view(-1)[lo - off:hi - off].copy_(src[lo - a:hi - a])
 
     def flush(self) -> None:
         """Nothing is deferred past ``step()`` (no delayed update); finishes in-flight reductions."""
@@ -463,7 +381,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.shard_out is not None:
             self.shard_out.copy_(self.master)
             src = self.shard_out
-        self._gather(src)
+        sharding_update.gather(self, src)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank allocated, by role (``plan`` has them by region)."""
