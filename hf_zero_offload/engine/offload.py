@@ -19,7 +19,7 @@ step count does not advance). Tied parameters are one ``Parameter`` and get one 
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ from . import checkpoint
 from .buffers import HostArena, plan_host_memory, store_dtype
 from .loss_scaler import LossScaler
 from .pipeline import GradPipeline
-from .streams import Streams
+from .streams import Streams, make_streams
 from .runs import Run, make_runs
 from .upload import ParamUploader
 
@@ -58,7 +58,7 @@ class StepResult:
 class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
-                 options: OffloadOptions = OffloadOptions()):
+                 options: OffloadOptions = OffloadOptions(), streams: Streams | None = None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
         self.options = options
@@ -90,12 +90,13 @@ class OffloadAdam(torch.optim.Optimizer):
         self.param_dtype = param_dtype or (torch.float16 if fp16_on else all_slots[0][0].dtype)
         if fp16_on and self.param_dtype != torch.float16:
             raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {self.param_dtype}")
-        self.streams = Streams(device)
+        # ``streams``: injected by tests (simstreams.SimStreams); by default the device's own.
+        self.streams = streams if streams is not None else make_streams(device)
         gas = options.gradient_accumulation_steps
         self.plan = plan_host_memory(
             self.numel, param_dtype=self.param_dtype, gradient_accumulation_steps=gas,
             delayed_param_update=options.dpu, bucket_numel=options.bucket_numel, tile_numel=options.tile_numel,
-            max_param_numel=max(n for _, _, n in all_slots), cuda=self.streams.cuda)
+            max_param_numel=max(n for _, _, n in all_slots), cuda=self.streams.async_copies)
         self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda)
         r = self.arena.regions
         self.master, self.exp_avg, self.exp_avg_sq = r["master"], r["exp_avg"], r["exp_avg_sq"]
@@ -126,7 +127,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._slot_index = {off: i for i, (_, off, _) in enumerate(all_slots)}
         self._group_slots = [[self._slot_index[off] for _, off, _ in g] for g in self._slots]
         self.global_steps = 0        # step() calls, skipped ones included (the DPU warm-up counts these)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hzo-dpu") if options.dpu else None
+        self._worker = self.streams.executor("hzo-dpu") if options.dpu else None
         self._pending: Future | None = None
         self.needs_publish = False   # DPU: masters are ahead of the device parameters
         self.last = StepResult(False, 0.0, self.scaler.scale)
@@ -325,8 +326,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         self._wait_worker()
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.streams.device)  # no copy may still read the arena we unpin
+        self.streams.synchronize()  # no copy may still read the arena we unpin
         self.pipeline.close()
         if self._worker is not None:
             self._worker.shutdown()

@@ -10,8 +10,6 @@ path runs with plain tensors (the buckets are host memory, scattered directly), 
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from .. import ops
@@ -26,7 +24,7 @@ class GradPipeline:
                  scatter_thread: bool | None = None):
         self.streams = streams
         self.buckets = buckets            # [2, bucket_numel] on the device
-        self.staging = staging            # [2, bucket_numel] pinned host (CUDA) or None (CPU)
+        self.staging = staging            # [2, bucket_numel] pinned host (async copies) or None (CPU)
         self.bucket_numel = buckets.shape[1]
         self.accumulate = accumulate      # fp32 store, summing micro-batches
         self.store: torch.Tensor | None = None   # flat host gradient store, set by the engine
@@ -37,8 +35,8 @@ class GradPipeline:
         self._done = [None, None]
         self._futures = [None, None]
         # Default: a scatter thread on CUDA (backward must not stall), inline on CPU (nothing to overlap).
-        use_thread = streams.cuda if scatter_thread is None else scatter_thread
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hzo-scatter") if use_thread else None
+        use_thread = streams.async_copies if scatter_thread is None else scatter_thread
+        self._pool = streams.executor("hzo-scatter") if use_thread else None
         self._handles = []
         for p, offset, numel in slots:
             if numel > self.bucket_numel:
@@ -64,7 +62,8 @@ class GradPipeline:
         offset, numel = self._index[p]
         if self._cursor + numel > self.bucket_numel:
             self._flush()
-        self.buckets[self._slot, self._cursor:self._cursor + numel].copy_(g.reshape(-1))
+        s = self.streams
+        s.copy(self.buckets[self._slot, self._cursor:self._cursor + numel], g.reshape(-1), s.compute())
         self._pending[self._slot].append((offset, self._cursor, numel))
         self._cursor += numel
         # Freed on the compute stream right after the copy kernel that reads it was queued there:
@@ -76,17 +75,16 @@ class GradPipeline:
             return
         slot, used = self._slot, self._cursor
         s = self.streams
-        if s.cuda:
+        if s.async_copies:
             # The staging half is rewritten only after its previous scatter finished reading it.
             self._wait(slot)
             filled = s.event()          # every copy into this bucket is queued before it
             s.wait(s.d2h, filled)
-            with s.use(s.d2h):
-                self.staging[slot, :used].copy_(self.buckets[slot, :used], non_blocking=True)
+            s.copy(self.staging[slot, :used], self.buckets[slot, :used], s.d2h)
             self._done[slot] = s.event(s.d2h)
         self._submit(slot)
         self._slot, self._cursor = slot ^ 1, 0
-        if s.cuda:
+        if s.async_copies:
             # Device-side wait: kernels refilling the other bucket start after its copy down landed,
             # without blocking this (autograd) thread.
             s.wait(s.compute(), self._done[self._slot])
@@ -110,7 +108,7 @@ class GradPipeline:
         if not pending:
             return
         self.streams.host_wait(self._done[slot])  # the copy down must have landed in staging
-        src = self.staging[slot] if self.streams.cuda else self.buckets[slot]
+        src = self.staging[slot] if self.streams.async_copies else self.buckets[slot]
         for offset, boff, numel in pending:
             seen = self.received.get(offset, 0)
             dst = self.store[offset:offset + numel]

@@ -1,19 +1,32 @@
-"""CUDA streams and events that become no-ops on a CPU-only machine.
+"""The engine's model of asynchrony: copy streams, events and helper executors.
 
-The engine is written once against this tiny interface; on CPU every copy is synchronous, so the
-orderings that streams and events enforce on a GPU hold trivially there, and CI covers the logic.
+The engine is written once against this small interface. On a GPU it is CUDA streams and events; on
+a CPU-only machine every copy is synchronous, so the orderings that streams and events enforce on a
+GPU hold trivially there. ``simstreams.SimStreams`` implements the same interface on the CPU with
+*deferred* copies, so the GPU code paths (staging buffers, events, waits) run in CI and a missing
+wait shows up as wrong numbers.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 
+#: Testing aid: on a CPU-only device, run the GPU pipeline on simulated streams (deferred copies).
+SIMULATE_ENV = "HF_ZERO_OFFLOAD_SIMULATE_STREAMS"
+
 
 class Streams:
+    #: copies on the side streams complete later than they are issued: staging buffers and events
+    #: are in play (True on CUDA and in the simulator)
+    async_copies: bool
+
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.async_copies = self.cuda
         self.d2h = self.h2d = None
         if self.cuda:
             # Dedicated copy streams: gradient copies down and parameter copies up each get their own
@@ -35,14 +48,37 @@ class Streams:
     def use(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
-    @staticmethod
-    def wait(stream, event) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream``; it completes once an event recorded after it has."""
+        if self.cuda:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+
+    def wait(self, stream, event) -> None:
         """Device-side wait: work queued on ``stream`` after this starts once ``event`` completed."""
         if event is not None:
             stream.wait_event(event)
 
-    @staticmethod
-    def host_wait(event) -> None:
+    def host_wait(self, event) -> None:
         """Block the calling host thread until ``event`` completed."""
         if event is not None:
             event.synchronize()
+
+    def synchronize(self) -> None:
+        """Every queued copy and kernel has completed."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def executor(self, name: str) -> Executor:
+        """A one-worker executor for host-side work that overlaps the device (scatter, DPU step)."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+
+def make_streams(device: torch.device) -> Streams:
+    """Streams for ``device``; on a CPU device the simulator when ``HF_ZERO_OFFLOAD_SIMULATE_STREAMS=1``."""
+    if device.type == "cpu" and os.environ.get(SIMULATE_ENV, "0") not in ("", "0"):
+        from .simstreams import SimStreams
+        return SimStreams()
+    return Streams(device)

@@ -52,7 +52,7 @@ class ParamUploader:
     def finish(self) -> None:
         # The next forward reads the parameters: the compute stream waits for the last upload.
         s = self.streams
-        if s.cuda:
+        if s.async_copies:
             s.wait(s.compute(), s.event(s.h2d))
 
     def publish_all(self, numel: int) -> None:
@@ -72,14 +72,13 @@ class ParamUploader:
     def _copy(self, src: torch.Tensor, a: int, b: int):
         """Copy ``src`` holding flat range [a, b) into the device parameters it covers."""
         s = self.streams
-        if s.cuda:
+        if s.async_copies:
             # Parameters may still be read by kernels queued before the step: uploads wait for them.
             s.wait(s.h2d, s.event())
-        with s.use(s.h2d):
-            for p, off, n in self._pieces(a, b):
-                lo, hi = max(a, off), min(b, off + n)
-                p.data.view(-1)[lo - off:hi - off].copy_(src[lo - a:hi - a], non_blocking=s.cuda)
-        return s.event(s.h2d) if s.cuda else None
+        for p, off, n in self._pieces(a, b):
+            lo, hi = max(a, off), min(b, off + n)
+            s.copy(p.data.view(-1)[lo - off:hi - off], src[lo - a:hi - a], s.h2d)
+        return s.event(s.h2d) if s.async_copies else None
 
     def _pieces(self, a: int, b: int):
         lo = bisect.bisect_right(self.offsets, a) - 1
