@@ -1,27 +1,41 @@
-"""The offload engine against torch.optim.AdamW, element by element (CPU: same code path, no streams)."""
+"""The offload engine against torch.optim.AdamW, element by element.
+
+Tests taking the ``mode`` fixture run on the plain CPU path, on the stream simulator with both of its
+adversaries (the GPU code path: staging buffers, deferred copies, events), and on a GPU when there is
+one (``-m cuda``); see tests/_modes.py.
+"""
 from __future__ import annotations
 
 import copy
 import math
 import os
 
-import pytest
-import torch
+# cuBLAS is deterministic on one stream only with a fixed workspace; set before CUDA initialises.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from _models import TinyNet, batches, loss_fn, param_groups
-from hf_zero_offload.engine import LossScaler, OffloadAdam, OffloadOptions, plan_host_memory
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from _models import TinyNet, batches, loss_fn, param_groups  # noqa: E402
+from _modes import mode  # noqa: E402,F401 - the fixture
+from hf_zero_offload.engine import LossScaler, OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
 
 LR, WD = 1e-2, 0.1
 SMALL = dict(bucket_numel=1000, tile_numel=300)  # several buckets and tiles even on a tiny model
 
 
-def make_pair(seed=0, **opts):
+def make_pair(mode=None, seed=0, **opts):
     torch.manual_seed(seed)
-    ref_model = TinyNet()
+    ref_model = TinyNet() if mode is None else mode.model(TinyNet())
     model = copy.deepcopy(ref_model)
     ref = torch.optim.AdamW(param_groups(ref_model, WD), lr=LR, foreach=False)
-    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
+    opt = engine(mode, model, **opts)
     return ref_model, ref, model, opt
+
+
+def engine(mode, model, *, param_dtype=None, params=None, **opts):
+    return OffloadAdam(params if params is not None else param_groups(model, WD), lr=LR, param_dtype=param_dtype,
+                       options=OffloadOptions(**{**SMALL, **opts}), streams=None if mode is None else mode.streams())
 
 
 def train_both(ref_model, ref, model, opt, data):
@@ -38,12 +52,13 @@ def assert_models_close(a, b, **tol):
         torch.testing.assert_close(pb.detach().float(), pa.detach().float(), msg=name, **tol)
 
 
-@pytest.mark.parametrize("scatter_thread", [False, True], ids=["inline", "thread"])
-def test_fp32_matches_adamw_with_frozen_tied_and_unused_params(scatter_thread):
-    ref_model, ref, model, opt = make_pair(scatter_thread=scatter_thread)
+def test_fp32_matches_adamw_with_frozen_tied_and_unused_params(mode):
+    ref_model, ref, model, opt = make_pair(mode)
+    assert opt.streams.async_copies == (mode.name != "cpu")
     frozen_before = model.frozen.weight.detach().clone()
-    data = batches(20)
+    data = mode.data(batches(20))
     train_both(ref_model, ref, model, opt, data)
+    mode.sync()
     branch_steps = sum(use_branch for _, _, use_branch in data)
     assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
     assert torch.equal(model.frozen.weight, frozen_before)
@@ -51,15 +66,23 @@ def test_fp32_matches_adamw_with_frozen_tied_and_unused_params(scatter_thread):
     # the branch skipped steps exactly like AdamW (its own step count did not advance)
     assert ref.state[ref_model.branch.weight]["step"].item() == branch_steps < 20
     assert opt.numel == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    opt.close()
 
 
-def test_gradient_accumulation_1_vs_4_same_global_batch():
+def test_fp32_matches_adamw_with_a_scatter_thread_on_cpu():
+    ref_model, ref, model, opt = make_pair(scatter_thread=True)
+    train_both(ref_model, ref, model, opt, batches(20))
+    assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+def test_gradient_accumulation_1_vs_4_same_global_batch(mode):
     torch.manual_seed(0)
-    m1 = TinyNet()
+    m1 = mode.model(TinyNet())
     m4 = copy.deepcopy(m1)
-    o1 = OffloadAdam(param_groups(m1, WD), lr=LR, options=OffloadOptions(**SMALL))
-    o4 = OffloadAdam(param_groups(m4, WD), lr=LR, options=OffloadOptions(gradient_accumulation_steps=4, **SMALL))
-    for ids, labels, _ in batches(8, batch=8):
+    o1 = engine(mode, m1)
+    o4 = engine(mode, m4, gradient_accumulation_steps=4)
+    for ids, labels, _ in mode.data(batches(8, batch=8)):
         loss_fn(m1, ids, labels, True).backward()
         o1.step()
         o1.zero_grad()
@@ -68,13 +91,13 @@ def test_gradient_accumulation_1_vs_4_same_global_batch():
             (loss_fn(m4, ids[sl], labels[sl], True) / 4).backward()
         o4.step()
         o4.zero_grad()
+    mode.sync()
     assert_models_close(m1, m4, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("scatter_thread", [False, True], ids=["inline", "thread"])
-def test_gradient_accumulation_matches_adamw_accumulating_on_device(scatter_thread):
-    ref_model, ref, model, opt = make_pair(gradient_accumulation_steps=3, scatter_thread=scatter_thread)
-    for ids, labels, use_branch in batches(12):
+def test_gradient_accumulation_matches_adamw_accumulating_on_device(mode):
+    ref_model, ref, model, opt = make_pair(mode, gradient_accumulation_steps=3)
+    for ids, labels, use_branch in mode.data(batches(12)):
         for m in (ref_model, model):
             for i in range(3):
                 (loss_fn(m, ids[i:i + 1], labels[i:i + 1], use_branch) / 3).backward()
@@ -82,13 +105,14 @@ def test_gradient_accumulation_matches_adamw_accumulating_on_device(scatter_thre
         ref.zero_grad()
         opt.step()
         opt.zero_grad()
+    mode.sync()
     assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
 
 
-def test_clipping_matches_clip_grad_norm():
-    ref_model, ref, model, opt = make_pair(max_grad_norm=0.05)
+def test_clipping_matches_clip_grad_norm(mode):
+    ref_model, ref, model, opt = make_pair(mode, max_grad_norm=0.05)
     norms = []
-    for ids, labels, use_branch in batches(10):
+    for ids, labels, use_branch in mode.data(batches(10)):
         loss_fn(ref_model, ids, labels, use_branch).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05).item())
         ref.step()
@@ -98,6 +122,7 @@ def test_clipping_matches_clip_grad_norm():
         opt.zero_grad()
         assert opt.last.grad_norm == pytest.approx(norms[-1], rel=1e-5)
     assert min(norms) > 0.05  # clipping was active
+    mode.sync()
     assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
 
 
@@ -114,20 +139,21 @@ def test_second_backward_without_accumulation_is_an_error():
         opt.step()
 
 
-def test_fp16_overflow_skips_step_and_follows_hysteresis():
+def test_fp16_overflow_skips_step_and_follows_hysteresis(mode):
     torch.manual_seed(0)
-    model = TinyNet()
+    model = mode.model(TinyNet())
     fp16 = dict(enabled=True, loss_scale=0, initial_scale_power=8, loss_scale_window=1000, hysteresis=2,
                 min_loss_scale=1)
-    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(fp16=fp16, **SMALL))
+    opt = engine(mode, model, fp16=fp16)
     model.half()  # frozen params and buffers; the engine already cast the trainable ones
     assert model.body[0].weight.dtype == torch.float16
-    data = batches(6)
+    data = mode.data(batches(6))
     expected_scales, skipped = [], []
     for k, (ids, labels, use_branch) in enumerate(data):
         loss = opt.scale_loss(loss_fn(model, ids, labels, use_branch))
         if k in (2, 3):
             loss = loss * float("inf")  # injected overflow
+        mode.sync()
         masters = opt.master.clone()
         params = [p.detach().clone() for p in model.parameters()]
         loss.backward()
@@ -136,6 +162,7 @@ def test_fp16_overflow_skips_step_and_follows_hysteresis():
         skipped.append(opt.last.skipped)
         expected_scales.append(opt.loss_scale)
         if k in (2, 3):
+            mode.sync()
             assert torch.equal(opt.master, masters)
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     assert skipped == [False, False, True, True, False, False]
@@ -157,21 +184,24 @@ def test_loss_scaler_window_and_min_scale():
     assert static.scale == 128
 
 
-def test_bf16_masters_track_fp32_reference():
-    ref_model, ref, _, _ = make_pair()
+def test_bf16_masters_track_fp32_reference(mode):
+    torch.manual_seed(0)
+    ref_model = mode.model(TinyNet())
+    ref = torch.optim.AdamW(param_groups(ref_model, WD), lr=LR, foreach=False)
     model = copy.deepcopy(ref_model)
     init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
-    opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=torch.bfloat16, options=OffloadOptions(**SMALL))
+    opt = engine(mode, model, param_dtype=torch.bfloat16)
     assert model.body[0].weight.dtype == torch.bfloat16
     model.bfloat16()
-    train_both(ref_model, ref, model, opt, batches(10))
+    train_both(ref_model, ref, model, opt, mode.data(batches(10)))
+    mode.sync()
     # masters in fp32 stay within bf16 forward rounding of the fp32 run; device params are the masters rounded
     offsets = {id(p): (off, n) for g in opt._slots for p, off, n in g}
     for (name, pr), p in zip(ref_model.named_parameters(), model.parameters()):
         if not p.requires_grad:
             continue
         off, n = offsets[id(p)]
-        master = opt.master[off:off + n].view_as(p)
+        master = opt.master[off:off + n].view(p.shape).to(p.device)
         # Adam's normalised update amplifies rounding where a gradient is near zero, so bound the
         # typical deviation against the distance trained, and the worst one by a few LR-sized steps.
         diff = (master - pr.detach()).abs()
@@ -181,10 +211,10 @@ def test_bf16_masters_track_fp32_reference():
         assert torch.equal(p.detach(), master.to(torch.bfloat16)), name
 
 
-def _dpu_reference(data, warmup):
+def _dpu_reference(mode, data, warmup):
     """Hand-written delayed update: AdamW on fp32 masters; the device model's params lag one step after the warm-up."""
     torch.manual_seed(0)
-    device_model = TinyNet()
+    device_model = mode.model(TinyNet())
     master_model = copy.deepcopy(device_model)
     ref = torch.optim.AdamW(param_groups(master_model, WD), lr=LR, foreach=False)
     pairs = [(d, m) for d, m in zip(device_model.parameters(), master_model.parameters()) if d.requires_grad]
@@ -205,20 +235,21 @@ def _dpu_reference(data, warmup):
 
 
 @pytest.mark.parametrize("warmup", [0, 3])
-def test_dpu_follows_the_delayed_schedule(warmup):
-    data = batches(9)
-    ref_device, ref_master = _dpu_reference(data, warmup)
+def test_dpu_follows_the_delayed_schedule(mode, warmup):
+    data = mode.data(batches(9))
+    ref_device, ref_master = _dpu_reference(mode, data, warmup)
     torch.manual_seed(0)
-    model = TinyNet()
-    opt = OffloadAdam(param_groups(model, WD), lr=LR,
-                      options=OffloadOptions(dpu=True, dpu_warmup_steps=warmup, **SMALL))
+    model = mode.model(TinyNet())
+    opt = engine(mode, model, dpu=True, dpu_warmup_steps=warmup)
     for ids, labels, use_branch in data:
         loss_fn(model, ids, labels, use_branch).backward()
         opt.step()
         opt.zero_grad()
     assert opt.needs_publish == (len(data) > warmup)
+    mode.sync()
     assert_models_close(ref_device, model, rtol=1e-5, atol=1e-6)  # device one step behind
     opt.flush()
+    mode.sync()
     assert_models_close(ref_master, model, rtol=1e-5, atol=1e-6)  # masters are the latest step
     opt.close()
 
@@ -226,8 +257,8 @@ def test_dpu_follows_the_delayed_schedule(warmup):
 @pytest.mark.parametrize("opts", [{}, {"dpu": True, "dpu_warmup_steps": 2}, {"gradient_accumulation_steps": 2},
                                   {"scatter_thread": True, "dpu": True, "dpu_warmup_steps": 1}],
                          ids=["sync", "dpu", "gas2", "thread-dpu"])
-def test_resume_is_bit_exact(opts, tmp_path):
-    data = batches(10)
+def test_resume_is_bit_exact(mode, opts, tmp_path):
+    data = mode.data(batches(10))
     gas = opts.get("gradient_accumulation_steps", 1)
 
     def train(model, opt, part):
@@ -238,28 +269,31 @@ def test_resume_is_bit_exact(opts, tmp_path):
             opt.zero_grad()
 
     torch.manual_seed(0)
-    full = TinyNet()
+    full = mode.model(TinyNet())
     init = copy.deepcopy(full)
-    o_full = OffloadAdam(param_groups(full, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
+    o_full = engine(mode, full, **opts)
     train(full, o_full, data)
 
     first = copy.deepcopy(init)
-    o_first = OffloadAdam(param_groups(first, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
+    o_first = engine(mode, first, **opts)
     train(first, o_first, data[:5])
     o_first.save_checkpoint(str(tmp_path))
     assert os.listdir(tmp_path) == ["rank0_of_1.hzo"]  # no temporary file left behind
+    mode.sync()
     model_state = copy.deepcopy(first.state_dict())
     o_first.close()
 
     second = copy.deepcopy(init)
     second.load_state_dict(model_state)
-    o_second = OffloadAdam(param_groups(second, WD), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
+    o_second = engine(mode, second, **opts)
     o_second.load_checkpoint(str(tmp_path))
     train(second, o_second, data[5:])
+    mode.sync()
     for a, b in zip(full.parameters(), second.parameters()):
         assert torch.equal(a, b)
     o_full.flush()  # DPU: wait for the last step and publish it
     o_second.flush()
+    mode.sync()
     for a, b in zip(full.parameters(), second.parameters()):
         assert torch.equal(a, b)
     assert torch.equal(o_full.master, o_second.master)
@@ -302,16 +336,17 @@ def test_state_dict_round_trip():
     assert other.state_meta() == opt.state_meta()
 
 
-def test_dpu_keeps_params_that_never_had_a_gradient():
+def test_dpu_keeps_params_that_never_had_a_gradient(mode):
     torch.manual_seed(0)
-    model = TinyNet()
+    model = mode.model(TinyNet())
     before = model.branch.weight.detach().clone()
-    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(dpu=True, dpu_warmup_steps=0, **SMALL))
-    for ids, labels, _ in batches(4):
+    opt = engine(mode, model, dpu=True, dpu_warmup_steps=0)
+    for ids, labels, _ in mode.data(batches(4)):
         loss_fn(model, ids, labels, False).backward()  # the branch never runs
         opt.step()
         opt.zero_grad()
     opt.flush()
+    mode.sync()
     assert torch.equal(model.branch.weight, before)
     opt.close()
 

@@ -145,6 +145,26 @@ def test_delayed_param_update_through_the_trainer(tmp_path):
     assert seen[-1] < seen[0]
 
 
+@pytest.mark.parametrize("zero", [{"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                  {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                   "delayed_param_update": {"enabled": True, "warmup_steps": 2}}],
+                         ids=["sync", "dpu"])
+def test_simulated_gpu_pipeline_through_the_trainer(tmp_path, monkeypatch, zero):
+    """The GPU code path (staging, deferred copies, events; engine/simstreams.py) under the Trainer,
+    with evaluation in the middle of training, equals the plain CPU path bit for bit."""
+    kw = dict(zero_offload={"zero_optimization": zero}, max_steps=6, gradient_accumulation_steps=2,
+              eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4)
+    cpu_model, cpu = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "cpu", **kw), eval_dataset=ToyDataset(8))
+    monkeypatch.setenv("HF_ZERO_OFFLOAD_SIMULATE_STREAMS", "1")
+    sim_model, sim = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "sim", **kw), eval_dataset=ToyDataset(8))
+    assert sim.zero_engine.streams.async_copies and not cpu.zero_engine.streams.async_copies
+    assert sim.zero_engine.streams.copies > 0
+    assert len(losses(cpu, "eval_loss")) == 2  # evaluated mid-training (the DPU flush path) and at the end
+    assert losses(sim) == losses(cpu) and losses(sim, "eval_loss") == losses(cpu, "eval_loss")
+    for a, b in zip(cpu_model.parameters(), sim_model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_callback_with_a_plain_trainer(tmp_path):
     from hf_zero_offload import ZeroOffloadCallback
     from hf_zero_offload.engine import OffloadAdam, OffloadOptions

@@ -1,0 +1,288 @@
+"""The engine's asynchrony: no stream race, and what only a GPU can show.
+
+The equivalences with torch AdamW run in every mode (CPU, stream simulator, GPU) in test_engine.py.
+Here:
+
+- the asynchronous pipeline equals the same engine with every hand-off synchronised, bit for bit, on
+  the stream simulator (CPU, in ``make test``) and on a GPU (``-m cuda``);
+- the simulator is shown to catch races: each wait the engine relies on, removed, gives wrong numbers;
+- on a GPU: the arena really pinned, gradient memory bounded by the buckets.
+"""
+from __future__ import annotations
+
+import os
+
+# cuBLAS is deterministic on one stream only with a fixed workspace; set before CUDA initialises.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from _models import TinyNet, batches, loss_fn, param_groups  # noqa: E402
+from _modes import ALL, Mode, make_mode  # noqa: E402
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions  # noqa: E402
+from hf_zero_offload.engine.simstreams import SimStreams  # noqa: E402
+
+DEV = torch.device("cuda")
+LR, WD = 1e-2, 0.1
+SMALL = dict(bucket_numel=1000, tile_numel=300)
+ASYNC_MODES = [p for p in ALL if p.id != "cpu"]
+
+
+@pytest.fixture(params=ASYNC_MODES)
+def amode(request):
+    mode = make_mode(request.param)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(mode._compute_runs)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield mode
+    torch.use_deterministic_algorithms(before)
+    handle.remove()
+
+
+def _wide_model(mode: Mode, width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.LayerNorm(width)]
+    return mode.model(nn.Sequential(*blocks))
+
+
+def _after(fn, then):
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        then()
+        return out
+    return wrapped
+
+
+def _force_synchronous(opt: OffloadAdam) -> None:
+    """The same engine with every asynchronous hand-off made synchronous: the device is drained
+    after every gradient hook, bucket flush/retire and parameter-tile upload. (Patches private
+    methods on this instance only: the pipeline calls self._flush/self._retire, the uploader
+    self._copy, so instance attributes take precedence.)"""
+    sync = opt.streams.synchronize
+    pipe = opt.pipeline
+    pipe._flush = _after(pipe._flush, sync)
+    pipe._retire = _after(pipe._retire, sync)
+    opt.uploader._copy = _after(opt.uploader._copy, sync)
+    for p, _, _ in opt.uploader.slots:
+        p.register_post_accumulate_grad_hook(lambda _p: sync())  # runs after the engine's own hook
+
+
+def _train_wide(mode: Mode, opts: dict, synchronous: bool, *, steps=3):
+    gpu = mode.device.type == "cuda"
+    # On a GPU: wide and cheap, so a missing sync has time to show; on the simulator size is irrelevant.
+    width, layers, tokens, tile = (8192, 3, 512, 1 << 18) if gpu else (64, 3, 16, 1000)
+    model = _wide_model(mode, width, layers)
+    # Tiny buckets and tiles: a flush per weight, many tile uploads per step in flight.
+    opt = OffloadAdam(model.parameters(), lr=1e-3, weight_decay=0.01, param_dtype=torch.bfloat16,
+                      options=OffloadOptions(bucket_numel=width * width, tile_numel=tile, **opts),
+                      streams=mode.streams())
+    assert opt.arena.pinned == gpu
+    if synchronous:
+        _force_synchronous(opt)
+    gas = opts.get("gradient_accumulation_steps", 1)
+    g = torch.Generator().manual_seed(123)
+    fingerprints = []
+    for _ in range(steps):
+        for _ in range(gas):
+            x = torch.randn(tokens, width, generator=g).to(mode.device, torch.bfloat16)
+            y = torch.randn(tokens, width, generator=g).to(mode.device)
+            ((model(x).float() - y).square().mean() / gas).backward()
+        opt.step()
+        opt.zero_grad()
+        # Per-step fingerprints (exact: the same reduction over the same bits in both runs).
+        mode.sync()
+        fingerprints.append(torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu())
+        if not synchronous and not opts.get("dpu"):
+            off = 0
+            for p in model.parameters():  # the device holds exactly the new masters, rounded
+                m = opt.master[off:off + p.numel()].view(p.shape)
+                assert torch.equal(p.detach().cpu(), m.to(torch.bfloat16)), "stale or torn parameter upload"
+                off += p.numel()
+    opt.flush()
+    mode.sync()
+    out = {"params": [p.detach().cpu() for p in model.parameters()], "master": opt.master.clone(),
+           "exp_avg_sq": opt.exp_avg_sq.clone(), "fingerprints": fingerprints}
+    opt.close()
+    del model, opt
+    if gpu:
+        torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.parametrize("opts", [{}, {"dpu": True, "dpu_warmup_steps": 1}, {"gradient_accumulation_steps": 2}],
+                         ids=["sync", "dpu", "gas2"])
+def test_async_pipeline_matches_fully_synchronised_run(amode, opts):
+    """A missing stream wait (bucket reused before its copy landed, staging tile rewritten while
+    uploading, grad freed under a pending copy) shows up as a bit difference against the same
+    engine with the device drained after every hand-off."""
+    fast = _train_wide(amode, opts, synchronous=False)
+    slow = _train_wide(amode, opts, synchronous=True)
+    for k, (a, b) in enumerate(zip(fast["fingerprints"], slow["fingerprints"])):
+        assert torch.equal(a, b), f"step {k + 1}: device params differ from the synchronised run"
+    for i, (a, b) in enumerate(zip(fast["params"], slow["params"])):
+        assert torch.equal(a, b), f"param {i}"
+    assert torch.equal(fast["master"], slow["master"])
+    assert torch.equal(fast["exp_avg_sq"], slow["exp_avg_sq"])
+
+
+# -- the simulator catches races ------------------------------------------------------------------
+def _skip_host_waits(obj, method: str, streams):
+    """``obj.method`` runs with ``streams.host_wait`` turned into a no-op."""
+    orig = getattr(obj, method)
+
+    def patched(*args):
+        real, streams.host_wait = streams.host_wait, lambda ev: None
+        try:
+            return orig(*args)
+        finally:
+            streams.host_wait = real
+    setattr(obj, method, patched)
+
+
+def _no_upload_wait(opt):          # the forward does not wait for the updated parameters
+    opt.uploader.finish = lambda: None
+
+
+def _no_tile_reuse_wait(opt):      # a staging tile is rewritten while its upload is still queued
+    _skip_host_waits(opt.uploader, "out_buffer", opt.streams)
+
+
+def _no_bucket_reuse_wait(opt):    # a bucket is refilled before its copy down ran
+    s, real = opt.streams, opt.streams.wait
+    s.wait = lambda stream, ev: None if stream is s.compute() and ev is not None and ev.stream is s.d2h \
+        else real(stream, ev)
+
+
+def _no_staging_reuse_wait(opt):   # the copy down lands in staging still being scattered
+    pipe, orig = opt.pipeline, opt.pipeline._flush
+
+    def flush():
+        real, pipe._wait = pipe._wait, lambda slot: None
+        try:
+            orig()
+        finally:
+            pipe._wait = real
+    pipe._flush = flush
+
+
+def _no_scatter_wait(opt):         # the scatter reads staging before the copy down landed
+    _skip_host_waits(opt.pipeline, "_retire", opt.streams)
+
+
+def _one_gradient_store(opt):      # DPU: the next backward writes the store the CPU step still reads
+    opt._stores[1] = opt._stores[0]
+
+
+RACES = [
+    pytest.param(_no_upload_wait, {}, "sim-lazy", id="upload-sync"),
+    pytest.param(_no_upload_wait, {"dpu": True}, "sim-eager", id="upload-dpu"),
+    pytest.param(_no_tile_reuse_wait, {}, "sim-lazy", id="tile-reuse-sync"),
+    pytest.param(_no_tile_reuse_wait, {"dpu": True}, "sim-eager", id="tile-reuse-dpu"),
+    pytest.param(_no_bucket_reuse_wait, {}, "sim-lazy", id="bucket-reuse"),
+    pytest.param(_no_staging_reuse_wait, {}, "sim-lazy", id="staging-reuse"),
+    pytest.param(_no_scatter_wait, {}, "sim-eager", id="scatter-before-copy"),
+    pytest.param(_one_gradient_store, {"dpu": True}, "sim-lazy", id="dpu-store"),
+]
+
+
+def _train_tiny(sim: str, opts: dict, mutate=None):
+    kwargs = {p.id: p.values[0][1] for p in ALL}[sim]
+    s = SimStreams(**kwargs)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: s.run_compute_waits())
+    try:
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = OffloadAdam(param_groups(model, WD), lr=LR, streams=s,
+                          options=OffloadOptions(**SMALL, **({"dpu_warmup_steps": 0} if opts.get("dpu") else {}),
+                                                 **opts))
+        if mutate is not None:
+            mutate(opt)
+        for ids, labels, use_branch in batches(8):
+            loss_fn(model, ids, labels, use_branch).backward()
+            opt.step()
+            opt.zero_grad()
+        s.synchronize()
+        device_params = [p.detach().clone() for p in model.parameters()]
+        opt.flush()
+        opt.close()
+        return device_params, opt.master.clone(), s.copies
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("mutate, opts, sim", RACES)
+def test_simulator_turns_each_missing_wait_into_wrong_numbers(mutate, opts, sim):
+    good_params, good_master, copies = _train_tiny(sim, opts)
+    bad_params, bad_master, _ = _train_tiny(sim, opts, mutate)
+    assert copies > 100  # the simulated GPU path really ran: staging copies both ways
+    differs = not torch.equal(good_master, bad_master) or any(
+        not torch.equal(a, b) for a, b in zip(good_params, bad_params))
+    assert differs, f"the simulator did not notice {mutate.__name__}"
+
+
+# -- what only a GPU can show ------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_arena_is_really_pinned():
+    torch.manual_seed(0)
+    opt = OffloadAdam(param_groups(TinyNet().to(DEV), WD), lr=LR, options=OffloadOptions(**SMALL))
+    assert opt.arena.pinned
+    regions = opt.arena.regions
+    assert {"master", "exp_avg", "exp_avg_sq", "grad_store", "grad_staging", "param_staging"} <= set(regions)
+    for name, t in regions.items():
+        assert t.device.type == "cpu" and t.is_pinned(), name
+    assert opt.pipeline.staging.is_pinned() and opt.param_staging.is_pinned()
+    opt.close()
+    assert not opt.arena.pinned
+
+    torch.manual_seed(0)
+    unpinned = OffloadAdam(param_groups(TinyNet().to(DEV), WD), lr=LR,
+                           options=OffloadOptions(pin_memory=False, **SMALL))
+    assert not unpinned.arena.pinned and not unpinned.master.is_pinned()
+    unpinned.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gradient_memory_is_bounded_by_the_buckets():
+    width, layers, tokens = 4096, 6, 64
+    torch.cuda.empty_cache()
+
+    def backward_peak(model, x):
+        loss = model(x).float().square().mean()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()      # params + activations (+ buckets, allocated at init)
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        torch.cuda.synchronize()
+        return before, torch.cuda.max_memory_allocated()
+
+    x = torch.randn(tokens, width, device=DEV, dtype=torch.bfloat16)
+    gpu = Mode("cuda", DEV)
+    plain = _wide_model(gpu, width, layers).bfloat16()
+    grad_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    before, peak = backward_peak(plain, x)
+    assert peak - before >= 0.9 * grad_bytes  # without the engine every gradient stays on the device
+    del plain
+    torch.cuda.empty_cache()
+
+    model = _wide_model(gpu, width, layers)
+    opt = OffloadAdam(model.parameters(), lr=1e-3, param_dtype=torch.bfloat16,
+                      options=OffloadOptions(bucket_numel=width * width + width))
+    model.bfloat16()
+    buckets = opt.pipeline.buckets.numel() * opt.pipeline.buckets.element_size()  # both buckets
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    before, peak = backward_peak(model, x)
+    grads_in_flight = peak - (before - buckets)      # buckets + whatever gradients are alive at once
+    activation_grads = 4 * tokens * width * 4 + (1 << 20)  # a few [tokens, width] fp32 temporaries
+    assert grads_in_flight <= buckets + largest + activation_grads, (grads_in_flight, buckets, largest)
+    assert grads_in_flight < buckets + grad_bytes / 2
+    opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    torch.cuda.synchronize()  # the last tile uploads read the pinned arena that close() unregisters
+    opt.close()
