@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hzo-installed
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all bench demo clean
+.PHONY: install test test-all bench demo gpu-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ bench: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/seq2seq/run_demo.py
+
+# Wheels for what the GPU machine's image lacks (it has no network): carry .gpu_wheels with
+# benchmarks/gpu_check.sh, which installs them from there.
+gpu-wheels: | $(PY)
+	$(PY) -m pip download -q -d .gpu_wheels pytest pytest-timeout
 
 clean:
 	rm -rf build output $(STAMP)

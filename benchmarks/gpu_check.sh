@@ -9,10 +9,11 @@
 #   1. hardware      the hardware line (CPU, cores, RAM, torch, SIMD level, GPU)   -> $OUT/hardware.json
 #   2. install       pip install --no-build-isolation --no-deps --no-index -e .  (compiles the C++ kernels;
 #                    the image already has torch, pybind11, scikit-build-core, cmake; nothing is downloaded)
-#   3. cuda tests    pytest -m cuda -q tests/test_engine_cuda.py (GPU parity with torch AdamW, gradient
-#                    accumulation, clipping, fp16 overflow, DPU, resume, a stream-race test, gradient memory
-#                    bounded by the buckets, pinned arena); without pytest on the image, the same file through
-#                    a small fallback runner (benchmarks/gpu_check.py tests)       -> $OUT/cuda_tests.log
+#   3. cuda tests    pytest -m cuda tests/test_engine.py tests/test_engine_async.py (GPU parity with torch
+#                    AdamW, gradient accumulation, clipping, fp16 overflow, DPU, resume, the stream-race
+#                    test, gradient memory bounded by the buckets, pinned arena). The image has no pytest:
+#                    it is installed from wheels carried in .gpu_wheels/ (`make gpu-wheels` here, then
+#                    carry ".gpu_wheels")                                         -> $OUT/cuda_tests.log
 #   4. offload step  benchmarks/offload_step.py, CUDA memory capped at 24 GiB
 #                    (torch.cuda.set_per_process_memory_fraction), two sizes:
 #                      500M params bf16: every row fits, so the step-time ratios vs no offload are meaningful
@@ -73,12 +74,10 @@ fi
 run import 30 "$PY" -c "import hf_zero_offload, hf_zero_offload._C as c; from hf_zero_offload import ops; print('simd', ops.simd_level(), ops.available_simd_levels())"
 
 # 3. the CUDA tests (pytest's -m overrides the default "not slow and not cuda" from pyproject.toml)
-if "$PY" -c "import pytest" 2>/dev/null; then
-  run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider tests/test_engine_cuda.py
-else
-  echo "pytest is not installed on this image: using the fallback runner"
-  run cuda_tests 170 "$PY" benchmarks/gpu_check.py tests tests/test_engine_cuda.py
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+  run install_pytest 60 "$PY" -m pip install --no-index --find-links .gpu_wheels pytest pytest-timeout
 fi
+run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider tests/test_engine.py tests/test_engine_async.py
 
 # 4. one training step with and without offload (JSON per size); 24 GiB CUDA cap
 run offload_step_500m 120 "$PY" benchmarks/offload_step.py "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 \
