@@ -224,6 +224,33 @@ def test_simulator_turns_each_missing_wait_into_wrong_numbers(mutate, opts, sim)
     assert differs, f"the simulator did not notice {mutate.__name__}"
 
 
+@pytest.mark.parametrize("dtype, gas, dpu, down, up", [
+    (torch.bfloat16, 1, False, 2, 2), (torch.float16, 1, True, 2, 2), (torch.bfloat16, 3, False, 6, 2),
+    (torch.float32, 1, False, 4, 4)], ids=["bf16", "fp16-dpu", "bf16-gas3", "fp32"])
+def test_bytes_over_the_bus_per_step(dtype, gas, dpu, down, up):
+    """Gradients go down in their own dtype once per micro-batch, parameters come up once per step:
+    4 bytes per parameter per step for a 16-bit model (DeepSpeed moves 4 B/param down alone)."""
+    s = SimStreams()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    n = sum(p.numel() for p in model.parameters())
+    opts = dict(bucket_numel=1000, tile_numel=300, gradient_accumulation_steps=gas, dpu=dpu, dpu_warmup_steps=1,
+                fp16={"enabled": True, "loss_scale": 0, "initial_scale_power": 4} if dtype == torch.float16 else None)
+    opt = OffloadAdam(model.parameters(), lr=LR, param_dtype=dtype, streams=s, options=OffloadOptions(**opts))
+    model.to(dtype)
+    seen = []
+    for _ in range(4):
+        before = (s.bytes_down, s.bytes_up)
+        for _ in range(gas):
+            opt.scale_loss(model(torch.randn(8, 32, dtype=dtype)).float().square().mean() / gas).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(((s.bytes_down - before[0]) / n, (s.bytes_up - before[1]) / n))
+    opt.close()
+    # steady state; the first delayed step uploads nothing (its result goes up at the next step)
+    assert seen[2:] == [(down, up)] * 2 and seen[1] == (down, 0 if dpu else up), seen
+
+
 # -- what only a GPU can show ------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

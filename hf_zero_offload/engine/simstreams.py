@@ -111,6 +111,7 @@ class SimStreams(Streams):
         self.cuda = False
         self.async_copies = True
         self.d2h, self.h2d = SimStream("d2h"), SimStream("h2d")
+        self.bytes_down = self.bytes_up = 0
         self._compute = SimStream("compute")  # eager: never holds queued work
         self._lock = threading.RLock()        # the autograd, scatter and DPU threads all queue and wait
         self.copies = 0                       # copies queued on side streams (tests check they happened)
@@ -134,6 +135,7 @@ class SimStreams(Streams):
             dst.copy_(src)
             return
         with self._lock:
+            self._count(src, stream)
             self.copies += 1
             self._enqueue(stream, lambda: dst.copy_(src))
 

@@ -28,6 +28,7 @@ class Streams:
         self.cuda = device.type == "cuda"
         self.async_copies = self.cuda
         self.d2h = self.h2d = None
+        self.bytes_down = self.bytes_up = 0   # host<->device bytes queued so far (PCIe traffic)
         if self.cuda:
             # Dedicated copy streams: gradient copies down and parameter copies up each get their own
             # queue, so neither waits behind compute kernels nor behind each other.
@@ -50,11 +51,21 @@ class Streams:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         """Queue ``dst.copy_(src)`` on ``stream``; it completes once an event recorded after it has."""
+        self._count(src, stream)
         if self.cuda:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
         else:
             dst.copy_(src)
+
+    def _count(self, src: torch.Tensor, stream) -> None:
+        if not self.async_copies:
+            return  # no device: nothing crosses a bus
+        n = src.numel() * src.element_size()
+        if stream is self.d2h:
+            self.bytes_down += n
+        elif stream is self.h2d:
+            self.bytes_up += n
 
     def wait(self, stream, event) -> None:
         """Device-side wait: work queued on ``stream`` after this starts once ``event`` completed."""
