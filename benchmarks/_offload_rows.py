@@ -151,19 +151,20 @@ def row_ours(ctx: Ctx, dpu: bool) -> dict:
     dev_state = ctx.mem()
     x = ctx.x32.to(ctx.dtype)
 
+    bus = []  # host<->device bytes the engine queued, per step
+
     def step():
+        before = opt.streams.bytes_down + opt.streams.bytes_up
         loss = _loss(model(x))
         opt.scale_loss(loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        bus.append(opt.streams.bytes_down + opt.streams.bytes_up - before)
 
     times = ctx.timed(step)
     bucket_bytes = opt.pipeline.buckets.numel() * opt.pipeline.buckets.element_size()
-    grad_b = opt.pipeline.buckets.element_size()
-    param_b = torch.empty((), dtype=opt.param_dtype).element_size()
-    # What crosses PCIe per step, from the engine's own sizes: every gradient down once in the
-    # bucket dtype, every updated param up once in the training dtype.
-    pcie = (n * grad_b + n * param_b) / n if ctx.cuda else 0.0
+    # What crossed PCIe per timed step, counted by the engine's Streams (0 on CPU: no bus).
+    pcie = statistics.median(bus[-ctx.steps:]) / n
     name = "(c) ours + DPU" if dpu else "(b) ours OffloadAdam"
     out = _row(ctx, name, times, n, opt.arena.nbytes, "host" + (" pinned" if opt.arena.pinned else ""), pcie, base,
                dev_state, buckets_bpp=bucket_bytes / n, skipped=opt.last.skipped,

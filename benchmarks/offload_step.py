@@ -20,8 +20,10 @@ Columns: median (and min) wall time per step over --steps timed steps (after --w
 over --rounds), ratio to (a), median process CPU time per step (all threads) and its ratio, peak device
 memory (torch.cuda.max_memory_allocated; n/a on CPU), device model-state memory between steps per param,
 optimizer-state bytes per param and where they live (ours: arena.nbytes / numel, all host; torch AdamW: its
-state tensors), and PCIe bytes per param per step counted from the engine's sizes (gradients down in their
-dtype, params up in the training dtype).
+state tensors), and PCIe bytes per param per step as counted by the engine's Streams during the timed steps
+(gradients down in their dtype, params up in the training dtype; 0 on CPU, where nothing crosses a bus;
+``HF_ZERO_OFFLOAD_SIMULATE_STREAMS=1`` runs the engine's GPU code path on the stream simulator and counts
+them there: 4.0 B/param for bf16, 8.0 for fp32; times are then meaningless).
 
 On a CPU-only machine the "device" is the CPU itself: the table shows the engine's overhead against plain
 AdamW on the same cores and its host footprint; with DPU the optimizer thread competes with the forward
