@@ -8,6 +8,7 @@ Static (``loss_scale > 0``): the scale never changes; overflow steps are still s
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -60,3 +61,44 @@ class LossScaler:
         if unknown:
             raise ValueError(f"loss scaler state has unknown keys {sorted(unknown)}")
         self.__dict__.update(state)
+
+
+@dataclass
+class StepResult:
+    skipped: bool
+    grad_norm: float
+    loss_scale: float
+
+
+def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor: float = 1.0
+                ) -> tuple[StepResult, float | None]:
+    """One optimizer step's verdict from ``sumsq``, the squared norm of the loss-scaled gradient
+    ``divisor`` times over (the sum over ranks: ``divisor`` = world size). Updates the scaler.
+
+    Returns the result to report and ``grad_scale``, the factor the fused kernel applies to the stored
+    gradients (unscale, average, clip: ``torch.nn.utils.clip_grad_norm_``'s coefficient clamped to 1),
+    or None when fp16 overflowed and the step is skipped. Without fp16 a non-finite norm is not a skip:
+    the NaNs go through, as with torch."""
+    finite = math.isfinite(sumsq)
+    if scaler.enabled and not finite:
+        scaler.update(True)
+        return StepResult(True, float("inf"), scaler.scale), None
+    unscale = scaler.scale * divisor
+    norm = math.sqrt(sumsq) / unscale if finite else float("nan")
+    clip = 1.0
+    if max_grad_norm > 0:
+        clip = min(max_grad_norm / (norm + 1e-6), 1.0) if finite else float("nan")
+    scaler.update(False)
+    return StepResult(False, norm, scaler.scale), clip / unscale
+
+
+class LossScaled:
+    """The loss-scaling face both engines show the training loop."""
+    scaler: LossScaler
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss):
+        return self.scaler.scale_loss(loss)

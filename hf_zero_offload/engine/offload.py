@@ -27,7 +27,7 @@ import torch
 from .. import ops
 from . import checkpoint
 from .buffers import HostArena, plan_host_memory, store_dtype
-from .loss_scaler import LossScaler
+from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step
 from .pipeline import GradPipeline
 from .streams import Streams, make_streams
 from .runs import Run, make_runs
@@ -48,14 +48,7 @@ class OffloadOptions:
     scatter_thread: bool | None = None      # gradient scatter on a helper thread (default: on CUDA)
 
 
-@dataclass
-class StepResult:
-    skipped: bool
-    grad_norm: float
-    loss_scale: float
-
-
-class OffloadAdam(torch.optim.Optimizer):
+class OffloadAdam(LossScaled, torch.optim.Optimizer):
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
                  options: OffloadOptions = OffloadOptions(), streams: Streams | None = None):
@@ -136,13 +129,6 @@ class OffloadAdam(torch.optim.Optimizer):
         self._prepared = None
 
     # -- the step ------------------------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -152,22 +138,11 @@ class OffloadAdam(torch.optim.Optimizer):
         runs, sumsq = self._prepare()
         self._prepared = None
         store = self.pipeline.store
-        finite = math.isfinite(sumsq)
         self.global_steps += 1
-        if self.scaler.enabled and not finite:
-            self.scaler.update(True)
-            self.last = StepResult(True, float("inf"), self.scaler.scale)
+        self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm)
+        if grad_scale is None:  # fp16 overflow: skipped, masters and step counts untouched
             self.pipeline.new_window(store)
             return loss
-        loss_scale = self.scaler.scale
-        norm = math.sqrt(sumsq) / loss_scale if finite else float("nan")
-        clip = 1.0
-        if self.options.max_grad_norm > 0:
-            # torch.nn.utils.clip_grad_norm_'s coefficient, clamped to 1
-            clip = min(self.options.max_grad_norm / (norm + 1e-6), 1.0) if finite else float("nan")
-        grad_scale = clip / loss_scale
-        self.scaler.update(False)
-        self.last = StepResult(False, norm, self.scaler.scale)
         hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after
         for run in runs:
             self._param_steps[run.slots] += 1

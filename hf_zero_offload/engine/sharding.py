@@ -62,8 +62,8 @@ import torch.distributed as dist
 
 from . import sharding_ckpt, sharding_update
 from .buffers import HostArena, HostPlan, plan_host_memory
-from .loss_scaler import LossScaler
-from .offload import OffloadOptions, StepResult
+from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step
+from .offload import OffloadOptions
 from .runs import make_runs
 from .sharding_layout import Partition
 from .sharding_reduce import GradReducer
@@ -72,7 +72,7 @@ from .streams import Streams
 FORCE_REDUCE_SCATTER = False  # tests: run the NCCL layout's reduce-scatter on gloo too
 
 
-class ShardedAdam(torch.optim.Optimizer):
+class ShardedAdam(LossScaled, torch.optim.Optimizer):
     """Adam/AdamW over replicated parameters with the optimizer state sharded across ranks.
 
     The public surface is ``OffloadAdam``'s (``step``, ``zero_grad``, ``scale_loss``, ``loss_scale``,
@@ -244,13 +244,6 @@ class ShardedAdam(torch.optim.Optimizer):
         send()
 
     # -- the step --------------------------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -259,21 +252,12 @@ class ShardedAdam(torch.optim.Optimizer):
                 loss = closure()
         total, received = self._prepare()
         self._prepared = None
-        finite = math.isfinite(total)
         self.global_steps += 1
-        if self.scaler.enabled and not finite:
-            self.scaler.update(True)
-            self.last = StepResult(True, float("inf"), self.scaler.scale)
+        # the store holds the sum over ranks: the kernel's grad_scale also averages
+        self.last, grad_scale = decide_step(self.scaler, total, self.options.max_grad_norm, self.world_size)
+        if grad_scale is None:
             self.reducer.new_window()
             return loss
-        loss_scale = self.scaler.scale
-        norm = math.sqrt(total) / (loss_scale * self.world_size) if finite else float("nan")
-        clip = 1.0
-        if self.options.max_grad_norm > 0:
-            clip = min(self.options.max_grad_norm / (norm + 1e-6), 1.0) if finite else float("nan")
-        grad_scale = clip / (loss_scale * self.world_size)  # the store holds the sum over ranks
-        self.scaler.update(False)
-        self.last = StepResult(False, norm, self.scaler.scale)
         runs = make_runs(self._groups, self._slots, received, self._param_steps)
         for run in runs:
             for i in run.slots:
