@@ -30,7 +30,7 @@ from .buffers import HostArena, plan_host_memory, store_dtype
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step
 from .pipeline import GradPipeline
 from .streams import Streams, make_streams
-from .runs import Run, make_runs
+from .runs import Run, flat_layout, make_runs, training_dtype
 from .upload import ParamUploader
 
 
@@ -56,33 +56,9 @@ class OffloadAdam(LossScaled, torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.options = options
         self.scaler = LossScaler.from_fp16(**(options.fp16 or {"enabled": False}))
-        self._slots: list[list[tuple[torch.nn.Parameter, int, int]]] = []  # per group: (param, offset, numel)
-        seen, offset = set(), 0
-        for group in self.param_groups:
-            group_slots = []
-            for p in group["params"]:
-                if id(p) in seen:
-                    raise ValueError("a parameter appears twice in the optimizer's param groups")
-                seen.add(id(p))
-                if not p.requires_grad:
-                    continue  # frozen: never gets a gradient, owns no optimizer state
-                if not p.is_contiguous():
-                    raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; updates are copied "
-                                     "into parameters as flat ranges")
-                group_slots.append((p, offset, p.numel()))
-                offset += p.numel()
-            self._slots.append(group_slots)
+        self._slots, self.numel, device = flat_layout(self.param_groups, "OffloadAdam")  # per group: (p, off, n)
         all_slots = [s for g in self._slots for s in g]
-        if not all_slots:
-            raise ValueError("OffloadAdam got no trainable parameters")
-        self.numel = offset
-        device = all_slots[0][0].device
-        if any(p.device != device for p, _, _ in all_slots):
-            raise ValueError("every trainable parameter must be on the same device")
-        fp16_on = bool(options.fp16 and options.fp16.get("enabled"))
-        self.param_dtype = param_dtype or (torch.float16 if fp16_on else all_slots[0][0].dtype)
-        if fp16_on and self.param_dtype != torch.float16:
-            raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {self.param_dtype}")
+        self.param_dtype = training_dtype(param_dtype, options.fp16, all_slots[0][0])
         # ``streams``: injected by tests (simstreams.SimStreams); by default the device's own.
         self.streams = streams if streams is not None else make_streams(device)
         gas = options.gradient_accumulation_steps

@@ -1,7 +1,46 @@
-"""Runs: the unit of one optimizer kernel call, shared by the offload and the sharded engines."""
+"""The flat layout of the trainable parameters, and runs over it (the unit of one optimizer kernel
+call); shared by the offload and the sharded engines."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+
+def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], int, torch.device]:
+    """The trainable params of every group back to back in one flat range: per group a list of
+    ``(param, offset, numel)``; the total numel; their (single) device. Frozen params own no range."""
+    slots, seen, offset = [], set(), 0
+    for group in param_groups:
+        group_slots = []
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError("a parameter appears twice in the optimizer's param groups")
+            seen.add(id(p))
+            if not p.requires_grad:
+                continue  # frozen: never gets a gradient, owns no optimizer state
+            if not p.is_contiguous():
+                raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; updates are copied "
+                                 "into parameters as flat ranges")
+            group_slots.append((p, offset, p.numel()))
+            offset += p.numel()
+        slots.append(group_slots)
+    flat = [s for g in slots for s in g]
+    if not flat:
+        raise ValueError(f"{who} got no trainable parameters")
+    device = flat[0][0].device
+    if any(p.device != device for p, _, _ in flat):
+        raise ValueError("every trainable parameter must be on the same device")
+    return slots, offset, device
+
+
+def training_dtype(param_dtype: torch.dtype | None, fp16: dict | None, first: torch.nn.Parameter) -> torch.dtype:
+    """The dtype the device params train in: as asked, else fp16 with loss scaling, else the params' own."""
+    fp16_on = bool(fp16 and fp16.get("enabled"))
+    dtype = param_dtype or (torch.float16 if fp16_on else first.dtype)
+    if fp16_on and dtype != torch.float16:
+        raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {dtype}")
+    return dtype
 
 
 @dataclass

@@ -64,7 +64,7 @@ from . import sharding_ckpt, sharding_update
 from .buffers import HostArena, HostPlan, plan_host_memory
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step
 from .offload import OffloadOptions
-from .runs import make_runs
+from .runs import flat_layout, make_runs, training_dtype
 from .sharding_layout import Partition
 from .sharding_reduce import GradReducer
 from .streams import Streams
@@ -106,35 +106,14 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
             self.world_size, self.rank = 1, 0  # one process: same engine, no collectives
         self.scaler = LossScaler.from_fp16(**(options.fp16 or {"enabled": False}))
 
-        self._slots: list[tuple[torch.nn.Parameter, int, int]] = []   # flat: (param, offset, numel)
+        per_group, self.numel, self.device = flat_layout(self.param_groups, "ShardedAdam")
+        self._slots: list[tuple[torch.nn.Parameter, int, int]] = [s for g in per_group for s in g]  # flat
         self._groups: list[list[int]] = []                             # per group: flat slot indices
-        seen, offset = set(), 0
-        for group in self.param_groups:
-            idxs = []
-            for p in group["params"]:
-                if id(p) in seen:
-                    raise ValueError("a parameter appears twice in the optimizer's param groups")
-                seen.add(id(p))
-                if not p.requires_grad:
-                    continue
-                if not p.is_contiguous():
-                    raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; updates are copied "
-                                     "into parameters as flat ranges")
-                idxs.append(len(self._slots))
-                self._slots.append((p, offset, p.numel()))
-                offset += p.numel()
-            self._groups.append(idxs)
-        if not self._slots:
-            raise ValueError("ShardedAdam got no trainable parameters")
-        self.numel = offset
-        self.device = self._slots[0][0].device
-        if any(p.device != self.device for p, _, _ in self._slots):
-            raise ValueError("every trainable parameter must be on the same device")
+        for g in per_group:
+            first = sum(map(len, self._groups))
+            self._groups.append(list(range(first, first + len(g))))
         self._broadcast_params(allgather_bucket_numel)
-        fp16_on = bool(options.fp16 and options.fp16.get("enabled"))
-        self.param_dtype = param_dtype or (torch.float16 if fp16_on else self._slots[0][0].dtype)
-        if fp16_on and self.param_dtype != torch.float16:
-            raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {self.param_dtype}")
+        self.param_dtype = training_dtype(param_dtype, options.fp16, self._slots[0][0])
 
         self.streams = Streams(self.device)
         cuda = self.streams.cuda
