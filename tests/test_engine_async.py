@@ -224,6 +224,34 @@ def test_simulator_turns_each_missing_wait_into_wrong_numbers(mutate, opts, sim)
     assert differs, f"the simulator did not notice {mutate.__name__}"
 
 
+def _sharded_offload_params(streams):
+    from hf_zero_offload.engine.sharding import ShardedAdam
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = ShardedAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(bucket_numel=1200, tile_numel=300),
+                      streams=streams)
+    for ids, labels, use_branch in batches(6):
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_sharded_offload_upload_path_on_the_simulator():
+    """ShardedAdam's GPU offload path (Adam tiles up through two staging tiles, then the all-gather
+    waits for the last upload) equals its CPU path; without either wait the simulator notices."""
+    cpu = _sharded_offload_params(None)
+    assert torch.equal(_sharded_offload_params(SimStreams()), cpu)
+    no_tile_wait = SimStreams()
+    no_tile_wait.host_wait = lambda ev: None
+    assert not torch.equal(_sharded_offload_params(no_tile_wait), cpu)
+    no_gather_wait = SimStreams()
+    real = no_gather_wait.wait
+    no_gather_wait.wait = lambda stream, ev: None if stream is no_gather_wait.compute() else real(stream, ev)
+    assert not torch.equal(_sharded_offload_params(no_gather_wait), cpu)
+
+
 @pytest.mark.parametrize("dtype, gas, dpu, down, up", [
     (torch.bfloat16, 1, False, 2, 2), (torch.float16, 1, True, 2, 2), (torch.bfloat16, 3, False, 6, 2),
     (torch.float32, 1, False, 4, 4)], ids=["bf16", "fp16-dpu", "bf16-gas3", "fp32"])

@@ -20,6 +20,7 @@ from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 from hf_zero_offload.engine import sharding
 from hf_zero_offload.engine.sharding import ShardedAdam
 from hf_zero_offload.engine.sharding_ckpt import load_into_offload
+from hf_zero_offload.engine.simstreams import SimStreams
 
 LR, WD = 1e-2, 0.1
 # several buckets, rounds and gather rounds even on a tiny model (the largest param has 1200 elements)
@@ -31,7 +32,9 @@ CONFIGS = {"s1": dict(stage=1, offload=False), "s1-off": dict(stage=1, offload=T
            "s2-torch": dict(stage=2, offload=False, device_adam="torch"),
            # the reduce-scatter that NCCL gets (gloo reduces to owners): stage 1 rounds, and a stage 2
            # model in one bucket, which splits into equal owner pieces
-           "s1-rs": dict(stage=1, offload=True, rs=True), "s2-rs": dict(stage=2, offload=False, rs=True, bucket=10**6)}
+           "s1-rs": dict(stage=1, offload=True, rs=True), "s2-rs": dict(stage=2, offload=False, rs=True, bucket=10**6),
+           # the GPU offload path (updated tiles up through staging, events) on the stream simulator
+           "s2-off-sim": dict(stage=2, offload=True, sim=True)}
 
 
 def rank_data(rank: int, n: int, mixed: bool = False):
@@ -70,12 +73,13 @@ def ddp_run(data, gas=1, clip=0.0, device="cpu"):
     return model, norms, grad_bytes
 
 
-def sharded(model, fp16=None, gas=1, clip=0.0, rs=False, bucket=None, **cfg):
+def sharded(model, fp16=None, gas=1, clip=0.0, rs=False, bucket=None, sim=False, **cfg):
     opts = OffloadOptions(gradient_accumulation_steps=gas, max_grad_norm=clip, fp16=fp16,
                           **{**SMALL, **({"bucket_numel": bucket} if bucket else {})})
     sharding.FORCE_REDUCE_SCATTER = rs
     try:
-        opt = ShardedAdam(param_groups(model, WD), lr=LR, options=opts, allgather_bucket_numel=GATHER, **cfg)
+        opt = ShardedAdam(param_groups(model, WD), lr=LR, options=opts, allgather_bucket_numel=GATHER,
+                          streams=SimStreams() if sim else None, **cfg)
     finally:
         sharding.FORCE_REDUCE_SCATTER = False
     if not dist.is_initialized() or dist.get_backend() == "gloo":
@@ -113,6 +117,9 @@ def _parity_job(rank, world):
             grad_bytes = []
             train(model, opt, data, grad_bytes=grad_bytes)
             assert_models_close(ref, model, **TIGHT)
+            if cfg.get("sim"):
+                # each step the updated part of the fp32 shard went up (params without a gradient stay)
+                assert 0.5 * 10 * 4 * shard < opt.streams.bytes_up <= 10 * 4 * shard
             mem = opt.memory_bytes()
             # what is really allocated is the plan: the arena (page-rounded regions) and device tensors
             assert opt.arena is None or opt.arena.nbytes == opt.plan.host_bytes

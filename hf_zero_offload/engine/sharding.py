@@ -67,7 +67,7 @@ from .offload import OffloadOptions
 from .runs import flat_layout, make_runs, training_dtype
 from .sharding_layout import Partition
 from .sharding_reduce import GradReducer
-from .streams import Streams
+from .streams import Streams, make_streams
 
 FORCE_REDUCE_SCATTER = False  # tests: run the NCCL layout's reduce-scatter on gloo too
 
@@ -87,7 +87,8 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
                  options: OffloadOptions = OffloadOptions(), stage: int = 2, offload: bool = True,
-                 process_group=None, allgather_bucket_numel: int = 200_000_000, device_adam: str = "auto"):
+                 process_group=None, allgather_bucket_numel: int = 200_000_000, device_adam: str = "auto",
+                 streams: Streams | None = None):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
         if options.dpu:
@@ -115,7 +116,9 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         self._broadcast_params(allgather_bucket_numel)
         self.param_dtype = training_dtype(param_dtype, options.fp16, self._slots[0][0])
 
-        self.streams = Streams(self.device)
+        # ``streams``: injected by tests (simstreams.SimStreams); by default the device's own. The
+        # simulator covers the offload upload path; reductions stay synchronous (gloo) there.
+        self.streams = streams if streams is not None else make_streams(self.device)
         cuda = self.streams.cuda
         self.partition = part = Partition(self.numel, self.world_size)
         S, W = part.shard_numel, self.world_size
@@ -156,11 +159,13 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         regions = {k: (base[k][0], base[k][1], where) for k in ("master", "exp_avg", "exp_avg_sq", "grad_store")}
         if self._torch_adam:  # torch's fused kernels want the gradient in the state's dtype
             regions["grad_store"] = (S, torch.float32, where)
+        tiled = self.offload and self.streams.async_copies  # updated tiles go up through staging
         if self.offload and cuda:
             regions["grad_staging"] = (seg, self.param_dtype, "host")  # the host waits for each copy
+        if tiled:
             regions["param_staging"] = base["param_staging"]
         regions["grad_buckets"] = (bucket_region, self.param_dtype, "device")
-        if self.param_dtype != torch.float32 or (self.offload and cuda):
+        if self.param_dtype != torch.float32 or tiled:
             regions["shard_out"] = (S, self.param_dtype, "device")  # the updated shard, ready to gather
         regions["gather_buffer"] = (self.world_size * self._gchunk if self.world_size > 1 else 0, self.param_dtype,
                                     "device")
@@ -358,7 +363,6 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
 
     def close(self) -> None:
         self.reducer.close()
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.device)  # no copy may still read the arena we unpin
+        self.streams.synchronize()  # no copy may still read the arena we unpin
         if self.arena is not None:
             self.arena.close()

@@ -35,7 +35,7 @@ def adam(opt, runs, grad_scale: float, hyper: list[dict]) -> None:
     lo, hi = opt.shard_start, opt.shard_end
     parts = [(max(r.start, lo) - lo, min(r.end, hi) - lo, r) for r in runs if r.start < hi and r.end > lo]
     s = opt.streams
-    tiled = opt.offload and s.cuda
+    tiled = opt.offload and s.async_copies
     if tiled:
         # shard_out was read by the last all-gather (queued on the compute stream): the uploads
         # that overwrite it are queued after that.
@@ -70,8 +70,7 @@ def adam(opt, runs, grad_scale: float, hyper: list[dict]) -> None:
             out = opt._tiles[slot, :e - t]
             ops.adam_step(opt.master[t:e], opt.store[t:e], opt.exp_avg[t:e], opt.exp_avg_sq[t:e],
                           param_out=out, **step_kw)
-            with s.use(s.h2d):
-                opt.shard_out[t:e].copy_(out, non_blocking=True)
+            s.copy(opt.shard_out[t:e], out, s.h2d)
             opt._tile_events[slot] = s.event(s.h2d)
     if tiled:
         # The all-gather (compute stream) reads shard_out: it waits for the last upload.
