@@ -8,13 +8,15 @@ row per training configuration, per rank:
   ``OffloadAdam`` cannot disagree about what the engine allocates;
 - activations: measured, not guessed, by tracing one forward + backward of the model built on the
   meta device (``planner_trace``), in the dtype the configuration trains in;
+- with ``--gradient-checkpointing`` the traced step is the checkpointed one (Transformers'
+  non-reentrant checkpointing of each block: the forward keeps block inputs, the backward recomputes);
 - the largest batch whose peak fits ``--gpu-mem-gib`` minus a safety margin of
   ``SAFETY_BYTES`` (0.5 GiB: CUDA context outside torch's accounting, cuBLAS/cuDNN workspaces) plus
   ``SAFETY_FRACTION`` (5 % of the card: caching-allocator rounding and fragmentation).
 
 Not modelled: optimizer-step temporaries (the step runs after backward freed the activations, and
 fused/foreach AdamW temporaries are far below the activation peak), eval/generation (beam search),
-activation checkpointing, label smoothing computed outside the model, frozen parameters (every
+label smoothing computed outside the model, frozen parameters (every
 parameter counts as trainable), dynamic padding (``--seq-len``/``--tgt-len`` are the padded lengths:
 with padding to the longest in the batch, real batches are shorter and more samples fit).
 """
@@ -181,9 +183,11 @@ class Plan:
     rows: list
     seconds: float = 0.0
     exact_lines: bool = True
+    gradient_checkpointing: bool = False
 
     def to_json(self) -> dict:
-        return {"params": self.params, "configs": [asdict(r) for r in self.rows]}
+        return {"params": self.params, "gradient_checkpointing": self.gradient_checkpointing,
+                "configs": [asdict(r) for r in self.rows]}
 
 
 def device_budget(gpu_mem_gib: float) -> int:
@@ -218,7 +222,7 @@ def _model_name(src) -> str:
 def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtype: str = "fp16",
          seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
          tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
-         configs: list[str] | None = None) -> Plan:
+         configs: list[str] | None = None, gradient_checkpointing: bool = False) -> Plan:
     """Plan every configuration for the model (a config JSON path, a model directory, a dict, a
     ``PretrainedConfig`` or a model with ``.config``) on ``gpus`` GPUs of ``gpu_mem_gib`` each.
     ``cuda=False`` plans the engine as it allocates on a CPU-only machine (no separate bucket staging)."""
@@ -229,7 +233,7 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
         raise ValueError("gpus must be >= 1")
     src = getattr(model_config_or_path, "config", model_config_or_path)
     config = trace.load_config(src)
-    model = trace.build_model(config)
+    model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
     n, max_numel = trace.count_params(model)
     defaults = _engine_defaults()
     settings = EngineSettings(bucket_numel or defaults["bucket_numel"], tile_numel or defaults["tile_numel"],
@@ -257,7 +261,7 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
             row.fits = row.device_bytes_at_batch_size <= budget
         rows.append(row)
     return Plan(_model_name(src), n, max_numel, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, rows,
-                time.perf_counter() - t0, all(p.aligned for p in profiles.values()))
+                time.perf_counter() - t0, all(p.aligned for p in profiles.values()), gradient_checkpointing)
 
 
 # -- output ------------------------------------------------------------------------------------------
@@ -282,6 +286,7 @@ def format_plan(p: Plan) -> str:
         f"model: {p.model}",
         f"params: {p.params:,} ({p.params / 1e9:.3f} B; tied weights counted once)",
         f"per rank, {p.gpus} GPU(s) of {p.gpu_mem_gib:g} GiB; {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
+        f"{'gradient checkpointing; ' if p.gradient_checkpointing else ''}"
         f"budget {budget / GiB:.2f} GiB = card - {SAFETY_FRACTION:.0%} - {SAFETY_BYTES / GiB:g} GiB "
         f"(CUDA context, allocator fragmentation)",
         fmt(head), fmt(["-" * w for w in widths]), *(fmt(c) for c in cells),
@@ -315,6 +320,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="also report the memory at this batch size")
     parser.add_argument("--bucket-numel", type=int, default=None, help="gradient bucket size (engine default)")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="trace the step with the model's gradient checkpointing on")
     parser.add_argument("--configs", default=None, help="comma-separated row names (default: all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
@@ -323,7 +330,8 @@ def main(args: argparse.Namespace) -> int:
     p = plan(args.model, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib, dtype=args.dtype, seq_len=args.seq_len,
              tgt_len=args.tgt_len, batch_size=args.batch_size, bucket_numel=args.bucket_numel,
              gradient_accumulation_steps=args.gradient_accumulation_steps,
-             configs=args.configs.split(",") if args.configs else None)
+             configs=args.configs.split(",") if args.configs else None,
+             gradient_checkpointing=args.gradient_checkpointing)
     if args.json:
         print(json.dumps(p.to_json(), indent=2))
     else:

@@ -144,12 +144,21 @@ def load_config(model_config_or_path):
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def build_model(config, *, dtype: torch.dtype = torch.float32, device="meta"):
+def build_model(config, *, dtype: torch.dtype = torch.float32, device="meta", gradient_checkpointing: bool = False):
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     cls = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     with torch.device(device):
         model = cls.from_config(config, dtype=dtype)
+    if gradient_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+        # What the Trainer's --gradient_checkpointing turns on (non-reentrant: both its default and
+        # the one whose saved tensors the trace sees; the method was renamed in Transformers 5).
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 
@@ -317,14 +326,15 @@ def _status_bytes(key: str) -> int:
     raise KeyError(key)
 
 
-def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int) -> list[int]:
+def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ckpt: bool = False) -> list[int]:
     import gc
 
     torch.set_num_threads(1)
     peaks = []
     for mode, batch_size, keep_grads in jobs:
         torch.manual_seed(0)
-        model = build_model(config, dtype=half_dtype if mode == "half" else torch.float32, device="cpu")
+        model = build_model(config, dtype=half_dtype if mode == "half" else torch.float32, device="cpu",
+                            gradient_checkpointing=ckpt)
         batch = dummy_batch(config, batch_size, seq_len, tgt_len, "cpu")
         amp = (lambda: torch.autocast("cpu", dtype=half_dtype)) if mode == "amp" else contextlib.nullcontext
         if not keep_grads:
@@ -351,7 +361,7 @@ def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int) ->
 
 
 def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16, seq_len: int = 128,
-                      tgt_len: int = 128, timeout: float = 600) -> list[int]:
+                      tgt_len: int = 128, timeout: float = 600, gradient_checkpointing: bool = False) -> list[int]:
     """Peak extra resident memory (bytes) of one real forward + backward on the CPU per job
     ``(mode, batch_size, keep_grads)`` (Linux only), each on a fresh model, one process for all.
 
@@ -369,7 +379,8 @@ def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16,
         path = os.path.join(tmp, "config.json")
         cfg.to_json_file(path)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-        args = json.dumps([path, [list(j) for j in jobs], str(half_dtype).split(".")[-1], seq_len, tgt_len])
+        args = json.dumps([path, [list(j) for j in jobs], str(half_dtype).split(".")[-1], seq_len, tgt_len,
+                           gradient_checkpointing])
         res = subprocess.run([sys.executable, "-m", "hf_zero_offload.planner_trace", args], env=env,
                              capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
@@ -381,5 +392,5 @@ if __name__ == "__main__":
     import json
     import sys
 
-    _path, _jobs, _dt, _seq, _tgt = json.loads(sys.argv[1])
-    print(json.dumps(_measure_in_process(load_config(_path), _jobs, getattr(torch, _dt), _seq, _tgt)))
+    _path, _jobs, _dt, _seq, _tgt, _ckpt = json.loads(sys.argv[1])
+    print(json.dumps(_measure_in_process(load_config(_path), _jobs, getattr(torch, _dt), _seq, _tgt, _ckpt)))

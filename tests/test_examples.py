@@ -231,14 +231,14 @@ def _check_output_dir(out, metrics):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "zero_offload"])
-def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog):
+def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys):
     caplog.set_level(logging.WARNING, logger="hf_zero_offload")
     out = tmp_path / "out"
     argv = _common_args(synth_dir, out) + [
         "--config_name", TINY, "--do_train", "--do_eval", "--do_predict", "--predict_with_generate",
     ]
-    if offload:
-        argv += ["--zero_offload", os.path.join(CONFIGS, "ds_config_1gpu.json")]
+    if offload:  # with gradient checkpointing, which the memory plan printed at start must trace
+        argv += ["--zero_offload", os.path.join(CONFIGS, "ds_config_1gpu.json"), "--gradient_checkpointing"]
     else:  # legacy extras on the plain run
         argv += ["--sortish_sampler", "--label_smoothing", "0.1", "--freeze_embeds"]
     smoothing = [] if offload else ["--label_smoothing", "0.1"]  # the eval loss depends on it
@@ -247,6 +247,7 @@ def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog):
     assert metrics["train_n_objs"] == 48 and metrics["val_n_objs"] == 12
     # --zero_offload must reach the engine (its start line), and only then
     assert ("hf_zero_offload: config=" in caplog.text) == offload
+    assert ("gradient checkpointing; budget" in capsys.readouterr().out) == offload
 
     # the saved directory is a complete model + tokenizer: evaluate from it (no tokenizer training this time)
     out2 = tmp_path / "reload"

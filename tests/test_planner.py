@@ -130,6 +130,26 @@ def test_activation_prediction_matches_a_real_cpu_step(tmp_path):
         assert abs(pred - real) <= 0.10 * real, (mode, bs, keep, pred, real)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures /proc/self VmHWM")
+def test_gradient_checkpointing_prediction_matches_a_real_cpu_step(tmp_path):
+    """--gradient-checkpointing traces the checkpointed step (the backward recomputes each block):
+    against a real checkpointed step within 10 %, and far below the plain step per sample."""
+    path = config_file("t5-tiny", T5_TINY, tmp_path)
+    config = trace.load_config(path)
+    jobs = [("fp32", 16, False), ("half", 16, False)]
+    measured = trace.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16, gradient_checkpointing=True)
+    ckpt = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16,
+                               model=trace.build_model(config, gradient_checkpointing=True))
+    plain = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16)
+    for (mode, bs, keep), real in zip(jobs, measured):
+        pred = ckpt[mode].peak(bs, keep)
+        assert abs(pred - real) <= 0.10 * real, (mode, bs, pred, real)
+        assert ckpt[mode].asymptote(keep)[1] < 0.7 * plain[mode].asymptote(keep)[1], mode
+    p = planner.plan(T5_TINY, configs=["zero2_offload"], gradient_checkpointing=True)
+    assert p.gradient_checkpointing and p.to_json()["gradient_checkpointing"]
+    assert "gradient checkpointing" in planner.format_plan(p)
+
+
 # -- the t5-3b estimate: cost and sanity, through the CLI's --json -----------------------------------
 REQUIRED = {"name": str, "device_bytes_model_states": int, "host_bytes": int, "activation_bytes_per_sample": int,
             "max_batch_size": int}

@@ -275,6 +275,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                     seq_len=data_args.max_source_length, tgt_len=data_args.max_target_length,
                     batch_size=training_args.per_device_train_batch_size,
                     gradient_accumulation_steps=training_args.gradient_accumulation_steps, cuda=cuda,
+                    # --gradient_checkpointing (renamed --activation_checkpointing in Transformers 5)
+                    gradient_checkpointing=bool(getattr(training_args, "activation_checkpointing", False)
+                                                or getattr(training_args, "gradient_checkpointing", False)),
                 )
                 if cuda:
                     plan_kwargs["gpu_mem_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
