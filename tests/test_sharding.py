@@ -312,7 +312,7 @@ def test_bad_arguments_and_incomplete_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="stage"):
         sharded(model, stage=3)
     with pytest.raises(ValueError, match="delayed parameter update"):
-        ShardedAdam(model.parameters(), options=OffloadOptions(dpu=True))
+        ShardedAdam(model.parameters(), options=OffloadOptions(dpu=True), offload=False)
     with pytest.raises(ValueError, match="offload=False"):
         sharded(model, offload=True, device_adam="torch")
     opt = sharded(model)

@@ -21,13 +21,21 @@ def _train(rank, world_size, mode, out_dir):
         trainer = Seq2SeqTrainer(model=model, args=ZeroOffloadSeq2SeqTrainingArguments(optim="adamw_torch", **kw),
                                  train_dataset=ToyDataset())
     else:
-        cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu" if mode == "offload" else "none"}}}
+        cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none" if mode == "sharded" else "cpu"}}}
+        if mode == "offload-dpu":
+            cfg["zero_optimization"]["delayed_param_update"] = {"enabled": True, "warmup_steps": 1}
         trainer = ZeroOffloadSeq2SeqTrainer(
             model=model, args=ZeroOffloadSeq2SeqTrainingArguments(sharded_ddp=True, zero_offload=cfg, **kw),
             train_dataset=ToyDataset())
     trainer.train()
     engine = getattr(trainer, "zero_engine", None)
-    return {"params": [p.detach().clone() for p in model.parameters()],
+    extra = {}
+    if mode == "offload-dpu":  # after train(): the last delayed step is published, the model = the masters
+        flat = torch.cat([p.detach().reshape(-1) for g in engine.slot_params() for p in g])
+        extra = {"needs_publish": engine.needs_publish, "delayed_steps": engine.global_steps - 1,
+                 "shard_equals_masters": torch.equal(flat[engine.shard_start:engine.shard_end],
+                                                     engine.master[:engine.shard_end - engine.shard_start])}
+    return {**extra, "params": [p.detach().clone() for p in model.parameters()],
             "engine": type(engine).__name__ if engine is not None else None,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
 
@@ -42,3 +50,13 @@ def test_sharded_ddp_equals_ddp(mode, tmp_path):
     for a, b in zip(ref[0]["params"], ours[0]["params"]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert ours[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-5)
+
+
+def test_sharded_ddp_with_the_delayed_parameter_update(tmp_path):
+    ours = run_distributed(_train, "offload-dpu", str(tmp_path), timeout=300)
+    for a, b in zip(ours[0]["params"], ours[1]["params"]):
+        assert torch.equal(a, b)  # ranks stay identical
+    for r in ours:
+        assert r["engine"] == "ShardedAdam" and r["delayed_steps"] == 3
+        assert not r["needs_publish"] and r["shard_equals_masters"]
+    assert len(ours[0]["losses"]) == 4 and ours[0]["losses"][-1] < ours[0]["losses"][0]

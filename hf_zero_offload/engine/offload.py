@@ -262,6 +262,13 @@ class OffloadAdam(LossScaled, torch.optim.Optimizer):
         if self.options.dpu:
             # DPU staging is the masters rounded to the training dtype (nearest even, like the kernel).
             self.param_staging.copy_(self.master)
+        elif self.needs_publish:
+            # A DPU state loaded without DPU: its masters are one step ahead of the saved parameters
+            # and nothing would publish them later (the staging holds two tiles, not the model).
+            with torch.no_grad():
+                for p, off, n in self.uploader.slots:
+                    p.data.view(-1).copy_(self.master[off:off + n])  # rounded to nearest even, as the kernel
+            self.needs_publish = False
 
     def save_checkpoint(self, directory: str) -> None:
         """Atomically write this engine's state to ``directory/rank0_of_1.hzo``."""

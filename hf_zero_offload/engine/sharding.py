@@ -19,6 +19,11 @@ its shard. One step:
 
 Step 1 is ``sharding_reduce``; steps 2-4 are ``sharding_update``; checkpoints are ``sharding_ckpt``.
 
+Delayed parameter update (offload only; OffloadAdam's schedule): after the warm-up, step 3 of step k
+runs on a worker thread reading one of two gradient stores while forward/backward k+1 fill the
+other, and step 4 (the all-gather, a collective every rank issues at the same point) happens at
+step k+1, just before step k+1's Adam starts.
+
 Partitioning: equal flat slices of the flat layout (trainable params in param-group order, padded to
 a multiple of W). Chosen over a greedy per-parameter assignment because memory per rank is then
 exactly N/W (a greedy split of a model with a few huge embeddings can be far off), all collectives
@@ -38,8 +43,7 @@ full-size, which is what stage 2 exists to avoid) and sums into the shard's fp32
 Params that no rank touched in a step are skipped like ``torch.optim.AdamW`` skips them (their step
 count stays); a param used on some ranks only counts as zero gradient on the others (DDP's
 ``find_unused_parameters`` behaviour). Limits: every rank must run the same number of backward
-passes per step, each touching at least one trainable parameter; no delayed parameter update;
-only the optimizer's parameters are broadcast from rank 0 (not frozen params left out of the
+passes per step, each touching at least one trainable parameter; only the optimizer's parameters are broadcast from rank 0 (not frozen params left out of the
 param groups, nor module buffers: seed or load those equally). Gradients are summed over ranks in
 their own dtype, as DDP does (fp16: an overflow of the sum is an overflow like any other).
 
@@ -91,8 +95,8 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
                  streams: Streams | None = None):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
-        if options.dpu:
-            raise ValueError("ShardedAdam has no delayed parameter update: set dpu off (it is an OffloadAdam feature)")
+        if options.dpu and not offload:
+            raise ValueError("the delayed parameter update hides the CPU step: it needs offload=True")
         if device_adam not in ("auto", "torch", "kernel"):
             raise ValueError(f"device_adam must be 'auto', 'torch' or 'kernel', got {device_adam!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
@@ -143,8 +147,11 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         self._param_steps = [0] * len(self._slots)
         self._prepared = None
         self.global_steps = 0
-        self.needs_publish = False                 # no delayed update: the parameters are always current
+        self.needs_publish = False                 # DPU: the masters are one step ahead of the parameters
         self.last = StepResult(False, 0.0, self.scaler.scale)
+        self._worker = self.streams.executor("hzo-dpu") if options.dpu else None
+        self._pending = None
+        self._uploaded = None                      # DPU: event of the worker's last upload into shard_out
 
     # -- construction ----------------------------------------------------------------------------
     def _make_plan(self, S: int, seg: int, bucket_region: int, cuda: bool) -> HostPlan:
@@ -154,7 +161,8 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         o = self.options
         base = plan_host_memory(S, param_dtype=self.param_dtype,
                                 gradient_accumulation_steps=o.gradient_accumulation_steps if self.stage == 2 else 1,
-                                bucket_numel=o.bucket_numel, tile_numel=o.tile_numel, cuda=cuda).regions
+                                delayed_param_update=o.dpu, bucket_numel=o.bucket_numel, tile_numel=o.tile_numel,
+                                cuda=cuda).regions
         where = "host" if self.offload else "device"
         regions = {k: (base[k][0], base[k][1], where) for k in ("master", "exp_avg", "exp_avg_sq", "grad_store")}
         if self._torch_adam:  # torch's fused kernels want the gradient in the state's dtype
@@ -180,8 +188,10 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
                 r[k] = torch.empty(n, dtype=dt, device=self.device)
         self.regions = r
         self.allocated_bytes = self.plan.bytes_by_region()  # exact sizes (the arena rounds each to a page)
-        self.master, self.exp_avg, self.exp_avg_sq, self.store = (
-            r["master"], r["exp_avg"], r["exp_avg_sq"], r["grad_store"])
+        self.master, self.exp_avg, self.exp_avg_sq = r["master"], r["exp_avg"], r["exp_avg_sq"]
+        # DPU: two gradient stores, the CPU step reads one while the next backward fills the other
+        self._stores = list(r["grad_store"].view(2 if self.options.dpu else 1, -1).unbind(0))
+        self.store = self._stores[0]
         self.shard_out = r.get("shard_out")
         self._gather_buf = r["gather_buffer"]
         if "param_staging" in r:
@@ -190,7 +200,7 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _init_state(self) -> None:
-        for t in (self.master, self.exp_avg, self.exp_avg_sq, self.store):
+        for t in (self.master, self.exp_avg, self.exp_avg_sq, *self._stores):
             t.zero_()
         lo = self.shard_start
         for p, off, a, b in self._index.pieces(lo, self.shard_end):
@@ -246,10 +256,38 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         for run in runs:
             for i in run.slots:
                 self._param_steps[i] += 1
-        sharding_update.adam(self, runs, grad_scale, [dict(g) for g in self.param_groups])
-        sharding_update.gather(self, self.shard_out if self.shard_out is not None else self.master)
+        hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after
+        self._wait_worker()
+        self._publish()  # DPU: the previous step's parameters, before its masters move on
+        if self._worker is not None and self.global_steps > self.options.dpu_warmup_steps:
+            # The schedule of OffloadAdam's DPU: this step's Adam runs on the worker while the device
+            # computes the next step on the parameters published just now (one step behind).
+            store = self.store
+            self.store = self.reducer.store = self._stores[1] if store is self._stores[0] else self._stores[0]
+            self._pending = self._worker.submit(sharding_update.adam, self, runs, grad_scale, hyper, store, False)
+            self.needs_publish = True
+        else:
+            sharding_update.adam(self, runs, grad_scale, hyper, self.store, True)
+            sharding_update.gather(self, self._gather_source())
         self.reducer.new_window()
         return loss
+
+    def _gather_source(self) -> torch.Tensor:
+        return self.shard_out if self.shard_out is not None else self.master
+
+    def _publish(self) -> None:
+        """DPU: the masters computed on the worker reach every rank's parameters (a collective:
+        every rank publishes at the same step)."""
+        if self.needs_publish:
+            s = self.streams
+            s.wait(s.compute(), self._uploaded)  # the all-gather reads what the worker uploaded
+            sharding_update.gather(self, self._gather_source())
+            self.needs_publish = False
+
+    def _wait_worker(self) -> None:
+        if self._pending is not None:
+            self._uploaded = self._pending.result()  # re-raises a failure of the worker here
+            self._pending = None
 
     def _prepare(self) -> tuple[float, list[bool]]:
         """Finish this step's reduction; (global sum of squares, which params any rank updated)."""
@@ -277,29 +315,16 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         return [[self._slots[i][0] for i in idxs] for idxs in self._groups]
 
     def flush(self) -> None:
-        """Nothing is deferred past ``step()`` (no delayed update); finishes in-flight reductions."""
+        """Finish in-flight reductions and an in-flight DPU step, and publish its parameters (end of
+        training, before evaluation or a final save; every rank calls it)."""
         self.reducer.drain()
+        self._wait_worker()
+        self._publish()
 
     # -- state -----------------------------------------------------------------------------------
     def state_meta(self) -> dict:
-        return {
-            "format": sharding_ckpt.FORMAT,
-            "numel": self.numel,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "shard_start": self.shard_start,
-            "shard_end": self.shard_end,
-            "stage": self.stage,
-            "offload": self.offload,
-            "param_dtype": str(self.param_dtype).replace("torch.", ""),
-            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-                             for g in self.param_groups],
-            "slots": self._slot_meta(),
-            "param_steps": list(self._param_steps),
-            "loss_scaler": self.scaler.state_dict(),
-            "global_steps": self.global_steps,
-            "needs_publish": False,
-        }
+        self._wait_worker()  # the masters must be final; the parameters may stay one step behind (DPU)
+        return sharding_ckpt.state_meta(self)
 
     def _slot_meta(self) -> list:
         return [[[self._slots[i][1], self._slots[i][2], list(self._slots[i][0].shape)] for i in g]
@@ -307,6 +332,7 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's shard (views, no padding): the checkpoint writer streams them to disk."""
+        self._wait_worker()
         n = self._real
         return {"master": self.master[:n], "exp_avg": self.exp_avg[:n], "exp_avg_sq": self.exp_avg_sq[:n]}
 
@@ -325,12 +351,9 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
 
     def load_state_meta(self, meta: dict) -> None:
         sharding_ckpt.check_model(meta, self.numel, self._slot_meta())
+        self._wait_worker()
         self._prepared = None
-        for group, saved in zip(self.param_groups, meta["param_groups"]):
-            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
-        self._param_steps = list(meta["param_steps"])
-        self.scaler.load_state_dict(meta["loss_scaler"])
-        self.global_steps = meta["global_steps"]
+        sharding_ckpt.apply_meta(self, meta)
 
     def save_checkpoint(self, directory: str) -> None:
         """Every rank writes ``rank{r}_of_{W}.hzo`` atomically; then rank 0 writes ``meta.json``
@@ -345,6 +368,7 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
     def publish_masters(self) -> None:
         """Set the model's parameters from the fp32 masters (after loading an OffloadAdam DPU state,
         whose masters were ahead of the saved parameters)."""
+        self._wait_worker()
         src = self.master
         if self.shard_out is not None:
             self.shard_out.copy_(self.master)
@@ -363,6 +387,9 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
 
     def close(self) -> None:
         self.reducer.close()
+        self._wait_worker()
+        if self._worker is not None:
+            self._worker.shutdown()
         self.streams.synchronize()  # no copy may still read the arena we unpin
         if self.arena is not None:
             self.arena.close()

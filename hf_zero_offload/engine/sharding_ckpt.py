@@ -40,6 +40,37 @@ def _barrier(opt) -> None:
         dist.barrier(group=opt.process_group)
 
 
+def state_meta(opt) -> dict:
+    """Everything of ``opt``'s state but the big tensors (JSON-serialisable; the state file's header)."""
+    return {
+        "format": FORMAT,
+        "numel": opt.numel,
+        "world_size": opt.world_size,
+        "rank": opt.rank,
+        "shard_start": opt.shard_start,
+        "shard_end": opt.shard_end,
+        "stage": opt.stage,
+        "offload": opt.offload,
+        "param_dtype": str(opt.param_dtype).replace("torch.", ""),
+        "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                         for g in opt.param_groups],
+        "slots": opt._slot_meta(),
+        "param_steps": list(opt._param_steps),
+        "loss_scaler": opt.scaler.state_dict(),
+        "global_steps": opt.global_steps,
+        "needs_publish": opt.needs_publish,
+    }
+
+
+def apply_meta(opt, meta: dict) -> None:
+    """The small state of ``meta`` into ``opt`` (hyperparameters, step counts, loss scaler)."""
+    for group, saved in zip(opt.param_groups, meta["param_groups"]):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+    opt._param_steps = list(meta["param_steps"])
+    opt.scaler.load_state_dict(meta["loss_scaler"])
+    opt.global_steps = meta["global_steps"]
+
+
 def save(opt, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     checkpoint.write_state(checkpoint.rank_file(directory, opt.rank, opt.world_size), opt.state_meta(),
@@ -110,14 +141,21 @@ def load(opt, directory: str) -> None:
         read_range(srcs, opt.shard_start, {k: v for k, v in opt.state_tensors().items()})
     if opt.shard_out is not None:
         opt.shard_out.copy_(opt.master)  # params not updated in the next step are gathered from here
+    # A DPU state: its masters are one step ahead of the saved parameters. With DPU on, the next step
+    # publishes them (the schedule of an uninterrupted run); without, they are published now.
+    opt.needs_publish, opt._uploaded = False, None
     if meta.get("needs_publish"):
-        opt.publish_masters()  # an OffloadAdam DPU state: its masters are one step ahead of the params
+        if opt.options.dpu:
+            opt.needs_publish = True
+        else:
+            opt.publish_masters()
 
 
 def load_into_offload(opt, directory: str) -> None:
     """Load a ``ShardedAdam`` checkpoint (any world size) into a one-process ``OffloadAdam``."""
     srcs, meta = sources(directory)
     keys = ("numel", "param_dtype", "param_groups", "slots", "param_steps", "loss_scaler", "global_steps")
-    opt.load_state_meta({"format": OFFLOAD_FORMAT, "needs_publish": False, **{k: meta[k] for k in keys}})
+    opt.load_state_meta({"format": OFFLOAD_FORMAT, "needs_publish": bool(meta.get("needs_publish")),
+                         **{k: meta[k] for k in keys}})
     read_range(srcs, 0, opt.state_tensors())
     opt.finish_load()

@@ -28,10 +28,12 @@ def global_stats(opt) -> list[float]:
     return stats.tolist()
 
 
-def adam(opt, runs, grad_scale: float, hyper: list[dict]) -> None:
-    """Adam over this rank's part of every run: torch's fused kernel on the device, the CPU kernel in
-    place, or (offload on CUDA) the CPU kernel tile by tile into two staging tiles, each uploaded into
-    ``shard_out`` while the next one is computed."""
+def adam(opt, runs, grad_scale: float, hyper: list[dict], store: torch.Tensor, final_wait: bool = True):
+    """Adam over this rank's part of every run (gradients from ``store``): torch's fused kernel on the
+    device, the CPU kernel in place, or (offload on CUDA) the CPU kernel tile by tile into two staging
+    tiles, each uploaded into ``shard_out`` while the next one is computed. Returns the event of the
+    last upload (None without uploads); ``final_wait``: the compute stream waits for it here (a DPU
+    step on the worker leaves that to the publish on the main thread)."""
     lo, hi = opt.shard_start, opt.shard_end
     parts = [(max(r.start, lo) - lo, min(r.end, hi) - lo, r) for r in runs if r.start < hi and r.end > lo]
     s = opt.streams
@@ -46,7 +48,7 @@ def adam(opt, runs, grad_scale: float, hyper: list[dict]) -> None:
         kw = dict(lr=h["lr"], weight_decay=h["weight_decay"], eps=h["eps"])
         if opt._torch_adam:
             fused = torch._fused_adamw_ if h["adamw_mode"] else torch._fused_adam_
-            fused([opt.master[a:b]], [opt.store[a:b]], [opt.exp_avg[a:b]], [opt.exp_avg_sq[a:b]], [],
+            fused([opt.master[a:b]], [store[a:b]], [opt.exp_avg[a:b]], [opt.exp_avg_sq[a:b]], [],
                   [torch.tensor(float(run.step), device=opt.device)], beta1=h["betas"][0],
                   beta2=h["betas"][1], amsgrad=False, maximize=False, found_inf=None,
                   grad_scale=torch.tensor(1.0 / grad_scale, device=opt.device), **kw)  # it divides
@@ -57,7 +59,7 @@ def adam(opt, runs, grad_scale: float, hyper: list[dict]) -> None:
                        grad_scale=grad_scale, num_threads=opt.options.num_threads, **kw)
         if not tiled:
             out = None if opt.shard_out is None else opt.shard_out[a:b]
-            ops.adam_step(opt.master[a:b], opt.store[a:b], opt.exp_avg[a:b], opt.exp_avg_sq[a:b],
+            ops.adam_step(opt.master[a:b], store[a:b], opt.exp_avg[a:b], opt.exp_avg_sq[a:b],
                           param_out=out, **step_kw)
             continue
         tile = opt._tiles.shape[1]
@@ -68,13 +70,17 @@ def adam(opt, runs, grad_scale: float, hyper: list[dict]) -> None:
             # A staging tile is rewritten only after its previous upload finished.
             s.host_wait(opt._tile_events[slot])
             out = opt._tiles[slot, :e - t]
-            ops.adam_step(opt.master[t:e], opt.store[t:e], opt.exp_avg[t:e], opt.exp_avg_sq[t:e],
+            ops.adam_step(opt.master[t:e], store[t:e], opt.exp_avg[t:e], opt.exp_avg_sq[t:e],
                           param_out=out, **step_kw)
             s.copy(opt.shard_out[t:e], out, s.h2d)
             opt._tile_events[slot] = s.event(s.h2d)
-    if tiled:
+    if not tiled:
+        return None
+    done = s.event(s.h2d)
+    if final_wait:
         # The all-gather (compute stream) reads shard_out: it waits for the last upload.
-        s.wait(s.compute(), s.event(s.h2d))
+        s.wait(s.compute(), done)
+    return done
 
 
 @torch.no_grad()

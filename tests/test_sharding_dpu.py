@@ -1,0 +1,165 @@
+"""ShardedAdam with the delayed parameter update (ZeRO-2/1 + offload + DPU) on 2 gloo processes.
+
+The reference is written by hand: DDP averages the gradients, ``torch.optim.AdamW`` steps fp32
+masters, and the model's parameters lag one step behind the masters after the warm-up, as in
+OffloadAdam's DPU (test_engine.py). Also: the simulated GPU upload path under DPU, resume in the
+middle of a delayed run, and cross-loading with OffloadAdam.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_distributed
+from _models import TinyNet, loss_fn, param_groups
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+from hf_zero_offload.engine.sharding import ShardedAdam
+from hf_zero_offload.engine.simstreams import SimStreams
+from test_sharding import GATHER, LR, SMALL, WD, flat_params, rank_data, train
+
+SIMS = {"cpu": None, "sim-lazy": dict(executor="lazy"), "sim-eager": dict(executor="eager")}
+
+
+def ddp_dpu_reference(data, warmup: int, gas: int = 1):
+    """(device model, master model) after ``data``: DDP gradients, AdamW on the masters, the device
+    parameters one step behind after ``warmup`` steps."""
+    torch.manual_seed(0)
+    device_model = TinyNet()
+    master_model = copy.deepcopy(device_model)
+    ddp = DDP(device_model, find_unused_parameters=True)
+    ref = torch.optim.AdamW(param_groups(master_model, WD), lr=LR, foreach=False)
+    pairs = [(d, m) for d, m in zip(device_model.parameters(), master_model.parameters()) if d.requires_grad]
+    for k, (ids, labels, use_branch) in enumerate(data, start=1):
+        for i in range(gas):
+            (loss_fn(ddp, ids[i::gas], labels[i::gas], use_branch) / gas).backward()
+        for d, m in pairs:
+            m.grad, d.grad = d.grad, None
+        with torch.no_grad():
+            if k > warmup:  # publish the masters of step k-1, then step k on the side
+                for d, m in pairs:
+                    d.copy_(m)
+            ref.step()
+            ref.zero_grad()
+            if k <= warmup:
+                for d, m in pairs:
+                    d.copy_(m)
+    return device_model, master_model
+
+
+def dpu_engine(model, *, stage=2, warmup=2, gas=1, sim=None):
+    opts = OffloadOptions(dpu=True, dpu_warmup_steps=warmup, gradient_accumulation_steps=gas, **SMALL)
+    return ShardedAdam(param_groups(model, WD), lr=LR, options=opts, stage=stage, offload=True,
+                       allgather_bucket_numel=GATHER, streams=None if sim is None else SimStreams(**sim))
+
+
+def _schedule_job(rank, world):
+    out = {}
+    for stage, warmup, gas, sim, mixed in [(2, 0, 1, "cpu", False), (2, 3, 1, "cpu", True), (1, 2, 1, "cpu", False),
+                                           (2, 2, 2, "cpu", False), (2, 1, 1, "sim-lazy", False),
+                                           (1, 1, 1, "sim-eager", True)]:
+        data = rank_data(rank, 8, mixed)
+        ref_device, ref_master = ddp_dpu_reference(data, warmup, gas)
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = dpu_engine(model, stage=stage, warmup=warmup, gas=gas, sim=SIMS[sim])
+        train(model, opt, data, gas=gas)
+        key = f"s{stage}-w{warmup}-gas{gas}-{sim}{'-mixed' if mixed else ''}"
+        res = {"needs_publish": opt.needs_publish, "lagging": flat_params(model),
+               "ref_lagging": flat_params(ref_device)}
+        opt.flush()
+        res.update(final=flat_params(model), ref_final=flat_params(ref_master), needs_publish_after=opt.needs_publish)
+        if sim != "cpu":
+            res["bytes_up"] = opt.streams.bytes_up
+        opt.close()
+        out[key] = res
+    return out
+
+
+def test_dpu_follows_the_delayed_schedule_on_two_ranks():
+    r0, r1 = run_distributed(_schedule_job)
+    for key, res in r0.items():
+        assert torch.equal(res["final"], r1[key]["final"]), key  # ranks stay identical
+        assert res["needs_publish"] and not res["needs_publish_after"], key
+        torch.testing.assert_close(res["lagging"], res["ref_lagging"], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(res["final"], res["ref_final"], rtol=1e-5, atol=1e-6, msg=key)
+        assert not torch.equal(res["lagging"], res["final"]), key  # the device really was one step behind
+        if "bytes_up" in res:
+            assert res["bytes_up"] > 0, key  # the simulated GPU upload path ran
+
+
+def _resume_job(rank, world, tmp):
+    data = rank_data(rank, 10)
+    torch.manual_seed(0)
+    init = TinyNet()
+    full = copy.deepcopy(init)
+    o_full = dpu_engine(full, warmup=2)
+    train(full, o_full, data)
+    first = copy.deepcopy(init)
+    o_first = dpu_engine(first, warmup=2)
+    train(first, o_first, data[:5])
+    o_first.save_checkpoint(f"{tmp}/ckpt")
+    assert o_first.state_meta()["needs_publish"]  # saved mid-delay: masters one step ahead
+    state5 = copy.deepcopy(first.state_dict())
+    o_first.close()
+    second = copy.deepcopy(init)
+    second.load_state_dict(state5)
+    o_second = dpu_engine(second, warmup=2)
+    o_second.load_checkpoint(f"{tmp}/ckpt")
+    train(second, o_second, data[5:])
+    lag = (flat_params(full), flat_params(second))
+    o_full.flush()
+    o_second.flush()
+    return {"lag": lag, "final": (flat_params(full), flat_params(second)), "state5": state5,
+            "master": (o_full.master.clone(), o_second.master.clone())}
+
+
+def test_resume_in_the_middle_of_a_delayed_run_is_bit_exact(tmp_path):
+    r0, r1 = run_distributed(_resume_job, str(tmp_path))
+    for r in (r0, r1):
+        for pair in (r["lag"], r["final"], r["master"]):
+            assert torch.equal(*pair)
+    # the same checkpoint into one process without DPU: the masters (one step ahead) are published
+    model = TinyNet()
+    model.load_state_dict(r0["state5"])
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL))
+    from hf_zero_offload.engine.sharding_ckpt import load_into_offload
+    load_into_offload(opt, str(tmp_path / "ckpt"))
+    assert not opt.needs_publish
+    for g in opt._slots:
+        for p, off, n in g:
+            assert torch.equal(p.detach().reshape(-1), opt.master[off:off + n])
+
+
+def test_offload_adam_dpu_state_into_a_non_dpu_engine_publishes_the_masters(tmp_path):
+    from _models import batches
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(dpu=True, dpu_warmup_steps=0, **SMALL))
+    for ids, labels, use_branch in batches(3):
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.save_checkpoint(str(tmp_path))
+    saved = copy.deepcopy(model.state_dict())
+    masters = opt.master.clone()
+    opt.close()
+    again = TinyNet()
+    again.load_state_dict(saved)
+    plain = OffloadAdam(param_groups(again, WD), lr=LR, options=OffloadOptions(**SMALL))
+    plain.load_checkpoint(str(tmp_path))
+    assert not plain.needs_publish
+    names = {id(p): n for n, p in again.named_parameters()}
+    behind = 0
+    for g in plain._slots:
+        for p, off, n in g:
+            assert torch.equal(p.detach().reshape(-1), masters[off:off + n])
+            behind += not torch.equal(saved[names[id(p)]].reshape(-1), masters[off:off + n])
+    assert behind > 0  # the saved parameters were one step behind the masters
+
+
+def test_dpu_without_offload_is_refused():
+    with pytest.raises(ValueError, match="needs offload=True"):
+        ShardedAdam(TinyNet().parameters(), options=OffloadOptions(dpu=True), offload=False)
