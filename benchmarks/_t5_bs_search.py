@@ -63,7 +63,7 @@ def find_max_bs(probe: Callable[[int], str], start: int, multiple: int = 1, max_
 
 _PLANNER_ROW = {"baseline": "baseline", "half": None, "sharded_ddp": "sharded_stage1_fp32",
                 "sharded_ddp_half": "sharded_stage1_{dtype}", "zero2": "zero2", "zero2_offload": "zero2_offload",
-                "zero2_offload_1p": "zero2_offload", "zero2_offload_dpu": "zero2_offload_dpu"}
+                "zero2_offload_dpu": "zero2_offload_dpu"}
 
 
 def planner_guesses(args, rows: List[RowSpec], dtype: str) -> Dict[str, int]:

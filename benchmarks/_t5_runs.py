@@ -56,11 +56,11 @@ class RowSpec:
     note: str = ""
 
 
-def _dpu_config(tmp: str, warmup_steps: int) -> str:
-    with open(os.path.join(CONFIGS, "ds_config_1gpu.json")) as f:
+def _dpu_config(tmp: str, base: str, warmup_steps: int) -> str:
+    with open(base) as f:
         cfg = json.load(f)
     cfg["zero_optimization"]["delayed_param_update"] = {"enabled": True, "warmup_steps": int(warmup_steps)}
-    path = os.path.join(tmp, "ds_config_1gpu_dpu.json")
+    path = os.path.join(tmp, os.path.basename(base).replace(".json", "_dpu.json"))
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
     return path
@@ -90,13 +90,9 @@ def build_rows(args, tmp: str, cuda: bool) -> List[RowSpec]:
                 ["--zero_offload", os.path.join(CONFIGS, "ds_config_zero2.json"), half], n),
         RowSpec("zero2_offload", f"ZeRO-2 + CPU offload ({half[2:]})", ["--zero_offload", off_cfg, half], n),
     ]
-    dpu_flags = ["--zero_offload", _dpu_config(tmp, args.dpu_warmup_steps), half]
-    if n > 1:
-        rows.append(RowSpec("zero2_offload_1p", f"ZeRO-2 + CPU offload ({half[2:]}), 1 process",
-                            ["--zero_offload", os.path.join(CONFIGS, "ds_config_1gpu.json"), half], 1,
-                            "reference for the DPU row"))
-    rows.append(RowSpec("zero2_offload_dpu", f"ZeRO-2 + CPU offload + DPU ({half[2:]}), 1 process", dpu_flags, 1,
-                        f"DPU after {args.dpu_warmup_steps} steps; one process: ShardedAdam has no DPU"))
+    dpu_flags = ["--zero_offload", _dpu_config(tmp, off_cfg, args.dpu_warmup_steps), half]
+    rows.append(RowSpec("zero2_offload_dpu", f"ZeRO-2 + CPU offload + DPU ({half[2:]})", dpu_flags, n,
+                        f"DPU after {args.dpu_warmup_steps} steps"))
     if args.rows:
         wanted = args.rows.split(",")
         unknown = set(wanted) - {r.name for r in rows}

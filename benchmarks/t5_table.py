@@ -21,9 +21,7 @@ Rows (the blog's six, plus the paper's delayed parameter update):
     sharded_ddp_half   the same with --fp16 (--bf16): the engine's 16-bit model with fp32 master shards
     zero2              --zero_offload configs/ds_config_zero2.json --fp16 (ZeRO-2, no offload)
     zero2_offload      --zero_offload configs/ds_config.json (N > 1) / ds_config_1gpu.json (N = 1) --fp16
-    zero2_offload_1p   (only when N > 1) the same on ONE process: the reference for the next row
-    zero2_offload_dpu  ds_config_1gpu.json + "delayed_param_update": {"enabled": true, "warmup_steps": W}, ONE
-                       process (ShardedAdam, the multi-process engine, has no DPU: it raises ValueError)
+    zero2_offload_dpu  the zero2_offload config + "delayed_param_update": {"enabled": true, "warmup_steps": W}
 
 Largest batch size: on a GPU (default there, ``--find_max_bs``) every row is probed with short train-only runs
 (``--probe_steps`` optimizer steps; ``--sortish_sampler`` puts the longest batch first, so the probe sees the worst
@@ -287,8 +285,8 @@ def main(argv=None) -> int:
                      "ran 5-20x slower and erratically: OpenMP waits for a thread whose core another job holds)")
     notes.append(f"sharded_ddp rows: hf_zero_offload's --sharded_ddp at ZeRO stage {a.sharded_stage} without offload "
                  "(fairscale is gone from transformers)")
-    notes.append("DPU row: one process, because the multi-process engine (ShardedAdam) has no delayed parameter "
-                 f"update; compare it with the 1-process offload row. DPU starts after {a.dpu_warmup_steps} steps")
+    notes.append(f"DPU row: the offload row's config with the delayed parameter update after {a.dpu_warmup_steps} "
+                 "steps, on as many processes (ShardedAdam's DPU when N > 1)")
     notes.append("train loss (same seed and data order per process count): the --zero_offload rows use the ds_config's "
                  "WarmupLR scheduler (constant after warmup), the others the Trainer's linear decay, so their losses "
                  "differ; the 1-process rows take twice the optimizer steps of the 2-process rows")
