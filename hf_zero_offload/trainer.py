@@ -160,6 +160,15 @@ class ZeroOffloadMixin:
                 return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
             self.accelerator.prepare_model = prepare_without_ddp
+            prepare_optimizer = self.accelerator.prepare_optimizer
+
+            def prepare_in_place(optimizer, device_placement=None):
+                # Accelerate's device placement round-trips state_dict() through the accelerator's
+                # device: a full copy of the fp32 masters and moments (12 B/param) on the GPU. Our
+                # state stays where the engine put it.
+                return prepare_optimizer(optimizer, device_placement=False)
+
+            self.accelerator.prepare_optimizer = prepare_in_place
 
     @property
     def zero_engine(self):

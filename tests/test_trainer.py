@@ -57,6 +57,17 @@ def test_fp32_equals_plain_trainer_with_accumulation_clipping_and_warmup(tmp_pat
     assert losses(ours, "learning_rate") == pytest.approx(losses(ref, "learning_rate"))
 
 
+def test_accelerate_does_not_copy_the_optimizer_state(tmp_path, monkeypatch):
+    """Accelerate's optimizer device placement would round-trip state_dict() (12 B/param of masters
+    and moments) through the GPU at start-up: it must not run."""
+    from hf_zero_offload.engine import OffloadAdam
+
+    def refuse(self):
+        raise AssertionError("state_dict() called during training")
+    monkeypatch.setattr(OffloadAdam, "state_dict", refuse)
+    run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "t", zero_offload=OFFLOAD, max_steps=2))
+
+
 def test_bf16_trains_with_a_16bit_model(tmp_path):
     model, trainer = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "bf16", bf16=True, max_steps=10,
                                                          learning_rate=3e-3, zero_offload=OFFLOAD))
