@@ -280,20 +280,20 @@ def main(argv=None) -> int:
                      "same RAM, so it cannot lower this number")
         threads = a.threads or 1
         notes.append(f"threads: OMP_NUM_THREADS={threads} per process ({os.cpu_count()} cores): the {a.nproc}-process "
-                     f"rows use {min(a.nproc * threads, os.cpu_count() or 1)} core(s), the 1-process rows {threads}; "
-                     "compare the 1-process rows with each other. (2 threads per process on this shared machine "
-                     "ran 5-20x slower and erratically: OpenMP waits for a thread whose core another job holds)")
+                     f"rows use {min(a.nproc * threads, os.cpu_count() or 1)} core(s). (2 threads per process on this "
+                     "shared machine ran 5-20x slower and erratically: OpenMP waits for a thread whose core another "
+                     "job holds)")
     notes.append(f"sharded_ddp rows: hf_zero_offload's --sharded_ddp at ZeRO stage {a.sharded_stage} without offload "
                  "(fairscale is gone from transformers)")
     notes.append(f"DPU row: the offload row's config with the delayed parameter update after {a.dpu_warmup_steps} "
                  "steps, on as many processes (ShardedAdam's DPU when N > 1)")
     notes.append("train loss (same seed and data order per process count): the --zero_offload rows use the ds_config's "
                  "WarmupLR scheduler (constant after warmup), the others the Trainer's linear decay, so their losses "
-                 "differ; the 1-process rows take twice the optimizer steps of the 2-process rows")
+                 "differ; the DPU row's parameters lag one step after the warm-up, so its loss differs slightly")
     notes.append("train loss does not depend on --predict_with_generate: evaluation runs after training "
                  "(--eval_strategy no); checked equal to all digits with and without it, also with eval every 15 "
                  "steps, DPU on/off. It does move with the step count (n_train, batch size, max_steps/epochs): the "
-                 "mean over the first 37 steps is 7.63, over 58 steps 7.30 (1-process offload row)")
+                 "mean over the first 37 steps is 7.63, over 58 steps 7.30 (a 1-process offload run)")
     notes.append("train s / eval s: finetune_trainer.py's train_runtime / val_runtime (rank 0); 'other cores busy': "
                  "cores that processes outside the run kept busy on average (from /proc/stat), a noise indicator")
     if not a.data_dir:
