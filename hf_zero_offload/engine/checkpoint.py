@@ -3,7 +3,8 @@
 One file per rank: ``rank{r}_of_{n}.hzo`` = an 8-byte little-endian header length, a JSON header
 (the engine's ``state_meta()`` plus each tensor's dtype, shape and byte offset), then the raw
 tensor bytes. Tensors are streamed straight from the host arena to disk and read straight back
-into it: no second copy of the optimizer state in RAM (a ``torch.save`` of an arena view would
+into it: no second copy of the optimizer state in RAM (device-resident state, ZeRO without offload,
+goes through a 64 MiB host bounce buffer) (a ``torch.save`` of an arena view would
 write the whole arena and unpickling would allocate another copy). Writes go to a temporary name,
 are fsynced, then renamed: a crash leaves the previous checkpoint intact, never half a file.
 """
@@ -51,11 +52,25 @@ def atomic_open(path: str, mode: str = "wb"):
         yield f
 
 
+def _is_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _byte_chunks(t: torch.Tensor):
+    """The bytes of contiguous ``t`` in chunks of at most ``_CHUNK``: views of host memory, or host
+    copies of one chunk at a time for a device tensor."""
+    flat = t.detach().view(-1)
+    step = max(1, _CHUNK // t.element_size())
+    for i in range(0, flat.numel(), step):
+        piece = flat[i:i + step]
+        yield (piece if _is_host(piece) else piece.cpu()).view(torch.uint8).numpy()
+
+
 def write_state(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     entries, offset = {}, 0
     for name, t in tensors.items():
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"state tensor {name!r} must be a contiguous CPU tensor")
+        if not t.is_contiguous():
+            raise ValueError(f"state tensor {name!r} must be contiguous")
         nbytes = t.numel() * t.element_size()
         entries[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
         offset += nbytes
@@ -63,9 +78,8 @@ def write_state(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None
     with atomic_open(path, "wb") as f:
         f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
         for t in tensors.values():
-            raw = t.detach().view(-1).view(torch.uint8).numpy()  # a view of the tensor's bytes
-            for i in range(0, raw.size, _CHUNK):
-                f.write(memoryview(raw[i:i + _CHUNK]))
+            for raw in _byte_chunks(t):
+                f.write(memoryview(raw))
 
 
 def read_header(path: str) -> tuple[dict, dict, int]:
@@ -82,8 +96,9 @@ def read_header(path: str) -> tuple[dict, dict, int]:
 
 
 def read_into(path: str, tensors: dict[str, torch.Tensor], *, start: dict[str, int] | None = None) -> dict:
-    """Fill ``tensors`` (contiguous CPU) from ``path`` in place; ``start`` gives an element offset
-    into the stored tensor per name (re-partitioning reads a slice). Returns the meta."""
+    """Fill ``tensors`` (contiguous; host, or device through a bounce buffer) from ``path`` in place;
+    ``start`` gives an element offset into the stored tensor per name (re-partitioning reads a
+    slice). Returns the meta."""
     meta, entries, base = read_header(path)
     with open(path, "rb") as f:
         for name, dst in tensors.items():
@@ -96,16 +111,28 @@ def read_into(path: str, tensors: dict[str, torch.Tensor], *, start: dict[str, i
             nbytes = dst.numel() * dst.element_size()
             if first + nbytes > e["nbytes"]:
                 raise ValueError(f"{path}: {name} holds {e['nbytes']} bytes, asked for {first + nbytes}")
+            if not dst.is_contiguous():
+                raise ValueError(f"cannot read {name!r} into a non-contiguous tensor")
             f.seek(base + e["offset"] + first)
-            raw = dst.view(-1).view(torch.uint8).numpy()
-            view = memoryview(raw)
-            got = 0
-            while got < nbytes:
-                k = f.readinto(view[got:])
-                if not k:
-                    raise ValueError(f"{path} is truncated")
-                got += k
+            if _is_host(dst):
+                _read_exact(f, memoryview(dst.view(-1).view(torch.uint8).numpy()), path)
+                continue
+            flat, step = dst.view(-1), max(1, _CHUNK // dst.element_size())
+            bounce = torch.empty(min(step, flat.numel()), dtype=dst.dtype)
+            for i in range(0, flat.numel(), step):
+                piece = bounce[:min(step, flat.numel() - i)]
+                _read_exact(f, memoryview(piece.view(torch.uint8).numpy()), path)
+                flat[i:i + piece.numel()].copy_(piece)  # synchronous: the bounce is reused next
     return meta
+
+
+def _read_exact(f, view: memoryview, path: str) -> None:
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got:])
+        if not k:
+            raise ValueError(f"{path} is truncated")
+        got += k
 
 
 def read_tensor(path: str, name: str) -> torch.Tensor:
