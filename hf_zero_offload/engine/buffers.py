@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import warnings
 from dataclasses import dataclass, field
 
@@ -143,8 +144,24 @@ def _register(buf: torch.Tensor) -> bool:
         ok = int(getattr(err, "value", err)) == 0
     except Exception as exc:  # pragma: no cover - depends on the driver
         ok, err = False, exc
+    if not ok:
+        _clear_last_cuda_error()
     if not ok and not _warned_pin:
         _warned_pin = True
         warnings.warn(f"hf_zero_offload: pinning {buf.numel() / 2**30:.2f} GiB of host memory failed ({err}); "
                       "continuing with pageable memory (slower host<->device copies)", RuntimeWarning)
     return ok
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed cudaHostRegister stays this thread's CUDA "last error" until someone reads it, and
+    torch's next kernel-launch check (cudaGetLastError) would raise it as its own failure, far from
+    here. Read it from the libcudart torch loaded (found in /proc/self/maps); without one (a static
+    runtime, not Linux) there is nothing we can reach, and the warning above still explains."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line and line.split()[-1].startswith("/")}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()  # dlopen of a loaded path returns that same library
+    except OSError:
+        pass

@@ -49,9 +49,11 @@ def adam(opt, runs, grad_scale: float, hyper: list[dict], store: torch.Tensor, f
         if opt._torch_adam:
             fused = torch._fused_adamw_ if h["adamw_mode"] else torch._fused_adam_
             fused([opt.master[a:b]], [store[a:b]], [opt.exp_avg[a:b]], [opt.exp_avg_sq[a:b]], [],
-                  [torch.tensor(float(run.step), device=opt.device)], beta1=h["betas"][0],
+                  # torch.full, not torch.tensor: a fill kernel, no host-to-device copy that would
+                  # wait for the device's queue on every run
+                  [torch.full((), float(run.step), device=opt.device)], beta1=h["betas"][0],
                   beta2=h["betas"][1], amsgrad=False, maximize=False, found_inf=None,
-                  grad_scale=torch.tensor(1.0 / grad_scale, device=opt.device), **kw)  # it divides
+                  grad_scale=torch.full((), 1.0 / grad_scale, device=opt.device), **kw)  # it divides
             if opt.shard_out is not None:
                 opt.shard_out[a:b].copy_(opt.master[a:b])
             continue
