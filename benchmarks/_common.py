@@ -79,6 +79,22 @@ def time_calls(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> list[floa
     return times
 
 
+def backward_and_step(loss, opt, scaler=None) -> None:
+    """One training step's second half, the way each peer is meant to be driven: our engines scale the
+    loss themselves, torch's fp16 recipe goes through its GradScaler, the rest is plain."""
+    if hasattr(opt, "scale_loss"):
+        opt.scale_loss(loss).backward()
+        opt.step()
+    elif scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def median(xs: Iterable[float]) -> float:
     return statistics.median(list(xs))
 

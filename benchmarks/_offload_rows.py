@@ -14,6 +14,7 @@ import time
 import torch
 from torch import nn
 
+from _common import backward_and_step
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -116,14 +117,7 @@ def row_torch(ctx: Ctx) -> dict:
     def step():
         with torch.autocast(ctx.device.type, dtype=ctx.dtype, enabled=amp):
             loss = _loss(model(x))
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        backward_and_step(loss, opt, scaler)
 
     times = ctx.timed(step)
     ctx.sync()

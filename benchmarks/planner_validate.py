@@ -143,23 +143,15 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         scaler = torch.amp.GradScaler("cuda") if row == "fp16" else None
         amp = torch.float16 if row == "fp16" else None
+    from _common import backward_and_step
+
     for step in range(steps):
         if step == 1:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
             loss = model(**batch_t).loss
-        if isinstance(opt, OffloadAdam):
-            opt.scale_loss(loss).backward()
-            opt.step()
-        elif scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        backward_and_step(loss, opt, scaler)
         del loss
     torch.cuda.synchronize(dev)
     real = torch.cuda.max_memory_allocated(dev)

@@ -69,7 +69,7 @@ BF16 = {
     "check_grad_overflow": ignore(boolean),
 }
 OPTIMIZER_TYPES_UNSUPPORTED = {
-    name: f"only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
+    name: "only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
     for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "FusedLamb", "Lion", "Adagrad", "SGD",
                  "MuAdam", "MuAdamW", "MuSGD", "Muon", "Adafactor", "CPUAdam", "FusedAdam")
 }

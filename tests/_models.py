@@ -1,6 +1,8 @@
 """Small models shared by the engine tests."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -47,3 +49,30 @@ def param_groups(model: nn.Module, weight_decay: float):
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def delayed_update_reference(device_model: nn.Module, data, warmup: int, *, lr: float, weight_decay: float,
+                             forward=None, gas: int = 1):
+    """Hand-written delayed parameter update: AdamW (foreach=False) on fp32 masters, the device model's
+    params one step behind after ``warmup`` steps. ``forward``: what the loss runs (e.g. a DDP
+    wrapper of ``device_model``); micro-batch i of ``gas`` is rows ``i::gas``. Returns
+    (device model, master model)."""
+    master_model = copy.deepcopy(device_model)
+    forward = forward if forward is not None else device_model
+    ref = torch.optim.AdamW(param_groups(master_model, weight_decay), lr=lr, foreach=False)
+    pairs = [(d, m) for d, m in zip(device_model.parameters(), master_model.parameters()) if d.requires_grad]
+    for k, (ids, labels, use_branch) in enumerate(data, start=1):
+        for i in range(gas):
+            (loss_fn(forward, ids[i::gas], labels[i::gas], use_branch) / gas).backward()
+        for d, m in pairs:
+            m.grad, d.grad = d.grad, None
+        with torch.no_grad():
+            if k > warmup:  # publish the masters of step k-1, then step k on the side
+                for d, m in pairs:
+                    d.copy_(m)
+            ref.step()
+            ref.zero_grad()
+            if k <= warmup:
+                for d, m in pairs:
+                    d.copy_(m)
+    return device_model, master_model

@@ -16,7 +16,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from _models import TinyNet, batches, loss_fn, param_groups  # noqa: E402
+from _models import TinyNet, batches, delayed_update_reference, loss_fn, param_groups  # noqa: E402
 from _modes import mode  # noqa: E402,F401 - the fixture
 from hf_zero_offload.engine import LossScaler, OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
 
@@ -211,33 +211,11 @@ def test_bf16_masters_track_fp32_reference(mode):
         assert torch.equal(p.detach(), master.to(torch.bfloat16)), name
 
 
-def _dpu_reference(mode, data, warmup):
-    """Hand-written delayed update: AdamW on fp32 masters; the device model's params lag one step after the warm-up."""
-    torch.manual_seed(0)
-    device_model = mode.model(TinyNet())
-    master_model = copy.deepcopy(device_model)
-    ref = torch.optim.AdamW(param_groups(master_model, WD), lr=LR, foreach=False)
-    pairs = [(d, m) for d, m in zip(device_model.parameters(), master_model.parameters()) if d.requires_grad]
-    for k, (ids, labels, use_branch) in enumerate(data, start=1):
-        loss_fn(device_model, ids, labels, use_branch).backward()
-        for d, m in pairs:
-            m.grad, d.grad = d.grad, None
-        with torch.no_grad():
-            if k > warmup:  # publish params(k-1), then compute params(k) on the side
-                for d, m in pairs:
-                    d.copy_(m)
-            ref.step()
-            ref.zero_grad()
-            if k <= warmup:
-                for d, m in pairs:
-                    d.copy_(m)
-    return device_model, master_model
-
-
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_dpu_follows_the_delayed_schedule(mode, warmup):
     data = mode.data(batches(9))
-    ref_device, ref_master = _dpu_reference(mode, data, warmup)
+    torch.manual_seed(0)
+    ref_device, ref_master = delayed_update_reference(mode.model(TinyNet()), data, warmup, lr=LR, weight_decay=WD)
     torch.manual_seed(0)
     model = mode.model(TinyNet())
     opt = engine(mode, model, dpu=True, dpu_warmup_steps=warmup)

@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_distributed
-from _models import TinyNet, loss_fn, param_groups
+from _models import TinyNet, delayed_update_reference, loss_fn, param_groups
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 from hf_zero_offload.engine.sharding import ShardedAdam
 from hf_zero_offload.engine.simstreams import SimStreams
@@ -24,29 +24,11 @@ SIMS = {"cpu": None, "sim-lazy": dict(executor="lazy"), "sim-eager": dict(execut
 
 
 def ddp_dpu_reference(data, warmup: int, gas: int = 1):
-    """(device model, master model) after ``data``: DDP gradients, AdamW on the masters, the device
-    parameters one step behind after ``warmup`` steps."""
+    """(device model, master model) after ``data``: DDP gradients, the delayed update on the masters."""
     torch.manual_seed(0)
     device_model = TinyNet()
-    master_model = copy.deepcopy(device_model)
-    ddp = DDP(device_model, find_unused_parameters=True)
-    ref = torch.optim.AdamW(param_groups(master_model, WD), lr=LR, foreach=False)
-    pairs = [(d, m) for d, m in zip(device_model.parameters(), master_model.parameters()) if d.requires_grad]
-    for k, (ids, labels, use_branch) in enumerate(data, start=1):
-        for i in range(gas):
-            (loss_fn(ddp, ids[i::gas], labels[i::gas], use_branch) / gas).backward()
-        for d, m in pairs:
-            m.grad, d.grad = d.grad, None
-        with torch.no_grad():
-            if k > warmup:  # publish the masters of step k-1, then step k on the side
-                for d, m in pairs:
-                    d.copy_(m)
-            ref.step()
-            ref.zero_grad()
-            if k <= warmup:
-                for d, m in pairs:
-                    d.copy_(m)
-    return device_model, master_model
+    return delayed_update_reference(device_model, data, warmup, lr=LR, weight_decay=WD, gas=gas,
+                                    forward=DDP(device_model, find_unused_parameters=True))
 
 
 def dpu_engine(model, *, stage=2, warmup=2, gas=1, sim=None):
