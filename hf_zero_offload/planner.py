@@ -186,8 +186,8 @@ class Plan:
     gradient_checkpointing: bool = False
 
     def to_json(self) -> dict:
-        return {"params": self.params, "gradient_checkpointing": self.gradient_checkpointing,
-                "configs": [asdict(r) for r in self.rows]}
+        # the exact schema: the settings (checkpointing included) are the caller's own arguments
+        return {"params": self.params, "configs": [asdict(r) for r in self.rows]}
 
 
 def device_budget(gpu_mem_gib: float) -> int:

@@ -146,7 +146,7 @@ def test_gradient_checkpointing_prediction_matches_a_real_cpu_step(tmp_path):
         assert abs(pred - real) <= 0.10 * real, (mode, bs, pred, real)
         assert ckpt[mode].asymptote(keep)[1] < 0.7 * plain[mode].asymptote(keep)[1], mode
     p = planner.plan(T5_TINY, configs=["zero2_offload"], gradient_checkpointing=True)
-    assert p.gradient_checkpointing and p.to_json()["gradient_checkpointing"]
+    assert p.gradient_checkpointing and set(p.to_json()) == {"params", "configs"}
     assert "gradient checkpointing" in planner.format_plan(p)
 
 
