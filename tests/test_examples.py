@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -233,6 +234,8 @@ def _check_output_dir(out, metrics):
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "zero_offload"])
 def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys):
     caplog.set_level(logging.WARNING, logger="hf_zero_offload")
+    # the legacy command line's --gradient_checkpointing (Transformers 5 warns: renamed activation_checkpointing)
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
     out = tmp_path / "out"
     argv = _common_args(synth_dir, out) + [
         "--config_name", TINY, "--do_train", "--do_eval", "--do_predict", "--predict_with_generate",

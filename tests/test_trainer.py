@@ -46,7 +46,8 @@ def test_flags_parse():
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "gradient-checkpointing"])
 def test_fp32_equals_plain_trainer_with_accumulation_clipping_and_warmup(tmp_path, ckpt):
     # gradient checkpointing recomputes the forward during backward: each gradient still leaves once
-    kw = dict(gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=2, gradient_checkpointing=ckpt)
+    kw = dict(gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=2,
+              **({"activation_checkpointing": True} if ckpt else {}))  # --gradient_checkpointing's new name
     ref_model, ref = run(Seq2SeqTrainer, args(tmp_path, "ref", optim="adamw_torch", **kw))
     model, ours = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "ours", zero_offload=OFFLOAD, **kw))
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
