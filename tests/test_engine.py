@@ -232,6 +232,52 @@ def test_dpu_follows_the_delayed_schedule(mode, warmup):
     opt.close()
 
 
+def test_dpu_overflow_step_is_synchronous(mode):
+    """fp16 + DPU with overflows injected at steps 4 and 5: the overflow step finishes and publishes
+    the delayed step in flight and runs no Adam (DESIGN.md's timeline), against a hand-written fp16
+    reference driven in lockstep with the engine's loss scale."""
+    torch.manual_seed(0)
+    model = mode.model(TinyNet())
+    ref_device = copy.deepcopy(model).half()
+    master = copy.deepcopy(model)
+    ref = torch.optim.AdamW(param_groups(master, WD), lr=LR, foreach=False)
+    pairs = [(d, m) for d, m in zip(ref_device.parameters(), master.parameters()) if d.requires_grad]
+    fp16 = dict(enabled=True, loss_scale=0, initial_scale_power=8, hysteresis=2)
+    opt = engine(mode, model, fp16=fp16, dpu=True, dpu_warmup_steps=1)
+    model.half()
+    overflow_at, warmup = (4, 5), 1
+    for k, (ids, labels, use_branch) in enumerate(mode.data(batches(9)), start=1):
+        scale = opt.loss_scale
+        for m in (model, ref_device):
+            loss = loss_fn(m, ids, labels, use_branch) * scale
+            (loss * float("inf") if k in overflow_at else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        grads = [None if d.grad is None else d.grad.float() / scale for d, _ in pairs]
+        for d, _ in pairs:
+            d.grad = None
+        with torch.no_grad():
+            publish = lambda: [d.copy_(m) for d, m in pairs]  # noqa: E731
+            if k in overflow_at:
+                publish()
+                continue
+            for (_, m), g in zip(pairs, grads):
+                m.grad = g
+            if k > warmup:
+                publish()
+            ref.step()
+            ref.zero_grad()
+            if k <= warmup:
+                publish()
+    assert not opt.last.skipped and opt.loss_scale == 128  # two overflows, hysteresis 2: halved once
+    mode.sync()
+    assert_models_close(ref_device, model, rtol=2e-3, atol=2e-3)  # fp16 params, one step behind
+    opt.flush()
+    mode.sync()
+    assert_models_close(master.half(), model, rtol=2e-3, atol=2e-3)
+    opt.close()
+
+
 @pytest.mark.parametrize("opts", [{}, {"dpu": True, "dpu_warmup_steps": 2}, {"gradient_accumulation_steps": 2},
                                   {"scatter_thread": True, "dpu": True, "dpu_warmup_steps": 1}],
                          ids=["sync", "dpu", "gas2", "thread-dpu"])

@@ -72,6 +72,39 @@ def test_dpu_follows_the_delayed_schedule_on_two_ranks():
             assert res["bytes_up"] > 0, key  # the simulated GPU upload path ran
 
 
+def _overflow_job(rank, world):
+    """fp16 + DPU, an overflow on rank 1 only at step 4: both ranks skip it synchronously (the delayed
+    step in flight is published, no Adam); the model then holds exactly the masters, rounded."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opts = OffloadOptions(dpu=True, dpu_warmup_steps=1, fp16=dict(enabled=True, loss_scale=0, initial_scale_power=8),
+                          **SMALL)
+    opt = ShardedAdam(param_groups(model, WD), lr=LR, options=opts, stage=2, offload=True,
+                      allgather_bucket_numel=GATHER)
+    model.half()
+    seen = []
+    for k, (ids, labels, use_branch) in enumerate(rank_data(rank, 6), start=1):
+        loss = opt.scale_loss(loss_fn(model, ids, labels, use_branch))
+        (loss * float("inf") if (k == 4 and rank == 1) else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if k == 4:
+            flat = torch.cat([p.detach().reshape(-1) for g in opt.slot_params() for p in g])
+            n = opt.shard_end - opt.shard_start
+            seen.append(torch.equal(flat[opt.shard_start:opt.shard_end], opt.master[:n].half()))
+        seen.append((opt.last.skipped, opt.needs_publish))
+    opt.close()
+    return seen, flat_params(model)
+
+
+def test_an_overflow_on_one_rank_is_a_synchronous_skip_on_both():
+    (s0, p0), (s1, p1) = run_distributed(_overflow_job)
+    assert s0 == s1 and torch.equal(p0, p1)
+    # steps 1 (warm-up) .. 6: step 4 skipped and published (the model = the masters), DPU again after
+    assert s0 == [(False, False), (False, True), (False, True), True, (True, False), (False, True),
+                  (False, True)], s0
+
+
 def _resume_job(rank, world, tmp):
     data = rank_data(rank, 10)
     torch.manual_seed(0)

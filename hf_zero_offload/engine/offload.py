@@ -7,6 +7,7 @@ buckets; gradients stream down during backward (``pipeline.GradPipeline``), and 
 1. wait for the last gradient copy; one fused pass per run of parameters gives the squared norm in
    fp64, whose finiteness is the overflow flag;
 2. fp16 overflow: skip (masters, moments and step counts untouched), report it, lower the scale;
+   with DPU the step is synchronous: the delayed step in flight finishes and is published first;
 3. ``grad_scale = clip_coef / loss_scale`` and the fused CPU Adam over the flat arena, tile by tile,
    writing each updated tile in the training dtype to staging that is copied to the device at once,
    so CPU compute overlaps the transfer;
@@ -117,6 +118,9 @@ class OffloadAdam(LossScaled, torch.optim.Optimizer):
         self.global_steps += 1
         self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm)
         if grad_scale is None:  # fp16 overflow: skipped, masters and step counts untouched
+            # DPU: this step is synchronous; an in-flight delayed step finishes and is published now
+            self._wait_worker()
+            self._publish_all()
             self.pipeline.new_window(store)
             return loss
         hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after

@@ -249,7 +249,10 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         self.global_steps += 1
         # the store holds the sum over ranks: the kernel's grad_scale also averages
         self.last, grad_scale = decide_step(self.scaler, total, self.options.max_grad_norm, self.world_size)
-        if grad_scale is None:
+        if grad_scale is None:  # every rank skips (the overflow flag is global)
+            # DPU: this step is synchronous; an in-flight delayed step finishes and is published now
+            self._wait_worker()
+            self._publish()
             self.reducer.new_window()
             return loss
         runs = make_runs(self._groups, self._slots, received, self._param_steps)
