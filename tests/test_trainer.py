@@ -93,12 +93,21 @@ def test_fp16_overflow_skips_logs_and_holds_the_lr_schedule(tmp_path):
     assert trainer.args.fp16 and trainer.accelerator.scaler is None  # caller's flag kept; no GradScaler
 
 
-def test_resume_is_exact(tmp_path):
-    kw = dict(gradient_accumulation_steps=2, max_grad_norm=1.0, zero_offload=OFFLOAD, save_strategy="steps",
+DPU_OFFLOAD = {"zero_optimization": {**OFFLOAD["zero_optimization"],
+                                     "delayed_param_update": {"enabled": True, "warmup_steps": 1}}}
+
+
+@pytest.mark.parametrize("cfg", [OFFLOAD, DPU_OFFLOAD], ids=["sync", "dpu"])
+def test_resume_is_exact(tmp_path, cfg):
+    # dpu: checkpoint-3 is taken mid-delay (masters one step ahead of the saved model); the resumed
+    # run must continue on the same schedule
+    kw = dict(gradient_accumulation_steps=2, max_grad_norm=1.0, zero_offload=cfg, save_strategy="steps",
               save_steps=3)
     full_model, full = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "full", **kw))
     ckpt = tmp_path / "full" / "checkpoint-3"
     assert sorted(os.listdir(ckpt / "zero_offload")) == ["param_names.json", "rank0_of_1.hzo"]
+    from hf_zero_offload.engine.checkpoint import read_header
+    assert read_header(str(ckpt / "zero_offload" / "rank0_of_1.hzo"))[0]["needs_publish"] == (cfg is DPU_OFFLOAD)
     model = tiny_t5(seed=1)  # different init: everything must come from the checkpoint
     trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=args(tmp_path, "resumed", **kw), train_dataset=ToyDataset())
     trainer.train(resume_from_checkpoint=str(ckpt))

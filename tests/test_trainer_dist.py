@@ -60,3 +60,34 @@ def test_sharded_ddp_with_the_delayed_parameter_update(tmp_path):
         assert r["engine"] == "ShardedAdam" and r["delayed_steps"] == 3
         assert not r["needs_publish"] and r["shard_equals_masters"]
     assert len(ours[0]["losses"]) == 4 and ours[0]["losses"][-1] < ours[0]["losses"][0]
+
+
+def _resume(rank, world_size, out_dir):
+    """2 ranks, ZeRO-2 + offload + DPU: 6 steps saving at 3 (mid-delay), then a fresh run resumed from
+    checkpoint-3."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                 "delayed_param_update": {"enabled": True, "warmup_steps": 1}}}
+
+    def trainer(name, seed):
+        model = tiny_t5(seed)
+        targs = ZeroOffloadSeq2SeqTrainingArguments(
+            output_dir=f"{out_dir}/{name}", per_device_train_batch_size=4, max_steps=6, use_cpu=True,
+            ddp_backend="gloo", report_to=[], logging_steps=1, save_strategy="steps", save_steps=3, seed=0,
+            disable_tqdm=True, learning_rate=1e-3, sharded_ddp=True, zero_offload=cfg)
+        return model, ZeroOffloadSeq2SeqTrainer(model=model, args=targs, train_dataset=ToyDataset())
+
+    full_model, full = trainer("full", 0)
+    full.train()
+    model, resumed = trainer("resumed", 1)  # another init: everything comes from the checkpoint
+    resumed.train(resume_from_checkpoint=f"{out_dir}/full/checkpoint-3")
+    return {"same": all(torch.equal(a, b) for a, b in zip(full_model.parameters(), model.parameters())),
+            "files": sorted(__import__("os").listdir(f"{out_dir}/full/checkpoint-3/zero_offload"))}
+
+
+def test_sharded_dpu_resume_through_the_trainer_is_exact(tmp_path):
+    for r in run_distributed(_resume, str(tmp_path), timeout=300):
+        assert r["same"]
+        assert r["files"] == ["meta.json", "param_names.json", "rank0_of_2.hzo", "rank1_of_2.hzo"]
