@@ -4,8 +4,9 @@
 row per training configuration, per rank:
 
 - model states on the device and on the host: one documented function per configuration below
-  (``states_*``); the offload rows call the engine's own ``plan_host_memory``, so the planner and
-  ``OffloadAdam`` cannot disagree about what the engine allocates;
+  (``states_*``); every row our engines run calls the engine's own plan (``plan_host_memory`` for
+  ``OffloadAdam``, ``sharding_plan.plan_for`` for ``ShardedAdam``), so the planner and the engines
+  cannot disagree about what they allocate (tested region by region on 2 ranks);
 - activations: measured, not guessed, by tracing one forward + backward of the model built on the
   meta device (``planner_trace``), in the dtype the configuration trains in;
 - with ``--gradient-checkpointing`` the traced step is the checkpointed one (Transformers'
@@ -31,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .engine.buffers import plan_host_memory
+from .engine.offload import OffloadOptions
+from .engine.sharding_plan import plan_for
 from . import planner_trace as trace
 
 GiB = 2 ** 30
@@ -43,8 +46,6 @@ _HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 # -- model states per configuration (bytes per rank; n = trainable params, N = ranks) ------------------
 def _engine_defaults() -> dict:
-    from .engine.offload import OffloadOptions
-
     o = OffloadOptions()
     return {"bucket_numel": o.bucket_numel, "tile_numel": o.tile_numel}
 
@@ -58,6 +59,7 @@ class EngineSettings:
     max_param_numel: int = 0
     cuda: bool = True
     half_dtype: torch.dtype = torch.float16
+    numels: tuple = ()           # trainable params' sizes in flat-layout order (the sharded engine's buckets)
 
 
 def _engine_plan(numel: int, s: EngineSettings, dpu: bool):
@@ -85,34 +87,44 @@ def states_amp(n: int, gpus: int, autocast_copies: int) -> tuple[dict, int]:
     return dev, 0
 
 
-def states_stage1_fp32(n: int, gpus: int) -> tuple[dict, int]:
-    """ZeRO-1 (--sharded_ddp) in fp32: full params 4 + full grads 4 B/param; each rank keeps the Adam
-    moments (8 B/param) of its 1/N of the params."""
-    return {"params_fp32": FP32 * n, "grads_fp32": FP32 * n, "adam_moments": ADAM * n // gpus}, 0
+def _sharded_plan(gpus: int, s: EngineSettings, dtype: torch.dtype, *, stage: int, offload: bool, dpu: bool = False):
+    """What one rank of ``ShardedAdam`` allocates (the engine's own ``plan_for``)."""
+    opts = OffloadOptions(gradient_accumulation_steps=s.gradient_accumulation_steps, bucket_numel=s.bucket_numel,
+                          tile_numel=s.tile_numel, dpu=dpu)
+    return plan_for(list(s.numels), gpus, param_dtype=dtype, options=opts, stage=stage, offload=offload, cuda=s.cuda)
 
 
-def states_stage1_16bit(n: int, gpus: int) -> tuple[dict, int]:
-    """ZeRO-1 (--sharded_ddp --fp16) with the engine's 16-bit model: params 2 + full grads 2 B/param;
-    each rank keeps fp32 masters (4) and Adam moments (8) of its 1/N."""
-    return {"params_16bit": HALF * n, "grads_16bit": HALF * n, "fp32_masters": FP32 * n // gpus,
-            "adam_moments": ADAM * n // gpus}, 0
+def _device_regions(plan) -> dict:
+    return {k: b for k, b in plan.bytes_by_region().items() if plan.regions[k][2] == "device" and b}
+
+
+def states_stage1(n: int, gpus: int, s: EngineSettings, dtype: torch.dtype) -> tuple[dict, int]:
+    """ZeRO-1 (--sharded_ddp): full params and full ``.grad`` in the training dtype until ``step()``
+    reduces them; each rank's 1/N of fp32 masters, Adam moments and reduced gradients, the reduction
+    rounds, the updated shard and the all-gather buffer: ``ShardedAdam``'s plan, on the device."""
+    b = FP32 if dtype == torch.float32 else HALF
+    tag = "fp32" if dtype == torch.float32 else "16bit"
+    plan = _sharded_plan(gpus, s, dtype, stage=1, offload=False)
+    return {f"params_{tag}": b * n, f"grads_{tag}": b * n, **_device_regions(plan)}, plan.host_bytes
 
 
 def states_zero2(n: int, gpus: int, s: EngineSettings) -> tuple[dict, int]:
-    """ZeRO-2 without offload: 16-bit params 2 B/param; gradients go through two device buckets
-    (the engine's bucket size rule) and each rank keeps only its 1/N: grads 2/N, fp32 masters 4/N and
-    Adam moments 8/N B/param. The owned gradient slice is booked as live for the whole step."""
-    buckets = _engine_plan(n, s, dpu=False).regions["grad_buckets"]
-    return {"params_16bit": HALF * n, "grads_16bit_owned": HALF * n // gpus, "fp32_masters": FP32 * n // gpus,
-            "adam_moments": ADAM * n // gpus, "grad_buckets": buckets[0] * buckets[1].itemsize}, 0
+    """ZeRO-2 without offload: 16-bit params 2 B/param; gradients leave through two device buckets
+    and each rank keeps only its 1/N of reduced gradients, fp32 masters and moments (``ShardedAdam``'s
+    plan; the owned gradient slice is booked as live for the whole step)."""
+    plan = _sharded_plan(gpus, s, s.half_dtype, stage=2, offload=False)
+    return {"params_16bit": HALF * n, **_device_regions(plan)}, plan.host_bytes
 
 
 def states_zero2_offload(n: int, gpus: int, s: EngineSettings, dpu: bool) -> tuple[dict, int]:
-    """ZeRO-2 + CPU offload (``OffloadAdam``): the device keeps 16-bit params (2 B/param) and the
-    engine's gradient buckets; the host holds exactly ``plan_host_memory`` for this rank's
-    ceil(n/N) params (fp32 masters, moments, gradient store(s), staging; page-aligned regions)."""
-    plan = _engine_plan(-(-n // gpus), s, dpu=dpu)
-    return {"params_16bit": HALF * n, "grad_buckets": plan.device_bytes}, plan.host_bytes
+    """ZeRO-2 + CPU offload: the device keeps 16-bit params (2 B/param) and the engine's buffers; the
+    host holds the engine's arena (fp32 masters, moments, gradient store(s), staging; page-aligned
+    regions). One GPU: ``OffloadAdam``'s ``plan_host_memory``; several: ``ShardedAdam``'s plan."""
+    if gpus == 1:
+        plan = _engine_plan(n, s, dpu=dpu)
+    else:
+        plan = _sharded_plan(gpus, s, s.half_dtype, stage=2, offload=True, dpu=dpu)
+    return {"params_16bit": HALF * n, **_device_regions(plan)}, plan.host_bytes
 
 
 # -- the rows ----------------------------------------------------------------------------------------
@@ -142,9 +154,9 @@ def row_states(spec: RowSpec, n: int, gpus: int, s: EngineSettings, prof) -> tup
     if spec.mode == "amp":
         return states_amp(n, gpus, prof.param_cast_bytes)
     if spec.name == "sharded_stage1_fp32":
-        return states_stage1_fp32(n, gpus)
+        return states_stage1(n, gpus, s, torch.float32)
     if spec.name.startswith("sharded_stage1_"):
-        return states_stage1_16bit(n, gpus)
+        return states_stage1(n, gpus, s, s.half_dtype)
     if spec.name == "zero2":
         return states_zero2(n, gpus, s)
     return states_zero2_offload(n, gpus, s, dpu=spec.name.endswith("_dpu"))
@@ -237,7 +249,8 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     n, max_numel = trace.count_params(model)
     defaults = _engine_defaults()
     settings = EngineSettings(bucket_numel or defaults["bucket_numel"], tile_numel or defaults["tile_numel"],
-                              gradient_accumulation_steps, max_numel, cuda, _HALF_DTYPES[dtype])
+                              gradient_accumulation_steps, max_numel, cuda, _HALF_DTYPES[dtype],
+                              tuple(p.numel() for p in model.parameters() if p.requires_grad))
     specs = [s for s in row_specs(dtype) if configs is None or s.name in configs]
     profiles = trace.profile_modes(config, {s.mode for s in specs}, half_dtype=settings.half_dtype,
                                    seq_len=seq_len, tgt_len=tgt_len, model=model)

@@ -14,7 +14,6 @@ import torch
 
 from hf_zero_offload import cli, planner
 from hf_zero_offload import planner_trace as trace
-from hf_zero_offload.engine.buffers import plan_host_memory
 from hf_zero_offload.engine.offload import OffloadAdam, OffloadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,14 +95,43 @@ def test_offload_rows_equal_the_engines_allocation(gas):
                 opt._worker.shutdown()
 
 
-def test_sharded_offload_plans_each_ranks_slice():
-    n = trace.count_params(trace.build_model(trace.load_config(T5_TINY)))[0]
-    p = planner.plan(T5_TINY, gpus=3, configs=["zero2_offload", "zero2"], bucket_numel=10_000)
-    off, z2 = p.rows[1], p.rows[0]
-    host = plan_host_memory(-(-n // 3), param_dtype=torch.float16, bucket_numel=10_000,
-                            tile_numel=OffloadOptions().tile_numel, max_param_numel=p.max_param_numel).host_bytes
-    assert off.host_bytes == host
-    assert z2.device_states["adam_moments"] == 8 * n // 3 and z2.device_states["fp32_masters"] == 4 * n // 3
+SHARDED_ROWS = {"zero2_offload": dict(stage=2, offload=True), "zero2": dict(stage=2, offload=False),
+                "sharded_stage1_bf16": dict(stage=1, offload=False)}
+
+
+def _sharded_allocation_job(rank, world, config: dict, bucket: int):
+    """What ShardedAdam really allocates per rank for t5-tiny (one param group, model order)."""
+    from hf_zero_offload.engine.sharding import ShardedAdam
+
+    out = {}
+    for name, cfg in SHARDED_ROWS.items():
+        torch.manual_seed(0)
+        model = trace.build_model(trace.load_config(config), device="cpu")
+        opt = ShardedAdam([p for p in model.parameters() if p.requires_grad], param_dtype=torch.bfloat16,
+                          options=OffloadOptions(bucket_numel=bucket), **cfg)
+        out[name] = {"host": opt.arena.nbytes if opt.arena is not None else 0,
+                     "device": {k: t.numel() * t.element_size() for k, t in opt.regions.items()
+                                if opt.plan.regions[k][2] == "device" and t.numel()}}
+        opt.close()
+    return out
+
+
+def test_sharded_rows_are_what_the_engine_allocates():
+    """Planner rows for 2 GPUs against ShardedAdam on 2 gloo ranks (cuda=False on both sides: the CPU
+    engine's layout), region by region; params and full .grads are the model's, not the engine's."""
+    from _dist import run_distributed
+
+    p = planner.plan(T5_TINY, gpus=2, dtype="bf16", cuda=False, bucket_numel=10_000, configs=list(SHARDED_ROWS))
+    r0, r1 = run_distributed(_sharded_allocation_job, T5_TINY, 10_000)
+    assert r0 == r1
+    for row in p.rows:
+        real = r0[row.name]
+        planned = {k: v for k, v in row.device_states.items() if not k.startswith(("params_", "grads_"))}
+        assert planned == real["device"], row.name
+        assert row.host_bytes == real["host"], row.name
+    by = {r.name: r for r in p.rows}
+    assert by["zero2_offload"].host_bytes > 0 and "master" not in by["zero2_offload"].device_states
+    assert by["zero2"].host_bytes == 0 and by["zero2"].device_states["master"] == 4 * -(-p.params // 2)
 
 
 # -- activations: the meta trace against a real CPU step ---------------------------------------------

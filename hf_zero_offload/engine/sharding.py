@@ -65,11 +65,12 @@ import torch
 import torch.distributed as dist
 
 from . import sharding_ckpt, sharding_update
-from .buffers import HostArena, HostPlan, plan_host_memory
+from .buffers import HostArena, HostPlan
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step
 from .offload import OffloadOptions
 from .runs import flat_layout, make_runs, training_dtype
 from .sharding_layout import Partition
+from .sharding_plan import make_plan
 from .sharding_reduce import GradReducer
 from .streams import Streams, make_streams
 
@@ -140,7 +141,9 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
                                    bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs)
         self._index, self._slot_of = self.reducer.index, self.reducer.slot_of
         self._gchunk = max(1, min(allgather_bucket_numel // W, S))
-        self.plan = self._make_plan(S, self.reducer.seg, self.reducer.buffer_numel, cuda)
+        self.plan = make_plan(S, self.reducer.seg, self.reducer.buffer_numel, self._gchunk, W,
+                              param_dtype=self.param_dtype, options=options, stage=stage, offload=offload, cuda=cuda,
+                              tiled=offload and self.streams.async_copies, torch_adam=self._torch_adam)
         self._allocate(cuda)
         self._init_state()
         self.reducer.bind(self.regions["grad_buckets"], self.store, self.regions.get("grad_staging"))
@@ -154,31 +157,6 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         self._uploaded = None                      # DPU: event of the worker's last upload into shard_out
 
     # -- construction ----------------------------------------------------------------------------
-    def _make_plan(self, S: int, seg: int, bucket_region: int, cuda: bool) -> HostPlan:
-        """``plan_host_memory`` over the shard, adapted: without offload the state lives on the
-        device; the bucket/staging sizes are the sharded ones; the param-dtype shard and the
-        all-gather buffer are added."""
-        o = self.options
-        base = plan_host_memory(S, param_dtype=self.param_dtype,
-                                gradient_accumulation_steps=o.gradient_accumulation_steps if self.stage == 2 else 1,
-                                delayed_param_update=o.dpu, bucket_numel=o.bucket_numel, tile_numel=o.tile_numel,
-                                cuda=cuda).regions
-        where = "host" if self.offload else "device"
-        regions = {k: (base[k][0], base[k][1], where) for k in ("master", "exp_avg", "exp_avg_sq", "grad_store")}
-        if self._torch_adam:  # torch's fused kernels want the gradient in the state's dtype
-            regions["grad_store"] = (S, torch.float32, where)
-        tiled = self.offload and self.streams.async_copies  # updated tiles go up through staging
-        if self.offload and cuda:
-            regions["grad_staging"] = (seg, self.param_dtype, "host")  # the host waits for each copy
-        if tiled:
-            regions["param_staging"] = base["param_staging"]
-        regions["grad_buckets"] = (bucket_region, self.param_dtype, "device")
-        if self.param_dtype != torch.float32 or tiled:
-            regions["shard_out"] = (S, self.param_dtype, "device")  # the updated shard, ready to gather
-        regions["gather_buffer"] = (self.world_size * self._gchunk if self.world_size > 1 else 0, self.param_dtype,
-                                    "device")
-        return HostPlan(numel=S, regions=regions)
-
     def _allocate(self, cuda: bool) -> None:
         host = {k: v for k, v in self.plan.regions.items() if v[2] == "host"}
         self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda) if host else None

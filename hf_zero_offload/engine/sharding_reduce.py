@@ -33,6 +33,21 @@ from .streams import Streams
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def buffer_layout(slots: list, partition: Partition, stage: int, bucket_numel: int, use_rs: bool):
+    """(stage-2 buckets in launch order, ``seg``, device buffer elements). Stage 2: two alternating
+    bucket buffers of the largest bucket (``seg``). Stage 1: rounds of ``seg`` elements per rank (the
+    round input for every rank, plus its output when reduce-scattering). Only the (offset, numel) of
+    the slots matter: the planner calls this without a model."""
+    W, S = partition.world_size, partition.shard_numel
+    if stage == 2:
+        cap = max(min(bucket_numel, partition.padded_numel), max(n for _, _, n in slots))
+        buckets = make_buckets(slots, cap, partition.padded_numel)
+        seg = max(b.numel for b in buckets)
+        return buckets, seg, 2 * seg
+    seg = max(1, min(bucket_numel // W, S))
+    return [], seg, (W + use_rs) * seg
+
+
 class GradReducer:
     def __init__(self, *, slots: list, partition: Partition, rank: int, process_group, streams: Streams,
                  param_dtype: torch.dtype, stage: int, bucket_numel: int, num_threads: int | None, use_rs: bool):
@@ -43,21 +58,13 @@ class GradReducer:
         self.comm_stream = torch.cuda.Stream(device=streams.device) if streams.cuda else None
         self.index = FlatIndex(slots)
         self.slot_of = {id(p): i for i, (p, _, _) in enumerate(slots)}
-        W, S = self.world_size, partition.shard_numel
         self.shard_start = partition.start(rank)
-        if stage == 2:
-            cap = max(min(bucket_numel, partition.padded_numel), max(n for _, _, n in slots))
-            self.buckets = make_buckets(slots, cap, partition.padded_numel)
-            self.bucket_of = [0] * len(slots)
-            for k, b in enumerate(self.buckets):
-                for i in b.slots:
-                    self.bucket_of[i] = k
-            self.seg = max(b.numel for b in self.buckets)
-            self.buffer_numel = 2 * self.seg                       # two alternating bucket buffers
-        else:
-            self.buckets = []
-            self.chunk = self.seg = max(1, min(bucket_numel // W, S))  # per rank and round
-            self.buffer_numel = (W + use_rs) * self.seg               # round input (+ its output)
+        self.buckets, self.seg, self.buffer_numel = buffer_layout(slots, partition, stage, bucket_numel, use_rs)
+        self.chunk = self.seg  # stage 1: elements per rank and round
+        self.bucket_of = [0] * len(slots)
+        for k, b in enumerate(self.buckets):
+            for i in b.slots:
+                self.bucket_of[i] = k
         self.received = [0] * len(slots)  # gradients received in this window, per param (this rank)
         self.micro = 0                    # stage 2: backward passes reduced in this window
         self._buf_slot = 0
