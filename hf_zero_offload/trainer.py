@@ -201,10 +201,11 @@ class ZeroOffloadMixin:
         eng = self.zero_engine
         logger.warning(
             "hf_zero_offload: config=%s stage=%d offload=%s dpu=%s simd=%s threads=%d host_reserved=%.2fGiB pinned=%s "
-            "dtype=%s params=%d", cfg.source, cfg.zero.stage, cfg.zero.offload, cfg.zero.delayed_param_update.enabled,
-            ops.simd_level(), torch.get_num_threads(), getattr(getattr(eng, "arena", None), "nbytes", 0) / 2**30,
+            "dtype=%s params=%d streams=%s", cfg.source, cfg.zero.stage, cfg.zero.offload,
+            cfg.zero.delayed_param_update.enabled, ops.simd_level(), torch.get_num_threads(),
+            getattr(getattr(eng, "arena", None), "nbytes", 0) / 2**30,
             getattr(getattr(eng, "arena", None), "pinned", False), str(training_dtype(cfg)).replace("torch.", ""),
-            eng.numel)
+            eng.numel, type(eng.streams).__name__)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self._zo_raw is None:

@@ -261,6 +261,30 @@ def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys
     assert not os.path.exists(out2 / "tokenizer.json"), "a tokenizer was trained although the model dir has one"
 
 
+def test_finetune_on_the_simulated_gpu_path_equals_cpu(tmp_path, synth_dir, monkeypatch, caplog):
+    """The whole legacy command (train with DPU, evaluate, predict with generate, save) with the engine's
+    GPU code path on the stream simulator: the same metrics as the plain CPU path, to the last digit."""
+    caplog.set_level(logging.WARNING, logger="hf_zero_offload")
+    cfg = tmp_path / "dpu.json"
+    with open(os.path.join(CONFIGS, "ds_config_1gpu.json")) as f:
+        ds = json.load(f)
+    ds["zero_optimization"]["delayed_param_update"] = {"enabled": True, "warmup_steps": 1}
+    cfg.write_text(json.dumps(ds))
+    metrics = {}
+    for name in ("cpu", "sim"):
+        if name == "sim":
+            monkeypatch.setenv("HF_ZERO_OFFLOAD_SIMULATE_STREAMS", "1")
+        argv = _common_args(synth_dir, tmp_path / name) + [
+            "--config_name", TINY, "--do_train", "--do_eval", "--do_predict", "--predict_with_generate", "--bf16",
+            "--zero_offload", str(cfg)]
+        caplog.clear()
+        metrics[name] = finetune_trainer.main(argv)
+        assert ("streams=SimStreams" in caplog.text) == (name == "sim")
+    keys = [k for k in metrics["cpu"] if k.endswith(("_loss", "_bleu", "_gen_len"))]
+    assert len(keys) >= 5
+    assert {k: metrics["sim"][k] for k in keys} == {k: metrics["cpu"][k] for k in keys}
+
+
 def test_tokenizer_vocab_size_shrinks_random_model(tmp_path, synth_dir):
     out = tmp_path / "out"
     finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--tokenizer_vocab_size", "400",
