@@ -205,7 +205,7 @@ class ZeroOffloadMixin:
             cfg.zero.delayed_param_update.enabled, ops.simd_level(), torch.get_num_threads(),
             getattr(getattr(eng, "arena", None), "nbytes", 0) / 2**30,
             getattr(getattr(eng, "arena", None), "pinned", False), str(training_dtype(cfg)).replace("torch.", ""),
-            eng.numel, type(eng.streams).__name__)
+            eng.numel, eng.streams.kind)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self._zo_raw is None:

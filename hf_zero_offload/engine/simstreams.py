@@ -111,6 +111,7 @@ class SimStreams(Streams):
         self.device = torch.device("cpu")
         self.cuda = False
         self.async_copies = True
+        self.kind = "sim"
         self.d2h, self.h2d = SimStream("d2h"), SimStream("h2d")
         self.bytes_down = self.bytes_up = 0
         self._compute = SimStream("compute")  # eager: never holds queued work

@@ -27,6 +27,7 @@ class Streams:
         self.device = device
         self.cuda = device.type == "cuda"
         self.async_copies = self.cuda
+        self.kind = "cuda" if self.cuda else "cpu"   # what the start log line reports
         self.d2h = self.h2d = None
         self.bytes_down = self.bytes_up = 0   # host<->device bytes queued so far (PCIe traffic)
         if self.cuda:
