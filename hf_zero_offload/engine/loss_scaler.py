@@ -70,6 +70,12 @@ class StepResult:
     loss_scale: float
 
 
+def unscaled_norm(scaler: LossScaler, sumsq: float, divisor: float = 1.0) -> float:
+    """The L2 norm of the gradients before loss scaling (and ``divisor``: the world size for a sum
+    over ranks) from ``sumsq``, the squared norm of what backward produced; inf when not finite."""
+    return math.sqrt(sumsq) / (scaler.scale * divisor) if math.isfinite(sumsq) else float("inf")
+
+
 def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor: float = 1.0
                 ) -> tuple[StepResult, float | None]:
     """One optimizer step's verdict from ``sumsq``, the squared norm of the loss-scaled gradient
@@ -84,7 +90,7 @@ def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor:
         scaler.update(True)
         return StepResult(True, float("inf"), scaler.scale), None
     unscale = scaler.scale * divisor
-    norm = math.sqrt(sumsq) / unscale if finite else float("nan")
+    norm = unscaled_norm(scaler, sumsq, divisor) if finite else float("nan")
     clip = 1.0
     if max_grad_norm > 0:
         clip = min(max_grad_norm / (norm + 1e-6), 1.0) if finite else float("nan")

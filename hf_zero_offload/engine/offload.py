@@ -19,7 +19,6 @@ step count does not advance). Tied parameters are one ``Parameter`` and get one 
 """
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ import torch
 from .. import ops
 from . import checkpoint
 from .buffers import HostArena, plan_host_memory, store_dtype
-from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step
+from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .pipeline import GradPipeline
 from .streams import Streams, make_streams
 from .runs import Run, flat_layout, make_runs, training_dtype
@@ -155,8 +154,7 @@ class OffloadAdam(LossScaled, torch.optim.Optimizer):
     def grad_norm(self) -> float:
         """The global L2 norm of this step's (unscaled) gradients, before clipping; inf on overflow.
         Computed once per step (``step()`` reuses it), so the Trainer can log it before stepping."""
-        _, sumsq = self._prepare()
-        return math.sqrt(sumsq) / self.scaler.scale if math.isfinite(sumsq) else float("inf")
+        return unscaled_norm(self.scaler, self._prepare()[1])
 
     def _runs(self) -> list[Run]:
         """Maximal runs of consecutive params of one group that all received a gradient and share a

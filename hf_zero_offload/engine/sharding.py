@@ -59,14 +59,12 @@ on GPUs, ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``::
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from . import sharding_ckpt, sharding_update
 from .buffers import HostArena, HostPlan
-from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step
+from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .offload import OffloadOptions
 from .runs import flat_layout, make_runs, training_dtype
 from .sharding_layout import Partition
@@ -286,10 +284,7 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
     def grad_norm(self) -> float:
         """Global L2 norm of this step's averaged, unscaled gradients before clipping; inf on overflow.
         Computed once per step (``step()`` reuses it), so the Trainer can log it before stepping."""
-        total, _ = self._prepare()
-        if not math.isfinite(total):
-            return float("inf")
-        return math.sqrt(total) / (self.scaler.scale * self.world_size)
+        return unscaled_norm(self.scaler, self._prepare()[0], self.world_size)
 
     def slot_params(self) -> list[list[torch.nn.Parameter]]:
         """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
