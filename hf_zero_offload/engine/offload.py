@@ -116,27 +116,23 @@ class OffloadAdam(LossScaled, torch.optim.Optimizer):
         store = self.pipeline.store
         self.global_steps += 1
         self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm)
+        # DPU: the delayed step in flight finishes and its parameters are published, whatever comes
+        # next (an overflow step is synchronous, a delayed step must not overwrite staging in use)
+        self._wait_worker()
+        self._publish_all()
         if grad_scale is None:  # fp16 overflow: skipped, masters and step counts untouched
-            # DPU: this step is synchronous; an in-flight delayed step finishes and is published now
-            self._wait_worker()
-            self._publish_all()
             self.pipeline.new_window(store)
             return loss
         hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after
         for run in runs:
             self._param_steps[run.slots] += 1
         if self._worker is not None and self.global_steps > self.options.dpu_warmup_steps:
-            self._wait_worker()
-            self._publish_all()
             next_store = self._stores[self._store_index ^ 1]
             self._store_index ^= 1
             self.pipeline.new_window(next_store)
             self._pending = self._worker.submit(self._dpu_step, runs, store, grad_scale, hyper)
             self.needs_publish = True
         else:
-            self._wait_worker()
-            if self.needs_publish:
-                self._publish_all()
             self._adam_runs(runs, store, grad_scale, hyper, True)
             self.pipeline.new_window(store)
         return loss

@@ -225,10 +225,11 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
         self.global_steps += 1
         # the store holds the sum over ranks: the kernel's grad_scale also averages
         self.last, grad_scale = decide_step(self.scaler, total, self.options.max_grad_norm, self.world_size)
-        if grad_scale is None:  # every rank skips (the overflow flag is global)
-            # DPU: this step is synchronous; an in-flight delayed step finishes and is published now
-            self._wait_worker()
-            self._publish()
+        # DPU: the delayed step in flight finishes and its parameters are published (a collective,
+        # at the same step on every rank: the overflow flag is global), whatever comes next
+        self._wait_worker()
+        self._publish()
+        if grad_scale is None:  # every rank skips
             self.reducer.new_window()
             return loss
         runs = make_runs(self._groups, self._slots, received, self._param_steps)
@@ -236,8 +237,6 @@ class ShardedAdam(LossScaled, torch.optim.Optimizer):
             for i in run.slots:
                 self._param_steps[i] += 1
         hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after
-        self._wait_worker()
-        self._publish()  # DPU: the previous step's parameters, before its masters move on
         if self._worker is not None and self.global_steps > self.options.dpu_warmup_steps:
             # The schedule of OffloadAdam's DPU: this step's Adam runs on the worker while the device
             # computes the next step on the parameters published just now (one step behind).
