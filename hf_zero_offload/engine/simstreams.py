@@ -105,15 +105,12 @@ class SimStreams(Streams):
     def __init__(self, *, executor: str = "lazy", defer_compute_waits: bool = False):
         if executor not in ("lazy", "eager"):
             raise ValueError(f"executor must be 'lazy' or 'eager', got {executor!r}")
+        super().__init__(torch.device("cpu"))  # the CPU's fields (counters included), then ours:
+        self.async_copies, self.kind = True, "sim"
         self.executor_mode = executor
         self.defer_compute_waits = defer_compute_waits
         self._compute_waits: list[SimEvent] = []
-        self.device = torch.device("cpu")
-        self.cuda = False
-        self.async_copies = True
-        self.kind = "sim"
         self.d2h, self.h2d = SimStream("d2h"), SimStream("h2d")
-        self.bytes_down = self.bytes_up = 0
         self._compute = SimStream("compute")  # eager: never holds queued work
         self._lock = threading.RLock()        # the autograd, scatter and DPU threads all queue and wait
         self.copies = 0                       # copies queued on side streams (tests check they happened)
