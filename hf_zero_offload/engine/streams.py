@@ -85,7 +85,10 @@ class Streams:
 
     def executor(self, name: str) -> Executor:
         """A one-worker executor for host-side work that overlaps the device (scatter, DPU step)."""
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # A new thread's current CUDA device is 0: the helper of rank r (torchrun, cuda:r) records its
+        # events and queues its copies on this engine's device.
+        init = (lambda: torch.cuda.set_device(self.device)) if self.cuda else None
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
 
 
 def make_streams(device: torch.device) -> Streams:
