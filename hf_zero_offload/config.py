@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config_schema import AUTO, ConfigError, validate
+from .presets import resolve_config
 
 __all__ = ["FP16Config", "OptimizerConfig", "SchedulerConfig", "DPUConfig", "ZeroConfig", "TrainingConfig",
            "ArgsView", "ConfigError", "load_config", "resolve"]
@@ -200,7 +201,7 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
         return path_or_dict, "<dict>"
     if not isinstance(path_or_dict, (str, os.PathLike)):
         raise ConfigError(f"expected a ds_config path or dict, got {type(path_or_dict).__name__}")
-    source = os.fspath(path_or_dict)
+    source = resolve_config(os.fspath(path_or_dict))  # a shipped config's name -> its packaged file
     try:
         with open(source, encoding="utf-8") as f:
             text = f.read()

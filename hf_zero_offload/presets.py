@@ -1,0 +1,57 @@
+"""The ds_configs shipped inside the package, usable by name: ``--zero_offload zero2-offload``.
+
+The JSON files live in ``hf_zero_offload/configs/`` (package data, so they exist wherever the package is
+installed, not only in a clone); the repository's ``configs/ds_config*.json`` are links to them, so there is one
+source of truth. A name is the file's stem; the blog's file names are accepted as aliases so that
+``--zero_offload ds_config_1gpu.json`` works outside a clone too. A path that exists always wins over a name.
+"""
+from __future__ import annotations
+
+import os
+
+from .config_schema import ConfigError
+
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+# name -> (file, one-line description); the order is the listing order of ``hf-zero-offload configs``
+PRESETS = {
+    "zero2-offload": ("zero2-offload.json", "ZeRO-2 + CPU offload of the optimizer (one or several GPUs; "
+                                            "fp16/bf16/fp32 and every optimizer value follow the command line)"),
+    "zero2": ("zero2.json", "ZeRO-2 without offload: optimizer state and gradients sharded across ranks"),
+}
+# the file names of the HF blog post (and of configs/ in the repository)
+ALIASES = {"ds_config_1gpu": "zero2-offload", "ds_config": "zero2-offload", "ds_config_zero2": "zero2"}
+
+
+def preset_path(name: str) -> str:
+    """The packaged file of a config name (or alias, with or without ``.json``)."""
+    stem = name[:-5] if name.endswith(".json") else name
+    stem = ALIASES.get(stem, stem)
+    if stem not in PRESETS:
+        raise ConfigError(f"no shipped ds_config named {name!r}; names: {', '.join(names())} "
+                          f"(aliases: {', '.join(sorted(ALIASES))}), or give a path to a JSON file")
+    return os.path.join(_DIR, PRESETS[stem][0])
+
+
+def names() -> list[str]:
+    return list(PRESETS)
+
+
+def resolve_config(name_or_path: str) -> str:
+    """``name_or_path`` if it is an existing file or has a directory part, else the packaged file it names.
+
+    A missing path with a directory part stays a path (the reader reports it as a missing file): the user
+    meant a file, and silently picking a shipped config would hide the typo.
+    """
+    path = os.fspath(name_or_path)
+    if os.path.exists(path) or os.path.dirname(path):
+        return path
+    return preset_path(path)
+
+
+def listing() -> str:
+    """``hf-zero-offload configs``: one line per shipped config with its file."""
+    width = max(map(len, PRESETS))
+    lines = [f"{n.ljust(width)}  {desc}\n{' ' * width}  {os.path.join(_DIR, f)}" for n, (f, desc) in PRESETS.items()]
+    alias = ", ".join(f"{a}.json -> {n}" for a, n in ALIASES.items())
+    return "\n".join(lines + [f"use: --zero_offload NAME (or a path to your own JSON); aliases: {alias}"])
