@@ -2,13 +2,18 @@
 
     hf-zero-offload estimate --model CONFIG_JSON_OR_MODEL_DIR --gpus N [--gpu-mem-gib 24] [--fp16|--bf16] [--json]
     hf-zero-offload consolidate CHECKPOINT_DIR OUTPUT_DIR
+    hf-zero-offload configs
 
 ``consolidate``'s module is imported only when it runs, so a problem there never breaks ``estimate``.
+A bad value, a missing file or an unknown name prints one line and exits 2 (``usage.run_reporting``);
+``--debug`` or ``HF_ZERO_OFFLOAD_DEBUG=1`` shows the traceback.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+from .usage import run_reporting, take_debug_flag
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -21,6 +26,13 @@ def _consolidate(args: argparse.Namespace) -> int:
     from . import consolidate
 
     return consolidate.consolidate_main(args)
+
+
+def _configs(args: argparse.Namespace) -> int:
+    from . import presets
+
+    print(presets.listing())
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,12 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("checkpoint_dir", help="a Trainer checkpoint-N/ folder holding zero_offload/")
     con.add_argument("output_dir", help="where the consolidated weights are written")
     con.set_defaults(func=_consolidate)
+
+    cfg = sub.add_parser("configs", help="list the ds_configs shipped with the package (--zero_offload NAME)")
+    cfg.set_defaults(func=_configs)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    debug, argv = take_debug_flag(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(run_reporting(f"hf-zero-offload {args.command}", lambda: args.func(args), debug=debug) or 0)
+    except SystemExit as e:  # the one-line report of a user error
+        return int(e.code)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,11 @@ def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
     files = sorted(glob.glob(os.path.join(state_dir, "rank*_of_*.hzo")))
     if not files:
         raise FileNotFoundError(f"no optimizer state files (rank*_of_*.hzo) in {state_dir}")
-    with open(os.path.join(state_dir, NAMES_FILE)) as f:
+    names_path = os.path.join(state_dir, NAMES_FILE)
+    if not os.path.isfile(names_path):
+        raise FileNotFoundError(f"{names_path} is missing: without it the masters cannot be matched to parameter "
+                                "names (the checkpoint is incomplete: use another checkpoint-N of the run)")
+    with open(names_path) as f:
         names = json.load(f)
     meta, _, _ = checkpoint.read_header(files[0])
     flat = _flat_master(files, meta)
@@ -63,9 +67,34 @@ def _flat_master(files: list[str], meta: dict) -> torch.Tensor:
     return torch.cat([p for _, p in pieces])
 
 
-def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
+def _checkpoints_in(run_dir: str) -> list[str]:
+    found = [d for d in os.listdir(run_dir) if d.startswith("checkpoint-") and d[11:].isdigit()
+             and os.path.isdir(os.path.join(run_dir, d))]
+    return sorted(found, key=lambda d: int(d[11:]))
+
+
+def state_dir_of(checkpoint_dir: str) -> str:
+    """``CHECKPOINT/zero_offload``, or an error that says what ``checkpoint_dir`` is instead."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"{checkpoint_dir}: no such checkpoint folder")
     state_dir = os.path.join(checkpoint_dir, "zero_offload")
-    masters = full_masters(state_dir)
+    if os.path.isdir(state_dir):
+        return state_dir
+    inside = _checkpoints_in(checkpoint_dir)
+    if inside:
+        raise FileNotFoundError(f"{checkpoint_dir} is a run folder, not a checkpoint: pass one of the checkpoint "
+                                f"folders inside it ({', '.join(inside)}), e.g. "
+                                f"{os.path.join(checkpoint_dir, inside[-1])}")
+    raise FileNotFoundError(f"{checkpoint_dir}: no zero_offload/ optimizer state here (consolidate reads a "
+                            "checkpoint-N folder of a run trained with --zero_offload or --sharded_ddp)")
+
+
+def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
+    """Everything is read and checked before the first write; each file is written atomically."""
+    if os.path.realpath(output_dir) == os.path.realpath(checkpoint_dir):
+        raise ValueError(f"output {output_dir} is the checkpoint itself: its 16-bit weights would be replaced; "
+                         "give another folder")
+    masters = full_masters(state_dir_of(checkpoint_dir))
     weight_files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
     if not weight_files:
         raise FileNotFoundError(f"no *.safetensors model weights in {checkpoint_dir}")
@@ -91,16 +120,17 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
             with open(extra) as f:
                 cfg = json.load(f)
             cfg["dtype"] = cfg["torch_dtype"] = "float32"
-            with open(dst, "w") as f:
+            with checkpoint.atomic_open(dst, "w") as f:
                 json.dump(cfg, f, indent=2)
         elif name.endswith(".index.json"):
             with open(extra) as f:
                 index = json.load(f)
             index.setdefault("metadata", {})["total_size"] = sum(os.path.getsize(w) for w in written)
-            with open(dst, "w") as f:
+            with checkpoint.atomic_open(dst, "w") as f:
                 json.dump(index, f, indent=2)
         else:
-            shutil.copyfile(extra, dst)
+            with checkpoint.atomic_path(dst) as tmp:
+                shutil.copyfile(extra, tmp)
     return written
 
 

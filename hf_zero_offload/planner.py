@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -196,10 +197,12 @@ class Plan:
     seconds: float = 0.0
     exact_lines: bool = True
     gradient_checkpointing: bool = False
+    cuda: bool = True                  # planned as the engines allocate with CUDA present
+    run_dtype: str | None = None       # what the run that asked for the plan trains in, when one did
+    inputs: dict = field(default_factory=dict)  # the arguments of plan(), echoed by --json
 
     def to_json(self) -> dict:
-        # the issue's exact schema: the settings (checkpointing included) are the caller's own arguments
-        return {"params": self.params, "configs": [asdict(r) for r in self.rows]}
+        return {"inputs": self.inputs, "params": self.params, "configs": [asdict(r) for r in self.rows]}
 
 
 def device_budget(gpu_mem_gib: float) -> int:
@@ -231,18 +234,46 @@ def _model_name(src) -> str:
     return getattr(src, "name_or_path", "") or getattr(src, "model_type", type(src).__name__)
 
 
+def _check_inputs(*, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, batch_size, bucket_numel, tile_numel,
+                  gradient_accumulation_steps, configs) -> None:
+    """Every number and name before any model work; each message names the CLI flag (API keyword)."""
+    if dtype not in _HALF_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_HALF_DTYPES)}, got {dtype!r}")
+    if not (isinstance(gpu_mem_gib, (int, float)) and math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
+        raise ValueError(f"--gpu-mem-gib (gpu_mem_gib) must be a finite number > 0, got {gpu_mem_gib!r}")
+    if device_budget(gpu_mem_gib) <= 0:
+        raise ValueError(f"--gpu-mem-gib {gpu_mem_gib:g}: nothing left after the safety margin of "
+                         f"{SAFETY_FRACTION:.0%} + {SAFETY_BYTES / GiB:g} GiB (give the card's memory in GiB)")
+    for flag, value, least, optional in (("--gpus", gpus, 1, False), ("--seq-len", seq_len, 1, False),
+                                         ("--tgt-len", tgt_len, 1, False), ("--batch-size", batch_size, 1, True),
+                                         ("--bucket-numel", bucket_numel, 1, True), ("tile_numel", tile_numel, 1, True),
+                                         ("--gradient-accumulation-steps", gradient_accumulation_steps, 1, False)):
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{flag} ({flag.lstrip('-').replace('-', '_')}) must be an integer >= {least}, "
+                             f"got {value!r}")
+    if configs is not None:
+        known = [s.name for s in row_specs(dtype)]
+        unknown = [c for c in configs if c not in known]
+        if unknown or not configs:
+            raise ValueError(f"--configs: unknown row(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+                             f"rows for {dtype}: {', '.join(known)}")
+
+
 def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtype: str = "fp16",
          seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
          tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
-         configs: list[str] | None = None, gradient_checkpointing: bool = False) -> Plan:
+         configs: list[str] | None = None, gradient_checkpointing: bool = False, run_dtype: str | None = None) -> Plan:
     """Plan every configuration for the model (a config JSON path, a model directory, a dict, a
     ``PretrainedConfig`` or a model with ``.config``) on ``gpus`` GPUs of ``gpu_mem_gib`` each.
-    ``cuda=False`` plans the engine as it allocates on a CPU-only machine (no separate bucket staging)."""
+    ``cuda=False`` plans the engine as it allocates on a CPU-only machine (no separate bucket staging).
+    ``run_dtype`` (``"fp32"``/``"fp16"``/``"bf16"``): what the calling run trains in, shown in the header."""
+    inputs = {k: v for k, v in locals().items() if k != "model_config_or_path"}
     t0 = time.perf_counter()
-    if dtype not in _HALF_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_HALF_DTYPES)}, got {dtype!r}")
-    if gpus < 1:
-        raise ValueError("gpus must be >= 1")
+    _check_inputs(gpus=gpus, gpu_mem_gib=gpu_mem_gib, dtype=dtype, seq_len=seq_len, tgt_len=tgt_len,
+                  batch_size=batch_size, bucket_numel=bucket_numel, tile_numel=tile_numel,
+                  gradient_accumulation_steps=gradient_accumulation_steps, configs=configs)
     src = getattr(model_config_or_path, "config", model_config_or_path)
     config = trace.load_config(src)
     model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
@@ -273,8 +304,10 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
             row.device_bytes_at_batch_size = static + prof.peak(batch_size, spec.keep_grads)
             row.fits = row.device_bytes_at_batch_size <= budget
         rows.append(row)
+    inputs["model"] = _model_name(src)
     return Plan(_model_name(src), n, max_numel, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, rows,
-                time.perf_counter() - t0, all(p.aligned for p in profiles.values()), gradient_checkpointing)
+                time.perf_counter() - t0, all(p.aligned for p in profiles.values()), gradient_checkpointing,
+                cuda, run_dtype, inputs)
 
 
 # -- output ------------------------------------------------------------------------------------------
@@ -295,21 +328,39 @@ def format_plan(p: Plan) -> str:
     fmt = lambda vals: "  ".join(v.ljust(w) if i == 0 else v.rjust(w)  # noqa: E731
                                  for i, (v, w) in enumerate(zip(vals, widths)))
     budget = p.rows[0].device_bytes_budget if p.rows else device_budget(p.gpu_mem_gib)
+    where = (f"per rank, {p.gpus} GPU(s) of {p.gpu_mem_gib:g} GiB" if p.cuda else
+             f"per rank, {p.gpus} process(es) on the CPU (no GPU here: the device columns are what a GPU of "
+             f"{p.gpu_mem_gib:g} GiB would hold)")
+    run = f"this run trains in {p.run_dtype}; " if p.run_dtype else ""
     out = [
         f"model: {p.model}",
         f"params: {p.params:,} ({p.params / 1e9:.3f} B; tied weights counted once)",
-        f"per rank, {p.gpus} GPU(s) of {p.gpu_mem_gib:g} GiB; {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
+        f"{where}; {run}16-bit rows in {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
         f"{'gradient checkpointing; ' if p.gradient_checkpointing else ''}"
         f"budget {budget / GiB:.2f} GiB = card - {SAFETY_FRACTION:.0%} - {SAFETY_BYTES / GiB:g} GiB "
         f"(CUDA context, allocator fragmentation)",
         fmt(head), fmt(["-" * w for w in widths]), *(fmt(c) for c in cells),
-        "act const < 0: at the activation peak (end of forward) no gradient exists yet, while the model states "
-        "count all of them",
-        "host = this rank's offloaded optimizer (pinned when CUDA is present); activations: one training step "
-        f"traced on meta tensors at batch {'/'.join(map(str, trace.TRACE_BATCHES))}"
+        *_legend(p),
+        f"activations: one training step traced on meta tensors at batch {'/'.join(map(str, trace.TRACE_BATCHES))}"
         f"{'' if p.exact_lines else ' (two-point fit)'}; planned in {p.seconds:.1f} s",
     ]
     return "\n".join(out)
+
+
+def _legend(p: Plan) -> list[str]:
+    """What the rows and columns of format_plan's table mean (printed under it)."""
+    names = {r.name for r in p.rows}
+    rows = [f"  {s.name}: {s.description}" for s in row_specs(p.dtype) if s.name in names]
+    return ["rows (configurations, each per rank):", *rows, "columns:",
+            "  device states: parameters, gradients and optimizer state on the device; host: this rank's "
+            "offloaded optimizer in host memory (pinned when CUDA is present)",
+            "  act/sample: activation bytes each sample adds at the peak; act const: the fixed part of that peak "
+            "(< 0 when the peak comes at the end of forward, before the gradients that 'device states' counts "
+            "exist)",
+            "  max batch: the largest batch whose peak fits the budget (0: not even batch 1); "
+            "device GiB @max|1: the peak at that batch (at batch 1 when nothing fits)",
+            *([f"  device GiB @{p.rows[0].batch_size}, fits: the peak at the batch size asked for, and whether it "
+               "fits the budget"] if p.rows and p.rows[0].batch_size else [])]
 
 
 def print_plan(model_config_or_plan, *, file=None, **plan_kwargs) -> Plan:
@@ -345,6 +396,7 @@ def main(args: argparse.Namespace) -> int:
              gradient_accumulation_steps=args.gradient_accumulation_steps,
              configs=args.configs.split(",") if args.configs else None,
              gradient_checkpointing=args.gradient_checkpointing)
+    p.inputs["model"] = args.model  # as typed
     if args.json:
         print(json.dumps(p.to_json(), indent=2))
     else:

@@ -139,8 +139,10 @@ def load_config(model_config_or_path):
         return AutoConfig.for_model(d.pop("model_type", "t5"), **d)
     path = os.fspath(model_config_or_path)
     if not os.path.exists(path):
+        guess = os.path.join("configs", "models", f"{path}.json")  # the repository's architecture configs
+        hint = f"; did you mean {guess}?" if os.path.isfile(guess) else ""
         raise FileNotFoundError(f"{path}: no such config file or model directory (the planner works offline: "
-                                "pass a local config.json or a directory holding one)")
+                                f"pass a local config.json or a directory holding one{hint})")
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 

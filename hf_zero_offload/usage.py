@@ -1,0 +1,44 @@
+"""A user's mistake costs one line, not a traceback: the error reporting of our command lines.
+
+``hf-zero-offload`` and ``examples/seq2seq/finetune_trainer.py`` run their work through :func:`run_reporting`:
+a bad value (``ValueError``, which ``ConfigError`` is), a missing or unreadable file (``OSError``) or a missing
+package (``ImportError``) prints ``PROG: error: MESSAGE`` on stderr and exits 2, the exit status argparse uses for
+bad arguments. Anything else is a bug and keeps its traceback. ``--debug`` (a bare flag) or
+``HF_ZERO_OFFLOAD_DEBUG=1`` brings the traceback back for the user's errors too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Sequence
+
+DEBUG_ENV = "HF_ZERO_OFFLOAD_DEBUG"
+USER_ERRORS = (ValueError, OSError, ImportError)
+EXIT_USAGE = 2
+
+
+def take_debug_flag(argv: Sequence[str]) -> tuple[bool, list[str]]:
+    """(debug wanted, argv without our bare ``--debug``). A ``--debug`` followed by a value is left alone:
+    transformers' TrainingArguments has a ``--debug MODE`` of its own."""
+    argv = list(argv)
+    debug = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    out = []
+    for i, arg in enumerate(argv):
+        bare = arg == "--debug" and (i + 1 == len(argv) or argv[i + 1].startswith("-"))
+        debug |= bare
+        if not bare:
+            out.append(arg)
+    return debug, out
+
+
+def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool) -> object:
+    """``fn()``; a user error becomes one line on stderr and ``SystemExit(2)`` (unless ``debug``)."""
+    try:
+        return fn()
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        message = str(e) or type(e).__name__
+        hint = f" (traceback: --debug or {DEBUG_ENV}=1)"
+        print(f"{prog}: error: {message}{hint}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
