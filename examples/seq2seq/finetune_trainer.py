@@ -12,11 +12,16 @@ additions from ``hf_zero_offload``: ``--zero_offload ds_config.json`` (ZeRO-2 + 
 Offline and without pretrained weights: ``--config_name configs/models/t5-small.json`` builds a randomly initialised
 model; with no ``--tokenizer_name``/``--model_name_or_path`` a T5-style SentencePiece tokenizer is trained on the
 training text and saved with the model. See examples/seq2seq/README.md.
+
+Mistakes in the arguments or the ds_config are found before any tokenizer, model or plan work and print one line
+(exit status 2); ``--debug`` or ``HF_ZERO_OFFLOAD_DEBUG=1`` shows the traceback.
 """
 
 import logging
 import os
 import sys
+import time
+import types
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -34,11 +39,14 @@ from transformers import (  # noqa: E402
     AutoTokenizer,
     DataCollatorForSeq2Seq,
     HfArgumentParser,
+    TrainerCallback,
     set_seed,
 )
 from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
 
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments  # noqa: E402
+from hf_zero_offload.config import resolve  # noqa: E402
+from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
 import seq2seq_utils as su  # noqa: E402
 from train_tokenizer import train_t5_tokenizer  # noqa: E402
@@ -146,9 +154,51 @@ class LegacySeq2SeqTrainer(ZeroOffloadSeq2SeqTrainer):
         return super()._get_train_sampler(train_dataset)
 
 
+def _refuse_deepspeed_without_package(argv: List[str]) -> None:
+    """The blog's ``--deepspeed ds_config.json``: stock transformers needs the deepspeed package for it (and then
+    uses DeepSpeed, which is fine). Without the package, point at our flag, which reads the same file."""
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name != "--deepspeed":
+            continue
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            path = value or (argv[i + 1] if i + 1 < len(argv) else "ds_config.json")
+            raise ValueError(f"--deepspeed needs the deepspeed package, which is not installed; hf_zero_offload's "
+                             f"--zero_offload {path} takes the same file (ZeRO-2 + CPU offload without DeepSpeed)")
+
+
+class StepProgressCallback(TrainerCallback):
+    """With --disable_tqdm (logs, pipes, CI) a line per logging step: step k/N, percent, elapsed and time left,
+    and the logged values, so a slow run still shows it is alive and how long it will take."""
+
+    def __init__(self):
+        self._t0 = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._t0 = time.monotonic()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._t0 is None or not state.is_world_process_zero or not state.max_steps or not state.global_step:
+            return
+        elapsed = time.monotonic() - self._t0
+        left = elapsed / state.global_step * (state.max_steps - state.global_step)
+        values = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in (logs or {}).items()
+                           if k in ("loss", "grad_norm", "learning_rate", "eval_loss", "eval_bleu"))
+        if values:  # (the end-of-training summary and the final evaluation have their own lines)
+            logger.info("step %d/%d (%.0f%%), %s elapsed, about %s left: %s", state.global_step, state.max_steps,
+                        100 * state.global_step / state.max_steps, _minutes(elapsed), _minutes(left), values)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
 def parse_args(argv: Optional[List[str]] = None):
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, ZeroOffloadSeq2SeqTrainingArguments))
     argv = list(sys.argv[1:] if argv is None else argv)
+    _refuse_deepspeed_without_package(argv)
     if len(argv) == 1 and argv[0].endswith(".json"):
         return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
     return parser.parse_args_into_dataclasses(args=su.rewrite_legacy_argv(argv))
@@ -159,6 +209,27 @@ def _load_texts(model_args, data_args, split: str, n_obs: int):
         return su.read_split(data_args.data_dir, split, n_obs)
     return su.load_hf_dataset_split(data_args.dataset_name, data_args.dataset_config_name, split,
                                     data_args.src_lang, data_args.tgt_lang, model_args.cache_dir, n_obs)
+
+
+def check_zero_config(training_args, config) -> None:
+    """Resolve --zero_offload against the arguments now, with the model config's hidden size, so that a bad key or
+    a value contradicting the command line stops the run before the tokenizer, the model and the memory plan.
+    The Trainer resolves it again once it knows the number of training steps; only that number is provisional
+    here (and only when the config leaves total_num_steps to "auto": any value resolves the same way)."""
+    if training_args.zero_offload is None:
+        return
+    from hf_zero_offload.config import load_config
+    from hf_zero_offload.trainer import args_view
+
+    raw = load_config(training_args.zero_offload)  # a path or a shipped config's name
+    steps = training_args.max_steps if training_args.max_steps > 0 else None
+    sched = raw.get("scheduler") or {}
+    if steps is None and (sched.get("params") or {}).get("total_num_steps", "auto") == "auto" \
+            and not training_args.warmup_ratio:
+        steps = 1
+    view = args_view(training_args, fp16=training_args.fp16, bf16=training_args.bf16, max_steps=steps,
+                     model=types.SimpleNamespace(config=config))
+    resolve(training_args.zero_offload, view)
 
 
 def _round_up(n: int, multiple: int = 8) -> int:
@@ -184,6 +255,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if training_args.generation_num_beams is None and data_args.eval_beams is not None:
         training_args.generation_num_beams = data_args.eval_beams
 
+    # the model's config file only (no weights), for the ds_config's "auto" bucket size: the whole config is
+    # checked before any tokenizer, model or plan work
+    config = AutoConfig.from_pretrained(model_args.config_name or model_args.model_name_or_path,
+                                        cache_dir=model_args.cache_dir)
+    check_zero_config(training_args, config)
+
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
         level=logging.INFO if training_args.should_log else logging.WARNING,
@@ -199,8 +276,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     set_seed(training_args.seed)
 
     # ---- config, data text, tokenizer, model --------------------------------------------------------------------
-    config = AutoConfig.from_pretrained(model_args.config_name or model_args.model_name_or_path,
-                                        cache_dir=model_args.cache_dir)
     prefix = su.task_prefix(data_args.task, config)
 
     need_eval = training_args.do_eval or training_args.eval_strategy != "no"
@@ -272,6 +347,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                 cuda = torch.cuda.is_available() and not training_args.use_cpu
                 plan_kwargs = dict(
                     gpus=max(1, training_args.world_size), dtype="bf16" if training_args.bf16 else "fp16",
+                    run_dtype="fp16" if training_args.fp16 else "bf16" if training_args.bf16 else "fp32",
                     seq_len=data_args.max_source_length, tgt_len=data_args.max_target_length,
                     batch_size=training_args.per_device_train_batch_size,
                     gradient_accumulation_steps=training_args.gradient_accumulation_steps, cuda=cuda,
@@ -306,6 +382,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         data_collator=collator,
         processing_class=tokenizer,
         compute_metrics=su.build_compute_metrics(tokenizer) if training_args.predict_with_generate else None,
+        callbacks=[StepProgressCallback()] if training_args.disable_tqdm else None,
     )
 
     all_metrics: Dict[str, float] = {}
@@ -369,4 +446,5 @@ def _mp_fn(index):  # for xla_spawn (TPUs), as the legacy script had
 
 
 if __name__ == "__main__":
-    main()
+    _debug, _argv = take_debug_flag(sys.argv[1:])
+    run_reporting(os.path.basename(__file__), lambda: main(_argv), debug=_debug)

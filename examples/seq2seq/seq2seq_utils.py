@@ -31,6 +31,11 @@ LEGACY_FLAG_RENAMES = {
     "--lr_scheduler": "--lr_scheduler_type",
     "--no_cuda": "--use_cpu",
 }
+# Still documented names that transformers 5.x deprecates with a FutureWarning on every run: renamed quietly.
+QUIET_FLAG_RENAMES = {
+    "--gradient_checkpointing": "--activation_checkpointing",
+    "--gradient_checkpointing_kwargs": "--activation_checkpointing_kwargs",
+}
 
 
 def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
@@ -42,6 +47,8 @@ def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
             new = LEGACY_FLAG_RENAMES[name]
             logger.warning("legacy flag %s is spelled %s in transformers 5.x; mapped", name, new)
             out.append(new + eq + value)
+        elif name in QUIET_FLAG_RENAMES:
+            out.append(QUIET_FLAG_RENAMES[name] + eq + value)
         elif name == "--adafactor":
             out += ["--optim", "adafactor"]
         else:
