@@ -31,15 +31,16 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
 
+# Each target line of a benchmark says met / NOT MET / not meaningful here (with the reason).
 bench: $(STAMP)
-	$(PY) benchmarks/adam_step.py
-	$(PY) benchmarks/offload_step.py
+	$(PY) -m benchmarks.kernel.adam_step
+	$(PY) -m benchmarks.engine.offload_step
 
 demo: $(STAMP)
 	$(PY) examples/seq2seq/run_demo.py
 
 # Wheels for what the GPU machine's image lacks (it has no network): carry .gpu_wheels with
-# benchmarks/gpu_check.sh, which installs them from there.
+# benchmarks/gpu/check.sh, which installs them from there.
 gpu-wheels: | $(PY)
 	$(PY) -m pip download -q -d .gpu_wheels pytest pytest-timeout
 

@@ -192,3 +192,18 @@ class ForeignLoad:
             own = t.user + t.system - self._self0
             self.cores = max(0.0, (busy1 - self._busy0 - own) / wall)
         return False
+
+
+# -- targets: every benchmark states each of its targets with one of three verdicts -----------------------------
+MET, NOT_MET, NOT_HERE = "met", "NOT MET", "not meaningful here"
+
+
+def target_line(label: str, value: str, verdict: str, why: str = "") -> str:
+    """``[met] label: value`` / ``[NOT MET] ...`` / ``[not meaningful here] ... (why)``: a reader of ``make bench``
+    sees at once whether something is wrong, and why a target says nothing on this machine."""
+    assert verdict in (MET, NOT_MET, NOT_HERE), verdict
+    return f"[{verdict}] {label}: {value}" + (f" ({why})" if why else "")
+
+
+def verdict(ok: bool) -> str:
+    return MET if ok else NOT_MET

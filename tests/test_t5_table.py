@@ -1,4 +1,4 @@
-"""benchmarks/t5_table.py --smoke end to end (CPU, offline): three one-process rows of finetune_trainer.py on t5-tiny,
+"""benchmarks/t5/table.py --smoke end to end (CPU, offline): three one-process rows of finetune_trainer.py on t5-tiny,
 then the JSON / markdown / PNG outputs. Also the batch-size search on a fake probe (no training runs)."""
 import json
 import os
@@ -9,8 +9,6 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "benchmarks")
-SCRIPT = os.path.join(BENCH, "t5_table.py")
 
 pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
@@ -23,18 +21,16 @@ ROW_KEYS = {"name", "configuration", "nproc", "batch_size", "status", "train_run
 
 
 def _t5_table():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import t5_table
+    from benchmarks.t5 import table  # the repository root is on pytest's pythonpath (pyproject.toml)
 
-    return t5_table
+    return table
 
 
 def test_smoke_outputs(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--cpu", "--out_dir", str(tmp_path)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.t5.table", "--smoke", "--cpu", "--out_dir", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

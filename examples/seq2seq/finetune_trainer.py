@@ -42,6 +42,7 @@ from transformers import (  # noqa: E402
     TrainerCallback,
     set_seed,
 )
+from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
 
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments  # noqa: E402
@@ -225,7 +226,7 @@ def check_zero_config(training_args, config) -> None:
     steps = training_args.max_steps if training_args.max_steps > 0 else None
     sched = raw.get("scheduler") or {}
     if steps is None and (sched.get("params") or {}).get("total_num_steps", "auto") == "auto" \
-            and not training_args.warmup_ratio:
+            and not 0 < training_args.warmup_steps < 1:  # (a fraction of the steps: that needs the real count)
         steps = 1
     view = args_view(training_args, fp16=training_args.fp16, bf16=training_args.bf16, max_steps=steps,
                      model=types.SimpleNamespace(config=config))
@@ -384,6 +385,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         compute_metrics=su.build_compute_metrics(tokenizer) if training_args.predict_with_generate else None,
         callbacks=[StepProgressCallback()] if training_args.disable_tqdm else None,
     )
+    if training_args.disable_tqdm:  # our step lines carry the values the printer would repeat as a dict
+        trainer.remove_callback(PrinterCallback)
 
     all_metrics: Dict[str, float] = {}
     is_main = trainer.is_world_process_zero()

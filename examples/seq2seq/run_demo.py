@@ -132,7 +132,9 @@ def main(argv=None) -> dict:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    if rc:
+        raise SystemExit(f"[demo] FAILED: finetune_trainer.py exited with {rc} (its message is above)")
 
     results_path = os.path.join(output_dir, "all_results.json")
     if not os.path.isfile(results_path):

@@ -7,7 +7,7 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional
 
-from _t5_runs import RowSpec
+from benchmarks.t5.runs import RowSpec
 
 GiB, MiB = 2 ** 30, 2 ** 20
 

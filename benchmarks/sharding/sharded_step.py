@@ -1,6 +1,6 @@
 """Per-rank memory and step time of ZeRO sharding against DDP + AdamW, on W local gloo processes.
 
-    python benchmarks/sharded_step.py [--numel N] [--world W] [--repeat R] [--json PATH|-]
+    python -m benchmarks.sharding.sharded_step [--numel N] [--world W] [--repeat R] [--json PATH|-]
 
 The model is a stack of Linear(width, width) layers with about N parameters (default ~20M), fp32,
 each rank on its own batch. Rows (same model, data and thread count per rank):
@@ -119,10 +119,9 @@ def main() -> int:
     args = _parse()
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch.multiprocessing as mp
 
-    from _common import hardware, hardware_line, print_table, write_json
+    from benchmarks._common import hardware, hardware_line, print_table, write_json
 
     info = hardware()
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json == "-" else print

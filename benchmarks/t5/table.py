@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """The HF blog's t5 table ("Fit More and Train Faster With ZeRO via DeepSpeed and FairScale", Jan 2021), rerun.
 
-    python benchmarks/t5_table.py                     # CPU: t5-demo, 2 gloo processes, scaled-down arguments
-    python benchmarks/t5_table.py --model configs/models/t5-large.json --data_dir wmt_en_ro   # GPU: the blog's run
-    python benchmarks/t5_table.py --t5_3b_recipe      # GPU: t5-3b on one 24 GiB-capped GPU (ZeRO-2 + offload)
-    python benchmarks/t5_table.py --smoke --out_dir /tmp/x   # 3 one-process rows on t5-tiny, seconds (tests)
+    python -m benchmarks.t5.table                     # CPU: t5-demo, 2 gloo processes, scaled-down arguments
+    python -m benchmarks.t5.table --model configs/models/t5-large.json --data_dir wmt_en_ro   # GPU: the blog's run
+    python -m benchmarks.t5.table --t5_3b_recipe      # GPU: t5-3b on one 24 GiB-capped GPU (ZeRO-2 + offload)
+    python -m benchmarks.t5.table --smoke --out_dir /tmp/x   # 3 one-process rows on t5-tiny, seconds (tests)
 
 Each row is one run of ``examples/seq2seq/finetune_trainer.py`` in a subprocess (``python -m
 torch.distributed.run --nproc_per_node N`` for the multi-process rows; ``--use_cpu --ddp_backend gloo`` on CPU) with
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import shlex
 import shutil
 import sys
@@ -52,15 +53,13 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The parts, one module each: rows and running one (_t5_runs), the batch-size search (_t5_bs_search), the outputs
-# (_t5_report). The names tests/test_t5_table.py uses stay importable from here.
-from _common import hardware, hardware_line, write_json  # noqa: E402
-from _t5_bs_search import find_max_bs, planner_guesses, round_bs  # noqa: E402
-from _t5_report import BLOG_T5_3B, BLOG_T5_LARGE, chart, combine, fmt, markdown, params_m  # noqa: E402
-from _t5_runs import CONFIGS, ROOT, SCRIPT, RowSpec, Runner, build_rows  # noqa: E402,F401  (SCRIPT: tests)
+# The parts, one module each: rows and running one (runs), the batch-size search (bs_search), the outputs
+# (report). The names tests/test_t5_table.py uses stay importable from here.
+from benchmarks._common import hardware, hardware_line, write_json  # noqa: E402
+from benchmarks.t5.bs_search import find_max_bs, planner_guesses, round_bs  # noqa: E402
+from benchmarks.t5.report import BLOG_T5_3B, BLOG_T5_LARGE, chart, combine, fmt, markdown, params_m  # noqa: E402
+from benchmarks.t5.runs import CONFIGS, ROOT, SCRIPT, RowSpec, Runner, build_rows  # noqa: E402,F401  (SCRIPT: tests)
 
 SYNTH = os.path.join(ROOT, "examples", "seq2seq", "synthetic_data.py")
 
@@ -245,10 +244,8 @@ def main(argv=None) -> int:
         if a.data_dir:
             data_dir, data_desc = os.path.abspath(a.data_dir), a.data_dir
         else:
-            sys.path.insert(0, os.path.dirname(SYNTH))
-            import synthetic_data
-
-            data_dir = synthetic_data.write_corpus(os.path.join(tmp, "data"), a.n_train, a.n_val, 1, seed=0)
+            write_corpus = runpy.run_path(SYNTH)["write_corpus"]  # the example's own generator, by file
+            data_dir = write_corpus(os.path.join(tmp, "data"), a.n_train, a.n_val, 1, seed=0)
             data_desc = "SYNTHETIC toy en->ro corpus (examples/seq2seq/synthetic_data.py, seed 0)"
         runner = Runner(a, tmp, data_dir, cuda, log_dir)
         if a.t5_3b_recipe:
@@ -306,7 +303,7 @@ def main(argv=None) -> int:
         "smoke": bool(a.smoke),
         "recipe": bool(a.t5_3b_recipe),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(
-            [sys.executable, os.path.relpath(__file__, ROOT), *argv]),
+            [sys.executable, "-m", "benchmarks.t5.table", *argv]),
         "hardware": hardware(),
         "hardware_line": hardware_line(),
         "loadavg_before": load_before,

@@ -2,7 +2,7 @@
 # The ONE prepared GPU check for hf_zero_offload. Run it, from the repository root, on a machine with a
 # CUDA GPU (written for one H200 with a 15-minute device budget; this script stays under 9 minutes):
 #
-#     bash benchmarks/gpu_check.sh            # results go to $OUT (the device tool copies $OUT back)
+#     bash benchmarks/gpu/check.sh            # results go to $OUT (the device tool copies $OUT back)
 #
 # What it does, in order; every step has its own `timeout`, a failing step never stops the next one,
 # and a summary of all steps is printed at the end (also written to $OUT/summary.txt):
@@ -14,19 +14,19 @@
 #                    test, gradient memory bounded by the buckets, pinned arena). The image has no pytest:
 #                    it is installed from wheels carried in .gpu_wheels/ (`make gpu-wheels` here, then
 #                    carry ".gpu_wheels")                                         -> $OUT/cuda_tests.log
-#   4. offload step  benchmarks/offload_step.py, CUDA memory capped at 24 GiB
+#   4. offload step  benchmarks/engine/offload_step.py, CUDA memory capped at 24 GiB
 #                    (torch.cuda.set_per_process_memory_fraction), two sizes:
 #                      500M params bf16: every row fits, so the step-time ratios vs no offload are meaningful
 #                      1B params bf16:   no-offload may run out of memory under the cap (that is the point)
 #                                                                                  -> $OUT/offload_step_gpu_*.json
-#   5. adam step     benchmarks/adam_step.py: the host CPU Adam of the GPU machine  -> $OUT/adam_step_gpu_host.json
+#   5. adam step     benchmarks/kernel/adam_step.py: the host CPU Adam of the GPU machine  -> $OUT/adam_step_gpu_host.json
 #
 # Knobs (environment): OUT (default ./gpu_out), PY (default python3 if it has torch, else python),
 # SKIP_INSTALL=1 (package already built), SMALL=1 (tiny sizes: a smoke test of this script on any machine),
 # BUDGET_S (default 515: steps are cut short so the whole script ends inside it).
 
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 PY="${PY:-$(command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null && echo python3 || echo python)}"
@@ -65,7 +65,7 @@ fi
 
 # 1. hardware (nvidia-smi first: it needs no Python package)
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/nvidia_smi.csv" 2>&1
-run hardware 30 "$PY" benchmarks/gpu_check.py hardware --json "$OUT/hardware.json"
+run hardware 30 "$PY" -m benchmarks.gpu.check hardware --json "$OUT/hardware.json"
 
 # 2. build + install the package in place (no downloads: --no-index; build deps come from the image)
 if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
@@ -81,16 +81,16 @@ run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider tests/tes
   tests/test_sharding.py
 
 # 4. one training step with and without offload (JSON per size); 24 GiB CUDA cap
-run offload_step_500m 120 "$PY" benchmarks/offload_step.py "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
+run offload_step_500m 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
   --json "$OUT/offload_step_gpu_500m.json"
-run offload_step_1b 150 "$PY" benchmarks/offload_step.py "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
+run offload_step_1b 150 "$PY" -m benchmarks.engine.offload_step "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
   --json "$OUT/offload_step_gpu_1b.json"
 
 # 5. the host-side CPU Adam of this machine (no GPU involved)
-if [[ -f benchmarks/adam_step.py ]]; then
-  run adam_step 60 "$PY" benchmarks/adam_step.py "${ADAM[@]}" --json "$OUT/adam_step_gpu_host.json"
+if [[ -f benchmarks/kernel/adam_step.py ]]; then
+  run adam_step 60 "$PY" -m benchmarks.kernel.adam_step "${ADAM[@]}" --json "$OUT/adam_step_gpu_host.json"
 else
-  SUMMARY+=("$(printf '%-22s SKIPPED (benchmarks/adam_step.py missing)' adam_step)")
+  SUMMARY+=("$(printf '%-22s SKIPPED (benchmarks/kernel/adam_step.py missing)' adam_step)")
 fi
 
 # summary: every step's outcome, then the measured targets
@@ -101,6 +101,6 @@ fi
   [[ -f "$OUT/nvidia_smi.csv" ]] && tail -n +2 "$OUT/nvidia_smi.csv"
   printf '%s\n' "${SUMMARY[@]}"
   [[ -f "$OUT/cuda_tests.log" ]] && grep -E "passed|failed|skipped|error|FAILED|XFAIL|XPASS" "$OUT/cuda_tests.log" | tail -n 25
-  "$PY" benchmarks/gpu_check.py summary "$OUT" 2>&1
+  "$PY" -m benchmarks.gpu.check summary "$OUT" 2>&1
   echo "files in $OUT:"; ls -1 "$OUT"
 } 2>&1 | tee "$OUT/summary.txt"

@@ -13,8 +13,8 @@ torch AdamW, torch AMP fp16 + GradScaler, ZeRO-2 + CPU offload with ``OffloadAda
 size and compares ``torch.cuda.max_memory_allocated()`` over steps 2-3 (optimizer state exists) with
 the planner's ``device_bytes_at_batch_size``.
 
-    python benchmarks/planner_validate.py                        # CPU tier, writes benchmarks/results/
-    python benchmarks/planner_validate.py --gpu --gpu-models t5-large,t5-3b --gpu-batch 8
+    python -m benchmarks.t5.planner_validate                        # CPU tier, writes benchmarks/results/
+    python -m benchmarks.t5.planner_validate --gpu --gpu-models t5-large,t5-3b --gpu-batch 8
 """
 from __future__ import annotations
 
@@ -24,17 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
 
 import torch  # noqa: E402
 
 from hf_zero_offload import planner  # noqa: E402
 from hf_zero_offload import planner_trace as trace  # noqa: E402
 
-try:
-    from _common import hardware, hardware_line, print_table, write_json  # noqa: E402
+from benchmarks._common import hardware, hardware_line, print_table, write_json  # noqa: E402
+
 except ImportError:  # minimal stand-ins when benchmarks/_common.py is absent
     import json
     import platform
@@ -143,7 +141,7 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         scaler = torch.amp.GradScaler("cuda") if row == "fp16" else None
         amp = torch.float16 if row == "fp16" else None
-    from _common import backward_and_step
+    from benchmarks._common import backward_and_step
 
     for step in range(steps):
         if step == 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
-from _t5_runs import RowSpec
+from benchmarks.t5.runs import RowSpec
 
 
 def round_bs(x: float, multiple: int) -> int:

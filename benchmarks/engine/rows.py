@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from _common import backward_and_step
+from benchmarks._common import backward_and_step
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -1,7 +1,7 @@
-"""Helpers for benchmarks/gpu_check.sh (the one prepared script for a session with a GPU).
+"""Helpers for benchmarks/gpu/check.sh (the one prepared script for a session with a GPU).
 
-    python benchmarks/gpu_check.py hardware            the hardware line + CUDA facts (also as JSON with --json)
-    python benchmarks/gpu_check.py summary DIR         the target lines of every offload_step*.json in DIR
+    python -m benchmarks.gpu.check hardware            the hardware line + CUDA facts (also as JSON with --json)
+    python -m benchmarks.gpu.check summary DIR         the target lines of every offload_step*.json in DIR
 
 pytest itself comes from wheels carried to the machine (``make gpu-wheels`` downloads them into
 ``.gpu_wheels/``; the device image has no pytest and no network).
@@ -14,14 +14,13 @@ import os
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # -- hardware --------------------------------------------------------------------------------------
 def cmd_hardware(args: list[str]) -> int:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
-    from _common import hardware, hardware_line
+    from benchmarks._common import hardware, hardware_line
 
     info = hardware()
     if torch.cuda.is_available():
