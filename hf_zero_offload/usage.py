@@ -17,14 +17,14 @@ USER_ERRORS = (ValueError, OSError, ImportError)
 EXIT_USAGE = 2
 
 
-def take_debug_flag(argv: Sequence[str]) -> tuple[bool, list[str]]:
-    """(debug wanted, argv without our bare ``--debug``). A ``--debug`` followed by a value is left alone:
-    transformers' TrainingArguments has a ``--debug MODE`` of its own."""
+def take_debug_flag(argv: Sequence[str], *, shared_with_trainer: bool = False) -> tuple[bool, list[str]]:
+    """(debug wanted, argv without our ``--debug``). With ``shared_with_trainer`` only a bare ``--debug`` is ours:
+    one followed by a value is transformers' TrainingArguments ``--debug MODE`` and is left alone."""
     argv = list(argv)
     debug = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
     out = []
     for i, arg in enumerate(argv):
-        bare = arg == "--debug" and (i + 1 == len(argv) or argv[i + 1].startswith("-"))
+        bare = arg == "--debug" and (not shared_with_trainer or i + 1 == len(argv) or argv[i + 1].startswith("-"))
         debug |= bare
         if not bare:
             out.append(arg)

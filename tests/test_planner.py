@@ -174,7 +174,8 @@ def test_gradient_checkpointing_prediction_matches_a_real_cpu_step(tmp_path):
         assert abs(pred - real) <= 0.10 * real, (mode, bs, pred, real)
         assert ckpt[mode].asymptote(keep)[1] < 0.7 * plain[mode].asymptote(keep)[1], mode
     p = planner.plan(T5_TINY, configs=["zero2_offload"], gradient_checkpointing=True)
-    assert p.gradient_checkpointing and set(p.to_json()) == {"params", "configs"}
+    assert p.gradient_checkpointing and set(p.to_json()) == {"inputs", "params", "configs"}
+    assert p.to_json()["inputs"]["gradient_checkpointing"] is True
     assert "gradient checkpointing" in planner.format_plan(p)
 
 
@@ -222,7 +223,8 @@ def test_t5_3b_estimate_is_fast_small_and_sane(t5_3b_cli):
     assert maxrss < 2 * 2**30, maxrss
 
     data = json.loads(out)
-    assert set(data) == {"params", "configs"}
+    assert set(data) == {"inputs", "params", "configs"}  # --json echoes what it was asked
+    assert data["inputs"]["model"].endswith("t5-3b.json") and data["inputs"]["gpus"] == 1 and data["inputs"]["gpu_mem_gib"] == 24
     n = data["params"]
     assert isinstance(n, int) and n == t5_params(T5_3B)
     names = [c["name"] for c in data["configs"]]

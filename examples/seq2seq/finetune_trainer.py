@@ -449,5 +449,5 @@ def _mp_fn(index):  # for xla_spawn (TPUs), as the legacy script had
 
 
 if __name__ == "__main__":
-    _debug, _argv = take_debug_flag(sys.argv[1:])
+    _debug, _argv = take_debug_flag(sys.argv[1:], shared_with_trainer=True)
     run_reporting(os.path.basename(__file__), lambda: main(_argv), debug=_debug)

@@ -1,0 +1,130 @@
+"""A mistake costs one line: ``hf-zero-offload`` validates its numbers, names and paths before any model work,
+prints ``hf-zero-offload CMD: error: ...`` and exits 2; ``--debug`` / ``HF_ZERO_OFFLOAD_DEBUG=1`` bring the
+traceback back. Also: the shipped configs (``--zero_offload NAME``) and ``consolidate``'s refusals."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_zero_offload import cli, presets
+from hf_zero_offload.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "models" / "t5-tiny.json")
+
+
+def _one_line_error(capsys, argv, *needles):
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hf-zero-offload {argv[0]}: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--gpu-mem-gib", "-1"], "--gpu-mem-gib"), (["--gpu-mem-gib", "0"], "--gpu-mem-gib"),
+    (["--gpu-mem-gib", "nan"], "--gpu-mem-gib"), (["--gpu-mem-gib", "inf"], "--gpu-mem-gib"),
+    (["--gpu-mem-gib", "0.4"], "safety margin"), (["--batch-size", "-3"], "--batch-size"),
+    (["--batch-size", "0"], "--batch-size"), (["--seq-len", "0"], "--seq-len"), (["--tgt-len", "-1"], "--tgt-len"),
+    (["--gpus", "0"], "--gpus"), (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps"),
+    (["--configs", "nosuchrow"], "'nosuchrow'"), (["--bf16", "--configs", "zero2,fp16"], "'fp16'"),
+])
+def test_estimate_rejects_bad_numbers_and_names(capsys, extra, needle):
+    line = _one_line_error(capsys, ["estimate", "--model", TINY, *extra], needle)
+    if "--configs" in extra:
+        assert "zero2_offload" in line  # the valid rows are listed
+
+
+def test_estimate_unknown_model_names_the_repo_config(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    _one_line_error(capsys, ["estimate", "--model", "t5-3b"], "t5-3b", "configs/models/t5-3b.json")
+
+
+def test_debug_flag_and_env_bring_the_traceback_back(monkeypatch):
+    with pytest.raises(ValueError, match="--seq-len"):
+        cli.main(["--debug", "estimate", "--model", TINY, "--seq-len", "0"])
+    monkeypatch.setenv("HF_ZERO_OFFLOAD_DEBUG", "1")
+    with pytest.raises(ValueError, match="--seq-len"):
+        cli.main(["estimate", "--model", TINY, "--seq-len", "0"])
+
+
+def test_installed_command_exits_2_without_traceback():
+    cmd = [sys.executable, "-m", "hf_zero_offload.cli", "estimate", "--model", TINY, "--gpu-mem-gib", "nan"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- shipped configs ------------------------------------------------------------------------------------------------
+def test_shipped_configs_by_name_and_the_repo_links_are_the_same_files(capsys):
+    for name, alias in (("zero2-offload", "ds_config_1gpu.json"), ("zero2-offload", "ds_config.json"),
+                        ("zero2", "ds_config_zero2.json")):
+        packaged = presets.preset_path(name)
+        assert os.path.isfile(packaged) and Path(packaged).parent == Path(presets.__file__).parent / "configs"
+        assert os.path.samefile(ROOT / "configs" / alias, packaged)  # one source of truth
+        assert presets.preset_path(alias) == packaged
+        assert load_config(name) == load_config(str(ROOT / "configs" / alias))
+    assert cli.main(["configs"]) == 0
+    out = capsys.readouterr().out
+    assert "zero2-offload" in out and "zero2 " in out and "--zero_offload NAME" in out
+
+
+def test_a_name_or_path_that_does_not_exist(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the clone: a bare blog file name is the shipped config
+    assert presets.resolve_config("ds_config.json") == presets.preset_path("zero2-offload")
+    with pytest.raises(ConfigError, match="no shipped ds_config named 'zero3'.*zero2-offload"):
+        load_config("zero3")
+    with pytest.raises(ConfigError, match="cannot read"):  # a path stays a path: no silent preset
+        load_config(str(tmp_path / "zero2-offload"))
+    (tmp_path / "zero2").write_text('{"zero_optimization": {"stage": 1}}')
+    assert load_config("zero2")["zero_optimization"]["stage"] == 1  # an existing file wins over a name
+
+
+# -- consolidate ----------------------------------------------------------------------------------------------------
+def test_consolidate_refuses_its_input_as_output(tmp_path, capsys):
+    ckpt = tmp_path / "checkpoint-3"
+    (ckpt / "zero_offload").mkdir(parents=True)
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(b"16-bit weights")
+    before = sorted(p.name for p in ckpt.rglob("*"))
+    _one_line_error(capsys, ["consolidate", str(ckpt), str(ckpt) + "/"], "is the checkpoint itself")
+    assert weights.read_bytes() == b"16-bit weights" and sorted(p.name for p in ckpt.rglob("*")) == before
+
+
+def test_consolidate_on_a_run_folder_points_at_its_checkpoints(tmp_path, capsys):
+    for step in (10, 3, 200):
+        (tmp_path / "run" / f"checkpoint-{step}" / "zero_offload").mkdir(parents=True)
+    line = _one_line_error(capsys, ["consolidate", str(tmp_path / "run"), str(tmp_path / "out")], "run folder",
+                           "checkpoint-3, checkpoint-10, checkpoint-200")
+    assert line.split("e.g. ")[1].startswith(str(tmp_path / "run" / "checkpoint-200"))
+    assert not (tmp_path / "out").exists()
+    _one_line_error(capsys, ["consolidate", str(tmp_path / "nothing"), str(tmp_path / "out")], "no such checkpoint")
+
+
+def test_consolidate_without_param_names(tmp_path, capsys):
+    state = tmp_path / "checkpoint-3" / "zero_offload"
+    state.mkdir(parents=True)
+    (state / "rank0_of_1.hzo").write_bytes(b"")
+    _one_line_error(capsys, ["consolidate", str(tmp_path / "checkpoint-3"), str(tmp_path / "out")],
+                    "param_names.json is missing")
+    assert not (tmp_path / "out").exists()
+
+
+# -- the plan printed at start ----------------------------------------------------------------------------------------
+def test_plan_header_says_cpu_and_the_runs_dtype_and_explains_columns():
+    from hf_zero_offload import planner
+
+    p = planner.plan(TINY, cuda=False, run_dtype="fp32", dtype="bf16", seq_len=16, tgt_len=16, batch_size=2,
+                     configs=["zero2_offload"])
+    text = planner.format_plan(p)
+    assert "on the CPU" in text and "GPU(s)" not in text and "this run trains in fp32" in text
+    for explained in ("zero2_offload: ZeRO-2 + CPU offload", "act const", "@max|1", "device GiB @2, fits"):
+        assert explained in text.split("-----")[-1], explained  # below the table
+    js = p.to_json()
+    assert js["inputs"]["cuda"] is False and js["inputs"]["run_dtype"] == "fp32" and js["inputs"]["batch_size"] == 2
+    assert json.loads(json.dumps(js))  # serialisable
