@@ -3,8 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU wheel of torch lies on disk on the build machines; on a GPU host set TORCH_SPEC to the
-# CUDA build you want (or install torch into .venv first: an importable torch is never replaced).
+# torch comes from whichever index pip is configured with; to choose the build (CPU-only, a CUDA version),
+# install torch into .venv first (README "Install on a GPU machine"): an importable torch is never replaced.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.hzo-installed
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h)
