@@ -193,6 +193,71 @@ def test_argument_errors(tmp_path):
                                "--do_train", "--use_cpu"])
 
 
+def _no_model_work(monkeypatch):
+    """Make the tokenizer, the model and the memory plan fail loudly if anything reaches them."""
+    def boom(*a, **k):
+        raise AssertionError("model work started before the config was checked")
+
+    monkeypatch.setattr(finetune_trainer, "train_t5_tokenizer", boom)
+    monkeypatch.setattr(finetune_trainer.AutoModelForSeq2SeqLM, "from_config", boom)
+    monkeypatch.setattr(finetune_trainer.AutoModelForSeq2SeqLM, "from_pretrained", boom)
+
+
+@pytest.mark.parametrize("config,extra,match", [
+    ({"zero_optimization": {"stage": 2, "ofload_optimizer": {"device": "cpu"}}}, [], "did you mean 'offload_optimizer'"),
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, ["--bf16"], "fp16.enabled=True vs --fp16 False"),
+    ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}, [], "per_device_train_batch_size 8"),
+    ("no-such-config", [], "no shipped ds_config named"),
+])
+def test_config_errors_come_before_any_model_work(tmp_path, synth_dir, monkeypatch, config, extra, match):
+    from hf_zero_offload.config import ConfigError
+
+    _no_model_work(monkeypatch)
+    path = config
+    if isinstance(config, dict):
+        path = str(tmp_path / "ds.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=match):
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train",
+                                                              "--zero_offload", path, *extra])
+    assert not out.exists() or not os.listdir(out)  # no tokenizer written
+
+
+def test_deepspeed_flag_without_the_package_points_at_zero_offload(tmp_path):
+    try:
+        import deepspeed  # noqa: F401
+        pytest.skip("deepspeed is installed: --deepspeed is then DeepSpeed's")
+    except ImportError:
+        pass
+    with pytest.raises(ValueError, match="--zero_offload ds_config.json takes the same file"):
+        finetune_trainer.main(["--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path / "o"),
+                               "--deepspeed", "ds_config.json"])
+
+
+def test_gradient_checkpointing_flag_is_mapped_without_a_deprecation_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _, _, targs = finetune_trainer.parse_args(["--output_dir", str(tmp_path), "--gradient_checkpointing",
+                                                   "--use_cpu"])
+    assert targs.activation_checkpointing and targs.gradient_checkpointing
+
+
+def test_script_errors_are_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text('{"zero_optimization": {"stage": 2, "ofload_optimizer": {"device": "cpu"}}}')
+    argv = [sys.executable, os.path.join(EX, "finetune_trainer.py"), "--config_name", TINY, "--data_dir", "x",
+            "--output_dir", str(tmp_path / "o"), "--use_cpu", "--do_train", "--zero_offload", str(bad)]
+    env = {**os.environ, "HF_ZERO_OFFLOAD_DEBUG": "0"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("finetune_trainer.py: error: ") and "ofload_optimizer" in errors[0]
+    r = subprocess.run(argv + ["--debug"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
 def test_dataset_name_without_datasets_is_a_clear_error(tmp_path):
     try:
         import datasets  # noqa: F401
@@ -234,8 +299,6 @@ def _check_output_dir(out, metrics):
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "zero_offload"])
 def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys):
     caplog.set_level(logging.WARNING, logger="hf_zero_offload")
-    # the legacy command line's --gradient_checkpointing (Transformers 5 warns: renamed activation_checkpointing)
-    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
     out = tmp_path / "out"
     argv = _common_args(synth_dir, out) + [
         "--config_name", TINY, "--do_train", "--do_eval", "--do_predict", "--predict_with_generate",
@@ -322,6 +385,13 @@ def test_run_demo_smoke(tmp_path):
     assert {"train_loss", "val_loss", "val_bleu", "val_gen_len"} <= set(metrics)
     assert "--zero_offload" in r.stdout and "ds_config_1gpu.json" in r.stdout
     assert (tmp_path / "demo_smoke_data" / "train.source").is_file()
+    # not a terminal here: step lines with the time left instead of a bar; the curve is named in the last line
+    assert "step 2/6 (33%)" in r.stdout + r.stderr and "left: loss" in r.stdout + r.stderr
+    png = tmp_path / "demo_smoke" / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert r.stdout.strip().splitlines()[-1] == f"[demo] loss and BLEU curves: {png}"
+    curves = __import__("plot_curves").read_curves(str(tmp_path / "demo_smoke"))
+    assert [s for s, _ in curves["val_bleu"]] == [3, 6] and len(curves["loss"]) == 3
 
 
 @pytest.mark.slow
