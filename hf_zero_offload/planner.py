@@ -329,7 +329,7 @@ def format_plan(p: Plan) -> str:
                                  for i, (v, w) in enumerate(zip(vals, widths)))
     budget = p.rows[0].device_bytes_budget if p.rows else device_budget(p.gpu_mem_gib)
     where = (f"per rank, {p.gpus} GPU(s) of {p.gpu_mem_gib:g} GiB" if p.cuda else
-             f"per rank, {p.gpus} process(es) on the CPU (no GPU here: the device columns are what a GPU of "
+             f"per rank, {p.gpus} process(es) on the CPU (a CPU run: the device columns are what a GPU of "
              f"{p.gpu_mem_gib:g} GiB would hold)")
     run = f"this run trains in {p.run_dtype}; " if p.run_dtype else ""
     out = [
