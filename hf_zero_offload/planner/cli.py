@@ -1,0 +1,41 @@
+"""``hf-zero-offload estimate``'s arguments and its entry point (the dispatcher is ``hf_zero_offload.cli``)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .plan import plan
+from .report import format_plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="config JSON file or local model directory")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (GPUs)")
+    parser.add_argument("--gpu-mem-gib", type=float, default=24.0, help="memory of one GPU in GiB")
+    half = parser.add_mutually_exclusive_group()
+    half.add_argument("--fp16", dest="dtype", action="store_const", const="fp16", help="16-bit = fp16 (default)")
+    half.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="16-bit = bf16")
+    parser.set_defaults(dtype="fp16")
+    parser.add_argument("--seq-len", type=int, default=128, help="padded source length")
+    parser.add_argument("--tgt-len", type=int, default=128, help="padded target length (seq2seq)")
+    parser.add_argument("--batch-size", type=int, default=None, help="also report the memory at this batch size")
+    parser.add_argument("--bucket-numel", type=int, default=None, help="gradient bucket size (engine default)")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="trace the step with the model's gradient checkpointing on")
+    parser.add_argument("--configs", default=None, help="comma-separated row names (default: all)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def main(args: argparse.Namespace) -> int:
+    p = plan(args.model, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib, dtype=args.dtype, seq_len=args.seq_len,
+             tgt_len=args.tgt_len, batch_size=args.batch_size, bucket_numel=args.bucket_numel,
+             gradient_accumulation_steps=args.gradient_accumulation_steps,
+             configs=args.configs.split(",") if args.configs else None,
+             gradient_checkpointing=args.gradient_checkpointing)
+    p.inputs["model"] = args.model  # as typed
+    if args.json:
+        print(json.dumps(p.to_json(), indent=2))
+    else:
+        print(format_plan(p))
+    return 0
