@@ -6,11 +6,13 @@ import logging
 import os
 import resource
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
@@ -241,3 +243,29 @@ def save_json(obj, path: str) -> None:
         json.dump(obj, f, indent=4, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
+
+
+class StepProgressCallback(TrainerCallback):
+    """With --disable_tqdm (logs, pipes, CI) a line per logging step: step k/N, percent, elapsed and time left,
+    and the logged values, so a slow run still shows it is alive and how long it will take."""
+
+    def __init__(self):
+        self._t0 = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._t0 = time.monotonic()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._t0 is None or not state.is_world_process_zero or not state.max_steps or not state.global_step:
+            return
+        elapsed = time.monotonic() - self._t0
+        left = elapsed / state.global_step * (state.max_steps - state.global_step)
+        values = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in (logs or {}).items()
+                           if k in ("loss", "grad_norm", "learning_rate", "eval_loss", "eval_bleu"))
+        if values:  # (the end-of-training summary and the final evaluation have their own lines)
+            logger.info("step %d/%d (%.0f%%), %s elapsed, about %s left: %s", state.global_step, state.max_steps,
+                        100 * state.global_step / state.max_steps, minutes(elapsed), minutes(left), values)
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"

@@ -1,0 +1,141 @@
+"""``finetune_trainer.py``'s command line: the legacy argument dataclasses, parsing (legacy spellings mapped), and
+the checks that run before any tokenizer, model or plan work."""
+
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from transformers import HfArgumentParser
+
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments
+from hf_zero_offload.config import load_config, resolve
+from hf_zero_offload.trainer import args_view
+
+import seq2seq_utils as su
+
+
+@dataclass
+class ModelArguments:
+    """Which model/config/tokenizer to fine-tune from (legacy names)."""
+
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Pretrained model: a local directory (or a Hub id when online). Either this or "
+                          "--config_name (random initialisation) is needed."},
+    )
+    config_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Config name or path (a directory or a config .json such as configs/models/t5-small.json). "
+                          "Without --model_name_or_path the model is randomly initialised from it."},
+    )
+    tokenizer_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer name or path if not the same as model_name_or_path. With neither, a T5-style "
+                          "SentencePiece tokenizer is trained on the training text and saved in --output_dir."},
+    )
+    cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "Where to store downloaded pretrained models."}
+    )
+    freeze_encoder: bool = field(default=False, metadata={"help": "Whether to freeze the encoder."})
+    freeze_embeds: bool = field(default=False, metadata={"help": "Whether to freeze the embeddings."})
+    tokenizer_vocab_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "(new) Size of a tokenizer trained here, sentinels included; default: the config's "
+                          "vocab_size. A randomly initialised model is then built with this vocabulary."},
+    )
+
+
+@dataclass
+class DataTrainingArguments:
+    """What data to train and evaluate on (legacy names, plus --dataset_name and legacy --label_smoothing)."""
+
+    data_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Directory with line-aligned train|val|test.source/.target files (legacy layout)."},
+    )
+    task: str = field(
+        default="summarization",
+        metadata={"help": "summarization, translation_en_to_ro, translation_en_to_de, ... (selects the T5 prefix "
+                          "and task_specific_params of the config)."},
+    )
+    max_source_length: int = field(
+        default=1024, metadata={"help": "Max tokenized source length; longer sequences are truncated."}
+    )
+    max_target_length: int = field(
+        default=128, metadata={"help": "Max tokenized target length for training; longer ones are truncated."}
+    )
+    val_max_target_length: int = field(
+        default=142, metadata={"help": "Max target length for validation (labels and generation)."}
+    )
+    test_max_target_length: int = field(
+        default=142, metadata={"help": "Max target length for test (labels and generation)."}
+    )
+    n_train: int = field(default=-1, metadata={"help": "# training examples. -1 means use all."})
+    n_val: int = field(default=-1, metadata={"help": "# validation examples. -1 means use all."})
+    n_test: int = field(default=-1, metadata={"help": "# test examples. -1 means use all."})
+    src_lang: Optional[str] = field(default=None, metadata={"help": "Source language id for translation."})
+    tgt_lang: Optional[str] = field(default=None, metadata={"help": "Target language id for translation."})
+    eval_beams: Optional[int] = field(
+        default=None, metadata={"help": "# num_beams to use for evaluation (default: task_specific_params or 1)."}
+    )
+    ignore_pad_token_for_loss: bool = field(
+        default=True, metadata={"help": "If only pad tokens should be ignored (label padding becomes -100)."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "(new) A `datasets` dataset instead of --data_dir (needs the package and "
+                                        "network or a cache)."}
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "(new) Its config, e.g. ro-en."})
+    label_smoothing: Optional[float] = field(
+        default=None,
+        metadata={"help": "Legacy flag: label smoothing epsilon, mapped to --label_smoothing_factor."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Legacy flag (gone from TrainingArguments in transformers 5): allow training into a "
+                          "non-empty --output_dir."},
+    )
+
+
+def _refuse_deepspeed_without_package(argv: List[str]) -> None:
+    """The blog's ``--deepspeed ds_config.json``: stock transformers needs the deepspeed package for it (and then
+    uses DeepSpeed, which is fine). Without the package, point at our flag, which reads the same file."""
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name != "--deepspeed":
+            continue
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            path = value or (argv[i + 1] if i + 1 < len(argv) else "ds_config.json")
+            raise ValueError(f"--deepspeed needs the deepspeed package, which is not installed; hf_zero_offload's "
+                             f"--zero_offload {path} takes the same file (ZeRO-2 + CPU offload without DeepSpeed)")
+
+
+def parse_args(argv: Optional[List[str]] = None):
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, ZeroOffloadSeq2SeqTrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _refuse_deepspeed_without_package(argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=su.rewrite_legacy_argv(argv))
+
+
+def check_zero_config(training_args, config) -> None:
+    """Resolve --zero_offload against the arguments now, with the model config's hidden size, so that a bad key or
+    a value contradicting the command line stops the run before the tokenizer, the model and the memory plan.
+    The Trainer resolves it again once it knows the number of training steps; only that number is provisional
+    here (and only when the config leaves total_num_steps to "auto": any value resolves the same way)."""
+    if training_args.zero_offload is None:
+        return
+    raw = load_config(training_args.zero_offload)  # a path or a shipped config's name
+    steps = training_args.max_steps if training_args.max_steps > 0 else None
+    sched = raw.get("scheduler") or {}
+    if steps is None and (sched.get("params") or {}).get("total_num_steps", "auto") == "auto" \
+            and not 0 < training_args.warmup_steps < 1:  # (a fraction of the steps: that needs the real count)
+        steps = 1
+    view = args_view(training_args, fp16=training_args.fp16, bf16=training_args.bf16, max_steps=steps,
+                     model=types.SimpleNamespace(config=config))
+    resolve(training_args.zero_offload, view)
