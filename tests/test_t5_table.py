@@ -31,7 +31,7 @@ def test_smoke_outputs(tmp_path):
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.t5.table", "--smoke", "--cpu", "--out_dir", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=600)  # a hang guard, not a speed target
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
