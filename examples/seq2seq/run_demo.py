@@ -39,8 +39,8 @@ FULL = dict(n_train=5000, n_val=200, n_test=200, epochs=6, train_bs=32, eval_bs=
 SMOKE = dict(n_train=64, n_val=16, n_test=16, epochs=1, train_bs=8, eval_bs=16, lr=3e-3, warmup=0, max_steps=6,
              eval_steps=3, logging_steps=2)
 # What `make demo` costs, measured (README "Demo"); printed at the start so a slow machine is not mistaken for a hang.
-EXPECTED = ("about 2.5 min on an idle 2-core CPU (venv and build not included), 5 min or more when other jobs share "
-            "the cores (not yet measured on a GPU)")
+EXPECTED = ("about 2 min on an idle 2-core CPU; 25 min measured with other jobs keeping the 2 cores busy (load "
+            "average 7); not yet measured on a GPU")
 
 
 def build_command(data_dir: str, output_dir: str, sizes: dict, model_config: str, use_gpu: bool) -> list:
