@@ -27,6 +27,7 @@ from . import ops
 from .consolidate import write_param_names
 from .config import ArgsView, TrainingConfig, load_config, resolve
 from .engine import OffloadAdam, OffloadOptions
+from .engine.core import AdamCore
 from .engine.checkpoint import atomic_path
 from .schedulers import SkipAwareScheduler, build_scheduler
 
@@ -111,7 +112,7 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict], cfg: Training
     options = engine_options(cfg)
     sharded = args.world_size > 1 and (cfg.zero.stage >= 1 or args.sharded_ddp)
     if sharded or not cfg.zero.offload:
-        from .engine.sharding import ShardedAdam
+        from .engine import ShardedAdam
 
         stage = cfg.zero.stage or 2
         return ShardedAdam(param_groups, param_dtype=dtype, options=options, stage=stage, offload=cfg.zero.offload,
@@ -174,7 +175,7 @@ class ZeroOffloadMixin:
     def zero_engine(self):
         opt = getattr(self, "optimizer", None)
         opt = getattr(opt, "optimizer", opt)  # unwrap Accelerate's AcceleratedOptimizer
-        return opt if isinstance(opt, OffloadAdam) or type(opt).__name__ == "ShardedAdam" else None
+        return opt if isinstance(opt, AdamCore) else None
 
     def _zo_resolve(self) -> TrainingConfig:
         max_steps = getattr(getattr(self, "state", None), "max_steps", 0) or None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hf_zero_offload.engine.simstreams import SimStreams
+from hf_zero_offload.engine.streams import SimStreams
 
 
 @dataclass

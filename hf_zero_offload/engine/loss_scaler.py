@@ -35,6 +35,11 @@ class LossScaler:
         return cls(scale=float(2 ** initial_scale_power), dynamic=True, enabled=True, scale_window=loss_scale_window,
                    min_scale=float(min_loss_scale), hysteresis=hysteresis, cur_hysteresis=hysteresis)
 
+    @classmethod
+    def from_options(cls, options) -> "LossScaler":
+        """From ``options.LossScaling`` (None: no loss scaling)."""
+        return cls.from_fp16(**vars(options)) if options is not None else cls()
+
     def scale_loss(self, loss):
         """The loss to call backward on: multiplied by the current scale (unchanged at scale 1)."""
         return loss * self.scale if self.scale != 1.0 else loss

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from .. import ops
-from .sharding_layout import FlatIndex, Partition, make_buckets
-from .streams import Streams
+from ... import ops
+from ..runs import FlatIndex
+from ..streams import Streams
+from .layout import Partition, make_buckets
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
