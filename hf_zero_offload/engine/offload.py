@@ -36,6 +36,8 @@ from .upload import ParamUploader
 
 
 class OffloadAdam(AdamCore):
+    stage = 2  # one process; gradients leave the device during backward, as in ZeRO-2
+
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
                  options: OffloadOptions = OffloadOptions(), streams: Streams | None = None):

@@ -47,8 +47,8 @@ class OffloadOptions:
 
 @dataclass(frozen=True)
 class ShardOptions:
-    """ZeRO stage 1/2 across ranks (``ShardedAdam``)."""
-    stage: int = 2
-    offload: bool = True
+    """ZeRO stage and partitioning (``factory.choose`` picks the engine from these)."""
+    stage: int = 2                          # 0: no partitioning; 1, 2: ZeRO-1/2 across ranks
+    offload: bool = True                    # optimizer state and step on the CPU
     allgather_bucket_numel: int = 200_000_000
-    device_adam: str = "auto"               # "auto" | "torch" | "kernel" (no offload only)
+    reduce_scatter: bool = True             # False: always reduce each owner's piece to it

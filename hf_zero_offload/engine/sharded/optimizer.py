@@ -81,7 +81,8 @@ class ShardedAdam(AdamCore):
     """Adam/AdamW over replicated parameters with the optimizer state sharded across ranks.
 
     The public surface is ``OffloadAdam``'s (``AdamCore``) plus ``memory_bytes()``. ``stage``: 1 or
-    2; ``offload``: optimizer state and step on the CPU; ``process_group``: default group when None
+    2 (0: one process, gradients taken from ``.grad`` at ``step()``, as stage 1); ``offload``:
+    optimizer state and step on the CPU; ``reduce_scatter``: False reduces each owner's piece to it; ``process_group``: default group when None
     (no initialised group: one process, world size 1). ``device_adam`` (no offload only): "auto"
     (torch's fused AdamW on CUDA, the fused CPU kernel when the device is the CPU), or "torch" /
     "kernel" to force one (the tests run the CUDA path's math on the CPU with "torch").
@@ -91,9 +92,9 @@ class ShardedAdam(AdamCore):
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
                  options: OffloadOptions = OffloadOptions(), stage: int = 2, offload: bool = True,
                  process_group=None, allgather_bucket_numel: int = 200_000_000, device_adam: str = "auto",
-                 streams: Streams | None = None):
-        if stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+                 reduce_scatter: bool = True, streams: Streams | None = None):
+        if stage not in (0, 1, 2):
+            raise ValueError(f"stage must be 0 (one process), 1 or 2, got {stage!r}")
         if options.dpu and not offload:
             raise ValueError("the delayed parameter update hides the CPU step: it needs offload=True")
         if device_adam not in ("auto", "torch", "kernel"):
@@ -105,6 +106,8 @@ class ShardedAdam(AdamCore):
             self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         elif process_group is not None:
             raise ValueError("a process_group was given but torch.distributed is not initialised")
+        if stage == 0 and self.world_size > 1:
+            raise ValueError(f"stage 0 (no partitioning) runs on one process, not {self.world_size}; use stage 1 or 2")
         self._divisor = self.world_size  # the store holds the sum over ranks: grad_scale also averages
         self._broadcast_params(allgather_bucket_numel)
         # The simulator (``streams``) covers the offload upload path; reductions stay synchronous
@@ -117,8 +120,9 @@ class ShardedAdam(AdamCore):
             raise ValueError("device_adam='torch' steps on the device: it needs offload=False")
         if device_adam == "kernel" and not offload and cuda:
             raise ValueError("device_adam='kernel' is the CPU kernel: on CUDA use offload=True or device_adam='torch'")
-        # reduce-scatter where the layout allows it, except on gloo (see reduce)
-        use_rs = W > 1 and (FORCE_REDUCE_SCATTER or dist.get_backend(process_group) != "gloo")
+        # reduce-scatter where the layout allows it and the config does not turn it off, except on gloo
+        # (see reduce). Stage 0 (one process) runs the stage-1 path: gradients from .grad at step().
+        use_rs = W > 1 and reduce_scatter and (FORCE_REDUCE_SCATTER or dist.get_backend(process_group) != "gloo")
         self.reducer = GradReducer(slots=self._flat, partition=part, rank=self.rank, process_group=process_group,
                                    streams=self.streams, param_dtype=self.param_dtype, stage=stage,
                                    bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs)
@@ -181,7 +185,7 @@ class ShardedAdam(AdamCore):
     # -- what differs from the core --------------------------------------------------------------
     def _gradients(self) -> tuple[float, list[bool]]:
         """Finish this step's reduction; (global sum of squares, which params any rank updated)."""
-        if self.stage == 1:
+        if self.stage != 2:
             self.reducer.reduce_full()
         else:
             self.reducer.drain()
