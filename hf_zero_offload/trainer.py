@@ -26,7 +26,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, Trai
 from . import ops
 from .consolidate import write_param_names
 from .config import ArgsView, TrainingConfig, check, resolve
-from .engine import LossScaling, OffloadOptions, ShardOptions, factory
+from .engine import OffloadOptions, ShardOptions, factory
 from .engine.core import AdamCore
 from .engine.checkpoint import atomic_path
 from .schedulers import SkipAwareScheduler, build_scheduler
@@ -90,12 +90,10 @@ def args_view(args: TrainingArguments, *, fp16: bool, bf16: bool, max_steps: int
 
 def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
     """The resolved config as the engine's typed options."""
-    z, f = cfg.zero, cfg.fp16
-    scaling = LossScaling(True, f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
-                          f.min_loss_scale) if f.enabled else None
+    z = cfg.zero
     options = OffloadOptions(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.gradient_clipping,
-        fp16=scaling, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
+        fp16=cfg.fp16 if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
         dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps)
     shard = ShardOptions(stage=z.stage, offload=z.offload, allgather_bucket_numel=z.allgather_bucket_size,
                          reduce_scatter=z.reduce_scatter)

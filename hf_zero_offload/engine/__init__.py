@@ -2,8 +2,8 @@
 from .buffers import HostPlan, plan_host_memory
 from .loss_scaler import LossScaler, StepResult
 from .offload import OffloadAdam
-from .options import LossScaling, OffloadOptions, ShardOptions
+from .options import OffloadOptions, ShardOptions
 from .sharded import ShardedAdam
 
-__all__ = ["HostPlan", "plan_host_memory", "LossScaler", "LossScaling", "OffloadAdam", "OffloadOptions",
+__all__ = ["HostPlan", "plan_host_memory", "LossScaler", "OffloadAdam", "OffloadOptions",
            "ShardOptions", "ShardedAdam", "StepResult"]

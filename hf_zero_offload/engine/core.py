@@ -53,7 +53,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         for g in self._slots:
             self._groups.append(list(range(first, first + len(g))))
             first += len(g)
-        self.param_dtype = training_dtype(param_dtype, options.fp16, self._flat[0][0])
+        self.param_dtype = training_dtype(param_dtype, options.fp16_enabled, self._flat[0][0])
         # ``streams``: injected by tests (streams.SimStreams); by default the device's own.
         self.streams = streams if streams is not None else make_streams(self.device)
         self._param_steps = torch.zeros(len(self._flat), dtype=torch.int64)  # AdamW's per-param step
@@ -102,10 +102,8 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         sumsq, received = self._prepare()
         self._prepared = None
         self.global_steps += 1

@@ -5,25 +5,17 @@ an optimizer; nothing here imports torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
-
-@dataclass(frozen=True)
-class LossScaling:
-    """fp16 loss scaling with DeepSpeed's semantics (``loss_scaler.LossScaler``); 0 = dynamic."""
-    enabled: bool = False
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class OffloadOptions:
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 0.0              # 0: no clipping
-    fp16: LossScaling | None = None         # None: no loss scaling (a dict of LossScaling's fields is accepted)
+    # fp16 loss scaling: the fields of a DeepSpeed "fp16" section (``config.FP16Config``, or a dict of
+    # them; ``LossScaler.from_fp16`` lists them); None: no loss scaling
+    fp16: Any = None
     bucket_numel: int = 200_000_000
     tile_numel: int = 1 << 22
     pin_memory: bool = True
@@ -32,17 +24,10 @@ class OffloadOptions:
     num_threads: int | None = None
     scatter_thread: bool | None = None      # gradient scatter on a helper thread (default: on CUDA)
 
-    def __post_init__(self):
-        if isinstance(self.fp16, dict):
-            known = {f.name for f in fields(LossScaling)}
-            unknown = set(self.fp16) - known
-            if unknown:
-                raise ValueError(f"OffloadOptions.fp16: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-            object.__setattr__(self, "fp16", LossScaling(**self.fp16))
-
     @property
     def fp16_enabled(self) -> bool:
-        return self.fp16 is not None and self.fp16.enabled
+        f = self.fp16
+        return bool(f is not None and (f.get("enabled") if isinstance(f, dict) else f.enabled))
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,8 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
     return slots, offset, device
 
 
-def training_dtype(param_dtype: torch.dtype | None, fp16, first: torch.nn.Parameter) -> torch.dtype:
-    """The dtype the device params train in: as asked, else fp16 with loss scaling (``fp16``: the
-    options' ``LossScaling`` or None), else the params' own."""
-    fp16_on = bool(fp16 is not None and fp16.enabled)
+def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, first: torch.nn.Parameter) -> torch.dtype:
+    """The dtype the device params train in: as asked, else fp16 with loss scaling, else the params' own."""
     dtype = param_dtype or (torch.float16 if fp16_on else first.dtype)
     if fp16_on and dtype != torch.float16:
         raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {dtype}")
