@@ -220,14 +220,14 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
 
 
 class Checked(NamedTuple):
-    """A ds_config read and validated once (``check``): ``resolve`` takes it without a second pass."""
-    cfg: dict                 # normalised (ignored keys dropped, "auto" kept)
+    """A ds_config read and validated once (normalised; ``resolve`` takes it without a second pass);
+    ``no_effect``: the keys given that change nothing here (the start log names them)."""
+    cfg: dict
     source: str
-    no_effect: list           # paths of the keys given that change nothing here (the start log names them)
+    no_effect: list
 
 
 def check(path_or_dict: Any) -> Checked:
-    """Read and validate a ds_config once, before any model work."""
     raw, source = _read(path_or_dict)
     ignored: list = []
     return Checked(validate(raw, source, ignored), source, ignored)
@@ -328,14 +328,11 @@ class _Resolver:
                           (0.9, 0.999))
         eps = self.take(p + "eps", a and a.adam_epsilon, "--adam_epsilon", 1e-8)
         wd = self.take(p + "weight_decay", a and a.weight_decay, "--weight_decay", 0.0)
-        # DeepSpeed's rule: "AdamW" is always decoupled weight decay (adam_w_mode is not read for it);
-        # "Adam" is AdamW unless adam_w_mode is false (then L2: decay added to the gradient).
-        given = opt.get("params", {}).get("adam_w_mode")
+        given = opt.get("params", {}).get("adam_w_mode")  # DeepSpeed reads it for "Adam" only
         w_mode = opt["type"] == "AdamW" or given is not False
         if opt["type"] == "AdamW" and given is False:
-            logger.warning('%s: optimizer "type": "AdamW" with adam_w_mode=false: DeepSpeed uses AdamW (decoupled '
-                           'weight decay) for this type and so does hf_zero_offload; for L2-style decay use '
-                           '"type": "Adam" with adam_w_mode=false', self.source)
+            logger.warning('%s: "type": "AdamW" with adam_w_mode=false runs AdamW (decoupled weight decay), as in '
+                           'DeepSpeed; for L2-style decay use "type": "Adam"', self.source)
         return OptimizerConfig(opt["type"], float(lr), (float(betas[0]), float(betas[1])), float(eps), float(wd),
                                bool(w_mode))
 
