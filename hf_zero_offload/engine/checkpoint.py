@@ -27,6 +27,7 @@ import os
 import socket
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -220,24 +221,31 @@ def read_into(path: str, tensors: dict[str, torch.Tensor], *, start: dict[str, i
 
 def _read_range(f, path: str, at: int, first: int, total: int, out: torch.Tensor, crcs: list | None) -> None:
     """Bytes [first, first + len(out)) of the tensor stored at file offset ``at`` into ``out``, chunk
-    by chunk: a whole chunk landing in host memory is read in place and checked there; an edge chunk
-    (or any chunk for a device tensor) goes through a bounce buffer, read and checked whole."""
+    by chunk: a whole chunk landing in host memory is read in place and its checksum computed on a
+    helper thread while the next chunk is read (zlib drops the GIL); an edge chunk (or any chunk for
+    a device tensor) goes through a bounce buffer, read and checked whole before the bounce is reused."""
     n = out.numel()
-    bounce = None
-    for c0 in range(first // _CHUNK * _CHUNK, first + n, _CHUNK):
-        c1 = min(c0 + _CHUNK, total)
-        lo, hi = max(c0, first), min(c1, first + n)
-        f.seek(at + c0)
-        if _is_host(out) and lo == c0 and hi == c1:
-            view = memoryview(out[lo - first:hi - first].numpy())
-            _read_exact(f, view, path)
-        else:
+    bounce, pending = None, []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for c0 in range(first // _CHUNK * _CHUNK, first + n, _CHUNK):
+            c1 = min(c0 + _CHUNK, total)
+            lo, hi = max(c0, first), min(c1, first + n)
+            f.seek(at + c0)
+            if _is_host(out) and lo == c0 and hi == c1:
+                view = memoryview(out[lo - first:hi - first].numpy())
+                _read_exact(f, view, path)
+                if crcs is not None:
+                    pending.append((c0, c1, pool.submit(zlib.crc32, view)))
+                continue
             if bounce is None:
                 bounce = torch.empty(min(_CHUNK, total), dtype=torch.uint8)
             view = memoryview(bounce[:c1 - c0].numpy())
             _read_exact(f, view, path)
+            if crcs is not None:
+                pending.append((c0, c1, zlib.crc32(view)))
             out[lo - first:hi - first].copy_(bounce[lo - c0:hi - c0])  # synchronous: the bounce is reused
-        if crcs is not None and zlib.crc32(view) != crcs[c0 // _CHUNK]:
+    for c0, c1, crc in pending:
+        if (crc if isinstance(crc, int) else crc.result()) != crcs[c0 // _CHUNK]:
             raise _bad(path, f"checksum mismatch in bytes [{at + c0}, {at + c1})")
 
 

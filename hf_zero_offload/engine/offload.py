@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from .buffers import HostArena, plan_host_memory, store_dtype
+from .buffers import HostArena, plan_host_memory
 from .core import AdamCore
 from .options import OffloadOptions
 from .pipeline import GradPipeline
@@ -59,7 +59,6 @@ class OffloadAdam(AdamCore):
         buckets = torch.empty(2, bucket_n, dtype=self.param_dtype, device=self.device)
         staging = r["grad_staging"].view(2, bucket_n) if "grad_staging" in r else None
         self.pipeline = GradPipeline(self._flat, streams=self.streams, buckets=buckets, staging=staging,
-                                     accumulate=store_dtype({self.param_dtype}, gas) == torch.float32,
                                      scatter_thread=options.scatter_thread)
         self._begin_window()
         self.uploader = ParamUploader(self.streams, self._flat, self.param_staging, full=options.dpu,
