@@ -159,16 +159,16 @@ inline __m256i q_mag_vec(__m256 n) {
 // A function, not a global: a global would run an AVX instruction at load time on any CPU.
 inline __m256 abs_mask() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)); }
 
-inline void q_m_vec(__m256 x, __m256 div, int8_t* dst) {
-  const __m256i mag = q_mag_vec<15>(_mm256_div_ps(_mm256_and_ps(x, abs_mask()), div));
+inline void q_m_vec(__m256 x, __m256 inv, int8_t* dst) {
+  const __m256i mag = q_mag_vec<15>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
   const __m256i s = _mm256_srai_epi32(_mm256_castps_si256(x), 31);
   const __m256i c = _mm256_sub_epi32(_mm256_xor_si256(mag, s), s);  // -mag where the sign bit is set
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packs_epi16(w, w));
 }
 
-inline void q_v_vec(__m256 x, __m256 div, uint8_t* dst) {
-  const __m256i c = q_mag_vec<31>(_mm256_div_ps(_mm256_and_ps(x, abs_mask()), div));
+inline void q_v_vec(__m256 x, __m256 inv, uint8_t* dst) {
+  const __m256i c = q_mag_vec<31>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w, w));
 }
@@ -216,16 +216,16 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       mx = max_step(mx, std::fabs(mb[i - b]));
       vx = max_step(vx, std::fabs(vb[i - b]));
     }
-    const float mdiv = q_divisor(mx), vdiv = q_divisor(vx);
-    const __m256 mdv = _mm256_set1_ps(mdiv), vdv = _mm256_set1_ps(vdiv);
+    const float minv = q_inverse(mx), vinv = q_inverse(vx);
+    const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
     size_t j = 0;
     for (; j + W <= e - b; j += W) {
       q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
       q_v_vec(_mm256_load_ps(vb + j), vdv, vc + b + j);
     }
     for (; j < e - b; ++j) {
-      mc[b + j] = q_m(mb[j], mdiv);
-      vc[b + j] = q_v(vb[j], vdiv);
+      mc[b + j] = q_m(mb[j], minv);
+      vc[b + j] = q_v(vb[j], vinv);
     }
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;

@@ -164,15 +164,15 @@ inline __m512 abs_ps(__m512 x) {
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_castps_si512(abs_mask())));
 }
 
-inline void q_m_vec(__m512 x, __m512 div, int8_t* dst) {
-  const __m512i mag = q_mag_vec<15>(_mm512_div_ps(abs_ps(x), div));
+inline void q_m_vec(__m512 x, __m512 inv, int8_t* dst) {
+  const __m512i mag = q_mag_vec<15>(_mm512_mul_ps(abs_ps(x), inv));
   const __m512i s = _mm512_srai_epi32(_mm512_castps_si512(x), 31);
   const __m512i c = _mm512_sub_epi32(_mm512_xor_si512(mag, s), s);  // -mag where the sign bit is set
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // |c| <= 120: exact
 }
 
-inline void q_v_vec(__m512 x, __m512 div, uint8_t* dst) {
-  const __m512i c = q_mag_vec<31>(_mm512_div_ps(abs_ps(x), div));
+inline void q_v_vec(__m512 x, __m512 inv, uint8_t* dst) {
+  const __m512i c = q_mag_vec<31>(_mm512_mul_ps(abs_ps(x), inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // c <= 248: exact
 }
 
@@ -219,16 +219,16 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       mx = max_step(mx, std::fabs(mb[i - b]));
       vx = max_step(vx, std::fabs(vb[i - b]));
     }
-    const float mdiv = q_divisor(mx), vdiv = q_divisor(vx);
-    const __m512 mdv = _mm512_set1_ps(mdiv), vdv = _mm512_set1_ps(vdiv);
+    const float minv = q_inverse(mx), vinv = q_inverse(vx);
+    const __m512 mdv = _mm512_set1_ps(minv), vdv = _mm512_set1_ps(vinv);
     size_t j = 0;
     for (; j + W <= e - b; j += W) {
       q_m_vec(_mm512_load_ps(mb + j), mdv, mc + b + j);
       q_v_vec(_mm512_load_ps(vb + j), vdv, vc + b + j);
     }
     for (; j < e - b; ++j) {
-      mc[b + j] = q_m(mb[j], mdiv);
-      vc[b + j] = q_v(vb[j], vdiv);
+      mc[b + j] = q_m(mb[j], minv);
+      vc[b + j] = q_v(vb[j], vinv);
     }
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;

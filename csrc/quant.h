@@ -16,7 +16,7 @@
 //   a small floating-point format with 3 fraction bits and round-to-nearest-even is an integer add
 //   on the fp32 bits (as for bf16): a handful of integer ops per element, exact (it is the nearest
 //   code; tests check that against the full table), no table, no gather, so the kernel stays
-//   memory-bound. Cost per element and moment: one division by the block max and ~10 vector integer ops.
+//   memory-bound. Cost per element and moment: one multiply by the block's reciprocal and ~12 vector integer ops.
 //     exp_avg    int8: sign and magnitude 0..120; magnitude value = 2^(e-15) * (1 + f/8) with
 //                e = mag>>3 >= 1, f = mag&7, and mag*2^-17 below 8 (evenly spaced, like IEEE
 //                subnormals); 1.0 is mag 120. 241 values, 2^-17 (7.6e-6) to 1, <= 6.25% error.
@@ -77,15 +77,18 @@ inline float dq_m(int8_t c) {
 }
 inline float dq_v(uint8_t c) { return dq_mag<31>(c); }
 
-// x / absmax, with absmax > 0 (division, not a reciprocal: exact at the top, no overflow for tiny
-// blocks); an all-zero block divides by 1.
-inline float q_divisor(float absmax) { return absmax > 0.0f ? absmax : 1.0f; }
-inline int8_t q_m(float x, float div) {
-  const uint32_t mag = q_mag<15>(std::fabs(x) / div);
+// |x| * (1 / absmax): a multiply by the block's reciprocal, not a division per element (the
+// divider is what the fp32 update already saturates: sqrt and two divisions per element). The
+// product is within 1.5 ulp of |x| / absmax, so |x| == absmax still codes 1.0 (3 fraction bits) and
+// the clamp in q_mag catches the rest. A block whose max is below FLT_MIN (or 0) codes all zeros:
+// its reciprocal would overflow, and such moments are zero for Adam anyway.
+inline float q_inverse(float absmax) { return absmax >= 1.17549435e-38f ? 1.0f / absmax : 0.0f; }
+inline int8_t q_m(float x, float inv) {
+  const uint32_t mag = q_mag<15>(std::fabs(x) * inv);
   return static_cast<int8_t>(std::signbit(x) ? -static_cast<int32_t>(mag) : static_cast<int32_t>(mag));
 }
 // exp_avg_sq is >= 0; |x| makes a -0 (or a foreign negative value) code like its magnitude.
-inline uint8_t q_v(float x, float div) { return static_cast<uint8_t>(q_mag<31>(std::fabs(x) / div)); }
+inline uint8_t q_v(float x, float inv) { return static_cast<uint8_t>(q_mag<31>(std::fabs(x) * inv)); }
 
 // Running max that never takes a NaN (the comparison is false), so any order gives the same value.
 inline float max_step(float acc, float x) { return x > acc ? x : acc; }
@@ -94,15 +97,15 @@ inline float max_step(float acc, float x) { return x > acc ? x : acc; }
 inline void q_block_m(const float* x, size_t len, int8_t* codes, float* scale) {
   float mx = 0.0f;
   for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
-  const float div = q_divisor(mx);
-  for (size_t i = 0; i < len; ++i) codes[i] = q_m(x[i], div);
+  const float inv = q_inverse(mx);
+  for (size_t i = 0; i < len; ++i) codes[i] = q_m(x[i], inv);
   *scale = mx;
 }
 inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale) {
   float mx = 0.0f;
   for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
-  const float div = q_divisor(mx);
-  for (size_t i = 0; i < len; ++i) codes[i] = q_v(x[i], div);
+  const float inv = q_inverse(mx);
+  for (size_t i = 0; i < len; ++i) codes[i] = q_v(x[i], inv);
   *scale = mx;
 }
 

@@ -1,7 +1,7 @@
 """A plain-torch reference of the compact-moment Adam step (bf16 and blockwise 8-bit moments),
 written from the specification in csrc/quant.h, not from the kernel's code: the code values are
-built from their formula, quantization is "nearest code, ties to the even magnitude" found by a
-search of the whole table, and the kernel's fused multiply-adds are evaluated exactly in fp64.
+built from their formula, quantization is "nearest code to |x| * fp32(1/absmax), ties to the even magnitude" found
+by a search of the whole table, and the kernel's fused multiply-adds are evaluated exactly in fp64.
 """
 from __future__ import annotations
 
@@ -50,8 +50,10 @@ def quantize(x: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Tensor]:
     a = torch.zeros(nb * BLOCK)
     a[:n] = x.abs()
     absmax = a.view(nb, BLOCK).amax(dim=1)
-    div = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    mag = nearest_mag((x.abs().double() / div.repeat_interleave(BLOCK)[:n].double()).float(), moment)
+    # |x| times the block's fp32 reciprocal (0 for a max below the smallest normal fp32), each
+    # product rounded once
+    inv = torch.where(absmax >= torch.finfo(torch.float32).tiny, (1.0 / absmax.double()).float(), 0.0)
+    mag = nearest_mag((x.abs().double() * inv.repeat_interleave(BLOCK)[:n].double()).float(), moment)
     if moment == "exp_avg":
         codes = torch.where(torch.signbit(x), -mag, mag).to(torch.int8)
     else:
