@@ -297,3 +297,23 @@ def test_bad_state_dtype_and_param_dtype():
         CPUAdam(_model().parameters(), state_dtype="int4")
     with pytest.raises(TypeError, match="float32, bfloat16 or float16 parameters; got torch.float64"):
         CPUAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+
+
+@pytest.mark.parametrize("state_dtype,tol", [("bf16", 0.01), ("int8", 0.03)])
+def test_compact_states_train_like_fp32(state_dtype, tol):
+    """Quality guard: 150 steps on 256 random targets (the loss plateaus well above 0) end no more
+    than tol above the fp32-state loss (the rounding changes the trajectory; measured: int8 ends
+    at 0.545 against fp32's 0.596, bf16 within 2%)."""
+    gen = torch.Generator().manual_seed(5)
+    x_all, y_all = torch.randn(256, 13, generator=gen), torch.randn(256, 5, generator=gen)
+    losses = {}
+    for sd in ("fp32", state_dtype):
+        m = _model()
+        opt = CPUAdam(m.parameters(), lr=3e-3, weight_decay=0.01, state_dtype=sd)
+        for _ in range(150):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x_all), y_all)
+            loss.backward()
+            opt.step()
+        losses[sd] = loss.item()
+    assert losses[state_dtype] <= (1 + tol) * losses["fp32"], losses
