@@ -33,8 +33,7 @@ test-all: $(STAMP)
 
 # Each target line of a benchmark says met / NOT MET / not meaningful here (with the reason).
 bench: $(STAMP)
-	if [ -f benchmarks/kernel/adam_step.py ]; then $(PY) -m benchmarks.kernel.adam_step; \
-	else $(PY) benchmarks/adam_step.py; fi  # until the kernel benchmark has moved into benchmarks/kernel/
+	$(PY) -m benchmarks.kernel.adam_step
 	$(PY) -m benchmarks.engine.offload_step
 
 demo: $(STAMP)

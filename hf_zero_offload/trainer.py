@@ -25,8 +25,9 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, Trai
 
 from . import ops
 from .consolidate import write_param_names
-from .config import ArgsView, TrainingConfig, load_config, resolve
-from .engine import OffloadAdam, OffloadOptions
+from .config import ArgsView, TrainingConfig, check, resolve
+from .engine import OffloadOptions, ShardOptions, factory
+from .engine.core import AdamCore
 from .engine.checkpoint import atomic_path
 from .schedulers import SkipAwareScheduler, build_scheduler
 
@@ -87,13 +88,16 @@ def args_view(args: TrainingArguments, *, fp16: bool, bf16: bool, max_steps: int
         hidden_size=_hidden_size(model) if model is not None else None)
 
 
-def engine_options(cfg: TrainingConfig) -> OffloadOptions:
+def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
+    """The resolved config as the engine's typed options."""
     z = cfg.zero
-    return OffloadOptions(
+    options = OffloadOptions(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.gradient_clipping,
-        fp16=dict(vars(cfg.fp16)) if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size,
-        pin_memory=z.pin_memory, dpu=z.delayed_param_update.enabled,
-        dpu_warmup_steps=z.delayed_param_update.warmup_steps)
+        fp16=cfg.fp16 if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
+        dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps)
+    shard = ShardOptions(stage=z.stage, offload=z.offload, allgather_bucket_numel=z.allgather_bucket_size,
+                         reduce_scatter=z.reduce_scatter)
+    return options, shard
 
 
 def training_dtype(cfg: TrainingConfig) -> torch.dtype:
@@ -107,16 +111,9 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict], cfg: Training
         lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, adamw_mode=True)
     if opt is not None:  # the config's weight decay replaces the Trainer's for the decayed group
         param_groups = [{**g, "weight_decay": opt.weight_decay if g["weight_decay"] else 0.0} for g in param_groups]
-    dtype = training_dtype(cfg)
-    options = engine_options(cfg)
-    sharded = args.world_size > 1 and (cfg.zero.stage >= 1 or args.sharded_ddp)
-    if sharded or not cfg.zero.offload:
-        from .engine.sharding import ShardedAdam
-
-        stage = cfg.zero.stage or 2
-        return ShardedAdam(param_groups, param_dtype=dtype, options=options, stage=stage, offload=cfg.zero.offload,
-                           allgather_bucket_numel=cfg.zero.allgather_bucket_size, **hyper)
-    return OffloadAdam(param_groups, param_dtype=dtype, options=options, **hyper)
+    options, shard = engine_options(cfg)
+    return factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
+                                param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
 
 
 class ZeroOffloadMixin:
@@ -129,8 +126,7 @@ class ZeroOffloadMixin:
         self._zo_precision = (False, False)
         if targs is not None and (getattr(targs, "zero_offload", None) is not None or getattr(targs, "sharded_ddp", False)):
             raw = targs.zero_offload if targs.zero_offload is not None else {"zero_optimization": {"stage": 2}}
-            self._zo_raw = load_config(raw)  # fail fast on unknown keys, before any model work
-            self._zo_source = raw if isinstance(raw, str) else "<dict>"
+            self._zo_raw = check(raw)  # validated once: fail fast on unknown keys, before any model work
             self._zo_precision = (bool(targs.fp16), bool(targs.bf16))
             saved = (targs.fp16, targs.bf16, targs.mixed_precision)
             # Loss scaling and the 16-bit model are ours: Accelerate, created in Trainer.__init__, must
@@ -174,13 +170,13 @@ class ZeroOffloadMixin:
     def zero_engine(self):
         opt = getattr(self, "optimizer", None)
         opt = getattr(opt, "optimizer", opt)  # unwrap Accelerate's AcceleratedOptimizer
-        return opt if isinstance(opt, OffloadAdam) or type(opt).__name__ == "ShardedAdam" else None
+        return opt if isinstance(opt, AdamCore) else None
 
     def _zo_resolve(self) -> TrainingConfig:
         max_steps = getattr(getattr(self, "state", None), "max_steps", 0) or None
         fp16, bf16 = self._zo_precision
         view = args_view(self.args, fp16=fp16, bf16=bf16, max_steps=max_steps, model=self.model)
-        return resolve(self._zo_raw if self._zo_source == "<dict>" else self._zo_source, view)
+        return resolve(self._zo_raw, view)
 
     def create_optimizer(self, model=None):
         if self._zo_raw is None or self.optimizer is not None:
@@ -195,13 +191,16 @@ class ZeroOffloadMixin:
         self.optimizer = build_engine(model, groups, cfg, self.args)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
         self._zo_log_start(cfg)
+        if self._zo_raw.no_effect:
+            logger.warning("hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config_schema."
+                           "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
         return self.optimizer
 
     def _zo_log_start(self, cfg: TrainingConfig) -> None:
         eng = self.zero_engine
         logger.warning(
             "hf_zero_offload: config=%s stage=%d offload=%s dpu=%s simd=%s threads=%d host_reserved=%.2fGiB pinned=%s "
-            "dtype=%s params=%d streams=%s", cfg.source, cfg.zero.stage, cfg.zero.offload,
+            "dtype=%s params=%d streams=%s", cfg.source, eng.stage, eng.offload,
             cfg.zero.delayed_param_update.enabled, ops.simd_level(), torch.get_num_threads(),
             getattr(getattr(eng, "arena", None), "nbytes", 0) / 2**30,
             getattr(getattr(eng, "arena", None), "pinned", False), str(training_dtype(cfg)).replace("torch.", ""),

@@ -5,7 +5,7 @@ row per training configuration, per rank:
 
 - model states on the device and on the host: one documented function per configuration below
   (``states_*``); every row our engines run calls the engine's own plan (``plan_host_memory`` for
-  ``OffloadAdam``, ``sharding_plan.plan_for`` for ``ShardedAdam``), so the planner and the engines
+  ``OffloadAdam``, ``sharded.plan.plan_for`` for ``ShardedAdam``), so the planner and the engines
   cannot disagree about what they allocate (tested region by region on 2 ranks);
 - activations: measured, not guessed, by tracing one forward + backward of the model built on the
   meta device (``planner.trace``), in the dtype the configuration trains in;

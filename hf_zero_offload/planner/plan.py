@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..engine.buffers import plan_host_memory
-from ..engine.offload import OffloadOptions
-from ..engine.sharding_plan import plan_for
+from ..engine.options import OffloadOptions
+from ..engine.sharded.plan import plan_for
 from . import trace
 
 GiB = 2 ** 30
