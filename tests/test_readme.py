@@ -38,4 +38,4 @@ def test_named_paths_and_modules_exist():
                                       r"\.(?:py|json|sh|md))", text))):
         assert (ROOT / path).exists(), f"README.md names {path}, which does not exist"
     for module in sorted(set(re.findall(r"python -m (benchmarks(?:\.\w+)+)", text))):
-        assert (ROOT / (module.replace(".", "/") + ".py")).is_file() or module.endswith("adam_step"), module
+        assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module

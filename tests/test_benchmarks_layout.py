@@ -1,0 +1,42 @@
+"""benchmarks/ as a newcomer meets it: topic folders with a README each, runnable as ``python -m benchmarks.X.Y``
+(no sys.path edits, no private ``_C``), and target lines that say met / NOT MET / not meaningful here."""
+import re
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def test_topic_folders_and_no_path_hacks():
+    assert sorted(p.name for p in BENCH.glob("*.py")) == ["__init__.py", "_common.py"]
+    topics = [d for d in BENCH.iterdir() if d.is_dir() and d.name not in ("results", "__pycache__")]
+    assert {d.name for d in topics} >= {"kernel", "engine", "sharding", "t5", "gpu"}
+    for d in topics:
+        assert (d / "README.md").is_file() and (d / "__init__.py").is_file(), d
+    for path in BENCH.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert "sys.path.insert" not in text and "sys.path.append" not in text, path
+        assert not re.search(r"import _C\b|from hf_zero_offload import .*\b_C\b|hf_zero_offload\._C", text), path
+
+
+def test_offload_targets_each_have_a_verdict():
+    from benchmarks._common import MET, NOT_HERE, NOT_MET
+    from benchmarks.engine.offload_step import _fmt_targets
+
+    rows = [{"row": "(a) torch", "ms": 10.0, "ratio": 1.0},
+            {"row": "(b) ours", "ms": 12.0, "ratio": 1.2, "opt_bpp": 17.5, "dev_state_bpp": 2.1, "buckets_bpp": 0.1,
+             "pcie_bpp": 4.0},
+            {"row": "(c) ours + DPU", "ms": 12.5, "ratio": 1.25, "opt_bpp": 18.0}]
+    for cuda, dtype in ((False, torch.float32), (True, torch.bfloat16), (True, torch.float32)):
+        lines = [ln for ln in _fmt_targets(rows, types.SimpleNamespace(cuda=cuda, dtype=dtype))
+                 if not ln.startswith("  (")]
+        assert lines and all(ln.startswith(tuple(f"[{v}]" for v in (MET, NOT_MET, NOT_HERE))) for ln in lines), lines
+        here = [ln for ln in lines if ln.startswith(f"[{NOT_HERE}]")]
+        assert all(ln.endswith(")") for ln in here)  # with the reason
+        if not cuda:
+            assert len(here) == len(lines) - 1  # only the host bytes are meaningful on a CPU
+    gpu = _fmt_targets(rows, types.SimpleNamespace(cuda=True, dtype=torch.bfloat16))
+    assert f"[{NOT_MET}] offload + DPU step" in "\n".join(gpu) and f"[{MET}] offload step" in "\n".join(gpu)
