@@ -167,3 +167,19 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
     was = f"the saved run was at lr={saved:.6g}" if saved is not None else "the saved LR is unknown"
     return (f"hf_zero_offload: {checkpoint} has no {scheduler_name}: the learning-rate schedule restarts from its "
             f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {_step(checkpoint)})")
+
+
+def target(requested, output_dir: str) -> tuple[str, str, list[str]]:
+    """``resume_from_checkpoint`` -> (checkpoint, its status, warnings to log). ``True``: the newest complete
+    checkpoint of ``output_dir`` (transformers' get_last_checkpoint would take a half-written one); a path:
+    refused when incomplete, naming the checkpoint to use instead."""
+    notes = []
+    if requested is True:
+        requested, skipped = choose(output_dir)
+        notes += [f"hf_zero_offload: skipping {c}: incomplete (no {MARKER}; its writer was stopped during the save); "
+                  f"resuming from {requested}" for c in skipped]
+    state, _ = check(str(requested))
+    if state == "legacy":
+        notes.append(f"hf_zero_offload: {requested} has no completion marker {MARKER} (written before markers existed, "
+                     f"or by another Trainer); it holds {TRAINER_STATE}, so it is resumed as is")
+    return str(requested), state, notes

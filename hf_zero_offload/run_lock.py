@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import socket
 import time
 
 import psutil
+import torch.distributed as dist
 
 from .config_schema import ConfigError
 
 LOCK_NAME = "hzo-run.lock"
+logger = logging.getLogger("hf_zero_offload")
 
 
 class RunLockError(ConfigError):
@@ -120,3 +123,23 @@ class RunLock:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def take_job_lock(lock: RunLock, rank: int, world_size: int) -> RunLock:
+    """Rank 0 takes ``lock`` for the whole job; every rank learns the outcome, so that all of them stop together
+    before any work (a collective: every rank calls it)."""
+    error = warning = None
+    if rank == 0:
+        try:
+            warning = lock.acquire()
+        except RunLockError as e:
+            error = str(e)
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise RunLockError(error)
+    if warning:
+        logger.warning(warning)
+    return lock

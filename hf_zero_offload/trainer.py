@@ -15,8 +15,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -29,11 +27,12 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from . import ops, resume
 from .consolidate import write_param_names
-from .config import ArgsView, TrainingConfig, load_config, resolve
+from .args_view import args_view, early_view
+from .config import TrainingConfig, load_config, resolve
 from .engine import OffloadAdam, OffloadOptions
 from .engine.checkpoint import atomic_path
 from .launch_checks import check_world_size, refuse_user_optimizer, warn_fp16_on_cpu
-from .run_lock import RunLock, RunLockError
+from .run_lock import RunLock, take_job_lock
 from .schedulers import build_scheduler
 
 __all__ = [
@@ -72,47 +71,6 @@ class ZeroOffloadTrainingArguments(TrainingArguments, _ZeroOffloadFields):
 @dataclass
 class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffloadFields):
     pass
-
-
-def _hidden_size(model) -> int | None:
-    cfg = getattr(model, "config", None)
-    for name in ("hidden_size", "d_model", "n_embd"):
-        if cfg is not None and isinstance(getattr(cfg, name, None), int):
-            return getattr(cfg, name)
-    return None
-
-
-def args_view(args: TrainingArguments, *, fp16: bool, bf16: bool, max_steps: int | None, model=None) -> ArgsView:
-    warmup = args.get_warmup_steps(max_steps) if max_steps else int(args.warmup_steps or 0)
-    return ArgsView(
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size,
-        max_grad_norm=args.max_grad_norm or 0.0, learning_rate=args.learning_rate, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, weight_decay=args.weight_decay,
-        warmup_steps=int(warmup), max_steps=max_steps, fp16=fp16, bf16=bf16,
-        hidden_size=_hidden_size(model) if model is not None else None)
-
-
-def _early_view(args: TrainingArguments, raw: dict, fp16: bool, bf16: bool, model) -> ArgsView:
-    """The view at ``__init__``: the step count may not be known yet (epochs, a dataset not measured yet) and
-    with ``model_init`` there is no model. What depends on them takes the config's own explicit values (no
-    contradiction possible), or a placeholder for "auto"; both are resolved for real at train start."""
-    max_steps = args.max_steps if args.max_steps and args.max_steps > 0 else None
-    view = args_view(args, fp16=fp16, bf16=bf16, max_steps=max_steps, model=model)
-    params = (raw.get("scheduler") or {}).get("params") or {}
-
-    def explicit(key, placeholder):
-        v = params.get(key)
-        return v if isinstance(v, int) and not isinstance(v, bool) else placeholder
-
-    repl = {}
-    if max_steps is None:
-        repl["max_steps"] = explicit("total_num_steps", 1)
-        if 0 < args.warmup_steps < 1:  # a warm-up ratio of a step count not known yet
-            repl["warmup_steps"] = explicit("warmup_num_steps", 0)
-    if view.hidden_size is None:
-        repl["hidden_size"] = 1
-    return dataclasses.replace(view, **repl)
 
 
 def engine_options(cfg: TrainingConfig) -> OffloadOptions:
@@ -164,7 +122,7 @@ class ZeroOffloadMixin:
             self._zo_precision = (bool(targs.fp16), bool(targs.bf16))
             # The whole config, resolved against the arguments, before any model work (values that depend
             # on a step count not known yet are checked again at train start).
-            resolve(raw, _early_view(targs, self._zo_raw, *self._zo_precision,
+            resolve(raw, early_view(targs, self._zo_raw, *self._zo_precision,
                                      kwargs.get("model", args[0] if args else None)))
             check_world_size(targs)
             self._zo_take_lock(targs)
@@ -227,25 +185,9 @@ class ZeroOffloadMixin:
         self.accelerator.prepare_optimizer = prepare_in_place
 
     def _zo_take_lock(self, targs) -> None:
-        """Rank 0 holds the output_dir's run lock for the whole job; every rank learns the outcome, so that
-        all of them stop together before any work."""
-        if not targs.output_dir:
-            return
-        error = warning = None
-        if targs.process_index == 0:
-            self._zo_lock = self._zo_lock or RunLock(targs.output_dir)
-            try:
-                warning = self._zo_lock.acquire()
-            except RunLockError as e:
-                error = str(e)
-        if targs.world_size > 1 and dist.is_available() and dist.is_initialized():
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            error = box[0]
-        if error is not None:
-            raise RunLockError(error)
-        if warning:
-            logger.warning(warning)
+        if targs.output_dir:
+            self._zo_lock = take_job_lock(self._zo_lock or RunLock(targs.output_dir), targs.process_index,
+                                          targs.world_size)
 
     @property
     def zero_engine(self):
@@ -338,20 +280,10 @@ class ZeroOffloadMixin:
         return out
 
     def _zo_resume_target(self, target) -> str:
-        """``True``: the newest complete checkpoint (transformers' get_last_checkpoint would take a half-written
-        one); a path: refused when incomplete, with the checkpoint to use instead."""
-        if target is True:
-            target, skipped = resume.choose(self.args.output_dir)
-            for c in skipped:
-                logger.warning("hf_zero_offload: skipping %s: incomplete (no %s; its writer was stopped during the "
-                               "save); resuming from %s", c, resume.MARKER, target)
-        state, _ = resume.check(str(target))
-        if state == "legacy":
-            logger.warning("hf_zero_offload: %s has no completion marker %s (written before markers existed, or by "
-                           "another Trainer); it holds %s, so it is resumed as is", target, resume.MARKER,
-                           resume.TRAINER_STATE)
-        self._zo_resume = state
-        return str(target)
+        path, self._zo_resume, notes = resume.target(target, self.args.output_dir)
+        for note in notes:
+            logger.warning(note)
+        return path
 
     def _save_checkpoint(self, model, trial) -> None:
         # transformers rotates old checkpoints at the end of its save: here that waits until this one is
