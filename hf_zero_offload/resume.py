@@ -183,3 +183,23 @@ def target(requested, output_dir: str) -> tuple[str, str, list[str]]:
         notes.append(f"hf_zero_offload: {requested} has no completion marker {MARKER} (written before markers existed, "
                      f"or by another Trainer); it holds {TRAINER_STATE}, so it is resumed as is")
     return str(requested), state, notes
+
+
+_TEMP = re.compile(r"\.tmp\.\d+$")
+
+
+def remove_stale_temp_files(output_dir: str) -> list[str]:
+    """Delete the ``<name>.tmp.<pid>`` files that atomic writes leave behind when their writer is killed.
+    Call it only while holding the output_dir's run lock, before this run's first save: then no live process
+    can be writing any of them."""
+    removed = []
+    for root, _, files in os.walk(output_dir):
+        for name in files:
+            if _TEMP.search(name):
+                path = os.path.join(root, name)
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except FileNotFoundError:
+                    pass
+    return removed

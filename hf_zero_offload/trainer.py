@@ -270,6 +270,9 @@ class ZeroOffloadMixin:
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
         self._zo_take_lock(self.args)
+        if self._zo_lock is not None and self._zo_lock.held:
+            for path in resume.remove_stale_temp_files(self.args.output_dir):
+                logger.warning("hf_zero_offload: removed %s, left by a writer that was stopped mid-save", path)
         try:
             out = super().train(resume_from_checkpoint, *args, **kwargs)
             if self.zero_engine is not None:

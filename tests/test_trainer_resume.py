@@ -89,6 +89,16 @@ def test_an_incomplete_checkpoint_is_refused_naming_the_intact_one(full, tmp_pat
     assert resume.status(str(out2 / "checkpoint-4")) == "incomplete"
 
 
+def test_temp_files_of_killed_writers_are_removed_at_the_next_start(full, tmp_path, caplog):
+    out = _copy(full, tmp_path)
+    (out / "checkpoint-4" / "zero_offload" / "rank0_of_1.hzo.tmp.999999").write_bytes(b"torn")
+    (out / "checkpoint-4" / "zero_offload" / "param_names.json.tmp.999998").write_text("{")
+    _, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=True)
+    assert not [p for p in out.rglob("*") if ".tmp." in p.name]
+    assert sum("left by a writer that was stopped" in r.getMessage() for r in caplog.records) == 2
+
+
 def test_checkpoints_from_before_the_marker_resume_with_a_warning(full, tmp_path, caplog):
     out = _copy(full, tmp_path)
     for step in (2, 4):
