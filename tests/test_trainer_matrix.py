@@ -13,6 +13,8 @@ DPU is kept on both sides of a cell: it changes the schedule of the math (the up
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -84,11 +86,15 @@ _PENDING = {"2to1-offload-dpu-bf16", "1to1-z2-to-offload-bf16"}
 @pytest.mark.parametrize("cell", [pytest.param(c, marks=pytest.mark.xfail(
     strict=True, raises=(FileNotFoundError, ValueError), reason="the offload engine loads only its own format"))
     if c in _PENDING else c for c in CELLS])
-def test_resume_matrix(runs, cell):
+def test_resume_matrix(runs, cell, caplog):
     base, out = runs
     saved, resumed, dtype, expect = CELLS[cell]
     ckpt = f"{base}/{_name(saved, dtype)}/checkpoint-2"
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
     got = out[cell] if resumed[0] == 2 else _train(f"{base}/{cell}", resumed[1], dtype, 1, ckpt, seed=1)
+    if resumed[0] == 1:  # the one line saying what was restored, saved vs now
+        (line,) = [r.getMessage() for r in caplog.records if "hf_zero_offload: resumed" in r.getMessage()]
+        assert f"saved by {saved[0]} rank(s), loaded on 1" in line
     want = out[_name(saved, dtype)]
     tol = 1e-5 if dtype == "fp32" else 2e-2
     for i, (a, b) in enumerate(zip(want, got)):
