@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -125,6 +126,7 @@ class ZeroOffloadMixin:
             resolve(raw, early_view(targs, self._zo_raw, *self._zo_precision,
                                      kwargs.get("model", args[0] if args else None)))
             check_world_size(targs)
+            self._zo_refuse_user_optimizer(args, kwargs)
             self._zo_take_lock(targs)
             saved = (targs.fp16, targs.bf16, targs.mixed_precision)
             # Loss scaling and the 16-bit model are ours: Accelerate, created in Trainer.__init__, must
@@ -141,8 +143,15 @@ class ZeroOffloadMixin:
         if targs is not None:
             warn_fp16_on_cpu(targs, bool(targs.fp16))
         if self._zo_raw is not None:
-            refuse_user_optimizer(self.optimizer, self.lr_scheduler, getattr(self, "optimizer_cls_and_kwargs", None))
             self._zo_patch_accelerator()
+
+    def _zo_refuse_user_optimizer(self, args, kwargs) -> None:
+        try:
+            given = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return  # the Trainer's own __init__ names the bad argument
+        optimizer, scheduler = given.get("optimizers") or (None, None)
+        refuse_user_optimizer(optimizer, scheduler, given.get("optimizer_cls_and_kwargs"))
 
     def _zo_patch_accelerator(self) -> None:
         backward = self.accelerator.backward
