@@ -233,7 +233,7 @@ def _check_output_dir(out, metrics):
 
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "zero_offload"])
 def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys):
-    caplog.set_level(logging.WARNING, logger="hf_zero_offload")
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")  # the start line is INFO
     # the legacy command line's --gradient_checkpointing (Transformers 5 warns: renamed activation_checkpointing)
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
     out = tmp_path / "out"
@@ -264,7 +264,7 @@ def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys
 def test_finetune_on_the_simulated_gpu_path_equals_cpu(tmp_path, synth_dir, monkeypatch, caplog):
     """The whole legacy command (train with DPU, evaluate, predict with generate, save) with the engine's
     GPU code path on the stream simulator: the same metrics as the plain CPU path, to the last digit."""
-    caplog.set_level(logging.WARNING, logger="hf_zero_offload")
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")  # the start line is INFO
     cfg = tmp_path / "dpu.json"
     with open(os.path.join(CONFIGS, "ds_config_1gpu.json")) as f:
         ds = json.load(f)

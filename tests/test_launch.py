@@ -30,9 +30,9 @@ def test_torchrun_on_cpu_without_use_cpu_stops_with_one_line(tmp_path):
     assert not os.path.exists(tmp_path / "bad" / "checkpoint-2")
     good = _torchrun(tmp_path / "good", "--use_cpu")
     assert good.returncode == 0, good.stderr[-3000:]
-    starts = [ln for ln in good.stderr.splitlines() if "rank(s) backend=" in ln]
+    starts = [ln for ln in good.stderr.splitlines() if " ranks=" in ln and "backend=" in ln]
     assert len(starts) == 2 and all(ln.startswith("INFO") for ln in starts)  # one per rank, at INFO
-    assert "2 rank(s) backend=gloo device=cpu" in starts[0] and "dtype=float32" in starts[0]
+    assert "ranks=2 backend=gloo device=cpu" in starts[0] and "dtype=float32" in starts[0]
 
 
 def _args(tmp_path, **kw):
@@ -44,9 +44,9 @@ def _args(tmp_path, **kw):
 def test_start_line_is_info_with_ranks_backend_device_and_dtype(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="hf_zero_offload")
     ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, bf16=True), train_dataset=ToyDataset()).train()
-    (start,) = [r for r in caplog.records if "rank(s) backend=" in r.getMessage()]
+    (start,) = [r for r in caplog.records if "ranks=" in r.getMessage() and "backend=" in r.getMessage()]
     assert start.levelno == logging.INFO
-    assert "1 rank(s) backend=none device=cpu dtype=bfloat16 engine=OffloadAdam" in start.getMessage()
+    assert "ranks=1 backend=none device=cpu dtype=bfloat16 engine=OffloadAdam" in start.getMessage()
 
 
 @pytest.mark.parametrize("fp16", [True, False])
