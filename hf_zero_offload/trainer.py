@@ -3,7 +3,9 @@
 ``ZeroOffloadMixin`` goes before any ``transformers.Trainer`` subclass in the bases. With
 ``--zero_offload ds_config.json`` (or ``--sharded_ddp``) it:
 
-- resolves the config against the TrainingArguments ("auto" values, one error listing mismatches);
+- checks, at ``__init__`` and before any model work, the whole config against the TrainingArguments
+  ("auto" values, one error listing mismatches), the launch (torchrun's WORLD_SIZE vs the ranks the
+  Trainer sees), that no optimizer of the user's was passed, and takes the output_dir's run lock;
 - builds the engine in ``create_optimizer`` from the Trainer's own parameter grouping (no weight
   decay for biases and norms) and keeps the model in the training dtype on the device;
 - owns loss scaling: Accelerate runs without mixed precision (no autocast, no GradScaler), the
@@ -12,6 +14,10 @@
 - logs ``grad_norm`` (the engine's, before clipping) and ``loss_scale``;
 - saves the optimizer state per rank under ``checkpoint-N/zero_offload/`` atomically and loads it
   back on ``--resume_from_checkpoint``.
+
+With or without ``zero_offload``, the classes here write a completion marker last into every checkpoint,
+resume only from complete ones (``True``: the newest complete one), and log what a resume restored or drops
+(see :mod:`hf_zero_offload.resume`).
 """
 from __future__ import annotations
 
@@ -346,7 +352,8 @@ class ZeroOffloadMixin:
             return
         has_optimizer = any(os.path.isfile(os.path.join(checkpoint, n)) for n in ("optimizer.pt", "optimizer.bin"))
         if self._zo_raw is None:
-            dropped = None if has_optimizer else resume.dropped_state_message(checkpoint, STATE_DIR, "no --zero_offload")
+            dropped = None if has_optimizer else resume.dropped_state_message(checkpoint, STATE_DIR,
+                                                                              "no --zero_offload")
             if dropped:
                 logger.warning(dropped)
             elif has_optimizer and not os.path.isfile(os.path.join(checkpoint, _SCHEDULER_NAME)):

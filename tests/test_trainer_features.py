@@ -30,7 +30,7 @@ def test_scheduler_types_match_the_plain_trainer(tmp_path, sched):
     plateau = {"patience": 0, "factor": 0.5, "threshold": 1.0}
     greedy = {"patience": 1, "factor": 0.5, "cooldown": 0, "warmup": 0, "min_lr": 1e-5}
     kw = dict(lr_scheduler_type=sched, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4,
-              max_grad_norm=0.0, lr_scheduler_kwargs={"reduce_lr_on_plateau": plateau, "greedy": greedy}.get(sched, {}))
+              max_steps=4, max_grad_norm=0.0, lr_scheduler_kwargs={"reduce_lr_on_plateau": plateau, "greedy": greedy}.get(sched, {}))
     ref_model = tiny_t5()
     ref = Seq2SeqTrainer(model=ref_model, args=_args(tmp_path, "ref", optim="adamw_torch", **kw),
                          train_dataset=ToyDataset(), eval_dataset=ToyDataset(8, seed=1))
