@@ -75,7 +75,7 @@ def cpu_params(name: str) -> dict:
 
 
 def cpu_engine(name: str) -> list[dict]:
-    from hf_zero_offload.engine.offload import OffloadAdam, OffloadOptions
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
     out = []
     config = trace.load_config(MODELS / f"{name}.json")
@@ -122,7 +122,7 @@ def cpu_activations(name: str, batches, seq_len: int, tgt_len: int) -> list[dict
 # -- GPU tier (untested: no GPU on the build machine) -------------------------------------------------
 def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, steps: int = 3) -> dict:
     """max_memory_allocated over steps 2..steps of real training on cuda:0, vs the planner."""
-    from hf_zero_offload.engine.offload import OffloadAdam, OffloadOptions
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
     dev = torch.device("cuda", 0)
     config = trace.load_config(MODELS / f"{name}.json")

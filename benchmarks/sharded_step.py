@@ -62,7 +62,7 @@ def _measure(rank, world, args, name):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hf_zero_offload.engine import OffloadOptions
-    from hf_zero_offload.engine.sharding import ShardedAdam
+    from hf_zero_offload.engine import ShardedAdam
 
     model = _model(args)
     n = sum(p.numel() for p in model.parameters())

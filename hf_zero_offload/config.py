@@ -39,9 +39,11 @@ lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0; WarmupLR 0 -> 1e-3 over 1
 Always: stage 0, no offload, pin_memory true, overlap_comm false, contiguous_gradients true, reduce_scatter true,
 allgather_partitions true, round_robin_gradients false, both bucket sizes 5e8, steps_per_print 10. A missing
 "optimizer" block gives ``optimizer=None`` (the Trainer's AdamW from TrainingArguments); a missing "scheduler" gives
-``scheduler=None`` (the Trainer's own scheduler). ``"type": "Adam"`` is AdamW unless ``adam_w_mode`` is false.
+``scheduler=None`` (the Trainer's own scheduler). ``"type": "Adam"`` is AdamW unless ``adam_w_mode`` is false;
+``"type": "AdamW"`` is AdamW whatever ``adam_w_mode`` says (DeepSpeed's rule; a false one is logged).
 
-Accepted and ignored (type-checked, no effect): zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
+Accepted without effect (type-checked; the start log names those a config sets): overlap_comm,
+contiguous_gradients, allgather_partitions, round_robin_gradients, steps_per_print, wall_clock_breakdown, and: zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
 memory_breakdown, dump_state, dataloader_drop_last, checkpoint{...} (transformers writes use_node_local_storage),
 bf16.immediate_grad_update / check_grad_overflow, optimizer.params.torch_adam (any bool),
 scheduler.params.last_batch_iteration, zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
@@ -66,12 +68,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .config_schema import AUTO, ConfigError, validate
+
+logger = logging.getLogger("hf_zero_offload")
 
 __all__ = ["FP16Config", "OptimizerConfig", "SchedulerConfig", "DPUConfig", "ZeroConfig", "TrainingConfig",
            "ArgsView", "ConfigError", "load_config", "resolve"]
@@ -214,6 +219,20 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
         raise ConfigError(f"{source}: invalid JSON: {e}") from None
 
 
+class Checked(NamedTuple):
+    """A ds_config read and validated once (normalised; ``resolve`` takes it without a second pass);
+    ``no_effect``: the keys given that change nothing here (the start log names them)."""
+    cfg: dict
+    source: str
+    no_effect: list
+
+
+def check(path_or_dict: Any) -> Checked:
+    raw, source = _read(path_or_dict)
+    ignored: list = []
+    return Checked(validate(raw, source, ignored), source, ignored)
+
+
 def load_config(path_or_dict: Any) -> dict:
     """Read (when given a path) and validate a ds_config; return the raw dict, unchanged."""
     raw, source = _read(path_or_dict)
@@ -309,7 +328,11 @@ class _Resolver:
                           (0.9, 0.999))
         eps = self.take(p + "eps", a and a.adam_epsilon, "--adam_epsilon", 1e-8)
         wd = self.take(p + "weight_decay", a and a.weight_decay, "--weight_decay", 0.0)
-        w_mode = opt["type"] == "AdamW" or opt.get("params", {}).get("adam_w_mode", True)
+        given = opt.get("params", {}).get("adam_w_mode")  # DeepSpeed reads it for "Adam" only
+        w_mode = opt["type"] == "AdamW" or given is not False
+        if opt["type"] == "AdamW" and given is False:
+            logger.warning('%s: "type": "AdamW" with adam_w_mode=false runs AdamW (decoupled weight decay), as in '
+                           'DeepSpeed; for L2-style decay use "type": "Adam"', self.source)
         return OptimizerConfig(opt["type"], float(lr), (float(betas[0]), float(betas[1])), float(eps), float(wd),
                                bool(w_mode))
 
@@ -382,6 +405,7 @@ class _Resolver:
 
 
 def resolve(raw_or_path: Any, args: ArgsView | None = None) -> TrainingConfig:
-    """Validate a ds_config (path or dict) and resolve it, with ``"auto"`` taken from ``args``."""
-    raw, source = _read(raw_or_path)
-    return _Resolver(validate(raw, source), args, source).run()
+    """Validate a ds_config (path, dict, or ``Checked``: validated already) and resolve it, with ``"auto"``
+    taken from ``args``."""
+    checked = raw_or_path if isinstance(raw_or_path, Checked) else check(raw_or_path)
+    return _Resolver(checked.cfg, args, checked.source).run()

@@ -227,7 +227,19 @@ def _unknown(source: str, path: str, key: str, table: dict[str, Spec]) -> Config
                        + ", ".join(k for k, s in table.items() if s.kind == "use"))
 
 
-def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str) -> dict:
+# Keys of kind "use" that are read into TrainingConfig but change nothing in hf_zero_offload: the start
+# log lists them when a config sets them, with the reason.
+NO_EFFECT = {
+    "zero_optimization.overlap_comm": "communication always overlaps backward where the device allows it",
+    "zero_optimization.contiguous_gradients": "gradients always go to one flat store",
+    "zero_optimization.allgather_partitions": "updated shards are always all-gathered",
+    "zero_optimization.round_robin_gradients": "shards are equal flat slices",
+    "steps_per_print": "use TrainingArguments --logging_steps",
+    "wall_clock_breakdown": "use benchmarks/ or torch.profiler",
+}
+
+
+def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored: list | None = None) -> dict:
     out: dict[str, Any] = {}
     for key in sorted(node, key=lambda k: k not in _FIRST):
         value, path = node[key], f"{prefix}{key}"
@@ -249,7 +261,7 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str) -> dict:
         if spec.children is not None:
             if not isinstance(value, dict):
                 raise _err(source, path, f"expected an object, got {value!r}")
-            sub = _walk(value, spec.children, path + ".", source)
+            sub = _walk(value, spec.children, path + ".", source, ignored)
         else:
             try:
                 sub = spec.check(value)
@@ -259,14 +271,17 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str) -> dict:
                 raise _err(source, path, f"{value!r} is not supported by hf_zero_offload: {e}") from None
         if spec.kind == "use":
             out[key] = sub
+        if ignored is not None and (spec.kind == "ignore" or path in NO_EFFECT):
+            ignored.append(path)
     return out
 
 
-def validate(raw: Any, source: str) -> dict:
-    """Check ``raw`` against the tables; return a normalised copy (ignored keys dropped, "auto" kept)."""
+def validate(raw: Any, source: str, ignored: list | None = None) -> dict:
+    """Check ``raw`` against the tables; return a normalised copy (ignored keys dropped, "auto" kept).
+    ``ignored``: receives the paths of the keys given that have no effect (for the start log)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object, got {type(raw).__name__}")
-    cfg = _walk(raw, TOP, "", source)
+    cfg = _walk(raw, TOP, "", source, ignored)
     if "bf16" in cfg and "bfloat16" in cfg:
         raise _err(source, "bfloat16", 'legacy spelling of "bf16"; give only one of them')
     if "bfloat16" in cfg:
@@ -276,10 +291,6 @@ def validate(raw: Any, source: str) -> dict:
     for name in ("optimizer", "scheduler"):
         if name in cfg and "type" not in cfg[name]:
             raise _err(source, f"{name}.type", "required when the '" + name + "' block is given")
-    opt = cfg.get("optimizer", {})
-    if opt.get("type") == "AdamW" and opt.get("params", {}).get("adam_w_mode") is False:
-        raise _err(source, "optimizer.params.adam_w_mode",
-                   'false contradicts "type": "AdamW"; use "type": "Adam" for L2-style weight decay')
     sched = cfg.get("scheduler", {})
     if sched.get("type") == "WarmupLR" and "total_num_steps" in sched.get("params", {}):
         raise _err(source, "scheduler.params.total_num_steps", "only used by WarmupDecayLR; remove it")

@@ -5,7 +5,7 @@ row per training configuration, per rank:
 
 - model states on the device and on the host: one documented function per configuration below
   (``states_*``); every row our engines run calls the engine's own plan (``plan_host_memory`` for
-  ``OffloadAdam``, ``sharding_plan.plan_for`` for ``ShardedAdam``), so the planner and the engines
+  ``OffloadAdam``, ``sharded.plan.plan_for`` for ``ShardedAdam``), so the planner and the engines
   cannot disagree about what they allocate (tested region by region on 2 ranks);
 - activations: measured, not guessed, by tracing one forward + backward of the model built on the
   meta device (``planner_trace``), in the dtype the configuration trains in;
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .engine.buffers import plan_host_memory
-from .engine.offload import OffloadOptions
-from .engine.sharding_plan import plan_for
+from .engine.options import OffloadOptions
+from .engine.sharded.plan import plan_for
 from . import planner_trace as trace
 
 GiB = 2 ** 30

@@ -17,7 +17,7 @@ import re
 import time
 
 from .config_schema import ConfigError
-from .engine.checkpoint import atomic_open, read_header
+from .engine.checkpoint import atomic_open, read_header, remove_stale_temporaries
 
 MARKER = "hzo_complete.json"
 TRAINER_STATE = "trainer_state.json"
@@ -185,21 +185,10 @@ def target(requested, output_dir: str) -> tuple[str, str, list[str]]:
     return str(requested), state, notes
 
 
-_TEMP = re.compile(r"\.tmp\.\d+$")
-
-
 def remove_stale_temp_files(output_dir: str) -> list[str]:
-    """Delete the ``<name>.tmp.<pid>`` files that atomic writes leave behind when their writer is killed.
-    Call it only while holding the output_dir's run lock, before this run's first save: then no live process
-    can be writing any of them."""
+    """The temporaries of killed writers anywhere under ``output_dir`` (every checkpoint, not only the ones
+    written again): :func:`engine.checkpoint.remove_stale_temporaries` on each directory."""
     removed = []
-    for root, _, files in os.walk(output_dir):
-        for name in files:
-            if _TEMP.search(name):
-                path = os.path.join(root, name)
-                try:
-                    os.unlink(path)
-                    removed.append(path)
-                except FileNotFoundError:
-                    pass
+    for root, _, _ in os.walk(output_dir):
+        removed += remove_stale_temporaries(root)
     return removed

@@ -35,9 +35,11 @@ from transformers.trainer_utils import rotate_checkpoints
 from . import ops, resume
 from .consolidate import write_param_names
 from .args_view import args_view, early_view
-from .config import TrainingConfig, load_config, resolve
-from .engine import OffloadAdam, OffloadOptions
+from .config import TrainingConfig, check, resolve
+from .engine import OffloadOptions, ShardOptions, factory
+from .engine.core import AdamCore
 from .engine.checkpoint import atomic_path
+from .accelerator_patch import patch_accelerator
 from .launch_checks import check_world_size, refuse_user_optimizer, warn_fp16_on_cpu
 from .run_lock import RunLock, take_job_lock
 from .schedulers import build_scheduler
@@ -80,13 +82,16 @@ class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffload
     pass
 
 
-def engine_options(cfg: TrainingConfig) -> OffloadOptions:
+def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
+    """The resolved config as the engine's typed options."""
     z = cfg.zero
-    return OffloadOptions(
+    options = OffloadOptions(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.gradient_clipping,
-        fp16=dict(vars(cfg.fp16)) if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size,
-        pin_memory=z.pin_memory, dpu=z.delayed_param_update.enabled,
-        dpu_warmup_steps=z.delayed_param_update.warmup_steps)
+        fp16=cfg.fp16 if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
+        dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps)
+    shard = ShardOptions(stage=z.stage, offload=z.offload, allgather_bucket_numel=z.allgather_bucket_size,
+                         reduce_scatter=z.reduce_scatter)
+    return options, shard
 
 
 def training_dtype(cfg: TrainingConfig) -> torch.dtype:
@@ -100,16 +105,9 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict], cfg: Training
         lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, adamw_mode=True)
     if opt is not None:  # the config's weight decay replaces the Trainer's for the decayed group
         param_groups = [{**g, "weight_decay": opt.weight_decay if g["weight_decay"] else 0.0} for g in param_groups]
-    dtype = training_dtype(cfg)
-    options = engine_options(cfg)
-    sharded = args.world_size > 1 and (cfg.zero.stage >= 1 or args.sharded_ddp)
-    if sharded or not cfg.zero.offload:
-        from .engine.sharding import ShardedAdam
-
-        stage = cfg.zero.stage or 2
-        return ShardedAdam(param_groups, param_dtype=dtype, options=options, stage=stage, offload=cfg.zero.offload,
-                           allgather_bucket_numel=cfg.zero.allgather_bucket_size, **hyper)
-    return OffloadAdam(param_groups, param_dtype=dtype, options=options, **hyper)
+    options, shard = engine_options(cfg)
+    return factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
+                                param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
 
 
 class ZeroOffloadMixin:
@@ -124,13 +122,12 @@ class ZeroOffloadMixin:
         self._zo_lock: RunLock | None = None
         if targs is not None and (getattr(targs, "zero_offload", None) is not None or getattr(targs, "sharded_ddp", False)):
             raw = targs.zero_offload if targs.zero_offload is not None else {"zero_optimization": {"stage": 2}}
-            self._zo_raw = load_config(raw)  # fail fast on unknown keys, before any model work
-            self._zo_source = raw if isinstance(raw, str) else "<dict>"
+            self._zo_raw = check(raw)  # validated once: fail fast on unknown keys, before any model work
             self._zo_precision = (bool(targs.fp16), bool(targs.bf16))
             # The whole config, resolved against the arguments, before any model work (values that depend
             # on a step count not known yet are checked again at train start).
-            resolve(raw, early_view(targs, self._zo_raw, *self._zo_precision,
-                                     kwargs.get("model", args[0] if args else None)))
+            resolve(self._zo_raw, early_view(targs, self._zo_raw.cfg, *self._zo_precision,
+                                             kwargs.get("model", args[0] if args else None)))
             check_world_size(targs)
             self._zo_refuse_user_optimizer(args, kwargs)
             self._zo_take_lock(targs)
@@ -149,7 +146,7 @@ class ZeroOffloadMixin:
         if targs is not None:
             warn_fp16_on_cpu(targs, bool(targs.fp16))
         if self._zo_raw is not None:
-            self._zo_patch_accelerator()
+            patch_accelerator(self.accelerator, lambda: self.zero_engine)
 
     def _zo_refuse_user_optimizer(self, args, kwargs) -> None:
         try:
@@ -158,46 +155,6 @@ class ZeroOffloadMixin:
             return  # the Trainer's own __init__ names the bad argument
         optimizer, scheduler = given.get("optimizers") or (None, None)
         refuse_user_optimizer(optimizer, scheduler, given.get("optimizer_cls_and_kwargs"))
-
-    def _zo_patch_accelerator(self) -> None:
-        backward = self.accelerator.backward
-
-        def scaled_backward(loss, **kw):
-            engine = self.zero_engine
-            return backward(engine.scale_loss(loss) if engine is not None else loss, **kw)
-
-        self.accelerator.backward = scaled_backward
-        prepare_model = self.accelerator.prepare_model
-
-        def prepare_without_ddp(model, device_placement=None, evaluation_mode=False):
-            # No DDP wrapper: the engine reduces (or reduce-scatters) gradients itself, and a DDP
-            # all-reduce on top would double the reduction. evaluation_mode skips only the wrapping.
-            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-
-        self.accelerator.prepare_model = prepare_without_ddp
-        prepare_optimizer = self.accelerator.prepare_optimizer
-
-        def prepare_in_place(optimizer, device_placement=None):
-            # Accelerate's device placement round-trips state_dict() through the accelerator's
-            # device: a full copy of the fp32 masters and moments (12 B/param) on the GPU. Our
-            # state stays where the engine put it.
-            wrapped = prepare_optimizer(optimizer, device_placement=False)
-            step = wrapped.step
-
-            def step_reporting_skips(*a, **kw):
-                out = step(*a, **kw)
-                # An fp16 overflow step is skipped by the engine. Accelerate's step_was_skipped (read by
-                # the Trainer before it steps the LR schedule) reports its own GradScaler's skips from
-                # this flag; setting it leaves the scheduler unwrapped, so transformers still sees its
-                # type (ReduceLROnPlateau / GreedyLR step on metrics, not here).
-                engine = self.zero_engine
-                wrapped._is_overflow = bool(engine is not None and engine.last.skipped)
-                return out
-
-            wrapped.step = step_reporting_skips
-            return wrapped
-
-        self.accelerator.prepare_optimizer = prepare_in_place
 
     def _zo_take_lock(self, targs) -> None:
         if targs.output_dir:
@@ -208,13 +165,13 @@ class ZeroOffloadMixin:
     def zero_engine(self):
         opt = getattr(self, "optimizer", None)
         opt = getattr(opt, "optimizer", opt)  # unwrap Accelerate's AcceleratedOptimizer
-        return opt if isinstance(opt, OffloadAdam) or type(opt).__name__ == "ShardedAdam" else None
+        return opt if isinstance(opt, AdamCore) else None
 
     def _zo_resolve(self) -> TrainingConfig:
         max_steps = getattr(getattr(self, "state", None), "max_steps", 0) or None
         fp16, bf16 = self._zo_precision
         view = args_view(self.args, fp16=fp16, bf16=bf16, max_steps=max_steps, model=self.model)
-        return resolve(self._zo_raw if self._zo_source == "<dict>" else self._zo_source, view)
+        return resolve(self._zo_raw, view)
 
     def create_optimizer(self, model=None):
         if self._zo_raw is None or self.optimizer is not None:
@@ -230,6 +187,9 @@ class ZeroOffloadMixin:
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         self._zo_log_start(cfg)
+        if self._zo_raw.no_effect:
+            logger.warning("hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config_schema."
+                           "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
         return self.optimizer
 
     def _zo_log_start(self, cfg: TrainingConfig) -> None:

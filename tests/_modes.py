@@ -4,7 +4,7 @@ The same equivalence tests run in every mode. ``sim-lazy`` defers copies and hel
 someone waits for them; ``sim-eager`` runs helper work at once while copies stay deferred. In both the
 host runs ahead of the device: the compute stream's waits complete only when compute next runs (a
 module's forward, or a copy the engine queues on it). ``cuda`` is the real thing (marked, skipped
-without a GPU).
+without a GPU). The ``mode`` fixture that runs a test in each is in ``conftest.py``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hf_zero_offload.engine.simstreams import SimStreams
+from hf_zero_offload.engine.streams import SimStreams
 
 
 @dataclass
@@ -63,16 +63,3 @@ ALL = [
 def make_mode(param) -> Mode:
     name, sim = param
     return Mode(name, torch.device("cuda" if name == "cuda" else "cpu"), sim)
-
-
-@pytest.fixture(params=ALL)
-def mode(request):
-    """Yields a Mode; in simulator modes a global forward pre-hook lets the compute stream run."""
-    mode = make_mode(request.param)
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(mode._compute_runs)
-    before = torch.are_deterministic_algorithms_enabled()
-    if mode.device.type == "cuda":
-        torch.use_deterministic_algorithms(True, warn_only=True)  # bit-exact comparisons between GPU runs
-    yield mode
-    torch.use_deterministic_algorithms(before)
-    handle.remove()

@@ -17,7 +17,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from _models import TinyNet, batches, delayed_update_reference, loss_fn, param_groups  # noqa: E402
-from _modes import mode  # noqa: E402,F401 - the fixture
 from hf_zero_offload.engine import LossScaler, OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
 
 LR, WD = 1e-2, 0.1

@@ -23,7 +23,7 @@ from _models import TinyNet, batches, loss_fn, param_groups  # noqa: E402
 from _modes import ALL, Mode, make_mode  # noqa: E402
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions  # noqa: E402
 from hf_zero_offload.engine.buffers import PINNED_REGIONS  # noqa: E402
-from hf_zero_offload.engine.simstreams import SimStreams  # noqa: E402
+from hf_zero_offload.engine.streams import SimStreams  # noqa: E402
 
 DEV = torch.device("cuda")
 LR, WD = 1e-2, 0.1
@@ -226,7 +226,7 @@ def test_simulator_turns_each_missing_wait_into_wrong_numbers(mutate, opts, sim)
 
 
 def _sharded_offload_params(streams):
-    from hf_zero_offload.engine.sharding import ShardedAdam
+    from hf_zero_offload.engine import ShardedAdam
     torch.manual_seed(0)
     model = TinyNet()
     opt = ShardedAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(bucket_numel=1200, tile_numel=300),

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from _kernels import LEVELS, restore_simd  # noqa: F401  (fixture)
+from _kernels import LEVELS
 
 from hf_zero_offload import ops
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernels import GRAD_DTYPES, LEVELS, restore_simd, simd  # noqa: F401  (fixtures)
+from _kernels import GRAD_DTYPES, LEVELS
 from _kernels import dtname as _dtname
 
 from hf_zero_offload import ops

@@ -14,7 +14,7 @@ import torch
 
 from hf_zero_offload import cli, planner
 from hf_zero_offload import planner_trace as trace
-from hf_zero_offload.engine.offload import OffloadAdam, OffloadOptions
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
@@ -101,7 +101,7 @@ SHARDED_ROWS = {"zero2_offload": dict(stage=2, offload=True), "zero2": dict(stag
 
 def _sharded_allocation_job(rank, world, config: dict, bucket: int):
     """What ShardedAdam really allocates per rank for t5-tiny (one param group, model order)."""
-    from hf_zero_offload.engine.sharding import ShardedAdam
+    from hf_zero_offload.engine import ShardedAdam
 
     out = {}
     for name, cfg in SHARDED_ROWS.items():

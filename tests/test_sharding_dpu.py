@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _dist import run_distributed
 from _models import TinyNet, delayed_update_reference, loss_fn, param_groups
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
-from hf_zero_offload.engine.sharding import ShardedAdam
-from hf_zero_offload.engine.simstreams import SimStreams
+from hf_zero_offload.engine import ShardedAdam
+from hf_zero_offload.engine.streams import SimStreams
 from test_sharding import GATHER, LR, SMALL, WD, flat_params, rank_data, train
 
 SIMS = {"cpu": None, "sim-lazy": dict(executor="lazy"), "sim-eager": dict(executor="eager")}
@@ -140,8 +140,7 @@ def test_resume_in_the_middle_of_a_delayed_run_is_bit_exact(tmp_path):
     model = TinyNet()
     model.load_state_dict(r0["state5"])
     opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL))
-    from hf_zero_offload.engine.sharding_ckpt import load_into_offload
-    load_into_offload(opt, str(tmp_path / "ckpt"))
+    opt.load_checkpoint(str(tmp_path / "ckpt"))
     assert not opt.needs_publish
     for g in opt._slots:
         for p, off, n in g:

@@ -173,7 +173,7 @@ def test_delayed_param_update_through_the_trainer(tmp_path):
                                    "delayed_param_update": {"enabled": True, "warmup_steps": 2}}],
                          ids=["sync", "dpu"])
 def test_simulated_gpu_pipeline_through_the_trainer(tmp_path, monkeypatch, zero):
-    """The GPU code path (staging, deferred copies, events; engine/simstreams.py) under the Trainer,
+    """The GPU code path (staging, deferred copies, events; engine/streams/sim.py) under the Trainer,
     with evaluation in the middle of training, equals the plain CPU path bit for bit."""
     kw = dict(zero_offload={"zero_optimization": zero}, max_steps=6, gradient_accumulation_steps=2,
               eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4)

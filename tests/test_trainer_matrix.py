@@ -78,14 +78,7 @@ def runs(tmp_path_factory):
     return base, out
 
 
-# Engine loads that the engine does not offer yet (issue 12, the engine's side): a sharded state into the
-# one-process offload engine, and a ZeRO-2-without-offload state into it.
-_PENDING = {"2to1-offload-dpu-bf16", "1to1-z2-to-offload-bf16"}
-
-
-@pytest.mark.parametrize("cell", [pytest.param(c, marks=pytest.mark.xfail(
-    strict=True, raises=(FileNotFoundError, ValueError), reason="the offload engine loads only its own format"))
-    if c in _PENDING else c for c in CELLS])
+@pytest.mark.parametrize("cell", list(CELLS))
 def test_resume_matrix(runs, cell, caplog):
     base, out = runs
     saved, resumed, dtype, expect = CELLS[cell]

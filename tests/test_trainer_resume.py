@@ -55,7 +55,7 @@ def test_checkpoints_carry_the_marker_written_last(full):
         ckpt = out / f"checkpoint-{step}"
         marker = json.loads((ckpt / resume.MARKER).read_text())
         assert marker["complete"] and marker["step"] == step and marker["world_size"] == 1
-        assert marker["engine"]["format"] == "hf_zero_offload.offload/1" and marker["engine"]["dtype"] == "float32"
+        assert marker["engine"]["format"] == "hf_zero_offload.state/2" and marker["engine"]["dtype"] == "float32"
         newest = max(os.path.getmtime(p) for p in ckpt.rglob("*") if p.name != resume.MARKER)
         assert os.path.getmtime(ckpt / resume.MARKER) >= newest
     assert not (out / LOCK_NAME).exists()  # released when train() returned
@@ -120,7 +120,7 @@ def test_resume_logs_one_line_of_what_it_restored(full, tmp_path, caplog):
     assert _same(model, full[1])
     (line,) = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
     assert "checkpoint-2 (step 2, complete)" in line
-    assert "hf_zero_offload.offload/1 saved by 1 rank(s), loaded on 1" in line and "dtype float32 -> float32" in line
+    assert "hf_zero_offload.state/2 saved by 1 rank(s), loaded on 1" in line and "dtype float32 -> float32" in line
 
 
 def test_missing_scheduler_file_is_a_warning_with_the_learning_rates(full, tmp_path, caplog):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import ops
 from .memory_limits import check_host_ram
 
 _ALIGN = 4096
@@ -49,6 +50,20 @@ def store_dtype(param_dtypes: set, gradient_accumulation_steps: int) -> torch.dt
     if gradient_accumulation_steps == 1 and len(param_dtypes) == 1:
         return next(iter(param_dtypes))
     return torch.float32
+
+
+def write_grad(dst: torch.Tensor, src: torch.Tensor, *, first: bool, num_threads: int | None = None) -> None:
+    """The one writer into a host gradient store (both engines): an fp32 store sums the micro-batches
+    of a step (the first overwrites), a 16-bit store holds one gradient per step."""
+    if dst.dtype == torch.float32:
+        ops.accumulate_grad(dst, src, overwrite=first, num_threads=num_threads)
+    elif not first:
+        raise RuntimeError(
+            "a parameter received a second gradient before step(): with gradient_accumulation_steps=1 "
+            "the engine keeps one 16-bit gradient per step; set gradient_accumulation_steps to the "
+            "number of backward passes per step")
+    else:
+        dst.copy_(src)
 
 
 def plan_host_memory(numel: int, *, param_dtype: torch.dtype, grad_dtype: torch.dtype | None = None,

@@ -35,6 +35,14 @@ class LossScaler:
         return cls(scale=float(2 ** initial_scale_power), dynamic=True, enabled=True, scale_window=loss_scale_window,
                    min_scale=float(min_loss_scale), hysteresis=hysteresis, cur_hysteresis=hysteresis)
 
+    @classmethod
+    def from_options(cls, fp16) -> "LossScaler":
+        """From ``OffloadOptions.fp16``: an object with ``from_fp16``'s keywords as fields (a dict of
+        them is accepted); None: no loss scaling."""
+        if fp16 is None:
+            return cls()
+        return cls.from_fp16(**(fp16 if isinstance(fp16, dict) else vars(fp16)))
+
     def scale_loss(self, loss):
         """The loss to call backward on: multiplied by the current scale (unchanged at scale 1)."""
         return loss * self.scale if self.scale != 1.0 else loss

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .buffers import write_grad
 from .streams import Streams
 
 _SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thread
@@ -20,13 +20,11 @@ _SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thr
 
 class GradPipeline:
     def __init__(self, slots: list[tuple[torch.nn.Parameter, int, int]], *, streams: Streams,
-                 buckets: torch.Tensor, staging: torch.Tensor | None, accumulate: bool,
-                 scatter_thread: bool | None = None):
+                 buckets: torch.Tensor, staging: torch.Tensor | None, scatter_thread: bool | None = None):
         self.streams = streams
         self.buckets = buckets            # [2, bucket_numel] on the device
         self.staging = staging            # [2, bucket_numel] pinned host (async copies) or None (CPU)
         self.bucket_numel = buckets.shape[1]
-        self.accumulate = accumulate      # fp32 store, summing micro-batches
         self.store: torch.Tensor | None = None   # flat host gradient store, set by the engine
         self.received: dict[int, int] = {}       # flat offset -> grads received in this window
         self._index = {}
@@ -113,16 +111,7 @@ class GradPipeline:
             seen = self.received.get(offset, 0)
             dst = self.store[offset:offset + numel]
             piece = src[boff:boff + numel]
-            threads = 1 if numel < _SMALL else None
-            if self.accumulate:
-                ops.accumulate_grad(dst, piece, overwrite=seen == 0, num_threads=threads)
-            elif seen:
-                raise RuntimeError(
-                    "a parameter received a second gradient before step(): with gradient_accumulation_steps=1 "
-                    "the engine keeps one 16-bit gradient per step; set gradient_accumulation_steps to the "
-                    "number of backward passes per step")
-            else:
-                dst.copy_(piece)
+            write_grad(dst, piece, first=seen == 0, num_threads=1 if numel < _SMALL else None)
             self.received[offset] = seen + 1
 
     # -- step side -----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 call); shared by the offload and the sharded engines."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,8 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
     return slots, offset, device
 
 
-def training_dtype(param_dtype: torch.dtype | None, fp16: dict | None, first: torch.nn.Parameter) -> torch.dtype:
+def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, first: torch.nn.Parameter) -> torch.dtype:
     """The dtype the device params train in: as asked, else fp16 with loss scaling, else the params' own."""
-    fp16_on = bool(fp16 and fp16.get("enabled"))
     dtype = param_dtype or (torch.float16 if fp16_on else first.dtype)
     if fp16_on and dtype != torch.float16:
         raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {dtype}")
@@ -72,3 +72,21 @@ def make_runs(groups: list[list[int]], slots: list[tuple], received: list[bool],
                 cur = Run(gi, off, off + n, step, [i])
                 runs.append(cur)
     return runs
+
+
+class FlatIndex:
+    """Which parameters a flat range touches (bisect over the sorted offsets)."""
+
+    def __init__(self, slots: list[tuple]):
+        self.slots = slots
+        self.offsets = [off for _, off, _ in slots]
+
+    def pieces(self, a: int, b: int):
+        """(param, its offset, lo, hi): the part [lo, hi) of [a, b) that lies in each parameter."""
+        i = max(bisect.bisect_right(self.offsets, a) - 1, 0)
+        for p, off, n in self.slots[i:]:
+            if off >= b:
+                break
+            lo, hi = max(a, off), min(b, off + n)
+            if hi > lo:
+                yield p, off, lo, hi

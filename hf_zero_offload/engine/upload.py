@@ -3,14 +3,15 @@
 Two modes. Synchronous steps write each Adam tile into one of two pinned staging tiles and upload it
 at once, so the next tile's compute overlaps this tile's copy. The delayed parameter update keeps a
 full-size staging (its step finishes while the device still runs on the previous parameters) and
-publishes it later, tile by tile, each tile with its own event.
+publishes it later, tile by tile, each tile with its own event. The targets are any flat tensors
+given as ``(tensor, offset, numel)`` slots: the model's parameters (``OffloadAdam``) or one rank's
+updated shard on the device (``ShardedAdam``, which all-gathers it next).
 """
 from __future__ import annotations
 
-import bisect
-
 import torch
 
+from .runs import FlatIndex
 from .streams import Streams
 
 
@@ -19,13 +20,21 @@ class ParamUploader:
                  *, full: bool, tile_numel: int):
         self.streams = streams
         self.slots = slots                       # flat order: (param, offset, numel)
-        self.offsets = [off for _, off, _ in slots]
+        self._index = FlatIndex(slots)
         self.staging = staging
         self.full = full
         self.tile_numel = tile_numel if full else staging.numel() // 2
-        self._tiles = None if full else staging.view(2, self.tile_numel)
+        self._tiles = None if full else staging[:2 * self.tile_numel].view(2, self.tile_numel)
         self._tile_events = [None, None]         # sync mode: last upload from each staging tile
         self._staging_events: dict[int, object] = {}  # full mode: staging tile index -> its last upload
+
+    def begin(self) -> None:
+        """Before a pass of uploads: the targets may still be read by kernels queued before it
+        (the forward, or the all-gather of the previous shard), so the copies are queued after
+        those. One wait covers the pass: what the copies must follow was queued before it."""
+        s = self.streams
+        if s.async_copies:
+            s.wait(s.h2d, s.event())
 
     def out_buffer(self, k: int, a: int, b: int) -> torch.Tensor:
         """Where the k-th Adam tile (flat range [a, b)) writes its updated params."""
@@ -58,6 +67,7 @@ class ParamUploader:
     def publish_all(self, numel: int) -> None:
         """Full mode: upload the whole staging, tile by tile, so the next step's worker may rewrite a
         tile as soon as that tile landed while later tiles are still in flight."""
+        self.begin()
         for k, a in enumerate(range(0, numel, self.tile_numel)):
             b = min(numel, a + self.tile_numel)
             self.upload(k, self.staging[a:b], a, b)
@@ -72,19 +82,6 @@ class ParamUploader:
     def _copy(self, src: torch.Tensor, a: int, b: int):
         """Copy ``src`` holding flat range [a, b) into the device parameters it covers."""
         s = self.streams
-        if s.async_copies:
-            # Parameters may still be read by kernels queued before the step: uploads wait for them.
-            s.wait(s.h2d, s.event())
-        for p, off, n in self._pieces(a, b):
-            lo, hi = max(a, off), min(b, off + n)
+        for p, off, lo, hi in self._index.pieces(a, b):
             s.copy(p.data.view(-1)[lo - off:hi - off], src[lo - a:hi - a], s.h2d)
         return s.event(s.h2d) if s.async_copies else None
-
-    def _pieces(self, a: int, b: int):
-        lo = bisect.bisect_right(self.offsets, a) - 1
-        for i in range(max(lo, 0), len(self.slots)):
-            p, off, n = self.slots[i]
-            if off >= b:
-                break
-            if off + n > a:
-                yield p, off, n

@@ -2,20 +2,16 @@
 
 The engine is written once against this small interface. On a GPU it is CUDA streams and events; on
 a CPU-only machine every copy is synchronous, so the orderings that streams and events enforce on a
-GPU hold trivially there. ``simstreams.SimStreams`` implements the same interface on the CPU with
+GPU hold trivially there. ``sim.SimStreams`` implements the same interface on the CPU with
 *deferred* copies, so the GPU code paths (staging buffers, events, waits) run in CI and a missing
 wait shows up as wrong numbers.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
-
-#: Testing aid: on a CPU-only device, run the GPU pipeline on simulated streams (deferred copies).
-SIMULATE_ENV = "HF_ZERO_OFFLOAD_SIMULATE_STREAMS"
 
 
 class Streams:
@@ -90,10 +86,3 @@ class Streams:
         init = (lambda: torch.cuda.set_device(self.device)) if self.cuda else None
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
 
-
-def make_streams(device: torch.device) -> Streams:
-    """Streams for ``device``; on a CPU device the simulator when ``HF_ZERO_OFFLOAD_SIMULATE_STREAMS=1``."""
-    if device.type == "cpu" and os.environ.get(SIMULATE_ENV, "0") not in ("", "0"):
-        from .simstreams import SimStreams
-        return SimStreams()
-    return Streams(device)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .buffers import HostPlan, plan_host_memory
-from .offload import OffloadOptions
-from .sharding_layout import Partition
-from .sharding_reduce import buffer_layout
+from ..buffers import HostPlan, plan_host_memory
+from ..options import OffloadOptions
+from .layout import Partition
+from .reduce import buffer_layout
 
 
 def make_plan(S: int, seg: int, buffer_numel: int, gchunk: int, world_size: int, *, param_dtype: torch.dtype,

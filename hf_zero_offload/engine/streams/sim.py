@@ -1,6 +1,6 @@
 """Simulated streams: the GPU pipeline's orderings, checked on a CPU.
 
-``SimStreams`` implements ``streams.Streams`` for CPU tensors with the adversarial timing a GPU is
+``SimStreams`` implements ``device.Streams`` for CPU tensors with the adversarial timing a GPU is
 allowed to have. Copies queued on a side stream (``d2h``, ``h2d``) are *deferred*: a copy runs only
 when something must see it complete (a host wait on a later event, a stream waiting on such an
 event, ``synchronize``). Executor work (the gradient scatter, the DPU step) is deferred likewise
@@ -29,7 +29,7 @@ from concurrent.futures import Executor, Future
 
 import torch
 
-from .streams import Streams
+from .device import Streams
 
 
 class SimStream:

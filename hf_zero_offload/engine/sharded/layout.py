@@ -1,4 +1,4 @@
-"""Index arithmetic for ``ShardedAdam``: the partition map, the gradient buckets, runs of parameters.
+"""Index arithmetic for ``ShardedAdam``: the partition map and the gradient buckets.
 
 Everything here is pure bookkeeping over the flat layout (trainable params in param-group order,
 ``offset`` = sum of the sizes before): no tensors are allocated and no collective is issued, so
@@ -6,7 +6,6 @@ every rank computes the same answers from the same model.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 
@@ -78,21 +77,3 @@ def make_buckets(slots: list[tuple], cap: int, padded_numel: int) -> list[Bucket
         buckets.append(cur)
     buckets[0].end = padded_numel  # bucket 0 holds the last parameter: the padding rides along, as zeros
     return buckets
-
-
-class FlatIndex:
-    """Which parameters a flat range touches (bisect over the sorted offsets)."""
-
-    def __init__(self, slots: list[tuple]):
-        self.slots = slots
-        self.offsets = [off for _, off, _ in slots]
-
-    def pieces(self, a: int, b: int):
-        """(param, its offset, lo, hi): the part [lo, hi) of [a, b) that lies in each parameter."""
-        i = max(bisect.bisect_right(self.offsets, a) - 1, 0)
-        for p, off, n in self.slots[i:]:
-            if off >= b:
-                break
-            lo, hi = max(a, off), min(b, off + n)
-            if hi > lo:
-                yield p, off, lo, hi

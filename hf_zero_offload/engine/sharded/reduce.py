@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from .. import ops
-from .sharding_layout import FlatIndex, Partition, make_buckets
-from .streams import Streams
+from ..buffers import write_grad
+from ..runs import FlatIndex
+from ..streams import Streams
+from .layout import Partition, make_buckets
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -242,12 +243,4 @@ class GradReducer:
             # The host reads the staging next (and the next delivery may rewrite it): wait for the copy.
             self.streams.host_wait(self.streams.event(torch.cuda.current_stream(self.streams.device)))
             src = stage
-        if dst.dtype == torch.float32:
-            ops.accumulate_grad(dst, src, overwrite=first, num_threads=self.num_threads)
-        elif not first:
-            raise RuntimeError(
-                "a parameter received a second gradient before step(): with gradient_accumulation_steps=1 "
-                "the engine keeps one 16-bit gradient per step; set gradient_accumulation_steps to the "
-                "number of backward passes per step")
-        else:
-            dst.copy_(src)
+        write_grad(dst, src, first=first, num_threads=self.num_threads)

@@ -1,0 +1,313 @@
+"""``AdamCore``: what every engine shares, written once.
+
+An engine is a ``torch.optim.Optimizer`` over the device parameters (LR schedulers work on its
+``param_groups``) that keeps fp32 masters and Adam moments for a *slice* [lo, hi) of the flat
+layout of the trainable parameters: the whole layout for ``OffloadAdam``, one rank's shard for
+``ShardedAdam``. The core owns:
+
+- the step outline: wait for this step's gradients (their squared norm, fp64, and which params got
+  one), ``decide_step`` (fp16 overflow skip, loss scale, clipping), then Adam over the slice;
+- the delayed parameter update (DPU): after its warm-up the Adam pass of step k runs on a worker
+  thread reading one of two gradient stores while backward k+1 fills the other; its parameters are
+  published at step k+1 (or ``flush``), before anything else touches the masters;
+- the Adam call on a range of the slice, ``_adam``: the one place that reads and writes moments;
+- the state: ``state_meta``/``state_tensors``, one state-file format (``checkpoint``) and one
+  checkpoint directory layout (``state_dir``) that any engine at any world size can load.
+
+A subclass supplies what differs: ``_gradients()`` (how gradients arrive and are summed),
+``_begin_window()`` (the next step's gradients go to ``self.store``), ``_after_update()`` (how the
+updated slice reaches the device synchronously), ``_publish_params()`` (same, for a DPU step) and
+``_publish_masters()`` (the parameters set from the masters, after loading a DPU state).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from .. import ops
+from . import state_dir
+from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
+from .options import OffloadOptions
+from .runs import Run, flat_layout, make_runs, training_dtype
+from .streams import Streams, make_streams
+
+STATE_FORMAT = "hf_zero_offload.state/2"
+
+
+class AdamCore(LossScaled, torch.optim.Optimizer):
+    stage: int | None = None      # ZeRO stage (None: one process holding everything)
+    offload: bool = True          # optimizer state and step on the CPU
+    world_size, rank = 1, 0
+
+    def __init__(self, params, *, lr: float, betas, eps: float, weight_decay: float, adamw_mode: bool,
+                 param_dtype: torch.dtype | None, options: OffloadOptions, streams: Streams | None):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
+        super().__init__(params, defaults)
+        self.options = options
+        self.scaler = LossScaler.from_options(options.fp16)
+        # per group: (param, flat offset, numel); ``_flat``: all of them in order; ``_groups``: indices
+        self._slots, self.numel, self.device = flat_layout(self.param_groups, type(self).__name__)
+        self._flat = [s for g in self._slots for s in g]
+        self._groups, first = [], 0
+        for g in self._slots:
+            self._groups.append(list(range(first, first + len(g))))
+            first += len(g)
+        self.param_dtype = training_dtype(param_dtype, options.fp16_enabled, self._flat[0][0])
+        # ``streams``: injected by tests (streams.SimStreams); by default the device's own.
+        self.streams = streams if streams is not None else make_streams(self.device)
+        self._param_steps = torch.zeros(len(self._flat), dtype=torch.int64)  # AdamW's per-param step
+        self.global_steps = 0        # step() calls, skipped ones included (the DPU warm-up counts these)
+        self.needs_publish = False   # DPU: the masters are one step ahead of the device parameters
+        self.last = StepResult(False, 0.0, self.scaler.scale)
+        self._worker = self.streams.executor("hzo-dpu") if options.dpu else None
+        self._pending: Future | None = None
+        self._uploaded = None        # DPU: event of the worker's last upload (None: nothing to wait for)
+        self._prepared = None        # this step's (sumsq, received), computed once
+        self._divisor = 1            # the gradient store holds the sum over this many ranks
+        self._torch_adam = False     # Adam with torch's fused kernel on the device (ZeRO without offload)
+        self.uploader = None         # a ParamUploader when updated tiles go up through staging
+        self.mirror = None           # the slice in the training dtype, kept equal to the masters' rounding
+
+    # -- set up by the subclass once the arena exists ------------------------------------------
+    def _bind_state(self, regions: dict, lo: int, hi: int) -> None:
+        """The state of the slice [lo, hi) (padded regions may be longer) and its gradient stores."""
+        self.lo, self.hi = lo, hi
+        self.master, self.exp_avg, self.exp_avg_sq = regions["master"], regions["exp_avg"], regions["exp_avg_sq"]
+        # DPU: two gradient stores, the CPU step reads one while the next backward fills the other
+        self._stores = list(regions["grad_store"].view(2 if self.options.dpu else 1, -1).unbind(0))
+        self._store_index = 0
+        self.store = self._stores[0]
+
+    @torch.no_grad()
+    def _init_masters(self, index) -> None:
+        """Masters from the parameters as given (fp32 for a model about to be cast: casting first
+        and copying back would lose the low mantissa bits for good); then the cast."""
+        for t in (self.master, self.exp_avg, self.exp_avg_sq):
+            t.zero_()
+        lo = self.lo
+        for p, off, a, b in index.pieces(lo, self.hi):
+            self.master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
+        for p, _, _ in self._flat:
+            if p.dtype != self.param_dtype:
+                p.data = p.data.to(self.param_dtype)
+        self._sync_mirror()
+
+    def _sync_mirror(self) -> None:
+        # Params not updated in a DPU step are published from here: it must hold every parameter,
+        # rounded like the kernel rounds (nearest even).
+        if self.mirror is not None:
+            self.mirror.copy_(self.master[:self.mirror.numel()])
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        sumsq, received = self._prepare()
+        self._prepared = None
+        self.global_steps += 1
+        self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor)
+        # DPU: the delayed step in flight finishes and its parameters are published, whatever comes
+        # next (an overflow step is synchronous, a delayed step must not overwrite staging in use;
+        # sharded, the publish is a collective every rank issues here: the overflow flag is global)
+        self._wait_worker()
+        self._publish()
+        if grad_scale is None:  # fp16 overflow: skipped, masters and step counts untouched
+            self._begin_window()
+            return loss
+        runs = make_runs(self._groups, self._flat, received, self._param_steps.tolist())
+        for run in runs:
+            self._param_steps[run.slots] += 1
+        hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after
+        if self._worker is not None and self.global_steps > self.options.dpu_warmup_steps:
+            # This step's Adam runs on the worker while the device computes the next step on the
+            # parameters published just now (one step behind).
+            store = self.store
+            self._store_index ^= 1
+            self.store = self._stores[self._store_index]
+            self._begin_window()
+            self._pending = self._worker.submit(self._adam_pass, runs, store, grad_scale, hyper, True)
+            self.needs_publish = True
+        else:
+            self._adam_pass(runs, self.store, grad_scale, hyper, False)
+            self._after_update()
+            self._begin_window()
+        return loss
+
+    def _prepare(self) -> tuple[float, list[bool]]:
+        if self._prepared is None:
+            self._prepared = self._gradients()
+        return self._prepared
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of this step's (unscaled, averaged) gradients before clipping; inf on
+        overflow. Computed once per step (``step()`` reuses it), so the Trainer can log it first."""
+        return unscaled_norm(self.scaler, self._prepare()[0], self._divisor)
+
+    def _adam_pass(self, runs: list[Run], store: torch.Tensor, grad_scale: float, hyper: list[dict],
+                   delayed: bool):
+        """Adam over this slice's part of every run, gradients from ``store``. With an uploader the
+        slice goes tile by tile, each updated tile written in the training dtype to staging that is
+        uploaded at once (CPU compute overlaps the copy), except in a delayed step of a full-size
+        staging, which keeps the result until ``_publish``. Returns the event of the last upload of
+        a delayed step (None otherwise)."""
+        lo, hi, up = self.lo, self.hi, self.uploader
+        upload = up is not None and not (delayed and up.full)
+        if upload:
+            up.begin()
+        k = 0
+        for run in runs:
+            a, b = max(run.start, lo) - lo, min(run.end, hi) - lo
+            if b <= a:
+                continue
+            h = hyper[run.group]
+            if up is None:
+                self._adam(a, b, run.step, h, store[a:b], grad_scale, None if self.mirror is None else self.mirror[a:b])
+                continue
+            for t in range(a, b, up.tile_numel):
+                e = min(b, t + up.tile_numel)
+                out = up.out_buffer(k, t, e)
+                self._adam(t, e, run.step, h, store[t:e], grad_scale, out)
+                if upload:
+                    up.upload(k, out, t, e)
+                k += 1
+        if not upload:
+            return None
+        if delayed:
+            return self.streams.event(self.streams.h2d)  # the publish (main thread) waits for it
+        up.finish()
+        return None
+
+    def _adam(self, a: int, b: int, step: int, h: dict, grad: torch.Tensor, grad_scale: float,
+              out: torch.Tensor | None) -> None:
+        """Adam on [a, b) of the slice's state; ``out``: also the updated params in the training
+        dtype. The one call site of the optimizer kernels (moment storage is decided here)."""
+        master, m, v = self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b]
+        if self._torch_adam:
+            fused = torch._fused_adamw_ if h["adamw_mode"] else torch._fused_adam_
+            # torch.full, not torch.tensor: a fill kernel, no host-to-device copy that would wait for
+            # the device's queue on every run
+            fused([master], [grad], [m], [v], [], [torch.full((), float(step), device=master.device)],
+                  lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], weight_decay=h["weight_decay"],
+                  eps=h["eps"], amsgrad=False, maximize=False, found_inf=None,
+                  grad_scale=torch.full((), 1.0 / grad_scale, device=master.device))  # it divides
+            if out is not None:
+                out.copy_(master)
+            return
+        ops.adam_step(master, grad, m, v, step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
+                      eps=h["eps"], weight_decay=h["weight_decay"], adamw=h["adamw_mode"], grad_scale=grad_scale,
+                      param_out=out, num_threads=self.options.num_threads)
+
+    def _publish(self) -> None:
+        """DPU: the masters computed on the worker reach the device parameters."""
+        if self.needs_publish:
+            self._publish_params()
+            self.needs_publish = False
+
+    def _wait_worker(self) -> None:
+        if self._pending is not None:
+            self._uploaded = self._pending.result()  # re-raises a failure of the worker here
+            self._pending = None
+
+    def flush(self) -> None:
+        """Finish an in-flight DPU step and publish its parameters (end of training, before
+        evaluation or a final save; sharded, every rank calls it)."""
+        self._wait_worker()
+        self._publish()
+        if self.uploader is not None:
+            self.uploader.wait_all()
+
+    def slot_params(self) -> list[list[torch.nn.Parameter]]:
+        """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
+        return [[p for p, _, _ in g] for g in self._slots]
+
+    # -- state ---------------------------------------------------------------------------------
+    def _slot_meta(self) -> list:
+        return [[[off, n, list(p.shape)] for p, off, n in g] for g in self._slots]
+
+    def state_meta(self) -> dict:
+        """Everything but the big tensors (JSON-serialisable; the state file's header)."""
+        self._wait_worker()  # the masters must be final; the device may stay one step behind (DPU)
+        return {
+            "format": STATE_FORMAT, "numel": self.numel, "world_size": self.world_size, "rank": self.rank,
+            "shard_start": self.lo, "shard_end": self.hi, "stage": self.stage, "offload": self.offload,
+            "param_dtype": str(self.param_dtype).replace("torch.", ""),
+            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                             for g in self.param_groups],
+            "slots": self._slot_meta(),
+            "param_steps": self._param_steps.tolist(),
+            "loss_scaler": self.scaler.state_dict(),
+            "global_steps": self.global_steps,
+            "needs_publish": self.needs_publish,
+        }
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Views of this slice's state (no copy, no padding): the checkpoint writer streams them."""
+        self._wait_worker()
+        n = self.hi - self.lo
+        return {"master": self.master[:n], "exp_avg": self.exp_avg[:n], "exp_avg_sq": self.exp_avg_sq[:n]}
+
+    def state_dict(self) -> dict:
+        # Clones: torch.save of a view would write the whole arena (gradient stores included).
+        return {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size)."""
+        state_dir.check_model(state, self.numel, self._slot_meta())
+        if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
+            raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
+                             f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
+                             "load_checkpoint to change the world size")
+        self.load_state_meta(state)
+        for name, dst in self.state_tensors().items():
+            dst.copy_(state[name])
+        self._finish_load(state)
+
+    def load_state_meta(self, meta: dict) -> None:
+        """The small state (hyper-parameters, step counts, loss scaler), after checking the model."""
+        state_dir.check_model(meta, self.numel, self._slot_meta())
+        self._wait_worker()
+        self._prepared = None
+        for group, saved in zip(self.param_groups, meta["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+        self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
+        self.scaler.load_state_dict(meta["loss_scaler"])
+        self.global_steps = meta["global_steps"]
+
+    def _finish_load(self, meta: dict) -> None:
+        """After the tensors are in place: rebuild what a checkpoint does not store. A DPU state's
+        masters are one step ahead of the saved parameters: with DPU on, the next step publishes
+        them (the schedule of an uninterrupted run); without, they are published now."""
+        self._sync_mirror()
+        self.needs_publish, self._uploaded = False, None
+        if meta.get("needs_publish"):
+            if self.options.dpu:
+                self.needs_publish = True
+            else:
+                self._publish_masters()
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``)."""
+        state_dir.save(directory, self.rank, self.world_size, self.state_meta(), self.state_tensors(),
+                       barrier=self._barrier, numel=self.numel)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        """Load a checkpoint of any engine and world size: this slice's part of every saved file,
+        straight into the arena. Returns what was restored (format, world size saved, stage, ...)."""
+        srcs, meta = state_dir.sources(directory)
+        self.load_state_meta(meta)
+        if self.hi > self.lo:
+            state_dir.read_range(srcs, self.lo, self.state_tensors())
+        self._finish_load(meta)
+        self.restored = state_dir.summary(meta, len(srcs))
+        return self.restored
+
+    def _barrier(self) -> None:
+        """All ranks reach this point (one process: nothing to wait for)."""
+
+    def close(self) -> None:
+        self._wait_worker()
+        self.streams.synchronize()  # no copy may still read the arena we unpin
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,277 @@
+"""ZeRO stage 1/2 across data-parallel ranks, with or without CPU offload: ``ShardedAdam``.
+
+Every rank holds the whole model (replicated, no DDP wrapper: the engine does the only gradient
+reduction) and 1/W of the optimizer: fp32 master weights, Adam moments and the reduced gradients of
+its shard. One step:
+
+1. gradients are summed across ranks so that each rank gets only its shard's sum. Stage 2: during
+   backward, in buckets (post-accumulate-grad hooks; the device gradients are freed as soon as they
+   are in a bucket). Stage 1: at ``step()``, from the ordinary full ``.grad`` of every rank;
+2. each rank's squared norm (fp64) and its "which params got a gradient" counts are all-reduced in
+   one small collective: the global norm clips like ``clip_grad_norm_``, a non-finite sum (fp16
+   overflow on any rank) makes every rank skip, and the loss scaler stays identical everywhere;
+3. each rank runs Adam over its shard (offload: the fused CPU kernel over a ``HostArena`` built from
+   ``plan_host_memory(shard_numel)``; no offload: on the device, ``torch._fused_adamw_`` on CUDA or
+   the fused CPU kernel when the device is the CPU). Gradients are averaged like DDP: the sum is
+   multiplied by 1/W inside the optimizer pass (``grad_scale``), not in a separate pass;
+4. the updated shards are all-gathered in buckets of ``allgather_bucket_numel`` elements and copied
+   into the model's parameters.
+
+Step 1 is ``reduce.GradReducer``; the step outline, the DPU schedule, Adam (step 3) and the state
+files are ``core.AdamCore``'s; steps 2 and 4 are this class's.
+
+Delayed parameter update (offload only; OffloadAdam's schedule): after the warm-up, step 3 of step k
+runs on a worker thread reading one of two gradient stores while forward/backward k+1 fill the
+other, and step 4 (the all-gather, a collective every rank issues at the same point) happens at
+step k+1, just before step k+1's Adam starts.
+
+Partitioning: equal flat slices of the flat layout (trainable params in param-group order, padded to
+a multiple of W). Chosen over a greedy per-parameter assignment because memory per rank is then
+exactly N/W (a greedy split of a model with a few huge embeddings can be far off), all collectives
+move equal pieces (reduce-scatter/all-gather need that), and a checkpoint can be re-cut for any
+world size by plain offset arithmetic. The price is that a parameter may straddle two ranks; that
+only matters to bookkeeping (``layout``).
+
+Reduction (``reduce``): stage 1 reduces shard-aligned rounds of the full ``.grad``s at
+``step()``; stage 2 reduces whole-parameter buckets to their owners during backward, in bucket
+order, with the buckets still waiting launched at the end of every backward, so all ranks issue the
+same collectives in the same order even when they used different parameters. Equal owner pieces go
+through one reduce-scatter (NCCL), otherwise each piece is reduced to its owner (and always on
+gloo, whose reduce-scatter is slower). Gradient accumulation: stage 1 accumulates in ``.grad`` and
+communicates once per step; stage 2 reduces every micro-batch (a local accumulator would be
+full-size, which is what stage 2 exists to avoid) and sums into the shard's fp32 gradient store.
+
+Params that no rank touched in a step are skipped like ``torch.optim.AdamW`` skips them (their step
+count stays); a param used on some ranks only counts as zero gradient on the others (DDP's
+``find_unused_parameters`` behaviour). Limits: every rank must run the same number of backward
+passes per step, each touching at least one trainable parameter; only the optimizer's parameters are broadcast from rank 0 (not frozen params left out of the
+param groups, nor module buffers: seed or load those equally). Gradients are summed over ranks in
+their own dtype, as DDP does (fp16: an overflow of the sum is an overflow like any other).
+
+Launch with torchrun; the engine uses the default process group (or the one given). The caller
+initialises it: ``dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")`` and,
+on GPUs, ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``::
+
+    # one node, 8 GPUs
+    torchrun --standalone --nproc_per_node=8 train.py ...
+    # two nodes: run on each node, with NODE_RANK 0 and 1 and MASTER_ADDR the first node's address
+    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=$NODE_RANK \\
+             --rdzv_backend=c10d --rdzv_endpoint=$MASTER_ADDR:29500 --rdzv_id=job1 train.py ...
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ... import ops
+from ..buffers import HostArena, HostPlan
+from ..core import AdamCore
+from ..options import OffloadOptions
+from ..streams import Streams
+from ..upload import ParamUploader
+from .layout import Partition
+from .plan import make_plan
+from .reduce import GradReducer
+
+FORCE_REDUCE_SCATTER = False  # tests: run the NCCL layout's reduce-scatter on gloo too
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedAdam(AdamCore):
+    """Adam/AdamW over replicated parameters with the optimizer state sharded across ranks.
+
+    The public surface is ``OffloadAdam``'s (``AdamCore``) plus ``memory_bytes()``. ``stage``: 1 or
+    2 (0: one process, gradients taken from ``.grad`` at ``step()``, as stage 1); ``offload``:
+    optimizer state and step on the CPU; ``reduce_scatter``: False reduces each owner's piece to it; ``process_group``: default group when None
+    (no initialised group: one process, world size 1). ``device_adam`` (no offload only): "auto"
+    (torch's fused AdamW on CUDA, the fused CPU kernel when the device is the CPU), or "torch" /
+    "kernel" to force one (the tests run the CUDA path's math on the CPU with "torch").
+    """
+
+    def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
+                 options: OffloadOptions = OffloadOptions(), stage: int = 2, offload: bool = True,
+                 process_group=None, allgather_bucket_numel: int = 200_000_000, device_adam: str = "auto",
+                 reduce_scatter: bool = True, streams: Streams | None = None):
+        if stage not in (0, 1, 2):
+            raise ValueError(f"stage must be 0 (one process), 1 or 2, got {stage!r}")
+        if options.dpu and not offload:
+            raise ValueError("the delayed parameter update hides the CPU step: it needs offload=True")
+        if device_adam not in ("auto", "torch", "kernel"):
+            raise ValueError(f"device_adam must be 'auto', 'torch' or 'kernel', got {device_adam!r}")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                         param_dtype=param_dtype, options=options, streams=streams)
+        self.stage, self.offload, self.process_group = stage, offload, process_group
+        if dist.is_available() and dist.is_initialized():
+            self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        elif process_group is not None:
+            raise ValueError("a process_group was given but torch.distributed is not initialised")
+        if stage == 0 and self.world_size > 1:
+            raise ValueError(f"stage 0 (no partitioning) runs on one process, not {self.world_size}; use stage 1 or 2")
+        self._divisor = self.world_size  # the store holds the sum over ranks: grad_scale also averages
+        self._broadcast_params(allgather_bucket_numel)
+        # The simulator (``streams``) covers the offload upload path; reductions stay synchronous
+        # (gloo) there.
+        cuda = self.streams.cuda
+        self.partition = part = Partition(self.numel, self.world_size)
+        S, W = part.shard_numel, self.world_size
+        self._torch_adam = device_adam == "torch" or (device_adam == "auto" and not offload and cuda)
+        if self._torch_adam and offload:
+            raise ValueError("device_adam='torch' steps on the device: it needs offload=False")
+        if device_adam == "kernel" and not offload and cuda:
+            raise ValueError("device_adam='kernel' is the CPU kernel: on CUDA use offload=True or device_adam='torch'")
+        # reduce-scatter where the layout allows it and the config does not turn it off, except on gloo
+        # (see reduce). Stage 0 (one process) runs the stage-1 path: gradients from .grad at step().
+        use_rs = W > 1 and reduce_scatter and (FORCE_REDUCE_SCATTER or dist.get_backend(process_group) != "gloo")
+        self.reducer = GradReducer(slots=self._flat, partition=part, rank=self.rank, process_group=process_group,
+                                   streams=self.streams, param_dtype=self.param_dtype, stage=stage,
+                                   bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs)
+        self._index, self._slot_of = self.reducer.index, self.reducer.slot_of
+        self._gchunk = max(1, min(allgather_bucket_numel // W, S))
+        tiled = offload and self.streams.async_copies
+        self.plan = make_plan(S, self.reducer.seg, self.reducer.buffer_numel, self._gchunk, W,
+                              param_dtype=self.param_dtype, options=options, stage=stage, offload=offload, cuda=cuda,
+                              tiled=tiled, torch_adam=self._torch_adam)
+        r = self._allocate(cuda)
+        self._bind_state(r, part.start(self.rank), part.end(self.rank))
+        self.shard_start, self.shard_end = self.lo, self.hi
+        self.mirror = r.get("shard_out")          # the updated shard in the training dtype, ready to gather
+        self._gather_buf = r["gather_buffer"]
+        if tiled:  # updated tiles go up through staging into the device shard
+            self.uploader = ParamUploader(self.streams, [(self.mirror, 0, S)], r["param_staging"], full=False,
+                                          tile_numel=options.tile_numel)
+        with torch.no_grad():
+            for t in self._stores:
+                t.zero_()
+        self._init_masters(self._index)
+        self.reducer.bind(r["grad_buckets"], self.store, r.get("grad_staging"))
+
+    # -- construction ----------------------------------------------------------------------------
+    def _allocate(self, cuda: bool) -> dict:
+        host = {k: v for k, v in self.plan.regions.items() if v[2] == "host"}
+        self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda) if host else None
+        r = dict(self.arena.regions) if self.arena else {}
+        for k, (n, dt, where) in self.plan.regions.items():
+            if where == "device":
+                r[k] = torch.empty(n, dtype=dt, device=self.device)
+        self.regions = r
+        self.allocated_bytes = self.plan.bytes_by_region()  # exact sizes (the arena rounds each to a page)
+        return r
+
+    @torch.no_grad()
+    def _broadcast_params(self, cap: int) -> None:
+        """Rank 0's weights (trainable and frozen) to every rank, in coalesced chunks."""
+        if self.world_size == 1:
+            return
+        unique = list({id(p): p for g in self.param_groups for p in g["params"]}.values())
+        chunk: list[torch.Tensor] = []
+
+        def send():
+            flat = torch.cat([p.detach().reshape(-1) for p in chunk])
+            dist.broadcast(flat, group=self.process_group, group_src=0)
+            o = 0
+            for p in chunk:
+                p.data.copy_(flat[o:o + p.numel()].view_as(p))
+                o += p.numel()
+            chunk.clear()
+
+        for p in unique:
+            if chunk and (p.dtype != chunk[0].dtype or p.device != chunk[0].device
+                          or sum(q.numel() for q in chunk) + p.numel() > cap):
+                send()
+            chunk.append(p)
+        send()
+
+    # -- what differs from the core --------------------------------------------------------------
+    def _gradients(self) -> tuple[float, list[bool]]:
+        """Finish this step's reduction; (global sum of squares, which params any rank updated)."""
+        if self.stage != 2:
+            self.reducer.reduce_full()
+        else:
+            self.reducer.drain()
+            if self.reducer.micro == 0:
+                self.store.zero_()  # no backward in this window: no gradient anywhere
+        stats = self._global_stats()
+        return stats[0], [c > 0 for c in stats[1:]]
+
+    def _global_stats(self) -> list[float]:
+        """[sum of squares of the summed gradient, then per param: ranks that produced a gradient],
+        all-reduced in one small collective."""
+        real = self.store[:self.hi - self.lo]
+        if real.device.type == "cpu":
+            sq = torch.tensor([ops.grad_norm_sq(real, num_threads=self.options.num_threads)], dtype=torch.float64)
+        else:
+            sq = torch.linalg.vector_norm(real, dtype=torch.float64).square().reshape(1)
+        counts = torch.tensor(self.reducer.received, dtype=torch.float64)
+        stats = torch.cat([sq.to(self.device), counts.to(self.device)])
+        if self.world_size > 1:
+            dist.all_reduce(stats, group=self.process_group)
+        return stats.tolist()
+
+    def _begin_window(self) -> None:
+        self.reducer.store = self.store
+        self.reducer.new_window()
+
+    def _after_update(self) -> None:
+        self._gather(self._gather_source())
+
+    def _gather_source(self) -> torch.Tensor:
+        return self.mirror if self.mirror is not None else self.master
+
+    def _publish_params(self) -> None:
+        """The masters computed on the worker reach every rank's parameters (a collective: every
+        rank publishes at the same step)."""
+        s = self.streams
+        s.wait(s.compute(), self._uploaded)  # the all-gather reads what the worker uploaded
+        self._gather(self._gather_source())
+
+    def _publish_masters(self) -> None:
+        self._gather(self._gather_source())  # the mirror was set from the masters by the load
+
+    @torch.no_grad()
+    def _gather(self, src: torch.Tensor) -> None:
+        """Every rank's updated shard into the model's parameters, ``allgather_bucket_numel`` at a time."""
+        W, S, g, N = self.world_size, self.partition.shard_numel, self._gchunk, self.numel
+        if W == 1:
+            self._write_params(0, N, src[:N])
+            return
+        for k0 in range(0, S, g):
+            gk = min(g, S - k0)
+            out = self._gather_buf[:W * gk]
+            # Reusing ``out``: a collective starts after the work already queued on the current
+            # stream, so the previous round's copies into the params have read it by then.
+            _all_gather(out, src[k0:k0 + gk], group=self.process_group)
+            for r in range(W):
+                a = r * S + k0
+                b = min(a + gk, N)
+                if b > a:
+                    self._write_params(a, b, out[r * gk:r * gk + b - a])
+
+    def _write_params(self, a: int, b: int, src: torch.Tensor) -> None:
+        for p, off, lo, hi in self._index.pieces(a, b):
+            p.data.view(-1)[lo - off:hi - off].copy_(src[lo - a:hi - a])
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.process_group)
+
+    def flush(self) -> None:
+        """Also finishes in-flight reductions (every rank calls it)."""
+        self.reducer.drain()
+        super().flush()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank allocated, by role (``plan`` has them by region)."""
+        b = self.allocated_bytes
+        get = lambda *ks: sum(b.get(k, 0) for k in ks)  # noqa: E731
+        return {"optimizer_state": get("master", "exp_avg", "exp_avg_sq"),
+                "grad_store": get("grad_store"),
+                "grad_buffers": get("grad_buckets", "grad_staging"),
+                "param_buffers": get("shard_out", "gather_buffer", "param_staging"),
+                "host": self.plan.host_bytes, "device": self.plan.device_bytes}
+
+    def close(self) -> None:
+        self.reducer.close()
+        super().close()
+        if self.arena is not None:
+            self.arena.close()

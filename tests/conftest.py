@@ -1,0 +1,37 @@
+"""Fixtures shared by the test files (their helpers stay in the ``_*.py`` modules)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _kernels import LEVELS
+from _modes import ALL, make_mode
+from hf_zero_offload import ops
+
+
+@pytest.fixture(autouse=True)
+def restore_simd():
+    """A test that selects a SIMD level gets the previous one back afterwards."""
+    before = ops.simd_level()
+    yield
+    ops.set_simd_level(before)
+
+
+@pytest.fixture(params=LEVELS)
+def simd(request):
+    ops.set_simd_level(request.param)
+    assert ops.simd_level() == request.param
+    return request.param
+
+
+@pytest.fixture(params=ALL)
+def mode(request):
+    """Yields a Mode; in simulator modes a global forward pre-hook lets the compute stream run."""
+    mode = make_mode(request.param)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(mode._compute_runs)
+    before = torch.are_deterministic_algorithms_enabled()
+    if mode.device.type == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)  # bit-exact comparisons between GPU runs
+    yield mode
+    torch.use_deterministic_algorithms(before)
+    handle.remove()

@@ -1,0 +1,69 @@
+"""Engine choice from typed options, without transformers (``engine/factory.py``)."""
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+from _models import TinyNet, batches, loss_fn, param_groups
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, ShardOptions
+from hf_zero_offload.engine.factory import build_engine, choose
+
+SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
+
+
+@pytest.mark.parametrize("world,stage,offload,sharded_ddp,expect", [
+    (1, 2, True, False, (OffloadAdam, 2)),
+    (1, 1, True, True, (OffloadAdam, 2)),
+    (2, 1, True, False, (ShardedAdam, 1)),
+    (2, 2, False, False, (ShardedAdam, 2)),
+    (1, 2, False, False, (ShardedAdam, 2)),
+    (2, 0, False, True, (ShardedAdam, 2)),     # --sharded_ddp asks for partitioning
+    (1, 0, False, False, (ShardedAdam, 0)),    # DeepSpeed's stage 0: nothing partitioned
+])
+def test_choice_table(world, stage, offload, sharded_ddp, expect):
+    assert choose(world, ShardOptions(stage=stage, offload=offload), sharded_ddp=sharded_ddp) == expect
+
+
+def test_stage_zero_is_never_reported_while_running_another_stage():
+    with pytest.raises(ValueError, match="stage 0 .*2 ranks.*plain DDP"):
+        choose(2, ShardOptions(stage=0, offload=False))
+    with pytest.raises(ValueError, match="offload needs ZeRO stage 1 or 2"):
+        choose(1, ShardOptions(stage=0, offload=True))
+
+
+def test_stage_zero_on_one_process_trains_like_stage_one_and_says_stage_0():
+    data = batches(4)
+    torch.manual_seed(0)
+    a, b = TinyNet(), None
+    b = copy.deepcopy(a)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True, param_dtype=torch.float32,
+                 options=OffloadOptions(**SMALL))
+    e0 = build_engine(param_groups(a, 0.01), world_size=1, shard=ShardOptions(stage=0, offload=False), **hyper)
+    e1 = ShardedAdam(param_groups(b, 0.01), stage=1, offload=False, **hyper)
+    assert e0.stage == 0 and e0.state_meta()["stage"] == 0
+    for model, opt in ((a, e0), (b, e1)):
+        for ids, labels, use_branch in data:
+            loss_fn(model, ids, labels, use_branch).backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_reduce_scatter_off_is_passed_to_the_engine():
+    e = build_engine(param_groups(TinyNet(), 0.0), world_size=1, param_dtype=torch.float32, lr=1e-3,
+                     betas=(0.9, 0.999), eps=1e-8, adamw_mode=True, options=OffloadOptions(**SMALL),
+                     shard=ShardOptions(stage=2, offload=False, reduce_scatter=False))
+    assert isinstance(e, ShardedAdam) and not e.reducer.use_rs
+
+
+def test_the_engine_package_imports_no_transformers_config_or_planner():
+    import subprocess
+    code = ("import sys, hf_zero_offload.engine, hf_zero_offload.engine.factory; "
+            "bad = [m for m in sys.modules if m.startswith('transformers') or m in "
+            "('hf_zero_offload.config', 'hf_zero_offload.planner', 'hf_zero_offload.trainer')]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

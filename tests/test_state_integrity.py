@@ -1,0 +1,160 @@
+"""State files that prove their integrity, and resume paths through the engine's own load (issue 12).
+
+Damaged bytes, truncation and absurd headers give an error naming the file and the way out; dead
+writers' temporaries go away on the next save; a checkpoint of any engine and world size loads into
+any other engine (ZeRO-2 without offload -> offload, the first format -> today's), bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _models import TinyNet, batches, loss_fn, param_groups
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
+from hf_zero_offload.engine import checkpoint
+
+LR, WD = 1e-2, 0.01
+SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
+
+
+def _train(model, opt, data):
+    for ids, labels, use_branch in data:
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _saved(tmp_path, steps=3):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL))
+    _train(model, opt, batches(steps))
+    opt.save_checkpoint(str(tmp_path))
+    return model, opt, checkpoint.rank_file(str(tmp_path), 0, 1)
+
+
+def _fresh(model):
+    return OffloadAdam(param_groups(copy.deepcopy(model), WD), lr=LR, options=OffloadOptions(**SMALL))
+
+
+def _poke(path, offset, data: bytes):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("where", ["exp_avg-0xff", "master-bitflip", "header", "trailer"])
+def test_a_damaged_byte_is_caught_and_names_the_file(tmp_path, where):
+    model, opt, path = _saved(tmp_path)
+    _, entries, base = checkpoint.read_header(path)
+    if where == "exp_avg-0xff":
+        _poke(path, base + entries["exp_avg"]["offset"] + 40, b"\xff" * 4)
+    elif where == "master-bitflip":
+        at = base + entries["master"]["offset"] + 123
+        with open(path, "rb") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+        _poke(path, at, bytes([byte ^ 0x01]))
+    elif where == "header":
+        raw = open(path, "rb").read(base)
+        i = raw.index(b'"global_steps": 3')
+        _poke(path, i + len(b'"global_steps": '), b"4")  # still valid JSON: only the checksum can tell
+    else:
+        _poke(path, os.path.getsize(path) - 20, b"\x00")
+    with pytest.raises(checkpoint.StateFileError, match="earlier checkpoint") as e:
+        _fresh(model).load_checkpoint(str(tmp_path))
+    assert path in str(e.value)
+    opt.close()
+
+
+@pytest.mark.parametrize("length", [2**40, 2**64 - 1, "truncated", "garbage"])
+def test_absurd_or_broken_headers_give_a_clear_error(tmp_path, length):
+    path = str(tmp_path / "rank0_of_1.hzo")
+    if length == "truncated":
+        open(path, "wb").write(b"HZOSTAT2\x10\x00")
+    elif length == "garbage":  # the first format (no checksum) with a header that is not JSON
+        open(path, "wb").write(b"HZOSTATE" + struct.pack("<Q", 5) + b"{nope" + b"\0" * 64)
+    else:
+        open(path, "wb").write(b"HZOSTAT2" + struct.pack("<Q", length) + b"{}" * 8)
+    with pytest.raises(checkpoint.StateFileError, match="earlier checkpoint") as e:
+        checkpoint.read_header(path)
+    assert path in str(e.value)
+
+
+def test_stale_temporaries_of_dead_writers_are_removed_on_save(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # that process has exited
+    stale = [tmp_path / f"rank0_of_1.hzo.tmp.{pid}", tmp_path / f"param_names.json.tmp.{pid}"]
+    live = tmp_path / f"rank1_of_2.hzo.tmp.{os.getppid()}"  # a live writer (our parent) keeps its file
+    other_host = tmp_path / f"meta.json.tmp.some-other-host.{pid}"
+    for p in [*stale, live, other_host]:
+        p.write_bytes(b"partial")
+    _saved(tmp_path)
+    left = sorted(os.listdir(tmp_path))
+    assert left == sorted(["rank0_of_1.hzo", live.name, other_host.name])
+
+
+def _write_first_format(path, meta, tensors):
+    """A state file as the first format wrote it (b"HZOSTATE", no checksum)."""
+    entries, off = {}, 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        entries[k] = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "offset": off, "nbytes": n}
+        off += n
+    header = json.dumps({"meta": meta, "tensors": entries}).encode()
+    with open(path, "wb") as f:
+        f.write(b"HZOSTATE" + struct.pack("<Q", len(header)) + header)
+        for t in tensors.values():
+            f.write(t.numpy().tobytes())
+
+
+def test_first_format_checkpoint_still_loads_bit_for_bit(tmp_path):
+    model, opt, _ = _saved(tmp_path / "new")
+    meta = opt.state_meta()
+    old = {"format": "hf_zero_offload.offload/1", **{k: meta[k] for k in (
+        "numel", "param_dtype", "param_groups", "slots", "param_steps", "loss_scaler", "global_steps",
+        "needs_publish")}}
+    os.makedirs(tmp_path / "old")
+    _write_first_format(str(tmp_path / "old" / "rank0_of_1.hzo"), old, opt.state_tensors())
+    again = _fresh(model)
+    info = again.load_checkpoint(str(tmp_path / "old"))
+    assert info["format"] == "hf_zero_offload.offload/1" and info["world_size"] == 1
+    for k, v in opt.state_tensors().items():
+        assert torch.equal(again.state_tensors()[k], v)
+    assert torch.equal(again._param_steps, opt._param_steps) and again.global_steps == opt.global_steps
+
+
+def test_zero2_without_offload_resumes_into_offload_bit_for_bit(tmp_path):
+    """ZeRO-2 on the device (one process) saved, resumed by the offload engine: the same masters and
+    moments, and the continued run equals the uninterrupted one (the same kernel, the same order)."""
+    data = batches(6)
+    torch.manual_seed(0)
+    model = TinyNet()
+    full = copy.deepcopy(model)
+    z2 = ShardedAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL), stage=2, offload=False)
+    _train(model, z2, data[:3])
+    z2.save_checkpoint(str(tmp_path))
+    z2_full = ShardedAdam(param_groups(full, WD), lr=LR, options=OffloadOptions(**SMALL), stage=2, offload=False)
+    _train(full, z2_full, data)
+    resumed = copy.deepcopy(model)
+    off = OffloadAdam(param_groups(resumed, WD), lr=LR, options=OffloadOptions(**SMALL))
+    info = off.load_checkpoint(str(tmp_path))
+    assert (info["stage"], info["offload"], info["world_size"], info["global_steps"]) == (2, False, 1, 3)
+    assert torch.equal(off.master, z2.master[:z2.numel])
+    _train(resumed, off, data[3:])
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_load_summary_says_what_was_restored(tmp_path):
+    model, opt, _ = _saved(tmp_path)
+    info = _fresh(model).load_checkpoint(str(tmp_path))
+    assert info == {"format": "hf_zero_offload.state/2", "world_size": 1, "stage": 2, "offload": True,
+                    "param_dtype": "float32", "global_steps": 3, "needs_publish": False}
