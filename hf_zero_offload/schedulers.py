@@ -47,23 +47,3 @@ def build_scheduler(optimizer, cfg) -> WarmupLR:
     total = cfg.total_num_steps if cfg.type == "WarmupDecayLR" else None
     return WarmupLR(optimizer, warmup_min_lr=cfg.warmup_min_lr, warmup_max_lr=cfg.warmup_max_lr,
                     warmup_num_steps=cfg.warmup_num_steps, warmup_type=cfg.warmup_type, total_num_steps=total)
-
-
-class SkipAwareScheduler:
-    """Wraps a scheduler so that a skipped (fp16 overflow) step does not advance the LR schedule."""
-
-    def __init__(self, scheduler, engine):
-        self.scheduler, self.engine = scheduler, engine
-
-    def step(self, *args, **kwargs):
-        if not self.engine.last.skipped:
-            self.scheduler.step(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.scheduler, name)
-
-    def state_dict(self):
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state):
-        self.scheduler.load_state_dict(state)

@@ -3,7 +3,9 @@
 ``ZeroOffloadMixin`` goes before any ``transformers.Trainer`` subclass in the bases. With
 ``--zero_offload ds_config.json`` (or ``--sharded_ddp``) it:
 
-- resolves the config against the TrainingArguments ("auto" values, one error listing mismatches);
+- checks, at ``__init__`` and before any model work, the whole config against the TrainingArguments
+  ("auto" values, one error listing mismatches), the launch (torchrun's WORLD_SIZE vs the ranks the
+  Trainer sees), that no optimizer of the user's was passed, and takes the output_dir's run lock;
 - builds the engine in ``create_optimizer`` from the Trainer's own parameter grouping (no weight
   decay for biases and norms) and keeps the model in the training dtype on the device;
 - owns loss scaling: Accelerate runs without mixed precision (no autocast, no GradScaler), the
@@ -12,24 +14,35 @@
 - logs ``grad_norm`` (the engine's, before clipping) and ``loss_scale``;
 - saves the optimizer state per rank under ``checkpoint-N/zero_offload/`` atomically and loads it
   back on ``--resume_from_checkpoint``.
+
+With or without ``zero_offload``, the classes here write a completion marker last into every checkpoint,
+resume only from complete ones (``True``: the newest complete one), and log what a resume restored or drops
+(see :mod:`hf_zero_offload.resume`).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import rotate_checkpoints
 
-from . import ops
+from . import ops, resume
 from .consolidate import write_param_names
-from .config import ArgsView, TrainingConfig, check, resolve
+from .args_view import args_view, early_view
+from .config import TrainingConfig, check, resolve
 from .engine import OffloadOptions, ShardOptions, factory
 from .engine.core import AdamCore
 from .engine.checkpoint import atomic_path
-from .schedulers import SkipAwareScheduler, build_scheduler
+from .accelerator_patch import patch_accelerator
+from .launch_checks import check_world_size, refuse_user_optimizer, warn_fp16_on_cpu
+from .run_lock import RunLock, take_job_lock
+from .schedulers import build_scheduler
 
 __all__ = [
     "ZeroOffloadTrainingArguments",
@@ -69,25 +82,6 @@ class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffload
     pass
 
 
-def _hidden_size(model) -> int | None:
-    cfg = getattr(model, "config", None)
-    for name in ("hidden_size", "d_model", "n_embd"):
-        if cfg is not None and isinstance(getattr(cfg, name, None), int):
-            return getattr(cfg, name)
-    return None
-
-
-def args_view(args: TrainingArguments, *, fp16: bool, bf16: bool, max_steps: int | None, model=None) -> ArgsView:
-    warmup = args.get_warmup_steps(max_steps) if max_steps else int(args.warmup_steps or 0)
-    return ArgsView(
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size,
-        max_grad_norm=args.max_grad_norm or 0.0, learning_rate=args.learning_rate, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, weight_decay=args.weight_decay,
-        warmup_steps=int(warmup), max_steps=max_steps, fp16=fp16, bf16=bf16,
-        hidden_size=_hidden_size(model) if model is not None else None)
-
-
 def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
     """The resolved config as the engine's typed options."""
     z = cfg.zero
@@ -124,10 +118,19 @@ class ZeroOffloadMixin:
         self.zero_config: TrainingConfig | None = None
         self._zo_raw = None
         self._zo_precision = (False, False)
+        self._zo_dtype: torch.dtype | None = None  # the 16-bit training dtype once the model is cast
+        self._zo_lock: RunLock | None = None
         if targs is not None and (getattr(targs, "zero_offload", None) is not None or getattr(targs, "sharded_ddp", False)):
             raw = targs.zero_offload if targs.zero_offload is not None else {"zero_optimization": {"stage": 2}}
             self._zo_raw = check(raw)  # validated once: fail fast on unknown keys, before any model work
             self._zo_precision = (bool(targs.fp16), bool(targs.bf16))
+            # The whole config, resolved against the arguments, before any model work (values that depend
+            # on a step count not known yet are checked again at train start).
+            resolve(self._zo_raw, early_view(targs, self._zo_raw.cfg, *self._zo_precision,
+                                             kwargs.get("model", args[0] if args else None)))
+            check_world_size(targs)
+            self._zo_refuse_user_optimizer(args, kwargs)
+            self._zo_take_lock(targs)
             saved = (targs.fp16, targs.bf16, targs.mixed_precision)
             # Loss scaling and the 16-bit model are ours: Accelerate, created in Trainer.__init__, must
             # neither autocast nor run a GradScaler (it would find no gradients: they already left the
@@ -140,31 +143,23 @@ class ZeroOffloadMixin:
                 targs.fp16, targs.bf16, targs.mixed_precision = saved
         else:
             super().__init__(*args, **kwargs)
+        if targs is not None:
+            warn_fp16_on_cpu(targs, bool(targs.fp16))
         if self._zo_raw is not None:
-            backward = self.accelerator.backward
+            patch_accelerator(self.accelerator, lambda: self.zero_engine)
 
-            def scaled_backward(loss, **kw):
-                engine = self.zero_engine
-                return backward(engine.scale_loss(loss) if engine is not None else loss, **kw)
+    def _zo_refuse_user_optimizer(self, args, kwargs) -> None:
+        try:
+            given = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return  # the Trainer's own __init__ names the bad argument
+        optimizer, scheduler = given.get("optimizers") or (None, None)
+        refuse_user_optimizer(optimizer, scheduler, given.get("optimizer_cls_and_kwargs"))
 
-            self.accelerator.backward = scaled_backward
-            prepare_model = self.accelerator.prepare_model
-
-            def prepare_without_ddp(model, device_placement=None, evaluation_mode=False):
-                # No DDP wrapper: the engine reduces (or reduce-scatters) gradients itself, and a DDP
-                # all-reduce on top would double the reduction. evaluation_mode skips only the wrapping.
-                return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-
-            self.accelerator.prepare_model = prepare_without_ddp
-            prepare_optimizer = self.accelerator.prepare_optimizer
-
-            def prepare_in_place(optimizer, device_placement=None):
-                # Accelerate's device placement round-trips state_dict() through the accelerator's
-                # device: a full copy of the fp32 masters and moments (12 B/param) on the GPU. Our
-                # state stays where the engine put it.
-                return prepare_optimizer(optimizer, device_placement=False)
-
-            self.accelerator.prepare_optimizer = prepare_in_place
+    def _zo_take_lock(self, targs) -> None:
+        if targs.output_dir:
+            self._zo_lock = take_job_lock(self._zo_lock or RunLock(targs.output_dir), targs.process_index,
+                                          targs.world_size)
 
     @property
     def zero_engine(self):
@@ -190,6 +185,7 @@ class ZeroOffloadMixin:
         groups = [g for g in groups if g["params"]]
         self.optimizer = build_engine(model, groups, cfg, self.args)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
+        self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         self._zo_log_start(cfg)
         if self._zo_raw.no_effect:
             logger.warning("hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config_schema."
@@ -198,26 +194,34 @@ class ZeroOffloadMixin:
 
     def _zo_log_start(self, cfg: TrainingConfig) -> None:
         eng = self.zero_engine
-        logger.warning(
-            "hf_zero_offload: config=%s stage=%d offload=%s dpu=%s simd=%s threads=%d host_reserved=%.2fGiB pinned=%s "
-            "dtype=%s params=%d streams=%s", cfg.source, eng.stage, eng.offload,
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+        logger.info(
+            "hf_zero_offload: config=%s ranks=%d backend=%s device=%s dtype=%s engine=%s stage=%s offload=%s "
+            "dpu=%s simd=%s threads=%d host_reserved=%.2fGiB pinned=%s params=%d streams=%s", cfg.source,
+            self.args.world_size, backend, self.args.device, str(training_dtype(cfg)).replace("torch.", ""),
+            type(eng).__name__, getattr(eng, "stage", "-"), getattr(eng, "offload", True),
             cfg.zero.delayed_param_update.enabled, ops.simd_level(), torch.get_num_threads(),
             getattr(getattr(eng, "arena", None), "nbytes", 0) / 2**30,
-            getattr(getattr(eng, "arena", None), "pinned", False), str(training_dtype(cfg)).replace("torch.", ""),
-            eng.numel, eng.streams.kind)
+            getattr(getattr(eng, "arena", None), "pinned", False), eng.numel, eng.streams.kind)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self._zo_raw is None:
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
-            engine = self.zero_engine
             cfg = self.zero_config
             if cfg is not None and cfg.scheduler is not None:
-                sched = build_scheduler(engine, cfg.scheduler)
+                self.lr_scheduler = build_scheduler(self.zero_engine, cfg.scheduler)
             else:
-                sched = super().create_scheduler(num_training_steps, engine)
-            self.lr_scheduler = SkipAwareScheduler(sched, engine)
+                super().create_scheduler(num_training_steps, self.zero_engine)
         return self.lr_scheduler
+
+    def _prepare_input(self, data):
+        # Float inputs (audio, vision, regression features) follow the 16-bit model, as transformers
+        # does for DeepSpeed; integer ids stay as they are.
+        data = super()._prepare_input(data)
+        if self._zo_dtype is not None and isinstance(data, torch.Tensor) and torch.is_floating_point(data):
+            return data.to(self._zo_dtype)
+        return data
 
     # The engine computes the norm on the CPU once per step (and clips inside its fused kernel).
     def _clip_grad_norm(self, model):
@@ -236,11 +240,55 @@ class ZeroOffloadMixin:
             logs["loss_scale"] = engine.loss_scale
         return super().log(logs, *args, **kwargs)
 
-    def train(self, *args, **kwargs):
-        out = super().train(*args, **kwargs)
-        if self.zero_engine is not None:
-            self.zero_engine.flush()  # DPU: the last step's parameters reach the model
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._zo_resume = None
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
+        self._zo_take_lock(self.args)
+        if self._zo_lock is not None and self._zo_lock.held:
+            for path in resume.remove_stale_temp_files(self.args.output_dir):
+                logger.warning("hf_zero_offload: removed %s, left by a writer that was stopped mid-save", path)
+        try:
+            out = super().train(resume_from_checkpoint, *args, **kwargs)
+            if self.zero_engine is not None:
+                self.zero_engine.flush()  # DPU: the last step's parameters reach the model
+        finally:
+            if self._zo_lock is not None:
+                self._zo_lock.release()
         return out
+
+    def _zo_resume_target(self, target) -> str:
+        path, self._zo_resume, notes = resume.target(target, self.args.output_dir)
+        for note in notes:
+            logger.warning(note)
+        return path
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # transformers rotates old checkpoints at the end of its save: here that waits until this one is
+        # marked complete, so a kill during the save never leaves only incomplete checkpoints behind.
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
+        if self.args.should_save:
+            resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
+                                             "engine": self._zo_engine_info()})
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
+                               best_model_checkpoint=self.state.best_model_checkpoint)
+
+    def _zo_engine_info(self) -> dict | None:
+        eng = self.zero_engine
+        if eng is None:
+            return None
+        return {"format": eng.state_meta().get("format"), "world_size": self.args.world_size,
+                "stage": getattr(eng, "stage", "-"), "offload": getattr(eng, "offload", True),
+                "dpu": eng.options.dpu, "dtype": str(eng.param_dtype).replace("torch.", "")}
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._zo_raw is None:
@@ -260,10 +308,18 @@ class ZeroOffloadMixin:
         return [aliases[id(p)] for g in self.zero_engine.slot_params() for p in g]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if self._zo_raw is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
+        has_optimizer = any(os.path.isfile(os.path.join(checkpoint, n)) for n in ("optimizer.pt", "optimizer.bin"))
+        if self._zo_raw is None:
+            dropped = None if has_optimizer else resume.dropped_state_message(checkpoint, STATE_DIR,
+                                                                              "no --zero_offload")
+            if dropped:
+                logger.warning(dropped)
+            elif has_optimizer and not os.path.isfile(os.path.join(checkpoint, _SCHEDULER_NAME)):
+                logger.warning("hf_zero_offload: %s has optimizer.pt but no %s: transformers loads neither, so the "
+                               "optimizer and the LR schedule both restart", checkpoint, _SCHEDULER_NAME)
+            return super()._load_optimizer_and_scheduler(checkpoint)
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             raise FileNotFoundError(f"{checkpoint} has no {STATE_DIR}/ optimizer state (was it saved without "
@@ -272,6 +328,11 @@ class ZeroOffloadMixin:
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+        else:
+            logger.warning(resume.missing_scheduler_message(checkpoint, self._get_learning_rate(), _SCHEDULER_NAME))
+        state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
+        logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
+                                    {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
 
 
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
@@ -304,6 +365,19 @@ class ZeroOffloadCallback(TrainerCallback):
         if engine is not None and logs is not None and "loss" in logs:
             logs["zero_grad_norm"] = engine.last.grad_norm
             logs["loss_scale"] = engine.loss_scale
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A plain Trainer never loads zero_offload/: say so when it resumed a checkpoint that holds it.
+        if state.global_step == 0:
+            return
+        ckpt = args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else \
+            os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        engine = self._engine(kwargs)
+        if os.path.isdir(ckpt) and (engine is None or engine.global_steps == 0):
+            message = resume.dropped_state_message(ckpt, STATE_DIR, "a plain Trainer does not load it; use "
+                                                   "ZeroOffloadTrainer / ZeroOffloadMixin")
+            if message:
+                logger.warning(message)
 
     def on_train_end(self, args, state, control, **kwargs):
         engine = self._engine(kwargs)

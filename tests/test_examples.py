@@ -295,7 +295,7 @@ def _check_output_dir(out, metrics):
 
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "zero_offload"])
 def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys):
-    caplog.set_level(logging.WARNING, logger="hf_zero_offload")
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")  # the start line is INFO
     out = tmp_path / "out"
     argv = _common_args(synth_dir, out) + [
         "--config_name", TINY, "--do_train", "--do_eval", "--do_predict", "--predict_with_generate",
@@ -324,7 +324,7 @@ def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys
 def test_finetune_on_the_simulated_gpu_path_equals_cpu(tmp_path, synth_dir, monkeypatch, caplog):
     """The whole legacy command (train with DPU, evaluate, predict with generate, save) with the engine's
     GPU code path on the stream simulator: the same metrics as the plain CPU path, to the last digit."""
-    caplog.set_level(logging.WARNING, logger="hf_zero_offload")
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")  # the start line is INFO
     cfg = tmp_path / "dpu.json"
     with open(os.path.join(CONFIGS, "ds_config_1gpu.json")) as f:
         ds = json.load(f)

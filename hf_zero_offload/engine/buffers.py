@@ -9,10 +9,10 @@ import ctypes
 import warnings
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
 from .. import ops
+from .memory_limits import check_host_ram
 
 _ALIGN = 4096
 PINNED_REGIONS = ("grad_staging", "param_staging")  # what crosses PCIe  # every region starts on a page: no two regions share a cache line or a page
@@ -137,15 +137,6 @@ class HostArena:
             self.close()
         except Exception:
             pass
-
-
-def check_host_ram(nbytes: int) -> None:
-    avail = psutil.virtual_memory().available
-    if nbytes > avail:
-        raise MemoryError(
-            f"hf_zero_offload needs {nbytes / 2**30:.2f} GiB of host RAM for the offloaded optimizer "
-            f"(fp32 master + Adam moments + gradient store + staging) but only {avail / 2**30:.2f} GiB is "
-            f"available; free memory, use fewer ranks per node, or shard with --sharded_ddp")
 
 
 _warned_pin = False

@@ -1,0 +1,50 @@
+"""What the Trainer integration changes on its Accelerator (nothing here imports transformers).
+
+With ``zero_offload`` the engine owns loss scaling, the gradient reduction and the optimizer state, so three of
+Accelerate's steps change: backward scales the loss by the engine's scale; the model gets no DDP wrapper; the
+optimizer is wrapped without device placement, and reports the engine's skipped (fp16 overflow) steps as
+Accelerate's own.
+"""
+from __future__ import annotations
+
+
+def patch_accelerator(accelerator, engine_of) -> None:
+    """``engine_of()``: the engine once it exists (None before ``create_optimizer``)."""
+    backward = accelerator.backward
+
+    def scaled_backward(loss, **kw):
+        engine = engine_of()
+        return backward(engine.scale_loss(loss) if engine is not None else loss, **kw)
+
+    accelerator.backward = scaled_backward
+    prepare_model = accelerator.prepare_model
+
+    def prepare_without_ddp(model, device_placement=None, evaluation_mode=False):
+        # No DDP wrapper: the engine reduces (or reduce-scatters) gradients itself, and a DDP
+        # all-reduce on top would double the reduction. evaluation_mode skips only the wrapping.
+        return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    accelerator.prepare_model = prepare_without_ddp
+    prepare_optimizer = accelerator.prepare_optimizer
+
+    def prepare_in_place(optimizer, device_placement=None):
+        # Accelerate's device placement round-trips state_dict() through the accelerator's
+        # device: a full copy of the fp32 masters and moments (12 B/param) on the GPU. Our
+        # state stays where the engine put it.
+        wrapped = prepare_optimizer(optimizer, device_placement=False)
+        step = wrapped.step
+
+        def step_reporting_skips(*a, **kw):
+            out = step(*a, **kw)
+            # An fp16 overflow step is skipped by the engine. Accelerate's step_was_skipped (read by
+            # the Trainer before it steps the LR schedule) reports its own GradScaler's skips from
+            # this flag; setting it leaves the scheduler unwrapped, so transformers still sees its
+            # type (ReduceLROnPlateau / GreedyLR step on metrics, not here).
+            engine = engine_of()
+            wrapped._is_overflow = bool(engine is not None and engine.last.skipped)
+            return out
+
+        wrapped.step = step_reporting_skips
+        return wrapped
+
+    accelerator.prepare_optimizer = prepare_in_place

@@ -1,0 +1,50 @@
+"""TrainingArguments -> :class:`config.ArgsView`: the few values the config resolution needs.
+
+``args`` is any object with TrainingArguments' attributes (nothing here imports transformers).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .config import ArgsView
+
+
+def _hidden_size(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    for name in ("hidden_size", "d_model", "n_embd"):
+        if cfg is not None and isinstance(getattr(cfg, name, None), int):
+            return getattr(cfg, name)
+    return None
+
+
+def args_view(args, *, fp16: bool, bf16: bool, max_steps: int | None, model=None) -> ArgsView:
+    warmup = args.get_warmup_steps(max_steps) if max_steps else int(args.warmup_steps or 0)
+    return ArgsView(
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size,
+        max_grad_norm=args.max_grad_norm or 0.0, learning_rate=args.learning_rate, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, weight_decay=args.weight_decay,
+        warmup_steps=int(warmup), max_steps=max_steps, fp16=fp16, bf16=bf16,
+        hidden_size=_hidden_size(model) if model is not None else None)
+
+
+def early_view(args, raw: dict, fp16: bool, bf16: bool, model) -> ArgsView:
+    """The view at ``__init__``: the step count may not be known yet (epochs, a dataset not measured yet) and
+    with ``model_init`` there is no model. What depends on them takes the config's own explicit values (no
+    contradiction possible), or a placeholder for "auto"; both are resolved for real at train start."""
+    max_steps = args.max_steps if args.max_steps and args.max_steps > 0 else None
+    view = args_view(args, fp16=fp16, bf16=bf16, max_steps=max_steps, model=model)
+    params = (raw.get("scheduler") or {}).get("params") or {}
+
+    def explicit(key, placeholder):
+        v = params.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else placeholder
+
+    repl = {}
+    if max_steps is None:
+        repl["max_steps"] = explicit("total_num_steps", 1)
+        if 0 < args.warmup_steps < 1:  # a warm-up ratio of a step count not known yet
+            repl["warmup_steps"] = explicit("warmup_num_steps", 0)
+    if view.hidden_size is None:
+        repl["hidden_size"] = 1
+    return dataclasses.replace(view, **repl)

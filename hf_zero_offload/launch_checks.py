@@ -1,0 +1,51 @@
+"""Checks of how the run was launched, made before any model work (the Trainer integration calls them).
+
+Nothing here imports transformers: ``args`` is any object with TrainingArguments' attributes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .config_schema import ConfigError
+
+logger = logging.getLogger("hf_zero_offload")
+
+
+class LaunchError(ConfigError):
+    """The launch and the Trainer disagree (e.g. torchrun started several processes, the Trainer sees one)."""
+
+
+def check_world_size(args) -> None:
+    """torchrun on CPUs without ``--use_cpu``: every process trains alone on all the data and all of them write
+    ``rank0_of_1`` into the same output_dir. Stop with the one flag that fixes it."""
+    env = os.environ.get("WORLD_SIZE", "1")
+    launched = int(env) if env.isdigit() else 1
+    if launched > 1 and args.world_size == 1:
+        flag = "--use_cpu (use_cpu=True; the gloo backend follows)" if not torch.cuda.is_available() else \
+            "a CUDA device per process, or --use_cpu (use_cpu=True) for CPU training"
+        raise LaunchError(
+            f"WORLD_SIZE={launched} (torchrun) but the Trainer sees 1 process: each rank would train alone on all "
+            f"the data and write into the same output_dir. Add {flag}")
+
+
+def warn_fp16_on_cpu(args, fp16: bool) -> None:
+    if fp16 and (getattr(args, "use_cpu", False) or not torch.cuda.is_available()):
+        logger.warning("hf_zero_offload: --fp16 on a CPU-only run: CPUs emulate fp16 arithmetic (~20x slower than "
+                       "bf16 here); use --bf16 for 16-bit training on a CPU")
+
+
+def refuse_user_optimizer(optimizer, scheduler, optimizer_cls_and_kwargs) -> None:
+    """transformers refuses ``optimizers=`` under DeepSpeed and FSDP; with ``zero_offload`` the engine is the
+    optimizer, so a user's would be kept and never fed gradients."""
+    given = [n for n, v in (("optimizer", optimizer), ("lr scheduler", scheduler),
+                            ("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs)) if v is not None]
+    if given:
+        raise ConfigError(
+            f"Passing {' and '.join(given)} to the Trainer is not allowed with zero_offload / sharded_ddp: "
+            "hf_zero_offload builds its own Adam/AdamW engine. Set lr, betas, eps and weight_decay with "
+            "TrainingArguments or the ds_config's \"optimizer\" block, the schedule with --lr_scheduler_type or the "
+            "ds_config's \"scheduler\" block; to drive an engine you built yourself, use a plain Trainer with "
+            "ZeroOffloadCallback.")

@@ -1,0 +1,194 @@
+"""Checkpoint completeness: the marker written last into ``checkpoint-N/`` and the choice of where to resume.
+
+transformers writes ``checkpoint-N/`` piece by piece (model, optimizer state, scheduler, RNG, trainer state) and
+``get_last_checkpoint`` picks the highest N whether or not the writer lived to finish it. The Trainer
+integration writes :data:`MARKER` after every piece and every rank's optimizer state (rank 0, after a barrier),
+so a directory with the marker is whole and one without it may not be.
+
+Directories written before the marker existed hold no marker either. They are accepted, with a warning, when
+they hold ``trainer_state.json`` (transformers' last file) and no older sibling has a marker (an older marked
+sibling proves the writer knew the marker, so this one was cut short). Nothing here imports transformers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+from .config_schema import ConfigError
+from .engine.checkpoint import atomic_open, read_header, remove_stale_temporaries
+
+MARKER = "hzo_complete.json"
+TRAINER_STATE = "trainer_state.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+class IncompleteCheckpoint(ConfigError):
+    """A checkpoint that was not written to the end; the message names the newest whole one, if any."""
+
+
+def write_marker(checkpoint: str, info: dict) -> None:
+    with atomic_open(os.path.join(checkpoint, MARKER), "w") as f:
+        json.dump({"complete": True, "written": time.strftime("%Y-%m-%d %H:%M:%S"), **info}, f, indent=1)
+
+
+def read_marker(checkpoint: str) -> dict | None:
+    try:
+        with open(os.path.join(checkpoint, MARKER), encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):  # missing, or unreadable: not a proof of completeness either way
+        return None
+    return marker if isinstance(marker, dict) and marker.get("complete") is True else None
+
+
+def _step(path: str) -> int | None:
+    m = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def checkpoints(folder: str) -> list[str]:
+    """``checkpoint-N`` directories of ``folder``, oldest step first."""
+    if not os.path.isdir(folder):
+        return []
+    found = [(_step(n), os.path.join(folder, n)) for n in os.listdir(folder)]
+    return [p for s, p in sorted((s, p) for s, p in found if s is not None and os.path.isdir(p))]
+
+
+def status(checkpoint: str) -> str:
+    """"complete" (marker), "legacy" (no marker, written before markers existed) or "incomplete"."""
+    if read_marker(checkpoint) is not None:
+        return "complete"
+    if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
+        return "incomplete"
+    step = _step(checkpoint)
+    older = [c for c in checkpoints(os.path.dirname(os.path.normpath(checkpoint)))
+             if step is not None and (_step(c) or 0) < step]
+    return "incomplete" if any(read_marker(c) is not None for c in older) else "legacy"
+
+
+def newest_whole(folder: str, below: int | None = None) -> str | None:
+    """The newest checkpoint of ``folder`` (with a step < ``below``) that is complete or legacy."""
+    for c in reversed(checkpoints(folder)):
+        if (below is None or _step(c) < below) and status(c) != "incomplete":
+            return c
+    return None
+
+
+def check(checkpoint: str) -> tuple[str, dict | None]:
+    """(status, marker) of a checkpoint about to be resumed; an incomplete one is an :class:`IncompleteCheckpoint`
+    that names the newest whole checkpoint beside it."""
+    if not os.path.isdir(checkpoint):
+        raise IncompleteCheckpoint(f"resume_from_checkpoint: {checkpoint} is not a directory")
+    state = status(checkpoint)
+    if state != "incomplete":
+        return state, read_marker(checkpoint)
+    step = _step(checkpoint)
+    fallback = newest_whole(os.path.dirname(os.path.normpath(checkpoint)), below=step)
+    hint = (f"the newest complete checkpoint is {fallback}: resume from it" if fallback else
+            "no complete checkpoint was found beside it")
+    raise IncompleteCheckpoint(
+        f"{checkpoint} is incomplete (no {MARKER}: its writer stopped before finishing it, e.g. killed during the "
+        f"save); {hint}")
+
+
+def choose(folder: str) -> tuple[str, list[str]]:
+    """For ``resume_from_checkpoint=True``: the newest whole checkpoint of ``folder`` and the incomplete newer
+    ones it skips. Raises when there is none."""
+    found = checkpoints(folder)
+    chosen = newest_whole(folder)
+    if chosen is None:
+        raise IncompleteCheckpoint(f"resume_from_checkpoint=True: no complete checkpoint in {folder}"
+                                   + (f" (incomplete: {', '.join(os.path.basename(c) for c in found)})"
+                                      if found else ""))
+    return chosen, [c for c in found if _step(c) > _step(chosen)]
+
+
+def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
+    """What the checkpoint's optimizer state is: the marker's record, else read from the state files (legacy);
+    None when the checkpoint holds no hf_zero_offload state."""
+    marker = read_marker(checkpoint)
+    if marker is not None and marker.get("engine"):
+        return marker["engine"]
+    d = os.path.join(checkpoint, state_dir)
+    files = sorted(n for n in os.listdir(d) if n.endswith(".hzo")) if os.path.isdir(d) else []
+    if not files:
+        return None
+    info = {"world_size": len(files)}
+    try:
+        meta = read_header(os.path.join(d, files[0]))[0]
+    except (OSError, ValueError, KeyError):
+        return info  # the engine's load says what is wrong with the file
+    return {**info, "format": meta.get("format"), "stage": meta.get("stage"), "offload": meta.get("offload", True),
+            "dtype": meta.get("param_dtype")}
+
+
+def describe(checkpoint: str, state: str, engine: dict | None, now: dict) -> str:
+    """The one line a resume logs: what was restored, saved vs now."""
+    step = _step(checkpoint)
+    parts = [f"hf_zero_offload: resumed {checkpoint} (step {step if step is not None else '?'}, "
+             + ("complete)" if state == "complete" else "written before completion markers, accepted as is)")]
+    if engine is not None:
+        ws = engine.get("world_size", "?")
+        parts.append(f"optimizer state {engine.get('format', '?')} saved by {ws} rank(s), loaded on "
+                     f"{now['world_size']}")
+        parts.append(f"stage {engine.get('stage', '-')} -> {now.get('stage', '-')}, offload "
+                     f"{engine.get('offload', '?')} -> {now.get('offload', '?')}, dpu {engine.get('dpu', '?')} -> "
+                     f"{now.get('dpu', '?')}, dtype {engine.get('dtype', '?')} -> {now.get('dtype', '?')}")
+    return "; ".join(parts)
+
+
+def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | None:
+    """The warning for a checkpoint whose hf_zero_offload optimizer state this run will not load (None when it
+    holds none)."""
+    engine = saved_engine(checkpoint, state_dir)
+    if engine is None:
+        return None
+    return (f"hf_zero_offload: {checkpoint} holds hf_zero_offload optimizer state ({state_dir}/: fp32 master "
+            f"weights, Adam moments, step counts and loss scale, saved by {engine.get('world_size', '?')} rank(s)) "
+            f"that this run drops ({why}): Adam restarts from zero moments and, without optimizer.pt, "
+            "transformers does not load scheduler.pt either, so the LR schedule restarts from its first step. "
+            "Pass the same --zero_offload config to continue the run as it was")
+
+
+def saved_learning_rate(checkpoint: str) -> float | None:
+    """The last logged learning rate in the checkpoint's trainer_state.json."""
+    try:
+        with open(os.path.join(checkpoint, TRAINER_STATE), encoding="utf-8") as f:
+            history = json.load(f).get("log_history", [])
+    except (OSError, ValueError, AttributeError):
+        return None
+    rates = [h["learning_rate"] for h in history if isinstance(h, dict) and "learning_rate" in h]
+    return rates[-1] if rates else None
+
+
+def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name: str) -> str:
+    saved = saved_learning_rate(checkpoint)
+    was = f"the saved run was at lr={saved:.6g}" if saved is not None else "the saved LR is unknown"
+    return (f"hf_zero_offload: {checkpoint} has no {scheduler_name}: the learning-rate schedule restarts from its "
+            f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {_step(checkpoint)})")
+
+
+def target(requested, output_dir: str) -> tuple[str, str, list[str]]:
+    """``resume_from_checkpoint`` -> (checkpoint, its status, warnings to log). ``True``: the newest complete
+    checkpoint of ``output_dir`` (transformers' get_last_checkpoint would take a half-written one); a path:
+    refused when incomplete, naming the checkpoint to use instead."""
+    notes = []
+    if requested is True:
+        requested, skipped = choose(output_dir)
+        notes += [f"hf_zero_offload: skipping {c}: incomplete (no {MARKER}; its writer was stopped during the save); "
+                  f"resuming from {requested}" for c in skipped]
+    state, _ = check(str(requested))
+    if state == "legacy":
+        notes.append(f"hf_zero_offload: {requested} has no completion marker {MARKER} (written before markers existed, "
+                     f"or by another Trainer); it holds {TRAINER_STATE}, so it is resumed as is")
+    return str(requested), state, notes
+
+
+def remove_stale_temp_files(output_dir: str) -> list[str]:
+    """The temporaries of killed writers anywhere under ``output_dir`` (every checkpoint, not only the ones
+    written again): :func:`engine.checkpoint.remove_stale_temporaries` on each directory."""
+    removed = []
+    for root, _, _ in os.walk(output_dir):
+        removed += remove_stale_temporaries(root)
+    return removed

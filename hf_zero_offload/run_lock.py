@@ -1,0 +1,145 @@
+"""One training run per output directory: a lock file holding the owner's pid, host and start time.
+
+Two runs writing the same ``output_dir`` at once both finish, and a checkpoint can end up with one run's model
+and the other's optimizer state. The lock makes the second run an error before it does any work. It belongs to
+the job, not to a process: the caller lets rank 0 take it and tells the other ranks the outcome (the ranks of one
+torchrun job share the directory). A lock whose process is gone (same host; a pid reused by another process
+shows a different start time) is stale and taken over with a warning. A lock from another host cannot be
+checked: it is an error that says which file to delete if that run is dead. Nothing here imports transformers.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import time
+
+import psutil
+import torch.distributed as dist
+
+from .config_schema import ConfigError
+
+LOCK_NAME = "hzo-run.lock"
+logger = logging.getLogger("hf_zero_offload")
+
+
+class RunLockError(ConfigError):
+    """Another live run holds the output directory."""
+
+
+def _me() -> dict:
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "process_start": psutil.Process(pid).create_time(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the owner process still runs (only meaningful on the owner's host)."""
+    try:
+        proc = psutil.Process(int(owner["pid"]))
+        # a recycled pid belongs to a process started later than the owner
+        return abs(proc.create_time() - float(owner.get("process_start", proc.create_time()))) < 1.0
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def _same_process(a: dict, b: dict) -> bool:
+    return a.get("host") == b["host"] and a.get("pid") == b["pid"]
+
+
+class RunLock:
+    """``acquire()`` returns a warning to log (a stale lock taken over) or None; ``release()`` is idempotent."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.held = False
+
+    def _read(self) -> dict | None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                owner = json.load(f)
+            return owner if isinstance(owner, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # a torn or foreign file: no owner we could check
+
+    def _create(self, me: dict) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return True
+
+    def acquire(self) -> str | None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        me = _me()
+        warning = None
+        for _ in range(3):  # a racing taker may remove the file between our reads
+            if self._create(me):
+                break
+            owner = self._read()
+            if owner is None:
+                continue
+            if _same_process(owner, me):
+                break  # this process already holds it (another Trainer of the same script)
+            if owner.get("host") not in (None, me["host"]):
+                raise RunLockError(
+                    f"{self.path}: output_dir is in use by pid {owner.get('pid')} on host {owner.get('host')} "
+                    f"(started {owner.get('started')}); use another --output_dir, or delete the lock file if that "
+                    "run is dead")
+            if owner and _alive(owner):
+                raise RunLockError(
+                    f"{self.path}: another run (pid {owner.get('pid')}, started {owner.get('started')}) is "
+                    "training in this output_dir; wait for it, stop it, or use another --output_dir")
+            warning = (f"hf_zero_offload: took over the stale run lock {self.path} (pid {owner.get('pid')} on "
+                       f"{owner.get('host')}, started {owner.get('started')}, is gone)")
+            # replace, not delete + create: a second taker racing us reads either the old or our owner
+            tmp = f"{self.path}.tmp.{me['pid']}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+            os.replace(tmp, self.path)
+        else:
+            raise RunLockError(f"{self.path}: could not take the run lock (it keeps changing owner)")
+        if not _same_process(self._read() or {}, me):
+            raise RunLockError(f"{self.path}: another run took the output_dir at the same moment")
+        if not self.held:
+            self.held = True
+            atexit.register(self.release)
+        return warning
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        atexit.unregister(self.release)
+        owner = self._read()
+        if owner is not None and _same_process(owner, _me()):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def take_job_lock(lock: RunLock, rank: int, world_size: int) -> RunLock:
+    """Rank 0 takes ``lock`` for the whole job; every rank learns the outcome, so that all of them stop together
+    before any work (a collective: every rank calls it)."""
+    error = warning = None
+    if rank == 0:
+        try:
+            warning = lock.acquire()
+        except RunLockError as e:
+            error = str(e)
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise RunLockError(error)
+    if warning:
+        logger.warning(warning)
+    return lock

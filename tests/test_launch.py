@@ -1,0 +1,57 @@
+"""How a run starts: a real 2-process torchrun on CPU, with and without --use_cpu; the start line; fp16 on CPU."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _t5 import ToyDataset, tiny_t5
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+def _torchrun(out_dir, *extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(HERE, "_launch_script.py"), str(out_dir), *extra],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_torchrun_on_cpu_without_use_cpu_stops_with_one_line(tmp_path):
+    bad = _torchrun(tmp_path / "bad")
+    assert bad.returncode != 0
+    assert "WORLD_SIZE=2 (torchrun) but the Trainer sees 1 process" in bad.stderr
+    assert "Add --use_cpu" in bad.stderr
+    assert not os.path.exists(tmp_path / "bad" / "checkpoint-2")
+    good = _torchrun(tmp_path / "good", "--use_cpu")
+    assert good.returncode == 0, good.stderr[-3000:]
+    starts = [ln for ln in good.stderr.splitlines() if " ranks=" in ln and "backend=" in ln]
+    assert len(starts) == 2 and all(ln.startswith("INFO") for ln in starts)  # one per rank, at INFO
+    assert "ranks=2 backend=gloo device=cpu" in starts[0] and "dtype=float32" in starts[0]
+
+
+def _args(tmp_path, **kw):
+    return ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True, zero_offload=OFFLOAD, **kw)
+
+
+def test_start_line_is_info_with_ranks_backend_device_and_dtype(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, bf16=True), train_dataset=ToyDataset()).train()
+    (start,) = [r for r in caplog.records if "ranks=" in r.getMessage() and "backend=" in r.getMessage()]
+    assert start.levelno == logging.INFO
+    assert "ranks=1 backend=none device=cpu dtype=bfloat16 engine=OffloadAdam" in start.getMessage()
+
+
+@pytest.mark.parametrize("fp16", [True, False])
+def test_fp16_on_cpu_names_bf16(tmp_path, caplog, fp16):
+    ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, fp16=fp16), train_dataset=ToyDataset())
+    hits = [r for r in caplog.records if "--fp16 on a CPU-only run" in r.getMessage()]
+    assert len(hits) == int(fp16)
+    assert all("use --bf16" in r.getMessage() and r.levelno == logging.WARNING for r in hits)

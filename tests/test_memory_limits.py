@@ -1,0 +1,76 @@
+"""The host-RAM check sees every limit that applies: MemAvailable, RLIMIT_AS, the cgroup v1/v2 memory limit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hf_zero_offload.engine import memory_limits
+from hf_zero_offload.engine.memory_limits import check_host_ram, host_memory_limits
+
+GiB = 2**30
+
+
+def _cgroup(tmp_path, proc_line, files):
+    (tmp_path / "proc_cgroup").write_text(proc_line + "\n")
+    for rel, value in files.items():
+        p = tmp_path / "root" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(f"{value}\n")
+    return dict(cgroup_root=str(tmp_path / "root"), proc_cgroup=str(tmp_path / "proc_cgroup"))
+
+
+def test_cgroup_v2_limit_minus_usage_of_the_tightest_ancestor(tmp_path):
+    where = _cgroup(tmp_path, "0::/job/step", {
+        "cgroup.controllers": "memory", "job/memory.max": 3 * GiB, "job/memory.current": GiB,
+        "job/step/memory.max": "max", "job/step/memory.current": GiB // 2})
+    limits = host_memory_limits(**where)
+    cg = [left for what, left in limits if "cgroup" in what]
+    assert cg == [2 * GiB]
+    with pytest.raises(MemoryError, match=r"needs 2\.50 GiB.*only 2\.00 GiB is left under the cgroup memory limit "
+                                          r".*job/memory.max.*delayed parameter update off.*fewer ranks"):
+        check_host_ram(int(2.5 * GiB), **where)
+    check_host_ram(GiB, **where)
+
+
+def test_cgroup_v1_and_hybrid_hosts(tmp_path):
+    where = _cgroup(tmp_path, "4:memory,foo:/batch/42\n0::/", {
+        "memory/batch/42/memory.limit_in_bytes": GiB, "memory/batch/42/memory.usage_in_bytes": GiB // 4,
+        "memory/memory.limit_in_bytes": 9223372036854771712})  # v1's "unlimited"
+    assert [left for what, left in host_memory_limits(**where) if "cgroup" in what] == [3 * GiB // 4]
+    with pytest.raises(MemoryError, match="memory.limit_in_bytes"):
+        check_host_ram(GiB, **where)
+
+
+def test_no_cgroup_file_means_no_cgroup_limit(tmp_path):
+    limits = host_memory_limits(cgroup_root=str(tmp_path), proc_cgroup=str(tmp_path / "missing"))
+    assert [w for w, _ in limits if "cgroup" in w] == []
+
+
+def test_mem_available_still_counts(monkeypatch):
+    class VM:
+        available = GiB
+    monkeypatch.setattr(memory_limits.psutil, "virtual_memory", lambda: VM)
+    with pytest.raises(MemoryError, match="under the MemAvailable"):
+        check_host_ram(2 * GiB, cgroup_root="/nonexistent", proc_cgroup="/nonexistent")
+
+
+def test_real_address_space_limit_stops_the_arena_before_torch_allocates():
+    """ulimit -v below the arena: the engine's arena refuses with the numbers, instead of torch failing inside
+    its allocator (MemAvailable alone passes here)."""
+    code = textwrap.dedent("""
+        import resource, psutil, torch
+        from hf_zero_offload.engine.buffers import HostArena, plan_host_memory
+        vms = psutil.Process().memory_info().vms
+        resource.setrlimit(resource.RLIMIT_AS, (vms + (256 << 20), resource.RLIM_INFINITY))
+        plan = plan_host_memory(64 << 20, param_dtype=torch.float32, bucket_numel=1 << 20, tile_numel=1 << 20)
+        try:
+            HostArena(plan, pin=False)
+        except MemoryError as e:
+            print("REFUSED:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "REFUSED:" in out.stdout, out.stdout + out.stderr
+    assert "address-space limit RLIMIT_AS / ulimit -v" in out.stdout and "Ways out" in out.stdout

@@ -1,0 +1,131 @@
+"""Trainer features combined with --zero_offload, in the style of transformers' own Trainer tests: each works as
+with the plain Trainer, or is refused up front with a clear message."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Seq2SeqTrainer, Trainer
+
+from _t5 import ToyDataset, tiny_t5
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer
+from hf_zero_offload.config import ConfigError
+
+OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+COMMON = dict(per_device_train_batch_size=4, max_steps=6, use_cpu=True, report_to=[], logging_steps=1,
+              save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2, weight_decay=0.0)
+
+
+def _args(tmp_path, name, **kw):
+    return ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / name), **{**COMMON, **kw})
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+@pytest.mark.parametrize("sched", ["reduce_lr_on_plateau", "greedy", "cosine"])
+def test_scheduler_types_match_the_plain_trainer(tmp_path, sched):
+    # the plateau schedulers step on evaluation metrics: evaluate every step; no improvement is ever enough
+    # (threshold 100 %) for ReduceLROnPlateau, so its LR drops; GreedyLR moves its LR either way
+    plateau = {"patience": 0, "factor": 0.5, "threshold": 1.0}
+    greedy = {"patience": 1, "factor": 0.5, "cooldown": 0, "warmup": 0, "min_lr": 1e-5}
+    kw = dict(lr_scheduler_type=sched, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4,
+              max_steps=4, max_grad_norm=0.0, lr_scheduler_kwargs={"reduce_lr_on_plateau": plateau, "greedy": greedy}.get(sched, {}))
+    ref_model = tiny_t5()
+    ref = Seq2SeqTrainer(model=ref_model, args=_args(tmp_path, "ref", optim="adamw_torch", **kw),
+                         train_dataset=ToyDataset(), eval_dataset=ToyDataset(8, seed=1))
+    ref.train()
+    model = tiny_t5()
+    ours = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "ours", zero_offload=OFFLOAD, **kw),
+                                     train_dataset=ToyDataset(), eval_dataset=ToyDataset(8, seed=1))
+    ours.train()
+    assert type(ours.lr_scheduler) is type(ref.lr_scheduler)
+    assert _logged(ours, "learning_rate") == pytest.approx(_logged(ref, "learning_rate"), rel=1e-6)
+    assert _logged(ours, "loss") == pytest.approx(_logged(ref, "loss"), rel=1e-5)
+    if sched != "cosine":
+        assert len(set(_logged(ours, "learning_rate"))) > 1  # the metric-driven logic did act
+
+
+def test_users_optimizer_is_refused_up_front(tmp_path):
+    model = tiny_t5()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match=r"Passing optimizer and lr scheduler .*not allowed with zero_offload.*"
+                                          r"ZeroOffloadCallback"):
+        ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "x", zero_offload=OFFLOAD),
+                                  train_dataset=ToyDataset(),
+                                  optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)))
+    with pytest.raises(ConfigError, match="optimizer_cls_and_kwargs"):
+        ZeroOffloadTrainer(model=model, args=_args(tmp_path, "y", zero_offload=OFFLOAD),
+                           optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
+
+
+class FloatRegressor(torch.nn.Module):
+    """A model whose inputs are float features (audio / vision style), with a loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, features, labels=None):
+        self.seen.append(features.dtype)
+        out = self.net(features).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(out.float(), labels.float()), "logits": out}
+
+
+class FloatData(torch.utils.data.Dataset):
+    def __init__(self, n=32):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(-1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "labels": self.y[i]}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_float_inputs_follow_the_16bit_model(tmp_path, dtype):
+    model = FloatRegressor()
+    targs = _args(tmp_path, dtype, zero_offload=OFFLOAD, eval_strategy="steps", eval_steps=3,
+                  per_device_eval_batch_size=8, **{dtype: True})
+    trainer = ZeroOffloadTrainer(model=model, args=targs, train_dataset=FloatData(), eval_dataset=FloatData(8))
+    trainer.train()
+    want = torch.bfloat16 if dtype == "bf16" else torch.float16
+    assert set(model.seen) == {want}  # training and evaluation batches
+    assert all(p.dtype == want for p in model.parameters())
+    losses = _logged(trainer, "loss")
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_whole_config_is_checked_at_init(tmp_path):
+    cfg = {**OFFLOAD, "gradient_clipping": 2.0}
+    with pytest.raises(ConfigError, match=r"gradient_clipping=2.0 vs --max_grad_norm"):
+        ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "x", zero_offload=cfg))
+
+
+def test_init_check_leaves_unknown_step_counts_to_train_start(tmp_path):
+    # epochs, not max_steps: total_num_steps "auto" and a warm-up ratio are known only at train start
+    cfg = {**OFFLOAD, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto",
+                                                                        "warmup_num_steps": "auto"}}}
+    kw = {**COMMON, "max_steps": -1, "num_train_epochs": 1, "warmup_steps": 0.5}
+    trainer = ZeroOffloadSeq2SeqTrainer(
+        model=tiny_t5(), args=ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / "e"), zero_offload=cfg,
+                                                                  **kw),
+        train_dataset=ToyDataset())
+    trainer.train()
+    assert trainer.zero_config.scheduler.total_num_steps == trainer.state.max_steps == 8
+    assert trainer.zero_config.scheduler.warmup_num_steps == 4
+    # a model_init Trainer has no model at __init__: the "auto" bucket size waits for it
+    ZeroOffloadSeq2SeqTrainer(model_init=lambda *_: tiny_t5(), args=_args(tmp_path, "mi", zero_offload={
+        "zero_optimization": {**OFFLOAD["zero_optimization"], "reduce_bucket_size": "auto"}}))
+
+
+def test_plain_trainer_subclass_without_zero_offload_is_untouched(tmp_path):
+    trainer = ZeroOffloadTrainer(model=tiny_t5(), args=_args(tmp_path, "p", optim="adamw_torch"),
+                                 train_dataset=ToyDataset())
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.AdamW) and isinstance(trainer, Trainer)

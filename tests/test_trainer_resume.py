@@ -1,0 +1,203 @@
+"""Nothing lost, nothing silent on resume: the completion marker, the choice of checkpoint, the one-line account
+of what was restored, the warnings for what is not, and the output_dir's run lock."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Seq2SeqTrainer
+
+from _t5 import ToyDataset, tiny_t5
+from hf_zero_offload import ZeroOffloadCallback, ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+from hf_zero_offload import resume
+from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
+
+OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+COMMON = dict(per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_to=[], logging_steps=1, seed=0,
+              disable_tqdm=True, learning_rate=1e-3, weight_decay=0.01, warmup_steps=3, save_strategy="steps",
+              save_steps=2)
+
+
+def _trainer(out, seed=0, **kw):
+    model = tiny_t5(seed)
+    targs = ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(out), **{**COMMON, "zero_offload": OFFLOAD, **kw})
+    return model, ZeroOffloadSeq2SeqTrainer(model=model, args=targs, train_dataset=ToyDataset())
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """A 4-step run with checkpoints at 2 and 4, kept pristine: tests work on copies."""
+    out = tmp_path_factory.mktemp("full")
+    model, trainer = _trainer(out)
+    trainer.train()
+    return out, [p.detach().clone() for p in model.parameters()]
+
+
+def _copy(full, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(full[0], dst)
+    return dst
+
+
+def _same(model, params):
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+
+
+def test_checkpoints_carry_the_marker_written_last(full):
+    out, _ = full
+    for step in (2, 4):
+        ckpt = out / f"checkpoint-{step}"
+        marker = json.loads((ckpt / resume.MARKER).read_text())
+        assert marker["complete"] and marker["step"] == step and marker["world_size"] == 1
+        assert marker["engine"]["format"] == "hf_zero_offload.state/2" and marker["engine"]["dtype"] == "float32"
+        newest = max(os.path.getmtime(p) for p in ckpt.rglob("*") if p.name != resume.MARKER)
+        assert os.path.getmtime(ckpt / resume.MARKER) >= newest
+    assert not (out / LOCK_NAME).exists()  # released when train() returned
+
+
+def _cut_short(ckpt):
+    """What a kill during transformers' save leaves: the model and some state, no trainer_state.json, no marker."""
+    (ckpt / resume.MARKER).unlink()
+    (ckpt / resume.TRAINER_STATE).unlink()
+
+
+def test_resume_true_skips_a_half_written_checkpoint(full, tmp_path, caplog):
+    out = _copy(full, tmp_path)
+    _cut_short(out / "checkpoint-4")
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=True)
+    assert _same(model, full[1])  # steps 3 and 4 redone from checkpoint-2: the same result
+    assert any("skipping" in r.getMessage() and "checkpoint-4" in r.getMessage() for r in caplog.records)
+
+
+def test_an_incomplete_checkpoint_is_refused_naming_the_intact_one(full, tmp_path):
+    out = _copy(full, tmp_path)
+    _cut_short(out / "checkpoint-4")
+    _, trainer = _trainer(out, seed=1)
+    with pytest.raises(resume.IncompleteCheckpoint, match=r"checkpoint-4 is incomplete.*newest complete checkpoint "
+                                                          r"is .*checkpoint-2"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    # with trainer_state.json but no marker while an older sibling has one: cut short after the state
+    out2 = _copy(full, tmp_path / "b")
+    (out2 / "checkpoint-4" / resume.MARKER).unlink()
+    assert resume.status(str(out2 / "checkpoint-4")) == "incomplete"
+
+
+def test_temp_files_of_killed_writers_are_removed_at_the_next_start(full, tmp_path, caplog):
+    out = _copy(full, tmp_path)
+    (out / "checkpoint-4" / "zero_offload" / "rank0_of_1.hzo.tmp.999999").write_bytes(b"torn")
+    (out / "checkpoint-4" / "zero_offload" / "param_names.json.tmp.999998").write_text("{")
+    _, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=True)
+    assert not [p for p in out.rglob("*") if ".tmp." in p.name]
+    assert sum("left by a writer that was stopped" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_checkpoints_from_before_the_marker_resume_with_a_warning(full, tmp_path, caplog):
+    out = _copy(full, tmp_path)
+    for step in (2, 4):
+        (out / f"checkpoint-{step}" / resume.MARKER).unlink()
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert _same(model, full[1])
+    text = caplog.text
+    assert "has no completion marker" in text and "resumed as is" in text
+    assert "written before completion markers" in text
+
+
+def test_resume_logs_one_line_of_what_it_restored(full, tmp_path, caplog):
+    out = _copy(full, tmp_path)
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert _same(model, full[1])
+    (line,) = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert "checkpoint-2 (step 2, complete)" in line
+    assert "hf_zero_offload.state/2 saved by 1 rank(s), loaded on 1" in line and "dtype float32 -> float32" in line
+
+
+def test_missing_scheduler_file_is_a_warning_with_the_learning_rates(full, tmp_path, caplog):
+    out = _copy(full, tmp_path)
+    (out / "checkpoint-2" / "scheduler.pt").unlink()
+    _, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    (msg,) = [r.getMessage() for r in caplog.records if "scheduler.pt" in r.getMessage()]
+    # warm-up over 3 steps: the schedule restarts at lr 0 instead of continuing from step 2's lr
+    assert "restarts from its first step (lr=0)" in msg and "the saved run was at lr=0.000333333" in msg
+
+
+def test_our_state_resumed_without_zero_offload_is_a_warning(full, tmp_path, caplog):
+    out = _copy(full, tmp_path)
+    _, trainer = _trainer(out, seed=1, zero_offload=None, optim="adamw_torch")
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    (msg,) = [r.getMessage() for r in caplog.records if "that this run drops" in r.getMessage()]
+    assert "no --zero_offload" in msg and "Adam restarts from zero moments" in msg and "LR schedule restarts" in msg
+    # a plain Trainer with the callback: the callback says it
+    caplog.clear()
+    model = tiny_t5(1)
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+    engine = OffloadAdam(model.parameters(), lr=1e-3, options=OffloadOptions())
+    plain = Seq2SeqTrainer(model=model, args=ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(out), **COMMON),
+                           train_dataset=ToyDataset(), callbacks=[ZeroOffloadCallback()],
+                           optimizers=(engine, torch.optim.lr_scheduler.LambdaLR(engine, lambda _: 1.0)))
+    plain.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert any("a plain Trainer does not load it" in r.getMessage() for r in caplog.records)
+
+
+def test_rotation_waits_for_the_marker(tmp_path):
+    _, trainer = _trainer(tmp_path / "rot", save_total_limit=1)
+    trainer.train()
+    assert sorted(os.listdir(tmp_path / "rot")) == ["checkpoint-4"]
+    assert resume.status(str(tmp_path / "rot" / "checkpoint-4")) == "complete"
+
+
+# ---------------------------------------------------------------- the run lock
+
+def _foreign_lock(directory, proc, host=None):
+    import psutil
+    os.makedirs(directory, exist_ok=True)
+    owner = {"pid": proc.pid, "host": host or __import__("socket").gethostname(),
+             "process_start": psutil.Process(proc.pid).create_time(), "started": "earlier"}
+    (directory / LOCK_NAME).write_text(json.dumps(owner))
+
+
+def test_a_second_live_run_is_an_error_before_any_work(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _foreign_lock(tmp_path / "busy", other)
+        model = tiny_t5()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RunLockError, match=rf"another run \(pid {other.pid}.*is training in this output_dir"):
+            ZeroOffloadSeq2SeqTrainer(model=model, args=ZeroOffloadSeq2SeqTrainingArguments(
+                output_dir=str(tmp_path / "busy"), **{**COMMON, "zero_offload": OFFLOAD}), train_dataset=ToyDataset())
+        assert _same(model, before) and os.listdir(tmp_path / "busy") == [LOCK_NAME]
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_stale_lock_is_taken_over_and_foreign_host_is_an_error(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    _foreign_lock(tmp_path / "stale", dead)
+    dead.wait()
+    lock = RunLock(str(tmp_path / "stale"))
+    assert "took over the stale run lock" in lock.acquire()
+    assert json.loads((tmp_path / "stale" / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert RunLock(str(tmp_path / "stale")).acquire() is None  # same process: re-entrant
+    lock.release()
+    assert not (tmp_path / "stale" / LOCK_NAME).exists()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _foreign_lock(tmp_path / "far", alive, host="another-host")
+        with pytest.raises(RunLockError, match="on host another-host.*delete the lock file if that run is dead"):
+            RunLock(str(tmp_path / "far")).acquire()
+    finally:
+        alive.kill()
+        alive.wait()
