@@ -10,8 +10,8 @@ from typing import List, Optional
 from transformers import HfArgumentParser
 
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments
-from hf_zero_offload.config import load_config, resolve
-from hf_zero_offload.trainer import args_view
+from hf_zero_offload.args_view import early_view
+from hf_zero_offload.config import check, resolve
 
 import seq2seq_utils as su
 
@@ -130,12 +130,6 @@ def check_zero_config(training_args, config) -> None:
     here (and only when the config leaves total_num_steps to "auto": any value resolves the same way)."""
     if training_args.zero_offload is None:
         return
-    raw = load_config(training_args.zero_offload)  # a path or a shipped config's name
-    steps = training_args.max_steps if training_args.max_steps > 0 else None
-    sched = raw.get("scheduler") or {}
-    if steps is None and (sched.get("params") or {}).get("total_num_steps", "auto") == "auto" \
-            and not 0 < training_args.warmup_steps < 1:  # (a fraction of the steps: that needs the real count)
-        steps = 1
-    view = args_view(training_args, fp16=training_args.fp16, bf16=training_args.bf16, max_steps=steps,
-                     model=types.SimpleNamespace(config=config))
-    resolve(training_args.zero_offload, view)
+    checked = check(training_args.zero_offload)  # a path or a shipped config's name
+    resolve(checked, early_view(training_args, checked.cfg, training_args.fp16, training_args.bf16,
+                                types.SimpleNamespace(config=config)))
