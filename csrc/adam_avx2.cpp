@@ -34,9 +34,8 @@ inline __m256 load_g(const void* g, size_t i) {
 inline __m128i to_bf16(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i hi = _mm256_srli_epi32(u, 16);
-  // |u| <= 0x7fffffff, so the signed compare is the unsigned one.
-  const __m256i nan =
-      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  // The unordered self-compare is true exactly for NaNs, f32_to_bf16's (u & 0x7fffffff) > 0x7f800000.
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
   r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);

@@ -35,8 +35,8 @@ inline __m512 load_g(const void* g, size_t i) {
 inline __m256i to_bf16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i hi = _mm512_srli_epi32(u, 16);
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  // The unordered self-compare is true exactly for NaNs, f32_to_bf16's (u & 0x7fffffff) > 0x7f800000.
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
