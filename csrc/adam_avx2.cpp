@@ -34,9 +34,8 @@ inline __m256 load_g(const void* g, size_t i) {
 inline __m128i to_bf16(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i hi = _mm256_srli_epi32(u, 16);
-  // |u| <= 0x7fffffff, so the signed compare is the unsigned one.
-  const __m256i nan =
-      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  // The unordered self-compare is true exactly for NaNs, f32_to_bf16's (u & 0x7fffffff) > 0x7f800000.
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
   r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
@@ -125,9 +124,9 @@ template <int EB>
 inline __m256 dq_mag_vec(__m256i mag) {
   using F = QFormat<EB>;
   const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(F::kNormBias)), 20));
-  const __m256 sub = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(mag, _mm256_set1_epi32(F::kMagicBits))),
-                                   _mm256_castsi256_ps(_mm256_set1_epi32(F::kMagicBits)));
-  return _mm256_blendv_ps(sub, normal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7))));
+  const __m256 neg_min_normal = _mm256_castsi256_ps(_mm256_set1_epi32(F::kMinNormalBits | 0x80000000u));
+  const __m256 sub = _mm256_fmadd_ps(normal, _mm256_set1_ps(2.0f), neg_min_normal);  // dq_mag: exact
+  return _mm256_min_ps(sub, normal);
 }
 
 inline __m256 dq_m_vec(const int8_t* p) {
@@ -140,19 +139,16 @@ inline __m256 dq_v_vec(const uint8_t* p) {
   return dq_mag_vec<31>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// n >= 0 (or a NaN without sign): the bits compare as signed ints.
+// n >= 0 (or a NaN): q_mag's operations lane by lane; C's bits compare as signed ints.
 template <int EB>
 inline __m256i q_mag_vec(__m256 n) {
   using F = QFormat<EB>;
+  const __m256i magic = _mm256_set1_epi32(F::kMagicBits);
   const __m256i u = _mm256_castps_si256(n);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
-  const __m256i norm = _mm256_sub_epi32(
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7ffff)), lsb), 20),
-      _mm256_set1_epi32(F::kNormBias));
-  const __m256i sub =
-      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(n, _mm256_castsi256_ps(_mm256_set1_epi32(F::kMagicBits)))),
-                       _mm256_set1_epi32(F::kMagicBits));
-  const __m256i mag = _mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(F::kMinNormalBits), u));
+  const __m256i c = _mm256_max_epi32(
+      _mm256_add_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)), _mm256_set1_epi32(20 << 23)), magic);
+  const __m256i d = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(n, _mm256_castsi256_ps(c))), c);
+  const __m256i mag = _mm256_add_epi32(d, _mm256_srli_epi32(_mm256_sub_epi32(c, magic), 20));
   return _mm256_min_epu32(mag, _mm256_set1_epi32(F::kMaxMag));
 }
 
@@ -171,6 +167,38 @@ inline void q_v_vec(__m256 x, __m256 inv, uint8_t* dst) {
   const __m256i c = q_mag_vec<31>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w, w));
+}
+
+// Four vectors of codes at once: two pack steps and one permute instead of three steps per vector.
+// The packs work within 128-bit lanes, so dword d of the packed result holds 4 codes of vector
+// d % 4 (its low half for d < 4, its high half after); the permute puts them back in order. The
+// magnitudes fit the packs without saturating (<= 120, <= 248). exp_avg's signs: the fp32 bits
+// packed with signed saturation keep their sign and stay nonzero (only +0 and -0 give 0, whose
+// magnitude code is 0 anyway, as is a -0's in q_m), so psignb negates exactly the codes of the
+// lanes with the sign bit set, and the bytes are q_m_vec's / q_v_vec's.
+inline __m256i unshuffle_x4(__m256i w) {
+  return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline void q_m_x4(const float* x, __m256 inv, int8_t* dst) {
+  const __m256 x0 = _mm256_load_ps(x), x1 = _mm256_load_ps(x + W), x2 = _mm256_load_ps(x + 2 * W),
+               x3 = _mm256_load_ps(x + 3 * W);
+  auto mag = [&](__m256 v) { return q_mag_vec<15>(_mm256_mul_ps(_mm256_and_ps(v, abs_mask()), inv)); };
+  const __m256i m =
+      _mm256_packus_epi16(_mm256_packus_epi32(mag(x0), mag(x1)), _mm256_packus_epi32(mag(x2), mag(x3)));
+  auto bits = [](__m256 v) { return _mm256_castps_si256(v); };
+  const __m256i s =
+      _mm256_packs_epi16(_mm256_packs_epi32(bits(x0), bits(x1)), _mm256_packs_epi32(bits(x2), bits(x3)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(_mm256_sign_epi8(m, s)));
+}
+
+inline void q_v_x4(const float* x, __m256 inv, uint8_t* dst) {
+  auto mag = [&](const float* p) {
+    return q_mag_vec<31>(_mm256_mul_ps(_mm256_and_ps(_mm256_load_ps(p), abs_mask()), inv));
+  };
+  const __m256i c = _mm256_packus_epi16(_mm256_packus_epi32(mag(x), mag(x + W)),
+                                        _mm256_packus_epi32(mag(x + 2 * W), mag(x + 3 * W)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(c));
 }
 
 // Lanes are >= 0 and never NaN (max_ps(x, acc) keeps acc when x is NaN), so the order is free.
@@ -219,6 +247,10 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
     size_t j = 0;
+    for (; j + 4 * W <= e - b; j += 4 * W) {
+      q_m_x4(mb + j, mdv, mc + b + j);
+      q_v_x4(vb + j, vdv, vc + b + j);
+    }
     for (; j + W <= e - b; j += W) {
       q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
       q_v_vec(_mm256_load_ps(vb + j), vdv, vc + b + j);

@@ -35,8 +35,8 @@ inline __m512 load_g(const void* g, size_t i) {
 inline __m256i to_bf16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i hi = _mm512_srli_epi32(u, 16);
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  // The unordered self-compare is true exactly for NaNs, f32_to_bf16's (u & 0x7fffffff) > 0x7f800000.
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
@@ -126,9 +126,9 @@ template <int EB>
 inline __m512 dq_mag_vec(__m512i mag) {
   using F = QFormat<EB>;
   const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(F::kNormBias)), 20));
-  const __m512 sub = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_add_epi32(mag, _mm512_set1_epi32(F::kMagicBits))),
-                                   _mm512_castsi512_ps(_mm512_set1_epi32(F::kMagicBits)));
-  return _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(7)), sub, normal);
+  const __m512 neg_min_normal = _mm512_castsi512_ps(_mm512_set1_epi32(F::kMinNormalBits | 0x80000000u));
+  const __m512 sub = _mm512_fmadd_ps(normal, _mm512_set1_ps(2.0f), neg_min_normal);  // dq_mag: exact
+  return _mm512_min_ps(sub, normal);
 }
 
 inline __m512 dq_m_vec(const int8_t* p) {
@@ -141,20 +141,16 @@ inline __m512 dq_v_vec(const uint8_t* p) {
   return dq_mag_vec<31>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// n >= 0 (or a NaN without sign): the bits compare as signed ints.
+// n >= 0 (or a NaN): q_mag's operations lane by lane; C's bits compare as signed ints.
 template <int EB>
 inline __m512i q_mag_vec(__m512 n) {
   using F = QFormat<EB>;
+  const __m512i magic = _mm512_set1_epi32(F::kMagicBits);
   const __m512i u = _mm512_castps_si512(n);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
-  const __m512i norm = _mm512_sub_epi32(
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7ffff)), lsb), 20),
-      _mm512_set1_epi32(F::kNormBias));
-  const __m512i sub =
-      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(n, _mm512_castsi512_ps(_mm512_set1_epi32(F::kMagicBits)))),
-                       _mm512_set1_epi32(F::kMagicBits));
-  const __m512i mag =
-      _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32(F::kMinNormalBits), u), norm, sub);
+  const __m512i c = _mm512_max_epi32(
+      _mm512_add_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(20 << 23)), magic);
+  const __m512i d = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(n, _mm512_castsi512_ps(c))), c);
+  const __m512i mag = _mm512_add_epi32(d, _mm512_srli_epi32(_mm512_sub_epi32(c, magic), 20));
   return _mm512_min_epu32(mag, _mm512_set1_epi32(F::kMaxMag));
 }
 

@@ -13,10 +13,11 @@
 //   (not absolute) precision over many orders of magnitude, so small moments in a block with an
 //   outlier are not flushed to zero. The paper's tree spends its bits on powers of ten and needs
 //   a search of a 256-entry table per element; here the exponent is a power of two, so the code is
-//   a small floating-point format with 3 fraction bits and round-to-nearest-even is an integer add
-//   on the fp32 bits (as for bf16): a handful of integer ops per element, exact (it is the nearest
-//   code; tests check that against the full table), no table, no gather, so the kernel stays
-//   memory-bound. Cost per element and moment: one multiply by the block's reciprocal and ~12 vector integer ops.
+//   a small floating-point format with 3 fraction bits and round-to-nearest-even is one float add
+//   of a power of two picked from the exponent bits (q_mag): a handful of vector ops per element,
+//   exact (it is the nearest code; tests check that against the full table), no table, no gather.
+//   Cost per element and moment: one multiply by the block's reciprocal and 9 vector ops to encode
+//   the magnitude, 4 to decode it (with the 256-bit packs, ~1 more per element to store the bytes).
 //     exp_avg    int8: sign and magnitude 0..120; magnitude value = 2^(e-15) * (1 + f/8) with
 //                e = mag>>3 >= 1, f = mag&7, and mag*2^-17 below 8 (evenly spaced, like IEEE
 //                subnormals); 1.0 is mag 120. 241 values, 2^-17 (7.6e-6) to 1, <= 6.25% error.
@@ -28,6 +29,8 @@
 // - Non-finite moments: the scale becomes inf/nan and the block decodes to inf/nan, so a bad step
 //   stays visible (the fp32 param was already updated with the unrounded values in the same pass).
 #pragma once
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -51,23 +54,33 @@ using QM = QFormat<15>;  // exp_avg
 using QV = QFormat<31>;  // exp_avg_sq
 
 // Nearest magnitude code of n >= 0 (ties to even), clamped to 1.0's (n <= 1 by construction; a NaN
-// clamps too, deterministically).
+// clamps too, deterministically). One float add rounds n to the code's step: C is 2^20 times n's
+// binade (2^E), or 2^(21-EB) below the smallest normal code, so n + C lands in C's binade, whose ulp
+// is 2^(E-3) (3 fraction bits) or 2^(-2-EB) (the subnormal step), and the hardware's
+// round-to-nearest-even does the rounding. The bits of n + C minus C's count steps of that ulp
+// from C: 8 + f in a normal binade, to which (C - 2^(21-EB)) >> 20 = 8 (E + EB - 1) adds the
+// exponent; 0 below. A carry into the next binade gives the next exponent's f = 0. Huge n, inf and
+// NaN wrap the exponent add negative (signed max takes 2^(21-EB)) and clamp. Checked against the
+// textbook form (integer round-to-nearest-even of the fp32 bits at bit 20, subnormals by a magic
+// add) for all 2^32 inputs in its domain (n >= 0 and NaNs): benchmarks/kernel/check_codes.cpp.
 template <int EB>
 inline uint32_t q_mag(float n) {
   using F = QFormat<EB>;
-  const uint32_t u = f32_bits(n);
-  const uint32_t norm = ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - F::kNormBias;
-  // Below 2^(1-EB): adding 2^(21-EB) rounds n to a multiple of the step, and the bits count steps.
-  const uint32_t sub = f32_bits(n + bits_f32(F::kMagicBits)) - F::kMagicBits;
-  const uint32_t mag = u < F::kMinNormalBits ? sub : norm;
+  const int32_t e20 = static_cast<int32_t>((f32_bits(n) & 0x7f800000u) + (20u << 23));
+  const uint32_t c = static_cast<uint32_t>(std::max(e20, static_cast<int32_t>(F::kMagicBits)));
+  const uint32_t mag = (f32_bits(n + bits_f32(c)) - c) + ((c - F::kMagicBits) >> 20);
   return mag < F::kMaxMag ? mag : F::kMaxMag;
 }
 
+// The normal form (mag + bias) << 20 is right for mag >= 8; below, it is 2^-EB (1 + mag/8) and the
+// value is 2 (that - 2^-EB) = mag 2^(-2-EB), computed exactly by one fma. At mag >= 8 the fma is
+// >= the normal form (equal at 8), so the min picks the right one without a compare (all finite).
 template <int EB>
 inline float dq_mag(uint32_t mag) {
   using F = QFormat<EB>;
-  const float magic = bits_f32(F::kMagicBits);
-  return mag >= 8 ? bits_f32((mag + F::kNormBias) << 20) : bits_f32(F::kMagicBits + mag) - magic;
+  const float normal = bits_f32((mag + F::kNormBias) << 20);
+  const float sub = std::fma(normal, 2.0f, -bits_f32(F::kMinNormalBits));
+  return sub < normal ? sub : normal;  // _mm256_min_ps(sub, normal)
 }
 
 // Value of a code, before the block scale.
