@@ -32,7 +32,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/adam_step.py
+	$(PY) -m benchmarks.kernel.adam_step
 	$(PY) benchmarks/offload_step.py
 
 demo: $(STAMP)

@@ -1,7 +1,17 @@
 // Shared declarations for the CPU Adam kernels. Torch-free: raw pointers and sizes only.
 //
-// Every instruction set implements the same canonical per-element math (adam_scalar_elem below,
-// with the same fused multiply-adds in the same places), so the scalar, AVX2 and AVX512 paths give
+// The algorithm: Adam (Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015,
+// Algorithm 1) and AdamW's decoupled weight decay (Loshchilov & Hutter, "Decoupled Weight Decay
+// Regularization", ICLR 2019, Algorithm 2), in the form torch.optim.Adam/AdamW implement them
+// (torch/optim/adamw.py, _single_tensor_adamw):
+//   AdamW: p *= 1 - lr*wd                 Adam: g += wd*p
+//   m = lerp(m, g, 1-beta1)   v = beta2*v + (1-beta2)*g*g
+//   p -= lr/(1-beta1^t) * m / (sqrt(v)/sqrt(1-beta2^t) + eps)
+// adam_math below is the canonical per-element form (with its fused multiply-adds); make_adam_args
+// (adam_scalar.cpp) turns the hyper-parameters into the per-step constants.
+//
+// Every instruction set implements exactly these operations lane by lane (the same fused
+// multiply-adds, true division and square root), so the scalar, AVX2 and AVX512 paths give
 // bit-identical results; the vector paths use the scalar helpers for their tails.
 #pragma once
 #include <cmath>
@@ -13,14 +23,24 @@ namespace hzo {
 
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
+// How exp_avg/exp_avg_sq are stored. F32: float arrays. BF16: bf16 bits (uint16), rounded to
+// nearest even when written. Q8: blockwise 8-bit codes with one fp32 absmax per kQBlock block
+// (quant.h): int8 for exp_avg, uint8 for exp_avg_sq. In every kind the update itself runs in fp32
+// on the decoded moments, and the param update uses the new fp32 moments before they are rounded
+// for storage.
+enum class StateKind : int { F32 = 0, BF16 = 1, Q8 = 2 };
+
 struct AdamArgs {
   float* param;            // fp32 master, updated in place
   const void* grad;        // grad_dtype
-  float* exp_avg;          // fp32
-  float* exp_avg_sq;       // fp32
+  void* exp_avg;           // see StateKind
+  void* exp_avg_sq;
+  float* exp_avg_scale;    // Q8: absmax of block k of this range at [k]; nullptr otherwise
+  float* exp_avg_sq_scale;
   void* param_out;         // optional copy of the updated param in out_dtype (nullptr: none)
   DType grad_dtype;
   DType out_dtype;
+  StateKind state;
   float grad_scale;        // multiplies the gradient in-register (loss-scale unscale * clip coef)
   float beta1, beta2, one_minus_beta1, one_minus_beta2;
   float eps;
@@ -30,7 +50,15 @@ struct AdamArgs {
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed in double
 };
 
-// One function table per instruction set; [begin, end) is an element range.
+// The per-step constants of AdamArgs from the hyper-parameters (step is 1-based, after this update).
+// Bias corrections in double, as torch.optim.Adam(W) computes them on Python floats. Pointers and
+// dtypes are left for the caller.
+AdamArgs make_adam_args(long step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                        bool adamw, double grad_scale);
+
+// One function table per instruction set; [begin, end) is an element range. For StateKind::Q8,
+// begin is a multiple of kQBlock (counted from the arrays' start, where block 0's scale is) and end
+// is a multiple of it or the end of the arrays.
 using AdamFn = void (*)(const AdamArgs&, size_t begin, size_t end);
 // Adds the sum of squares of grad[begin, end) into 16 fp64 lanes: element i goes to lane i % 16.
 // The fixed lane assignment makes the result independent of the instruction set.
@@ -120,18 +148,37 @@ inline void store_out(void* out, DType dt, size_t i, float v) {
   }
 }
 
-// The canonical update of one element. The vector kernels perform exactly these operations.
-inline void adam_scalar_elem(const AdamArgs& a, size_t i) {
-  float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
-  float p = a.param[i];
+// The canonical update of one element: g already widened and scaled; returns the new param and
+// the new moments in m, v. The vector kernels perform exactly these operations.
+inline float adam_math(const AdamArgs& a, float g, float p, float m0, float v0, float& m, float& v) {
   if (a.l2 != 0.0f) g = std::fma(a.l2, p, g);
   p = p * a.decay;
-  float m = std::fma(a.one_minus_beta1, g - a.exp_avg[i], a.exp_avg[i]);
-  float v = std::fma(a.one_minus_beta2, g * g, a.exp_avg_sq[i] * a.beta2);
-  float denom = std::sqrt(v) / a.bias_correction2_sqrt + a.eps;
-  p = std::fma(-a.step_size, m / denom, p);
-  a.exp_avg[i] = m;
-  a.exp_avg_sq[i] = v;
+  m = std::fma(a.one_minus_beta1, g - m0, m0);
+  v = std::fma(a.one_minus_beta2, g * g, v0 * a.beta2);
+  const float denom = std::sqrt(v) / a.bias_correction2_sqrt + a.eps;
+  return std::fma(-a.step_size, m / denom, p);
+}
+
+// One element with fp32 (S = F32) or bf16 (S = BF16) moments.
+template <StateKind S>
+inline void adam_scalar_elem(const AdamArgs& a, size_t i) {
+  const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
+  float m0, v0, m, v;
+  if constexpr (S == StateKind::F32) {
+    m0 = static_cast<const float*>(a.exp_avg)[i];
+    v0 = static_cast<const float*>(a.exp_avg_sq)[i];
+  } else {
+    m0 = bf16_to_f32(static_cast<const uint16_t*>(a.exp_avg)[i]);
+    v0 = bf16_to_f32(static_cast<const uint16_t*>(a.exp_avg_sq)[i]);
+  }
+  const float p = adam_math(a, g, a.param[i], m0, v0, m, v);
+  if constexpr (S == StateKind::F32) {
+    static_cast<float*>(a.exp_avg)[i] = m;
+    static_cast<float*>(a.exp_avg_sq)[i] = v;
+  } else {
+    static_cast<uint16_t*>(a.exp_avg)[i] = f32_to_bf16(m);
+    static_cast<uint16_t*>(a.exp_avg_sq)[i] = f32_to_bf16(v);
+  }
   a.param[i] = p;
   if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
 }

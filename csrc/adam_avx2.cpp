@@ -1,15 +1,16 @@
-// AVX2 + FMA + F16C kernels: 8 fp32 lanes per vector.
+// AVX2 + FMA + F16C kernels: 8 fp32 lanes per vector. Compiled with -mavx2 -mfma -mf16c only,
+// chosen after cpu_can_run_avx2() (cpu_features.cpp) has checked exactly those.
 //
 // Every vector operation below is the lane-wise image of one operation of adam_scalar_elem /
 // norm_scalar_range / accumulate_scalar_elem in adam.h (same fused multiply-adds, true division,
 // true square root), so results are bit-identical to the scalar path; tails use the scalar helpers.
-// The grad dtype, the param_out dtype and the L2 switch are template parameters: the inner loop
+// The grad dtype, the param_out dtype, the state kind and the L2 switch are template parameters: the inner loop
 // has no per-element switch.
 #include <immintrin.h>
 
 #include <algorithm>
 
-#include "adam.h"
+#include "quant.h"
 
 namespace hzo {
 namespace {
@@ -62,61 +63,206 @@ inline void store_o(void* out, size_t i, __m256 p) {
   }
 }
 
-template <DType G, int Out, bool L2, bool NT>
+// Moments stored as fp32 or as bf16 bits.
+template <StateKind S>
+inline __m256 load_state(const void* base, size_t i) {
+  if constexpr (S == StateKind::F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  } else {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <StateKind S>
+inline void store_state(void* base, size_t i, __m256 x) {
+  if constexpr (S == StateKind::F32) _mm256_storeu_ps(static_cast<float*>(base) + i, x);
+  else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), to_bf16(x));
+}
+
+struct Consts {
+  __m256 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step;
+  explicit Consts(const AdamArgs& a)
+      : scale(_mm256_set1_ps(a.grad_scale)), l2(_mm256_set1_ps(a.l2)), decay(_mm256_set1_ps(a.decay)),
+        b2(_mm256_set1_ps(a.beta2)), omb1(_mm256_set1_ps(a.one_minus_beta1)),
+        omb2(_mm256_set1_ps(a.one_minus_beta2)), bc2(_mm256_set1_ps(a.bias_correction2_sqrt)),
+        eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)) {}
+};
+
+// adam_math, lane by lane.
+template <bool L2>
+inline __m256 adam_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
+  if constexpr (L2) g = _mm256_fmadd_ps(c.l2, p, g);
+  p = _mm256_mul_ps(p, c.decay);
+  m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m0), m0);
+  v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v0, c.b2));
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2), c.eps);
+  return _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, denom), p);
+}
+
+template <DType G, int Out, bool L2, bool NT, StateKind S>
 void adam_range(const AdamArgs& a, size_t begin, size_t end) {
-  const __m256 scale = _mm256_set1_ps(a.grad_scale);
-  const __m256 l2 = _mm256_set1_ps(a.l2);
-  const __m256 decay = _mm256_set1_ps(a.decay);
-  const __m256 b2 = _mm256_set1_ps(a.beta2);
-  const __m256 omb1 = _mm256_set1_ps(a.one_minus_beta1);
-  const __m256 omb2 = _mm256_set1_ps(a.one_minus_beta2);
-  const __m256 bc2 = _mm256_set1_ps(a.bias_correction2_sqrt);
-  const __m256 eps = _mm256_set1_ps(a.eps);
-  const __m256 neg_step = _mm256_set1_ps(-a.step_size);
+  const Consts c(a);
   float* __restrict param = a.param;
-  float* __restrict m_ptr = a.exp_avg;
-  float* __restrict v_ptr = a.exp_avg_sq;
   size_t i = begin;
   for (; i + W <= end; i += W) {
-    __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), scale);
-    __m256 p = _mm256_loadu_ps(param + i);
-    if constexpr (L2) g = _mm256_fmadd_ps(l2, p, g);
-    p = _mm256_mul_ps(p, decay);
-    const __m256 m0 = _mm256_loadu_ps(m_ptr + i);
-    const __m256 m = _mm256_fmadd_ps(omb1, _mm256_sub_ps(g, m0), m0);
-    const __m256 v = _mm256_fmadd_ps(omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(_mm256_loadu_ps(v_ptr + i), b2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
-    p = _mm256_fmadd_ps(neg_step, _mm256_div_ps(m, denom), p);
-    _mm256_storeu_ps(m_ptr + i, m);
-    _mm256_storeu_ps(v_ptr + i, v);
+    const __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), c.scale);
+    __m256 m, v;
+    const __m256 p = adam_vec<L2>(c, g, _mm256_loadu_ps(param + i), load_state<S>(a.exp_avg, i),
+                                  load_state<S>(a.exp_avg_sq, i), m, v);
+    store_state<S>(a.exp_avg, i, m);
+    store_state<S>(a.exp_avg_sq, i, v);
     _mm256_storeu_ps(param + i, p);
     store_o<Out, NT>(a.param_out, i, p);
   }
   if constexpr (NT) _mm_sfence();  // order the streamed stores before the join
-  for (; i < end; ++i) adam_scalar_elem(a, i);
+  for (; i < end; ++i) adam_scalar_elem<S>(a, i);
+}
+
+// ---- Q8 (quant.h): each operation is the lane-wise image of q_mag/dq_mag/q_m/q_v/dq_m/dq_v.
+
+template <int EB>
+inline __m256 dq_mag_vec(__m256i mag) {
+  using F = QFormat<EB>;
+  const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(F::kNormBias)), 20));
+  const __m256 sub = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(mag, _mm256_set1_epi32(F::kMagicBits))),
+                                   _mm256_castsi256_ps(_mm256_set1_epi32(F::kMagicBits)));
+  return _mm256_blendv_ps(sub, normal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7))));
+}
+
+inline __m256 dq_m_vec(const int8_t* p) {
+  const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256 x = dq_mag_vec<15>(_mm256_abs_epi32(c));
+  return _mm256_xor_ps(x, _mm256_castsi256_ps(_mm256_and_si256(c, _mm256_set1_epi32(INT32_MIN))));
+}
+
+inline __m256 dq_v_vec(const uint8_t* p) {
+  return dq_mag_vec<31>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// n >= 0 (or a NaN without sign): the bits compare as signed ints.
+template <int EB>
+inline __m256i q_mag_vec(__m256 n) {
+  using F = QFormat<EB>;
+  const __m256i u = _mm256_castps_si256(n);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
+  const __m256i norm = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7ffff)), lsb), 20),
+      _mm256_set1_epi32(F::kNormBias));
+  const __m256i sub =
+      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(n, _mm256_castsi256_ps(_mm256_set1_epi32(F::kMagicBits)))),
+                       _mm256_set1_epi32(F::kMagicBits));
+  const __m256i mag = _mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(F::kMinNormalBits), u));
+  return _mm256_min_epu32(mag, _mm256_set1_epi32(F::kMaxMag));
+}
+
+// A function, not a global: a global would run an AVX instruction at load time on any CPU.
+inline __m256 abs_mask() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)); }
+
+inline void q_m_vec(__m256 x, __m256 inv, int8_t* dst) {
+  const __m256i mag = q_mag_vec<15>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
+  const __m256i s = _mm256_srai_epi32(_mm256_castps_si256(x), 31);
+  const __m256i c = _mm256_sub_epi32(_mm256_xor_si256(mag, s), s);  // -mag where the sign bit is set
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packs_epi16(w, w));
+}
+
+inline void q_v_vec(__m256 x, __m256 inv, uint8_t* dst) {
+  const __m256i c = q_mag_vec<31>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w, w));
+}
+
+// Lanes are >= 0 and never NaN (max_ps(x, acc) keeps acc when x is NaN), so the order is free.
+inline float hmax(__m256 x, float acc) {
+  alignas(32) float l[W];
+  _mm256_store_ps(l, x);
+  for (float f : l) acc = max_step(acc, f);
+  return acc;
+}
+
+// adam_q8_block_scalar, block by block: vectors over the block, a scalar tail only in a partial
+// last block (blocks start at multiples of kQBlock, a multiple of W).
+template <DType G, int Out, bool L2, bool NT>
+void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
+  const Consts c(a);
+  int8_t* mc = static_cast<int8_t*>(a.exp_avg);
+  uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
+  alignas(32) float mb[kQBlock], vb[kQBlock];
+  for (size_t b = begin; b < end; b += kQBlock) {
+    const size_t e = std::min(end, b + kQBlock), k = b / kQBlock;
+    const __m256 ms = _mm256_set1_ps(a.exp_avg_scale[k]), vs = _mm256_set1_ps(a.exp_avg_sq_scale[k]);
+    __m256 mmax = _mm256_setzero_ps(), vmax = _mm256_setzero_ps();
+    size_t i = b;
+    for (; i + W <= e; i += W) {
+      const __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), c.scale);
+      __m256 m, v;
+      const __m256 p = adam_vec<L2>(c, g, _mm256_loadu_ps(a.param + i), _mm256_mul_ps(dq_m_vec(mc + i), ms),
+                                    _mm256_mul_ps(dq_v_vec(vc + i), vs), m, v);
+      _mm256_storeu_ps(a.param + i, p);
+      store_o<Out, NT>(a.param_out, i, p);
+      _mm256_store_ps(mb + (i - b), m);
+      _mm256_store_ps(vb + (i - b), v);
+      mmax = _mm256_max_ps(_mm256_and_ps(m, abs_mask()), mmax);
+      vmax = _mm256_max_ps(_mm256_and_ps(v, abs_mask()), vmax);
+    }
+    float mx = hmax(mmax, 0.0f), vx = hmax(vmax, 0.0f);
+    for (; i < e; ++i) {
+      const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
+      const float p = adam_math(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
+                                dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
+      a.param[i] = p;
+      if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
+      mx = max_step(mx, std::fabs(mb[i - b]));
+      vx = max_step(vx, std::fabs(vb[i - b]));
+    }
+    const float minv = q_inverse(mx), vinv = q_inverse(vx);
+    const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
+    size_t j = 0;
+    for (; j + W <= e - b; j += W) {
+      q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
+      q_v_vec(_mm256_load_ps(vb + j), vdv, vc + b + j);
+    }
+    for (; j < e - b; ++j) {
+      mc[b + j] = q_m(mb[j], minv);
+      vc[b + j] = q_v(vb[j], vinv);
+    }
+    a.exp_avg_scale[k] = mx;
+    a.exp_avg_sq_scale[k] = vx;
+  }
+  if constexpr (NT) _mm_sfence();  // order the streamed stores before the join
+}
+
+template <DType G, int Out, bool NT, bool L2>
+AdamFn pick_state(StateKind s) {
+  switch (s) {
+    case StateKind::F32: return &adam_range<G, Out, L2, NT, StateKind::F32>;
+    case StateKind::BF16: return &adam_range<G, Out, L2, NT, StateKind::BF16>;
+    default: return &adam_q8_range<G, Out, L2, NT>;
+  }
 }
 
 template <DType G, int Out, bool NT>
-AdamFn pick_l2(bool l2) {
-  return l2 ? &adam_range<G, Out, true, NT> : &adam_range<G, Out, false, NT>;
+AdamFn pick_l2(const AdamArgs& a) {
+  // the same test as adam_math
+  return a.l2 != 0.0f ? pick_state<G, Out, NT, true>(a.state) : pick_state<G, Out, NT, false>(a.state);
 }
 
 template <DType G, int Out>
-AdamFn pick_nt(const AdamArgs& a, size_t begin, bool l2) {
+AdamFn pick_nt(const AdamArgs& a, size_t begin) {
   // Every vector store lands on a multiple of its own width when the first one does.
   const size_t bytes = (Out == static_cast<int>(DType::F32) ? 4 : 2) * W;
   const bool aligned = (reinterpret_cast<uintptr_t>(a.param_out) + begin * (bytes / W)) % bytes == 0;
-  return aligned ? pick_l2<G, Out, true>(l2) : pick_l2<G, Out, false>(l2);
+  return aligned ? pick_l2<G, Out, true>(a) : pick_l2<G, Out, false>(a);
 }
 
 template <DType G>
 AdamFn pick_out(const AdamArgs& a, size_t begin) {
-  const bool l2 = a.l2 != 0.0f;  // the same test as adam_scalar_elem
-  if (!a.param_out) return pick_l2<G, -1, false>(l2);
+  if (!a.param_out) return pick_l2<G, -1, false>(a);
   switch (a.out_dtype) {
-    case DType::F32: return pick_nt<G, 0>(a, begin, l2);
-    case DType::BF16: return pick_nt<G, 1>(a, begin, l2);
-    default: return pick_nt<G, 2>(a, begin, l2);
+    case DType::F32: return pick_nt<G, 0>(a, begin);
+    case DType::BF16: return pick_nt<G, 1>(a, begin);
+    default: return pick_nt<G, 2>(a, begin);
   }
 }
 

@@ -1,11 +1,43 @@
-// The scalar reference: kept forever, compiled without any -m flag, runs on any CPU.
-#include "adam.h"
+// The scalar reference: kept forever, compiled without any -m flag, runs on any CPU. Also the home
+// of make_adam_args, the hyper-parameter math every instruction set shares.
+#include <algorithm>
+
+#include "quant.h"
 
 namespace hzo {
+
+AdamArgs make_adam_args(long step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                        bool adamw, double grad_scale) {
+  AdamArgs a{};
+  a.grad_scale = static_cast<float>(grad_scale);
+  a.beta1 = static_cast<float>(beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  a.eps = static_cast<float>(eps);
+  a.decay = adamw ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;  // Loshchilov & Hutter, Alg. 2 line 12
+  a.l2 = adamw ? 0.0f : static_cast<float>(weight_decay);                // Kingma & Ba + L2, as torch.optim.Adam
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  a.step_size = static_cast<float>(lr / bc1);
+  a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  return a;
+}
+
 namespace {
 
 void adam_scalar(const AdamArgs& a, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) adam_scalar_elem(a, i);
+  switch (a.state) {
+    case StateKind::F32:
+      for (size_t i = begin; i < end; ++i) adam_scalar_elem<StateKind::F32>(a, i);
+      break;
+    case StateKind::BF16:
+      for (size_t i = begin; i < end; ++i) adam_scalar_elem<StateKind::BF16>(a, i);
+      break;
+    case StateKind::Q8:
+      for (size_t b = begin; b < end; b += kQBlock) adam_q8_block_scalar(a, b, std::min(end, b + kQBlock));
+      break;
+  }
 }
 
 void norm_scalar(const void* g, DType dt, size_t begin, size_t end, double lanes[16]) {

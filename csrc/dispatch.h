@@ -12,13 +12,19 @@ std::vector<std::string> available_levels();
 void set_level(const std::string& level);  // throws std::invalid_argument if unknown or unsupported
 std::string current_level();
 
+// For StateKind::Q8 the arrays start at a block boundary (see AdamFn in adam.h).
 void adam(const AdamArgs& a, size_t n, int nthreads);
 double norm_sq(const void* grad, DType dt, size_t n, int nthreads);
 void accumulate(float* acc, const void* grad, DType dt, float scale, bool overwrite, size_t n, int nthreads);
 
+// Blockwise 8-bit codes of fp32 moments (quant.h), bit-identical to what the Q8 kernel stores.
+// is_sq: exp_avg_sq's unsigned code (uint8), else exp_avg's signed one (int8).
+// scales has ceil(n / kQBlock) entries.
+void quantize(const float* x, void* codes, float* scales, bool is_sq, size_t n, int nthreads);
+void dequantize(const void* codes, const float* scales, float* out, bool is_sq, size_t n, int nthreads);
+size_t quant_block();
+
 // Benchmark reference: the memory traffic of an fp32 Adam step (4 reads, 3 writes), no sqrt/div.
 void stream_ref(float* p, const float* g, float* m, float* v, size_t n, int nthreads);
-// Persistent worker pool (default) or fresh std::threads per call; results are the same either way.
-void set_thread_pool(bool on);
 
 }  // namespace hzo

@@ -1,11 +1,18 @@
 """``CPUAdam``: a ``torch.optim.Optimizer`` for CPU parameters backed by the fused C++ kernel.
 
 Per-param state has ``torch.optim.AdamW``'s layout (``step`` as a float tensor, ``exp_avg``,
-``exp_avg_sq``), so state dicts load both ways. Hyper-parameters are read from ``param_groups`` at
-every step, so LR schedulers work.
+``exp_avg_sq``), so fp32 state dicts load both ways. Hyper-parameters are read from
+``param_groups`` at every step, so LR schedulers work.
+
+``state_dtype`` ("fp32", "bf16", "int8"; see ``ops.STATE_DTYPES``) stores the moments compactly;
+int8 adds ``exp_avg_scale``/``exp_avg_sq_scale``. bf16/fp16 parameters get an fp32 ``master`` in
+the state (DeepSpeed's CPU Adam keeps fp32 states for half params the same way): the update runs
+on the master and the 16-bit param is written from it in the same pass. A state saved with another
+``state_dtype`` (or by torch.optim.AdamW) is converted at the next step.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Iterable
 
 import torch
@@ -23,6 +30,7 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         adamw_mode: bool = True,
         num_threads: int | None = None,
+        state_dtype: str = "fp32",
     ):
         if lr < 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -32,15 +40,19 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if weight_decay < 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
+        if state_dtype not in ops.STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {', '.join(ops.STATE_DTYPES)}; got {state_dtype!r}")
+        self._state_dtype = state_dtype
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                        state_dtype=state_dtype)
         super().__init__(params, defaults)
         self.num_threads = num_threads
         for group in self.param_groups:
             for p in group["params"]:
                 if p.device.type != "cpu":
                     raise ValueError(f"CPUAdam needs CPU parameters; got one on {p.device}")
-                if p.dtype != torch.float32:
-                    raise TypeError(f"CPUAdam needs float32 parameters; got {p.dtype}")
+                if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise TypeError(f"CPUAdam needs float32, bfloat16 or float16 parameters; got {p.dtype}")
 
     def __setstate__(self, state):
         # Also the path of load_state_dict, whose saved groups replace ours: a group saved by
@@ -48,6 +60,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("adamw_mode", bool(group.get("decoupled_weight_decay", True)))
+            group.setdefault("state_dtype", getattr(self, "_state_dtype", "fp32"))
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
@@ -69,17 +82,15 @@ class CPUAdam(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise TypeError("CPUAdam does not support sparse gradients")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state = self._prepare_state(p, group["state_dtype"])
                 state["step"] += 1
+                half = p.dtype != torch.float32
+                moments = {k: state[k] for k in _MOMENT_KEYS if k in state}
                 ops.adam_step(
-                    p,  # ops raises if not contiguous: an update to a copy would be lost
+                    state["master"] if half else p,  # ops raises if not contiguous: an update to a copy would be lost
                     p.grad.contiguous(),  # a read-only input: a copy here loses nothing
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
+                    **moments,
+                    param_out=p if half else None,
                     step=int(state["step"].item()),
                     lr=float(group["lr"]),  # a tensor lr (some schedulers) becomes a float here
                     beta1=beta1,
@@ -90,4 +101,55 @@ class CPUAdam(torch.optim.Optimizer):
                     num_threads=self.num_threads,
                 )
         return loss
+
+    def _prepare_state(self, p: torch.Tensor, state_dtype: str) -> dict:
+        """The state of ``p``, created (zeros, fp32 master of a 16-bit param) or converted to
+        ``state_dtype`` when it was saved with another one (or by torch.optim)."""
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state.update(_shaped(ops.make_state(p.numel(), state_dtype), p))
+        elif _dtype_of(state) != state_dtype:
+            m, v = ops.state_to_fp32(_flat(state))
+            for k in _MOMENT_KEYS:
+                state.pop(k, None)
+            state.update(_shaped(ops.state_from_fp32(m, v, state_dtype), p))
+        if p.dtype != torch.float32 and "master" not in state:
+            state["master"] = p.detach().float().contiguous()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch.optim casts every floating state tensor to its param's dtype (and would turn int8
+        # codes into floats): the fp32 master and compact moments are put back exactly as saved.
+        exact = {pid: {k: v for k, v in st.items() if k in _EXACT_KEYS and torch.is_tensor(v)}
+                 for pid, st in state_dict["state"].items()}
+        # The storage is this optimizer's choice, not the checkpoint's: moments saved with another
+        # state_dtype are converted at the next step.
+        mine = [g["state_dtype"] for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, state_dtype in zip(self.param_groups, mine):
+            group["state_dtype"] = state_dtype
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        by_id = dict(zip(saved_ids, params))
+        for pid, values in exact.items():
+            if pid in by_id:
+                self.state[by_id[pid]].update({k: v.detach().to("cpu").clone() for k, v in values.items()})
+
+
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+_EXACT_KEYS = _MOMENT_KEYS + ("master",)
+
+
+def _flat(state: dict) -> dict:
+    return {k: state[k].reshape(-1) for k in _MOMENT_KEYS if k in state}
+
+
+def _shaped(moments: dict, p: torch.Tensor) -> dict:
+    """Moments in the param's shape (as torch.optim keeps them); the per-block scales stay flat."""
+    return {k: t if k.endswith("scale") else t.view(p.shape) for k, t in moments.items()}
+
+
+def _dtype_of(state: dict) -> str:
+    return ops.state_dtype_of(_flat(state))
 

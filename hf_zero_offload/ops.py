@@ -15,7 +15,16 @@ import torch
 from . import _C
 
 __all__ = [
+    "QUANT_BLOCK",
+    "STATE_DTYPES",
     "adam_step",
+    "make_state",
+    "state_slice",
+    "state_to_fp32",
+    "state_from_fp32",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "state_dtype_of",
     "grad_norm_sq_and_finite",
     "accumulate_grad",
     "simd_level",
@@ -79,6 +88,40 @@ def _check(name: str, t, dtypes: tuple[torch.dtype, ...], numel: int | None = No
 
 _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
+#: Elements per scale of the 8-bit moments (csrc/quant.h explains the choice). A range handed to
+#: ``adam_step`` with 8-bit moments must start at a multiple of it (``state_slice`` checks that).
+QUANT_BLOCK: int = _C.quant_block()
+#: How the moments are stored: fp32 (exact torch AdamW), bf16 (rounded to nearest even), or int8
+#: (blockwise 8-bit codes: int8 exp_avg, uint8 exp_avg_sq, one fp32 absmax per QUANT_BLOCK).
+STATE_DTYPES = ("fp32", "bf16", "int8")
+_STATE_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
+
+
+def _num_scales(n: int) -> int:
+    return -(-n // QUANT_BLOCK)
+
+
+def _state_kind(n: int, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale) -> str:
+    """Which storage the moments use, from their dtypes; every mismatch is a clear error."""
+    _check("exp_avg", exp_avg, (torch.float32, torch.bfloat16, torch.int8), n)
+    _check("exp_avg_sq", exp_avg_sq, (torch.float32, torch.bfloat16, torch.uint8), n)
+    kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[exp_avg.dtype]
+    want_sq = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[kind]
+    if exp_avg_sq.dtype != want_sq:
+        raise TypeError(f"exp_avg is {str(exp_avg.dtype)[6:]} ({kind} state), so exp_avg_sq must be "
+                        f"{str(want_sq)[6:]}; got {str(exp_avg_sq.dtype)[6:]}")
+    scales = (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale))
+    if kind == "int8":
+        for name, t in scales:
+            if t is None:
+                raise ValueError(f"{name} is required with int8 moments (one fp32 absmax per {QUANT_BLOCK} elements)")
+            _check(name, t, (torch.float32,), _num_scales(n))
+    else:
+        for name, t in scales:
+            if t is not None:
+                raise ValueError(f"{name} is only for int8 moments; exp_avg is {kind}")
+    return kind
+
 
 def adam_step(
     param: torch.Tensor,
@@ -96,18 +139,25 @@ def adam_step(
     grad_scale: float = 1.0,
     param_out: torch.Tensor | None = None,
     num_threads: int | None = None,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
     """One fused Adam/AdamW update, in place, with the math of ``torch.optim.AdamW``/``Adam``.
 
-    ``param``, ``exp_avg``, ``exp_avg_sq``: fp32. ``grad``: fp32, bf16 or fp16, multiplied by
-    ``grad_scale`` in-register. ``param_out`` (optional, fp32/bf16/fp16): receives the updated param,
-    rounded to nearest even, in the same pass. ``step`` is the 1-based count after this update.
+    ``param``: fp32 master. ``grad``: fp32, bf16 or fp16, multiplied by ``grad_scale`` in-register.
+    ``param_out`` (optional, fp32/bf16/fp16): receives the updated param, rounded to nearest even,
+    in the same pass. ``step`` is the 1-based count after this update.
+
+    The moments' dtypes choose their storage (``STATE_DTYPES``): fp32/fp32; bf16/bf16; or int8
+    ``exp_avg`` + uint8 ``exp_avg_sq`` codes with fp32 ``exp_avg_scale``/``exp_avg_sq_scale`` of
+    ``ceil(numel / QUANT_BLOCK)`` entries, the range starting on a block boundary of the full
+    arrays (slice with ``state_slice``). In every kind the update runs in fp32 on the decoded
+    moments and the param is updated from the new moments before they are rounded for storage.
     """
     _check("param", param, (torch.float32,))
     n = param.numel()
     _check("grad", grad, _HALF_OR_FLOAT, n)
-    _check("exp_avg", exp_avg, (torch.float32,), n)
-    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    kind = _state_kind(n, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
     if param_out is not None:
         _check("param_out", param_out, _HALF_OR_FLOAT, n)
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
@@ -122,10 +172,22 @@ def adam_step(
         return
     _C.adam_step(
         param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        _STATE_CODE[kind], 0 if exp_avg_scale is None else exp_avg_scale.data_ptr(),
+        0 if exp_avg_sq_scale is None else exp_avg_sq_scale.data_ptr(),
         0 if param_out is None else param_out.data_ptr(), 0 if param_out is None else _DTYPE_CODE[param_out.dtype],
         n, step, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
         float(grad_scale), _threads(num_threads),
     )
+
+
+def stream_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                     num_threads: int | None = None) -> None:
+    """Benchmark yardstick, not an optimizer: fp32 Adam's memory traffic (read 4 arrays, write 3)
+    with trivial arithmetic and the kernels' thread split; its time is the streaming bound."""
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check(name, t, (torch.float32,), param.numel())
+    _C.stream_ref(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), param.numel(),
+                  _threads(num_threads))
 
 
 def grad_norm_sq(grad: torch.Tensor, *, num_threads: int | None = None) -> float:
@@ -157,3 +219,101 @@ def accumulate_grad(
         return
     _C.accumulate(acc.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], float(scale), bool(overwrite),
                   acc.numel(), _threads(num_threads))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compact moments: creation, block-aligned slices, conversions (checkpoints, state_dict)
+# ---------------------------------------------------------------------------------------------
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _check_state_dtype(state_dtype: str) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}; got {state_dtype!r}")
+
+
+def make_state(numel: int, state_dtype: str = "fp32") -> dict[str, torch.Tensor]:
+    """Zero moments for ``numel`` params: ``exp_avg``, ``exp_avg_sq`` (and, for int8, their scales),
+    the keyword arguments ``adam_step`` takes."""
+    _check_state_dtype(state_dtype)
+    if state_dtype == "int8":
+        ns = _num_scales(numel)
+        return {"exp_avg": torch.zeros(numel, dtype=torch.int8), "exp_avg_sq": torch.zeros(numel, dtype=torch.uint8),
+                "exp_avg_scale": torch.zeros(ns), "exp_avg_sq_scale": torch.zeros(ns)}
+    dt = torch.float32 if state_dtype == "fp32" else torch.bfloat16
+    return {"exp_avg": torch.zeros(numel, dtype=dt), "exp_avg_sq": torch.zeros(numel, dtype=dt)}
+
+
+def state_dtype_of(state: dict[str, torch.Tensor]) -> str:
+    """"fp32", "bf16" or "int8", from the tensors of a state made by ``make_state``."""
+    n = state["exp_avg"].numel()
+    return _state_kind(n, state["exp_avg"], state["exp_avg_sq"], state.get("exp_avg_scale"),
+                       state.get("exp_avg_sq_scale"))
+
+
+def state_slice(state: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """Views of elements [start, end) of a flat state. For int8, ``start`` must be a multiple of
+    QUANT_BLOCK and ``end`` one too or the end of the arrays (a block never straddles two calls)."""
+    n = state["exp_avg"].numel()
+    if not 0 <= start <= end <= n:
+        raise ValueError(f"state_slice: [{start}, {end}) is outside [0, {n})")
+    out = {k: state[k][start:end] for k in _MOMENTS}
+    if "exp_avg_scale" in state:
+        if start % QUANT_BLOCK or (end % QUANT_BLOCK and end != n):
+            raise ValueError(f"state_slice: int8 moments are sliced at multiples of QUANT_BLOCK={QUANT_BLOCK} "
+                             f"(or the end, {n}); got [{start}, {end})")
+        sb, se = start // QUANT_BLOCK, _num_scales(end)
+        out["exp_avg_scale"] = state["exp_avg_scale"][sb:se]
+        out["exp_avg_sq_scale"] = state["exp_avg_sq_scale"][sb:se]
+    return out
+
+
+def quantize_blockwise(x: torch.Tensor, moment: str, *, num_threads: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x`` -> (codes, scales) exactly as the int8 kernel stores them. ``moment``:
+    "exp_avg" (int8 signed code) or "exp_avg_sq" (uint8 code of |x|)."""
+    if moment not in _MOMENTS:
+        raise ValueError(f"moment must be 'exp_avg' or 'exp_avg_sq'; got {moment!r}")
+    _check("x", x, (torch.float32,))
+    sq = moment == "exp_avg_sq"
+    codes = torch.empty(x.numel(), dtype=torch.uint8 if sq else torch.int8)
+    scales = torch.empty(_num_scales(x.numel()))
+    if x.numel():
+        _C.quantize(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), sq, x.numel(), _threads(num_threads))
+    return codes, scales
+
+
+def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, *, num_threads: int | None = None
+                         ) -> torch.Tensor:
+    """(codes, scales) -> fp32, the values the int8 kernel decodes (int8: exp_avg, uint8: exp_avg_sq)."""
+    _check("codes", codes, (torch.int8, torch.uint8))
+    _check("scales", scales, (torch.float32,), _num_scales(codes.numel()))
+    out = torch.empty(codes.numel())
+    if codes.numel():
+        _C.dequantize(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), codes.dtype == torch.uint8,
+                      codes.numel(), _threads(num_threads))
+    return out
+
+
+def state_to_fp32(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp_avg, exp_avg_sq) as new fp32 tensors, from any state dtype."""
+    kind = state_dtype_of(state)
+    if kind == "int8":
+        return (dequantize_blockwise(state["exp_avg"], state["exp_avg_scale"]),
+                dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_scale"]))
+    return state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
+
+
+def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype: str) -> dict[str, torch.Tensor]:
+    """A new state of ``state_dtype`` from fp32 moments (bf16: round to nearest even, as the kernel)."""
+    _check_state_dtype(state_dtype)
+    _check("exp_avg", exp_avg, (torch.float32,))
+    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), exp_avg.numel())
+    if state_dtype == "fp32":
+        return {"exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone()}
+    if state_dtype == "bf16":
+        return {"exp_avg": exp_avg.to(torch.bfloat16), "exp_avg_sq": exp_avg_sq.to(torch.bfloat16)}
+    m, ms = quantize_blockwise(exp_avg, "exp_avg")
+    v, vs = quantize_blockwise(exp_avg_sq, "exp_avg_sq")
+    return {"exp_avg": m, "exp_avg_sq": v, "exp_avg_scale": ms, "exp_avg_sq_scale": vs}

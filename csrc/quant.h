@@ -1,0 +1,131 @@
+// Blockwise 8-bit Adam moments (StateKind::Q8): the code maps, and the scalar reference of the
+// fused block update that the vector kernels reproduce bit for bit.
+//
+// The choice, after Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022,
+// arXiv 2110.02861), bitsandbytes and torchao's AdamW8bit:
+// - Blockwise absmax scaling, as all three do: each block of kQBlock elements stores one fp32 scale
+//   (its largest |value|) and one byte per element for the value divided by it. The paper uses
+//   2048-element blocks; bitsandbytes' blockwise optimizers and torchao use 256. We take 256: an
+//   outlier then flattens 8x fewer neighbours, the block's decoded values stay in L1 between the
+//   update and the requantization (2 x 1 KiB), the scales cost 8 B per 256 params (0.03 B/param),
+//   and shards only need to start at multiples of 256 elements.
+// - A dynamic-exponent code, the property that makes the paper's "dynamic tree" map work: relative
+//   (not absolute) precision over many orders of magnitude, so small moments in a block with an
+//   outlier are not flushed to zero. The paper's tree spends its bits on powers of ten and needs
+//   a search of a 256-entry table per element; here the exponent is a power of two, so the code is
+//   a small floating-point format with 3 fraction bits and round-to-nearest-even is an integer add
+//   on the fp32 bits (as for bf16): a handful of integer ops per element, exact (it is the nearest
+//   code; tests check that against the full table), no table, no gather, so the kernel stays
+//   memory-bound. Cost per element and moment: one multiply by the block's reciprocal and ~12 vector integer ops.
+//     exp_avg    int8: sign and magnitude 0..120; magnitude value = 2^(e-15) * (1 + f/8) with
+//                e = mag>>3 >= 1, f = mag&7, and mag*2^-17 below 8 (evenly spaced, like IEEE
+//                subnormals); 1.0 is mag 120. 241 values, 2^-17 (7.6e-6) to 1, <= 6.25% error.
+//     exp_avg_sq uint8: the same with exponent bias 31: 2^-33 (1.2e-10) to 1 (mag 248), i.e. the
+//                square of exp_avg's range, because v ~ g^2 and the update divides by sqrt(v).
+//   A stored value is code_value * scale (one fp32 multiply). Zero is a code (exact zeros stay zero:
+//   unused embedding rows, masked params); a v flushed to zero in a block with a 1e10x larger
+//   outlier gets an update bounded by its own m, whose code range flushes at the same scale.
+// - Non-finite moments: the scale becomes inf/nan and the block decodes to inf/nan, so a bad step
+//   stays visible (the fp32 param was already updated with the unrounded values in the same pass).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "adam.h"
+
+namespace hzo {
+
+constexpr size_t kQBlock = 256;  // elements per scale; ops.QUANT_BLOCK
+
+namespace {
+
+// The code format with exponent bias EB (15: exp_avg, 31: exp_avg_sq).
+template <int EB>
+struct QFormat {
+  static constexpr uint32_t kNormBias = (127u - EB) << 3;      // mag = (fp32 bits rounded at bit 20) - this
+  static constexpr uint32_t kMinNormalBits = (128u - EB) << 23;  // 2^(1-EB): the smallest value with mag 8
+  static constexpr uint32_t kMagicBits = (148u - EB) << 23;      // 2^(21-EB): its ulp is the step 2^(-2-EB)
+  static constexpr uint32_t kMaxMag = EB << 3;                   // 1.0
+};
+using QM = QFormat<15>;  // exp_avg
+using QV = QFormat<31>;  // exp_avg_sq
+
+// Nearest magnitude code of n >= 0 (ties to even), clamped to 1.0's (n <= 1 by construction; a NaN
+// clamps too, deterministically).
+template <int EB>
+inline uint32_t q_mag(float n) {
+  using F = QFormat<EB>;
+  const uint32_t u = f32_bits(n);
+  const uint32_t norm = ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - F::kNormBias;
+  // Below 2^(1-EB): adding 2^(21-EB) rounds n to a multiple of the step, and the bits count steps.
+  const uint32_t sub = f32_bits(n + bits_f32(F::kMagicBits)) - F::kMagicBits;
+  const uint32_t mag = u < F::kMinNormalBits ? sub : norm;
+  return mag < F::kMaxMag ? mag : F::kMaxMag;
+}
+
+template <int EB>
+inline float dq_mag(uint32_t mag) {
+  using F = QFormat<EB>;
+  const float magic = bits_f32(F::kMagicBits);
+  return mag >= 8 ? bits_f32((mag + F::kNormBias) << 20) : bits_f32(F::kMagicBits + mag) - magic;
+}
+
+// Value of a code, before the block scale.
+inline float dq_m(int8_t c) {
+  const float x = dq_mag<15>(static_cast<uint32_t>(c < 0 ? -c : c));
+  return c < 0 ? -x : x;
+}
+inline float dq_v(uint8_t c) { return dq_mag<31>(c); }
+
+// |x| * (1 / absmax): a multiply by the block's reciprocal, not a division per element (the
+// divider is what the fp32 update already saturates: sqrt and two divisions per element). The
+// product is within 1.5 ulp of |x| / absmax, so |x| == absmax still codes 1.0 (3 fraction bits) and
+// the clamp in q_mag catches the rest. A block whose max is below FLT_MIN (or 0) codes all zeros:
+// its reciprocal would overflow, and such moments are zero for Adam anyway.
+inline float q_inverse(float absmax) { return absmax >= 1.17549435e-38f ? 1.0f / absmax : 0.0f; }
+inline int8_t q_m(float x, float inv) {
+  const uint32_t mag = q_mag<15>(std::fabs(x) * inv);
+  return static_cast<int8_t>(std::signbit(x) ? -static_cast<int32_t>(mag) : static_cast<int32_t>(mag));
+}
+// exp_avg_sq is >= 0; |x| makes a -0 (or a foreign negative value) code like its magnitude.
+inline uint8_t q_v(float x, float inv) { return static_cast<uint8_t>(q_mag<31>(std::fabs(x) * inv)); }
+
+// Running max that never takes a NaN (the comparison is false), so any order gives the same value.
+inline float max_step(float acc, float x) { return x > acc ? x : acc; }
+
+// Quantize one block of fp32 moments (len <= kQBlock): its scale, then its codes.
+inline void q_block_m(const float* x, size_t len, int8_t* codes, float* scale) {
+  float mx = 0.0f;
+  for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
+  const float inv = q_inverse(mx);
+  for (size_t i = 0; i < len; ++i) codes[i] = q_m(x[i], inv);
+  *scale = mx;
+}
+inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale) {
+  float mx = 0.0f;
+  for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
+  const float inv = q_inverse(mx);
+  for (size_t i = 0; i < len; ++i) codes[i] = q_v(x[i], inv);
+  *scale = mx;
+}
+
+// The reference Q8 update of the block holding [b, e) (b a multiple of kQBlock, e <= b + kQBlock):
+// decode, the same AdamW as adam_math, the param written from the unrounded moments, requantize.
+inline void adam_q8_block_scalar(const AdamArgs& a, size_t b, size_t e) {
+  const size_t k = b / kQBlock;
+  float mb[kQBlock], vb[kQBlock];
+  const float ms = a.exp_avg_scale[k], vs = a.exp_avg_sq_scale[k];
+  int8_t* mc = static_cast<int8_t*>(a.exp_avg);
+  uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
+  for (size_t i = b; i < e; ++i) {
+    const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
+    const float p = adam_math(a, g, a.param[i], dq_m(mc[i]) * ms, dq_v(vc[i]) * vs, mb[i - b], vb[i - b]);
+    a.param[i] = p;
+    if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
+  }
+  q_block_m(mb, e - b, mc + b, a.exp_avg_scale + k);
+  q_block_v(vb, e - b, vc + b, a.exp_avg_sq_scale + k);
+}
+
+}  // namespace
+}  // namespace hzo

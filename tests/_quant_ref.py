@@ -1,0 +1,111 @@
+"""A plain-torch reference of the compact-moment Adam step (bf16 and blockwise 8-bit moments),
+written from the specification in csrc/quant.h, not from the kernel's code: the code values are
+built from their formula, quantization is "nearest code to |x| * fp32(1/absmax), ties to the even magnitude" found
+by a search of the whole table, and the kernel's fused multiply-adds are evaluated exactly in fp64.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 256  # csrc/quant.h kQBlock; ops.QUANT_BLOCK must agree (tested)
+# exponent bias of each code: exp_avg (int8, signed) and exp_avg_sq (uint8)
+BIAS = {"exp_avg": 15, "exp_avg_sq": 31}
+
+
+def magnitudes(moment: str) -> torch.Tensor:
+    """Value of every magnitude code 0..max (the max is 1.0), as fp64 (all exact in fp32)."""
+    eb = BIAS[moment]
+    out = []
+    for mag in range((eb << 3) + 1):
+        if mag < 8:
+            out.append(mag * 2.0 ** (-2 - eb))
+        else:
+            out.append(2.0 ** ((mag >> 3) - eb) * (1 + (mag & 7) / 8))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def code_values(codes: torch.Tensor) -> torch.Tensor:
+    """Unscaled fp32 value of int8 (exp_avg) or uint8 (exp_avg_sq) codes."""
+    moment = "exp_avg" if codes.dtype == torch.int8 else "exp_avg_sq"
+    c = codes.long()
+    return (magnitudes(moment)[c.abs()] * torch.where(c < 0, -1.0, 1.0).double()).float()
+
+
+def nearest_mag(n: torch.Tensor, moment: str) -> torch.Tensor:
+    """Nearest magnitude code of n >= 0 (fp32), ties to the even code; above 1.0: 1.0's code."""
+    table = magnitudes(moment)
+    x = n.double().clamp(max=1.0)
+    hi = torch.searchsorted(table, x).clamp(max=len(table) - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = x - table[lo], table[hi] - x  # exact: fp32 values in fp64
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    return torch.where(pick_hi, hi, lo)
+
+
+def quantize(x: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    nb = -(-n // BLOCK)
+    a = torch.zeros(nb * BLOCK)
+    a[:n] = x.abs()
+    absmax = a.view(nb, BLOCK).amax(dim=1)
+    # |x| times the block's fp32 reciprocal (0 for a max below the smallest normal fp32), each
+    # product rounded once
+    inv = torch.where(absmax >= torch.finfo(torch.float32).tiny, (1.0 / absmax.double()).float(), 0.0)
+    mag = nearest_mag((x.abs().double() * inv.repeat_interleave(BLOCK)[:n].double()).float(), moment)
+    if moment == "exp_avg":
+        codes = torch.where(torch.signbit(x), -mag, mag).to(torch.int8)
+    else:
+        codes = mag.to(torch.uint8)
+    return codes, absmax
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return code_values(codes) * scales.repeat_interleave(BLOCK)[: codes.numel()]
+
+
+def fma32(a, b, c) -> torch.Tensor:
+    """fp32 a*b + c with one rounding (the hardware fma), evaluated exactly: the product is exact
+    in fp64, TwoSum gives the fp64 sum's error, and that error breaks the rare fp64 -> fp32 tie."""
+    a, b, c = (torch.as_tensor(t, dtype=torch.float32).double() for t in (a, b, c))
+    ab = a * b
+    s = ab + c
+    bb = s - ab
+    err = (ab - (s - bb)) + (c - bb)
+    r = s.float()
+    other = torch.nextafter(r, torch.where(s > r.double(), torch.inf, -torch.inf).float())
+    mid = (r.double() + other.double()) / 2
+    tie = (s == mid) & (err != 0)
+    toward = torch.where((err > 0) == (other.double() > r.double()), other, r)
+    return torch.where(tie, toward, r)
+
+
+def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale=1.0):
+    """One step on fp32 ``p`` (in place) with moments stored as the kernel stores them; ``state``
+    holds fp32/bf16 exp_avg/exp_avg_sq, or int8/uint8 codes with exp_avg_scale/exp_avg_sq_scale."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    q8 = "exp_avg_scale" in state
+    if q8:
+        m0 = dequantize(state["exp_avg"], state["exp_avg_scale"])
+        v0 = dequantize(state["exp_avg_sq"], state["exp_avg_sq_scale"])
+    else:
+        m0, v0 = state["exp_avg"].float(), state["exp_avg_sq"].float()
+    g = g.float() * f32(grad_scale)
+    l2 = 0.0 if adamw else weight_decay
+    if l2 != 0.0:
+        g = fma32(f32(l2), p, g)
+    p1 = p * f32(1.0 - lr * weight_decay if adamw else 1.0)
+    m = fma32(f32(1.0 - beta1), g - m0, m0)
+    v = fma32(f32(1.0 - beta2), g * g, v0 * f32(beta2))
+    # sqrt and / evaluated in fp64 then rounded once: correctly rounded fp32 results (fp64 has more
+    # than 2 * 24 + 2 bits, so the double rounding is innocuous), whatever torch's own kernels do
+    denom = (v.double().sqrt().float().double() / f32(math.sqrt(1.0 - beta2**step)).double()).float() + f32(eps)
+    p.copy_(fma32(f32(-(lr / (1.0 - beta1**step))), (m.double() / denom.double()).float(), p1))
+    if q8:
+        state["exp_avg"], state["exp_avg_scale"] = quantize(m, "exp_avg")
+        state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize(v, "exp_avg_sq")
+    elif state["exp_avg"].dtype == torch.bfloat16:
+        state["exp_avg"], state["exp_avg_sq"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
+    else:
+        state["exp_avg"], state["exp_avg_sq"] = m, v
