@@ -243,6 +243,9 @@ def test_t5_3b_estimate_is_fast_small_and_sane(t5_3b_cli):
     assert off["device_bytes_model_states"] == 2 * n + buckets       # 2 B/param + the two fp16 buckets
     assert 12 * n < off["host_bytes"] <= 18 * n                      # masters + moments + grad store + staging
     assert rows["zero2_offload_dpu"]["host_bytes"] > off["host_bytes"]
+    # compact moments (issue 14): int8 <= 8.5 B/param, t5-3b <= 24 GiB of host memory; bf16 <= 10.5
+    assert rows["zero2_offload_state_int8"]["host_bytes"] <= min(8.5 * n, 24 * 2**30)
+    assert rows["zero2_offload_state_bf16"]["host_bytes"] <= 10.5 * n
     # the anchors: plain --fp16 does not fit t5-3b on a 24 GB card at batch 1; ZeRO-2 + offload does
     assert rows["fp16"]["max_batch_size"] == 0
     assert off["max_batch_size"] >= 1
