@@ -82,7 +82,8 @@ def test_gradient_accumulation_and_clipping(state_dtype):
     got = opt.state_tensors()
     torch.testing.assert_close(got["master"], ref.master, rtol=1e-5, atol=1e-6)
     m, v = (t.float() if state_dtype == "bf16" else t.int() for t in (got["exp_avg"], got["exp_avg_sq"]))
-    want = [ref.moments[k].float() if state_dtype == "bf16" else ref.moments[k].int() for k in ("exp_avg", "exp_avg_sq")]
+    want = [ref.moments[k].float() if state_dtype == "bf16" else ref.moments[k].int()
+            for k in ("exp_avg", "exp_avg_sq")]
     # the clip coefficient may differ in its last bit (fp64 norm summed in another order): codes
     # may move by one step, never more
     assert (m - want[0]).abs().max() <= (1 if state_dtype == "int8" else 1e-3)

@@ -78,7 +78,8 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         self.lo, self.hi = lo, hi
         self.master = regions["master"]
         self.moments = Moments(regions, self.options.state_dtype)
-        self.exp_avg, self.exp_avg_sq = self.moments.state["exp_avg"], self.moments.state["exp_avg_sq"]  # codes for int8
+        # the moment arrays (int8: the codes; their scales are in ``moments.state``)
+        self.exp_avg, self.exp_avg_sq = self.moments.state["exp_avg"], self.moments.state["exp_avg_sq"]
         # DPU: two gradient stores, the CPU step reads one while the next backward fills the other
         self._stores = list(regions["grad_store"].view(2 if self.options.dpu else 1, -1).unbind(0))
         self._store_index = 0

@@ -65,9 +65,15 @@ class Moments:
             ops.adam_step(master, grad, self.state["exp_avg"][a:b], self.state["exp_avg_sq"][a:b],
                           param_out=out, **kw)
             return
+        # [a, head): the end of a block shared with the previous run; [head, mid): whole blocks (the
+        # last one may be the region's short tail), one fused call; [mid, b): the start of a block
+        # shared with the next run
         head = a if a % Q == 0 else min(b, -(-a // Q) * Q)
         mid = b if b == self.length else max(head, b // Q * Q)
-        part = lambda x, y: (master[x - a:y - a], grad[x - a:y - a], None if out is None else out[x - a:y - a])  # noqa: E731
+
+        def part(x, y):
+            return master[x - a:y - a], grad[x - a:y - a], None if out is None else out[x - a:y - a]
+
         if head > a:
             self._shared_block(a, head, *part(a, head), kw)
         if mid > head:
