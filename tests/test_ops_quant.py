@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import _quant_ref as ref
-from _kernels import GRAD_DTYPES, LEVELS, restore_simd, simd  # noqa: F401  (fixtures)
+from _kernels import GRAD_DTYPES, LEVELS
 from _kernels import dtname as _dtname
 
 from hf_zero_offload import ops
