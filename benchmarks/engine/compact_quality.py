@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-val", type=int, default=200)
     ap.add_argument("--max-len", type=int, default=24)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first)")
     ap.add_argument("--json", default=None, help="write the results as JSON to PATH (- for stdout)")
     ap.add_argument("--png", default=None, help="plot the eval-loss curves to PATH")
     args = ap.parse_args(argv)
@@ -138,10 +139,9 @@ def main(argv=None) -> int:
     print_table(mem, [("state_dtype", "state_dtype", "s"), ("host_GiB", "host GiB", ".2f"),
                       ("B_per_param", "B/param", ".2f")])
     train, val, vocab_size = corpus_tensors(args.n_train, args.n_val, args.max_len)
-    runs = [train_one(sd, args, train, val, vocab_size) for sd in DTYPES]
-    ref = runs[0]["final_eval_loss"]
+    runs = [train_one(sd, args, train, val, vocab_size) for sd in args.dtypes.split(",")]
     for r in runs:
-        r["vs_fp32"] = r["final_eval_loss"] / ref
+        r["vs_fp32"] = r["final_eval_loss"] / runs[0]["final_eval_loss"] if runs[0]["state_dtype"] == "fp32" else None
     print(f"{os.path.basename(args.model)}, {runs[0]['params']:,} params, {args.steps} steps of batch {args.batch}:")
     print_table(runs, [("state_dtype", "state_dtype", "s"), ("final_eval_loss", "final eval loss", ".4f"),
                        ("vs_fp32", "vs fp32", ".4f"), ("seconds", "seconds", ".0f")])
