@@ -62,7 +62,9 @@ activation_checkpointing, flops_profiler, tensorboard/wandb/csv_monitor/comet, e
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
 only), ZeRO++ / MiCS keys and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config_schema`.
 Unknown keys are errors, with "did you mean" for near misses. The extension
-``zero_optimization.delayed_param_update {enabled, warmup_steps}`` (the paper's DPU) needs CPU offload.
+``zero_optimization.delayed_param_update {enabled, warmup_steps}`` (the paper's DPU) needs CPU offload, and so
+does ``zero_optimization.offload_optimizer.state_dtype`` ("fp32" default, "bf16", "int8": how the Adam moments
+are stored on the host; int8 is blockwise, 256 elements per scale, csrc/quant.h).
 """
 from __future__ import annotations
 
@@ -134,6 +136,7 @@ class ZeroConfig:
     allgather_bucket_size: int = DEFAULT_BUCKET_SIZE
     round_robin_gradients: bool = False
     delayed_param_update: DPUConfig = field(default_factory=DPUConfig)
+    state_dtype: str = "fp32"  # offload_optimizer.state_dtype: the Adam moments on the host
 
 
 @dataclass(frozen=True)
@@ -377,6 +380,7 @@ class _Resolver:
             allgather_bucket_size=int(rbs if agbs == AUTO else agbs),
             round_robin_gradients=z.get("round_robin_gradients", False),
             delayed_param_update=DPUConfig(dpu.get("enabled", False), dpu.get("warmup_steps", 40)),
+            state_dtype=off.get("state_dtype", "fp32"),
         )
 
     def run(self) -> TrainingConfig:

@@ -103,6 +103,8 @@ OFFLOAD_OPTIMIZER = {
     "device": use(choice("cpu", "none", unsupported={
         "nvme": "NVMe offload (ZeRO-Infinity) is not implemented; use \"device\": \"cpu\""})),
     "pin_memory": use(boolean),
+    # our extension: storage of the Adam moments on the host (fp32 default: exact AdamW)
+    "state_dtype": use(choice("fp32", "bf16", "int8")),
     "nvme_path": ignore(str_or_null),
     "buffer_count": ignore(integer(0, "an integer >= 0")),
     "pipeline": ignore(boolean),
@@ -306,6 +308,9 @@ def validate(raw: Any, source: str, ignored: list | None = None) -> dict:
     offload = zero.get("cpu_offload", False) or off.get("device") == "cpu"
     if offload and zero.get("stage", 0) == 0:
         raise _err(source, "zero_optimization.stage", "optimizer offload needs ZeRO stage 1 or 2, got 0")
+    if off.get("state_dtype", "fp32") != "fp32" and not offload:
+        raise _err(source, "zero_optimization.offload_optimizer.state_dtype",
+                   'compact moments are for the CPU step: they need "device": "cpu" (on the device use "fp32")')
     if zero.get("delayed_param_update", {}).get("enabled") and not offload:
         raise _err(source, "zero_optimization.delayed_param_update.enabled",
                    'the delayed parameter update needs "offload_optimizer": {"device": "cpu"}')

@@ -88,7 +88,8 @@ def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
     options = OffloadOptions(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.gradient_clipping,
         fp16=cfg.fp16 if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
-        dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps)
+        dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps,
+        state_dtype=z.state_dtype)
     shard = ShardOptions(stage=z.stage, offload=z.offload, allgather_bucket_numel=z.allgather_bucket_size,
                          reduce_scatter=z.reduce_scatter)
     return options, shard

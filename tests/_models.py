@@ -52,14 +52,16 @@ def param_groups(model: nn.Module, weight_decay: float):
 
 
 def delayed_update_reference(device_model: nn.Module, data, warmup: int, *, lr: float, weight_decay: float,
-                             forward=None, gas: int = 1):
+                             forward=None, gas: int = 1, make_opt=None):
     """Hand-written delayed parameter update: AdamW (foreach=False) on fp32 masters, the device model's
     params one step behind after ``warmup`` steps. ``forward``: what the loss runs (e.g. a DDP
-    wrapper of ``device_model``); micro-batch i of ``gas`` is rows ``i::gas``. Returns
+    wrapper of ``device_model``); micro-batch i of ``gas`` is rows ``i::gas``; ``make_opt``: another
+    optimizer over the param groups instead of AdamW. Returns
     (device model, master model)."""
     master_model = copy.deepcopy(device_model)
     forward = forward if forward is not None else device_model
-    ref = torch.optim.AdamW(param_groups(master_model, weight_decay), lr=lr, foreach=False)
+    groups = param_groups(master_model, weight_decay)
+    ref = make_opt(groups) if make_opt else torch.optim.AdamW(groups, lr=lr, foreach=False)
     pairs = [(d, m) for d, m in zip(device_model.parameters(), master_model.parameters()) if d.requires_grad]
     for k, (ids, labels, use_branch) in enumerate(data, start=1):
         for i in range(gas):

@@ -72,13 +72,15 @@ def test_param_counts_of_repo_configs():
 
 
 # -- model states equal the engine's real allocations ------------------------------------------------
-@pytest.mark.parametrize("gas", [1, 2])
-def test_offload_rows_equal_the_engines_allocation(gas):
-    opts = dict(bucket_numel=50_000, tile_numel=4096, gradient_accumulation_steps=gas)
+@pytest.mark.parametrize("gas,state_dtype", [(1, "fp32"), (2, "fp32"), (1, "bf16"), (1, "int8"), (2, "int8")])
+def test_offload_rows_equal_the_engines_allocation(gas, state_dtype):
+    opts = dict(bucket_numel=50_000, tile_numel=4096, gradient_accumulation_steps=gas, state_dtype=state_dtype)
     p = planner.plan(T5_TINY, dtype="bf16", cuda=False, bucket_numel=opts["bucket_numel"],
-                     tile_numel=opts["tile_numel"], gradient_accumulation_steps=gas,
-                     configs=["zero2_offload", "zero2_offload_dpu"])
+                     tile_numel=opts["tile_numel"], gradient_accumulation_steps=gas, state_dtype=state_dtype,
+                     configs=["zero2_offload", "zero2_offload_dpu", f"zero2_offload_state_{state_dtype}"])
     rows = {r.name: r for r in p.rows}
+    if state_dtype != "fp32":  # the compact-state row of the default table is the same plan
+        assert rows[f"zero2_offload_state_{state_dtype}"].host_bytes == rows["zero2_offload"].host_bytes
     for name, dpu in [("zero2_offload", False), ("zero2_offload_dpu", True)]:
         torch.manual_seed(0)
         model = trace.build_model(trace.load_config(T5_TINY), device="cpu")
@@ -96,7 +98,8 @@ def test_offload_rows_equal_the_engines_allocation(gas):
 
 
 SHARDED_ROWS = {"zero2_offload": dict(stage=2, offload=True), "zero2": dict(stage=2, offload=False),
-                "sharded_stage1_bf16": dict(stage=1, offload=False)}
+                "sharded_stage1_bf16": dict(stage=1, offload=False),
+                "zero2_offload_state_int8": dict(stage=2, offload=True, state_dtype="int8")}
 
 
 def _sharded_allocation_job(rank, world, config: dict, bucket: int):
@@ -107,8 +110,10 @@ def _sharded_allocation_job(rank, world, config: dict, bucket: int):
     for name, cfg in SHARDED_ROWS.items():
         torch.manual_seed(0)
         model = trace.build_model(trace.load_config(config), device="cpu")
+        cfg = dict(cfg)
         opt = ShardedAdam([p for p in model.parameters() if p.requires_grad], param_dtype=torch.bfloat16,
-                          options=OffloadOptions(bucket_numel=bucket), **cfg)
+                          options=OffloadOptions(bucket_numel=bucket, state_dtype=cfg.pop("state_dtype", "fp32")),
+                          **cfg)
         out[name] = {"host": opt.arena.nbytes if opt.arena is not None else 0,
                      "device": {k: t.numel() * t.element_size() for k, t in opt.regions.items()
                                 if opt.plan.regions[k][2] == "device" and t.numel()}}
@@ -229,7 +234,7 @@ def test_t5_3b_estimate_is_fast_small_and_sane(t5_3b_cli):
     assert isinstance(n, int) and n == t5_params(T5_3B)
     names = [c["name"] for c in data["configs"]]
     assert names == ["baseline", "fp16", "sharded_stage1_fp32", "sharded_stage1_fp16", "zero2", "zero2_offload",
-                     "zero2_offload_dpu"]
+                     "zero2_offload_dpu", "zero2_offload_state_bf16", "zero2_offload_state_int8"]
     for c in data["configs"]:
         for key, typ in REQUIRED.items():
             assert isinstance(c[key], typ) and not isinstance(c[key], bool), (c["name"], key)
@@ -240,6 +245,9 @@ def test_t5_3b_estimate_is_fast_small_and_sane(t5_3b_cli):
     assert off["device_bytes_model_states"] == 2 * n + buckets       # 2 B/param + the two fp16 buckets
     assert 12 * n < off["host_bytes"] <= 18 * n                      # masters + moments + grad store + staging
     assert rows["zero2_offload_dpu"]["host_bytes"] > off["host_bytes"]
+    # compact moments (issue 14): int8 <= 8.5 B/param, t5-3b <= 24 GiB of host memory; bf16 <= 10.5
+    assert rows["zero2_offload_state_int8"]["host_bytes"] <= min(8.5 * n, 24 * 2**30)
+    assert rows["zero2_offload_state_bf16"]["host_bytes"] <= 10.5 * n
     # the anchors: plain --fp16 does not fit t5-3b on a 24 GB card at batch 1; ZeRO-2 + offload does
     assert rows["fp16"]["max_batch_size"] == 0
     assert off["max_batch_size"] >= 1

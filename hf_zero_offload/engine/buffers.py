@@ -13,6 +13,7 @@ import torch
 
 from .. import ops
 from .memory_limits import check_host_ram
+from .moments import moment_regions
 
 _ALIGN = 4096
 PINNED_REGIONS = ("grad_staging", "param_staging")  # what crosses PCIe  # every region starts on a page: no two regions share a cache line or a page
@@ -68,10 +69,12 @@ def write_grad(dst: torch.Tensor, src: torch.Tensor, *, first: bool, num_threads
 
 def plan_host_memory(numel: int, *, param_dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
                      gradient_accumulation_steps: int = 1, delayed_param_update: bool = False,
-                     bucket_numel: int, tile_numel: int, max_param_numel: int = 0, cuda: bool = True) -> HostPlan:
+                     bucket_numel: int, tile_numel: int, max_param_numel: int = 0, cuda: bool = True,
+                     state_dtype: str = "fp32") -> HostPlan:
     """Regions for ``numel`` trainable params held in ``param_dtype`` on the device.
 
-    host: fp32 master + exp_avg + exp_avg_sq (12 B/param); the gradient store (2 or 4 B/param, two
+    host: fp32 master + exp_avg + exp_avg_sq (12 B/param; ``state_dtype`` "bf16": 8, "int8": 6 + 8 B
+    per 256-element block of scales, ``moments.moment_regions``); the gradient store (2 or 4 B/param, two
     of them with DPU, whose step reads one while backward fills the other); pinned staging for
     gradient buckets going down; staging for updated params going up (two tiles, or a full copy
     with DPU since its step finishes while the device still runs on the previous params).
@@ -84,8 +87,7 @@ def plan_host_memory(numel: int, *, param_dtype: torch.dtype, grad_dtype: torch.
     tile = max(min(tile_numel, numel), 1)
     regions = {
         "master": (numel, torch.float32, "host"),
-        "exp_avg": (numel, torch.float32, "host"),
-        "exp_avg_sq": (numel, torch.float32, "host"),
+        **{k: (n, dt, "host") for k, (n, dt) in moment_regions(numel, state_dtype).items()},
         "grad_store": (numel * (2 if delayed_param_update else 1), sdt, "host"),
         **({"grad_staging": (2 * bucket, grad_dtype, "host")} if cuda else {}),
         "param_staging": ((numel if delayed_param_update else 2 * tile), param_dtype, "host"),

@@ -21,18 +21,21 @@ updated slice reaches the device synchronously), ``_publish_params()`` (same, fo
 """
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 
 import torch
 
-from .. import ops
 from . import state_dir
+from .. import ops
+from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
 from .runs import Run, flat_layout, make_runs, training_dtype
 from .streams import Streams, make_streams
 
 STATE_FORMAT = "hf_zero_offload.state/2"
+logger = logging.getLogger("hf_zero_offload")
 
 
 class AdamCore(LossScaled, torch.optim.Optimizer):
@@ -73,7 +76,10 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
     def _bind_state(self, regions: dict, lo: int, hi: int) -> None:
         """The state of the slice [lo, hi) (padded regions may be longer) and its gradient stores."""
         self.lo, self.hi = lo, hi
-        self.master, self.exp_avg, self.exp_avg_sq = regions["master"], regions["exp_avg"], regions["exp_avg_sq"]
+        self.master = regions["master"]
+        self.moments = Moments(regions, self.options.state_dtype)
+        # the moment arrays (int8: the codes; their scales are in ``moments.state``)
+        self.exp_avg, self.exp_avg_sq = self.moments.state["exp_avg"], self.moments.state["exp_avg_sq"]
         # DPU: two gradient stores, the CPU step reads one while the next backward fills the other
         self._stores = list(regions["grad_store"].view(2 if self.options.dpu else 1, -1).unbind(0))
         self._store_index = 0
@@ -83,8 +89,8 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
     def _init_masters(self, index) -> None:
         """Masters from the parameters as given (fp32 for a model about to be cast: casting first
         and copying back would lose the low mantissa bits for good); then the cast."""
-        for t in (self.master, self.exp_avg, self.exp_avg_sq):
-            t.zero_()
+        self.master.zero_()
+        self.moments.zero_()
         lo = self.lo
         for p, off, a, b in index.pieces(lo, self.hi):
             self.master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
@@ -165,13 +171,15 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
             if up is None:
                 self._adam(a, b, run.step, h, store[a:b], grad_scale, None if self.mirror is None else self.mirror[a:b])
                 continue
-            for t in range(a, b, up.tile_numel):
-                e = min(b, t + up.tile_numel)
+            t = a
+            while t < b:
+                e = min(b, self._tile_end(t, up.tile_numel))
                 out = up.out_buffer(k, t, e)
                 self._adam(t, e, run.step, h, store[t:e], grad_scale, out)
                 if upload:
                     up.upload(k, out, t, e)
                 k += 1
+                t = e
         if not upload:
             return None
         if delayed:
@@ -179,12 +187,20 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         up.finish()
         return None
 
+    def _tile_end(self, t: int, tile: int) -> int:
+        # int8 moments: tiles end on block boundaries, so a block is encoded once per step
+        # (a shared block is decoded and re-encoded per part: moments.Moments.adam)
+        if self.moments.state_dtype == "int8" and (t + tile) // Q * Q > t:
+            return (t + tile) // Q * Q
+        return t + tile
+
     def _adam(self, a: int, b: int, step: int, h: dict, grad: torch.Tensor, grad_scale: float,
               out: torch.Tensor | None) -> None:
         """Adam on [a, b) of the slice's state; ``out``: also the updated params in the training
         dtype. The one call site of the optimizer kernels (moment storage is decided here)."""
-        master, m, v = self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b]
+        master = self.master[a:b]
         if self._torch_adam:
+            m, v = self.moments.state["exp_avg"][a:b], self.moments.state["exp_avg_sq"][a:b]
             fused = torch._fused_adamw_ if h["adamw_mode"] else torch._fused_adam_
             # torch.full, not torch.tensor: a fill kernel, no host-to-device copy that would wait for
             # the device's queue on every run
@@ -195,9 +211,9 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
             if out is not None:
                 out.copy_(master)
             return
-        ops.adam_step(master, grad, m, v, step=step, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
-                      eps=h["eps"], weight_decay=h["weight_decay"], adamw=h["adamw_mode"], grad_scale=grad_scale,
-                      param_out=out, num_threads=self.options.num_threads)
+        self.moments.adam(a, b, master, grad, out, step=step, lr=h["lr"], beta1=h["betas"][0],
+                          beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], adamw=h["adamw_mode"],
+                          grad_scale=grad_scale, num_threads=self.options.num_threads)
 
     def _publish(self) -> None:
         """DPU: the masters computed on the worker reach the device parameters."""
@@ -233,6 +249,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
             "format": STATE_FORMAT, "numel": self.numel, "world_size": self.world_size, "rank": self.rank,
             "shard_start": self.lo, "shard_end": self.hi, "stage": self.stage, "offload": self.offload,
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
+            "state_dtype": self.moments.state_dtype,
             "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                              for g in self.param_groups],
             "slots": self._slot_meta(),
@@ -246,7 +263,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         """Views of this slice's state (no copy, no padding): the checkpoint writer streams them."""
         self._wait_worker()
         n = self.hi - self.lo
-        return {"master": self.master[:n], "exp_avg": self.exp_avg[:n], "exp_avg_sq": self.exp_avg_sq[:n]}
+        return {"master": self.master[:n], **self.moments.tensors(n)}
 
     def state_dict(self) -> dict:
         # Clones: torch.save of a view would write the whole arena (gradient stores included).
@@ -260,8 +277,9 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
                              f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
                              "load_checkpoint to change the world size")
         self.load_state_meta(state)
-        for name, dst in self.state_tensors().items():
-            dst.copy_(state[name])
+        # the state holds this very slice (checked above): ``lo`` is its start
+        self._load_tensors(state.get("state_dtype", "fp32"),
+                           lambda lo, dst: [dst[k].copy_(state[k][:dst[k].numel()]) for k in dst])
         self._finish_load(state)
 
     def load_state_meta(self, meta: dict) -> None:
@@ -290,7 +308,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
     def save_checkpoint(self, directory: str) -> None:
         """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``)."""
         state_dir.save(directory, self.rank, self.world_size, self.state_meta(), self.state_tensors(),
-                       barrier=self._barrier, numel=self.numel)
+                       barrier=self._barrier, partition=self._partition_ranges())
 
     def load_checkpoint(self, directory: str) -> dict:
         """Load a checkpoint of any engine and world size: this slice's part of every saved file,
@@ -298,10 +316,33 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         srcs, meta = state_dir.sources(directory)
         self.load_state_meta(meta)
         if self.hi > self.lo:
-            state_dir.read_range(srcs, self.lo, self.state_tensors())
+            self._load_tensors(meta.get("state_dtype", "fp32"), lambda lo, dst: state_dir.read_range(srcs, lo, dst))
         self._finish_load(meta)
         self.restored = state_dir.summary(meta, len(srcs))
         return self.restored
+
+    def _load_tensors(self, saved: str, read) -> None:
+        """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``,
+        block-aligned for int8). Moments saved with another ``state_dtype`` are converted through fp32
+        (a one-time copy of the slice's moments), with one log line."""
+        own, n = self.moments.state_dtype, self.hi - self.lo
+        if saved == own:
+            read(self.lo, self.state_tensors())
+            return
+        read(self.lo, {"master": self.master[:n]})
+        # the saved int8 blocks that cover this slice (its start need not be a block start then)
+        la = self.lo // Q * Q if saved == "int8" else self.lo
+        ha = min(self.numel, -(-self.hi // Q) * Q) if saved == "int8" else self.hi
+        tmp = ops.make_state(ha - la, saved)
+        read(la, tmp)
+        m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp))
+        for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
+            self.moments.tensors(n)[k].copy_(t)
+        logger.info("hf_zero_offload: optimizer moments saved as %s converted to state_dtype=%s", saved, own)
+
+    def _partition_ranges(self) -> list[list[int]]:
+        """[start, end) of every rank's slice (one process: the whole layout)."""
+        return [[0, self.numel]]
 
     def _barrier(self) -> None:
         """All ranks reach this point (one process: nothing to wait for)."""

@@ -47,7 +47,8 @@ class OffloadAdam(AdamCore):
         self.plan = plan_host_memory(
             self.numel, param_dtype=self.param_dtype, gradient_accumulation_steps=gas,
             delayed_param_update=options.dpu, bucket_numel=options.bucket_numel, tile_numel=options.tile_numel,
-            max_param_numel=max(n for _, _, n in self._flat), cuda=self.streams.async_copies)
+            max_param_numel=max(n for _, _, n in self._flat), cuda=self.streams.async_copies,
+            state_dtype=options.state_dtype)
         self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda)
         r = self.arena.regions
         self._bind_state(r, 0, self.numel)

@@ -23,6 +23,12 @@ class OffloadOptions:
     dpu_warmup_steps: int = 40
     num_threads: int | None = None
     scatter_thread: bool | None = None      # gradient scatter on a helper thread (default: on CUDA)
+    state_dtype: str = "fp32"               # Adam moments: "fp32" (exact AdamW), "bf16" or "int8" (blockwise)
+
+    @property
+    def shard_align(self) -> int:
+        """Shards start at multiples of this (int8 moments: one quantization block, 256)."""
+        return 256 if self.state_dtype == "int8" else 1
 
     @property
     def fp16_enabled(self) -> bool:

@@ -20,6 +20,7 @@ import json
 import os
 
 from . import checkpoint
+from .moments import Q
 
 STATE_FORMATS = ("hf_zero_offload.state/2", "hf_zero_offload.sharded/1", "hf_zero_offload.offload/1")
 META_FORMAT = "hf_zero_offload.sharded-meta/1"
@@ -31,17 +32,15 @@ def write_json_atomic(path: str, obj) -> None:
         json.dump(obj, f, indent=1)
 
 
-def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, *, barrier, numel: int) -> None:
+def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, *, barrier, partition: list) -> None:
     os.makedirs(directory, exist_ok=True)
     checkpoint.write_state(checkpoint.rank_file(directory, rank, world_size), meta, tensors)
     if world_size == 1:
         return
     barrier()  # meta.json marks the checkpoint complete: only after every rank's file is in place
     if rank == 0:
-        shard = -(-numel // world_size)
         write_json_atomic(os.path.join(directory, META_FILE), {
-            "format": META_FORMAT, "world_size": world_size, "numel": numel,
-            "partition": [[min(r * shard, numel), min((r + 1) * shard, numel)] for r in range(world_size)],
+            "format": META_FORMAT, "world_size": world_size, "numel": meta["numel"], "partition": partition,
             "files": [os.path.basename(checkpoint.rank_file(directory, r, world_size)) for r in range(world_size)],
             "param_dtype": meta["param_dtype"], "slots": meta["slots"],
         })
@@ -87,13 +86,18 @@ def check_model(meta: dict, numel: int, slots: list) -> None:
 
 def read_range(srcs: list[tuple[str, int, int]], lo: int, dst: dict) -> None:
     """Fill ``dst`` (flat tensors covering [lo, lo + n)) from the saved files that overlap it."""
-    n = next(iter(dst.values())).numel()
+    n = next(v for k, v in dst.items() if not k.endswith("_scale")).numel()
     hi = lo + n
     for path, a0, b0 in srcs:
         a, b = max(lo, a0), min(hi, b0)
         if b > a:
-            checkpoint.read_into(path, {k: v[a - lo:b - lo] for k, v in dst.items()},
-                                 start={k: a - a0 for k in dst})
+            views, start = {}, {}
+            for k, v in dst.items():
+                if k.endswith("_scale"):  # int8 scales, one per block: saved slices start on a block
+                    views[k], start[k] = v[(a - lo) // Q:-(-(b - lo) // Q)], (a - a0) // Q
+                else:
+                    views[k], start[k] = v[a - lo:b - lo], a - a0
+            checkpoint.read_into(path, views, start=start)
 
 
 def summary(meta: dict, files: int) -> dict:

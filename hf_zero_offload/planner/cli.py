@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="trace the step with the model's gradient checkpointing on")
     parser.add_argument("--configs", default=None, help="comma-separated row names (default: all)")
+    parser.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                        help="Adam moments of the offload rows (offload_optimizer.state_dtype; default fp32)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -32,7 +34,7 @@ def main(args: argparse.Namespace) -> int:
              tgt_len=args.tgt_len, batch_size=args.batch_size, bucket_numel=args.bucket_numel,
              gradient_accumulation_steps=args.gradient_accumulation_steps,
              configs=args.configs.split(",") if args.configs else None,
-             gradient_checkpointing=args.gradient_checkpointing)
+             gradient_checkpointing=args.gradient_checkpointing, state_dtype=args.state_dtype)
     p.inputs["model"] = args.model  # as typed
     if args.json:
         print(json.dumps(p.to_json(), indent=2))

@@ -39,10 +39,10 @@ class EngineSettings:
     numels: tuple = ()           # trainable params' sizes in flat-layout order (the sharded engine's buckets)
 
 
-def _engine_plan(numel: int, s: EngineSettings, dpu: bool):
+def _engine_plan(numel: int, s: EngineSettings, dpu: bool, state_dtype: str = "fp32"):
     return plan_host_memory(numel, param_dtype=s.half_dtype, gradient_accumulation_steps=s.gradient_accumulation_steps,
                             delayed_param_update=dpu, bucket_numel=s.bucket_numel, tile_numel=s.tile_numel,
-                            max_param_numel=s.max_param_numel, cuda=s.cuda)
+                            max_param_numel=s.max_param_numel, cuda=s.cuda, state_dtype=state_dtype)
 
 
 def states_baseline(n: int, gpus: int) -> tuple[dict, int]:
@@ -64,10 +64,11 @@ def states_amp(n: int, gpus: int, autocast_copies: int) -> tuple[dict, int]:
     return dev, 0
 
 
-def _sharded_plan(gpus: int, s: EngineSettings, dtype: torch.dtype, *, stage: int, offload: bool, dpu: bool = False):
+def _sharded_plan(gpus: int, s: EngineSettings, dtype: torch.dtype, *, stage: int, offload: bool, dpu: bool = False,
+                  state_dtype: str = "fp32"):
     """What one rank of ``ShardedAdam`` allocates (the engine's own ``plan_for``)."""
     opts = OffloadOptions(gradient_accumulation_steps=s.gradient_accumulation_steps, bucket_numel=s.bucket_numel,
-                          tile_numel=s.tile_numel, dpu=dpu)
+                          tile_numel=s.tile_numel, dpu=dpu, state_dtype=state_dtype)
     return plan_for(list(s.numels), gpus, param_dtype=dtype, options=opts, stage=stage, offload=offload, cuda=s.cuda)
 
 
@@ -93,14 +94,16 @@ def states_zero2(n: int, gpus: int, s: EngineSettings) -> tuple[dict, int]:
     return {"params_16bit": HALF * n, **_device_regions(plan)}, plan.host_bytes
 
 
-def states_zero2_offload(n: int, gpus: int, s: EngineSettings, dpu: bool) -> tuple[dict, int]:
+def states_zero2_offload(n: int, gpus: int, s: EngineSettings, dpu: bool, state_dtype: str = "fp32"
+                         ) -> tuple[dict, int]:
     """ZeRO-2 + CPU offload: the device keeps 16-bit params (2 B/param) and the engine's buffers; the
-    host holds the engine's arena (fp32 masters, moments, gradient store(s), staging; page-aligned
-    regions). One GPU: ``OffloadAdam``'s ``plan_host_memory``; several: ``ShardedAdam``'s plan."""
+    host holds the engine's arena (fp32 masters, moments stored as ``state_dtype``, gradient store(s),
+    staging; page-aligned regions). One GPU: ``OffloadAdam``'s ``plan_host_memory``; several:
+    ``ShardedAdam``'s plan."""
     if gpus == 1:
-        plan = _engine_plan(n, s, dpu=dpu)
+        plan = _engine_plan(n, s, dpu=dpu, state_dtype=state_dtype)
     else:
-        plan = _sharded_plan(gpus, s, s.half_dtype, stage=2, offload=True, dpu=dpu)
+        plan = _sharded_plan(gpus, s, s.half_dtype, stage=2, offload=True, dpu=dpu, state_dtype=state_dtype)
     return {"params_16bit": HALF * n, **_device_regions(plan)}, plan.host_bytes
 
 
@@ -111,17 +114,23 @@ class RowSpec:
     mode: str          # activation trace: "fp32" | "half" | "amp"
     keep_grads: bool   # all gradients stay on the device until step() (DDP, ZeRO-1)
     description: str
+    state_dtype: str = "fp32"  # offload rows: how the host stores the Adam moments
 
 
-def row_specs(dtype: str = "fp16") -> list[RowSpec]:
+def row_specs(dtype: str = "fp16", state_dtype: str = "fp32") -> list[RowSpec]:
+    """``state_dtype``: the moments of the two offload rows; two more rows show bf16 and int8 moments."""
+    st = "" if state_dtype == "fp32" else f", {state_dtype} moments"
     return [
         RowSpec("baseline", "fp32", True, "fp32, torch AdamW (DDP when gpus > 1)"),
         RowSpec(dtype, "amp", True, f"torch autocast {dtype}, fp32 params (DDP when gpus > 1)"),
         RowSpec("sharded_stage1_fp32", "fp32", True, "ZeRO-1 (--sharded_ddp), fp32"),
         RowSpec(f"sharded_stage1_{dtype}", "half", True, f"ZeRO-1 (--sharded_ddp --{dtype}), 16-bit params"),
         RowSpec("zero2", "half", False, f"ZeRO-2, {dtype}, no offload"),
-        RowSpec("zero2_offload", "half", False, f"ZeRO-2 + CPU offload, {dtype}"),
-        RowSpec("zero2_offload_dpu", "half", False, f"ZeRO-2 + CPU offload + delayed param update, {dtype}"),
+        RowSpec("zero2_offload", "half", False, f"ZeRO-2 + CPU offload, {dtype}{st}", state_dtype),
+        RowSpec("zero2_offload_dpu", "half", False, f"ZeRO-2 + CPU offload + delayed param update, {dtype}{st}",
+                state_dtype),
+        *(RowSpec(f"zero2_offload_state_{sd}", "half", False, f"ZeRO-2 + CPU offload, {dtype}, {sd} moments", sd)
+          for sd in ("bf16", "int8")),
     ]
 
 
@@ -136,7 +145,7 @@ def row_states(spec: RowSpec, n: int, gpus: int, s: EngineSettings, prof) -> tup
         return states_stage1(n, gpus, s, s.half_dtype)
     if spec.name == "zero2":
         return states_zero2(n, gpus, s)
-    return states_zero2_offload(n, gpus, s, dpu=spec.name.endswith("_dpu"))
+    return states_zero2_offload(n, gpus, s, dpu=spec.name.endswith("_dpu"), state_dtype=spec.state_dtype)
 
 
 @dataclass
@@ -240,16 +249,20 @@ def _check_inputs(*, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, batch_size, buc
 def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtype: str = "fp16",
          seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
          tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
-         configs: list[str] | None = None, gradient_checkpointing: bool = False, run_dtype: str | None = None) -> Plan:
+         configs: list[str] | None = None, gradient_checkpointing: bool = False, run_dtype: str | None = None,
+         state_dtype: str = "fp32") -> Plan:
     """Plan every configuration for the model (a config JSON path, a model directory, a dict, a
     ``PretrainedConfig`` or a model with ``.config``) on ``gpus`` GPUs of ``gpu_mem_gib`` each.
     ``cuda=False`` plans the engine as it allocates on a CPU-only machine (no separate bucket staging).
-    ``run_dtype`` (``"fp32"``/``"fp16"``/``"bf16"``): what the calling run trains in, shown in the header."""
+    ``run_dtype`` (``"fp32"``/``"fp16"``/``"bf16"``): what the calling run trains in, shown in the header.
+    ``state_dtype``: the Adam moments of the offload rows (offload_optimizer.state_dtype)."""
     inputs = {k: v for k, v in locals().items() if k != "model_config_or_path"}
     t0 = time.perf_counter()
     _check_inputs(gpus=gpus, gpu_mem_gib=gpu_mem_gib, dtype=dtype, seq_len=seq_len, tgt_len=tgt_len,
                   batch_size=batch_size, bucket_numel=bucket_numel, tile_numel=tile_numel,
                   gradient_accumulation_steps=gradient_accumulation_steps, configs=configs)
+    if state_dtype not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"state_dtype must be 'fp32', 'bf16' or 'int8', got {state_dtype!r}")
     src = getattr(model_config_or_path, "config", model_config_or_path)
     config = trace.load_config(src)
     model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
@@ -258,7 +271,7 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     settings = EngineSettings(bucket_numel or defaults["bucket_numel"], tile_numel or defaults["tile_numel"],
                               gradient_accumulation_steps, max_numel, cuda, _HALF_DTYPES[dtype],
                               tuple(p.numel() for p in model.parameters() if p.requires_grad))
-    specs = [s for s in row_specs(dtype) if configs is None or s.name in configs]
+    specs = [s for s in row_specs(dtype, state_dtype) if configs is None or s.name in configs]
     profiles = trace.profile_modes(config, {s.mode for s in specs}, half_dtype=settings.half_dtype,
                                    seq_len=seq_len, tgt_len=tgt_len, model=model)
     budget = device_budget(gpu_mem_gib)

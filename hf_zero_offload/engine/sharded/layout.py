@@ -19,10 +19,12 @@ class Partition:
     """
     numel: int
     world_size: int
+    align: int = 1  # S is a multiple of this (int8 moments: a quantization block never straddles shards)
 
     @property
     def shard_numel(self) -> int:
-        return max(1, -(-self.numel // self.world_size))
+        s = max(1, -(-self.numel // self.world_size))
+        return -(-s // self.align) * self.align
 
     @property
     def padded_numel(self) -> int:

@@ -113,7 +113,10 @@ class ShardedAdam(AdamCore):
         # The simulator (``streams``) covers the offload upload path; reductions stay synchronous
         # (gloo) there.
         cuda = self.streams.cuda
-        self.partition = part = Partition(self.numel, self.world_size)
+        if options.state_dtype != "fp32" and not offload:
+            raise ValueError(f"state_dtype={options.state_dtype!r} (compact Adam moments) is for the CPU step: it "
+                             "needs offload_optimizer.device='cpu'; without offload use state_dtype='fp32'")
+        self.partition = part = Partition(self.numel, self.world_size, options.shard_align)
         S, W = part.shard_numel, self.world_size
         self._torch_adam = device_adam == "torch" or (device_adam == "auto" and not offload and cuda)
         if self._torch_adam and offload:
@@ -251,6 +254,9 @@ class ShardedAdam(AdamCore):
         for p, off, lo, hi in self._index.pieces(a, b):
             p.data.view(-1)[lo - off:hi - off].copy_(src[lo - a:hi - a])
 
+    def _partition_ranges(self) -> list[list[int]]:
+        return self.partition.ranges()
+
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.process_group)
@@ -264,7 +270,7 @@ class ShardedAdam(AdamCore):
         """Bytes this rank allocated, by role (``plan`` has them by region)."""
         b = self.allocated_bytes
         get = lambda *ks: sum(b.get(k, 0) for k in ks)  # noqa: E731
-        return {"optimizer_state": get("master", "exp_avg", "exp_avg_sq"),
+        return {"optimizer_state": get("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"),
                 "grad_store": get("grad_store"),
                 "grad_buffers": get("grad_buckets", "grad_staging"),
                 "param_buffers": get("shard_out", "gather_buffer", "param_staging"),

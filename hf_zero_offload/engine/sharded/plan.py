@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..buffers import HostPlan, plan_host_memory
+from ..moments import moment_regions
 from ..options import OffloadOptions
 from .layout import Partition
 from .reduce import buffer_layout
@@ -24,9 +25,9 @@ def make_plan(S: int, seg: int, buffer_numel: int, gchunk: int, world_size: int,
     base = plan_host_memory(S, param_dtype=param_dtype,
                             gradient_accumulation_steps=o.gradient_accumulation_steps if stage == 2 else 1,
                             delayed_param_update=o.dpu, bucket_numel=o.bucket_numel, tile_numel=o.tile_numel,
-                            cuda=cuda).regions
+                            cuda=cuda, state_dtype=o.state_dtype).regions
     where = "host" if offload else "device"
-    regions = {k: (base[k][0], base[k][1], where) for k in ("master", "exp_avg", "exp_avg_sq", "grad_store")}
+    regions = {k: (base[k][0], base[k][1], where) for k in ("master", *moment_regions(1, o.state_dtype), "grad_store")}
     if torch_adam:  # torch's fused kernels want the gradient in the state's dtype
         regions["grad_store"] = (S, torch.float32, where)
     if offload and cuda:
@@ -50,7 +51,7 @@ def plan_for(numels: list[int], world_size: int, *, param_dtype: torch.dtype, op
     for n in numels:
         slots.append((None, off, n))
         off += n
-    part = Partition(off, world_size)
+    part = Partition(off, world_size, options.shard_align)
     S = part.shard_numel
     _, seg, buffer_numel = buffer_layout(slots, part, stage, options.bucket_numel, use_rs=cuda and world_size > 1)
     gchunk = max(1, min(allgather_bucket_numel // world_size, S))

@@ -1,0 +1,156 @@
+"""Compact Adam moments (offload_optimizer.state_dtype): host bytes per param from the engine's plan,
+and training quality of fp32 / bf16 / int8 moments on the synthetic translation corpus.
+
+    python -m benchmarks.engine.compact_quality [--model configs/models/t5-demo.json] [--steps 300]
+        [--json PATH|-] [--png PATH]
+
+(run from the repository root). Memory: ``plan_host_memory`` (what ``OffloadAdam`` allocates) for
+t5-3b's parameter count, 16-bit training, no DPU, one micro-batch per step. Quality: the same randomly
+initialised T5 (``--model``), the same batches in the same order, ``OffloadAdam`` with each state
+dtype (fp32 params on the CPU, AdamW, lr 1e-3, clip 1.0), eval loss on a held-out split every
+``--eval-every`` steps; the table shows the final eval loss and its ratio to the fp32-state run.
+The corpus (examples/seq2seq/synthetic_data.py) is a toy language: this says the compact moments
+follow fp32 AdamW's trajectory, nothing about real translation quality.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples", "seq2seq"))
+
+import torch  # noqa: E402
+
+import synthetic_data  # noqa: E402
+from benchmarks._common import hardware, hardware_line, print_table, write_json  # noqa: E402
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
+
+DTYPES = ("fp32", "bf16", "int8")
+T5_3B = 2_851_598_336
+
+
+def host_bytes_per_param(n: int = T5_3B) -> list[dict]:
+    o = OffloadOptions()
+    rows = []
+    for sd in DTYPES:
+        plan = plan_host_memory(n, param_dtype=torch.bfloat16, bucket_numel=o.bucket_numel, tile_numel=o.tile_numel,
+                                state_dtype=sd)
+        rows.append({"state_dtype": sd, "host_GiB": plan.host_bytes / 2**30, "B_per_param": plan.host_bytes / n})
+    return rows
+
+
+def encode(corpus, vocab: dict, max_len: int):
+    def ids(text):
+        out = [vocab[w] for w in text.split()][:max_len - 1] + [1]  # eos = 1, pad = 0
+        return out + [0] * (max_len - len(out))
+    src = torch.tensor([ids(s) for s, _ in corpus])
+    tgt = torch.tensor([ids(t) for _, t in corpus])
+    return src, tgt
+
+
+def corpus_tensors(n_train: int, n_val: int, max_len: int):
+    c = synthetic_data.make_corpus(n_train=n_train, n_val=n_val, n_test=1, seed=0)
+    words = sorted({w for split in ("train", "val") for pair in c[split] for text in pair for w in text.split()})
+    vocab = {w: i + 2 for i, w in enumerate(words)}
+    return encode(c["train"], vocab, max_len), encode(c["val"], vocab, max_len), len(vocab) + 2
+
+
+def loss_of(model, src, tgt) -> torch.Tensor:
+    labels = tgt.masked_fill(tgt == 0, -100)
+    return model(input_ids=src, attention_mask=(src != 0).long(), labels=labels).loss
+
+
+def train_one(state_dtype: str, args, train, val, vocab_size: int) -> dict:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config.from_json_file(args.model)
+    cfg.vocab_size = max(cfg.vocab_size, vocab_size)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(cfg)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = OffloadAdam([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                      lr=args.lr, options=OffloadOptions(max_grad_norm=1.0, state_dtype=state_dtype))
+    g = torch.Generator().manual_seed(1)
+    curve, t0 = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        idx = torch.randint(0, len(train[0]), (args.batch,), generator=g)
+        model.train()
+        loss_of(model, train[0][idx], train[1][idx]).backward()
+        opt.step()
+        opt.zero_grad()
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            with torch.no_grad():
+                ev = sum(loss_of(model, val[0][i:i + 100], val[1][i:i + 100]).item() * len(val[0][i:i + 100])
+                         for i in range(0, len(val[0]), 100)) / len(val[0])
+            curve.append((step, ev))
+            print(f"  {state_dtype} step {step}: eval loss {ev:.4f}", flush=True)
+    opt.close()
+    return {"state_dtype": state_dtype, "curve": curve, "final_eval_loss": curve[-1][1],
+            "seconds": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters())}
+
+
+def plot(runs: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        xs, ys = zip(*r["curve"])
+        ax.plot(xs, ys, label=f"{r['state_dtype']} moments (final {r['final_eval_loss']:.4f})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("eval loss")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "t5-demo.json"))
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--n-train", type=int, default=4000)
+    ap.add_argument("--n-val", type=int, default=200)
+    ap.add_argument("--max-len", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first)")
+    ap.add_argument("--json", default=None, help="write the results as JSON to PATH (- for stdout)")
+    ap.add_argument("--png", default=None, help="plot the eval-loss curves to PATH")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = hardware()
+    print(hardware_line(info))
+    mem = host_bytes_per_param()
+    print("host memory of OffloadAdam's plan, t5-3b (2,851,598,336 params), 16-bit training, no DPU:")
+    print_table(mem, [("state_dtype", "state_dtype", "s"), ("host_GiB", "host GiB", ".2f"),
+                      ("B_per_param", "B/param", ".2f")])
+    train, val, vocab_size = corpus_tensors(args.n_train, args.n_val, args.max_len)
+    runs = [train_one(sd, args, train, val, vocab_size) for sd in args.dtypes.split(",")]
+    for r in runs:
+        r["vs_fp32"] = r["final_eval_loss"] / runs[0]["final_eval_loss"] if runs[0]["state_dtype"] == "fp32" else None
+    print(f"{os.path.basename(args.model)}, {runs[0]['params']:,} params, {args.steps} steps of batch {args.batch}:")
+    print_table(runs, [("state_dtype", "state_dtype", "s"), ("final_eval_loss", "final eval loss", ".4f"),
+                       ("vs_fp32", "vs fp32", ".4f"), ("seconds", "seconds", ".0f")])
+    if args.png:
+        plot(runs, args.png, f"{os.path.basename(args.model)}: synthetic corpus, {args.steps} steps")
+    write_json(args.json, {"hardware_line": hardware_line(info), "hardware": info, "args": vars(args),
+                           "host_memory_t5_3b": mem, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

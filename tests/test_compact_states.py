@@ -1,0 +1,250 @@
+"""Compact Adam moments (``OffloadOptions.state_dtype`` fp32 / bf16 / int8) in both engines.
+
+The reference is ``_flat_ref.FlatReference`` (plain torch, the numbers from ``_quant_ref``): params,
+masters, codes and scales are compared element by element (``torch.equal``), on the plain CPU path
+and on both stream-simulator adversaries. Sharded runs get the same data on both ranks, so the
+averaged gradient is the one-process gradient bit for bit and the two engines must agree exactly.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from _flat_ref import FlatReference
+from _models import TinyNet, batches, delayed_update_reference, loss_fn, param_groups
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
+
+LR, WD = 1e-2, 0.1
+SMALL = dict(bucket_numel=1000, tile_numel=300)  # several buckets; tiles end on 256-element blocks
+DTYPES = ["fp32", "bf16", "int8"]
+
+
+def engine(mode, model, state_dtype, **opts):
+    return OffloadAdam(param_groups(model, WD), lr=LR, streams=None if mode is None else mode.streams(),
+                       options=OffloadOptions(**{**SMALL, **opts, "state_dtype": state_dtype}))
+
+
+def assert_state_equal(opt, want: dict):
+    got = opt.state_tensors()
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert torch.equal(got[k], t), k
+
+
+def train(model, opt, data, gas=1):
+    for ids, labels, use_branch in data:
+        for i in range(gas):
+            (loss_fn(model, ids[i::gas], labels[i::gas], use_branch) / gas).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_engine_equals_the_flat_reference(mode, state_dtype):
+    torch.manual_seed(0)
+    ref_model = mode.model(TinyNet())
+    model = copy.deepcopy(ref_model)
+    ref = FlatReference(param_groups(ref_model, WD), lr=LR, state_dtype=state_dtype)
+    opt = engine(mode, model, state_dtype)
+    data = mode.data(batches(8))
+    train(ref_model, ref, data)
+    train(model, opt, data)  # some steps skip the branch: runs end and start inside int8 blocks
+    mode.sync()
+    assert_state_equal(opt, ref.flat_state())
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_gradient_accumulation_and_clipping(state_dtype):
+    # GAS: the engine sums the micro-batches in fp32 in the same order as .grad; clipping: the
+    # reference applies clip_grad_norm_'s coefficient as the kernel's grad_scale
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    ref = FlatReference(param_groups(ref_model, WD), lr=LR, state_dtype=state_dtype)
+    opt = engine(None, model, state_dtype, gradient_accumulation_steps=2, max_grad_norm=0.05)
+    for ids, labels, use_branch in batches(6):
+        for m in (ref_model, model):
+            for i in range(2):
+                (loss_fn(m, ids[i::2], labels[i::2], use_branch) / 2).backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ref_model.parameters() if p.grad is not None])
+        ref.step(grad_scale=min(0.05 / (norm.item() + 1e-6), 1.0))
+        ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        assert opt.last.grad_norm > 0.05  # clipping was active
+    got = opt.state_tensors()
+    torch.testing.assert_close(got["master"], ref.master, rtol=1e-5, atol=1e-6)
+    m, v = (t.float() if state_dtype == "bf16" else t.int() for t in (got["exp_avg"], got["exp_avg_sq"]))
+    want = [ref.moments[k].float() if state_dtype == "bf16" else ref.moments[k].int()
+            for k in ("exp_avg", "exp_avg_sq")]
+    # the clip coefficient may differ in its last bit (fp64 norm summed in another order): codes
+    # may move by one step, never more
+    assert (m - want[0]).abs().max() <= (1 if state_dtype == "int8" else 1e-3)
+    assert (v - want[1]).abs().max() <= (1 if state_dtype == "int8" else 1e-3)
+    opt.close()
+
+
+def test_dpu_follows_the_delayed_schedule_with_int8(mode):
+    torch.manual_seed(0)
+    device_model = mode.model(TinyNet())
+    model = copy.deepcopy(device_model)
+    data = mode.data(batches(8))
+    ref_dev, ref_master = delayed_update_reference(
+        device_model, data, 3, lr=LR, weight_decay=WD,
+        make_opt=lambda groups: FlatReference(groups, lr=LR, state_dtype="int8"))
+    opt = engine(mode, model, "int8", dpu=True, dpu_warmup_steps=3)
+    train(model, opt, data)
+    mode.sync()
+    for a, b in zip(ref_dev.parameters(), model.parameters()):
+        assert torch.equal(a, b)  # one step behind, like the reference's device model
+    opt.flush()
+    mode.sync()
+    for a, b in zip(ref_master.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+def test_fp16_overflow_leaves_int8_moments_untouched():
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = engine(None, model, "int8", fp16=dict(enabled=True, loss_scale=0, initial_scale_power=8,
+                                                   loss_scale_window=1000, hysteresis=1, min_loss_scale=1))
+    model.half()
+    for k, (ids, labels, use_branch) in enumerate(batches(4)):
+        loss = opt.scale_loss(loss_fn(model, ids, labels, use_branch).float())
+        before = {n: t.clone() for n, t in opt.state_tensors().items()}
+        (loss * float("inf") if k == 2 else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.last.skipped == (k == 2)
+        same = all(torch.equal(t, before[n]) for n, t in opt.state_tensors().items())
+        assert same == (k == 2)
+    assert opt.loss_scale == 128
+    opt.close()
+
+
+@pytest.mark.parametrize("saved,loaded", [("int8", "int8"), ("fp32", "int8"), ("int8", "bf16"), ("bf16", "fp32")])
+def test_resume_and_cross_dtype_load(saved, loaded, tmp_path, caplog):
+    data = batches(8)
+    torch.manual_seed(0)
+    init = TinyNet()
+    full = copy.deepcopy(init)
+    o_full = engine(None, full, loaded)
+    first = copy.deepcopy(init)
+    o_first = engine(None, first, saved)
+    train(first, o_first, data[:4])
+    o_first.save_checkpoint(str(tmp_path))
+    # the reference: the saved state converted once, then ``loaded`` steps
+    converted = o_first.state_dict()
+    o_full.load_state_dict(converted)
+    full.load_state_dict(first.state_dict())
+    second = copy.deepcopy(first)
+    o_second = engine(None, second, loaded)
+    with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+        o_second.load_checkpoint(str(tmp_path))
+    conversions = [r for r in caplog.records if "converted to state_dtype" in r.getMessage()]
+    assert len(conversions) == (saved != loaded)
+    assert_state_equal(o_second, o_full.state_tensors())
+    train(full, o_full, data[4:])
+    train(second, o_second, data[4:])
+    assert_state_equal(o_second, o_full.state_tensors())
+    if saved == loaded:  # resume is bit-exact: 4 + save/load + 4 == 8 uninterrupted steps
+        torch.manual_seed(0)
+        straight = copy.deepcopy(init)
+        o_straight = engine(None, straight, saved)
+        train(straight, o_straight, data)
+        assert_state_equal(o_second, o_straight.state_tensors())
+        o_straight.close()
+    for o in (o_full, o_first, o_second):
+        o.close()
+
+
+def test_unknown_state_dtype_and_device_adam_are_refused():
+    with pytest.raises(ValueError, match="state_dtype"):
+        engine(None, TinyNet(), "int4")
+    with pytest.raises(ValueError, match="state_dtype='int8'.*offload"):
+        ShardedAdam(param_groups(TinyNet(), WD), lr=LR, offload=False,
+                    options=OffloadOptions(**SMALL, state_dtype="int8"))
+
+
+def test_host_bytes_per_param():
+    from hf_zero_offload.engine import plan_host_memory
+    n = 10**8
+    per = {dt: plan_host_memory(n, param_dtype=torch.bfloat16, bucket_numel=OffloadOptions().bucket_numel,
+                                tile_numel=OffloadOptions().tile_numel, state_dtype=dt).host_bytes / n
+           for dt in DTYPES}
+    assert per["fp32"] - per["bf16"] == pytest.approx(4, abs=0.01)
+    assert per["fp32"] - per["int8"] == pytest.approx(6 - 8 / 256, abs=0.01)
+
+
+# -- two gloo ranks ------------------------------------------------------------------------------
+def _sharded_job(rank, world, root):
+    out = {}
+    data = batches(8)  # the same batches on both ranks: the averaged gradient is the local one
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = ShardedAdam(param_groups(model, WD), lr=LR, stage=stage,
+                          options=OffloadOptions(**SMALL, state_dtype="int8"))
+        assert opt.lo % 256 == 0  # blocks never straddle two shards
+        train(model, opt, data[:4])
+        opt.save_checkpoint(f"{root}/s{stage}")
+        saved = {k: v.clone() for k, v in opt.state_tensors().items()}
+        train(model, opt, data[4:])
+        out[stage] = (saved, {k: v.clone() for k, v in opt.state_tensors().items()})
+        opt.close()
+    return out
+
+
+def assert_int8_close(got: dict, want: dict):
+    """Masters to fp32 rounding, codes within one step: the sharded gradient path sums a few
+    elements in another order than the one-process path (the last bit; fp32 states too)."""
+    torch.testing.assert_close(got["master"], want["master"], rtol=1e-5, atol=1e-6)
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert (got[k].int() - want[k].int()).abs().max() <= 1, k
+    for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-9)
+
+
+def test_sharded_int8_matches_one_process_and_reloads_on_one(tmp_path):
+    r0, r1 = run_distributed(_sharded_job, str(tmp_path))
+    torch.manual_seed(0)
+    init = TinyNet()
+    single = copy.deepcopy(init)
+    o_single = engine(None, single, "int8")
+    train(single, o_single, batches(8))
+    want = o_single.state_tensors()
+    for stage in (1, 2):
+        joined = [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in zip(r0[stage], r1[stage])]
+        assert_int8_close(joined[1], want)  # the two shards side by side are the one-process state
+        # 2 -> 1: the 2-rank checkpoint of step 4 loads bit for bit into one process and continues
+        model = copy.deepcopy(init)
+        opt = engine(None, model, "int8")
+        opt.load_checkpoint(str(tmp_path / f"s{stage}"))
+        assert_state_equal(opt, joined[0])
+        opt._publish_masters()  # the params of step 4 (fp32: the masters)
+        train(model, opt, batches(8)[4:])
+        assert_int8_close(opt.state_tensors(), joined[1])
+        opt.close()
+    o_single.close()
+
+
+def test_config_key_reaches_the_engine_options():
+    from hf_zero_offload import config
+    from hf_zero_offload.trainer import engine_options
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "state_dtype": "int8"}}
+    cfg = config.resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
+    assert engine_options(cfg)[0].state_dtype == "int8"
+    zero["offload_optimizer"]["state_dtype"] = "int4"
+    with pytest.raises(config.ConfigError, match="offload_optimizer.state_dtype.*'fp32', 'bf16', 'int8'"):
+        config.resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
+    zero["offload_optimizer"] = {"state_dtype": "bf16"}
+    with pytest.raises(config.ConfigError, match="offload_optimizer.state_dtype.*\"device\": \"cpu\""):
+        config.resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
