@@ -207,3 +207,18 @@ def target_line(label: str, value: str, verdict: str, why: str = "") -> str:
 
 def verdict(ok: bool) -> str:
     return MET if ok else NOT_MET
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_example(name: str):
+    """A module of examples/seq2seq/ (e.g. ``synthetic_data``) loaded from its file: the examples are scripts,
+    not a package, and loading by path keeps ``sys.path`` untouched."""
+    import importlib.util
+
+    path = os.path.join(ROOT, "examples", "seq2seq", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"hzo_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -77,7 +77,8 @@ def test_offload_rows_equal_the_engines_allocation(gas, state_dtype):
     opts = dict(bucket_numel=50_000, tile_numel=4096, gradient_accumulation_steps=gas, state_dtype=state_dtype)
     p = planner.plan(T5_TINY, dtype="bf16", cuda=False, bucket_numel=opts["bucket_numel"],
                      tile_numel=opts["tile_numel"], gradient_accumulation_steps=gas, state_dtype=state_dtype,
-                     configs=["zero2_offload", "zero2_offload_dpu", f"zero2_offload_state_{state_dtype}"])
+                     configs=["zero2_offload", "zero2_offload_dpu"]
+                     + ([f"zero2_offload_state_{state_dtype}"] if state_dtype != "fp32" else []))
     rows = {r.name: r for r in p.rows}
     if state_dtype != "fp32":  # the compact-state row of the default table is the same plan
         assert rows[f"zero2_offload_state_{state_dtype}"].host_bytes == rows["zero2_offload"].host_bytes

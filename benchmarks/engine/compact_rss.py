@@ -20,13 +20,12 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples", "seq2seq"))
 
 import psutil  # noqa: E402
 
-import synthetic_data  # noqa: E402
-from benchmarks._common import hardware, hardware_line, print_table, write_json  # noqa: E402
+from benchmarks._common import hardware, hardware_line, load_example, print_table, write_json  # noqa: E402
+
+synthetic_data = load_example("synthetic_data")
 
 SCRIPT = os.path.join(ROOT, "examples", "seq2seq", "finetune_trainer.py")
 
