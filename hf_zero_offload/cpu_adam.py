@@ -40,8 +40,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if weight_decay < 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if state_dtype not in ops.STATE_DTYPES:
-            raise ValueError(f"state_dtype must be one of {', '.join(ops.STATE_DTYPES)}; got {state_dtype!r}")
+        ops.check_state_dtype(state_dtype)
         self._state_dtype = state_dtype
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                         state_dtype=state_dtype)

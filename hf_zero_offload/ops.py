@@ -17,6 +17,7 @@ from . import _C
 __all__ = [
     "QUANT_BLOCK",
     "STATE_DTYPES",
+    "check_state_dtype",
     "adam_step",
     "make_state",
     "state_slice",
@@ -228,7 +229,8 @@ def accumulate_grad(
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _check_state_dtype(state_dtype: str) -> None:
+def check_state_dtype(state_dtype: str) -> None:
+    """The one check of a moment storage name (CPUAdam, the engine, the planner)."""
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}; got {state_dtype!r}")
 
@@ -236,7 +238,7 @@ def _check_state_dtype(state_dtype: str) -> None:
 def make_state(numel: int, state_dtype: str = "fp32") -> dict[str, torch.Tensor]:
     """Zero moments for ``numel`` params: ``exp_avg``, ``exp_avg_sq`` (and, for int8, their scales),
     the keyword arguments ``adam_step`` takes."""
-    _check_state_dtype(state_dtype)
+    check_state_dtype(state_dtype)
     if state_dtype == "int8":
         ns = _num_scales(numel)
         return {"exp_avg": torch.zeros(numel, dtype=torch.int8), "exp_avg_sq": torch.zeros(numel, dtype=torch.uint8),
@@ -307,7 +309,7 @@ def state_to_fp32(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
 
 def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype: str) -> dict[str, torch.Tensor]:
     """A new state of ``state_dtype`` from fp32 moments (bf16: round to nearest even, as the kernel)."""
-    _check_state_dtype(state_dtype)
+    check_state_dtype(state_dtype)
     _check("exp_avg", exp_avg, (torch.float32,))
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), exp_avg.numel())
     if state_dtype == "fp32":

@@ -23,14 +23,13 @@ SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
 
 def moment_regions(numel: int, state_dtype: str) -> dict:
     """name -> (numel, dtype) of the moments of ``numel`` params (the memory plan's regions)."""
+    ops.check_state_dtype(state_dtype)
     if state_dtype == "int8":
         nb = -(-numel // Q)
         return {"exp_avg": (numel, torch.int8), "exp_avg_sq": (numel, torch.uint8),
                 "exp_avg_scale": (nb, torch.float32), "exp_avg_sq_scale": (nb, torch.float32)}
-    if state_dtype in ("fp32", "bf16"):
-        dt = torch.float32 if state_dtype == "fp32" else torch.bfloat16
-        return {"exp_avg": (numel, dt), "exp_avg_sq": (numel, dt)}
-    raise ValueError(f"state_dtype must be one of {', '.join(ops.STATE_DTYPES)}; got {state_dtype!r}")
+    dt = torch.float32 if state_dtype == "fp32" else torch.bfloat16
+    return {"exp_avg": (numel, dt), "exp_avg_sq": (numel, dt)}
 
 
 def cut(state: dict, a: int, b: int) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..ops import STATE_DTYPES
 from .plan import plan
 from .report import format_plan
 
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="trace the step with the model's gradient checkpointing on")
     parser.add_argument("--configs", default=None, help="comma-separated row names (default: all)")
-    parser.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                         help="Adam moments of the offload rows (offload_optimizer.state_dtype; default fp32)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..engine.buffers import plan_host_memory
+from ..ops import STATE_DTYPES
 from ..engine.options import OffloadOptions
 from ..engine.sharded.plan import plan_for
 from . import trace
@@ -220,7 +221,7 @@ def _model_name(src) -> str:
 
 
 def _check_inputs(*, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, batch_size, bucket_numel, tile_numel,
-                  gradient_accumulation_steps, configs) -> None:
+                  gradient_accumulation_steps, configs, state_dtype) -> None:
     """Every number and name before any model work; each message names the CLI flag (API keyword)."""
     if dtype not in _HALF_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_HALF_DTYPES)}, got {dtype!r}")
@@ -238,6 +239,8 @@ def _check_inputs(*, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, batch_size, buc
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{flag} ({flag.lstrip('-').replace('-', '_')}) must be an integer >= {least}, "
                              f"got {value!r}")
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"--state-dtype (state_dtype) must be one of {', '.join(STATE_DTYPES)}, got {state_dtype!r}")
     if configs is not None:
         known = [s.name for s in row_specs(dtype)]
         unknown = [c for c in configs if c not in known]
@@ -260,9 +263,8 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     t0 = time.perf_counter()
     _check_inputs(gpus=gpus, gpu_mem_gib=gpu_mem_gib, dtype=dtype, seq_len=seq_len, tgt_len=tgt_len,
                   batch_size=batch_size, bucket_numel=bucket_numel, tile_numel=tile_numel,
-                  gradient_accumulation_steps=gradient_accumulation_steps, configs=configs)
-    if state_dtype not in ("fp32", "bf16", "int8"):
-        raise ValueError(f"state_dtype must be 'fp32', 'bf16' or 'int8', got {state_dtype!r}")
+                  gradient_accumulation_steps=gradient_accumulation_steps, configs=configs,
+                  state_dtype=state_dtype)
     src = getattr(model_config_or_path, "config", model_config_or_path)
     config = trace.load_config(src)
     model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
