@@ -20,6 +20,7 @@ import psutil
 import torch.distributed as dist
 
 from .config_schema import ConfigError
+from .engine.checkpoint import atomic_open
 
 LOCK_NAME = "hzo-run.lock"
 logger = logging.getLogger("hf_zero_offload")
@@ -99,10 +100,8 @@ class RunLock:
             warning = (f"hf_zero_offload: took over the stale run lock {self.path} (pid {owner.get('pid')} on "
                        f"{owner.get('host')}, started {owner.get('started')}, is gone)")
             # replace, not delete + create: a second taker racing us reads either the old or our owner
-            tmp = f"{self.path}.tmp.{me['pid']}"
-            with open(tmp, "w", encoding="utf-8") as f:
+            with atomic_open(self.path, "w") as f:
                 json.dump(me, f)
-            os.replace(tmp, self.path)
         else:
             raise RunLockError(f"{self.path}: could not take the run lock (it keeps changing owner)")
         if not _same_process(self._read() or {}, me):
