@@ -63,8 +63,9 @@ class _ZeroOffloadFields:
     # Typed str for HfArgumentParser; code may pass a dict (the dataclass does not enforce the annotation).
     zero_offload: Optional[str] = field(
         default=None,
-        metadata={"help": "Path to a DeepSpeed-style ds_config.json (a dict is accepted in code): enables "
-                          "hf_zero_offload's ZeRO-Offload / ZeRO-2 engine."},
+        metadata={"help": "A DeepSpeed-style ds_config.json path or a shipped config's name (hf-zero-offload "
+                          "configs; a dict is accepted in code): enables hf_zero_offload's ZeRO-Offload / ZeRO-2 "
+                          "engine."},
     )
     sharded_ddp: bool = field(
         default=False,
