@@ -23,8 +23,8 @@ namespace hzo {
 
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
-// How exp_avg/exp_avg_sq are stored. F32: float arrays. BF16: bf16 bits (uint16), rounded to
-// nearest even when written. Q8: blockwise 8-bit codes with one fp32 absmax per kQBlock block
+// How exp_avg/exp_avg_sq are stored. F32: float arrays. BF16: bf16 bits (uint16), stochastically
+// rounded when written (f32_to_bf16_sr). Q8: blockwise 8-bit codes with one fp32 absmax per kQBlock block
 // (quant.h): int8 for exp_avg, uint8 for exp_avg_sq. In every kind the update itself runs in fp32
 // on the decoded moments, and the param update uses the new fp32 moments before they are rounded
 // for storage.
@@ -48,6 +48,15 @@ struct AdamArgs {
   float l2;                // Adam (not W): weight decay added to the gradient; 0 otherwise
   float step_size;         // lr / (1 - beta1^step), computed in double
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed in double
+  float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step), in double: the compact kinds' form
+  // BF16 moments are stored with stochastic rounding (f32_to_bf16_sr): element i's 32 random bits
+  // are mix32(uint32(round_index + i) ^ round_seed), a pure function of (step, index), so the
+  // result does not depend on the thread split, the tiling or the instruction set.
+  uint32_t round_seed;     // mix32 of the step (make_adam_args)
+  uint64_t round_index;    // index of element 0 of these arrays in the caller's flat state
+  // F32 moments updated with the compact kinds' math (adam_math<true>): an int8 block decoded to
+  // fp32 because two runs of params share it, updated like the rest of its run. Scalar kernel only.
+  bool compact_math;
 };
 
 // The per-step constants of AdamArgs from the hyper-parameters (step is 1-based, after this update).
@@ -150,17 +159,50 @@ inline void store_out(void* out, DType dt, size_t i, float v) {
 
 // The canonical update of one element: g already widened and scaled; returns the new param and
 // the new moments in m, v. The vector kernels perform exactly these operations.
+// Compact (bf16 and 8-bit moments): sqrt(v) times the reciprocal of the bias correction, one fma,
+// instead of a division: <= 1 ulp from torch's denominator, far below the moments' own storage
+// rounding, and one of the three divider operations per element (the divider is what bounds
+// the compact kernels, which move fewer bytes). fp32 moments keep torch's form bit for bit.
+template <bool Compact>
 inline float adam_math(const AdamArgs& a, float g, float p, float m0, float v0, float& m, float& v) {
   if (a.l2 != 0.0f) g = std::fma(a.l2, p, g);
   p = p * a.decay;
   m = std::fma(a.one_minus_beta1, g - m0, m0);
   v = std::fma(a.one_minus_beta2, g * g, v0 * a.beta2);
-  const float denom = std::sqrt(v) / a.bias_correction2_sqrt + a.eps;
+  const float denom = Compact ? std::fma(std::sqrt(v), a.inv_bias_correction2_sqrt, a.eps)
+                              : std::sqrt(v) / a.bias_correction2_sqrt + a.eps;
   return std::fma(-a.step_size, m / denom, p);
 }
 
+// A 32-bit integer hash with full avalanche (C. Wellons' "lowbias32": two multiplies, three
+// xor-shifts), the source of the stochastic rounding's random bits. Only integer operations, so
+// every instruction set computes the same bits.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// f32 -> bf16 with stochastic rounding: r (< 2^16) added below the kept bits, then truncation,
+// so x rounds up with probability (its distance from the lower bf16) / ulp and the stored moment
+// is unbiased. Round-to-nearest would freeze exp_avg_sq once its per-step change (1 - beta2 of
+// it, 0.1%) falls under half a bf16 ulp (0.2-0.4%), while the bias correction keeps moving.
+// Infinities stay (their low bits are 0 and the sum stays below the next exponent); NaN -> quiet.
+inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + r) >> 16);
+}
+
+inline uint32_t round_bits(const AdamArgs& a, size_t i) {
+  return mix32(static_cast<uint32_t>(a.round_index + i) ^ a.round_seed);
+}
+
 // One element with fp32 (S = F32) or bf16 (S = BF16) moments.
-template <StateKind S>
+template <StateKind S, bool Compact = S != StateKind::F32>
 inline void adam_scalar_elem(const AdamArgs& a, size_t i) {
   const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
   float m0, v0, m, v;
@@ -171,13 +213,14 @@ inline void adam_scalar_elem(const AdamArgs& a, size_t i) {
     m0 = bf16_to_f32(static_cast<const uint16_t*>(a.exp_avg)[i]);
     v0 = bf16_to_f32(static_cast<const uint16_t*>(a.exp_avg_sq)[i]);
   }
-  const float p = adam_math(a, g, a.param[i], m0, v0, m, v);
+  const float p = adam_math<Compact>(a, g, a.param[i], m0, v0, m, v);
   if constexpr (S == StateKind::F32) {
     static_cast<float*>(a.exp_avg)[i] = m;
     static_cast<float*>(a.exp_avg_sq)[i] = v;
-  } else {
-    static_cast<uint16_t*>(a.exp_avg)[i] = f32_to_bf16(m);
-    static_cast<uint16_t*>(a.exp_avg_sq)[i] = f32_to_bf16(v);
+  } else {  // exp_avg takes the low 16 random bits, exp_avg_sq the high ones
+    const uint32_t r = round_bits(a, i);
+    static_cast<uint16_t*>(a.exp_avg)[i] = f32_to_bf16_sr(m, r & 0xffffu);
+    static_cast<uint16_t*>(a.exp_avg_sq)[i] = f32_to_bf16_sr(v, r >> 16);
   }
   a.param[i] = p;
   if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);

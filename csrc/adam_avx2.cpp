@@ -73,29 +73,46 @@ inline __m256 load_state(const void* base, size_t i) {
   }
 }
 
-template <StateKind S>
-inline void store_state(void* base, size_t i, __m256 x) {
-  if constexpr (S == StateKind::F32) _mm256_storeu_ps(static_cast<float*>(base) + i, x);
-  else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), to_bf16(x));
+// mix32 lane by lane (mullo keeps the low 32 bits of each product, as uint32_t's * does).
+inline __m256i mix32_vec(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// f32_to_bf16_sr lane by lane: r (< 2^16 per lane) added, truncated; NaN -> quiet NaN.
+inline __m128i to_bf16_sr(__m256 x, __m256i r) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  __m256i t = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
+  t = _mm256_blendv_epi8(t, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+inline void store_bf16(void* base, size_t i, __m128i h) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), h);
 }
 
 struct Consts {
-  __m256 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step;
+  __m256 scale, l2, decay, b2, omb1, omb2, bc2, ibc2, eps, neg_step;
   explicit Consts(const AdamArgs& a)
       : scale(_mm256_set1_ps(a.grad_scale)), l2(_mm256_set1_ps(a.l2)), decay(_mm256_set1_ps(a.decay)),
         b2(_mm256_set1_ps(a.beta2)), omb1(_mm256_set1_ps(a.one_minus_beta1)),
         omb2(_mm256_set1_ps(a.one_minus_beta2)), bc2(_mm256_set1_ps(a.bias_correction2_sqrt)),
-        eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)) {}
+        ibc2(_mm256_set1_ps(a.inv_bias_correction2_sqrt)), eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)) {}
 };
 
 // adam_math, lane by lane.
-template <bool L2>
+template <bool L2, bool Compact>
 inline __m256 adam_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
   if constexpr (L2) g = _mm256_fmadd_ps(c.l2, p, g);
   p = _mm256_mul_ps(p, c.decay);
   m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m0), m0);
   v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v0, c.b2));
-  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2), c.eps);
+  const __m256 denom = Compact ? _mm256_fmadd_ps(_mm256_sqrt_ps(v), c.ibc2, c.eps)
+                               : _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2), c.eps);
   return _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, denom), p);
 }
 
@@ -104,13 +121,24 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
   const Consts c(a);
   float* __restrict param = a.param;
   size_t i = begin;
+  // BF16: lane l's counter, round_index + i + l (uint32 arithmetic wraps as round_bits' cast does)
+  __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(a.round_index + i))),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i seed = _mm256_set1_epi32(static_cast<int>(a.round_seed));
   for (; i + W <= end; i += W) {
     const __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), c.scale);
     __m256 m, v;
-    const __m256 p = adam_vec<L2>(c, g, _mm256_loadu_ps(param + i), load_state<S>(a.exp_avg, i),
-                                  load_state<S>(a.exp_avg_sq, i), m, v);
-    store_state<S>(a.exp_avg, i, m);
-    store_state<S>(a.exp_avg_sq, i, v);
+    const __m256 p = adam_vec<L2, S != StateKind::F32>(c, g, _mm256_loadu_ps(param + i), load_state<S>(a.exp_avg, i),
+                                                        load_state<S>(a.exp_avg_sq, i), m, v);
+    if constexpr (S == StateKind::F32) {
+      _mm256_storeu_ps(static_cast<float*>(a.exp_avg) + i, m);
+      _mm256_storeu_ps(static_cast<float*>(a.exp_avg_sq) + i, v);
+    } else {  // low 16 random bits for exp_avg, high for exp_avg_sq (adam_scalar_elem)
+      const __m256i r = mix32_vec(_mm256_xor_si256(idx, seed));
+      idx = _mm256_add_epi32(idx, _mm256_set1_epi32(W));
+      store_bf16(a.exp_avg, i, to_bf16_sr(m, _mm256_and_si256(r, _mm256_set1_epi32(0xffff))));
+      store_bf16(a.exp_avg_sq, i, to_bf16_sr(v, _mm256_srli_epi32(r, 16)));
+    }
     _mm256_storeu_ps(param + i, p);
     store_o<Out, NT>(a.param_out, i, p);
   }
@@ -225,7 +253,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     for (; i + W <= e; i += W) {
       const __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), c.scale);
       __m256 m, v;
-      const __m256 p = adam_vec<L2>(c, g, _mm256_loadu_ps(a.param + i), _mm256_mul_ps(dq_m_vec(mc + i), ms),
+      const __m256 p = adam_vec<L2, true>(c, g, _mm256_loadu_ps(a.param + i), _mm256_mul_ps(dq_m_vec(mc + i), ms),
                                     _mm256_mul_ps(dq_v_vec(vc + i), vs), m, v);
       _mm256_storeu_ps(a.param + i, p);
       store_o<Out, NT>(a.param_out, i, p);
@@ -237,7 +265,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     float mx = hmax(mmax, 0.0f), vx = hmax(vmax, 0.0f);
     for (; i < e; ++i) {
       const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
-      const float p = adam_math(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
+      const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
                                 dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
       a.param[i] = p;
       if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);

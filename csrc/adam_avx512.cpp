@@ -75,29 +75,46 @@ inline __m512 load_state(const void* base, size_t i) {
   }
 }
 
-template <StateKind S>
-inline void store_state(void* base, size_t i, __m512 x) {
-  if constexpr (S == StateKind::F32) _mm512_storeu_ps(static_cast<float*>(base) + i, x);
-  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i), to_bf16(x));
+// mix32 lane by lane (mullo keeps the low 32 bits of each product, as uint32_t's * does).
+inline __m512i mix32_vec(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// f32_to_bf16_sr lane by lane: r (< 2^16 per lane) added, truncated; NaN -> quiet NaN.
+inline __m256i to_bf16_sr(__m512 x, __m512i r) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  __m512i t = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+  t = _mm512_mask_blend_epi32(nan, t, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(t);  // values are <= 0xffff: truncation is exact
+}
+
+inline void store_bf16(void* base, size_t i, __m256i h) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i), h);
 }
 
 struct Consts {
-  __m512 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step;
+  __m512 scale, l2, decay, b2, omb1, omb2, bc2, ibc2, eps, neg_step;
   explicit Consts(const AdamArgs& a)
       : scale(_mm512_set1_ps(a.grad_scale)), l2(_mm512_set1_ps(a.l2)), decay(_mm512_set1_ps(a.decay)),
         b2(_mm512_set1_ps(a.beta2)), omb1(_mm512_set1_ps(a.one_minus_beta1)),
         omb2(_mm512_set1_ps(a.one_minus_beta2)), bc2(_mm512_set1_ps(a.bias_correction2_sqrt)),
-        eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)) {}
+        ibc2(_mm512_set1_ps(a.inv_bias_correction2_sqrt)), eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)) {}
 };
 
 // adam_math, lane by lane.
-template <bool L2>
+template <bool L2, bool Compact>
 inline __m512 adam_vec(const Consts& c, __m512 g, __m512 p, __m512 m0, __m512 v0, __m512& m, __m512& v) {
   if constexpr (L2) g = _mm512_fmadd_ps(c.l2, p, g);
   p = _mm512_mul_ps(p, c.decay);
   m = _mm512_fmadd_ps(c.omb1, _mm512_sub_ps(g, m0), m0);
   v = _mm512_fmadd_ps(c.omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(v0, c.b2));
-  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2), c.eps);
+  const __m512 denom = Compact ? _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.ibc2, c.eps)
+                               : _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2), c.eps);
   return _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, denom), p);
 }
 
@@ -106,13 +123,24 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
   const Consts c(a);
   float* __restrict param = a.param;
   size_t i = begin;
+  // BF16: lane l's counter, round_index + i + l (uint32 arithmetic wraps as round_bits' cast does)
+  __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(a.round_index + i))),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i seed = _mm512_set1_epi32(static_cast<int>(a.round_seed));
   for (; i + W <= end; i += W) {
     const __m512 g = _mm512_mul_ps(load_g<G>(a.grad, i), c.scale);
     __m512 m, v;
-    const __m512 p = adam_vec<L2>(c, g, _mm512_loadu_ps(param + i), load_state<S>(a.exp_avg, i),
-                                  load_state<S>(a.exp_avg_sq, i), m, v);
-    store_state<S>(a.exp_avg, i, m);
-    store_state<S>(a.exp_avg_sq, i, v);
+    const __m512 p = adam_vec<L2, S != StateKind::F32>(c, g, _mm512_loadu_ps(param + i), load_state<S>(a.exp_avg, i),
+                                                        load_state<S>(a.exp_avg_sq, i), m, v);
+    if constexpr (S == StateKind::F32) {
+      _mm512_storeu_ps(static_cast<float*>(a.exp_avg) + i, m);
+      _mm512_storeu_ps(static_cast<float*>(a.exp_avg_sq) + i, v);
+    } else {  // low 16 random bits for exp_avg, high for exp_avg_sq (adam_scalar_elem)
+      const __m512i r = mix32_vec(_mm512_xor_si512(idx, seed));
+      idx = _mm512_add_epi32(idx, _mm512_set1_epi32(W));
+      store_bf16(a.exp_avg, i, to_bf16_sr(m, _mm512_and_si512(r, _mm512_set1_epi32(0xffff))));
+      store_bf16(a.exp_avg_sq, i, to_bf16_sr(v, _mm512_srli_epi32(r, 16)));
+    }
     _mm512_storeu_ps(param + i, p);
     store_o<Out, NT>(a.param_out, i, p);
   }
@@ -196,7 +224,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     for (; i + W <= e; i += W) {
       const __m512 g = _mm512_mul_ps(load_g<G>(a.grad, i), c.scale);
       __m512 m, v;
-      const __m512 p = adam_vec<L2>(c, g, _mm512_loadu_ps(a.param + i), _mm512_mul_ps(dq_m_vec(mc + i), ms),
+      const __m512 p = adam_vec<L2, true>(c, g, _mm512_loadu_ps(a.param + i), _mm512_mul_ps(dq_m_vec(mc + i), ms),
                                     _mm512_mul_ps(dq_v_vec(vc + i), vs), m, v);
       _mm512_storeu_ps(a.param + i, p);
       store_o<Out, NT>(a.param_out, i, p);
@@ -208,7 +236,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     float mx = hmax(mmax, 0.0f), vx = hmax(vmax, 0.0f);
     for (; i < e; ++i) {
       const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
-      const float p = adam_math(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
+      const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
                                 dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
       a.param[i] = p;
       if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);

@@ -21,6 +21,8 @@ AdamArgs make_adam_args(long step, double lr, double beta1, double beta2, double
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   a.step_size = static_cast<float>(lr / bc1);
   a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  a.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  a.round_seed = mix32(static_cast<uint32_t>(step) ^ 0x9e3779b9u);
   return a;
 }
 
@@ -29,7 +31,11 @@ namespace {
 void adam_scalar(const AdamArgs& a, size_t begin, size_t end) {
   switch (a.state) {
     case StateKind::F32:
-      for (size_t i = begin; i < end; ++i) adam_scalar_elem<StateKind::F32>(a, i);
+      if (a.compact_math) {
+        for (size_t i = begin; i < end; ++i) adam_scalar_elem<StateKind::F32, true>(a, i);
+      } else {
+        for (size_t i = begin; i < end; ++i) adam_scalar_elem<StateKind::F32>(a, i);
+      }
       break;
     case StateKind::BF16:
       for (size_t i = begin; i < end; ++i) adam_scalar_elem<StateKind::BF16>(a, i);

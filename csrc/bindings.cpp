@@ -30,7 +30,7 @@ T* ptr(uintptr_t addr) {
 void adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
                int state, uintptr_t exp_avg_scale, uintptr_t exp_avg_sq_scale, uintptr_t param_out, int out_dtype,
                size_t n, long step, double lr, double beta1, double beta2, double eps, double weight_decay,
-               bool adamw, double grad_scale, int nthreads) {
+               bool adamw, double grad_scale, uint64_t round_index, bool compact_math, int nthreads) {
   if (state < 0 || state > 2) throw py::value_error("state: unknown state kind code");
   hzo::AdamArgs a = hzo::make_adam_args(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
   a.param = ptr<float>(param);
@@ -43,6 +43,8 @@ void adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_av
   a.param_out = ptr<void>(param_out);
   a.grad_dtype = to_dtype(grad_dtype, "grad");
   a.out_dtype = to_dtype(out_dtype, "param_out");
+  a.round_index = round_index;
+  a.compact_math = compact_math;
   py::gil_scoped_release release;
   hzo::adam(a, n, nthreads);
 }

@@ -57,7 +57,10 @@ void set_level(const std::string& level) {
 std::string current_level() { return g_table.name; }
 
 void adam(const AdamArgs& a, size_t n, int nthreads) {
-  const KernelTable table = g_table;
+  // compact_math only comes with a block or two (shared int8 blocks): the scalar kernel, which every
+  // instruction set equals bit for bit, on the calling thread
+  const KernelTable table = a.compact_math ? scalar_kernels() : g_table;
+  if (a.compact_math) nthreads = 1;
   // Q8 parts must hold whole blocks (one scale each); kQBlock is itself a multiple of kAlign.
   const size_t align = a.state == StateKind::Q8 ? kQBlock : kAlign;
   parallel_ranges(n, align, nthreads, [&](size_t b, size_t e) { table.adam(a, b, e); });

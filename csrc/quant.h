@@ -132,7 +132,7 @@ inline void adam_q8_block_scalar(const AdamArgs& a, size_t b, size_t e) {
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
   for (size_t i = b; i < e; ++i) {
     const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
-    const float p = adam_math(a, g, a.param[i], dq_m(mc[i]) * ms, dq_v(vc[i]) * vs, mb[i - b], vb[i - b]);
+    const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * ms, dq_v(vc[i]) * vs, mb[i - b], vb[i - b]);
     a.param[i] = p;
     if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
   }

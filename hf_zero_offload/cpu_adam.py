@@ -71,12 +71,14 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = 0  # a param's first element in the optimizer's params in order (bf16 rounding counter)
         for group in self.param_groups:
             for flag in ("amsgrad", "maximize"):  # may come in with a torch.optim.Adam(W) state dict
                 if group.get(flag):
                     raise ValueError(f"CPUAdam does not support {flag}=True (param group loaded from another optimizer?)")
             beta1, beta2 = (float(b) for b in group["betas"])
             for p in group["params"]:
+                index += p.numel()
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -98,6 +100,7 @@ class CPUAdam(torch.optim.Optimizer):
                     weight_decay=float(group["weight_decay"]),
                     adamw=bool(group["adamw_mode"]),
                     num_threads=self.num_threads,
+                    round_index=index - p.numel(),
                 )
         return loss
 

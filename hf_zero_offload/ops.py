@@ -142,6 +142,8 @@ def adam_step(
     num_threads: int | None = None,
     exp_avg_scale: torch.Tensor | None = None,
     exp_avg_sq_scale: torch.Tensor | None = None,
+    round_index: int = 0,
+    compact_math: bool = False,
 ) -> None:
     """One fused Adam/AdamW update, in place, with the math of ``torch.optim.AdamW``/``Adam``.
 
@@ -154,6 +156,14 @@ def adam_step(
     ``ceil(numel / QUANT_BLOCK)`` entries, the range starting on a block boundary of the full
     arrays (slice with ``state_slice``). In every kind the update runs in fp32 on the decoded
     moments and the param is updated from the new moments before they are rounded for storage.
+
+    bf16 moments are stored with stochastic rounding; element i's random bits are a hash of
+    (``step``, ``round_index + i``), so give each element of a larger state the same index at every
+    call (its offset in that state) and the result does not depend on how the state is cut into
+    calls or threads. Compact moments (bf16, int8) form the denominator as sqrt(v) times
+    1/sqrt(1 - beta2^step) plus eps (one fma, within 1 ulp of torch's sqrt(v)/sqrt(...) + eps).
+    ``compact_math=True`` gives fp32 moments that math too (an int8 block decoded to fp32 because
+    two kernel calls share it is then updated like the rest of its call; the scalar kernel runs it).
     """
     _check("param", param, (torch.float32,))
     n = param.numel()
@@ -169,6 +179,8 @@ def adam_step(
     for name, value in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {value}")
+    if compact_math and kind != "fp32":
+        raise ValueError(f"compact_math is for fp32 moments (bf16/int8 moments always use it); got {kind}")
     if n == 0:
         return
     _C.adam_step(
@@ -177,7 +189,8 @@ def adam_step(
         0 if exp_avg_sq_scale is None else exp_avg_sq_scale.data_ptr(),
         0 if param_out is None else param_out.data_ptr(), 0 if param_out is None else _DTYPE_CODE[param_out.dtype],
         n, step, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
-        float(grad_scale), _threads(num_threads),
+        float(grad_scale), int(round_index) % 2**64, bool(compact_math),
+        _threads(num_threads),
     )
 
 

@@ -61,7 +61,9 @@ class FlatReference(torch.optim.Optimizer):
         else:
             m, v = st["exp_avg"][s:e], st["exp_avg_sq"][s:e]
         part = {"exp_avg": m[x0 - s:x1 - s], "exp_avg_sq": v[x0 - s:x1 - s]}
-        ref.adam_step(self.master[x0:x1], grad[x0:x1], part, **kw)
+        # int8: every block, whole or shared by two runs, takes the compact math (as the kernel does)
+        ref.adam_step(self.master[x0:x1], grad[x0:x1], part, round_index=x0, compact_math="exp_avg_scale" in st,
+                      **kw)
         if "exp_avg_scale" in st:
             m, v = m.clone(), v.clone()
             m[x0 - s:x1 - s], v[x0 - s:x1 - s] = part["exp_avg"], part["exp_avg_sq"]

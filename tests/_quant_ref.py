@@ -81,11 +81,43 @@ def fma32(a, b, c) -> torch.Tensor:
     return torch.where(tie, toward, r)
 
 
-def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale=1.0):
+M32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons) on uint32 values held in int64: xor-shift, multiply mod 2^32, ..."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
+    """Element i's 32 random bits: mix32(uint32(round_index + i) ^ mix32(uint32(step) ^ 0x9e3779b9))."""
+    seed = int(mix32(torch.tensor([(step & M32) ^ 0x9E3779B9]))[0])
+    idx = (torch.arange(n, dtype=torch.int64) + round_index) & M32
+    return mix32(idx ^ seed)
+
+
+def bf16_stochastic(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16: the 16 random bits ``r16`` added to the fp32 bits, truncated; NaN -> quiet NaN."""
+    u = x.view(torch.int32).long() & M32
+    out = ((u + r16) >> 16) & 0xFFFF
+    out = torch.where(torch.isnan(x), (u >> 16) | 0x40, out)
+    return out.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale=1.0,
+              round_index=0, compact_math=False):
     """One step on fp32 ``p`` (in place) with moments stored as the kernel stores them; ``state``
-    holds fp32/bf16 exp_avg/exp_avg_sq, or int8/uint8 codes with exp_avg_scale/exp_avg_sq_scale."""
+    holds fp32/bf16 exp_avg/exp_avg_sq, or int8/uint8 codes with exp_avg_scale/exp_avg_sq_scale.
+    bf16 and int8 moments (and fp32 ones with ``compact_math``) use the compact denominator,
+    fma(sqrt(v), fp32(1 / sqrt(1 - beta2^step)), eps); bf16 moments are stored with stochastic
+    rounding keyed by (step, round_index + i)."""
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     q8 = "exp_avg_scale" in state
+    compact = compact_math or q8 or state["exp_avg"].dtype == torch.bfloat16
     if q8:
         m0 = dequantize(state["exp_avg"], state["exp_avg_scale"])
         v0 = dequantize(state["exp_avg_sq"], state["exp_avg_sq_scale"])
@@ -100,12 +132,16 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
     v = fma32(f32(1.0 - beta2), g * g, v0 * f32(beta2))
     # sqrt and / evaluated in fp64 then rounded once: correctly rounded fp32 results (fp64 has more
     # than 2 * 24 + 2 bits, so the double rounding is innocuous), whatever torch's own kernels do
-    denom = (v.double().sqrt().float().double() / f32(math.sqrt(1.0 - beta2**step)).double()).float() + f32(eps)
+    if compact:
+        denom = fma32(v.double().sqrt().float(), f32(1.0 / math.sqrt(1.0 - beta2**step)), f32(eps))
+    else:
+        denom = (v.double().sqrt().float().double() / f32(math.sqrt(1.0 - beta2**step)).double()).float() + f32(eps)
     p.copy_(fma32(f32(-(lr / (1.0 - beta1**step))), (m.double() / denom.double()).float(), p1))
     if q8:
         state["exp_avg"], state["exp_avg_scale"] = quantize(m, "exp_avg")
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize(v, "exp_avg_sq")
-    elif state["exp_avg"].dtype == torch.bfloat16:
-        state["exp_avg"], state["exp_avg_sq"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
+    elif state["exp_avg"].dtype == torch.bfloat16:  # exp_avg: the low 16 random bits, exp_avg_sq the high
+        r = random_bits(step, round_index, m.numel())
+        state["exp_avg"], state["exp_avg_sq"] = bf16_stochastic(m, r & 0xFFFF), bf16_stochastic(v, r >> 16)
     else:
         state["exp_avg"], state["exp_avg_sq"] = m, v

@@ -252,7 +252,8 @@ def test_half_params_keep_fp32_master(simd, pdtype):
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_state_dtype_steps_like_the_kernel(state_dtype):
-    """CPUAdam(state_dtype=...) is ops.adam_step on the same compact state, param by param."""
+    """CPUAdam(state_dtype=...) is ops.adam_step on the same compact state, param by param (bf16:
+    the stochastic rounding keyed by each param's offset in the optimizer's params)."""
     m1, m2 = _model(), _model()
     ours = CPUAdam(m1.parameters(), lr=1e-2, weight_decay=0.05, state_dtype=state_dtype)
     states = {p: ops.make_state(p.numel(), state_dtype) for p in m2.parameters()}
@@ -260,9 +261,12 @@ def test_state_dtype_steps_like_the_kernel(state_dtype):
         _train(m1, ours, [batch])
         m2.zero_grad()
         torch.nn.functional.mse_loss(m2(batch[0]), batch[1]).backward()
+        index = 0  # bf16: each param's rounding counter starts at its offset in the params' order
         for p in m2.parameters():
             with torch.no_grad():
-                ops.adam_step(p.view(-1), p.grad.view(-1), **states[p], step=step, lr=1e-2, weight_decay=0.05)
+                ops.adam_step(p.view(-1), p.grad.view(-1), **states[p], step=step, lr=1e-2, weight_decay=0.05,
+                              round_index=index)
+            index += p.numel()
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p1, p2)
         for k, t in states[p2].items():

@@ -207,3 +207,58 @@ def test_state_slice_alignment_and_dtype_errors():
         ops.make_state(10, "fp8")
     with pytest.raises(ValueError, match="moment must be"):
         ops.quantize_blockwise(torch.zeros(4), "m")
+
+
+def test_bf16_moments_tiled_with_round_index_equal_one_call():
+    """Stochastic rounding is keyed by (step, round_index + i): calls over slices that pass their
+    offset give the bits of one whole call, and a wrong offset gives other bits (the key matters)."""
+    n = 3000
+    gen = torch.Generator().manual_seed(4)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    whole, tiled, shifted = (ops.make_state(n, "bf16") for _ in range(3))
+    p_whole, p_tiled, p_shifted = p0.clone(), p0.clone(), p0.clone()
+    for step in (1, 2, 3):
+        ops.adam_step(p_whole, g, whole["exp_avg"], whole["exp_avg_sq"], step=step, **HP)
+        for a, b in ((0, 700), (700, 701), (701, n)):
+            ops.adam_step(p_tiled[a:b], g[a:b], tiled["exp_avg"][a:b], tiled["exp_avg_sq"][a:b], step=step,
+                          round_index=a, **HP)
+            ops.adam_step(p_shifted[a:b], g[a:b], shifted["exp_avg"][a:b], shifted["exp_avg_sq"][a:b], step=step,
+                          **HP)
+    assert torch.equal(p_whole, p_tiled)
+    for k in whole:
+        assert torch.equal(whole[k], tiled[k]), k
+    assert not torch.equal(whole["exp_avg_sq"], shifted["exp_avg_sq"])
+
+
+def test_bf16_exp_avg_sq_does_not_freeze():
+    """A constant gradient: exp_avg_sq must follow g^2 (1 - beta2^t). Its per-step change (0.1% at
+    beta2 = 0.999, shrinking) soon falls under half a bf16 ulp, where round-to-nearest freezes it
+    (about 10% low after 1000 steps, checked below); stochastic rounding keeps the mean on course."""
+    n, g = 8192, torch.ones(8192)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    st = ops.make_state(n, "bf16")
+    v_rne = torch.zeros((), dtype=torch.bfloat16)
+    for step in range(1, 1001):
+        ops.adam_step(torch.zeros(n), g, st["exp_avg"], st["exp_avg_sq"], step=step, **hp)
+        v_rne = (v_rne.float() * 0.999 + 0.001).to(torch.bfloat16)
+    want = 1 - 0.999**1000
+    mean = st["exp_avg_sq"].double().mean().item()
+    assert abs(mean / want - 1) < 2e-3, (mean, want)
+    assert abs(v_rne.item() / want - 1) > 0.05  # the rounding this replaces would fail the check above
+
+
+def test_compact_math_flag():
+    """compact_math gives fp32 moments the compact denominator (the reference's), and is refused
+    for kinds that always use it."""
+    n = 4097
+    gen = torch.Generator().manual_seed(8)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+    st = _state(n, "fp32", seed=3)
+    p_ref, st_ref = p.clone(), _clone(st)
+    ops.adam_step(p, g, st["exp_avg"], st["exp_avg_sq"], step=3, compact_math=True, **HP)
+    ref.adam_step(p_ref, g, st_ref, step=3, adamw=True, compact_math=True, **HP)
+    assert torch.equal(p, p_ref) and torch.equal(st["exp_avg_sq"], st_ref["exp_avg_sq"])
+    args = _args(kind="bf16")
+    with pytest.raises(ValueError, match="compact_math is for fp32 moments"):
+        ops.adam_step(args["param"], args["grad"], args["exp_avg"], args["exp_avg_sq"], step=1, lr=1e-3,
+                      compact_math=True)

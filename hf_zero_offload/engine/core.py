@@ -77,7 +77,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         """The state of the slice [lo, hi) (padded regions may be longer) and its gradient stores."""
         self.lo, self.hi = lo, hi
         self.master = regions["master"]
-        self.moments = Moments(regions, self.options.state_dtype)
+        self.moments = Moments(regions, self.options.state_dtype, origin=lo)
         # the moment arrays (int8: the codes; their scales are in ``moments.state``)
         self.exp_avg, self.exp_avg_sq = self.moments.state["exp_avg"], self.moments.state["exp_avg_sq"]
         # DPU: two gradient stores, the CPU step reads one while the next backward fills the other

@@ -45,8 +45,9 @@ def cut(state: dict, a: int, b: int) -> dict:
 class Moments:
     """exp_avg / exp_avg_sq (and int8 scales) of one slice, as regions of the engine's arena."""
 
-    def __init__(self, regions: dict, state_dtype: str):
+    def __init__(self, regions: dict, state_dtype: str, origin: int = 0):
         self.state_dtype = state_dtype
+        self.origin = origin  # the slice's first element in the flat layout (bf16 rounding counter)
         self.state = {k: regions[k] for k in moment_regions(1, state_dtype)}
         self.length = self.state["exp_avg"].numel()  # the region (a sharded slice may be padded)
 
@@ -62,7 +63,7 @@ class Moments:
         """Adam on [a, b) of the slice; ``master``, ``grad``, ``out`` cover [a, b)."""
         if self.state_dtype != "int8":
             ops.adam_step(master, grad, self.state["exp_avg"][a:b], self.state["exp_avg_sq"][a:b],
-                          param_out=out, **kw)
+                          param_out=out, round_index=self.origin + a, **kw)
             return
         # [a, head): the end of a block shared with the previous run; [head, mid): whole blocks (the
         # last one may be the region's short tail), one fused call; [mid, b): the start of a block
@@ -86,6 +87,6 @@ class Moments:
         s = x0 // Q * Q
         block = cut(self.state, s, min(s + Q, self.length))
         m, v = ops.state_to_fp32(block)
-        ops.adam_step(master, grad, m[x0 - s:x1 - s], v[x0 - s:x1 - s], param_out=out, **kw)
+        ops.adam_step(master, grad, m[x0 - s:x1 - s], v[x0 - s:x1 - s], param_out=out, compact_math=True, **kw)
         for k, t in ops.state_from_fp32(m, v, "int8").items():
             block[k].copy_(t)
