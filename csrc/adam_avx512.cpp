@@ -98,12 +98,14 @@ inline void store_bf16(void* base, size_t i, __m256i h) {
 }
 
 struct Consts {
-  __m512 scale, l2, decay, b2, omb1, omb2, bc2, ibc2, eps, neg_step;
-  explicit Consts(const AdamArgs& a)
+  // bc2: sqrt(1 - beta2^t), or its reciprocal for the compact math (one register either way: the
+  // 8-bit kernel has none to spare)
+  __m512 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step;
+  Consts(const AdamArgs& a, bool compact)
       : scale(_mm512_set1_ps(a.grad_scale)), l2(_mm512_set1_ps(a.l2)), decay(_mm512_set1_ps(a.decay)),
         b2(_mm512_set1_ps(a.beta2)), omb1(_mm512_set1_ps(a.one_minus_beta1)),
-        omb2(_mm512_set1_ps(a.one_minus_beta2)), bc2(_mm512_set1_ps(a.bias_correction2_sqrt)),
-        ibc2(_mm512_set1_ps(a.inv_bias_correction2_sqrt)), eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)) {}
+        omb2(_mm512_set1_ps(a.one_minus_beta2)), bc2(_mm512_set1_ps(compact ? a.inv_bias_correction2_sqrt : a.bias_correction2_sqrt)),
+        eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)) {}
 };
 
 // adam_math, lane by lane.
@@ -113,14 +115,14 @@ inline __m512 adam_vec(const Consts& c, __m512 g, __m512 p, __m512 m0, __m512 v0
   p = _mm512_mul_ps(p, c.decay);
   m = _mm512_fmadd_ps(c.omb1, _mm512_sub_ps(g, m0), m0);
   v = _mm512_fmadd_ps(c.omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(v0, c.b2));
-  const __m512 denom = Compact ? _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.ibc2, c.eps)
+  const __m512 denom = Compact ? _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.bc2, c.eps)
                                : _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2), c.eps);
   return _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, denom), p);
 }
 
 template <DType G, int Out, bool L2, bool NT, StateKind S>
 void adam_range(const AdamArgs& a, size_t begin, size_t end) {
-  const Consts c(a);
+  const Consts c(a, S != StateKind::F32);
   float* __restrict param = a.param;
   size_t i = begin;
   // BF16: lane l's counter, round_index + i + l (uint32 arithmetic wraps as round_bits' cast does)
@@ -212,7 +214,7 @@ inline float hmax(__m512 x, float acc) {
 // last block (blocks start at multiples of kQBlock, a multiple of W).
 template <DType G, int Out, bool L2, bool NT>
 void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
-  const Consts c(a);
+  const Consts c(a, true);
   int8_t* mc = static_cast<int8_t*>(a.exp_avg);
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
   alignas(64) float mb[kQBlock], vb[kQBlock];
