@@ -66,13 +66,13 @@ Unknown keys are errors, with "did you mean" for near misses. The extension
 does ``zero_optimization.offload_optimizer.state_dtype`` ("fp32" default, "bf16", "int8": how the Adam moments
 are stored on the host; int8 is blockwise, 256 elements per scale, csrc/quant.h).
 
-Layout: :mod:`.training` holds the frozen dataclasses (and :class:`ArgsView`), :mod:`.load` reads and validates a
+Layout: :mod:`.training` holds the frozen dataclasses (and :class:`ArgsView`), :mod:`.loader` reads and validates a
 file (:func:`check`, :func:`load_config`), :mod:`.resolver` turns a validated dict into a :class:`TrainingConfig`,
 :mod:`.schema` holds the key tables and their walker, :mod:`.checks` the value checks those tables use.
 """
 from __future__ import annotations
 
-from .load import Checked, check, load_config
+from .loader import Checked, check, load_config
 from .resolver import resolve
 from .schema import AUTO, ConfigError, validate
 from .training import (DEFAULT_BUCKET_SIZE, ArgsView, DPUConfig, FP16Config, OptimizerConfig, SchedulerConfig,

@@ -7,7 +7,7 @@ import logging
 import math
 from typing import Any
 
-from .load import Checked, check
+from .loader import Checked, check
 from .schema import AUTO, ConfigError
 from .training import (DEFAULT_BUCKET_SIZE, ArgsView, DPUConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                        TrainingConfig, ZeroConfig)
