@@ -341,3 +341,18 @@ def test_config_module_stays_free_of_transformers():
         for banned in ("import transformers", "import argparse", "from transformers", "from .engine", "from ..engine",
                        "import torch"):
             assert banned not in src
+
+
+@pytest.mark.parametrize("first", ["hf_zero_offload.presets", "hf_zero_offload.config.schema",
+                                   "hf_zero_offload.config.resolver", "hf_zero_offload.run_lock"])
+def test_config_package_imports_in_any_order(first):
+    # presets raises the package's ConfigError and the package's loader calls presets: each imports the other
+    import subprocess
+    import sys
+    code = (f"import {first}\n"
+            "from hf_zero_offload import presets\n"
+            "from hf_zero_offload.config import ArgsView, ConfigError, resolve\n"
+            "assert presets.ConfigError is ConfigError\n"
+            "print(resolve('zero2-offload', ArgsView(hidden_size=8)).zero.offload)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
