@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .config_schema import ConfigError
+from .config import ConfigError
 
 logger = logging.getLogger("hf_zero_offload")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .config_schema import ConfigError
+from .config.schema import ConfigError  # .schema, not the package: the package imports presets
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 

@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from .config_schema import ConfigError
+from .config import ConfigError
 from .engine.checkpoint import atomic_open, read_header, remove_stale_temporaries
 
 MARKER = "hzo_complete.json"

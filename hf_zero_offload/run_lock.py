@@ -19,7 +19,7 @@ import time
 import psutil
 import torch.distributed as dist
 
-from .config_schema import ConfigError
+from .config import ConfigError
 from .engine.checkpoint import atomic_open
 
 LOCK_NAME = "hzo-run.lock"

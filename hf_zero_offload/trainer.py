@@ -190,7 +190,7 @@ class ZeroOffloadMixin:
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         self._zo_log_start(cfg)
         if self._zo_raw.no_effect:
-            logger.warning("hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config_schema."
+            logger.warning("hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config.schema."
                            "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
         return self.optimizer
 

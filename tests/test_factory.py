@@ -63,7 +63,7 @@ def test_reduce_scatter_off_is_passed_to_the_engine():
 def test_the_engine_package_imports_no_transformers_config_or_planner():
     import subprocess
     code = ("import sys, hf_zero_offload.engine, hf_zero_offload.engine.factory; "
-            "bad = [m for m in sys.modules if m.startswith('transformers') or m in "
-            "('hf_zero_offload.config', 'hf_zero_offload.planner', 'hf_zero_offload.trainer')]; print(bad)")
+            "bad = [m for m in sys.modules if m.startswith(('transformers', 'hf_zero_offload.config', "
+            "'hf_zero_offload.planner', 'hf_zero_offload.trainer'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -10,8 +10,8 @@ Every key hf_zero_offload knows is listed here with one of four kinds:
   off), otherwise a :class:`ConfigError` saying what to use instead;
 * ``section``: a nested object with its own table.
 
-The kinds (:class:`~hf_zero_offload.config_checks.Spec`) and the value checks live in
-:mod:`hf_zero_offload.config_checks`; this module holds the tables and walks a config through them.
+The kinds (:class:`~hf_zero_offload.config.checks.Spec`) and the value checks live in
+:mod:`hf_zero_offload.config.checks`; this module holds the tables and walks a config through them.
 
 Stdlib only: no torch, no transformers.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable
 
-from .config_checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer,
-                            number, section, stage, str_or_null, unsupported, use)
+from .checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, number,
+                     section, stage, str_or_null, unsupported, use)
 
 AUTO = "auto"
 

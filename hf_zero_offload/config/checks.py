@@ -1,10 +1,10 @@
-"""The vocabulary of the ``ds_config.json`` tables in :mod:`hf_zero_offload.config_schema`: a key's
+"""The vocabulary of the ``ds_config.json`` tables in :mod:`hf_zero_offload.config.schema`: a key's
 :class:`Spec` (its kind: ``use``, ``ignore``, ``unsupported`` or a ``section``) and the value checks that
 normalise a value or say what was expected.
 
 A check takes the raw JSON value and returns the normalised one, or raises :class:`BadValue` (with a
 description of the accepted values) or :class:`UnsupportedValue` (the value names a DeepSpeed feature
-hf_zero_offload does not implement); the walker in ``config_schema`` turns both into a ``ConfigError``
+hf_zero_offload does not implement); the walker in ``config.schema`` turns both into a ``ConfigError``
 naming the file and key path.
 
 Stdlib only: no torch, no transformers.

@@ -1,0 +1,82 @@
+"""``ds_config.json`` -> validated, frozen dataclasses, with ``"auto"`` resolved from TrainingArguments values.
+
+The file uses DeepSpeed's key names, so a DeepSpeed ZeRO-1/2 config (the 2021 blog's ``ds_config_1gpu.json``, or
+today's form with ``"offload_optimizer": {"device": "cpu"}`` and ``"auto"``) loads unchanged. Nothing here imports
+transformers: the Trainer integration copies the few values it needs into an :class:`ArgsView`.
+
+``load_config(path_or_dict)`` reads and validates; ``resolve(raw_or_path, args)`` returns a :class:`TrainingConfig`.
+Every problem is a :class:`ConfigError` naming the file (or ``<dict>``) and the key path.
+
+"auto" sources (``resolve(..., args)``; with ``args=None`` each "auto" below is an error, listed together, except
+the two marked *):
+
+=============================================  ================================================================
+key                                            value
+=============================================  ================================================================
+train_micro_batch_size_per_gpu                 per_device_train_batch_size
+gradient_accumulation_steps                    gradient_accumulation_steps
+train_batch_size                               world_size * micro batch * gradient_accumulation_steps
+gradient_clipping                              max_grad_norm
+optimizer.params.lr / betas / eps              learning_rate / [adam_beta1, adam_beta2] / adam_epsilon
+optimizer.params.weight_decay                  weight_decay
+scheduler.params.warmup_min_lr *               0
+scheduler.params.warmup_max_lr                 learning_rate
+scheduler.params.warmup_num_steps              max(1, warmup_steps)  (DeepSpeed rejects 0)
+scheduler.params.total_num_steps               max_steps (error when unknown)
+fp16.enabled / bf16.enabled                    fp16 / bf16
+zero_optimization.reduce_bucket_size           hidden_size * hidden_size (error when hidden_size is unknown)
+zero_optimization.allgather_bucket_size *      the resolved reduce_bucket_size
+=============================================  ================================================================
+
+Explicit values are compared with args (every key above except warmup_min_lr and the bucket sizes); all
+disagreements are reported in one ConfigError, one ``- key=value vs --arg value`` line each.
+
+Missing keys. With ``args``, a missing key of the table above (except the bucket sizes) takes the same value as
+"auto", so TrainingArguments stay in charge unless the file says otherwise (e.g. gradient_clipping follows
+--max_grad_norm). Without args, DeepSpeed's defaults apply: micro batch 1, gradient accumulation 1 and
+train_batch_size derived from the others assuming world_size 1; gradient_clipping 1.0; fp16/bf16 off; Adam
+lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0; WarmupLR 0 -> 1e-3 over 1000 steps, warmup_type "log".
+Always: stage 0, no offload, pin_memory true, overlap_comm false, contiguous_gradients true, reduce_scatter true,
+allgather_partitions true, round_robin_gradients false, both bucket sizes 5e8, steps_per_print 10. A missing
+"optimizer" block gives ``optimizer=None`` (the Trainer's AdamW from TrainingArguments); a missing "scheduler" gives
+``scheduler=None`` (the Trainer's own scheduler). ``"type": "Adam"`` is AdamW unless ``adam_w_mode`` is false;
+``"type": "AdamW"`` is AdamW whatever ``adam_w_mode`` says (DeepSpeed's rule; a false one is logged).
+
+Accepted without effect (type-checked; the start log names those a config sets): overlap_comm,
+contiguous_gradients, allgather_partitions, round_robin_gradients, steps_per_print, wall_clock_breakdown, and: zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
+memory_breakdown, dump_state, dataloader_drop_last, checkpoint{...} (transformers writes use_node_local_storage),
+bf16.immediate_grad_update / check_grad_overflow, optimizer.params.torch_adam (any bool),
+scheduler.params.last_batch_iteration, zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
+ignore_unused_parameters, use_multi_rank_bucket_allreduce, sub_group_size, memory_efficient_linear,
+[stage3_]gather_16bit_weights_on_model_save, stage3_gather_fp16_weights_on_model_save} (accelerate writes the
+last for every stage), offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
+fast_init}. Legacy spellings: "bfloat16" for "bf16", zero_optimization.cpu_offload (== offload_optimizer.device
+"cpu") and cpu_offload_use_pin_memory (== offload_optimizer.pin_memory).
+
+Unsupported DeepSpeed features are a ConfigError "not supported by hf_zero_offload: <why / what to use>" while they
+are switched on, and ignored while switched off (false/null/0, ``{"enabled": false}``, offload_param
+``{"device": "none"}``, ratio 1, gradient_predivide_factor 1...): ZeRO stage 3 and every other stage3_* key,
+offload_param, NVMe offload, optimizer types other than Adam/AdamW, schedulers other than WarmupLR/WarmupDecayLR,
+fp16.{consecutive_hysteresis, auto_cast, fp16_master_weights_and_grads}, amp, torch_autocast,
+activation_checkpointing, flops_profiler, tensorboard/wandb/csv_monitor/comet, elasticity, pipeline,
+sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
+only), ZeRO++ / MiCS keys and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config.schema`.
+Unknown keys are errors, with "did you mean" for near misses. The extension
+``zero_optimization.delayed_param_update {enabled, warmup_steps}`` (the paper's DPU) needs CPU offload, and so
+does ``zero_optimization.offload_optimizer.state_dtype`` ("fp32" default, "bf16", "int8": how the Adam moments
+are stored on the host; int8 is blockwise, 256 elements per scale, csrc/quant.h).
+
+Layout: :mod:`.training` holds the frozen dataclasses (and :class:`ArgsView`), :mod:`.loader` reads and validates a
+file (:func:`check`, :func:`load_config`), :mod:`.resolver` turns a validated dict into a :class:`TrainingConfig`,
+:mod:`.schema` holds the key tables and their walker, :mod:`.checks` the value checks those tables use.
+"""
+from __future__ import annotations
+
+from .loader import Checked, check, load_config
+from .resolver import resolve
+from .schema import AUTO, ConfigError, validate
+from .training import (DEFAULT_BUCKET_SIZE, ArgsView, DPUConfig, FP16Config, OptimizerConfig, SchedulerConfig,
+                       TrainingConfig, ZeroConfig)
+
+__all__ = ["FP16Config", "OptimizerConfig", "SchedulerConfig", "DPUConfig", "ZeroConfig", "TrainingConfig",
+           "ArgsView", "ConfigError", "load_config", "resolve"]

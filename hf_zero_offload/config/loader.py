@@ -1,0 +1,63 @@
+"""Reading a ds_config (a path, a shipped config's name, or a dict) and validating it against :mod:`.schema`;
+a problem is a :class:`~.schema.ConfigError` naming the file and the key path.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple
+
+# the module, not its names: presets raises ConfigError from .schema, so presets and this package import
+# each other, and binding the module lets either be imported first (resolve_config is looked up at call time)
+from .. import presets
+from .schema import ConfigError, validate
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _read(path_or_dict: Any) -> tuple[Any, str]:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict, "<dict>"
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise ConfigError(f"expected a ds_config path or dict, got {type(path_or_dict).__name__}")
+    source = presets.resolve_config(os.fspath(path_or_dict))  # a shipped config's name -> its packaged file
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read the ds_config file: {e.strerror or e}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates), source
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    except ValueError as e:  # duplicate key
+        raise ConfigError(f"{source}: invalid JSON: {e}") from None
+
+
+class Checked(NamedTuple):
+    """A ds_config read and validated once (normalised; ``resolve`` takes it without a second pass);
+    ``no_effect``: the keys given that change nothing here (the start log names them)."""
+    cfg: dict
+    source: str
+    no_effect: list
+
+
+def check(path_or_dict: Any) -> Checked:
+    raw, source = _read(path_or_dict)
+    ignored: list = []
+    return Checked(validate(raw, source, ignored), source, ignored)
+
+
+def load_config(path_or_dict: Any) -> dict:
+    """Read (when given a path) and validate a ds_config; return the raw dict, unchanged."""
+    raw, source = _read(path_or_dict)
+    validate(raw, source)
+    return raw
+

@@ -1,0 +1,185 @@
+"""A validated ds_config dict -> :class:`~.training.TrainingConfig`, with ``"auto"`` (and missing keys) taken
+from an :class:`~.training.ArgsView`; the rules are in the package docstring (:mod:`hf_zero_offload.config`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from .loader import Checked, check
+from .schema import AUTO, ConfigError
+from .training import (DEFAULT_BUCKET_SIZE, ArgsView, DPUConfig, FP16Config, OptimizerConfig, SchedulerConfig,
+                       TrainingConfig, ZeroConfig)
+
+logger = logging.getLogger("hf_zero_offload")
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+def _show(v: Any) -> str:
+    return repr(list(v)) if isinstance(v, tuple) else repr(v)
+
+
+class _Resolver:
+    def __init__(self, cfg: dict, args: ArgsView | None, source: str):
+        self.cfg, self.args, self.source = cfg, args, source
+        self.needs_args: list[str] = []  # "auto" without args
+        self.problems: list[str] = []  # "auto" whose args value is unknown
+        self.mismatches: list[str] = []
+
+    def get(self, path: str) -> Any:
+        node: Any = self.cfg
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return _MISSING
+            node = node[part]
+        return node
+
+    def take(self, path: str, arg: Any, arg_name: str, default: Any, match: bool = True) -> Any:
+        """Explicit value (checked against ``arg``), "auto" / missing -> ``arg`` (missing without args -> default)."""
+        v = self.get(path)
+        if v is AUTO or v == AUTO:
+            if self.args is None:
+                self.needs_args.append(path)
+            elif arg is None:
+                self.problems.append(f"{path}: \"auto\" needs {arg_name}, which is unknown here")
+            return arg if arg is not None else default
+        if v is _MISSING:
+            return arg if self.args is not None and arg is not None else default
+        if self.args is not None and match and arg is not None and not _same(v, arg):
+            self.mismatches.append(f"- {path}={_show(v)} vs {arg_name} {_show(arg)}")
+        return v
+
+    def batch(self) -> tuple[int, int, int]:
+        a = self.args
+        if a is not None:
+            micro = self.take("train_micro_batch_size_per_gpu", a.per_device_train_batch_size,
+                              "--per_device_train_batch_size", 1)
+            gas = self.take("gradient_accumulation_steps", a.gradient_accumulation_steps,
+                            "--gradient_accumulation_steps", 1)
+            total = a.world_size * a.per_device_train_batch_size * a.gradient_accumulation_steps
+            self.take("train_batch_size", total,
+                      "world_size*per_device_train_batch_size*gradient_accumulation_steps", total)
+            return a.world_size * micro * gas, micro, gas
+        vals = {k: self.take(k, None, "", None) for k in
+                ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+        tbs, micro, gas = vals.values()
+        if self.needs_args:
+            return 1, 1, 1
+        if tbs is None:  # world_size unknown without args: assume 1
+            micro, gas = micro or 1, gas or 1
+            return micro * gas, micro, gas
+        if micro is None and gas is None:
+            micro, gas = tbs, 1
+        elif micro is None:
+            micro = tbs // gas
+        elif gas is None:
+            gas = tbs // micro
+        if micro < 1 or gas < 1 or tbs % (micro * gas):
+            raise ConfigError(f"{self.source}: train_batch_size: {tbs} is not a multiple of train_micro_batch_"
+                              f"size_per_gpu * gradient_accumulation_steps = {micro} * {gas} (times world_size)")
+        return tbs, micro, gas
+
+    def optimizer(self) -> OptimizerConfig | None:
+        opt = self.cfg.get("optimizer")
+        if opt is None:
+            return None
+        a = self.args
+        p = "optimizer.params."
+        lr = self.take(p + "lr", a and a.learning_rate, "--learning_rate", 1e-3)
+        betas = self.take(p + "betas", a and (a.adam_beta1, a.adam_beta2), "--adam_beta1/--adam_beta2",
+                          (0.9, 0.999))
+        eps = self.take(p + "eps", a and a.adam_epsilon, "--adam_epsilon", 1e-8)
+        wd = self.take(p + "weight_decay", a and a.weight_decay, "--weight_decay", 0.0)
+        given = opt.get("params", {}).get("adam_w_mode")  # DeepSpeed reads it for "Adam" only
+        w_mode = opt["type"] == "AdamW" or given is not False
+        if opt["type"] == "AdamW" and given is False:
+            logger.warning('%s: "type": "AdamW" with adam_w_mode=false runs AdamW (decoupled weight decay), as in '
+                           'DeepSpeed; for L2-style decay use "type": "Adam"', self.source)
+        return OptimizerConfig(opt["type"], float(lr), (float(betas[0]), float(betas[1])), float(eps), float(wd),
+                               bool(w_mode))
+
+    def scheduler(self) -> SchedulerConfig | None:
+        sched = self.cfg.get("scheduler")
+        if sched is None:
+            return None
+        a, p = self.args, "scheduler.params."
+        params = sched.get("params", {})
+        lo = 0.0 if params.get("warmup_min_lr", 0.0) == AUTO else params.get("warmup_min_lr", 0.0)
+        hi = self.take(p + "warmup_max_lr", a and a.learning_rate, "--learning_rate", 1e-3)
+        n = self.take(p + "warmup_num_steps", a and max(1, a.warmup_steps), "--warmup_steps", 1000)
+        total = None
+        if sched["type"] == "WarmupDecayLR":
+            total = self.take(p + "total_num_steps", a and a.max_steps, "the number of training steps", None)
+            if total is None and not self.needs_args and not self.problems:
+                self.problems.append(f"{p}total_num_steps: required by WarmupDecayLR (give it, or \"auto\" with "
+                                     "the number of training steps known)")
+        return SchedulerConfig(sched["type"], float(lo), float(hi), int(n), params.get("warmup_type", "log"),
+                               None if total is None else int(total))
+
+    def zero(self) -> ZeroConfig:
+        z = self.cfg.get("zero_optimization", {})
+        off = z.get("offload_optimizer", {})
+        rbs = z.get("reduce_bucket_size", DEFAULT_BUCKET_SIZE)
+        if rbs == AUTO:
+            hidden = self.args.hidden_size if self.args is not None else None
+            rbs = self.take("zero_optimization.reduce_bucket_size", hidden and hidden * hidden,
+                            "the model's hidden_size", DEFAULT_BUCKET_SIZE)
+        agbs = z.get("allgather_bucket_size", DEFAULT_BUCKET_SIZE)
+        dpu = z.get("delayed_param_update", {})
+        return ZeroConfig(
+            stage=z.get("stage", 0),
+            offload=off.get("device") == "cpu" or z.get("cpu_offload", False),
+            pin_memory=off.get("pin_memory", z.get("cpu_offload_use_pin_memory", True)),
+            overlap_comm=z.get("overlap_comm", False),
+            contiguous_gradients=z.get("contiguous_gradients", True),
+            reduce_scatter=z.get("reduce_scatter", True),
+            reduce_bucket_size=int(rbs),
+            allgather_partitions=z.get("allgather_partitions", True),
+            allgather_bucket_size=int(rbs if agbs == AUTO else agbs),
+            round_robin_gradients=z.get("round_robin_gradients", False),
+            delayed_param_update=DPUConfig(dpu.get("enabled", False), dpu.get("warmup_steps", 40)),
+            state_dtype=off.get("state_dtype", "fp32"),
+        )
+
+    def run(self) -> TrainingConfig:
+        a, cfg = self.args, self.cfg
+        tbs, micro, gas = self.batch()
+        clip = self.take("gradient_clipping", a and a.max_grad_norm, "--max_grad_norm", 1.0)
+        fp16 = bool(self.take("fp16.enabled", a and a.fp16, "--fp16", False))
+        bf16 = bool(self.take("bf16.enabled", a and a.bf16, "--bf16", False))
+        optimizer, scheduler, zero = self.optimizer(), self.scheduler(), self.zero()
+        if self.needs_args:
+            raise ConfigError(f"{self.source}: \"auto\" values need TrainingArguments (resolve(..., args=ArgsView"
+                              "(...))), or replace them with numbers: " + ", ".join(self.needs_args))
+        if self.problems:
+            raise ConfigError(f"{self.source}: cannot resolve:\n- " + "\n- ".join(self.problems))
+        if self.mismatches:
+            raise ConfigError(f"{self.source}: these ds_config values contradict TrainingArguments:\n"
+                              + "\n".join(self.mismatches)
+                              + "\nSet them to \"auto\" (or to the TrainingArguments values).")
+        if fp16 and bf16:
+            raise ConfigError(f"{self.source}: fp16.enabled and bf16.enabled: cannot both be true")
+        f = cfg.get("fp16", {})
+        fp16_cfg = FP16Config(fp16, float(f.get("loss_scale", 0.0)), f.get("initial_scale_power", 16),
+                              f.get("loss_scale_window", 1000), f.get("hysteresis", 2),
+                              float(f.get("min_loss_scale", 1.0)))
+        return TrainingConfig(tbs, micro, gas, float(clip), fp16_cfg, bf16, optimizer, scheduler, zero,
+                              cfg.get("steps_per_print", 10), cfg.get("wall_clock_breakdown", False), self.source)
+
+
+def resolve(raw_or_path: Any, args: ArgsView | None = None) -> TrainingConfig:
+    """Validate a ds_config (path, dict, or ``Checked``: validated already) and resolve it, with ``"auto"``
+    taken from ``args``."""
+    checked = raw_or_path if isinstance(raw_or_path, Checked) else check(raw_or_path)
+    return _Resolver(checked.cfg, args, checked.source).run()
