@@ -2,7 +2,7 @@
 and training quality of fp32 / bf16 / int8 moments on the synthetic translation corpus.
 
     python -m benchmarks.engine.compact_quality [--model configs/models/t5-demo.json] [--steps 300]
-        [--json PATH|-] [--png PATH]
+        [--seeds 0,1,2] [--json PATH|-] [--png PATH]
 
 (run from the repository root). Memory: ``plan_host_memory`` (what ``OffloadAdam`` allocates) for
 t5-3b's parameter count, 16-bit training, no DPU, one micro-batch per step. Quality: the same randomly
@@ -63,18 +63,39 @@ def loss_of(model, src, tgt) -> torch.Tensor:
     return model(input_ids=src, attention_mask=(src != 0).long(), labels=labels).loss
 
 
-def train_one(state_dtype: str, args, train, val, vocab_size: int) -> dict:
+class PeerWithClip:
+    """A torch optimizer with OffloadAdam's max_grad_norm=1.0 applied before each step."""
+
+    def __init__(self, opt, params):
+        self.opt, self.params = opt, list(params)
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def close(self):
+        pass
+
+
+def train_one(state_dtype: str, args, train, val, vocab_size: int, seed: int = 0) -> dict:
     from transformers import T5Config, T5ForConditionalGeneration
 
     cfg = T5Config.from_json_file(args.model)
     cfg.vocab_size = max(cfg.vocab_size, vocab_size)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = T5ForConditionalGeneration(cfg)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = OffloadAdam([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                      lr=args.lr, options=OffloadOptions(max_grad_norm=1.0, state_dtype=state_dtype))
-    g = torch.Generator().manual_seed(1)
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    if state_dtype == "torchao":  # the 8-bit peer: torchao's AdamW8bit on the same fp32 params, clip 1.0 by hand
+        from torchao.optim import AdamW8bit
+        opt = PeerWithClip(AdamW8bit(groups, lr=args.lr), model.parameters())
+    else:
+        opt = OffloadAdam(groups, lr=args.lr, options=OffloadOptions(max_grad_norm=1.0, state_dtype=state_dtype))
+    g = torch.Generator().manual_seed(seed + 1)
     curve, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         idx = torch.randint(0, len(train[0]), (args.batch,), generator=g)
@@ -88,10 +109,31 @@ def train_one(state_dtype: str, args, train, val, vocab_size: int) -> dict:
                 ev = sum(loss_of(model, val[0][i:i + 100], val[1][i:i + 100]).item() * len(val[0][i:i + 100])
                          for i in range(0, len(val[0]), 100)) / len(val[0])
             curve.append((step, ev))
-            print(f"  {state_dtype} step {step}: eval loss {ev:.4f}", flush=True)
+            print(f"  {state_dtype} seed {seed} step {step}: eval loss {ev:.4f}", flush=True)
     opt.close()
-    return {"state_dtype": state_dtype, "curve": curve, "final_eval_loss": curve[-1][1],
+    return {"state_dtype": state_dtype, "seed": seed, "curve": curve, "final_eval_loss": curve[-1][1],
             "seconds": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters())}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per state dtype: mean, min and max over seeds of the ratio to the same seed's fp32 run (final
+    eval loss), and the mean ratio of the mean of the last three evals (less noisy than one point)."""
+    fp32 = {r["seed"]: r for r in runs if r["state_dtype"] == "fp32"}
+    out = []
+    for sd in dict.fromkeys(r["state_dtype"] for r in runs):
+        mine = [r for r in runs if r["state_dtype"] == sd and r["seed"] in fp32]
+        if not mine:
+            continue
+        ratios = [r["final_eval_loss"] / fp32[r["seed"]]["final_eval_loss"] for r in mine]
+        last3 = [last3_mean(r) / last3_mean(fp32[r["seed"]]) for r in mine]
+        out.append({"state_dtype": sd, "seeds": len(ratios), "mean_vs_fp32": sum(ratios) / len(ratios),
+                    "min_vs_fp32": min(ratios), "max_vs_fp32": max(ratios),
+                    "last3_mean_vs_fp32": sum(last3) / len(last3)})
+    return out
+
+
+def last3_mean(run: dict) -> float:
+    return sum(loss for _, loss in run["curve"][-3:]) / len(run["curve"][-3:])
 
 
 def plot(runs: list[dict], path: str, title: str) -> None:
@@ -125,7 +167,11 @@ def main(argv=None) -> int:
     ap.add_argument("--n-val", type=int, default=200)
     ap.add_argument("--max-len", type=int, default=24)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--dtypes", default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first); "
+                    "'torchao' adds torchao's AdamW8bit (its blockwise 8-bit Adam) when importable")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (model init and batch order): one run of "
+                    "each state dtype per seed; the summary gives each dtype's mean, min and max ratio to fp32's run "
+                    "of the same seed, so one seed's chaotic divergence is not taken for a systematic effect")
     ap.add_argument("--json", default=None, help="write the results as JSON to PATH (- for stdout)")
     ap.add_argument("--png", default=None, help="plot the eval-loss curves to PATH")
     args = ap.parse_args(argv)
@@ -138,16 +184,28 @@ def main(argv=None) -> int:
     print_table(mem, [("state_dtype", "state_dtype", "s"), ("host_GiB", "host GiB", ".2f"),
                       ("B_per_param", "B/param", ".2f")])
     train, val, vocab_size = corpus_tensors(args.n_train, args.n_val, args.max_len)
-    runs = [train_one(sd, args, train, val, vocab_size) for sd in args.dtypes.split(",")]
-    for r in runs:
-        r["vs_fp32"] = r["final_eval_loss"] / runs[0]["final_eval_loss"] if runs[0]["state_dtype"] == "fp32" else None
+    seeds = [int(x) for x in args.seeds.split(",")]
+    runs = []
+    for seed in seeds:
+        mine = [train_one(sd, args, train, val, vocab_size, seed) for sd in args.dtypes.split(",")]
+        for r in mine:
+            r["vs_fp32"] = r["final_eval_loss"] / mine[0]["final_eval_loss"] if mine[0]["state_dtype"] == "fp32" else None
+        runs += mine
     print(f"{os.path.basename(args.model)}, {runs[0]['params']:,} params, {args.steps} steps of batch {args.batch}:")
-    print_table(runs, [("state_dtype", "state_dtype", "s"), ("final_eval_loss", "final eval loss", ".4f"),
-                       ("vs_fp32", "vs fp32", ".4f"), ("seconds", "seconds", ".0f")])
+    print_table(runs, [("state_dtype", "state_dtype", "s"), ("seed", "seed", "d"),
+                       ("final_eval_loss", "final eval loss", ".4f"), ("vs_fp32", "vs fp32", ".4f"),
+                       ("seconds", "seconds", ".0f")])
+    summary = summarize(runs)
+    if len(seeds) > 1:
+        print(f"over {len(seeds)} seeds (ratio of the final eval loss to fp32's, same seed):")
+        print_table(summary, [("state_dtype", "state_dtype", "s"), ("mean_vs_fp32", "mean", ".4f"),
+                              ("min_vs_fp32", "min", ".4f"), ("max_vs_fp32", "max", ".4f"),
+                              ("last3_mean_vs_fp32", "last 3 evals, mean", ".4f")])
     if args.png:
-        plot(runs, args.png, f"{os.path.basename(args.model)}: synthetic corpus, {args.steps} steps")
+        plot([r for r in runs if r["seed"] == seeds[0]], args.png,
+             f"{os.path.basename(args.model)}: synthetic corpus, {args.steps} steps, seed {seeds[0]}")
     write_json(args.json, {"hardware_line": hardware_line(info), "hardware": info, "args": vars(args),
-                           "host_memory_t5_3b": mem, "runs": runs})
+                           "host_memory_t5_3b": mem, "runs": runs, "summary": summary})
     return 0
 
 
