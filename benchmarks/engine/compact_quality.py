@@ -90,11 +90,16 @@ def train_one(state_dtype: str, args, train, val, vocab_size: int, seed: int = 0
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    if state_dtype == "fp32-ulp":  # the noise floor: fp32 moments, every initial weight moved by one ulp
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
     if state_dtype == "torchao":  # the 8-bit peer: torchao's AdamW8bit on the same fp32 params, clip 1.0 by hand
         from torchao.optim import AdamW8bit
         opt = PeerWithClip(AdamW8bit(groups, lr=args.lr), model.parameters())
     else:
-        opt = OffloadAdam(groups, lr=args.lr, options=OffloadOptions(max_grad_norm=1.0, state_dtype=state_dtype))
+        opt = OffloadAdam(groups, lr=args.lr, options=OffloadOptions(max_grad_norm=1.0,
+                                                                    state_dtype=state_dtype.split("-")[0]))
     g = torch.Generator().manual_seed(seed + 1)
     curve, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -168,7 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=24)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first); "
-                    "'torchao' adds torchao's AdamW8bit (its blockwise 8-bit Adam) when importable")
+                    "'torchao' adds torchao's AdamW8bit (its blockwise 8-bit Adam) when importable; 'fp32-ulp' is "
+                    "fp32 with every initial weight one ulp off: how far chaos alone moves the final loss")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (model init and batch order): one run of "
                     "each state dtype per seed; the summary gives each dtype's mean, min and max ratio to fp32's run "
                     "of the same seed, so one seed's chaotic divergence is not taken for a systematic effect")
