@@ -98,13 +98,13 @@ inline void store_bf16(void* base, size_t i, __m256i h) {
 }
 
 struct Consts {
-  // bc2: sqrt(1 - beta2^t), or its reciprocal for the compact math (one register either way: the
-  // 8-bit kernel has none to spare)
+  // bc2: sqrt(1 - beta2^t), or its reciprocal for the compact math (one register either way)
   __m512 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step;
   Consts(const AdamArgs& a, bool compact)
       : scale(_mm512_set1_ps(a.grad_scale)), l2(_mm512_set1_ps(a.l2)), decay(_mm512_set1_ps(a.decay)),
         b2(_mm512_set1_ps(a.beta2)), omb1(_mm512_set1_ps(a.one_minus_beta1)),
-        omb2(_mm512_set1_ps(a.one_minus_beta2)), bc2(_mm512_set1_ps(compact ? a.inv_bias_correction2_sqrt : a.bias_correction2_sqrt)),
+        omb2(_mm512_set1_ps(a.one_minus_beta2)),
+        bc2(_mm512_set1_ps(compact ? a.inv_bias_correction2_sqrt : a.bias_correction2_sqrt)),
         eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)) {}
 };
 

@@ -91,7 +91,7 @@ inline float dq_m(int8_t c) {
 inline float dq_v(uint8_t c) { return dq_mag<31>(c); }
 
 // |x| * (1 / absmax): a multiply by the block's reciprocal, not a division per element (the
-// divider is what the fp32 update already saturates: sqrt and two divisions per element). The
+// divider is what the update already loads: a sqrt and a division per element). The
 // product is within 1.5 ulp of |x| / absmax, so |x| == absmax still codes 1.0 (3 fraction bits) and
 // the clamp in q_mag catches the rest. A block whose max is below FLT_MIN (or 0) codes all zeros:
 // its reciprocal would overflow, and such moments are zero for Adam anyway.

@@ -92,7 +92,7 @@ _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 #: Elements per scale of the 8-bit moments (csrc/quant.h explains the choice). A range handed to
 #: ``adam_step`` with 8-bit moments must start at a multiple of it (``state_slice`` checks that).
 QUANT_BLOCK: int = _C.quant_block()
-#: How the moments are stored: fp32 (exact torch AdamW), bf16 (rounded to nearest even), or int8
+#: How the moments are stored: fp32 (exact torch AdamW), bf16 (stochastic rounding), or int8
 #: (blockwise 8-bit codes: int8 exp_avg, uint8 exp_avg_sq, one fp32 absmax per QUANT_BLOCK).
 STATE_DTYPES = ("fp32", "bf16", "int8")
 _STATE_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
@@ -321,7 +321,8 @@ def state_to_fp32(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
 
 
 def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype: str) -> dict[str, torch.Tensor]:
-    """A new state of ``state_dtype`` from fp32 moments (bf16: round to nearest even, as the kernel)."""
+    """A new state of ``state_dtype`` from fp32 moments (bf16: round to nearest even: a one-off
+    conversion, e.g. of a checkpoint, where the kernel's per-step stochastic rounding has no drift to undo)."""
     check_state_dtype(state_dtype)
     _check("exp_avg", exp_avg, (torch.float32,))
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), exp_avg.numel())
