@@ -106,16 +106,26 @@ struct Consts {
         eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)) {}
 };
 
-// adam_math, lane by lane.
-template <bool L2, bool Compact>
-inline __m256 adam_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
+// adam_math, lane by lane, in its two halves: the new moments, then the param from them.
+template <bool L2>
+inline void moments_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
   if constexpr (L2) g = _mm256_fmadd_ps(c.l2, p, g);
-  p = _mm256_mul_ps(p, c.decay);
   m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m0), m0);
   v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v0, c.b2));
+}
+
+template <bool Compact>
+inline __m256 param_vec(const Consts& c, __m256 p, __m256 m, __m256 v) {
+  p = _mm256_mul_ps(p, c.decay);
   const __m256 denom = Compact ? _mm256_fmadd_ps(_mm256_sqrt_ps(v), c.bc2, c.eps)
                                : _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2), c.eps);
   return _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, denom), p);
+}
+
+template <bool L2, bool Compact>
+inline __m256 adam_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
+  moments_vec<L2>(c, g, p, m0, v0, m, v);
+  return param_vec<Compact>(c, p, m, v);
 }
 
 template <DType G, int Out, bool L2, bool NT, StateKind S>
@@ -240,7 +250,10 @@ inline float hmax(__m256 x, float acc) {
 }
 
 // adam_q8_block_scalar, block by block: vectors over the block, a scalar tail only in a partial
-// last block (blocks start at multiples of kQBlock, a multiple of W).
+// last block (blocks start at multiples of kQBlock, a multiple of W). Two passes per block, the same
+// operations per element as the scalar block in another order: (1) decode and the new moments,
+// kept in L1 with their absmax; (2) the param from them (sqrt, division) together with the encode.
+// Putting the divider's work in the loop of the integer/shuffle-heavy encode lets the two overlap.
 template <DType G, int Out, bool L2, bool NT>
 void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
   const Consts c(a, true);
@@ -248,27 +261,25 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
   alignas(32) float mb[kQBlock], vb[kQBlock];
   for (size_t b = begin; b < end; b += kQBlock) {
-    const size_t e = std::min(end, b + kQBlock), k = b / kQBlock;
+    const size_t e = std::min(end, b + kQBlock), k = b / kQBlock, nv = (e - b) / W * W;
     const __m256 ms = _mm256_set1_ps(a.exp_avg_scale[k]), vs = _mm256_set1_ps(a.exp_avg_sq_scale[k]);
     __m256 mmax = _mm256_setzero_ps(), vmax = _mm256_setzero_ps();
-    size_t i = b;
-    for (; i + W <= e; i += W) {
+    for (size_t j = 0; j < nv; j += W) {
+      const size_t i = b + j;
       const __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), c.scale);
       __m256 m, v;
-      const __m256 p = adam_vec<L2, true>(c, g, _mm256_loadu_ps(a.param + i), _mm256_mul_ps(dq_m_vec(mc + i), ms),
-                                    _mm256_mul_ps(dq_v_vec(vc + i), vs), m, v);
-      _mm256_storeu_ps(a.param + i, p);
-      store_o<Out, NT>(a.param_out, i, p);
-      _mm256_store_ps(mb + (i - b), m);
-      _mm256_store_ps(vb + (i - b), v);
+      moments_vec<L2>(c, g, L2 ? _mm256_loadu_ps(a.param + i) : g, _mm256_mul_ps(dq_m_vec(mc + i), ms),
+                      _mm256_mul_ps(dq_v_vec(vc + i), vs), m, v);
+      _mm256_store_ps(mb + j, m);
+      _mm256_store_ps(vb + j, v);
       mmax = _mm256_max_ps(_mm256_and_ps(m, abs_mask()), mmax);
       vmax = _mm256_max_ps(_mm256_and_ps(v, abs_mask()), vmax);
     }
     float mx = hmax(mmax, 0.0f), vx = hmax(vmax, 0.0f);
-    for (; i < e; ++i) {
+    for (size_t i = b + nv; i < e; ++i) {  // the partial block's tail: the whole scalar update
       const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
       const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
-                                dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
+                                      dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
       a.param[i] = p;
       if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
       mx = max_step(mx, std::fabs(mb[i - b]));
@@ -276,12 +287,20 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     }
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
+    auto param = [&](size_t j) {
+      const size_t i = b + j;
+      const __m256 p = param_vec<true>(c, _mm256_loadu_ps(a.param + i), _mm256_load_ps(mb + j), _mm256_load_ps(vb + j));
+      _mm256_storeu_ps(a.param + i, p);
+      store_o<Out, NT>(a.param_out, i, p);
+    };
     size_t j = 0;
-    for (; j + 4 * W <= e - b; j += 4 * W) {
+    for (; j + 4 * W <= nv; j += 4 * W) {
+      for (size_t q = 0; q < 4 * W; q += W) param(j + q);
       q_m_x4(mb + j, mdv, mc + b + j);
       q_v_x4(vb + j, vdv, vc + b + j);
     }
-    for (; j + W <= e - b; j += W) {
+    for (; j < nv; j += W) {
+      param(j);
       q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
       q_v_vec(_mm256_load_ps(vb + j), vdv, vc + b + j);
     }
