@@ -7,9 +7,13 @@ size, and checkpoints re-cut across world sizes without touching a block twice.
 
 A run of parameters (one kernel call) starts and ends wherever its parameters do, so its first and
 last block may be shared with the neighbouring run. Such a block is updated by decoding it to fp32,
-applying the fp32 kernel to this run's elements only, and re-encoding the whole block (the untouched
-elements go through decode/encode, which is what the fused kernel does to every element it touches
-anyway). Runs are visited in the same order at every world size, so the result does not depend on it.
+applying the fp32 kernel with the compact kinds' math (``compact_math``) to this run's elements only,
+and re-encoding the whole block (the untouched elements go through decode/encode, which is what the
+fused kernel does to every element it touches anyway). Runs are visited in the same order at every
+world size, so the result does not depend on it.
+
+bf16 moments are stored with stochastic rounding keyed by the element's index in the flat layout
+(``origin`` + offset in the slice), so the same element rounds the same way at any world size.
 """
 from __future__ import annotations
 
