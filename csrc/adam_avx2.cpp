@@ -232,10 +232,12 @@ inline void q_m_x4(const float* x, __m256 inv, int8_t* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(_mm256_sign_epi8(m, s)));
 }
 
+// The update's exp_avg_sq: fma(1 - beta2, g*g, v0 * beta2) with v0 a code (>= 0) times a scale that
+// ops.check_scales keeps >= 0, so it is +0, positive, +inf or NaN, never negative: q_v's |x| is x,
+// and a NaN of either sign clamps to the top code in q_mag_vec. One op fewer per vector, here and in
+// the block max (measured 1.51 -> 1.37-1.40 ns/param single-threaded).
 inline void q_v_x4(const float* x, __m256 inv, uint8_t* dst) {
-  auto mag = [&](const float* p) {
-    return q_mag_vec<31>(_mm256_mul_ps(_mm256_and_ps(_mm256_load_ps(p), abs_mask()), inv));
-  };
+  auto mag = [&](const float* p) { return q_mag_vec<31>(_mm256_mul_ps(_mm256_load_ps(p), inv)); };
   const __m256i c = _mm256_packus_epi16(_mm256_packus_epi32(mag(x), mag(x + W)),
                                         _mm256_packus_epi32(mag(x + 2 * W), mag(x + 3 * W)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(c));
@@ -273,7 +275,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       _mm256_store_ps(mb + j, m);
       _mm256_store_ps(vb + j, v);
       mmax = _mm256_max_ps(_mm256_and_ps(m, abs_mask()), mmax);
-      vmax = _mm256_max_ps(_mm256_and_ps(v, abs_mask()), vmax);
+      vmax = _mm256_max_ps(v, vmax);  // v >= 0 or NaN here: |v| is v (see q_v_x4)
     }
     float mx = hmax(mmax, 0.0f), vx = hmax(vmax, 0.0f);
     for (size_t i = b + nv; i < e; ++i) {  // the partial block's tail: the whole scalar update

@@ -125,6 +125,9 @@ class CPUAdam(torch.optim.Optimizer):
         # codes into floats): the fp32 master and compact moments are put back exactly as saved.
         exact = {pid: {k: v for k, v in st.items() if k in _EXACT_KEYS and torch.is_tensor(v)}
                  for pid, st in state_dict["state"].items()}
+        for pid, values in exact.items():  # refused before anything is loaded
+            if "exp_avg_scale" in values and "exp_avg_sq_scale" in values:
+                ops.check_scales(values["exp_avg_scale"], values["exp_avg_sq_scale"])
         # The storage is this optimizer's choice, not the checkpoint's: moments saved with another
         # state_dtype are converted at the next step.
         mine = [g["state_dtype"] for g in self.param_groups]

@@ -179,6 +179,8 @@ def adam_step(
     for name, value in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {value}")
+    if kind == "int8":
+        check_scales(exp_avg_scale, exp_avg_sq_scale)
     if compact_math and kind != "fp32":
         raise ValueError(f"compact_math is for fp32 moments (bf16/int8 moments always use it); got {kind}")
     if n == 0:
@@ -240,6 +242,16 @@ def accumulate_grad(
 # ---------------------------------------------------------------------------------------------
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def check_scales(exp_avg_scale: torch.Tensor, exp_avg_sq_scale: torch.Tensor) -> None:
+    """int8 scales are their blocks' absmax: >= 0 (NaN or inf after a non-finite step). A negative
+    one was not written by this kernel; the vector kernels rely on it (they skip |v| for
+    exp_avg_sq, which the kernel only ever computes >= 0), so it is refused before any write."""
+    for name, t in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
+        if bool((t < 0).any()):
+            raise ValueError(f"{name} has negative entries: a scale is its block's absmax (>= 0), so this "
+                             "int8 state was not written by hf_zero_offload (or is damaged)")
 
 
 def check_state_dtype(state_dtype: str) -> None:

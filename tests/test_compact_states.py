@@ -248,3 +248,22 @@ def test_config_key_reaches_the_engine_options():
     zero["offload_optimizer"] = {"state_dtype": "bf16"}
     with pytest.raises(config.ConfigError, match="offload_optimizer.state_dtype.*\"device\": \"cpu\""):
         config.resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
+
+
+def test_int8_state_with_negative_scales_is_refused_on_load(tmp_path):
+    """A checkpoint (valid checksum) whose int8 scales are negative was not written by us: the load
+    names the directory and stops; a state dict likewise."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = engine(None, model, "int8")
+    train(model, opt, batches(2))
+    opt.moments.state["exp_avg_sq_scale"][0] = -1.0
+    opt.save_checkpoint(str(tmp_path))
+    bad = opt.state_dict()
+    other = engine(None, copy.deepcopy(model), "int8")
+    with pytest.raises(ValueError, match=f"{tmp_path}: exp_avg_sq_scale has negative entries"):
+        other.load_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="state dict: exp_avg_sq_scale has negative entries"):
+        other.load_state_dict(bad)
+    for o in (opt, other):
+        o.close()

@@ -262,3 +262,34 @@ def test_compact_math_flag():
     with pytest.raises(ValueError, match="compact_math is for fp32 moments"):
         ops.adam_step(args["param"], args["grad"], args["exp_avg"], args["exp_avg_sq"], step=1, lr=1e-3,
                       compact_math=True)
+
+
+def test_negative_scales_are_refused_before_any_write():
+    """A scale is its block's absmax; the vector kernels rely on it being >= 0 (NaN allowed: a
+    non-finite step), so a negative one is refused by ops, and nothing is written."""
+    args = _args()
+    args["exp_avg_sq_scale"][1] = -1.0
+    p, g = args.pop("param"), args.pop("grad")
+    p0 = p.clone()
+    with pytest.raises(ValueError, match="exp_avg_sq_scale has negative entries"):
+        ops.adam_step(p, g + 1, args.pop("exp_avg"), args.pop("exp_avg_sq"), step=1, lr=1e-3, **args)
+    assert torch.equal(p, p0)
+    st = ops.make_state(512, "int8")
+    st["exp_avg_scale"][0] = float("nan")  # allowed
+    ops.adam_step(torch.zeros(512), torch.ones(512), **st, step=1, lr=1e-3)
+
+
+def test_cpu_adam_refuses_a_state_dict_with_negative_scales():
+    from hf_zero_offload.cpu_adam import CPUAdam
+
+    p = torch.nn.Parameter(torch.randn(600))
+    opt = CPUAdam([p], lr=1e-3, state_dtype="int8")
+    p.grad = torch.randn(600)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_scale"] = sd["state"][0]["exp_avg_scale"].clone()
+    sd["state"][0]["exp_avg_scale"][2] = -0.5
+    fresh = CPUAdam([torch.nn.Parameter(p.detach().clone())], lr=1e-3, state_dtype="int8")
+    with pytest.raises(ValueError, match="exp_avg_scale has negative entries"):
+        fresh.load_state_dict(sd)
+    assert len(fresh.state) == 0  # nothing loaded

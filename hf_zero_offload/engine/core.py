@@ -28,7 +28,8 @@ import torch
 
 from . import state_dir
 from .. import ops
-from .moments import Moments, Q
+from .checkpoint import StateFileError
+from .moments import SCALES, Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
 from .runs import Run, flat_layout, make_runs, training_dtype
@@ -279,7 +280,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         self.load_state_meta(state)
         # the state holds this very slice (checked above): ``lo`` is its start
         self._load_tensors(state.get("state_dtype", "fp32"),
-                           lambda lo, dst: [dst[k].copy_(state[k][:dst[k].numel()]) for k in dst])
+                           lambda lo, dst: [dst[k].copy_(state[k][:dst[k].numel()]) for k in dst], where="state dict")
         self._finish_load(state)
 
     def load_state_meta(self, meta: dict) -> None:
@@ -316,19 +317,28 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         srcs, meta = state_dir.sources(directory)
         self.load_state_meta(meta)
         if self.hi > self.lo:
-            self._load_tensors(meta.get("state_dtype", "fp32"), lambda lo, dst: state_dir.read_range(srcs, lo, dst))
+            self._load_tensors(meta.get("state_dtype", "fp32"), lambda lo, dst: state_dir.read_range(srcs, lo, dst),
+                               where=directory)
         self._finish_load(meta)
         self.restored = state_dir.summary(meta, len(srcs))
         return self.restored
 
-    def _load_tensors(self, saved: str, read) -> None:
+    def _load_tensors(self, saved: str, read, where: str) -> None:
         """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``,
         block-aligned for int8). Moments saved with another ``state_dtype`` are converted through fp32
         (a one-time copy of the slice's moments), with one log line."""
-        own, n = self.moments.state_dtype, self.hi - self.lo
-        if saved == own:
+        if saved == self.moments.state_dtype:
             read(self.lo, self.state_tensors())
-            return
+        else:
+            self._convert_loaded(saved, read)
+        if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
+            try:
+                ops.check_scales(*(self.moments.state[k] for k in SCALES))
+            except ValueError as e:
+                raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
+
+    def _convert_loaded(self, saved: str, read) -> None:
+        own, n = self.moments.state_dtype, self.hi - self.lo
         read(self.lo, {"master": self.master[:n]})
         # the saved int8 blocks that cover this slice (its start need not be a block start then)
         la = self.lo // Q * Q if saved == "int8" else self.lo
