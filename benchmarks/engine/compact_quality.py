@@ -98,8 +98,8 @@ def train_one(state_dtype: str, args, train, val, vocab_size: int, seed: int = 0
         from torchao.optim import AdamW8bit
         opt = PeerWithClip(AdamW8bit(groups, lr=args.lr), model.parameters())
     else:
-        opt = OffloadAdam(groups, lr=args.lr, options=OffloadOptions(max_grad_norm=1.0,
-                                                                    state_dtype=state_dtype.split("-")[0]))
+        moments = "fp32" if state_dtype == "fp32-ulp" else state_dtype
+        opt = OffloadAdam(groups, lr=args.lr, options=OffloadOptions(max_grad_norm=1.0, state_dtype=moments))
     g = torch.Generator().manual_seed(seed + 1)
     curve, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -120,16 +120,26 @@ def train_one(state_dtype: str, args, train, val, vocab_size: int, seed: int = 0
             "seconds": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters())}
 
 
+def fp32_of_seed(runs: list[dict]) -> dict:
+    """seed -> the fp32 run of that seed; and each run's ``vs_fp32``, its final eval loss over that
+    run's (None where its seed has no fp32 run)."""
+    fp32 = {r["seed"]: r for r in runs if r["state_dtype"] == "fp32"}
+    for r in runs:
+        ref = fp32.get(r["seed"])
+        r["vs_fp32"] = r["final_eval_loss"] / ref["final_eval_loss"] if ref else None
+    return fp32
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """Per state dtype: mean, min and max over seeds of the ratio to the same seed's fp32 run (final
     eval loss), and the mean ratio of the mean of the last three evals (less noisy than one point)."""
-    fp32 = {r["seed"]: r for r in runs if r["state_dtype"] == "fp32"}
+    fp32 = fp32_of_seed(runs)
     out = []
     for sd in dict.fromkeys(r["state_dtype"] for r in runs):
-        mine = [r for r in runs if r["state_dtype"] == sd and r["seed"] in fp32]
+        mine = [r for r in runs if r["state_dtype"] == sd and r["vs_fp32"] is not None]
         if not mine:
             continue
-        ratios = [r["final_eval_loss"] / fp32[r["seed"]]["final_eval_loss"] for r in mine]
+        ratios = [r["vs_fp32"] for r in mine]
         last3 = [last3_mean(r) / last3_mean(fp32[r["seed"]]) for r in mine]
         out.append({"state_dtype": sd, "seeds": len(ratios), "mean_vs_fp32": sum(ratios) / len(ratios),
                     "min_vs_fp32": min(ratios), "max_vs_fp32": max(ratios),
@@ -191,17 +201,12 @@ def main(argv=None) -> int:
                       ("B_per_param", "B/param", ".2f")])
     train, val, vocab_size = corpus_tensors(args.n_train, args.n_val, args.max_len)
     seeds = [int(x) for x in args.seeds.split(",")]
-    runs = []
-    for seed in seeds:
-        mine = [train_one(sd, args, train, val, vocab_size, seed) for sd in args.dtypes.split(",")]
-        for r in mine:
-            r["vs_fp32"] = r["final_eval_loss"] / mine[0]["final_eval_loss"] if mine[0]["state_dtype"] == "fp32" else None
-        runs += mine
+    runs = [train_one(sd, args, train, val, vocab_size, seed) for seed in seeds for sd in args.dtypes.split(",")]
+    summary = summarize(runs)  # also each run's vs_fp32
     print(f"{os.path.basename(args.model)}, {runs[0]['params']:,} params, {args.steps} steps of batch {args.batch}:")
     print_table(runs, [("state_dtype", "state_dtype", "s"), ("seed", "seed", "d"),
                        ("final_eval_loss", "final eval loss", ".4f"), ("vs_fp32", "vs fp32", ".4f"),
                        ("seconds", "seconds", ".0f")])
-    summary = summarize(runs)
     if len(seeds) > 1:
         print(f"over {len(seeds)} seeds (ratio of the final eval loss to fp32's, same seed):")
         print_table(summary, [("state_dtype", "state_dtype", "s"), ("mean_vs_fp32", "mean", ".4f"),
