@@ -40,3 +40,18 @@ def test_offload_targets_each_have_a_verdict():
             assert len(here) == len(lines) - 1  # only the host bytes are meaningful on a CPU
     gpu = _fmt_targets(rows, types.SimpleNamespace(cuda=True, dtype=torch.bfloat16))
     assert f"[{NOT_MET}] offload + DPU step" in "\n".join(gpu) and f"[{MET}] offload step" in "\n".join(gpu)
+
+
+def test_compact_quality_targets_judge_only_above_the_noise_floor():
+    from benchmarks._common import MET, NOT_HERE, NOT_MET
+    from benchmarks.engine.compact_quality import target_lines
+
+    def row(sd, lo, hi):
+        return {"state_dtype": sd, "seeds": 2, "mean_vs_fp32": (lo + hi) / 2, "min_vs_fp32": lo, "max_vs_fp32": hi}
+
+    quiet = target_lines([row("fp32-ulp", 0.999, 1.001), row("bf16", 0.998, 1.007), row("int8", 0.995, 1.004)])
+    assert [ln.split("]")[0] for ln in quiet] == [f"[{MET}", f"[{NOT_MET}"]  # int8 first, then bf16 (0.7% > 0.5%)
+    noisy = target_lines([row("fp32-ulp", 0.97, 1.04), row("int8", 1.0, 1.002)])
+    assert noisy[0].startswith(f"[{NOT_HERE}]") and "noise floor 4.00%" in noisy[0] and noisy[0].endswith(")")
+    bare = target_lines([row("int8", 0.98, 1.0)])  # no floor measured: judged as it is, and said so
+    assert bare[0].startswith(f"[{NOT_MET}]") and "fp32-ulp" in bare[0]
