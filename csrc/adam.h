@@ -49,7 +49,8 @@ struct AdamArgs {
   float step_size;         // lr / (1 - beta1^step), computed in double
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed in double
   float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step), in double: the compact kinds' form
-  // BF16 moments are stored with stochastic rounding (f32_to_bf16_sr): element i's 32 random bits
+  // BF16 moments and Q8's exp_avg_sq are stored with stochastic rounding (f32_to_bf16_sr,
+  // q_mag_sr in quant.h): element i's 32 random bits
   // are mix32(uint32(round_index + i) ^ round_seed), a pure function of (step, index), so the
   // result does not depend on the thread split, the tiling or the instruction set.
   uint32_t round_seed;     // mix32 of the step (make_adam_args)
@@ -196,6 +197,9 @@ inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
   return static_cast<uint16_t>((u + r) >> 16);
 }
+
+// AdamArgs::round_seed of a step (make_adam_args, and quantize for exp_avg_sq at a step).
+inline uint32_t round_seed_of(long step) { return mix32(static_cast<uint32_t>(step) ^ 0x9e3779b9u); }
 
 inline uint32_t round_bits(const AdamArgs& a, size_t i) {
   return mix32(static_cast<uint32_t>(a.round_index + i) ^ a.round_seed);

@@ -192,6 +192,29 @@ inline __m256i q_mag_vec(__m256 n) {
   return _mm256_min_epu32(mag, _mm256_set1_epi32(F::kMaxMag));
 }
 
+// q_mag_sr lane by lane: both forms computed, the unsigned compare u >= kMinNormalBits (as
+// max_epu32(u, min) == u) picks one. The truncation's 0x80000000 in lanes that take the first form
+// is discarded.
+template <int EB>
+inline __m256i q_mag_sr_vec(__m256 n, __m256i r16) {
+  using F = QFormat<EB>;
+  const __m256i u = _mm256_castps_si256(n);
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, _mm256_slli_epi32(r16, 4)), 20),
+                                          _mm256_set1_epi32(F::kNormBias));
+  const __m256i fixed = _mm256_cvttps_epi32(_mm256_mul_ps(n, _mm256_castsi256_ps(_mm256_set1_epi32(F::kSubScaleBits))));
+  const __m256i sub = _mm256_srli_epi32(_mm256_add_epi32(fixed, r16), 16);
+  const __m256i min_normal = _mm256_set1_epi32(F::kMinNormalBits);
+  const __m256i is_normal = _mm256_cmpeq_epi32(_mm256_max_epu32(u, min_normal), u);
+  return _mm256_min_epu32(_mm256_blendv_epi8(sub, normal, is_normal), _mm256_set1_epi32(F::kMaxMag));
+}
+
+// The high 16 of round_bits for the 8 lanes of idx (round_index + i + lane), and idx moved on by 8.
+inline __m256i round_hi16(__m256i& idx, __m256i seed) {
+  const __m256i r = mix32_vec(_mm256_xor_si256(idx, seed));
+  idx = _mm256_add_epi32(idx, _mm256_set1_epi32(W));
+  return _mm256_srli_epi32(r, 16);
+}
+
 // A function, not a global: a global would run an AVX instruction at load time on any CPU.
 inline __m256 abs_mask() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)); }
 
@@ -203,8 +226,8 @@ inline void q_m_vec(__m256 x, __m256 inv, int8_t* dst) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packs_epi16(w, w));
 }
 
-inline void q_v_vec(__m256 x, __m256 inv, uint8_t* dst) {
-  const __m256i c = q_mag_vec<31>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
+inline void q_v_vec(__m256 x, __m256 inv, __m256i r16, uint8_t* dst) {
+  const __m256i c = q_mag_sr_vec<31>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv), r16);
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w, w));
 }
@@ -234,12 +257,15 @@ inline void q_m_x4(const float* x, __m256 inv, int8_t* dst) {
 
 // The update's exp_avg_sq: fma(1 - beta2, g*g, v0 * beta2) with v0 a code (>= 0) times a scale that
 // ops.check_scales keeps >= 0, so it is +0, positive, +inf or NaN, never negative: q_v's |x| is x,
-// and a NaN of either sign clamps to the top code in q_mag_vec. One op fewer per vector, here and in
-// the block max (measured 1.51 -> 1.37-1.40 ns/param single-threaded).
-inline void q_v_x4(const float* x, __m256 inv, uint8_t* dst) {
-  auto mag = [&](const float* p) { return q_mag_vec<31>(_mm256_mul_ps(_mm256_load_ps(p), inv)); };
-  const __m256i c = _mm256_packus_epi16(_mm256_packus_epi32(mag(x), mag(x + W)),
-                                        _mm256_packus_epi32(mag(x + 2 * W), mag(x + 3 * W)));
+// and a NaN of either sign clamps to the top code in q_mag_sr_vec. One op fewer per vector, here and
+// in the block max (measured 1.51 -> 1.37-1.40 ns/param single-threaded). idx: as round_hi16's.
+inline void q_v_x4(const float* x, __m256 inv, __m256i& idx, __m256i seed, uint8_t* dst) {
+  // one declaration: its initializers run in order, so vector q takes the indices of elements 8q..8q+7
+  const __m256i r0 = round_hi16(idx, seed), r1 = round_hi16(idx, seed), r2 = round_hi16(idx, seed),
+                r3 = round_hi16(idx, seed);
+  auto mag = [&](const float* p, __m256i r) { return q_mag_sr_vec<31>(_mm256_mul_ps(_mm256_load_ps(p), inv), r); };
+  const __m256i c = _mm256_packus_epi16(_mm256_packus_epi32(mag(x, r0), mag(x + W, r1)),
+                                        _mm256_packus_epi32(mag(x + 2 * W, r2), mag(x + 3 * W, r3)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(c));
 }
 
@@ -261,6 +287,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
   const Consts c(a, true);
   int8_t* mc = static_cast<int8_t*>(a.exp_avg);
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
+  const __m256i seed = _mm256_set1_epi32(static_cast<int>(a.round_seed));
   alignas(32) float mb[kQBlock], vb[kQBlock];
   for (size_t b = begin; b < end; b += kQBlock) {
     const size_t e = std::min(end, b + kQBlock), k = b / kQBlock, nv = (e - b) / W * W;
@@ -289,6 +316,9 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     }
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
+    // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l
+    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(a.round_index + b))),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     auto param = [&](size_t j) {
       const size_t i = b + j;
       const __m256 p = param_vec<true>(c, _mm256_loadu_ps(a.param + i), _mm256_load_ps(mb + j), _mm256_load_ps(vb + j));
@@ -299,16 +329,16 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     for (; j + 4 * W <= nv; j += 4 * W) {
       for (size_t q = 0; q < 4 * W; q += W) param(j + q);
       q_m_x4(mb + j, mdv, mc + b + j);
-      q_v_x4(vb + j, vdv, vc + b + j);
+      q_v_x4(vb + j, vdv, idx, seed, vc + b + j);
     }
     for (; j < nv; j += W) {
       param(j);
       q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
-      q_v_vec(_mm256_load_ps(vb + j), vdv, vc + b + j);
+      q_v_vec(_mm256_load_ps(vb + j), vdv, round_hi16(idx, seed), vc + b + j);
     }
     for (; j < e - b; ++j) {
       mc[b + j] = q_m(mb[j], minv);
-      vc[b + j] = q_v(vb[j], vinv);
+      vc[b + j] = q_v_sr(vb[j], vinv, round_bits(a, b + j) >> 16);
     }
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;

@@ -184,6 +184,27 @@ inline __m512i q_mag_vec(__m512 n) {
   return _mm512_min_epu32(mag, _mm512_set1_epi32(F::kMaxMag));
 }
 
+// q_mag_sr lane by lane: both forms computed, the unsigned compare u >= kMinNormalBits picks one.
+// The truncation's 0x80000000 in lanes that take the first form is discarded.
+template <int EB>
+inline __m512i q_mag_sr_vec(__m512 n, __m512i r16) {
+  using F = QFormat<EB>;
+  const __m512i u = _mm512_castps_si512(n);
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_slli_epi32(r16, 4)), 20),
+                                          _mm512_set1_epi32(F::kNormBias));
+  const __m512i fixed = _mm512_cvttps_epi32(_mm512_mul_ps(n, _mm512_castsi512_ps(_mm512_set1_epi32(F::kSubScaleBits))));
+  const __m512i sub = _mm512_srli_epi32(_mm512_add_epi32(fixed, r16), 16);
+  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(F::kMinNormalBits));
+  return _mm512_min_epu32(_mm512_mask_blend_epi32(is_normal, sub, normal), _mm512_set1_epi32(F::kMaxMag));
+}
+
+// The high 16 of round_bits for the 16 lanes of idx (round_index + i + lane), and idx moved on by 16.
+inline __m512i round_hi16(__m512i& idx, __m512i seed) {
+  const __m512i r = mix32_vec(_mm512_xor_si512(idx, seed));
+  idx = _mm512_add_epi32(idx, _mm512_set1_epi32(W));
+  return _mm512_srli_epi32(r, 16);
+}
+
 // A function, not a global: a global would run an AVX512 instruction at load time on any CPU.
 inline __m512 abs_mask() { return _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff)); }
 inline __m512 abs_ps(__m512 x) {
@@ -197,8 +218,8 @@ inline void q_m_vec(__m512 x, __m512 inv, int8_t* dst) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // |c| <= 120: exact
 }
 
-inline void q_v_vec(__m512 x, __m512 inv, uint8_t* dst) {
-  const __m512i c = q_mag_vec<31>(_mm512_mul_ps(abs_ps(x), inv));
+inline void q_v_vec(__m512 x, __m512 inv, __m512i r16, uint8_t* dst) {
+  const __m512i c = q_mag_sr_vec<31>(_mm512_mul_ps(abs_ps(x), inv), r16);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // c <= 248: exact
 }
 
@@ -217,6 +238,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
   const Consts c(a, true);
   int8_t* mc = static_cast<int8_t*>(a.exp_avg);
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
+  const __m512i seed = _mm512_set1_epi32(static_cast<int>(a.round_seed));
   alignas(64) float mb[kQBlock], vb[kQBlock];
   for (size_t b = begin; b < end; b += kQBlock) {
     const size_t e = std::min(end, b + kQBlock), k = b / kQBlock;
@@ -247,14 +269,17 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     }
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m512 mdv = _mm512_set1_ps(minv), vdv = _mm512_set1_ps(vinv);
+    // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(a.round_index + b))),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     size_t j = 0;
     for (; j + W <= e - b; j += W) {
       q_m_vec(_mm512_load_ps(mb + j), mdv, mc + b + j);
-      q_v_vec(_mm512_load_ps(vb + j), vdv, vc + b + j);
+      q_v_vec(_mm512_load_ps(vb + j), vdv, round_hi16(idx, seed), vc + b + j);
     }
     for (; j < e - b; ++j) {
       mc[b + j] = q_m(mb[j], minv);
-      vc[b + j] = q_v(vb[j], vinv);
+      vc[b + j] = q_v_sr(vb[j], vinv, round_bits(a, b + j) >> 16);
     }
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;

@@ -22,7 +22,7 @@ AdamArgs make_adam_args(long step, double lr, double beta1, double beta2, double
   a.step_size = static_cast<float>(lr / bc1);
   a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
   a.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  a.round_seed = mix32(static_cast<uint32_t>(step) ^ 0x9e3779b9u);
+  a.round_seed = round_seed_of(step);
   return a;
 }
 

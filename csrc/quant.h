@@ -23,6 +23,15 @@
 //                subnormals); 1.0 is mag 120. 241 values, 2^-17 (7.6e-6) to 1, <= 6.25% error.
 //     exp_avg_sq uint8: the same with exponent bias 31: 2^-33 (1.2e-10) to 1 (mag 248), i.e. the
 //                square of exp_avg's range, because v ~ g^2 and the update divides by sqrt(v).
+// - exp_avg_sq is written with stochastic rounding (q_mag_sr), exp_avg to nearest. With beta2 =
+//   0.999 an element's v moves by 0.1% of (g^2 - v) per step, far under half a code step (3-6%), so
+//   to nearest its code relative to the block's (exact) absmax froze and v stopped following its
+//   own gradients: measured open loop (benchmarks/engine/compact_quality.py --open-loop), t5-demo,
+//   300 steps, the eval loss ended 2.4% off fp32's with nearest codes for both moments, 0.2% with
+//   stochastic ones for both and 0.04% with stochastic exp_avg_sq alone (beta1 = 0.9 moves m by
+//   10% per step, which nearest codes follow). The 16 random bits are the high half of the bf16
+//   kind's round_bits (mix32 of the element's flat index and the step), so codes do not depend on
+//   threads, tiles, instruction set or world size.
 //   A stored value is code_value * scale (one fp32 multiply). Zero is a code (exact zeros stay zero:
 //   unused embedding rows, masked params); a v flushed to zero in a block with a 1e10x larger
 //   outlier gets an update bounded by its own m, whose code range flushes at the same scale.
@@ -49,6 +58,7 @@ struct QFormat {
   static constexpr uint32_t kMinNormalBits = (128u - EB) << 23;  // 2^(1-EB): the smallest value with mag 8
   static constexpr uint32_t kMagicBits = (148u - EB) << 23;      // 2^(21-EB): its ulp is the step 2^(-2-EB)
   static constexpr uint32_t kMaxMag = EB << 3;                   // 1.0
+  static constexpr uint32_t kSubScaleBits = (145u + EB) << 23;   // 2^(18+EB): q_mag_sr's fixed point
 };
 using QM = QFormat<15>;  // exp_avg
 using QV = QFormat<31>;  // exp_avg_sq
@@ -69,6 +79,24 @@ inline uint32_t q_mag(float n) {
   const int32_t e20 = static_cast<int32_t>((f32_bits(n) & 0x7f800000u) + (20u << 23));
   const uint32_t c = static_cast<uint32_t>(std::max(e20, static_cast<int32_t>(F::kMagicBits)));
   const uint32_t mag = (f32_bits(n + bits_f32(c)) - c) + ((c - F::kMagicBits) >> 20);
+  return mag < F::kMaxMag ? mag : F::kMaxMag;
+}
+
+// Magnitude code of n >= 0 (or a NaN), rounded up with probability (its distance above the code
+// below) / (the code step), in 2^-16 steps: r16 (16 random bits) added below the kept bits, then
+// truncation. Normal codes keep fp32's bits down to bit 20, so r16 << 4 goes under them; below the
+// smallest normal code the step is 2^(-2-EB), and n * 2^(18+EB) (exact: a power of two, < 2^19)
+// truncated to an integer holds n in steps with 16 bits under them. The code above 1.0's clamps; so
+// do huge n, inf and NaN of either sign (the unsigned compare sends them to the first form, whose
+// 32-bit sum may wrap, and a wrapped or large result is above the clamp).
+template <int EB>
+inline uint32_t q_mag_sr(float n, uint32_t r16) {
+  using F = QFormat<EB>;
+  const uint32_t u = f32_bits(n);
+  const uint32_t mag =
+      u >= F::kMinNormalBits
+          ? ((u + (r16 << 4)) >> 20) - F::kNormBias
+          : (static_cast<uint32_t>(static_cast<int32_t>(n * bits_f32(F::kSubScaleBits))) + r16) >> 16;
   return mag < F::kMaxMag ? mag : F::kMaxMag;
 }
 
@@ -100,8 +128,12 @@ inline int8_t q_m(float x, float inv) {
   const uint32_t mag = q_mag<15>(std::fabs(x) * inv);
   return static_cast<int8_t>(std::signbit(x) ? -static_cast<int32_t>(mag) : static_cast<int32_t>(mag));
 }
-// exp_avg_sq is >= 0; |x| makes a -0 (or a foreign negative value) code like its magnitude.
+// exp_avg_sq is >= 0; |x| makes a -0 (or a foreign negative value) code like its magnitude. q_v:
+// to nearest (one-off conversions); q_v_sr: what a step stores (r16: round_bits(...) >> 16).
 inline uint8_t q_v(float x, float inv) { return static_cast<uint8_t>(q_mag<31>(std::fabs(x) * inv)); }
+inline uint8_t q_v_sr(float x, float inv, uint32_t r16) {
+  return static_cast<uint8_t>(q_mag_sr<31>(std::fabs(x) * inv, r16));
+}
 
 // Running max that never takes a NaN (the comparison is false), so any order gives the same value.
 inline float max_step(float acc, float x) { return x > acc ? x : acc; }
@@ -114,11 +146,16 @@ inline void q_block_m(const float* x, size_t len, int8_t* codes, float* scale) {
   for (size_t i = 0; i < len; ++i) codes[i] = q_m(x[i], inv);
   *scale = mx;
 }
-inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale) {
+// exp_avg_sq: to nearest without a seed; with one (a step's round_seed), stochastically, element i
+// taking the high 16 bits of mix32(uint32(index + i) ^ seed) as round_bits gives them.
+inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale, const uint32_t* seed = nullptr,
+                      uint64_t index = 0) {
   float mx = 0.0f;
   for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
   const float inv = q_inverse(mx);
-  for (size_t i = 0; i < len; ++i) codes[i] = q_v(x[i], inv);
+  for (size_t i = 0; i < len; ++i) {
+    codes[i] = seed ? q_v_sr(x[i], inv, mix32(static_cast<uint32_t>(index + i) ^ *seed) >> 16) : q_v(x[i], inv);
+  }
   *scale = mx;
 }
 
@@ -137,7 +174,7 @@ inline void adam_q8_block_scalar(const AdamArgs& a, size_t b, size_t e) {
     if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
   }
   q_block_m(mb, e - b, mc + b, a.exp_avg_scale + k);
-  q_block_v(vb, e - b, vc + b, a.exp_avg_sq_scale + k);
+  q_block_v(vb, e - b, vc + b, a.exp_avg_sq_scale + k, &a.round_seed, a.round_index + b);
 }
 
 }  // namespace

@@ -296,10 +296,12 @@ def state_slice(state: dict[str, torch.Tensor], start: int, end: int) -> dict[st
     return out
 
 
-def quantize_blockwise(x: torch.Tensor, moment: str, *, num_threads: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x: torch.Tensor, moment: str, *, step: int | None = None, round_index: int = 0,
+                       num_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x`` -> (codes, scales) exactly as the int8 kernel stores them. ``moment``:
-    "exp_avg" (int8 signed code) or "exp_avg_sq" (uint8 code of |x|)."""
+    "exp_avg" (int8 signed code, to nearest) or "exp_avg_sq" (uint8 code of |x|): to nearest without
+    ``step`` (a one-off conversion), else stochastically rounded as the kernel's step ``step``
+    stores it, element i keyed by ``round_index + i``."""
     if moment not in _MOMENTS:
         raise ValueError(f"moment must be 'exp_avg' or 'exp_avg_sq'; got {moment!r}")
     _check("x", x, (torch.float32,))
@@ -307,7 +309,10 @@ def quantize_blockwise(x: torch.Tensor, moment: str, *, num_threads: int | None 
     codes = torch.empty(x.numel(), dtype=torch.uint8 if sq else torch.int8)
     scales = torch.empty(_num_scales(x.numel()))
     if x.numel():
-        _C.quantize(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), sq, x.numel(), _threads(num_threads))
+        if step is not None and step < 1:
+            raise ValueError(f"step must be >= 1 (the 1-based step count); got {step}")
+        _C.quantize(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), sq, x.numel(), _threads(num_threads),
+                    int(step or 0), int(round_index) % 2**64)
     return codes, scales
 
 
@@ -332,9 +337,12 @@ def state_to_fp32(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
 
 
-def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype: str) -> dict[str, torch.Tensor]:
-    """A new state of ``state_dtype`` from fp32 moments (bf16: round to nearest even: a one-off
-    conversion, e.g. of a checkpoint, where the kernel's per-step stochastic rounding has no drift to undo)."""
+def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype: str, *, step: int | None = None,
+                    round_index: int = 0) -> dict[str, torch.Tensor]:
+    """A new state of ``state_dtype`` from fp32 moments. bf16: round to nearest even, a one-off
+    conversion (e.g. of a checkpoint) where the kernel's per-step stochastic rounding has no drift to
+    undo; int8 likewise, unless ``step`` is given: then exp_avg_sq is rounded as that step of the
+    kernel rounds it (``quantize_blockwise``), for a block the engine updates outside the kernel."""
     check_state_dtype(state_dtype)
     _check("exp_avg", exp_avg, (torch.float32,))
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), exp_avg.numel())
@@ -343,5 +351,5 @@ def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype
     if state_dtype == "bf16":
         return {"exp_avg": exp_avg.to(torch.bfloat16), "exp_avg_sq": exp_avg_sq.to(torch.bfloat16)}
     m, ms = quantize_blockwise(exp_avg, "exp_avg")
-    v, vs = quantize_blockwise(exp_avg_sq, "exp_avg_sq")
+    v, vs = quantize_blockwise(exp_avg_sq, "exp_avg_sq", step=step, round_index=round_index)
     return {"exp_avg": m, "exp_avg_sq": v, "exp_avg_scale": ms, "exp_avg_sq_scale": vs}

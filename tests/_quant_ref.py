@@ -44,7 +44,24 @@ def nearest_mag(n: torch.Tensor, moment: str) -> torch.Tensor:
     return torch.where(pick_hi, hi, lo)
 
 
-def quantize(x: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Tensor]:
+def stochastic_mag(n: torch.Tensor, moment: str, r16: torch.Tensor) -> torch.Tensor:
+    """Magnitude code of n >= 0 rounded up with probability k / 2^16, k = floor(2^16 * (n - the
+    code below) / (the code step)): up where k + r16 >= 2^16; 1.0 and above (and NaN): 1.0's code."""
+    table = magnitudes(moment)
+    x = n.double()
+    top = torch.isnan(x) | (x >= 1.0)
+    x = torch.where(top, 0.0, x)
+    lo = torch.searchsorted(table, x, right=True) - 1  # the largest code <= x
+    hi = (lo + 1).clamp(max=len(table) - 1)
+    frac = (x - table[lo]) / (table[hi] - table[lo]).clamp(min=2.0 ** -40)  # exact: a power-of-two step
+    up = torch.floor(frac * 2**16).long() + r16 >= 2**16
+    return torch.where(top, len(table) - 1, torch.where(up, hi, lo))
+
+
+def quantize(x: torch.Tensor, moment: str, step: int | None = None,
+             round_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and block scales of fp32 ``x``; with ``step``, exp_avg_sq's codes are rounded
+    stochastically with the high 16 of ``random_bits(step, round_index, n)`` (what a step stores)."""
     n = x.numel()
     nb = -(-n // BLOCK)
     a = torch.zeros(nb * BLOCK)
@@ -53,7 +70,11 @@ def quantize(x: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Tensor]:
     # |x| times the block's fp32 reciprocal (0 for a max below the smallest normal fp32), each
     # product rounded once
     inv = torch.where(absmax >= torch.finfo(torch.float32).tiny, (1.0 / absmax.double()).float(), 0.0)
-    mag = nearest_mag((x.abs().double() * inv.repeat_interleave(BLOCK)[:n].double()).float(), moment)
+    scaled = (x.abs().double() * inv.repeat_interleave(BLOCK)[:n].double()).float()
+    if step is not None and moment == "exp_avg_sq":
+        mag = stochastic_mag(scaled, moment, random_bits(step, round_index, n) >> 16)
+    else:
+        mag = nearest_mag(scaled, moment)
     if moment == "exp_avg":
         codes = torch.where(torch.signbit(x), -mag, mag).to(torch.int8)
     else:
@@ -113,8 +134,8 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
     """One step on fp32 ``p`` (in place) with moments stored as the kernel stores them; ``state``
     holds fp32/bf16 exp_avg/exp_avg_sq, or int8/uint8 codes with exp_avg_scale/exp_avg_sq_scale.
     bf16 and int8 moments (and fp32 ones with ``compact_math``) use the compact denominator,
-    fma(sqrt(v), fp32(1 / sqrt(1 - beta2^step)), eps); bf16 moments are stored with stochastic
-    rounding keyed by (step, round_index + i)."""
+    fma(sqrt(v), fp32(1 / sqrt(1 - beta2^step)), eps); bf16 moments and int8's exp_avg_sq are stored
+    with stochastic rounding keyed by (step, round_index + i)."""
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     q8 = "exp_avg_scale" in state
     compact = compact_math or q8 or state["exp_avg"].dtype == torch.bfloat16
@@ -137,9 +158,9 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
     else:
         denom = (v.double().sqrt().float().double() / f32(math.sqrt(1.0 - beta2**step)).double()).float() + f32(eps)
     p.copy_(fma32(f32(-(lr / (1.0 - beta1**step))), (m.double() / denom.double()).float(), p1))
-    if q8:
+    if q8:  # exp_avg to nearest, exp_avg_sq stochastically with the high 16 random bits
         state["exp_avg"], state["exp_avg_scale"] = quantize(m, "exp_avg")
-        state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize(v, "exp_avg_sq")
+        state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize(v, "exp_avg_sq", step, round_index)
     elif state["exp_avg"].dtype == torch.bfloat16:  # exp_avg: the low 16 random bits, exp_avg_sq the high
         r = random_bits(step, round_index, m.numel())
         state["exp_avg"], state["exp_avg_sq"] = bf16_stochastic(m, r & 0xFFFF), bf16_stochastic(v, r >> 16)

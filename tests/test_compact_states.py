@@ -63,7 +63,9 @@ def test_engine_equals_the_flat_reference(mode, state_dtype):
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_gradient_accumulation_and_clipping(state_dtype):
     # GAS: the engine sums the micro-batches in fp32 in the same order as .grad; clipping: the
-    # reference applies clip_grad_norm_'s coefficient as the kernel's grad_scale
+    # reference applies clip_grad_norm_'s coefficient of the engine's norm as the kernel's grad_scale
+    # (its own fp64 norm, summed in another order, may differ in the last bit, and that bit may move
+    # a code by one step, the param by a few % of lr: not what this test is about)
     torch.manual_seed(0)
     ref_model = TinyNet()
     model = copy.deepcopy(ref_model)
@@ -74,20 +76,16 @@ def test_gradient_accumulation_and_clipping(state_dtype):
             for i in range(2):
                 (loss_fn(m, ids[i::2], labels[i::2], use_branch) / 2).backward()
         norm = torch.nn.utils.get_total_norm([p.grad for p in ref_model.parameters() if p.grad is not None])
-        ref.step(grad_scale=min(0.05 / (norm.item() + 1e-6), 1.0))
-        ref.zero_grad()
         opt.step()
         opt.zero_grad()
         assert opt.last.grad_norm > 0.05  # clipping was active
+        assert opt.last.grad_norm == pytest.approx(norm.item(), rel=1e-6)
+        ref.step(grad_scale=min(0.05 / (opt.last.grad_norm + 1e-6), 1.0))
+        ref.zero_grad()
     got = opt.state_tensors()
     torch.testing.assert_close(got["master"], ref.master, rtol=1e-5, atol=1e-6)
-    m, v = (t.float() if state_dtype == "bf16" else t.int() for t in (got["exp_avg"], got["exp_avg_sq"]))
-    want = [ref.moments[k].float() if state_dtype == "bf16" else ref.moments[k].int()
-            for k in ("exp_avg", "exp_avg_sq")]
-    # the clip coefficient may differ in its last bit (fp64 norm summed in another order): codes
-    # may move by one step, never more
-    assert (m - want[0]).abs().max() <= (1 if state_dtype == "int8" else 1e-3)
-    assert (v - want[1]).abs().max() <= (1 if state_dtype == "int8" else 1e-3)
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(got[k], ref.moments[k]), k
     opt.close()
 
 
@@ -204,11 +202,17 @@ def _sharded_job(rank, world, root):
 
 
 def assert_int8_close(got: dict, want: dict):
-    """Masters to fp32 rounding, codes within one step: the sharded gradient path sums a few
-    elements in another order than the one-process path (the last bit; fp32 states too)."""
-    torch.testing.assert_close(got["master"], want["master"], rtol=1e-5, atol=1e-6)
+    """The sharded gradient path sums a few elements in another order than the one-process path
+    (the last bit; fp32 states too). A last bit may move a code by one step, and that code its param
+    by a few % of lr. So: codes within one step and all but 1% equal; masters all within lr / 4 and
+    all but 1% to fp32 rounding (a systematic error, such as another element's random bits, moves
+    most codes and masters)."""
+    d = (got["master"] - want["master"]).abs()
+    assert d.max() <= LR / 4, d.max()
+    assert (d <= 1e-6 + 1e-5 * want["master"].abs()).float().mean() >= 0.99
     for k in ("exp_avg", "exp_avg_sq"):
-        assert (got[k].int() - want[k].int()).abs().max() <= 1, k
+        diff = (got[k].int() - want[k].int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.01, k
     for k in ("exp_avg_scale", "exp_avg_sq_scale"):
         torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-9)
 

@@ -303,11 +303,12 @@ def test_bad_state_dtype_and_param_dtype():
         CPUAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
 
 
-@pytest.mark.parametrize("state_dtype,tol", [("bf16", 0.01), ("int8", 0.03)])
+@pytest.mark.parametrize("state_dtype,tol", [("bf16", 0.01), ("int8", 0.05)])
 def test_compact_states_train_like_fp32(state_dtype, tol):
-    """Quality guard: 150 steps on 256 random targets (the loss plateaus well above 0) end no more
-    than tol above the fp32-state loss (the rounding changes the trajectory; measured: int8 ends
-    at 0.545 against fp32's 0.596)."""
+    """Quality guard: 150 full-batch steps on 256 random targets end no more than tol above the
+    fp32-state loss (the rounding changes the trajectory; measured: fp32 0.596, bf16 0.596, int8
+    0.615 with stochastically rounded exp_avg_sq codes; with to-nearest codes int8 ended at 0.545,
+    further from fp32 the other way: their frozen v made larger steps)."""
     gen = torch.Generator().manual_seed(5)
     x_all, y_all = torch.randn(256, 13, generator=gen), torch.randn(256, 5, generator=gen)
     losses = {}

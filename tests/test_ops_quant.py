@@ -126,7 +126,8 @@ def test_compact_bit_identical_across_levels_and_threads(kind):
 
 
 def test_sliced_steps_equal_one_call():
-    """The engine steps tiles of a shard: block-aligned slices give the bits of one whole call."""
+    """The engine steps tiles of a shard: block-aligned slices, each given its offset as round_index
+    (exp_avg_sq's stochastic rounding), give the bits of one whole call; without the offsets they do not."""
     n = 5 * 256 + 77
     gen = torch.Generator().manual_seed(11)
     p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
@@ -135,12 +136,15 @@ def test_sliced_steps_equal_one_call():
     p_whole, p_tiled = p0.clone(), p0.clone()
     ops.adam_step(p_whole, g, whole["exp_avg"], whole["exp_avg_sq"], step=1, exp_avg_scale=whole["exp_avg_scale"],
                   exp_avg_sq_scale=whole["exp_avg_sq_scale"], **HP)
+    unkeyed = _clone(tiled)
     for a, b in ((0, 512), (512, 768), (768, n)):
-        part = ops.state_slice(tiled, a, b)
-        ops.adam_step(p_tiled[a:b], g[a:b], **part, step=1, **HP)
+        ops.adam_step(p_tiled[a:b], g[a:b], **ops.state_slice(tiled, a, b), step=1, round_index=a, **HP)
+        ops.adam_step(p0.clone()[a:b], g[a:b], **ops.state_slice(unkeyed, a, b), step=1, **HP)
     assert torch.equal(p_whole, p_tiled)
     for k in whole:
         assert torch.equal(whole[k], tiled[k]), k
+    assert not torch.equal(whole["exp_avg_sq"], unkeyed["exp_avg_sq"])
+    assert torch.equal(whole["exp_avg"], unkeyed["exp_avg"])  # exp_avg rounds to nearest
 
 
 @pytest.mark.parametrize("src", ops.STATE_DTYPES)
@@ -293,3 +297,25 @@ def test_cpu_adam_refuses_a_state_dict_with_negative_scales():
     with pytest.raises(ValueError, match="exp_avg_scale has negative entries"):
         fresh.load_state_dict(sd)
     assert len(fresh.state) == 0  # nothing loaded
+
+
+def test_int8_exp_avg_sq_follows_a_falling_gradient():
+    """beta2 = 0.999 moves v by 0.1% of (g^2 - v) per step, far under half a code step (3-6%): to
+    nearest, the codes of a block whose absmax holds froze, and v stopped following its own
+    gradient. Stochastic rounding keeps the stored v unbiased. One block, element 0 the constant max,
+    the others' gradient falling from 0.3 to 0.1 at step 200: the kernel's stored v against the exact
+    recursion, and the same recursion with to-nearest codes (the reference's quantize without step)."""
+    n, b2 = 256, 0.999
+    g_hi, g_lo = torch.full((n,), 0.3), torch.full((n,), 0.1)
+    g_hi[0] = g_lo[0] = 1.0
+    st, p = ops.make_state(n, "int8"), torch.zeros(n)
+    exact, nearest = torch.zeros(n, dtype=torch.float64), torch.zeros(n)
+    for t in range(1, 801):
+        g = g_hi if t <= 200 else g_lo
+        ops.adam_step(p, g, **st, step=t, lr=0.0, beta2=b2)
+        exact = b2 * exact + (1 - b2) * g.double() ** 2
+        nearest = ref.dequantize(*ref.quantize(b2 * nearest + (1 - b2) * g * g, "exp_avg_sq"))
+        if t % 100 == 0:
+            stored = ops.dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_scale"])
+            assert abs(stored[1:].double().mean() / exact[1:].mean() - 1) < 0.03, t
+    assert nearest[1:].double().mean() / exact[1:].mean() > 3  # what the test guards against

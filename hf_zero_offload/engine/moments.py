@@ -12,7 +12,7 @@ and re-encoding the whole block (the untouched elements go through decode/encode
 fused kernel does to every element it touches anyway). Runs are visited in the same order at every
 world size, so the result does not depend on it.
 
-bf16 moments are stored with stochastic rounding keyed by the element's index in the flat layout
+bf16 moments and int8's exp_avg_sq are stored with stochastic rounding keyed by the element's index in the flat layout
 (``origin`` + offset in the slice), so the same element rounds the same way at any world size.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Moments:
 
     def __init__(self, regions: dict, state_dtype: str, origin: int = 0):
         self.state_dtype = state_dtype
-        self.origin = origin  # the slice's first element in the flat layout (bf16 rounding counter)
+        self.origin = origin  # the slice's first element in the flat layout (stochastic rounding counter)
         self.state = {k: regions[k] for k in moment_regions(1, state_dtype)}
         self.length = self.state["exp_avg"].numel()  # the region (a sharded slice may be padded)
 
@@ -82,7 +82,7 @@ class Moments:
             self._shared_block(a, head, *part(a, head), kw)
         if mid > head:
             m, g, o = part(head, mid)
-            ops.adam_step(m, g, param_out=o, **cut(self.state, head, mid), **kw)
+            ops.adam_step(m, g, param_out=o, round_index=self.origin + head, **cut(self.state, head, mid), **kw)
         if b > mid:
             self._shared_block(mid, b, *part(mid, b), kw)
 
@@ -92,5 +92,6 @@ class Moments:
         block = cut(self.state, s, min(s + Q, self.length))
         m, v = ops.state_to_fp32(block)
         ops.adam_step(master, grad, m[x0 - s:x1 - s], v[x0 - s:x1 - s], param_out=out, compact_math=True, **kw)
-        for k, t in ops.state_from_fp32(m, v, "int8").items():
+        # re-encoded as the kernel would store this block at this step (exp_avg_sq's random bits)
+        for k, t in ops.state_from_fp32(m, v, "int8", step=kw["step"], round_index=self.origin + s).items():
             block[k].copy_(t)
