@@ -319,3 +319,37 @@ def test_int8_exp_avg_sq_follows_a_falling_gradient():
             stored = ops.dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_scale"])
             assert abs(stored[1:].double().mean() / exact[1:].mean() - 1) < 0.03, t
     assert nearest[1:].double().mean() / exact[1:].mean() > 3  # what the test guards against
+
+
+@pytest.mark.parametrize("step,round_index", [(1, 0), (7, 12345), (2**31 + 5, 2**32 - 100)])
+def test_quantize_stochastic_matches_reference(step, round_index):
+    """exp_avg_sq as a step stores it (ops.quantize_blockwise(step=...), the scalar helpers the
+    kernels equal) against the reference's table search: magnitudes over the whole code range,
+    exact code values, both sides of the smallest normal code, zeros, 1.0 and an outlier."""
+    x = _wide(3 * 256 + 41, seed=step).abs()
+    x[:256] = x[:256].clamp(max=0.5)
+    x[0], x[600] = 1.0, 1e30  # block 0's max (its values are their own codes' scale); an outlier
+    x[1:40] = torch.tensor([2.0**-30 * (1 + k / 64) for k in range(-20, 19)])  # around 2^-30 = mag 8
+    x[40:60] = ref.magnitudes("exp_avg_sq")[torch.arange(0, 240, 12)].float()
+    x[300:310] = 0.0
+    codes, scales = ops.quantize_blockwise(x, "exp_avg_sq", step=step, round_index=round_index)
+    want_codes, want_scales = ref.quantize(x, "exp_avg_sq", step, round_index)
+    assert torch.equal(scales, want_scales) and torch.equal(codes, want_codes)
+    nearest, _ = ops.quantize_blockwise(x, "exp_avg_sq")
+    assert (codes.int() - nearest.int()).abs().max() <= 1 and not torch.equal(codes, nearest)
+    assert torch.equal(codes[40:60], nearest[40:60])  # exact code values never move
+
+
+def test_stochastic_codes_round_up_in_proportion():
+    """Over many steps (each its own random bits) a value 30% of the way from its code to the next
+    one rounds up 30% of the time; 70% for one in the evenly spaced range below the normal codes."""
+    x = torch.zeros(256)
+    x[0] = 1.0
+    x[1] = 0.5 + 0.3 * 0.0625  # codes 0.5 (mag 240) and 0.5625 (241)
+    x[2] = (2 + 0.7) * 2.0**-33  # mags 2 and 3 (step 2^-33)
+    ups = torch.zeros(3)
+    for step in range(1, 4001):
+        codes, _ = ops.quantize_blockwise(x, "exp_avg_sq", step=step)
+        ups += (codes[:3].long() == torch.tensor([248, 241, 3])).float()
+    assert ups[0] == 4000
+    assert abs(ups[1] / 4000 - 0.3) < 0.03 and abs(ups[2] / 4000 - 0.7) < 0.03, ups
