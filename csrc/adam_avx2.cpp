@@ -208,9 +208,9 @@ inline __m256i q_mag_sr_vec(__m256 n, __m256i r16) {
   return _mm256_min_epu32(_mm256_blendv_epi8(sub, normal, is_normal), _mm256_set1_epi32(F::kMaxMag));
 }
 
-// The high 16 of round_bits for the 8 lanes of idx (round_index + i + lane), and idx moved on by 8.
+// q8_round_bits for the 8 lanes of idx (round_index + i + lane), and idx moved on by 8.
 inline __m256i round_hi16(__m256i& idx, __m256i seed) {
-  const __m256i r = mix32_vec(_mm256_xor_si256(idx, seed));
+  const __m256i r = _mm256_mullo_epi32(_mm256_xor_si256(idx, seed), _mm256_set1_epi32(static_cast<int>(0x9e3779b1u)));
   idx = _mm256_add_epi32(idx, _mm256_set1_epi32(W));
   return _mm256_srli_epi32(r, 16);
 }
@@ -338,7 +338,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     }
     for (; j < e - b; ++j) {
       mc[b + j] = q_m(mb[j], minv);
-      vc[b + j] = q_v_sr(vb[j], vinv, round_bits(a, b + j) >> 16);
+      vc[b + j] = q_v_sr(vb[j], vinv, q8_round_bits(a.round_index + b + j, a.round_seed));
     }
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;

@@ -198,9 +198,9 @@ inline __m512i q_mag_sr_vec(__m512 n, __m512i r16) {
   return _mm512_min_epu32(_mm512_mask_blend_epi32(is_normal, sub, normal), _mm512_set1_epi32(F::kMaxMag));
 }
 
-// The high 16 of round_bits for the 16 lanes of idx (round_index + i + lane), and idx moved on by 16.
+// q8_round_bits for the 16 lanes of idx (round_index + i + lane), and idx moved on by 16.
 inline __m512i round_hi16(__m512i& idx, __m512i seed) {
-  const __m512i r = mix32_vec(_mm512_xor_si512(idx, seed));
+  const __m512i r = _mm512_mullo_epi32(_mm512_xor_si512(idx, seed), _mm512_set1_epi32(static_cast<int>(0x9e3779b1u)));
   idx = _mm512_add_epi32(idx, _mm512_set1_epi32(W));
   return _mm512_srli_epi32(r, 16);
 }
@@ -279,7 +279,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     }
     for (; j < e - b; ++j) {
       mc[b + j] = q_m(mb[j], minv);
-      vc[b + j] = q_v_sr(vb[j], vinv, round_bits(a, b + j) >> 16);
+      vc[b + j] = q_v_sr(vb[j], vinv, q8_round_bits(a.round_index + b + j, a.round_seed));
     }
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;

@@ -26,12 +26,17 @@
 // - exp_avg_sq is written with stochastic rounding (q_mag_sr), exp_avg to nearest. With beta2 =
 //   0.999 an element's v moves by 0.1% of (g^2 - v) per step, far under half a code step (3-6%), so
 //   to nearest its code relative to the block's (exact) absmax froze and v stopped following its
-//   own gradients: measured open loop (benchmarks/engine/compact_quality.py --open-loop), t5-demo,
-//   300 steps, the eval loss ended 2.4% off fp32's with nearest codes for both moments, 0.2% with
-//   stochastic ones for both and 0.04% with stochastic exp_avg_sq alone (beta1 = 0.9 moves m by
-//   10% per step, which nearest codes follow). The 16 random bits are the high half of the bf16
-//   kind's round_bits (mix32 of the element's flat index and the step), so codes do not depend on
-//   threads, tiles, instruction set or world size.
+//   own gradient (tests/test_ops_quant.py: a gradient falling from 0.3 to 0.1 left the stored v
+//   3.8x the exact one after 800 steps; stochastic: within 3%). Open loop (fp32's gradients drive
+//   each optimizer's copy: benchmarks/engine/compact_quality.py --open-loop), t5-small, 300 steps:
+//   eval loss 1.5% under fp32's at step 250 with nearest codes (frozen v, larger steps), 0.1% over
+//   with these. A plain-torch emulation on t5-demo: 2.4% off with nearest codes for both moments,
+//   0.2% with stochastic ones for both, 0.04% with stochastic exp_avg_sq alone (beta1 = 0.9 moves m
+//   by 10% per step, which nearest codes follow). The price: each stored v is noisy (the rounding
+//   errors of ~1000 steps add up under beta2; std 28% of v per element in that test, unbiased),
+//   and a few % more time per element in cache (AVX2, 1.34 -> 1.38-1.39 ns; 1.63 with bf16's mix32
+//   hash, hence q8_round_bits in adam.h). The 16 random bits are a function of the element's flat
+//   index and the step, so codes do not depend on threads, tiles, instruction set or world size.
 //   A stored value is code_value * scale (one fp32 multiply). Zero is a code (exact zeros stay zero:
 //   unused embedding rows, masked params); a v flushed to zero in a block with a 1e10x larger
 //   outlier gets an update bounded by its own m, whose code range flushes at the same scale.
@@ -147,14 +152,14 @@ inline void q_block_m(const float* x, size_t len, int8_t* codes, float* scale) {
   *scale = mx;
 }
 // exp_avg_sq: to nearest without a seed; with one (a step's round_seed), stochastically, element i
-// taking the high 16 bits of mix32(uint32(index + i) ^ seed) as round_bits gives them.
+// taking q8_round_bits(index + i, seed).
 inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale, const uint32_t* seed = nullptr,
                       uint64_t index = 0) {
   float mx = 0.0f;
   for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
   const float inv = q_inverse(mx);
   for (size_t i = 0; i < len; ++i) {
-    codes[i] = seed ? q_v_sr(x[i], inv, mix32(static_cast<uint32_t>(index + i) ^ *seed) >> 16) : q_v(x[i], inv);
+    codes[i] = seed ? q_v_sr(x[i], inv, q8_round_bits(index + i, *seed)) : q_v(x[i], inv);
   }
   *scale = mx;
 }

@@ -61,7 +61,7 @@ def stochastic_mag(n: torch.Tensor, moment: str, r16: torch.Tensor) -> torch.Ten
 def quantize(x: torch.Tensor, moment: str, step: int | None = None,
              round_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and block scales of fp32 ``x``; with ``step``, exp_avg_sq's codes are rounded
-    stochastically with the high 16 of ``random_bits(step, round_index, n)`` (what a step stores)."""
+    stochastically with ``q8_random_bits(step, round_index, n)`` (what a step stores)."""
     n = x.numel()
     nb = -(-n // BLOCK)
     a = torch.zeros(nb * BLOCK)
@@ -72,7 +72,7 @@ def quantize(x: torch.Tensor, moment: str, step: int | None = None,
     inv = torch.where(absmax >= torch.finfo(torch.float32).tiny, (1.0 / absmax.double()).float(), 0.0)
     scaled = (x.abs().double() * inv.repeat_interleave(BLOCK)[:n].double()).float()
     if step is not None and moment == "exp_avg_sq":
-        mag = stochastic_mag(scaled, moment, random_bits(step, round_index, n) >> 16)
+        mag = stochastic_mag(scaled, moment, q8_random_bits(step, round_index, n))
     else:
         mag = nearest_mag(scaled, moment)
     if moment == "exp_avg":
@@ -121,6 +121,14 @@ def random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
     return mix32(idx ^ seed)
 
 
+def q8_random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
+    """int8 exp_avg_sq's 16 random bits of element i: the high half of (uint32(round_index + i) ^ seed) * 0x9e3779b1
+    mod 2^32, seed as in ``random_bits``."""
+    seed = int(mix32(torch.tensor([(step & M32) ^ 0x9E3779B9]))[0])
+    idx = (torch.arange(n, dtype=torch.int64) + round_index) & M32
+    return (((idx ^ seed) * 0x9E3779B1) & M32) >> 16
+
+
 def bf16_stochastic(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     """fp32 -> bf16: the 16 random bits ``r16`` added to the fp32 bits, truncated; NaN -> quiet NaN."""
     u = x.view(torch.int32).long() & M32
@@ -158,7 +166,7 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
     else:
         denom = (v.double().sqrt().float().double() / f32(math.sqrt(1.0 - beta2**step)).double()).float() + f32(eps)
     p.copy_(fma32(f32(-(lr / (1.0 - beta1**step))), (m.double() / denom.double()).float(), p1))
-    if q8:  # exp_avg to nearest, exp_avg_sq stochastically with the high 16 random bits
+    if q8:  # exp_avg to nearest, exp_avg_sq stochastically (q8_random_bits)
         state["exp_avg"], state["exp_avg_scale"] = quantize(m, "exp_avg")
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize(v, "exp_avg_sq", step, round_index)
     elif state["exp_avg"].dtype == torch.bfloat16:  # exp_avg: the low 16 random bits, exp_avg_sq the high
