@@ -27,14 +27,15 @@
 //   0.999 an element's v moves by 0.1% of (g^2 - v) per step, far under half a code step (3-6%), so
 //   to nearest its code relative to the block's (exact) absmax froze and v stopped following its
 //   own gradient (tests/test_ops_quant.py: a gradient falling from 0.3 to 0.1 left the stored v
-//   3.8x the exact one after 800 steps; stochastic: within 3%). Open loop (fp32's gradients drive
-//   each optimizer's copy: benchmarks/engine/compact_quality.py --open-loop), t5-small, 300 steps:
+//   3.8x the exact one after 800 steps; stochastic: the mean within 1%). Open loop (fp32's
+//   gradients drive each optimizer's copy: benchmarks/engine/compact_quality.py --open-loop),
+//   t5-small, 300 steps:
 //   eval loss 1.5% under fp32's at step 250 with nearest codes (frozen v, larger steps), 0.1% over
 //   with these. A plain-torch emulation on t5-demo: 2.4% off with nearest codes for both moments,
 //   0.2% with stochastic ones for both, 0.04% with stochastic exp_avg_sq alone (beta1 = 0.9 moves m
 //   by 10% per step, which nearest codes follow). The price: each stored v is noisy (the rounding
-//   errors of ~1000 steps add up under beta2; std 28% of v per element in that test, unbiased),
-//   and a few % more time per element in cache (AVX2, 1.34 -> 1.38-1.39 ns; 1.63 with bf16's mix32
+//   errors of ~1000 steps add up under beta2; std 29% of v per element in that test, unbiased),
+//   and more time per element in cache (AVX2, 1.34 -> 1.38-1.52 ns, noisy host; 1.62 with bf16's mix32
 //   hash, hence q8_round_bits in adam.h). The 16 random bits are a function of the element's flat
 //   index and the step, so codes do not depend on threads, tiles, instruction set or world size.
 //   A stored value is code_value * scale (one fp32 multiply). Zero is a code (exact zeros stay zero:
@@ -134,7 +135,7 @@ inline int8_t q_m(float x, float inv) {
   return static_cast<int8_t>(std::signbit(x) ? -static_cast<int32_t>(mag) : static_cast<int32_t>(mag));
 }
 // exp_avg_sq is >= 0; |x| makes a -0 (or a foreign negative value) code like its magnitude. q_v:
-// to nearest (one-off conversions); q_v_sr: what a step stores (r16: round_bits(...) >> 16).
+// to nearest (one-off conversions); q_v_sr: what a step stores (r16: q8_round_bits in adam.h).
 inline uint8_t q_v(float x, float inv) { return static_cast<uint8_t>(q_mag<31>(std::fabs(x) * inv)); }
 inline uint8_t q_v_sr(float x, float inv, uint32_t r16) {
   return static_cast<uint8_t>(q_mag_sr<31>(std::fabs(x) * inv, r16));

@@ -302,12 +302,15 @@ def test_cpu_adam_refuses_a_state_dict_with_negative_scales():
 def test_int8_exp_avg_sq_follows_a_falling_gradient():
     """beta2 = 0.999 moves v by 0.1% of (g^2 - v) per step, far under half a code step (3-6%): to
     nearest, the codes of a block whose absmax holds froze, and v stopped following its own
-    gradient. Stochastic rounding keeps the stored v unbiased. One block, element 0 the constant max,
-    the others' gradient falling from 0.3 to 0.1 at step 200: the kernel's stored v against the exact
-    recursion, and the same recursion with to-nearest codes (the reference's quantize without step)."""
-    n, b2 = 256, 0.999
+    gradient. Stochastic rounding keeps the stored v unbiased. Eight blocks, each with its element 0
+    the constant max, the others' gradient falling from 0.3 to 0.1 at step 200: the mean of the
+    kernel's stored v (each element's is noisy, ~30% std, so 2040 of them: ~0.7% for the mean) against
+    the exact recursion, and the same recursion with to-nearest codes (the reference's quantize
+    without step)."""
+    n, b2 = 8 * 256, 0.999
     g_hi, g_lo = torch.full((n,), 0.3), torch.full((n,), 0.1)
-    g_hi[0] = g_lo[0] = 1.0
+    g_hi[::256] = g_lo[::256] = 1.0
+    rest = torch.arange(n) % 256 != 0
     st, p = ops.make_state(n, "int8"), torch.zeros(n)
     exact, nearest = torch.zeros(n, dtype=torch.float64), torch.zeros(n)
     for t in range(1, 801):
@@ -317,8 +320,8 @@ def test_int8_exp_avg_sq_follows_a_falling_gradient():
         nearest = ref.dequantize(*ref.quantize(b2 * nearest + (1 - b2) * g * g, "exp_avg_sq"))
         if t % 100 == 0:
             stored = ops.dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_scale"])
-            assert abs(stored[1:].double().mean() / exact[1:].mean() - 1) < 0.03, t
-    assert nearest[1:].double().mean() / exact[1:].mean() > 3  # what the test guards against
+            assert abs(stored[rest].double().mean() / exact[rest].mean() - 1) < 0.03, t
+    assert nearest[rest].double().mean() / exact[rest].mean() > 3  # what the test guards against
 
 
 @pytest.mark.parametrize("step,round_index", [(1, 0), (7, 12345), (2**31 + 5, 2**32 - 100)])
