@@ -49,10 +49,10 @@ struct AdamArgs {
   float step_size;         // lr / (1 - beta1^step), computed in double
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed in double
   float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step), in double: the compact kinds' form
-  // BF16 moments (and Q8's exp_avg_sq, with q8_round_bits) are stored with stochastic rounding
-  // (f32_to_bf16_sr, q_mag_sr in quant.h): element i's 32 random bits
-  // are mix32(uint32(round_index + i) ^ round_seed), a pure function of (step, index), so the
-  // result does not depend on the thread split, the tiling or the instruction set.
+  // BF16 moments and Q8's exp_avg_sq are stored with stochastic rounding (f32_to_bf16_sr, q_mag_sr
+  // in quant.h). BF16's 32 random bits of element i are mix32(uint32(round_index + i) ^ round_seed)
+  // (round_bits), Q8's 16 are q8_round_bits(round_index + i, round_seed): pure functions of (step,
+  // index), so the result does not depend on the thread split, the tiling or the instruction set.
   uint32_t round_seed;     // mix32 of the step (make_adam_args)
   uint64_t round_index;    // index of element 0 of these arrays in the caller's flat state
   // F32 moments updated with the compact kinds' math (adam_math<true>): an int8 block decoded to

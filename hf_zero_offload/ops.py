@@ -306,11 +306,11 @@ def quantize_blockwise(x: torch.Tensor, moment: str, *, step: int | None = None,
         raise ValueError(f"moment must be 'exp_avg' or 'exp_avg_sq'; got {moment!r}")
     _check("x", x, (torch.float32,))
     sq = moment == "exp_avg_sq"
+    if step is not None and step < 1:
+        raise ValueError(f"step must be >= 1 (the 1-based step count); got {step}")
     codes = torch.empty(x.numel(), dtype=torch.uint8 if sq else torch.int8)
     scales = torch.empty(_num_scales(x.numel()))
     if x.numel():
-        if step is not None and step < 1:
-            raise ValueError(f"step must be >= 1 (the 1-based step count); got {step}")
         _C.quantize(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), sq, x.numel(), _threads(num_threads),
                     int(step or 0), int(round_index) % 2**64)
     return codes, scales

@@ -114,19 +114,22 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
-    """Element i's 32 random bits: mix32(uint32(round_index + i) ^ mix32(uint32(step) ^ 0x9e3779b9))."""
+def keyed_indices(step: int, round_index: int, n: int) -> torch.Tensor:
+    """uint32(round_index + i) ^ seed for each element i, seed = mix32(uint32(step) ^ 0x9e3779b9)
+    (the kernels' round_seed): what both kinds of random bits are made from."""
     seed = int(mix32(torch.tensor([(step & M32) ^ 0x9E3779B9]))[0])
-    idx = (torch.arange(n, dtype=torch.int64) + round_index) & M32
-    return mix32(idx ^ seed)
+    return ((torch.arange(n, dtype=torch.int64) + round_index) & M32) ^ seed
+
+
+def random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
+    """bf16 moments: element i's 32 random bits, mix32 of its keyed index."""
+    return mix32(keyed_indices(step, round_index, n))
 
 
 def q8_random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
-    """int8 exp_avg_sq's 16 random bits of element i: the high half of (uint32(round_index + i) ^ seed) * 0x9e3779b1
-    mod 2^32, seed as in ``random_bits``."""
-    seed = int(mix32(torch.tensor([(step & M32) ^ 0x9E3779B9]))[0])
-    idx = (torch.arange(n, dtype=torch.int64) + round_index) & M32
-    return (((idx ^ seed) * 0x9E3779B1) & M32) >> 16
+    """int8 exp_avg_sq: element i's 16 random bits, the high half of its keyed index times
+    0x9e3779b1 mod 2^32."""
+    return ((keyed_indices(step, round_index, n) * 0x9E3779B1) & M32) >> 16
 
 
 def bf16_stochastic(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:

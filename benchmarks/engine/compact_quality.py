@@ -336,7 +336,8 @@ def main(argv=None) -> int:
         print_table(summary, [("state_dtype", "state_dtype", "s"), ("mean_vs_fp32", "mean", ".4f"),
                               ("min_vs_fp32", "min", ".4f"), ("max_vs_fp32", "max", ".4f"),
                               ("last3_mean_vs_fp32", "last 3 evals, mean", ".4f")])
-    for line in target_lines(summary):
+    targets = target_lines(summary)
+    for line in targets:
         print(line)
     if args.png:
         plot([r for r in runs if r["seed"] == seeds[0]], args.png,
@@ -344,7 +345,7 @@ def main(argv=None) -> int:
              + (", open loop" if args.open_loop else ""))
     write_json(args.json, {"hardware_line": hardware_line(info), "hardware": info, "args": vars(args),
                            "host_memory_t5_3b": mem, "runs": runs, "summary": summary,
-                           "targets": target_lines(summary)})
+                           "targets": targets})
     return 0
 
 
