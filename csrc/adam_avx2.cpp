@@ -162,72 +162,58 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
 
 template <int EB>
 inline __m256 dq_mag_vec(__m256i mag) {
-  using F = QFormat<EB>;
-  const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(F::kNormBias)), 20));
-  const __m256 neg_min_normal = _mm256_castsi256_ps(_mm256_set1_epi32(F::kMinNormalBits | 0x80000000u));
-  const __m256 sub = _mm256_fmadd_ps(normal, _mm256_set1_ps(2.0f), neg_min_normal);  // dq_mag: exact
-  return _mm256_min_ps(sub, normal);
+  const __m256i c = _mm256_set1_epi32(QFormat<EB>::kShiftBits);
+  return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(c, _mm256_slli_epi32(mag, 20))), _mm256_castsi256_ps(c));
 }
 
 inline __m256 dq_m_vec(const int8_t* p) {
   const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256 x = dq_mag_vec<15>(_mm256_abs_epi32(c));
+  const __m256 x = dq_mag_vec<16>(_mm256_abs_epi32(c));
   return _mm256_xor_ps(x, _mm256_castsi256_ps(_mm256_and_si256(c, _mm256_set1_epi32(INT32_MIN))));
 }
 
 inline __m256 dq_v_vec(const uint8_t* p) {
-  return dq_mag_vec<31>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return dq_mag_vec<32>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// n >= 0 (or a NaN): q_mag's operations lane by lane; C's bits compare as signed ints.
+// q_mag_r lane by lane: n >= 0 (or a NaN), r < 2^20 per lane (the min compares unsigned).
 template <int EB>
-inline __m256i q_mag_vec(__m256 n) {
+inline __m256i q_mag_r_vec(__m256 n, __m256i r) {
   using F = QFormat<EB>;
-  const __m256i magic = _mm256_set1_epi32(F::kMagicBits);
-  const __m256i u = _mm256_castps_si256(n);
-  const __m256i c = _mm256_max_epi32(
-      _mm256_add_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)), _mm256_set1_epi32(20 << 23)), magic);
-  const __m256i d = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(n, _mm256_castsi256_ps(c))), c);
-  const __m256i mag = _mm256_add_epi32(d, _mm256_srli_epi32(_mm256_sub_epi32(c, magic), 20));
+  const __m256i c = _mm256_set1_epi32(F::kShiftBits);
+  const __m256i u = _mm256_castps_si256(_mm256_add_ps(n, _mm256_castsi256_ps(c)));
+  const __m256i mag = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_sub_epi32(r, c)), 20);
   return _mm256_min_epu32(mag, _mm256_set1_epi32(F::kMaxMag));
 }
-
-// q_mag_sr lane by lane: both forms computed, the unsigned compare u >= kMinNormalBits (as
-// max_epu32(u, min) == u) picks one. The truncation's 0x80000000 in lanes that take the first form
-// is discarded.
 template <int EB>
-inline __m256i q_mag_sr_vec(__m256 n, __m256i r16) {
-  using F = QFormat<EB>;
-  const __m256i u = _mm256_castps_si256(n);
-  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, _mm256_slli_epi32(r16, 4)), 20),
-                                          _mm256_set1_epi32(F::kNormBias));
-  const __m256i fixed = _mm256_cvttps_epi32(_mm256_mul_ps(n, _mm256_castsi256_ps(_mm256_set1_epi32(F::kSubScaleBits))));
-  const __m256i sub = _mm256_srli_epi32(_mm256_add_epi32(fixed, r16), 16);
-  const __m256i min_normal = _mm256_set1_epi32(F::kMinNormalBits);
-  const __m256i is_normal = _mm256_cmpeq_epi32(_mm256_max_epu32(u, min_normal), u);
-  return _mm256_min_epu32(_mm256_blendv_epi8(sub, normal, is_normal), _mm256_set1_epi32(F::kMaxMag));
+inline __m256i q_mag_vec(__m256 n) { return q_mag_r_vec<EB>(n, _mm256_set1_epi32(1 << 19)); }
+
+// q8_round_bits for the 8 lanes whose index * 0x9e3779b1 is in weyl, and weyl moved on by 8 indices.
+inline __m256i round_hi20(__m256i& weyl, __m256i seed) {
+  const __m256i r = _mm256_srli_epi32(_mm256_xor_si256(weyl, seed), 12);
+  weyl = _mm256_add_epi32(weyl, _mm256_set1_epi32(static_cast<int>(8u * 0x9e3779b1u)));
+  return r;
 }
 
-// q8_round_bits for the 8 lanes of idx (round_index + i + lane), and idx moved on by 8.
-inline __m256i round_hi16(__m256i& idx, __m256i seed) {
-  const __m256i r = _mm256_mullo_epi32(_mm256_xor_si256(idx, seed), _mm256_set1_epi32(static_cast<int>(0x9e3779b1u)));
-  idx = _mm256_add_epi32(idx, _mm256_set1_epi32(W));
-  return _mm256_srli_epi32(r, 16);
+// weyl for round_hi20: lane l holds (first + l) * 0x9e3779b1 mod 2^32.
+inline __m256i weyl_of(uint64_t first) {
+  return _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                            _mm256_set1_epi32(static_cast<int>(0x9e3779b1u)));
 }
 
 // A function, not a global: a global would run an AVX instruction at load time on any CPU.
 inline __m256 abs_mask() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)); }
 
 inline void q_m_vec(__m256 x, __m256 inv, int8_t* dst) {
-  const __m256i mag = q_mag_vec<15>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
+  const __m256i mag = q_mag_vec<16>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
   const __m256i s = _mm256_srai_epi32(_mm256_castps_si256(x), 31);
   const __m256i c = _mm256_sub_epi32(_mm256_xor_si256(mag, s), s);  // -mag where the sign bit is set
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packs_epi16(w, w));
 }
 
-inline void q_v_vec(__m256 x, __m256 inv, __m256i r16, uint8_t* dst) {
-  const __m256i c = q_mag_sr_vec<31>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv), r16);
+inline void q_v_vec(__m256 x, __m256 inv, __m256i r20, uint8_t* dst) {
+  const __m256i c = q_mag_r_vec<32>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv), r20);
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w, w));
 }
@@ -246,7 +232,7 @@ inline __m256i unshuffle_x4(__m256i w) {
 inline void q_m_x4(const float* x, __m256 inv, int8_t* dst) {
   const __m256 x0 = _mm256_load_ps(x), x1 = _mm256_load_ps(x + W), x2 = _mm256_load_ps(x + 2 * W),
                x3 = _mm256_load_ps(x + 3 * W);
-  auto mag = [&](__m256 v) { return q_mag_vec<15>(_mm256_mul_ps(_mm256_and_ps(v, abs_mask()), inv)); };
+  auto mag = [&](__m256 v) { return q_mag_vec<16>(_mm256_mul_ps(_mm256_and_ps(v, abs_mask()), inv)); };
   const __m256i m =
       _mm256_packus_epi16(_mm256_packus_epi32(mag(x0), mag(x1)), _mm256_packus_epi32(mag(x2), mag(x3)));
   auto bits = [](__m256 v) { return _mm256_castps_si256(v); };
@@ -257,13 +243,13 @@ inline void q_m_x4(const float* x, __m256 inv, int8_t* dst) {
 
 // The update's exp_avg_sq: fma(1 - beta2, g*g, v0 * beta2) with v0 a code (>= 0) times a scale that
 // ops.check_scales keeps >= 0, so it is +0, positive, +inf or NaN, never negative: q_v's |x| is x,
-// and a NaN of either sign clamps to the top code in q_mag_sr_vec. One op fewer per vector, here and
-// in the block max (measured 1.51 -> 1.37-1.40 ns/param single-threaded). idx: as round_hi16's.
-inline void q_v_x4(const float* x, __m256 inv, __m256i& idx, __m256i seed, uint8_t* dst) {
+// and a NaN of either sign clamps to the top code in q_mag_r_vec. One op fewer per vector, here and
+// in the block max (measured 1.51 -> 1.37-1.40 ns/param single-threaded). weyl: as round_hi20's.
+inline void q_v_x4(const float* x, __m256 inv, __m256i& weyl, __m256i seed, uint8_t* dst) {
   // one declaration: its initializers run in order, so vector q takes the indices of elements 8q..8q+7
-  const __m256i r0 = round_hi16(idx, seed), r1 = round_hi16(idx, seed), r2 = round_hi16(idx, seed),
-                r3 = round_hi16(idx, seed);
-  auto mag = [&](const float* p, __m256i r) { return q_mag_sr_vec<31>(_mm256_mul_ps(_mm256_load_ps(p), inv), r); };
+  const __m256i r0 = round_hi20(weyl, seed), r1 = round_hi20(weyl, seed), r2 = round_hi20(weyl, seed),
+                r3 = round_hi20(weyl, seed);
+  auto mag = [&](const float* p, __m256i r) { return q_mag_r_vec<32>(_mm256_mul_ps(_mm256_load_ps(p), inv), r); };
   const __m256i c = _mm256_packus_epi16(_mm256_packus_epi32(mag(x, r0), mag(x + W, r1)),
                                         _mm256_packus_epi32(mag(x + 2 * W, r2), mag(x + 3 * W, r3)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(c));
@@ -317,8 +303,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
     // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l
-    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(a.round_index + b))),
-                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i weyl = weyl_of(a.round_index + b);
     auto param = [&](size_t j) {
       const size_t i = b + j;
       const __m256 p = param_vec<true>(c, _mm256_loadu_ps(a.param + i), _mm256_load_ps(mb + j), _mm256_load_ps(vb + j));
@@ -329,12 +314,12 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     for (; j + 4 * W <= nv; j += 4 * W) {
       for (size_t q = 0; q < 4 * W; q += W) param(j + q);
       q_m_x4(mb + j, mdv, mc + b + j);
-      q_v_x4(vb + j, vdv, idx, seed, vc + b + j);
+      q_v_x4(vb + j, vdv, weyl, seed, vc + b + j);
     }
     for (; j < nv; j += W) {
       param(j);
       q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
-      q_v_vec(_mm256_load_ps(vb + j), vdv, round_hi16(idx, seed), vc + b + j);
+      q_v_vec(_mm256_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
     }
     for (; j < e - b; ++j) {
       mc[b + j] = q_m(mb[j], minv);

@@ -154,55 +154,43 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
 
 template <int EB>
 inline __m512 dq_mag_vec(__m512i mag) {
-  using F = QFormat<EB>;
-  const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(F::kNormBias)), 20));
-  const __m512 neg_min_normal = _mm512_castsi512_ps(_mm512_set1_epi32(F::kMinNormalBits | 0x80000000u));
-  const __m512 sub = _mm512_fmadd_ps(normal, _mm512_set1_ps(2.0f), neg_min_normal);  // dq_mag: exact
-  return _mm512_min_ps(sub, normal);
+  const __m512i c = _mm512_set1_epi32(QFormat<EB>::kShiftBits);
+  return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_add_epi32(c, _mm512_slli_epi32(mag, 20))), _mm512_castsi512_ps(c));
 }
 
 inline __m512 dq_m_vec(const int8_t* p) {
   const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i x = _mm512_castps_si512(dq_mag_vec<15>(_mm512_abs_epi32(c)));
+  const __m512i x = _mm512_castps_si512(dq_mag_vec<16>(_mm512_abs_epi32(c)));
   return _mm512_castsi512_ps(_mm512_xor_si512(x, _mm512_and_si512(c, _mm512_set1_epi32(INT32_MIN))));
 }
 
 inline __m512 dq_v_vec(const uint8_t* p) {
-  return dq_mag_vec<31>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return dq_mag_vec<32>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// n >= 0 (or a NaN): q_mag's operations lane by lane; C's bits compare as signed ints.
+// q_mag_r lane by lane: n >= 0 (or a NaN), r < 2^20 per lane (the min compares unsigned).
 template <int EB>
-inline __m512i q_mag_vec(__m512 n) {
+inline __m512i q_mag_r_vec(__m512 n, __m512i r) {
   using F = QFormat<EB>;
-  const __m512i magic = _mm512_set1_epi32(F::kMagicBits);
-  const __m512i u = _mm512_castps_si512(n);
-  const __m512i c = _mm512_max_epi32(
-      _mm512_add_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(20 << 23)), magic);
-  const __m512i d = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(n, _mm512_castsi512_ps(c))), c);
-  const __m512i mag = _mm512_add_epi32(d, _mm512_srli_epi32(_mm512_sub_epi32(c, magic), 20));
+  const __m512i c = _mm512_set1_epi32(F::kShiftBits);
+  const __m512i u = _mm512_castps_si512(_mm512_add_ps(n, _mm512_castsi512_ps(c)));
+  const __m512i mag = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_sub_epi32(r, c)), 20);
   return _mm512_min_epu32(mag, _mm512_set1_epi32(F::kMaxMag));
 }
-
-// q_mag_sr lane by lane: both forms computed, the unsigned compare u >= kMinNormalBits picks one.
-// The truncation's 0x80000000 in lanes that take the first form is discarded.
 template <int EB>
-inline __m512i q_mag_sr_vec(__m512 n, __m512i r16) {
-  using F = QFormat<EB>;
-  const __m512i u = _mm512_castps_si512(n);
-  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_slli_epi32(r16, 4)), 20),
-                                          _mm512_set1_epi32(F::kNormBias));
-  const __m512i fixed = _mm512_cvttps_epi32(_mm512_mul_ps(n, _mm512_castsi512_ps(_mm512_set1_epi32(F::kSubScaleBits))));
-  const __m512i sub = _mm512_srli_epi32(_mm512_add_epi32(fixed, r16), 16);
-  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(F::kMinNormalBits));
-  return _mm512_min_epu32(_mm512_mask_blend_epi32(is_normal, sub, normal), _mm512_set1_epi32(F::kMaxMag));
+inline __m512i q_mag_vec(__m512 n) { return q_mag_r_vec<EB>(n, _mm512_set1_epi32(1 << 19)); }
+
+// q8_round_bits for the 16 lanes whose index * 0x9e3779b1 is in weyl, and weyl moved on by 16 indices.
+inline __m512i round_hi20(__m512i& weyl, __m512i seed) {
+  const __m512i r = _mm512_srli_epi32(_mm512_xor_si512(weyl, seed), 12);
+  weyl = _mm512_add_epi32(weyl, _mm512_set1_epi32(static_cast<int>(16u * 0x9e3779b1u)));
+  return r;
 }
 
-// q8_round_bits for the 16 lanes of idx (round_index + i + lane), and idx moved on by 16.
-inline __m512i round_hi16(__m512i& idx, __m512i seed) {
-  const __m512i r = _mm512_mullo_epi32(_mm512_xor_si512(idx, seed), _mm512_set1_epi32(static_cast<int>(0x9e3779b1u)));
-  idx = _mm512_add_epi32(idx, _mm512_set1_epi32(W));
-  return _mm512_srli_epi32(r, 16);
+// weyl for round_hi20: lane l holds (first + l) * 0x9e3779b1 mod 2^32.
+inline __m512i weyl_of(uint64_t first) {
+  return _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                            _mm512_set1_epi32(static_cast<int>(0x9e3779b1u)));
 }
 
 // A function, not a global: a global would run an AVX512 instruction at load time on any CPU.
@@ -212,14 +200,14 @@ inline __m512 abs_ps(__m512 x) {
 }
 
 inline void q_m_vec(__m512 x, __m512 inv, int8_t* dst) {
-  const __m512i mag = q_mag_vec<15>(_mm512_mul_ps(abs_ps(x), inv));
+  const __m512i mag = q_mag_vec<16>(_mm512_mul_ps(abs_ps(x), inv));
   const __m512i s = _mm512_srai_epi32(_mm512_castps_si512(x), 31);
   const __m512i c = _mm512_sub_epi32(_mm512_xor_si512(mag, s), s);  // -mag where the sign bit is set
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // |c| <= 120: exact
 }
 
-inline void q_v_vec(__m512 x, __m512 inv, __m512i r16, uint8_t* dst) {
-  const __m512i c = q_mag_sr_vec<31>(_mm512_mul_ps(abs_ps(x), inv), r16);
+inline void q_v_vec(__m512 x, __m512 inv, __m512i r20, uint8_t* dst) {
+  const __m512i c = q_mag_r_vec<32>(_mm512_mul_ps(abs_ps(x), inv), r20);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // c <= 248: exact
 }
 
@@ -270,12 +258,11 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m512 mdv = _mm512_set1_ps(minv), vdv = _mm512_set1_ps(vinv);
     // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l
-    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(a.round_index + b))),
-                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __m512i weyl = weyl_of(a.round_index + b);
     size_t j = 0;
     for (; j + W <= e - b; j += W) {
       q_m_vec(_mm512_load_ps(mb + j), mdv, mc + b + j);
-      q_v_vec(_mm512_load_ps(vb + j), vdv, round_hi16(idx, seed), vc + b + j);
+      q_v_vec(_mm512_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
     }
     for (; j < e - b; ++j) {
       mc[b + j] = q_m(mb[j], minv);

@@ -12,16 +12,27 @@
 // - A dynamic-exponent code, the property that makes the paper's "dynamic tree" map work: relative
 //   (not absolute) precision over many orders of magnitude, so small moments in a block with an
 //   outlier are not flushed to zero. The paper's tree spends its bits on powers of ten and needs
-//   a search of a 256-entry table per element; here the exponent is a power of two, so the code is
-//   a small floating-point format with 3 fraction bits and round-to-nearest-even is one float add
-//   of a power of two picked from the exponent bits (q_mag): a handful of vector ops per element,
-//   exact (it is the nearest code; tests check that against the full table), no table, no gather.
-//   Cost per element and moment: one multiply by the block's reciprocal and 9 vector ops to encode
-//   the magnitude, 4 to decode it (with the 256-bit packs, ~1 more per element to store the bytes).
-//     exp_avg    int8: sign and magnitude 0..120; magnitude value = 2^(e-15) * (1 + f/8) with
-//                e = mag>>3 >= 1, f = mag&7, and mag*2^-17 below 8 (evenly spaced, like IEEE
-//                subnormals); 1.0 is mag 120. 241 values, 2^-17 (7.6e-6) to 1, <= 6.25% error.
-//     exp_avg_sq uint8: the same with exponent bias 31: 2^-33 (1.2e-10) to 1 (mag 248), i.e. the
+//   a search of a 256-entry table per element; here the exponent is a power of two and the code is
+//   read straight off fp32 bits: a small float format with 3 fraction bits, shifted by a constant c
+//   so that zero is a code without a subnormal branch. With c = 2^(1-EB) (EB the exponent bias):
+//     encode n in [0, 1]:  s = fp32(n + c) (one add, >= c, so always a normal float);
+//                          mag = (bits(s) - bits(c) + R) >> 20, clamped to bits(1.0)'s mag;
+//                          R = 2^19 rounds to nearest (ties up), R = 20 random bits stochastically;
+//     decode mag:          fp32(bits_f32(bits(c) + (mag << 20)) - c).
+//   The codes are the floats s >= c whose low 20 bits are 0, counted from c: so the integer
+//   (bits(s) - bits(c)) >> 20 is the code at or below s, its low 20 bits are s's distance above it
+//   in 2^-20 of the code step, and R decides the rounding. Below c the steps are c/8 (the shift
+//   makes the first binade's codes 0, c/8, ..., 7c/8, like IEEE subnormals); far above c the map is
+//   plain 3-fraction-bit floating point (the shift changes a value by c, under its own ulp).
+//   Per element and moment: one multiply by the block's reciprocal, 4 vector ops to encode (add,
+//   integer add, shift, min) and 3 to decode (shift, integer add, subtract). An earlier map (no
+//   shift, a blend between a subnormal and a normal form, ties to even) took 9-12 ops to encode
+//   and 4 to decode; this one made the AVX2 int8 step 1.54 -> 1.12 ns/param in cache
+//   (benchmarks/kernel/adam_micro.cpp). Checkpoints written with that map (hf_zero_offload < the
+//   int8_codes=2 marker) are decoded with it and converted on load (ops.legacy_q8_values).
+//     exp_avg    int8: sign and magnitude 0..120, EB = 16: 2^-18 (3.8e-6) to 1.0 (mag 120), 241
+//                values, <= 6.25% relative error above 2^-12.
+//     exp_avg_sq uint8: magnitude 0..248, EB = 32: 2^-34 (5.8e-11) to 1.0 (mag 248), i.e. the
 //                square of exp_avg's range, because v ~ g^2 and the update divides by sqrt(v).
 // - exp_avg_sq is written with stochastic rounding (q_mag_sr), exp_avg to nearest. With beta2 =
 //   0.999 an element's v moves by 0.1% of (g^2 - v) per step, far under half a code step (3-6%), so
@@ -35,8 +46,8 @@
 //   0.2% with stochastic ones for both, 0.04% with stochastic exp_avg_sq alone (beta1 = 0.9 moves m
 //   by 10% per step, which nearest codes follow). The price: each stored v is noisy (the rounding
 //   errors of ~1000 steps add up under beta2; std 29% of v per element in that test, unbiased),
-//   and more time per element in cache (AVX2, 1.34 -> 1.38-1.52 ns, noisy host; 1.62 with bf16's mix32
-//   hash, hence q8_round_bits in adam.h). The 16 random bits are a function of the element's flat
+//   and more time per element (with the earlier map: AVX2 in cache 1.34 -> 1.38-1.52 ns, 1.62 with
+//   bf16's mix32 hash, hence q8_round_bits in adam.h). The 20 random bits are a function of the element's flat
 //   index and the step, so codes do not depend on threads, tiles, instruction set or world size.
 //   A stored value is code_value * scale (one fp32 multiply). Zero is a code (exact zeros stay zero:
 //   unused embedding rows, masked params); a v flushed to zero in a block with a 1e10x larger
@@ -57,72 +68,43 @@ constexpr size_t kQBlock = 256;  // elements per scale; ops.QUANT_BLOCK
 
 namespace {
 
-// The code format with exponent bias EB (15: exp_avg, 31: exp_avg_sq).
+// The code format with exponent bias EB (16: exp_avg, 32: exp_avg_sq).
 template <int EB>
 struct QFormat {
-  static constexpr uint32_t kNormBias = (127u - EB) << 3;      // mag = (fp32 bits rounded at bit 20) - this
-  static constexpr uint32_t kMinNormalBits = (128u - EB) << 23;  // 2^(1-EB): the smallest value with mag 8
-  static constexpr uint32_t kMagicBits = (148u - EB) << 23;      // 2^(21-EB): its ulp is the step 2^(-2-EB)
-  static constexpr uint32_t kMaxMag = EB << 3;                   // 1.0
-  static constexpr uint32_t kSubScaleBits = (145u + EB) << 23;   // 2^(18+EB): q_mag_sr's fixed point
+  static constexpr uint32_t kShiftBits = (128u - EB) << 23;  // c = 2^(1-EB), the shift
+  static constexpr uint32_t kMaxMag = (EB - 1u) << 3;         // 1.0's code: (bits(1.0) - bits(c)) >> 20
 };
-using QM = QFormat<15>;  // exp_avg
-using QV = QFormat<31>;  // exp_avg_sq
+using QM = QFormat<16>;  // exp_avg
+using QV = QFormat<32>;  // exp_avg_sq
 
-// Nearest magnitude code of n >= 0 (ties to even), clamped to 1.0's (n <= 1 by construction; a NaN
-// clamps too, deterministically). One float add rounds n to the code's step: C is 2^20 times n's
-// binade (2^E), or 2^(21-EB) below the smallest normal code, so n + C lands in C's binade, whose ulp
-// is 2^(E-3) (3 fraction bits) or 2^(-2-EB) (the subnormal step), and the hardware's
-// round-to-nearest-even does the rounding. The bits of n + C minus C's count steps of that ulp
-// from C: 8 + f in a normal binade, to which (C - 2^(21-EB)) >> 20 = 8 (E + EB - 1) adds the
-// exponent; 0 below. A carry into the next binade gives the next exponent's f = 0. Huge n, inf and
-// NaN wrap the exponent add negative (signed max takes 2^(21-EB)) and clamp. Checked against the
-// textbook form (integer round-to-nearest-even of the fp32 bits at bit 20, subnormals by a magic
-// add) for all 2^32 inputs in its domain (n >= 0 and NaNs): benchmarks/kernel/check_codes.cpp.
+// The magnitude code of n >= 0 (or a NaN): r (< 2^20) added below the kept bits of fp32(n + c)
+// counted from c, then truncation. r = 2^19: nearest, ties up; r random: up with probability (the
+// distance above the code below) / (the code step), in 2^-20 steps. Huge n, inf and NaN of either
+// sign land above 1.0's code (the sum stays below 2^32: bits(c) >= 2^28 > r) and clamp to it.
 template <int EB>
-inline uint32_t q_mag(float n) {
+inline uint32_t q_mag_r(float n, uint32_t r) {
   using F = QFormat<EB>;
-  const int32_t e20 = static_cast<int32_t>((f32_bits(n) & 0x7f800000u) + (20u << 23));
-  const uint32_t c = static_cast<uint32_t>(std::max(e20, static_cast<int32_t>(F::kMagicBits)));
-  const uint32_t mag = (f32_bits(n + bits_f32(c)) - c) + ((c - F::kMagicBits) >> 20);
+  const uint32_t mag = (f32_bits(n + bits_f32(F::kShiftBits)) + (r - F::kShiftBits)) >> 20;
   return mag < F::kMaxMag ? mag : F::kMaxMag;
 }
-
-// Magnitude code of n >= 0 (or a NaN), rounded up with probability (its distance above the code
-// below) / (the code step), in 2^-16 steps: r16 (16 random bits) added below the kept bits, then
-// truncation. Normal codes keep fp32's bits down to bit 20, so r16 << 4 goes under them; below the
-// smallest normal code the step is 2^(-2-EB), and n * 2^(18+EB) (exact: a power of two, < 2^19)
-// truncated to an integer holds n in steps with 16 bits under them. The code above 1.0's clamps; so
-// do huge n, inf and NaN of either sign (the unsigned compare sends them to the first form, whose
-// 32-bit sum may wrap, and a wrapped or large result is above the clamp).
 template <int EB>
-inline uint32_t q_mag_sr(float n, uint32_t r16) {
-  using F = QFormat<EB>;
-  const uint32_t u = f32_bits(n);
-  const uint32_t mag =
-      u >= F::kMinNormalBits
-          ? ((u + (r16 << 4)) >> 20) - F::kNormBias
-          : (static_cast<uint32_t>(static_cast<int32_t>(n * bits_f32(F::kSubScaleBits))) + r16) >> 16;
-  return mag < F::kMaxMag ? mag : F::kMaxMag;
-}
+inline uint32_t q_mag(float n) { return q_mag_r<EB>(n, 1u << 19); }
+template <int EB>
+inline uint32_t q_mag_sr(float n, uint32_t r20) { return q_mag_r<EB>(n, r20); }
 
-// The normal form (mag + bias) << 20 is right for mag >= 8; below, it is 2^-EB (1 + mag/8) and the
-// value is 2 (that - 2^-EB) = mag 2^(-2-EB), computed exactly by one fma. At mag >= 8 the fma is
-// >= the normal form (equal at 8), so the min picks the right one without a compare (all finite).
+// Exact for the codes' floats; the subtraction rounds where c is under the value's ulp (1.0 stays 1.0).
 template <int EB>
 inline float dq_mag(uint32_t mag) {
   using F = QFormat<EB>;
-  const float normal = bits_f32((mag + F::kNormBias) << 20);
-  const float sub = std::fma(normal, 2.0f, -bits_f32(F::kMinNormalBits));
-  return sub < normal ? sub : normal;  // _mm256_min_ps(sub, normal)
+  return bits_f32(F::kShiftBits + (mag << 20)) - bits_f32(F::kShiftBits);
 }
 
 // Value of a code, before the block scale.
 inline float dq_m(int8_t c) {
-  const float x = dq_mag<15>(static_cast<uint32_t>(c < 0 ? -c : c));
+  const float x = dq_mag<16>(static_cast<uint32_t>(c < 0 ? -c : c));
   return c < 0 ? -x : x;
 }
-inline float dq_v(uint8_t c) { return dq_mag<31>(c); }
+inline float dq_v(uint8_t c) { return dq_mag<32>(c); }
 
 // |x| * (1 / absmax): a multiply by the block's reciprocal, not a division per element (the
 // divider is what the update already loads: a sqrt and a division per element). The
@@ -131,14 +113,14 @@ inline float dq_v(uint8_t c) { return dq_mag<31>(c); }
 // its reciprocal would overflow, and such moments are zero for Adam anyway.
 inline float q_inverse(float absmax) { return absmax >= 1.17549435e-38f ? 1.0f / absmax : 0.0f; }
 inline int8_t q_m(float x, float inv) {
-  const uint32_t mag = q_mag<15>(std::fabs(x) * inv);
+  const uint32_t mag = q_mag<16>(std::fabs(x) * inv);
   return static_cast<int8_t>(std::signbit(x) ? -static_cast<int32_t>(mag) : static_cast<int32_t>(mag));
 }
 // exp_avg_sq is >= 0; |x| makes a -0 (or a foreign negative value) code like its magnitude. q_v:
-// to nearest (one-off conversions); q_v_sr: what a step stores (r16: q8_round_bits in adam.h).
-inline uint8_t q_v(float x, float inv) { return static_cast<uint8_t>(q_mag<31>(std::fabs(x) * inv)); }
-inline uint8_t q_v_sr(float x, float inv, uint32_t r16) {
-  return static_cast<uint8_t>(q_mag_sr<31>(std::fabs(x) * inv, r16));
+// to nearest (one-off conversions); q_v_sr: what a step stores (r20: q8_round_bits in adam.h).
+inline uint8_t q_v(float x, float inv) { return static_cast<uint8_t>(q_mag<32>(std::fabs(x) * inv)); }
+inline uint8_t q_v_sr(float x, float inv, uint32_t r20) {
+  return static_cast<uint8_t>(q_mag_sr<32>(std::fabs(x) * inv, r20));
 }
 
 // Running max that never takes a NaN (the comparison is false), so any order gives the same value.

@@ -1,7 +1,7 @@
 """A plain-torch reference of the compact-moment Adam step (bf16 and blockwise 8-bit moments),
 written from the specification in csrc/quant.h, not from the kernel's code: the code values are
-built from their formula, quantization is "nearest code to |x| * fp32(1/absmax), ties to the even magnitude" found
-by a search of the whole table, and the kernel's fused multiply-adds are evaluated exactly in fp64.
+built from their formula, quantization is "the code float nearest to fp32(|x| * fp32(1/absmax) + c),
+ties up" (or stochastically rounded between the two around it) found by a search of the whole table, and the kernel's fused multiply-adds are evaluated exactly in fp64.
 """
 from __future__ import annotations
 
@@ -11,19 +11,26 @@ import torch
 
 BLOCK = 256  # csrc/quant.h kQBlock; ops.QUANT_BLOCK must agree (tested)
 # exponent bias of each code: exp_avg (int8, signed) and exp_avg_sq (uint8)
-BIAS = {"exp_avg": 15, "exp_avg_sq": 31}
+BIAS = {"exp_avg": 16, "exp_avg_sq": 32}
+
+
+def shift(moment: str) -> float:
+    """c = 2^(1 - bias): the codes' floats start at c, and n is coded through fp32(n + c)."""
+    return 2.0 ** (1 - BIAS[moment])
+
+
+def code_floats(moment: str) -> torch.Tensor:
+    """The float of every magnitude code 0..max, c * 2^(mag >> 3) * (1 + (mag & 7) / 8), as fp64
+    (exact): the top one is 1.0."""
+    eb = BIAS[moment]
+    return torch.tensor([2.0 ** ((mag >> 3) + 1 - eb) * (1 + (mag & 7) / 8) for mag in range(((eb - 1) << 3) + 1)],
+                        dtype=torch.float64)
 
 
 def magnitudes(moment: str) -> torch.Tensor:
-    """Value of every magnitude code 0..max (the max is 1.0), as fp64 (all exact in fp32)."""
-    eb = BIAS[moment]
-    out = []
-    for mag in range((eb << 3) + 1):
-        if mag < 8:
-            out.append(mag * 2.0 ** (-2 - eb))
-        else:
-            out.append(2.0 ** ((mag >> 3) - eb) * (1 + (mag & 7) / 8))
-    return torch.tensor(out, dtype=torch.float64)
+    """Value of every magnitude code: fp32(its float - c) (exact but where c is under the float's
+    fp32 ulp: 1.0 stays 1.0), as fp64."""
+    return (code_floats(moment).float() - torch.tensor(shift(moment), dtype=torch.float32)).double()
 
 
 def code_values(codes: torch.Tensor) -> torch.Tensor:
@@ -33,28 +40,36 @@ def code_values(codes: torch.Tensor) -> torch.Tensor:
     return (magnitudes(moment)[c.abs()] * torch.where(c < 0, -1.0, 1.0).double()).float()
 
 
+def _shifted(n: torch.Tensor, moment: str) -> torch.Tensor:
+    """s = fp32(n + c), as fp64 (NaN stays NaN)."""
+    return (n.float() + torch.tensor(shift(moment), dtype=torch.float32)).double()
+
+
 def nearest_mag(n: torch.Tensor, moment: str) -> torch.Tensor:
-    """Nearest magnitude code of n >= 0 (fp32), ties to the even code; above 1.0: 1.0's code."""
-    table = magnitudes(moment)
-    x = n.double().clamp(max=1.0)
-    hi = torch.searchsorted(table, x).clamp(max=len(table) - 1)
+    """The code whose float is nearest to s = fp32(n + c) (n >= 0), ties to the larger; 1.0 and
+    above, and NaN: 1.0's code. Found by a search of the whole table."""
+    table = code_floats(moment)
+    s = _shifted(n, moment)
+    top = torch.isnan(s) | (s >= 1.0)
+    s = torch.where(top, 1.0, s)
+    hi = torch.searchsorted(table, s).clamp(max=len(table) - 1)  # the smallest code >= s
     lo = (hi - 1).clamp(min=0)
-    d_lo, d_hi = x - table[lo], table[hi] - x  # exact: fp32 values in fp64
-    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
-    return torch.where(pick_hi, hi, lo)
+    d_lo, d_hi = s - table[lo], table[hi] - s  # exact: fp32 values in fp64
+    return torch.where(top, len(table) - 1, torch.where(d_hi <= d_lo, hi, lo))
 
 
-def stochastic_mag(n: torch.Tensor, moment: str, r16: torch.Tensor) -> torch.Tensor:
-    """Magnitude code of n >= 0 rounded up with probability k / 2^16, k = floor(2^16 * (n - the
-    code below) / (the code step)): up where k + r16 >= 2^16; 1.0 and above (and NaN): 1.0's code."""
-    table = magnitudes(moment)
-    x = n.double()
-    top = torch.isnan(x) | (x >= 1.0)
-    x = torch.where(top, 0.0, x)
-    lo = torch.searchsorted(table, x, right=True) - 1  # the largest code <= x
+def stochastic_mag(n: torch.Tensor, moment: str, r20: torch.Tensor) -> torch.Tensor:
+    """The code at or below s = fp32(n + c), rounded up with probability k / 2^20, k =
+    floor(2^20 * (s - that code) / (the code step)): up where k + r20 >= 2^20; 1.0 and above (and
+    NaN): 1.0's code."""
+    table = code_floats(moment)
+    s = _shifted(n, moment)
+    top = torch.isnan(s) | (s >= 1.0)
+    s = torch.where(top, table[0], s)
+    lo = torch.searchsorted(table, s, right=True) - 1  # the largest code <= s (s >= c: lo >= 0)
     hi = (lo + 1).clamp(max=len(table) - 1)
-    frac = (x - table[lo]) / (table[hi] - table[lo]).clamp(min=2.0 ** -40)  # exact: a power-of-two step
-    up = torch.floor(frac * 2**16).long() + r16 >= 2**16
+    frac = (s - table[lo]) / (table[hi] - table[lo]).clamp(min=2.0 ** -60)  # exact: a power-of-two step
+    up = torch.floor(frac * 2**20).long() + r20 >= 2**20
     return torch.where(top, len(table) - 1, torch.where(up, hi, lo))
 
 
@@ -114,22 +129,24 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def keyed_indices(step: int, round_index: int, n: int) -> torch.Tensor:
-    """uint32(round_index + i) ^ seed for each element i, seed = mix32(uint32(step) ^ 0x9e3779b9)
-    (the kernels' round_seed): what both kinds of random bits are made from."""
-    seed = int(mix32(torch.tensor([(step & M32) ^ 0x9E3779B9]))[0])
-    return ((torch.arange(n, dtype=torch.int64) + round_index) & M32) ^ seed
+def step_seed(step: int) -> int:
+    """The kernels' round_seed of a step: mix32(uint32(step) ^ 0x9e3779b9)."""
+    return int(mix32(torch.tensor([(step & M32) ^ 0x9E3779B9]))[0])
+
+
+def flat_indices(round_index: int, n: int) -> torch.Tensor:
+    """uint32(round_index + i) of each element i: what the random bits are keyed by."""
+    return (torch.arange(n, dtype=torch.int64) + round_index) & M32
 
 
 def random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
-    """bf16 moments: element i's 32 random bits, mix32 of its keyed index."""
-    return mix32(keyed_indices(step, round_index, n))
+    """bf16 moments: element i's 32 random bits, mix32(index ^ seed)."""
+    return mix32(flat_indices(round_index, n) ^ step_seed(step))
 
 
 def q8_random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
-    """int8 exp_avg_sq: element i's 16 random bits, the high half of its keyed index times
-    0x9e3779b1 mod 2^32."""
-    return ((keyed_indices(step, round_index, n) * 0x9E3779B1) & M32) >> 16
+    """int8 exp_avg_sq: element i's 20 random bits, the high 20 of (index * 0x9e3779b1 mod 2^32) ^ seed."""
+    return (((flat_indices(round_index, n) * 0x9E3779B1) & M32) ^ step_seed(step)) >> 12
 
 
 def bf16_stochastic(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:

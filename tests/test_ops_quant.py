@@ -36,7 +36,10 @@ def test_code_table(moment):
         codes = torch.arange(0, 249, dtype=torch.int32).to(torch.uint8)
     got = ops.dequantize_blockwise(codes, torch.ones(-(-codes.numel() // 256)))
     assert torch.equal(got, ref.code_values(codes))
-    assert got.max() == 1.0 and torch.all(got[1:] > got[:-1])  # sorted, distinct, top is exactly 1
+    # sorted, distinct; the top is 1 - c (exact) for exp_avg, 1.0 for exp_avg_sq (c is under its ulp)
+    assert got.max() == (1.0 - ref.shift(moment) if moment == "exp_avg" else 1.0)
+    smallest = got[codes.numel() // 2 + 1] if moment == "exp_avg" else got[1]
+    assert torch.all(got[1:] > got[:-1]) and smallest == ref.shift(moment) / 8
 
 
 @pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
@@ -57,12 +60,13 @@ def test_quantize_is_nearest_code(moment, n):
     assert torch.equal(back[: min(n, 256)], torch.zeros(min(n, 256)))
 
 
-def test_quantize_ties_go_to_even():
-    # 1 + 1/16 lies halfway between the codes 1 (mag 120) and 1.125 (121, clamped: > 1 maps to 1);
-    # use the binade below: 0.5 * (1 + 1/16) is halfway between mag 112 (0.5) and 113 (0.5625).
-    x = torch.tensor([1.0, 0.53125, 0.59375])  # ties: 112|113 -> 112, 113|114 -> 114
+def test_quantize_ties_go_up():
+    # s = fp32(n + c) halfway between two code floats takes the larger: 0.53125 is halfway between
+    # 0.5 (mag 112) and 0.5625 (113), 0.59375 between 113 and 0.625 (114); c = 2^-15 for exp_avg.
+    c = ref.shift("exp_avg")
+    x = torch.tensor([1.0, 0.53125 - c, 0.59375 - c, 0.53125 - c - 2**-20, -(0.53125 - c)])
     codes, _ = ops.quantize_blockwise(x, "exp_avg")
-    assert codes.tolist() == [120, 112, 114]
+    assert codes.tolist() == [120, 113, 114, 112, -113]
 
 
 def _state(n, kind, seed):
@@ -158,9 +162,12 @@ def test_state_conversions(src, dst):
     conv = ops.state_from_fp32(m1, v1, dst)
     assert ops.state_dtype_of(conv) == dst
     m2, v2 = ops.state_to_fp32(conv)
-    if src == dst:  # a round trip through fp32 is lossless for every kind
+    if src == dst:  # a round trip through fp32 keeps every code and value
         for k in st:
-            assert torch.equal(st[k], conv[k]), k
+            if k == "exp_avg_scale":  # exp_avg's top code decodes to 1 - 2^-15 of the block's absmax
+                torch.testing.assert_close(conv[k], st[k] * (1 - ref.shift("exp_avg")), rtol=2**-23, atol=0)
+            else:
+                assert torch.equal(st[k], conv[k]), k
     if "int8" not in (src, dst) and "bf16" not in (src, dst):
         assert torch.equal(m2, m) and torch.equal(v2, v)
     rtol = {"fp32": 0, "bf16": 2**-8, "int8": 2**-4}
@@ -328,11 +335,12 @@ def test_int8_exp_avg_sq_follows_a_falling_gradient():
 def test_quantize_stochastic_matches_reference(step, round_index):
     """exp_avg_sq as a step stores it (ops.quantize_blockwise(step=...), the scalar helpers the
     kernels equal) against the reference's table search: magnitudes over the whole code range,
-    exact code values, both sides of the smallest normal code, zeros, 1.0 and an outlier."""
+    exact code values, both sides of mag 8 (the end of the evenly spaced first binade), zeros, 1.0
+    and an outlier."""
     x = _wide(3 * 256 + 41, seed=step).abs()
     x[:256] = x[:256].clamp(max=0.5)
     x[0], x[600] = 1.0, 1e30  # block 0's max (its values are their own codes' scale); an outlier
-    x[1:40] = torch.tensor([2.0**-30 * (1 + k / 64) for k in range(-20, 19)])  # around 2^-30 = mag 8
+    x[1:40] = torch.tensor([2.0**-31 * (1 + k / 64) for k in range(-20, 19)])  # around c: s = 2c is mag 8
     x[40:60] = ref.magnitudes("exp_avg_sq")[torch.arange(0, 240, 12)].float()
     x[300:310] = 0.0
     codes, scales = ops.quantize_blockwise(x, "exp_avg_sq", step=step, round_index=round_index)
@@ -349,7 +357,7 @@ def test_stochastic_codes_round_up_in_proportion():
     x = torch.zeros(256)
     x[0] = 1.0
     x[1] = 0.5 + 0.3 * 0.0625  # codes 0.5 (mag 240) and 0.5625 (241)
-    x[2] = (2 + 0.7) * 2.0**-33  # mags 2 and 3 (step 2^-33)
+    x[2] = (2 + 0.7) * 2.0**-34  # mags 2 and 3 (step 2^-34)
     ups = torch.zeros(3)
     for step in range(1, 4001):
         codes, _ = ops.quantize_blockwise(x, "exp_avg_sq", step=step)
