@@ -111,11 +111,13 @@ class CPUAdam(torch.optim.Optimizer):
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state.update(_shaped(ops.make_state(p.numel(), state_dtype), p))
-        elif _dtype_of(state) != state_dtype:
-            m, v = ops.state_to_fp32(_flat(state))
-            for k in _MOMENT_KEYS:
+        elif _dtype_of(state) != state_dtype or _codes_of(state) != ops.INT8_CODES:
+            m, v = ops.state_to_fp32(_flat(state), _codes_of(state))
+            for k in _MOMENT_KEYS + ("int8_codes",):
                 state.pop(k, None)
             state.update(_shaped(ops.state_from_fp32(m, v, state_dtype), p))
+        if state_dtype == "int8":  # saved with the codes (a state without it has map 1)
+            state["int8_codes"] = ops.INT8_CODES
         if p.dtype != torch.float32 and "master" not in state:
             state["master"] = p.detach().float().contiguous()
         return state
@@ -157,4 +159,9 @@ def _shaped(moments: dict, p: torch.Tensor) -> dict:
 
 def _dtype_of(state: dict) -> str:
     return ops.state_dtype_of(_flat(state))
+
+
+def _codes_of(state: dict) -> int:
+    """The code map of int8 moments (``ops.INT8_CODES``; 1 when saved without one); others: current."""
+    return int(state.get("int8_codes", 1)) if _dtype_of(state) == "int8" else ops.INT8_CODES
 

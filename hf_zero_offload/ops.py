@@ -16,6 +16,7 @@ from . import _C
 
 __all__ = [
     "QUANT_BLOCK",
+    "INT8_CODES",
     "STATE_DTYPES",
     "check_state_dtype",
     "adam_step",
@@ -95,6 +96,10 @@ QUANT_BLOCK: int = _C.quant_block()
 #: How the moments are stored: fp32 (exact torch AdamW), bf16 (stochastic rounding), or int8
 #: (blockwise 8-bit codes: int8 exp_avg, uint8 exp_avg_sq, one fp32 absmax per QUANT_BLOCK).
 STATE_DTYPES = ("fp32", "bf16", "int8")
+#: Version of the int8 code map (csrc/quant.h), saved with int8 states: 2, the codes read off the
+#: bits of fp32(n + c); 1, the map before it (a subnormal branch, ties to even), which states saved
+#: without a version use and which ``state_to_fp32`` still decodes, so they convert on load.
+INT8_CODES = 2
 _STATE_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
 
 
@@ -328,13 +333,32 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, *, num_threa
     return out
 
 
-def state_to_fp32(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exp_avg, exp_avg_sq) as new fp32 tensors, from any state dtype."""
+def state_to_fp32(state: dict[str, torch.Tensor], int8_codes: int = INT8_CODES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp_avg, exp_avg_sq) as new fp32 tensors, from any state dtype; int8 codes of map
+    ``int8_codes`` (``INT8_CODES``, or 1 for states saved before it)."""
     kind = state_dtype_of(state)
+    if kind == "int8" and int8_codes == 1:
+        return (_legacy_q8_values(state["exp_avg"], 15) * state["exp_avg_scale"].repeat_interleave(QUANT_BLOCK)[
+                    :state["exp_avg"].numel()],
+                _legacy_q8_values(state["exp_avg_sq"], 31) * state["exp_avg_sq_scale"].repeat_interleave(QUANT_BLOCK)[
+                    :state["exp_avg_sq"].numel()])
     if kind == "int8":
+        if int8_codes != INT8_CODES:
+            raise ValueError(f"int8 moments with code map {int8_codes!r}: this version reads maps 1 and {INT8_CODES} "
+                             "(a newer hf_zero_offload wrote them?)")
         return (dequantize_blockwise(state["exp_avg"], state["exp_avg_scale"]),
                 dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_scale"]))
     return state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
+
+
+def _legacy_q8_values(codes: torch.Tensor, bias: int) -> torch.Tensor:
+    """Unscaled fp32 values of code map 1 (exponent bias 15: exp_avg, 31: exp_avg_sq): magnitude
+    m < 8 is m * 2^(-2 - bias), else 2^((m >> 3) - bias) * (1 + (m & 7) / 8); all exact in fp32."""
+    c = codes.reshape(-1).to(torch.int32)
+    mag = c.abs()
+    normal = torch.ldexp(1 + (mag & 7).double() / 8, (mag >> 3) - bias)
+    value = torch.where(mag < 8, torch.ldexp(mag.double(), torch.tensor(-2 - bias)), normal).float()
+    return torch.where(c < 0, -value, value)
 
 
 def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype: str, *, step: int | None = None,

@@ -16,11 +16,13 @@ import torch
 from _dist import run_distributed
 from _flat_ref import FlatReference
 from _models import TinyNet, batches, delayed_update_reference, loss_fn, param_groups
+from hf_zero_offload import ops
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
 
 LR, WD = 1e-2, 0.1
 SMALL = dict(bucket_numel=1000, tile_numel=300)  # several buckets; tiles end on 256-element blocks
 DTYPES = ["fp32", "bf16", "int8"]
+SCALED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
 def engine(mode, model, state_dtype, **opts):
@@ -161,6 +163,36 @@ def test_resume_and_cross_dtype_load(saved, loaded, tmp_path, caplog):
         assert_state_equal(o_second, o_straight.state_tensors())
         o_straight.close()
     for o in (o_full, o_first, o_second):
+        o.close()
+
+
+def test_int8_state_of_code_map_1_converts_on_load(caplog):
+    """An int8 state saved before the code map had a version (``int8_codes`` absent: map 1) is
+    decoded with map 1 and re-encoded, with one log line; then training goes on from it. An unknown
+    map is refused with the place named."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = engine(None, model, "int8")
+    train(model, opt, batches(3))
+    sd = opt.state_dict()
+    assert sd["int8_codes"] == ops.INT8_CODES
+    old = {k: v for k, v in sd.items() if k != "int8_codes"}
+    n = opt.hi - opt.lo
+    want = ops.state_from_fp32(*ops.state_to_fp32({k: sd[k] for k in SCALED}, 1), "int8")
+    copied = copy.deepcopy(model)
+    other = engine(None, copied, "int8")
+    with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+        other.load_state_dict(old)
+    assert any("saved as int8 (code map 1) converted" in r.getMessage() for r in caplog.records)
+    got = other.state_tensors()
+    assert torch.equal(got["master"], sd["master"][:n])
+    for k in SCALED:
+        assert torch.equal(got[k], want[k]), k
+    assert not torch.equal(got["exp_avg"], sd["exp_avg"])  # map 1's values, map 2's codes
+    train(copied, other, batches(1))
+    with pytest.raises(ValueError, match="state dict: int8 moments with code map 3"):
+        other.load_state_dict({**sd, "int8_codes": 3})
+    for o in (opt, other):
         o.close()
 
 

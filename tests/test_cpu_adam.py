@@ -284,6 +284,9 @@ def test_compact_state_dict_loads_and_converts(first, second):
     o2.load_state_dict(sd)
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         for k, t in o1.state[p1].items():  # loaded exactly as saved (no cast to the param dtype)
+            if k == "int8_codes":
+                assert o2.state[p2][k] == t == ops.INT8_CODES
+                continue
             assert o2.state[p2][k].dtype == t.dtype and torch.equal(o2.state[p2][k], t), k
     # continue one step with each: the loaded one converts to its own state_dtype first
     _train(m2, o2, _batches(1, seed=9))
@@ -294,6 +297,35 @@ def test_compact_state_dict_loads_and_converts(first, second):
         _train(m1, o1, _batches(1, seed=9))
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             assert torch.equal(p1, p2)
+
+
+def test_int8_state_dict_of_code_map_1_converts():
+    """Per-param int8 states saved without ``int8_codes`` (map 1) are decoded with map 1 at the next
+    step: the run equals one whose state was handed over as those values in fp32."""
+    m1 = _model()
+    o1 = CPUAdam(m1.parameters(), lr=5e-3, state_dtype="int8")
+    _train(m1, o1, _batches(3))
+    sd = copy.deepcopy(o1.state_dict())
+    fp32 = copy.deepcopy(sd)
+    for pid, st in sd["state"].items():
+        del st["int8_codes"]
+        m, v = ops.state_to_fp32({k: st[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq", "exp_avg_scale",
+                                                                 "exp_avg_sq_scale")}, 1)
+        fp32["state"][pid] = {k: st[k].clone() for k in ("step", "master") if k in st}  # step: += in place
+        fp32["state"][pid].update(exp_avg=m.view(st["exp_avg"].shape), exp_avg_sq=v.view(st["exp_avg"].shape))
+    runs = []
+    for state_dict in (sd, fp32):
+        m2 = copy.deepcopy(m1)
+        o2 = CPUAdam(m2.parameters(), lr=5e-3, state_dtype="int8")
+        o2.load_state_dict(state_dict)
+        _train(m2, o2, _batches(1, seed=9))
+        runs.append((m2, o2))
+    (ma, oa), (mb, ob) = runs
+    for pa, pb in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(pa, pb)
+        assert oa.state[pa]["int8_codes"] == ops.INT8_CODES
+        for k in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+            assert torch.equal(oa.state[pa][k], ob.state[pb][k]), k
 
 
 def test_bad_state_dtype_and_param_dtype():

@@ -364,3 +364,18 @@ def test_stochastic_codes_round_up_in_proportion():
         ups += (codes[:3].long() == torch.tensor([248, 241, 3])).float()
     assert ups[0] == 4000
     assert abs(ups[1] / 4000 - 0.3) < 0.03 and abs(ups[2] / 4000 - 0.7) < 0.03, ups
+
+
+def test_states_of_code_map_1_decode_with_it():
+    """int8 states saved before ops.INT8_CODES = 2 (no version: map 1, exponent biases 15 and 31, a
+    subnormal range below mag 8) still decode, so they convert on load; an unknown map is refused."""
+    st = {"exp_avg": torch.tensor([0, 1, 7, 8, 9, 120, -120, -9], dtype=torch.int8),
+          "exp_avg_sq": torch.tensor([0, 1, 8, 17, 248, 0, 0, 0], dtype=torch.uint8),
+          "exp_avg_scale": torch.tensor([2.0]), "exp_avg_sq_scale": torch.tensor([4.0])}
+    m, v = ops.state_to_fp32(st, 1)
+    assert m.tolist() == [0, 2 * 2**-17, 2 * 7 * 2**-17, 2 * 2**-14, 2 * 1.125 * 2**-14, 2, -2, -2 * 1.125 * 2**-14]
+    assert v.tolist() == [0, 4 * 2**-33, 4 * 2**-30, 4 * 1.125 * 2**-29, 4, 0, 0, 0]
+    m2, _ = ops.state_to_fp32(st)  # the current map reads the same codes otherwise
+    assert not torch.equal(m, m2)
+    with pytest.raises(ValueError, match="int8 moments with code map 3"):
+        ops.state_to_fp32(st, 3)

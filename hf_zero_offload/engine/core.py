@@ -250,7 +250,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
             "format": STATE_FORMAT, "numel": self.numel, "world_size": self.world_size, "rank": self.rank,
             "shard_start": self.lo, "shard_end": self.hi, "stage": self.stage, "offload": self.offload,
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
-            "state_dtype": self.moments.state_dtype,
+            "state_dtype": self.moments.state_dtype, "int8_codes": ops.INT8_CODES,
             "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                              for g in self.param_groups],
             "slots": self._slot_meta(),
@@ -279,8 +279,8 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
                              "load_checkpoint to change the world size")
         self.load_state_meta(state)
         # the state holds this very slice (checked above): ``lo`` is its start
-        self._load_tensors(state.get("state_dtype", "fp32"),
-                           lambda lo, dst: [dst[k].copy_(state[k][:dst[k].numel()]) for k in dst], where="state dict")
+        self._load_tensors(state, lambda lo, dst: [dst[k].copy_(state[k][:dst[k].numel()]) for k in dst],
+                           where="state dict")
         self._finish_load(state)
 
     def load_state_meta(self, meta: dict) -> None:
@@ -317,27 +317,32 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         srcs, meta = state_dir.sources(directory)
         self.load_state_meta(meta)
         if self.hi > self.lo:
-            self._load_tensors(meta.get("state_dtype", "fp32"), lambda lo, dst: state_dir.read_range(srcs, lo, dst),
-                               where=directory)
+            self._load_tensors(meta, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
         self._finish_load(meta)
         self.restored = state_dir.summary(meta, len(srcs))
         return self.restored
 
-    def _load_tensors(self, saved: str, read, where: str) -> None:
+    def _load_tensors(self, meta: dict, read, where: str) -> None:
         """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``,
-        block-aligned for int8). Moments saved with another ``state_dtype`` are converted through fp32
-        (a one-time copy of the slice's moments), with one log line."""
-        if saved == self.moments.state_dtype:
+        block-aligned for int8). Moments saved with another ``state_dtype`` (or int8 ones with an
+        earlier code map: ``ops.INT8_CODES``; none saved means 1) are converted through fp32 (a
+        one-time copy of the slice's moments), with one log line."""
+        saved = meta.get("state_dtype", "fp32")
+        codes = meta.get("int8_codes", 1) if saved == "int8" else ops.INT8_CODES
+        if saved == self.moments.state_dtype and codes == ops.INT8_CODES:
             read(self.lo, self.state_tensors())
         else:
-            self._convert_loaded(saved, read)
+            try:
+                self._convert_loaded(saved, codes, read)
+            except ValueError as e:
+                raise StateFileError(f"{where}: {e}") from None
         if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
             try:
                 ops.check_scales(*(self.moments.state[k] for k in SCALES))
             except ValueError as e:
                 raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
 
-    def _convert_loaded(self, saved: str, read) -> None:
+    def _convert_loaded(self, saved: str, codes: int, read) -> None:
         own, n = self.moments.state_dtype, self.hi - self.lo
         read(self.lo, {"master": self.master[:n]})
         # the saved int8 blocks that cover this slice (its start need not be a block start then)
@@ -345,10 +350,11 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         ha = min(self.numel, -(-self.hi // Q) * Q) if saved == "int8" else self.hi
         tmp = ops.make_state(ha - la, saved)
         read(la, tmp)
-        m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp))
+        m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
         for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
             self.moments.tensors(n)[k].copy_(t)
-        logger.info("hf_zero_offload: optimizer moments saved as %s converted to state_dtype=%s", saved, own)
+        what = f"{saved} (code map {codes})" if saved == "int8" else saved
+        logger.info("hf_zero_offload: optimizer moments saved as %s converted to state_dtype=%s", what, own)
 
     def _partition_ranges(self) -> list[list[int]]:
         """[start, end) of every rank's slice (one process: the whole layout)."""
