@@ -27,11 +27,12 @@
 //   Per element and moment: one multiply by the block's reciprocal, 4 vector ops to encode (add,
 //   integer add, shift, min) and 3 to decode (shift, integer add, subtract). An earlier map (no
 //   shift, a blend between a subnormal and a normal form, ties to even) took 9-12 ops to encode
-//   and 4 to decode; this one made the AVX2 int8 step 1.54 -> 1.12 ns/param in cache
-//   (benchmarks/kernel/adam_micro.cpp). Checkpoints written with that map (hf_zero_offload < the
-//   int8_codes=2 marker) are decoded with it and converted on load (ops.legacy_q8_values).
-//     exp_avg    int8: sign and magnitude 0..120, EB = 16: 2^-18 (3.8e-6) to 1.0 (mag 120), 241
-//                values, <= 6.25% relative error above 2^-12.
+//   and 4 to decode; with this one the AVX2 int8 step went 1.54 -> 1.36 ns/param in cache
+//   (benchmarks/kernel/adam_micro.cpp, alternated builds). States written with that map (map 1:
+//   saved without ops.INT8_CODES) are decoded with it and converted on load (ops.state_to_fp32).
+//     exp_avg    int8: sign and magnitude 0..120, EB = 16: 2^-18 (3.8e-6) to 1 - 2^-15 (mag 120:
+//                c = 2^-15 is exact under 1.0, so the block's absmax decodes 3e-5 low), 241
+//                values, at most ~6.25% relative error well above c.
 //     exp_avg_sq uint8: magnitude 0..248, EB = 32: 2^-34 (5.8e-11) to 1.0 (mag 248), i.e. the
 //                square of exp_avg's range, because v ~ g^2 and the update divides by sqrt(v).
 // - exp_avg_sq is written with stochastic rounding (q_mag_sr), exp_avg to nearest. With beta2 =

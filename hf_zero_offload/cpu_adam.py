@@ -163,5 +163,5 @@ def _dtype_of(state: dict) -> str:
 
 def _codes_of(state: dict) -> int:
     """The code map of int8 moments (``ops.INT8_CODES``; 1 when saved without one); others: current."""
-    return int(state.get("int8_codes", 1)) if _dtype_of(state) == "int8" else ops.INT8_CODES
+    return state.get("int8_codes", 1) if _dtype_of(state) == "int8" else ops.INT8_CODES
 

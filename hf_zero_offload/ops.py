@@ -336,29 +336,27 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, *, num_threa
 def state_to_fp32(state: dict[str, torch.Tensor], int8_codes: int = INT8_CODES) -> tuple[torch.Tensor, torch.Tensor]:
     """(exp_avg, exp_avg_sq) as new fp32 tensors, from any state dtype; int8 codes of map
     ``int8_codes`` (``INT8_CODES``, or 1 for states saved before it)."""
-    kind = state_dtype_of(state)
-    if kind == "int8" and int8_codes == 1:
-        return (_legacy_q8_values(state["exp_avg"], 15) * state["exp_avg_scale"].repeat_interleave(QUANT_BLOCK)[
-                    :state["exp_avg"].numel()],
-                _legacy_q8_values(state["exp_avg_sq"], 31) * state["exp_avg_sq_scale"].repeat_interleave(QUANT_BLOCK)[
-                    :state["exp_avg_sq"].numel()])
-    if kind == "int8":
-        if int8_codes != INT8_CODES:
-            raise ValueError(f"int8 moments with code map {int8_codes!r}: this version reads maps 1 and {INT8_CODES} "
-                             "(a newer hf_zero_offload wrote them?)")
+    if state_dtype_of(state) != "int8":
+        return state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
+    if int8_codes == INT8_CODES:
         return (dequantize_blockwise(state["exp_avg"], state["exp_avg_scale"]),
                 dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_scale"]))
-    return state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
+    if int8_codes == 1:
+        return (_legacy_q8_values(state["exp_avg"], 15, state["exp_avg_scale"]),
+                _legacy_q8_values(state["exp_avg_sq"], 31, state["exp_avg_sq_scale"]))
+    raise ValueError(f"int8 moments with code map {int8_codes!r}: this version reads maps 1 and {INT8_CODES} "
+                     "(a newer hf_zero_offload wrote them?)")
 
 
-def _legacy_q8_values(codes: torch.Tensor, bias: int) -> torch.Tensor:
-    """Unscaled fp32 values of code map 1 (exponent bias 15: exp_avg, 31: exp_avg_sq): magnitude
-    m < 8 is m * 2^(-2 - bias), else 2^((m >> 3) - bias) * (1 + (m & 7) / 8); all exact in fp32."""
+def _legacy_q8_values(codes: torch.Tensor, bias: int, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 values of code map 1 (exponent bias 15: exp_avg, 31: exp_avg_sq): magnitude m < 8 is
+    m * 2^(-2 - bias), else 2^((m >> 3) - bias) * (1 + (m & 7) / 8) (exact in fp32), times the
+    block's scale in fp32, as its kernel decoded them."""
     c = codes.reshape(-1).to(torch.int32)
     mag = c.abs()
     normal = torch.ldexp(1 + (mag & 7).double() / 8, (mag >> 3) - bias)
     value = torch.where(mag < 8, torch.ldexp(mag.double(), torch.tensor(-2 - bias)), normal).float()
-    return torch.where(c < 0, -value, value)
+    return torch.where(c < 0, -value, value) * scales.repeat_interleave(QUANT_BLOCK)[:c.numel()]
 
 
 def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype: str, *, step: int | None = None,

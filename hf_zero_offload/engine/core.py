@@ -250,7 +250,8 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
             "format": STATE_FORMAT, "numel": self.numel, "world_size": self.world_size, "rank": self.rank,
             "shard_start": self.lo, "shard_end": self.hi, "stage": self.stage, "offload": self.offload,
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
-            "state_dtype": self.moments.state_dtype, "int8_codes": ops.INT8_CODES,
+            "state_dtype": self.moments.state_dtype,
+            **({"int8_codes": ops.INT8_CODES} if self.moments.state_dtype == "int8" else {}),
             "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                              for g in self.param_groups],
             "slots": self._slot_meta(),
