@@ -197,8 +197,9 @@ inline __m256i round_hi20(__m256i& weyl, __m256i seed) {
 
 // weyl for round_hi20: lane l holds (first + l) * 0x9e3779b1 mod 2^32.
 inline __m256i weyl_of(uint64_t first) {
-  return _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                            _mm256_set1_epi32(static_cast<int>(0x9e3779b1u)));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), lanes);
+  return _mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(0x9e3779b1u)));
 }
 
 // A function, not a global: a global would run an AVX instruction at load time on any CPU.

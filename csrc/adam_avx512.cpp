@@ -189,8 +189,9 @@ inline __m512i round_hi20(__m512i& weyl, __m512i seed) {
 
 // weyl for round_hi20: lane l holds (first + l) * 0x9e3779b1 mod 2^32.
 inline __m512i weyl_of(uint64_t first) {
-  return _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-                            _mm512_set1_epi32(static_cast<int>(0x9e3779b1u)));
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))), lanes);
+  return _mm512_mullo_epi32(index, _mm512_set1_epi32(static_cast<int>(0x9e3779b1u)));
 }
 
 // A function, not a global: a global would run an AVX512 instruction at load time on any CPU.
