@@ -276,6 +276,9 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
   const __m256i seed = _mm256_set1_epi32(static_cast<int>(a.round_seed));
   alignas(32) float mb[kQBlock], vb[kQBlock];
+  // Locals, not a's fields: the vector stores may alias anything, so a's fields would be reloaded each time.
+  float* const params = a.param;
+  void* const out = a.param_out;
   for (size_t b = begin; b < end; b += kQBlock) {
     const size_t e = std::min(end, b + kQBlock), k = b / kQBlock, nv = (e - b) / W * W;
     const __m256 ms = _mm256_set1_ps(a.exp_avg_scale[k]), vs = _mm256_set1_ps(a.exp_avg_sq_scale[k]);
@@ -307,9 +310,9 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     __m256i weyl = weyl_of(a.round_index + b);
     auto param = [&](size_t j) {
       const size_t i = b + j;
-      const __m256 p = param_vec<true>(c, _mm256_loadu_ps(a.param + i), _mm256_load_ps(mb + j), _mm256_load_ps(vb + j));
-      _mm256_storeu_ps(a.param + i, p);
-      store_o<Out, NT>(a.param_out, i, p);
+      const __m256 p = param_vec<true>(c, _mm256_loadu_ps(params + i), _mm256_load_ps(mb + j), _mm256_load_ps(vb + j));
+      _mm256_storeu_ps(params + i, p);
+      store_o<Out, NT>(out, i, p);
     };
     size_t j = 0;
     for (; j + 4 * W <= nv; j += 4 * W) {
