@@ -130,6 +130,7 @@ class CPUAdam(torch.optim.Optimizer):
         for pid, values in exact.items():  # refused before anything is loaded
             if "exp_avg_scale" in values and "exp_avg_sq_scale" in values:
                 ops.check_scales(values["exp_avg_scale"], values["exp_avg_sq_scale"])
+                ops.check_int8_codes(state_dict["state"][pid].get("int8_codes", 1))
         # The storage is this optimizer's choice, not the checkpoint's: moments saved with another
         # state_dtype are converted at the next step.
         mine = [g["state_dtype"] for g in self.param_groups]

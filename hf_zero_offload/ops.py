@@ -18,6 +18,7 @@ __all__ = [
     "QUANT_BLOCK",
     "INT8_CODES",
     "STATE_DTYPES",
+    "check_int8_codes",
     "check_state_dtype",
     "adam_step",
     "make_state",
@@ -341,11 +342,17 @@ def state_to_fp32(state: dict[str, torch.Tensor], int8_codes: int = INT8_CODES) 
     if int8_codes == INT8_CODES:
         return (dequantize_blockwise(state["exp_avg"], state["exp_avg_scale"]),
                 dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_scale"]))
-    if int8_codes == 1:
-        return (_legacy_q8_values(state["exp_avg"], 15, state["exp_avg_scale"]),
-                _legacy_q8_values(state["exp_avg_sq"], 31, state["exp_avg_sq_scale"]))
-    raise ValueError(f"int8 moments with code map {int8_codes!r}: this version reads maps 1 and {INT8_CODES} "
-                     "(a newer hf_zero_offload wrote them?)")
+    check_int8_codes(int8_codes)
+    return (_legacy_q8_values(state["exp_avg"], 15, state["exp_avg_scale"]),
+            _legacy_q8_values(state["exp_avg_sq"], 31, state["exp_avg_sq_scale"]))
+
+
+def check_int8_codes(int8_codes) -> None:
+    """The code map of saved int8 moments must be one this version decodes (1 or ``INT8_CODES``);
+    loaders call this before they write anything."""
+    if not (type(int8_codes) is int and int8_codes in (1, INT8_CODES)):
+        raise ValueError(f"int8 moments with code map {int8_codes!r}: this version reads maps 1 and {INT8_CODES} "
+                         "(a newer hf_zero_offload wrote them?)")
 
 
 def _legacy_q8_values(codes: torch.Tensor, bias: int, scales: torch.Tensor) -> torch.Tensor:

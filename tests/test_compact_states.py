@@ -190,8 +190,13 @@ def test_int8_state_of_code_map_1_converts_on_load(caplog):
         assert torch.equal(got[k], want[k]), k
     assert not torch.equal(got["exp_avg"], sd["exp_avg"])  # map 1's values, map 2's codes
     train(copied, other, batches(1))
-    with pytest.raises(ValueError, match="state dict: int8 moments with code map 3"):
-        other.load_state_dict({**sd, "int8_codes": 3})
+    before = {k: t.clone() for k, t in other.state_tensors().items()}
+    steps = other.global_steps
+    for bad in (3, "2", None):  # refused before anything is loaded
+        with pytest.raises(ValueError, match=f"state dict: int8 moments with code map {bad!r}"):
+            other.load_state_dict({**sd, "int8_codes": bad})
+    assert other.global_steps == steps
+    assert all(torch.equal(t, before[k]) for k, t in other.state_tensors().items())
     for o in (opt, other):
         o.close()
 

@@ -321,6 +321,12 @@ def test_int8_state_dict_of_code_map_1_converts():
         _train(m2, o2, _batches(1, seed=9))
         runs.append((m2, o2))
     (ma, oa), (mb, ob) = runs
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["int8_codes"] = 3
+    fresh = CPUAdam(copy.deepcopy(m1).parameters(), lr=5e-3, state_dtype="int8")
+    with pytest.raises(ValueError, match="int8 moments with code map 3"):
+        fresh.load_state_dict(bad)
+    assert len(fresh.state) == 0  # nothing loaded
     for pa, pb in zip(ma.parameters(), mb.parameters()):
         assert torch.equal(pa, pb)
         assert oa.state[pa]["int8_codes"] == ops.INT8_CODES

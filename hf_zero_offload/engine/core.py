@@ -278,9 +278,10 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
             raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
                              f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
                              "load_checkpoint to change the world size")
+        codes = self._saved_codes(state, "state dict")
         self.load_state_meta(state)
         # the state holds this very slice (checked above): ``lo`` is its start
-        self._load_tensors(state, lambda lo, dst: [dst[k].copy_(state[k][:dst[k].numel()]) for k in dst],
+        self._load_tensors(state, codes, lambda lo, dst: [dst[k].copy_(state[k][:dst[k].numel()]) for k in dst],
                            where="state dict")
         self._finish_load(state)
 
@@ -316,27 +317,35 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         """Load a checkpoint of any engine and world size: this slice's part of every saved file,
         straight into the arena. Returns what was restored (format, world size saved, stage, ...)."""
         srcs, meta = state_dir.sources(directory)
+        codes = self._saved_codes(meta, directory)
         self.load_state_meta(meta)
         if self.hi > self.lo:
-            self._load_tensors(meta, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
+            self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
         self._finish_load(meta)
         self.restored = state_dir.summary(meta, len(srcs))
         return self.restored
 
-    def _load_tensors(self, meta: dict, read, where: str) -> None:
+    @staticmethod
+    def _saved_codes(meta: dict, where: str) -> int:
+        """The code map of saved int8 moments (``ops.INT8_CODES``; none saved means 1), checked
+        before anything is loaded."""
+        codes = meta.get("int8_codes", 1) if meta.get("state_dtype", "fp32") == "int8" else ops.INT8_CODES
+        try:
+            ops.check_int8_codes(codes)
+        except ValueError as e:
+            raise StateFileError(f"{where}: {e}") from None
+        return codes
+
+    def _load_tensors(self, meta: dict, codes: int, read, where: str) -> None:
         """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``,
         block-aligned for int8). Moments saved with another ``state_dtype`` (or int8 ones with an
-        earlier code map: ``ops.INT8_CODES``; none saved means 1) are converted through fp32 (a
-        one-time copy of the slice's moments), with one log line."""
+        earlier code map ``codes``) are converted through fp32 (a one-time copy of the slice's
+        moments), with one log line."""
         saved = meta.get("state_dtype", "fp32")
-        codes = meta.get("int8_codes", 1) if saved == "int8" else ops.INT8_CODES
         if saved == self.moments.state_dtype and codes == ops.INT8_CODES:
             read(self.lo, self.state_tensors())
         else:
-            try:
-                self._convert_loaded(saved, codes, read)
-            except ValueError as e:
-                raise StateFileError(f"{where}: {e}") from None
+            self._convert_loaded(saved, codes, read)
         if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
             try:
                 ops.check_scales(*(self.moments.state[k] for k in SCALES))
