@@ -49,7 +49,7 @@ struct AdamArgs {
   float step_size;         // lr / (1 - beta1^step), computed in double
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed in double
   float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step), in double: the compact kinds' form
-  // BF16 moments and Q8's exp_avg_sq are stored with stochastic rounding (f32_to_bf16_sr, q_mag_sr
+  // BF16 moments and Q8's exp_avg_sq are stored with stochastic rounding (f32_to_bf16_sr, q_v_sr
   // in quant.h). BF16's 32 random bits of element i are mix32(uint32(round_index + i) ^ round_seed)
   // (round_bits), Q8's 20 are q8_round_bits(round_index + i, round_seed): pure functions of (step,
   // index), so the result does not depend on the thread split, the tiling or the instruction set.

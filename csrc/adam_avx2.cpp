@@ -325,10 +325,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
       q_v_vec(_mm256_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
     }
-    for (; j < e - b; ++j) {
-      mc[b + j] = q_m(mb[j], minv);
-      vc[b + j] = q_v_sr(vb[j], vinv, q8_round_bits(a.round_index + b + j, a.round_seed));
-    }
+    q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;
   }

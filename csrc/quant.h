@@ -35,7 +35,7 @@
 //                values, at most ~6.25% relative error well above c.
 //     exp_avg_sq uint8: magnitude 0..248, EB = 32: 2^-34 (5.8e-11) to 1.0 (mag 248), i.e. the
 //                square of exp_avg's range, because v ~ g^2 and the update divides by sqrt(v).
-// - exp_avg_sq is written with stochastic rounding (q_mag_sr), exp_avg to nearest. With beta2 =
+// - exp_avg_sq is written with stochastic rounding (q_v_sr), exp_avg to nearest. With beta2 =
 //   0.999 an element's v moves by 0.1% of (g^2 - v) per step, far under half a code step (3-6%), so
 //   to nearest its code relative to the block's (exact) absmax froze and v stopped following its
 //   own gradient (tests/test_ops_quant.py: a gradient falling from 0.3 to 0.1 left the stored v
@@ -48,8 +48,9 @@
 //   by 10% per step, which nearest codes follow). The price: each stored v is noisy (the rounding
 //   errors of ~1000 steps add up under beta2; std 29% of v per element in that test, unbiased),
 //   and more time per element (with the earlier map: AVX2 in cache 1.34 -> 1.38-1.52 ns, 1.62 with
-//   bf16's mix32 hash, hence q8_round_bits in adam.h). The 20 random bits are a function of the element's flat
-//   index and the step, so codes do not depend on threads, tiles, instruction set or world size.
+//   bf16's mix32 hash, hence q8_round_bits in adam.h). The 20 random bits are a function of the
+//   element's flat index and the step, so codes do not depend on threads, tiles, instruction set or
+//   world size.
 //   A stored value is code_value * scale (one fp32 multiply). Zero is a code (exact zeros stay zero:
 //   unused embedding rows, masked params); a v flushed to zero in a block with a 1e10x larger
 //   outlier gets an update bounded by its own m, whose code range flushes at the same scale.
@@ -90,8 +91,6 @@ inline uint32_t q_mag_r(float n, uint32_t r) {
 }
 template <int EB>
 inline uint32_t q_mag(float n) { return q_mag_r<EB>(n, 1u << 19); }
-template <int EB>
-inline uint32_t q_mag_sr(float n, uint32_t r20) { return q_mag_r<EB>(n, r20); }
 
 // Exact for the codes' floats; the subtraction rounds where c is under the value's ulp (1.0 stays 1.0).
 template <int EB>
@@ -121,7 +120,7 @@ inline int8_t q_m(float x, float inv) {
 // to nearest (one-off conversions); q_v_sr: what a step stores (r20: q8_round_bits in adam.h).
 inline uint8_t q_v(float x, float inv) { return static_cast<uint8_t>(q_mag<32>(std::fabs(x) * inv)); }
 inline uint8_t q_v_sr(float x, float inv, uint32_t r20) {
-  return static_cast<uint8_t>(q_mag_sr<32>(std::fabs(x) * inv, r20));
+  return static_cast<uint8_t>(q_mag_r<32>(std::fabs(x) * inv, r20));
 }
 
 // Running max that never takes a NaN (the comparison is false), so any order gives the same value.
@@ -146,6 +145,18 @@ inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale, 
     codes[i] = seed ? q_v_sr(x[i], inv, q8_round_bits(index + i, *seed)) : q_v(x[i], inv);
   }
   *scale = mx;
+}
+
+// The codes of elements [from, len) of the block at b, its reciprocals known: the vector kernels'
+// scalar tail of a partial last block. exp_avg to nearest, exp_avg_sq as the step stores it.
+inline void q_block_tail(const AdamArgs& a, size_t b, const float* mb, const float* vb, size_t from, size_t len,
+                         float minv, float vinv) {
+  int8_t* mc = static_cast<int8_t*>(a.exp_avg) + b;
+  uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq) + b;
+  for (size_t j = from; j < len; ++j) {
+    mc[j] = q_m(mb[j], minv);
+    vc[j] = q_v_sr(vb[j], vinv, q8_round_bits(a.round_index + b + j, a.round_seed));
+  }
 }
 
 // The reference Q8 update of the block holding [b, e) (b a multiple of kQBlock, e <= b + kQBlock):
