@@ -13,6 +13,7 @@ on the master and the 16-bit param is written from it in the same pass. A state 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterable
 
 import torch
@@ -71,37 +72,42 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = 0  # a param's first element in the optimizer's params in order (bf16 rounding counter)
+        # Every check and state conversion first, then the updates: a refused step updates no param.
+        todo, index = [], 0  # index: a param's first element in the optimizer's params in order (rounding counter)
         for group in self.param_groups:
             for flag in ("amsgrad", "maximize"):  # may come in with a torch.optim.Adam(W) state dict
                 if group.get(flag):
                     raise ValueError(f"CPUAdam does not support {flag}=True (param group loaded from another optimizer?)")
-            beta1, beta2 = (float(b) for b in group["betas"])
             for p in group["params"]:
                 index += p.numel()
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise TypeError("CPUAdam does not support sparse gradients")
-                state = self._prepare_state(p, group["state_dtype"])
-                state["step"] += 1
-                half = p.dtype != torch.float32
-                moments = {k: state[k] for k in _MOMENT_KEYS if k in state}
-                ops.adam_step(
-                    state["master"] if half else p,  # ops raises if not contiguous: an update to a copy would be lost
-                    p.grad.contiguous(),  # a read-only input: a copy here loses nothing
-                    **moments,
-                    param_out=p if half else None,
-                    step=int(state["step"].item()),
-                    lr=float(group["lr"]),  # a tensor lr (some schedulers) becomes a float here
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    adamw=bool(group["adamw_mode"]),
-                    num_threads=self.num_threads,
-                    round_index=index - p.numel(),
-                )
+                if p.grad.dtype not in (torch.float32, torch.bfloat16, torch.float16) or p.grad.shape != p.shape:
+                    raise TypeError(f"the grad of a {tuple(p.shape)} param is {str(p.grad.dtype)[6:]} "
+                                    f"{tuple(p.grad.shape)}: expected its shape in float32, bfloat16 or float16")
+                todo.append((group, p, self._prepare_state(p, group["state_dtype"]), index - p.numel()))
+        for group, p, state, first in todo:
+            beta1, beta2 = (float(b) for b in group["betas"])
+            half = p.dtype != torch.float32
+            moments = {k: state[k] for k in _MOMENT_KEYS if k in state}
+            ops.adam_step(
+                state["master"] if half else p,  # ops raises if not contiguous: an update to a copy would be lost
+                p.grad.contiguous(),  # a read-only input: a copy here loses nothing
+                **moments,
+                param_out=p if half else None,
+                step=int(state["step"].item()) + 1,
+                lr=float(group["lr"]),  # a tensor lr (some schedulers) becomes a float here
+                beta1=beta1,
+                beta2=beta2,
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                adamw=bool(group["adamw_mode"]),
+                num_threads=self.num_threads,
+                round_index=first,
+            )
+            state["step"] += 1  # after the update: a refused call leaves the count as it was
         return loss
 
     def _prepare_state(self, p: torch.Tensor, state_dtype: str) -> dict:
@@ -127,26 +133,58 @@ class CPUAdam(torch.optim.Optimizer):
         # codes into floats): the fp32 master and compact moments are put back exactly as saved.
         exact = {pid: {k: v for k, v in st.items() if k in _EXACT_KEYS and torch.is_tensor(v)}
                  for pid, st in state_dict["state"].items()}
-        for pid, values in exact.items():  # refused before anything is loaded
-            if "exp_avg_scale" in values and "exp_avg_sq_scale" in values:
-                ops.check_scales(values["exp_avg_scale"], values["exp_avg_sq_scale"])
-                ops.check_int8_codes(state_dict["state"][pid].get("int8_codes", 1))
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        by_id = dict(zip(saved_ids, params))
+        if [len(g["params"]) for g in state_dict["param_groups"]] == [len(g["params"]) for g in self.param_groups]:
+            for pid, st in state_dict["state"].items():  # refused before anything is loaded
+                if pid in by_id:
+                    _check_saved_state(st, by_id[pid], pid)
+        # (groups that do not match: torch's load_state_dict below says so, before loading anything)
         # The storage is this optimizer's choice, not the checkpoint's: moments saved with another
         # state_dtype are converted at the next step.
         mine = [g["state_dtype"] for g in self.param_groups]
         super().load_state_dict(state_dict)
         for group, state_dtype in zip(self.param_groups, mine):
             group["state_dtype"] = state_dtype
-        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-        by_id = dict(zip(saved_ids, params))
         for pid, values in exact.items():
             if pid in by_id:
-                self.state[by_id[pid]].update({k: v.detach().to("cpu").clone() for k, v in values.items()})
+                self.state[by_id[pid]].update({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in values.items()})
 
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 _EXACT_KEYS = _MOMENT_KEYS + ("master",)
+
+
+def _check_saved_state(st, p: torch.Tensor, pid) -> None:
+    """One param's saved state against its param: a step count (an int >= 0, as a number or a
+    one-element tensor), moments that pair up and have its size, an fp32 master of its size. Anything
+    else was not written by an Adam (or is damaged): refused, naming the param and the entry."""
+    where = f"optimizer state of param {pid} (shape {tuple(p.shape)})"
+    if not isinstance(st, dict):
+        raise ValueError(f"{where}: expected a dict, got {type(st).__name__}")
+    if not st:
+        return
+    step = st.get("step")
+    if step is None:
+        raise ValueError(f"{where}: step is missing (Adam's per-param step count)")
+    value = step.item() if torch.is_tensor(step) and step.numel() == 1 else step
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"{where}: step must be a whole number >= 0, got {step!r}")
+    try:
+        kind = ops.state_dtype_of({k: v.reshape(-1) if torch.is_tensor(v) else v for k, v in st.items()
+                                   if k in _MOMENT_KEYS}, numel=p.numel())
+        if kind == "int8":
+            ops.check_scales(st["exp_avg_scale"], st["exp_avg_sq_scale"])
+            ops.check_int8_codes(st.get("int8_codes", 1))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    master = st.get("master")
+    if master is not None and not (torch.is_tensor(master) and master.dtype == torch.float32
+                                   and master.numel() == p.numel()):
+        got = f"{str(master.dtype)[6:]} of {master.numel()} elements" if torch.is_tensor(master) else repr(master)
+        raise TypeError(f"{where}: master must be float32 of {p.numel()} elements, got {got}")
 
 
 def _flat(state: dict) -> dict:

@@ -75,7 +75,8 @@ def _threads(num_threads: int | None) -> int:
     return num_threads
 
 
-def _check(name: str, t, dtypes: tuple[torch.dtype, ...], numel: int | None = None) -> None:
+def _check(name: str, t, dtypes: tuple[torch.dtype, ...], numel: int | None = None,
+           what: str = "the size of param") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -86,7 +87,7 @@ def _check(name: str, t, dtypes: tuple[torch.dtype, ...], numel: int | None = No
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (a copy would lose the in-place update)")
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, expected {numel} (the size of param)")
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel} ({what})")
 
 
 _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
@@ -122,7 +123,7 @@ def _state_kind(n: int, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale) ->
         for name, t in scales:
             if t is None:
                 raise ValueError(f"{name} is required with int8 moments (one fp32 absmax per {QUANT_BLOCK} elements)")
-            _check(name, t, (torch.float32,), _num_scales(n))
+            _check(name, t, (torch.float32,), _num_scales(n), f"one per {QUANT_BLOCK} of its {n} elements")
     else:
         for name, t in scales:
             if t is not None:
@@ -278,9 +279,14 @@ def make_state(numel: int, state_dtype: str = "fp32") -> dict[str, torch.Tensor]
     return {"exp_avg": torch.zeros(numel, dtype=dt), "exp_avg_sq": torch.zeros(numel, dtype=dt)}
 
 
-def state_dtype_of(state: dict[str, torch.Tensor]) -> str:
-    """"fp32", "bf16" or "int8", from the tensors of a state made by ``make_state``."""
-    n = state["exp_avg"].numel()
+def state_dtype_of(state: dict[str, torch.Tensor], numel: int | None = None) -> str:
+    """"fp32", "bf16" or "int8", from the tensors of a state made by ``make_state``; every mismatch
+    (a missing moment, dtypes that do not pair, ``numel`` elements expected: default exp_avg's) is
+    an error naming the tensor."""
+    for name in _MOMENTS:
+        if not isinstance(state.get(name), torch.Tensor):
+            raise ValueError(f"{name} is missing (a state holds exp_avg and exp_avg_sq, int8 also their scales)")
+    n = state["exp_avg"].numel() if numel is None else numel
     return _state_kind(n, state["exp_avg"], state["exp_avg_sq"], state.get("exp_avg_scale"),
                        state.get("exp_avg_sq_scale"))
 

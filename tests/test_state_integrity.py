@@ -158,3 +158,89 @@ def test_load_summary_says_what_was_restored(tmp_path):
     info = _fresh(model).load_checkpoint(str(tmp_path))
     assert info == {"format": "hf_zero_offload.state/2", "world_size": 1, "stage": 2, "offload": True,
                     "param_dtype": "float32", "global_steps": 3, "needs_publish": False}
+
+
+def _engine_state(opt) -> dict:
+    return {"tensors": {k: v.clone() for k, v in opt.state_tensors().items()},
+            "steps": opt._param_steps.clone(),
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "scaler": opt.scaler.state_dict(), "global": opt.global_steps}
+
+
+def _assert_same(opt, before: dict) -> None:
+    now = _engine_state(opt)
+    for k, t in before["tensors"].items():
+        assert torch.equal(now["tensors"][k], t), k
+    assert torch.equal(now["steps"], before["steps"])
+    assert now["groups"] == before["groups"] and now["scaler"] == before["scaler"]
+    assert now["global"] == before["global"]
+
+
+def _set(key, value):
+    return lambda s: s.__setitem__(key, value)
+
+
+# A state dict that is not what this engine wrote: each refused by name before the first write.
+BAD_STATES = {
+    "float codes": (lambda s: s.__setitem__("exp_avg", s["exp_avg"].float()), "exp_avg is float32, expected int8"),
+    "short codes": (lambda s: s.__setitem__("exp_avg_sq", s["exp_avg_sq"][:-300]), "exp_avg_sq has .* expected"),
+    "fp64 master": (lambda s: s.__setitem__("master", s["master"].double()), "master is float64, expected float32"),
+    "short scales": (lambda s: s.__setitem__("exp_avg_scale", s["exp_avg_scale"][:1]), "exp_avg_scale has 1 elem"),
+    "negative scale": (lambda s: s["exp_avg_sq_scale"].__setitem__(0, -1.0), "negative entries"),
+    "missing moment": (lambda s: s.pop("exp_avg_sq"), "exp_avg_sq is missing"),
+    "label says fp32": (_set("state_dtype", "fp32"), "exp_avg is int8, expected float32 \\(fp32 state\\)"),
+    "unknown dtype": (_set("state_dtype", "int4"), "state_dtype must be one of"),
+    "negative steps": (lambda s: s.__setitem__("param_steps", [-1] * len(s["param_steps"])), "param_steps must"),
+    "steps too few": (_set("param_steps", [1]), "param_steps must be a list of"),
+    "global steps": (_set("global_steps", "3"), "global_steps must be an int"),
+    "nan lr": (lambda s: s["param_groups"][0].__setitem__("lr", float("nan")), "param_groups\\[0\\].lr"),
+    "one beta": (lambda s: s["param_groups"][1].__setitem__("betas", [0.9]), "param_groups\\[1\\].betas"),
+    "a group less": (lambda s: s["param_groups"].pop(), "param_groups must be a list of 2"),
+    "zero loss scale": (lambda s: s["loss_scaler"].__setitem__("scale", 0.0), "scale must be a finite number > 0"),
+    "scaler flag": (lambda s: s["loss_scaler"].__setitem__("dynamic", "yes"), "dynamic must be a bool"),
+    "code map 7": (_set("int8_codes", 7), "code map 7"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STATES))
+def test_a_foreign_state_dict_is_refused_before_any_write(case):
+    mutate, message = BAD_STATES[case]
+    torch.manual_seed(0)
+    model = TinyNet()
+    opts = OffloadOptions(**{**SMALL, "state_dtype": "int8"})
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=opts)
+    _train(model, opt, batches(2))
+    good = opt.state_dict()
+    bad = copy.deepcopy(good)
+    mutate(bad)
+    other = OffloadAdam(param_groups(copy.deepcopy(model), WD), lr=LR, options=opts)
+    before = _engine_state(other)
+    with pytest.raises(checkpoint.StateFileError, match=f"state dict: .*{message}"):
+        other.load_state_dict(bad)
+    _assert_same(other, before)
+    other.load_state_dict(good)  # and the engine still takes a good one
+    assert torch.equal(other.state_tensors()["exp_avg"], good["exp_avg"])
+    for o in (opt, other):
+        o.close()
+
+
+def test_a_checkpoint_that_fails_part_way_blocks_step_and_save(tmp_path):
+    """Checkpoint tensors stream into the arena (no second copy of the state), so a damaged chunk
+    found after the first write leaves a mix: step and save refuse it until a load succeeds."""
+    model, opt, path = _saved(tmp_path / "good")
+    opt.save_checkpoint(str(tmp_path / "bad"))
+    bad = checkpoint.rank_file(str(tmp_path / "bad"), 0, 1)
+    _, entries, base = checkpoint.read_header(bad)
+    _poke(bad, base + entries["exp_avg_sq"]["offset"] + 8, b"\xff" * 4)  # read after master and exp_avg
+    fresh = _fresh(model)
+    with pytest.raises(checkpoint.StateFileError, match="earlier checkpoint"):
+        fresh.load_checkpoint(str(tmp_path / "bad"))
+    for call in (fresh.step, fresh.state_dict, lambda: fresh.save_checkpoint(str(tmp_path / "again"))):
+        with pytest.raises(RuntimeError, match="failed part way"):
+            call()
+    assert not (tmp_path / "again").exists()
+    fresh.load_checkpoint(str(tmp_path / "good"))  # a load that succeeds clears it
+    assert torch.equal(fresh.state_tensors()["exp_avg_sq"], opt.state_tensors()["exp_avg_sq"])
+    fresh.step()
+    for o in (opt, fresh):
+        o.close()

@@ -72,6 +72,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         self._torch_adam = False     # Adam with torch's fused kernel on the device (ZeRO without offload)
         self.uploader = None         # a ParamUploader when updated tiles go up through staging
         self.mirror = None           # the slice in the training dtype, kept equal to the masters' rounding
+        self._load_failed = None     # what a load that failed after its first write was loading
 
     # -- set up by the subclass once the arena exists ------------------------------------------
     def _bind_state(self, regions: dict, lo: int, hi: int) -> None:
@@ -109,6 +110,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_intact()
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         sumsq, received = self._prepare()
@@ -245,6 +247,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
 
     def state_meta(self) -> dict:
         """Everything but the big tensors (JSON-serialisable; the state file's header)."""
+        self._check_intact()
         self._wait_worker()  # the masters must be final; the device may stay one step behind (DPU)
         return {
             "format": STATE_FORMAT, "numel": self.numel, "world_size": self.world_size, "rank": self.rank,
@@ -272,22 +275,40 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         return {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size)."""
-        state_dir.check_model(state, self.numel, self._slot_meta())
+        """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size).
+        Every field and tensor is checked before the first write: a refused state changes nothing."""
+        where = "state dict"
+        self._check_saved(state, where)
         if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
             raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
                              f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
                              "load_checkpoint to change the world size")
-        codes = self._saved_codes(state, "state dict")
+        state_dir.check_tensors(state, self.hi - self.lo, where)
+        codes = self._saved_codes(state, where)
+        self._load_failed = where
         self.load_state_meta(state)
         # the state holds this very slice (checked above): ``lo`` is its start
-        self._load_tensors(state, codes, lambda lo, dst: [dst[k].copy_(state[k][:dst[k].numel()]) for k in dst],
-                           where="state dict")
+        self._load_tensors(state, codes, lambda lo, dst: [dst[k].copy_(state[k].reshape(-1)[:dst[k].numel()])
+                                                           for k in dst], where=where)
         self._finish_load(state)
+        self._load_failed = None
+
+    def _check_saved(self, meta: dict, where: str) -> None:
+        state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
+                             steps=self._param_steps.numel())
+        try:
+            self.scaler.check_state_dict(meta.get("loss_scaler"))
+        except ValueError as e:
+            raise StateFileError(f"{where}: {e}") from None
+
+    def _check_intact(self) -> None:
+        if self._load_failed is not None:
+            raise RuntimeError(f"loading the {self._load_failed} failed part way, so this optimizer holds part of "
+                               "it: load a state that loads (or start afresh) before stepping or saving")
 
     def load_state_meta(self, meta: dict) -> None:
-        """The small state (hyper-parameters, step counts, loss scaler), after checking the model."""
-        state_dir.check_model(meta, self.numel, self._slot_meta())
+        """The small state (hyper-parameters, step counts, loss scaler), after checking it all."""
+        self._check_saved(meta, "state meta")
         self._wait_worker()
         self._prepared = None
         for group, saved in zip(self.param_groups, meta["param_groups"]):
@@ -317,11 +338,16 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         """Load a checkpoint of any engine and world size: this slice's part of every saved file,
         straight into the arena. Returns what was restored (format, world size saved, stage, ...)."""
         srcs, meta = state_dir.sources(directory)
+        self._check_saved(meta, directory)
         codes = self._saved_codes(meta, directory)
+        # the tensors stream into the arena (no second copy of the state): from here a damaged file
+        # leaves a mix of old and new state, which step and save then refuse
+        self._load_failed = f"checkpoint {directory}"
         self.load_state_meta(meta)
         if self.hi > self.lo:
             self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
         self._finish_load(meta)
+        self._load_failed = None
         self.restored = state_dir.summary(meta, len(srcs))
         return self.restored
 

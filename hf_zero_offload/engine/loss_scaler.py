@@ -64,10 +64,24 @@ class LossScaler:
     def state_dict(self) -> dict:
         return dict(self.__dict__)
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state_dict(self, state) -> None:
+        """Refuse a saved scaler state before anything is loaded: unknown keys, or a value of another
+        type than this scaler's (a bool for a flag, a number for the rest; the scale finite and > 0)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"loss scaler state must be a dict, got {type(state).__name__}")
         unknown = set(state) - set(self.__dict__)
         if unknown:
             raise ValueError(f"loss scaler state has unknown keys {sorted(unknown)}")
+        for key, value in state.items():
+            flag = isinstance(getattr(self, key), bool)
+            ok = isinstance(value, bool) if flag else (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                       and math.isfinite(value))
+            if not ok or (key == "scale" and value <= 0):
+                want = "a bool" if flag else ("a finite number > 0" if key == "scale" else "a finite number")
+                raise ValueError(f"loss scaler state: {key} must be {want}, got {value!r}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state_dict(state)
         self.__dict__.update(state)
 
 

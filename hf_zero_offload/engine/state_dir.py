@@ -17,10 +17,16 @@ just the overlapping elements, straight into its arena. Files of the first forma
 from __future__ import annotations
 
 import json
+import math
 import os
+import reprlib
 
+import torch
+
+from .. import ops
 from . import checkpoint
-from .moments import Q
+from .checkpoint import StateFileError
+from .moments import Q, SCALES, moment_regions
 
 STATE_FORMATS = ("hf_zero_offload.state/2", "hf_zero_offload.sharded/1", "hf_zero_offload.offload/1")
 META_FORMAT = "hf_zero_offload.sharded-meta/1"
@@ -82,6 +88,68 @@ def check_model(meta: dict, numel: int, slots: list) -> None:
         raise ValueError(f"optimizer state does not match this model: saved {meta['numel']} trainable elements "
                          f"in {sum(map(len, meta['slots']))} params, this model has {numel} in "
                          f"{sum(map(len, slots))}")
+
+
+def _real(x) -> bool:
+    if torch.is_tensor(x) and x.numel() == 1 and x.is_floating_point():  # a tensor lr (some schedulers)
+        x = x.item()
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, steps: int) -> None:
+    """The small fields of a saved state (a file header or a state dict), checked before anything is
+    loaded, so a foreign or tampered state is refused by name and the engine stays as it was."""
+    check_model(meta, numel, slots)
+
+    def bad(field: str, want: str, got) -> StateFileError:
+        return StateFileError(f"{where}: {field} must be {want}, got {reprlib.repr(got)}; this state was not written by "
+                          "hf_zero_offload (or is damaged)")
+
+    if meta.get("state_dtype", "fp32") not in ops.STATE_DTYPES:
+        raise bad("state_dtype", f"one of {ops.STATE_DTYPES}", meta.get("state_dtype"))
+    saved = meta.get("param_groups")
+    if not isinstance(saved, list) or len(saved) != groups or not all(isinstance(g, dict) for g in saved):
+        raise bad("param_groups", f"a list of {groups} dicts", saved)
+    for i, g in enumerate(saved):
+        for key in ("lr", "eps", "weight_decay"):
+            if key in g and not (_real(g[key]) and g[key] >= 0):
+                raise bad(f"param_groups[{i}].{key}", "a finite number >= 0", g[key])
+        betas = g.get("betas", (0.0, 0.0))
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas)):
+            raise bad(f"param_groups[{i}].betas", "two numbers in [0, 1)", betas)
+        if not isinstance(g.get("adamw_mode", True), bool):
+            raise bad(f"param_groups[{i}].adamw_mode", "a bool", g["adamw_mode"])
+    counts = meta.get("param_steps")
+    if not isinstance(counts, list) or len(counts) != steps or not all(map(_count, counts)):
+        raise bad("param_steps", f"a list of {steps} ints >= 0", counts)
+    if not _count(meta.get("global_steps")):
+        raise bad("global_steps", "an int >= 0", meta.get("global_steps"))
+    if not isinstance(meta.get("needs_publish", False), bool):
+        raise bad("needs_publish", "a bool", meta["needs_publish"])
+
+
+def check_tensors(state: dict, n: int, where: str) -> None:
+    """The tensors of a state dict of an ``n``-element slice: each one its ``state_dtype`` stores
+    (``moment_regions``), of that dtype and at least that long, before any is copied."""
+    saved = state.get("state_dtype", "fp32")
+    want = {"master": (n, torch.float32), **moment_regions(n, saved)}
+    for key, (count, dtype) in want.items():
+        t = state.get(key)
+        if not torch.is_tensor(t):
+            raise StateFileError(f"{where}: {key} is missing or not a tensor ({saved} states hold {', '.join(want)})")
+        if t.dtype != dtype:
+            raise StateFileError(f"{where}: {key} is {str(t.dtype)[6:]}, expected {str(dtype)[6:]} ({saved} state)")
+        if t.numel() < count:
+            raise StateFileError(f"{where}: {key} has {t.numel()} elements, expected {count} ({n} in this slice)")
+    if saved == "int8":
+        try:
+            ops.check_scales(*(state[k].reshape(-1)[:want[k][0]] for k in SCALES))
+        except ValueError as e:
+            raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
 
 
 def read_range(srcs: list[tuple[str, int, int]], lo: int, dst: dict) -> None:

@@ -1,0 +1,82 @@
+"""CPUAdam refuses what it cannot use before it changes anything: a foreign per-param state at
+``load_state_dict`` (nothing loaded), a bad gradient at ``step`` (no param updated, no count moved)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_zero_offload import CPUAdam
+
+
+def _trained(state_dtype="int8"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 2), torch.nn.Linear(2, 3))  # a weight of 600: 3 blocks
+    opt = CPUAdam(model.parameters(), lr=1e-2, state_dtype=state_dtype)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 300)).square().mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _put(key, value):
+    return lambda st: st.__setitem__(key, value)
+
+
+# Each breaks the state of param 2 (the second Linear's weight); param 0 stays good, so a load
+# that had started would have loaded it.
+BAD = {
+    "float codes": (lambda st: st.__setitem__("exp_avg", st["exp_avg"].float()), TypeError, "exp_avg_sq must be float32"),
+    "short codes": (lambda st: st.__setitem__("exp_avg", st["exp_avg"].reshape(-1)[:-1]), ValueError,
+                    "exp_avg has 5 elements, expected 6"),
+    "short sq codes": (lambda st: st.__setitem__("exp_avg_sq", st["exp_avg_sq"].reshape(-1)[:-1]), ValueError,
+                       "exp_avg_sq has 5 elements, expected 6"),
+    "signed sq codes": (lambda st: st.__setitem__("exp_avg_sq", st["exp_avg_sq"].to(torch.int8)), TypeError,
+                        "exp_avg_sq must have dtype"),
+    "no scales": (lambda st: st.pop("exp_avg_scale"), ValueError, "exp_avg_scale is required"),
+    "fp64 scales": (lambda st: st.__setitem__("exp_avg_scale", st["exp_avg_scale"].double()), TypeError,
+                    "exp_avg_scale must have dtype float32"),
+    "negative scale": (lambda st: st["exp_avg_sq_scale"].fill_(-1.0), ValueError, "negative entries"),
+    "code map 9": (_put("int8_codes", 9), ValueError, "code map 9"),
+    "no exp_avg": (lambda st: st.pop("exp_avg"), ValueError, "exp_avg is missing"),
+    "no step": (lambda st: st.pop("step"), ValueError, "step is missing"),
+    "negative step": (_put("step", torch.tensor(-3.0)), ValueError, "step must be a whole number >= 0"),
+    "fractional step": (_put("step", torch.tensor(2.5)), ValueError, "step must be a whole number >= 0"),
+    "nan step": (_put("step", float("nan")), ValueError, "step must be a whole number >= 0"),
+    "short master": (_put("master", torch.zeros(5)), TypeError, "master must be float32 of 6 elements"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_foreign_state_is_refused_before_anything_loads(case):
+    mutate, error, message = BAD[case]
+    model, opt = _trained()
+    good = opt.state_dict()
+    bad = copy.deepcopy(good)
+    mutate(bad["state"][2])
+    fresh = CPUAdam(copy.deepcopy(model).parameters(), lr=1e-2, state_dtype="int8")
+    with pytest.raises(error, match=rf"optimizer state of param 2 \(shape \(3, 2\)\): .*{message}"):
+        fresh.load_state_dict(bad)
+    assert len(fresh.state) == 0
+    fresh.load_state_dict(good)
+    assert all(torch.equal(fresh.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+               for p, q in zip(model.parameters(), fresh.param_groups[0]["params"]))
+
+
+@pytest.mark.parametrize("grad", ["int", "shape"])
+def test_a_refused_step_updates_no_param(grad):
+    model, opt = _trained("fp32")
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    steps = [float(opt.state[p]["step"]) for p in params]
+    moments = [opt.state[p]["exp_avg"].clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    # through .data: the only way past torch's own checks on assigning a grad
+    params[2].grad.data = torch.ones(3, 2, dtype=torch.int32) if grad == "int" else torch.ones(6)
+    with pytest.raises(TypeError, match=r"the grad of a \(3, 2\) param is"):
+        opt.step()
+    for p, b, s, m in zip(params, before, steps, moments):
+        assert torch.equal(p, b) and float(opt.state[p]["step"]) == s and torch.equal(opt.state[p]["exp_avg"], m)
