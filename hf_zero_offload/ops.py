@@ -28,6 +28,7 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "state_dtype_of",
+    "check_hyperparameters",
     "grad_norm_sq_and_finite",
     "accumulate_grad",
     "simd_level",
@@ -183,9 +184,7 @@ def adam_step(
     step = int(step)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the 1-based count after this update), got {step}")
-    for name, value in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {value}")
+    check_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if kind == "int8":
         check_scales(exp_avg_scale, exp_avg_sq_scale)
     if compact_math and kind != "fp32":
@@ -201,6 +200,22 @@ def adam_step(
         float(grad_scale), int(round_index) % 2**64, bool(compact_math),
         _threads(num_threads),
     )
+
+
+def check_hyperparameters(*, lr, beta1, beta2, eps, weight_decay) -> None:
+    """Adam's hyper-parameters as a step uses them: lr, eps and weight_decay finite and >= 0, betas in
+    [0, 1); a one-element tensor counts as its value. A ValueError names the first bad one. Checked at
+    every step, not only when an optimizer is built: an LR scheduler (or an edited param group) that
+    yields nan, inf or a negative value would otherwise corrupt every master it reaches."""
+    def value(v):
+        return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+
+    for name, v, top in (("lr", lr, math.inf), ("eps", eps, math.inf), ("weight_decay", weight_decay, math.inf),
+                         ("beta1", beta1, 1.0), ("beta2", beta2, 1.0)):
+        v = value(v)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < top:
+            want = "a finite number >= 0" if top == math.inf else "in [0, 1)"
+            raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 def stream_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,

@@ -80,3 +80,30 @@ def test_a_refused_step_updates_no_param(grad):
         opt.step()
     for p, b, s, m in zip(params, before, steps, moments):
         assert torch.equal(p, b) and float(opt.state[p]["step"]) == s and torch.equal(opt.state[p]["exp_avg"], m)
+
+
+@pytest.mark.parametrize("key,value", [("lr", float("nan")), ("lr", -1e-3), ("lr", float("inf")),
+                                       ("eps", -1.0), ("weight_decay", float("nan")), ("lr", torch.tensor(-1.0))])
+def test_a_hyperparameter_gone_bad_is_refused_at_step(key, value):
+    """A scheduler or a hand-edited group can set any value between steps: checked at every step
+    (CPUAdam and the engines), before any param moves, naming the group and the key."""
+    from _models import TinyNet, batches, loss_fn, param_groups
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    model, opt = _trained("fp32")
+    torch.manual_seed(0)
+    tiny = TinyNet()
+    engine = OffloadAdam(param_groups(tiny, 0.01), lr=1e-2, options=OffloadOptions(num_threads=1))
+    ids, labels, use_branch = batches(1)[0]
+    loss_fn(tiny, ids, labels, use_branch).backward()
+    model(torch.randn(4, 300)).square().mean().backward()
+    for o, params in ((opt, list(model.parameters())), (engine, list(tiny.parameters()))):
+        o.param_groups[-1][key] = value
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(ValueError, match=rf"param group {len(o.param_groups) - 1}: {key} must be a finite"):
+            o.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert engine.global_steps == 0
+    engine.close()
+    with pytest.raises(ValueError, match="OffloadAdam param group 0: lr must be a finite number >= 0, got -1"):
+        OffloadAdam(param_groups(tiny, 0.01), lr=-1, options=OffloadOptions(num_threads=1))

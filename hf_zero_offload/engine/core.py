@@ -12,7 +12,8 @@ layout of the trainable parameters: the whole layout for ``OffloadAdam``, one ra
   published at step k+1 (or ``flush``), before anything else touches the masters;
 - the Adam call on a range of the slice, ``_adam``: the one place that reads and writes moments;
 - the state: ``state_meta``/``state_tensors``, one state-file format (``checkpoint``) and one
-  checkpoint directory layout (``state_dir``) that any engine at any world size can load.
+  checkpoint directory layout (``state_dir``) that any engine at any world size can load, written in
+  its own file as the mixin ``SavedState`` (saved_state.py).
 
 A subclass supplies what differs: ``_gradients()`` (how gradients arrive and are summed),
 ``_begin_window()`` (the next step's gradients go to ``self.store``), ``_after_update()`` (how the
@@ -21,25 +22,20 @@ updated slice reaches the device synchronously), ``_publish_params()`` (same, fo
 """
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future
 
 import torch
 
-from . import state_dir
 from .. import ops
-from .checkpoint import StateFileError
-from .moments import SCALES, Moments, Q
+from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
 from .runs import Run, flat_layout, make_runs, training_dtype
+from .saved_state import SavedState
 from .streams import Streams, make_streams
 
-STATE_FORMAT = "hf_zero_offload.state/2"
-logger = logging.getLogger("hf_zero_offload")
 
-
-class AdamCore(LossScaled, torch.optim.Optimizer):
+class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
     offload: bool = True          # optimizer state and step on the CPU
     world_size, rank = 1, 0
@@ -48,6 +44,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
                  param_dtype: torch.dtype | None, options: OffloadOptions, streams: Streams | None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
+        self._check_hyper()
         self.options = options
         self.scaler = LossScaler.from_options(options.fp16)
         # per group: (param, flat offset, numel); ``_flat``: all of them in order; ``_groups``: indices
@@ -72,7 +69,6 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
         self._torch_adam = False     # Adam with torch's fused kernel on the device (ZeRO without offload)
         self.uploader = None         # a ParamUploader when updated tiles go up through staging
         self.mirror = None           # the slice in the training dtype, kept equal to the masters' rounding
-        self._load_failed = None     # what a load that failed after its first write was loading
 
     # -- set up by the subclass once the arena exists ------------------------------------------
     def _bind_state(self, regions: dict, lo: int, hi: int) -> None:
@@ -111,6 +107,7 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self._check_intact()
+        self._check_hyper()  # before anything moves: a scheduler may have set them since the last step
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         sumsq, received = self._prepare()
@@ -143,6 +140,17 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
             self._after_update()
             self._begin_window()
         return loss
+
+    def _check_hyper(self) -> None:
+        for i, g in enumerate(self.param_groups):
+            try:
+                betas = tuple(g["betas"])
+                if len(betas) != 2:
+                    raise ValueError(f"betas must be two numbers, got {g['betas']!r}")
+                ops.check_hyperparameters(lr=g["lr"], beta1=betas[0], beta2=betas[1], eps=g["eps"],
+                                          weight_decay=g["weight_decay"])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{type(self).__name__} param group {i}: {e}") from None
 
     def _prepare(self) -> tuple[float, list[bool]]:
         if self._prepared is None:
@@ -240,157 +248,6 @@ class AdamCore(LossScaled, torch.optim.Optimizer):
     def slot_params(self) -> list[list[torch.nn.Parameter]]:
         """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
         return [[p for p, _, _ in g] for g in self._slots]
-
-    # -- state ---------------------------------------------------------------------------------
-    def _slot_meta(self) -> list:
-        return [[[off, n, list(p.shape)] for p, off, n in g] for g in self._slots]
-
-    def state_meta(self) -> dict:
-        """Everything but the big tensors (JSON-serialisable; the state file's header)."""
-        self._check_intact()
-        self._wait_worker()  # the masters must be final; the device may stay one step behind (DPU)
-        return {
-            "format": STATE_FORMAT, "numel": self.numel, "world_size": self.world_size, "rank": self.rank,
-            "shard_start": self.lo, "shard_end": self.hi, "stage": self.stage, "offload": self.offload,
-            "param_dtype": str(self.param_dtype).replace("torch.", ""),
-            "state_dtype": self.moments.state_dtype,
-            **({"int8_codes": ops.INT8_CODES} if self.moments.state_dtype == "int8" else {}),
-            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-                             for g in self.param_groups],
-            "slots": self._slot_meta(),
-            "param_steps": self._param_steps.tolist(),
-            "loss_scaler": self.scaler.state_dict(),
-            "global_steps": self.global_steps,
-            "needs_publish": self.needs_publish,
-        }
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Views of this slice's state (no copy, no padding): the checkpoint writer streams them."""
-        self._wait_worker()
-        n = self.hi - self.lo
-        return {"master": self.master[:n], **self.moments.tensors(n)}
-
-    def state_dict(self) -> dict:
-        # Clones: torch.save of a view would write the whole arena (gradient stores included).
-        return {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size).
-        Every field and tensor is checked before the first write: a refused state changes nothing."""
-        where = "state dict"
-        self._check_saved(state, where)
-        if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
-            raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
-                             f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
-                             "load_checkpoint to change the world size")
-        state_dir.check_tensors(state, self.hi - self.lo, where)
-        codes = self._saved_codes(state, where)
-        self._load_failed = where
-        self.load_state_meta(state)
-        # the state holds this very slice (checked above): ``lo`` is its start
-        self._load_tensors(state, codes, lambda lo, dst: [dst[k].copy_(state[k].reshape(-1)[:dst[k].numel()])
-                                                           for k in dst], where=where)
-        self._finish_load(state)
-        self._load_failed = None
-
-    def _check_saved(self, meta: dict, where: str) -> None:
-        state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
-                             steps=self._param_steps.numel())
-        try:
-            self.scaler.check_state_dict(meta.get("loss_scaler"))
-        except ValueError as e:
-            raise StateFileError(f"{where}: {e}") from None
-
-    def _check_intact(self) -> None:
-        if self._load_failed is not None:
-            raise RuntimeError(f"loading the {self._load_failed} failed part way, so this optimizer holds part of "
-                               "it: load a state that loads (or start afresh) before stepping or saving")
-
-    def load_state_meta(self, meta: dict) -> None:
-        """The small state (hyper-parameters, step counts, loss scaler), after checking it all."""
-        self._check_saved(meta, "state meta")
-        self._wait_worker()
-        self._prepared = None
-        for group, saved in zip(self.param_groups, meta["param_groups"]):
-            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
-        self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
-        self.scaler.load_state_dict(meta["loss_scaler"])
-        self.global_steps = meta["global_steps"]
-
-    def _finish_load(self, meta: dict) -> None:
-        """After the tensors are in place: rebuild what a checkpoint does not store. A DPU state's
-        masters are one step ahead of the saved parameters: with DPU on, the next step publishes
-        them (the schedule of an uninterrupted run); without, they are published now."""
-        self._sync_mirror()
-        self.needs_publish, self._uploaded = False, None
-        if meta.get("needs_publish"):
-            if self.options.dpu:
-                self.needs_publish = True
-            else:
-                self._publish_masters()
-
-    def save_checkpoint(self, directory: str) -> None:
-        """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``)."""
-        state_dir.save(directory, self.rank, self.world_size, self.state_meta(), self.state_tensors(),
-                       barrier=self._barrier, partition=self._partition_ranges())
-
-    def load_checkpoint(self, directory: str) -> dict:
-        """Load a checkpoint of any engine and world size: this slice's part of every saved file,
-        straight into the arena. Returns what was restored (format, world size saved, stage, ...)."""
-        srcs, meta = state_dir.sources(directory)
-        self._check_saved(meta, directory)
-        codes = self._saved_codes(meta, directory)
-        # the tensors stream into the arena (no second copy of the state): from here a damaged file
-        # leaves a mix of old and new state, which step and save then refuse
-        self._load_failed = f"checkpoint {directory}"
-        self.load_state_meta(meta)
-        if self.hi > self.lo:
-            self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
-        self._finish_load(meta)
-        self._load_failed = None
-        self.restored = state_dir.summary(meta, len(srcs))
-        return self.restored
-
-    @staticmethod
-    def _saved_codes(meta: dict, where: str) -> int:
-        """The code map of saved int8 moments (``ops.INT8_CODES``; none saved means 1), checked
-        before anything is loaded."""
-        codes = meta.get("int8_codes", 1) if meta.get("state_dtype", "fp32") == "int8" else ops.INT8_CODES
-        try:
-            ops.check_int8_codes(codes)
-        except ValueError as e:
-            raise StateFileError(f"{where}: {e}") from None
-        return codes
-
-    def _load_tensors(self, meta: dict, codes: int, read, where: str) -> None:
-        """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``,
-        block-aligned for int8). Moments saved with another ``state_dtype`` (or int8 ones with an
-        earlier code map ``codes``) are converted through fp32 (a one-time copy of the slice's
-        moments), with one log line."""
-        saved = meta.get("state_dtype", "fp32")
-        if saved == self.moments.state_dtype and codes == ops.INT8_CODES:
-            read(self.lo, self.state_tensors())
-        else:
-            self._convert_loaded(saved, codes, read)
-        if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
-            try:
-                ops.check_scales(*(self.moments.state[k] for k in SCALES))
-            except ValueError as e:
-                raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
-
-    def _convert_loaded(self, saved: str, codes: int, read) -> None:
-        own, n = self.moments.state_dtype, self.hi - self.lo
-        read(self.lo, {"master": self.master[:n]})
-        # the saved int8 blocks that cover this slice (its start need not be a block start then)
-        la = self.lo // Q * Q if saved == "int8" else self.lo
-        ha = min(self.numel, -(-self.hi // Q) * Q) if saved == "int8" else self.hi
-        tmp = ops.make_state(ha - la, saved)
-        read(la, tmp)
-        m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
-        for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
-            self.moments.tensors(n)[k].copy_(t)
-        what = f"{saved} (code map {codes})" if saved == "int8" else saved
-        logger.info("hf_zero_offload: optimizer moments saved as %s converted to state_dtype=%s", what, own)
 
     def _partition_ranges(self) -> list[list[int]]:
         """[start, end) of every rank's slice (one process: the whole layout)."""

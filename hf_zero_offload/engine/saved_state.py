@@ -1,0 +1,180 @@
+"""``SavedState``: the state half of ``AdamCore`` (core.py), the part that leaves and re-enters the
+process: ``state_meta``/``state_tensors``/``state_dict``, checkpoints (``state_dir``, one file format
+for every engine and world size) and the loads of both.
+
+A load checks everything it can before its first write (``state_dir.check_meta`` /
+``check_tensors``, the loss scaler's values, the int8 code map), so a refused state leaves the
+optimizer as it was. A checkpoint's tensors then stream straight into the arena (no second copy of
+the state); should a chunk fail its checksum part way, ``_load_failed`` stays set and ``step``,
+``state_meta`` (hence every save) refuse until a load succeeds.
+
+A mixin of the same object, not a helper of another: its methods read the core's fields (``lo``,
+``hi``, ``master``, ``moments``, ``param_groups``, ``_param_steps``, ``scaler``...) as its own.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import ops
+from . import state_dir
+from .checkpoint import StateFileError
+from .moments import SCALES, Q
+
+STATE_FORMAT = "hf_zero_offload.state/2"
+logger = logging.getLogger("hf_zero_offload")
+
+
+class SavedState:
+    _load_failed: str | None = None  # what a load that failed after its first write was loading
+
+    def _slot_meta(self) -> list:
+        return [[[off, n, list(p.shape)] for p, off, n in g] for g in self._slots]
+
+    def state_meta(self) -> dict:
+        """Everything but the big tensors (JSON-serialisable; the state file's header)."""
+        self._check_intact()
+        self._wait_worker()  # the masters must be final; the device may stay one step behind (DPU)
+        return {
+            "format": STATE_FORMAT, "numel": self.numel, "world_size": self.world_size, "rank": self.rank,
+            "shard_start": self.lo, "shard_end": self.hi, "stage": self.stage, "offload": self.offload,
+            "param_dtype": str(self.param_dtype).replace("torch.", ""),
+            "state_dtype": self.moments.state_dtype,
+            **({"int8_codes": ops.INT8_CODES} if self.moments.state_dtype == "int8" else {}),
+            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                             for g in self.param_groups],
+            "slots": self._slot_meta(),
+            "param_steps": self._param_steps.tolist(),
+            "loss_scaler": self.scaler.state_dict(),
+            "global_steps": self.global_steps,
+            "needs_publish": self.needs_publish,
+        }
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Views of this slice's state (no copy, no padding): the checkpoint writer streams them."""
+        self._wait_worker()
+        n = self.hi - self.lo
+        return {"master": self.master[:n], **self.moments.tensors(n)}
+
+    def state_dict(self) -> dict:
+        # Clones: torch.save of a view would write the whole arena (gradient stores included).
+        return {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size).
+        Every field and tensor is checked before the first write: a refused state changes nothing."""
+        where = "state dict"
+        self._check_saved(state, where)
+        if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
+            raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
+                             f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
+                             "load_checkpoint to change the world size")
+        state_dir.check_tensors(state, self.hi - self.lo, where)
+        codes = self._saved_codes(state, where)
+        self._load_failed = where
+        self.load_state_meta(state)
+        # the state holds this very slice (checked above): ``lo`` is its start
+        self._load_tensors(state, codes, lambda lo, dst: [dst[k].copy_(state[k].reshape(-1)[:dst[k].numel()])
+                                                           for k in dst], where=where)
+        self._finish_load(state)
+        self._load_failed = None
+
+    def _check_saved(self, meta: dict, where: str) -> None:
+        state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
+                             steps=self._param_steps.numel())
+        try:
+            self.scaler.check_state_dict(meta.get("loss_scaler"))
+        except ValueError as e:
+            raise StateFileError(f"{where}: {e}") from None
+
+    def _check_intact(self) -> None:
+        if self._load_failed is not None:
+            raise RuntimeError(f"loading the {self._load_failed} failed part way, so this optimizer holds part of "
+                               "it: load a state that loads (or start afresh) before stepping or saving")
+
+    def load_state_meta(self, meta: dict) -> None:
+        """The small state (hyper-parameters, step counts, loss scaler), after checking it all."""
+        self._check_saved(meta, "state meta")
+        self._wait_worker()
+        self._prepared = None
+        for group, saved in zip(self.param_groups, meta["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+        self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
+        self.scaler.load_state_dict(meta["loss_scaler"])
+        self.global_steps = meta["global_steps"]
+
+    def _finish_load(self, meta: dict) -> None:
+        """After the tensors are in place: rebuild what a checkpoint does not store. A DPU state's
+        masters are one step ahead of the saved parameters: with DPU on, the next step publishes
+        them (the schedule of an uninterrupted run); without, they are published now."""
+        self._sync_mirror()
+        self.needs_publish, self._uploaded = False, None
+        if meta.get("needs_publish"):
+            if self.options.dpu:
+                self.needs_publish = True
+            else:
+                self._publish_masters()
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``)."""
+        state_dir.save(directory, self.rank, self.world_size, self.state_meta(), self.state_tensors(),
+                       barrier=self._barrier, partition=self._partition_ranges())
+
+    def load_checkpoint(self, directory: str) -> dict:
+        """Load a checkpoint of any engine and world size: this slice's part of every saved file,
+        straight into the arena. Returns what was restored (format, world size saved, stage, ...)."""
+        srcs, meta = state_dir.sources(directory)
+        self._check_saved(meta, directory)
+        codes = self._saved_codes(meta, directory)
+        # the tensors stream into the arena (no second copy of the state): from here a damaged file
+        # leaves a mix of old and new state, which step and save then refuse
+        self._load_failed = f"checkpoint {directory}"
+        self.load_state_meta(meta)
+        if self.hi > self.lo:
+            self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
+        self._finish_load(meta)
+        self._load_failed = None
+        self.restored = state_dir.summary(meta, len(srcs))
+        return self.restored
+
+    @staticmethod
+    def _saved_codes(meta: dict, where: str) -> int:
+        """The code map of saved int8 moments (``ops.INT8_CODES``; none saved means 1), checked
+        before anything is loaded."""
+        codes = meta.get("int8_codes", 1) if meta.get("state_dtype", "fp32") == "int8" else ops.INT8_CODES
+        try:
+            ops.check_int8_codes(codes)
+        except ValueError as e:
+            raise StateFileError(f"{where}: {e}") from None
+        return codes
+
+    def _load_tensors(self, meta: dict, codes: int, read, where: str) -> None:
+        """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``,
+        block-aligned for int8). Moments saved with another ``state_dtype`` (or int8 ones with an
+        earlier code map ``codes``) are converted through fp32 (a one-time copy of the slice's
+        moments), with one log line."""
+        saved = meta.get("state_dtype", "fp32")
+        if saved == self.moments.state_dtype and codes == ops.INT8_CODES:
+            read(self.lo, self.state_tensors())
+        else:
+            self._convert_loaded(saved, codes, read)
+        if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
+            try:
+                ops.check_scales(*(self.moments.state[k] for k in SCALES))
+            except ValueError as e:
+                raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
+
+    def _convert_loaded(self, saved: str, codes: int, read) -> None:
+        own, n = self.moments.state_dtype, self.hi - self.lo
+        read(self.lo, {"master": self.master[:n]})
+        # the saved int8 blocks that cover this slice (its start need not be a block start then)
+        la = self.lo // Q * Q if saved == "int8" else self.lo
+        ha = min(self.numel, -(-self.hi // Q) * Q) if saved == "int8" else self.hi
+        tmp = ops.make_state(ha - la, saved)
+        read(la, tmp)
+        m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
+        for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
+            self.moments.tensors(n)[k].copy_(t)
+        what = f"{saved} (code map {codes})" if saved == "int8" else saved
+        logger.info("hf_zero_offload: optimizer moments saved as %s converted to state_dtype=%s", what, own)
