@@ -1,5 +1,5 @@
 """Every resume path through the Trainer, as one matrix: offload on/off, stage 1/2, DPU on/off, 1 <-> 2 ranks
-(gloo), fp32/bf16.
+(gloo), fp32/bf16, fp32/int8 moments (``offload_optimizer.state_dtype``).
 
 Each run trains a tiny T5 for 4 steps at a global batch of 4 (1 rank x 4, or 2 ranks x 2: the same samples per
 step); a checkpoint at step 2 is resumed with the cell's setup on the cell's rank count, with another random
@@ -24,6 +24,9 @@ Z = {"off2": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
      "off2-dpu": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                   "delayed_param_update": {"enabled": True, "warmup_steps": 1}},
      "z1": {"stage": 1}, "z2": {"stage": 2}}
+INT8 = {"device": "cpu", "state_dtype": "int8"}
+Z.update({"off2-int8": {"stage": 2, "offload_optimizer": INT8},
+          "off2-int8-dpu": {**Z["off2-dpu"], "offload_optimizer": INT8}})
 
 # name: (saved by (ranks, setup), resumed on (ranks, setup), dtype, expectation)
 CELLS = {
@@ -34,6 +37,13 @@ CELLS = {
     "1to2-offload-fp32": ((1, "off2"), (2, "off2"), "fp32", "close"),
     "1to1-z2-to-offload-bf16": ((1, "z2"), (1, "off2"), "bf16", "exact"),
     "1to1-offload-to-z2-fp32": ((1, "off2"), (1, "z2"), "fp32", "exact"),
+    # 8-bit moments (issue 14): int8 blocks never straddle a shard, so the state re-cuts exactly
+    "2to2-int8-dpu-bf16": ((2, "off2-int8-dpu"), (2, "off2-int8-dpu"), "bf16", "exact"),
+    "2to1-int8-dpu-bf16": ((2, "off2-int8-dpu"), (1, "off2-int8-dpu"), "bf16", "close"),
+    "1to1-int8-fp32": ((1, "off2-int8"), (1, "off2-int8"), "fp32", "exact"),
+    # int8 moments resumed as fp32 ones: converted with one log line; steps 3-4 then run exact AdamW
+    # on the decoded moments instead of 8-bit ones, so the weights stay near the int8 run's
+    "1to1-int8-to-fp32-moments-fp32": ((1, "off2-int8"), (1, "off2"), "fp32", "converted"),
 }
 
 
@@ -88,10 +98,15 @@ def test_resume_matrix(runs, cell, caplog):
     if resumed[0] == 1:  # the one line saying what was restored, saved vs now
         (line,) = [r.getMessage() for r in caplog.records if "hf_zero_offload: resumed" in r.getMessage()]
         assert f"saved by {saved[0]} rank(s), loaded on 1" in line
+    if expect == "converted":
+        assert any("optimizer moments saved as int8 (code map 2) converted to state_dtype=fp32" in r.getMessage()
+                   for r in caplog.records)
     want = out[_name(saved, dtype)]
     tol = 1e-5 if dtype == "fp32" else 2e-2
     for i, (a, b) in enumerate(zip(want, got)):
         if expect == "exact":
             assert torch.equal(a, b), f"param {i}: max diff {(a - b).abs().max().item()}"
+        elif expect == "converted":  # two steps of lr 3e-3 apart: far under one step's size
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-3, msg=f"param {i}")
         else:
             torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=f"param {i}")
