@@ -117,13 +117,17 @@ def test_resume_is_exact(tmp_path, cfg):
     assert len(losses(full)) == 6
 
 
-def test_consolidate_round_trip(tmp_path):
-    kw = dict(bf16=True, zero_offload=OFFLOAD, save_strategy="steps", save_steps=3, max_steps=3)
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_consolidate_round_trip(tmp_path, state_dtype):
+    # the moments' storage does not reach the consolidated model: it is the fp32 masters
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "state_dtype": state_dtype}}
+    kw = dict(bf16=True, zero_offload={"zero_optimization": zero}, save_strategy="steps", save_steps=3, max_steps=3)
     model, trainer = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "run", **kw))
     out = tmp_path / "fp32"
     assert cli_main(["consolidate", str(tmp_path / "run" / "checkpoint-3"), str(out)]) == 0
     loaded = T5ForConditionalGeneration.from_pretrained(out)
     engine = trainer.zero_engine
+    assert engine.moments.state_dtype == state_dtype
     assert loaded.lm_head.weight.data_ptr() == loaded.shared.weight.data_ptr()  # still tied
     masters = {}
     for g in engine._slots:
