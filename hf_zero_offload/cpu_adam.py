@@ -73,7 +73,7 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Every check and state conversion first, then the updates: a refused step updates no param.
-        todo, index = [], 0  # index: a param's first element in the optimizer's params in order (rounding counter)
+        todo, index = [], 0  # index: a param's first element among the optimizer's params (rounding counter)
         for group in self.param_groups:
             for flag in ("amsgrad", "maximize"):  # may come in with a torch.optim.Adam(W) state dict
                 if group.get(flag):
@@ -154,7 +154,8 @@ class CPUAdam(torch.optim.Optimizer):
             group["state_dtype"] = state_dtype
         for pid, values in exact.items():
             if pid in by_id:
-                self.state[by_id[pid]].update({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in values.items()})
+                self.state[by_id[pid]].update({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+                                               for k, v in values.items()})
 
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")

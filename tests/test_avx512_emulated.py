@@ -52,7 +52,8 @@ def _tool(name: str) -> str:
 
 def _run(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    assert out.returncode == 0, f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, \
+        f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
     return out
 
 

@@ -28,7 +28,8 @@ def _put(key, value):
 # Each breaks the state of param 2 (the second Linear's weight); param 0 stays good, so a load
 # that had started would have loaded it.
 BAD = {
-    "float codes": (lambda st: st.__setitem__("exp_avg", st["exp_avg"].float()), TypeError, "exp_avg_sq must be float32"),
+    "float codes": (lambda st: st.__setitem__("exp_avg", st["exp_avg"].float()), TypeError,
+                    "exp_avg_sq must be float32"),
     "short codes": (lambda st: st.__setitem__("exp_avg", st["exp_avg"].reshape(-1)[:-1]), ValueError,
                     "exp_avg has 5 elements, expected 6"),
     "short sq codes": (lambda st: st.__setitem__("exp_avg_sq", st["exp_avg_sq"].reshape(-1)[:-1]), ValueError,

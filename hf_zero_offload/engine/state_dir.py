@@ -84,10 +84,11 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
 def check_model(meta: dict, numel: int, slots: list) -> None:
     if meta.get("format") not in STATE_FORMATS:
         raise ValueError(f"not an hf_zero_offload optimizer state (format={meta.get('format')!r})")
-    if meta["numel"] != numel or meta["slots"] != slots:
-        raise ValueError(f"optimizer state does not match this model: saved {meta['numel']} trainable elements "
-                         f"in {sum(map(len, meta['slots']))} params, this model has {numel} in "
-                         f"{sum(map(len, slots))}")
+    if meta.get("numel") != numel or meta.get("slots") != slots:
+        saved = meta.get("slots")
+        params = sum(map(len, saved)) if isinstance(saved, list) and all(isinstance(g, list) for g in saved) else "?"
+        raise ValueError(f"optimizer state does not match this model: saved {meta.get('numel')} trainable elements "
+                         f"in {params} params, this model has {numel} in {sum(map(len, slots))}")
 
 
 def _real(x) -> bool:
@@ -106,8 +107,8 @@ def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, 
     check_model(meta, numel, slots)
 
     def bad(field: str, want: str, got) -> StateFileError:
-        return StateFileError(f"{where}: {field} must be {want}, got {reprlib.repr(got)}; this state was not written by "
-                          "hf_zero_offload (or is damaged)")
+        return StateFileError(f"{where}: {field} must be {want}, got {reprlib.repr(got)}; this state was not "
+                              "written by hf_zero_offload (or is damaged)")
 
     if meta.get("state_dtype", "fp32") not in ops.STATE_DTYPES:
         raise bad("state_dtype", f"one of {ops.STATE_DTYPES}", meta.get("state_dtype"))
