@@ -77,7 +77,9 @@ def _threads(num_threads: int | None) -> int:
 
 
 def _check(name: str, t, dtypes: tuple[torch.dtype, ...], numel: int | None = None,
-           what: str = "the size of param") -> None:
+           what: str = "the size of param", written: bool = True) -> None:
+    """``written``: the kernel writes ``t`` in place (so a contiguous copy of it would lose the
+    update); else it only reads it, as one flat array."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -86,7 +88,8 @@ def _check(name: str, t, dtypes: tuple[torch.dtype, ...], numel: int | None = No
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (a copy would lose the in-place update)")
+        why = "a copy would lose the in-place update" if written else "read as one flat array: pass .contiguous()"
+        raise ValueError(f"{name} must be contiguous ({why})")
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name} has {t.numel()} elements, expected {numel} ({what})")
 
@@ -104,6 +107,11 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 #: without a version use and which ``state_to_fp32`` still decodes, so they convert on load.
 INT8_CODES = 2
 _STATE_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
+
+
+def _read_only(t):
+    """An input a one-off conversion only reads: an odd layout is copied rather than refused."""
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
 
 
 def _num_scales(n: int) -> int:
@@ -175,7 +183,7 @@ def adam_step(
     """
     _check("param", param, (torch.float32,))
     n = param.numel()
-    _check("grad", grad, _HALF_OR_FLOAT, n)
+    _check("grad", grad, _HALF_OR_FLOAT, n, written=False)
     kind = _state_kind(n, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
     if param_out is not None:
         _check("param_out", param_out, _HALF_OR_FLOAT, n)
@@ -230,7 +238,7 @@ def stream_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 
 def grad_norm_sq(grad: torch.Tensor, *, num_threads: int | None = None) -> float:
     """Sum of squares of ``grad`` (fp32/bf16/fp16), accumulated in fp64; inf/nan if any element is."""
-    _check("grad", grad, _HALF_OR_FLOAT)
+    _check("grad", grad, _HALF_OR_FLOAT, written=False)
     if grad.numel() == 0:
         return 0.0
     return _C.norm_sq(grad.data_ptr(), _DTYPE_CODE[grad.dtype], grad.numel(), _threads(num_threads))
@@ -252,7 +260,7 @@ def accumulate_grad(
 ) -> None:
     """``acc = (0 if overwrite else acc) + grad * scale`` with ``acc`` fp32 and ``grad`` fp32/bf16/fp16."""
     _check("acc", acc, (torch.float32,))
-    _check("grad", grad, _HALF_OR_FLOAT, acc.numel())
+    _check("grad", grad, _HALF_OR_FLOAT, acc.numel(), written=False)
     if acc.numel() == 0:
         return
     _C.accumulate(acc.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], float(scale), bool(overwrite),
@@ -286,6 +294,8 @@ def make_state(numel: int, state_dtype: str = "fp32") -> dict[str, torch.Tensor]
     """Zero moments for ``numel`` params: ``exp_avg``, ``exp_avg_sq`` (and, for int8, their scales),
     the keyword arguments ``adam_step`` takes."""
     check_state_dtype(state_dtype)
+    if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 0:
+        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
     if state_dtype == "int8":
         ns = _num_scales(numel)
         return {"exp_avg": torch.zeros(numel, dtype=torch.int8), "exp_avg_sq": torch.zeros(numel, dtype=torch.uint8),
@@ -331,6 +341,7 @@ def quantize_blockwise(x: torch.Tensor, moment: str, *, step: int | None = None,
     stores it, element i keyed by ``round_index + i``."""
     if moment not in _MOMENTS:
         raise ValueError(f"moment must be 'exp_avg' or 'exp_avg_sq'; got {moment!r}")
+    x = _read_only(x)
     _check("x", x, (torch.float32,))
     sq = moment == "exp_avg_sq"
     if step is not None and step < 1:
@@ -346,8 +357,10 @@ def quantize_blockwise(x: torch.Tensor, moment: str, *, step: int | None = None,
 def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, *, num_threads: int | None = None
                          ) -> torch.Tensor:
     """(codes, scales) -> fp32, the values the int8 kernel decodes (int8: exp_avg, uint8: exp_avg_sq)."""
+    codes, scales = _read_only(codes), _read_only(scales)
     _check("codes", codes, (torch.int8, torch.uint8))
-    _check("scales", scales, (torch.float32,), _num_scales(codes.numel()))
+    _check("scales", scales, (torch.float32,), _num_scales(codes.numel()),
+           f"one per {QUANT_BLOCK} of its {codes.numel()} codes")
     out = torch.empty(codes.numel())
     if codes.numel():
         _C.dequantize(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), codes.dtype == torch.uint8,
@@ -394,6 +407,7 @@ def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype
     undo; int8 likewise, unless ``step`` is given: then exp_avg_sq is rounded as that step of the
     kernel rounds it (``quantize_blockwise``), for a block the engine updates outside the kernel."""
     check_state_dtype(state_dtype)
+    exp_avg, exp_avg_sq = _read_only(exp_avg), _read_only(exp_avg_sq)
     _check("exp_avg", exp_avg, (torch.float32,))
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), exp_avg.numel())
     if state_dtype == "fp32":

@@ -91,12 +91,38 @@ def test_cuda_tensor_is_rejected_by_device_type():
         (dict(step=1, beta2=-0.1), ValueError, "beta2"),
         (dict(step=1, num_threads=0), ValueError, "num_threads"),
         (dict(step=1, num_threads=1.5), ValueError, "num_threads"),
+        (dict(step=1, lr=float("nan")), ValueError, "lr"),
+        (dict(step=1, lr=-1e-3), ValueError, "lr"),
+        (dict(step=1, lr="1e-3"), ValueError, "lr"),
+        (dict(step=1, eps=float("inf")), ValueError, "eps"),
+        (dict(step=1, weight_decay=-0.1), ValueError, "weight_decay"),
     ],
 )
 def test_adam_step_bad_scalar(kwargs, exc, name):
     a = _adam_args()
     with pytest.raises(exc, match=rf"^{name}\b"):
-        ops.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], lr=1e-3, **kwargs)
+        ops.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], **{"lr": 1e-3, **kwargs})
+    assert a["param"].eq(0).all()
+
+
+def test_read_only_inputs_say_why_they_must_be_contiguous_and_conversions_take_any_layout():
+    a = _adam_args()
+    with pytest.raises(ValueError, match=r"^grad must be contiguous \(read as one flat array"):
+        ops.adam_step(a["param"], _noncontig(), a["exp_avg"], a["exp_avg_sq"], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match=r"^param must be contiguous \(a copy would lose the in-place update"):
+        ops.adam_step(_noncontig(), a["grad"], a["exp_avg"], a["exp_avg_sq"], step=1, lr=1e-3)
+    x = torch.randn(40, 50).t()  # one-off conversions only read their inputs: an odd layout is copied
+    codes, scales = ops.quantize_blockwise(x, "exp_avg")
+    assert torch.equal(codes, ops.quantize_blockwise(x.contiguous(), "exp_avg")[0])
+    assert torch.equal(ops.dequantize_blockwise(codes.view(50, 40).t(), scales),
+                       ops.dequantize_blockwise(codes.view(50, 40).t().contiguous(), scales))
+    state = ops.state_from_fp32(x, x.abs(), "int8")
+    assert torch.equal(state["exp_avg"], codes)
+    with pytest.raises(ValueError, match=r"^scales has 5 elements, expected 1 \(one per 256 of its 10 codes\)"):
+        ops.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.zeros(5))
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"^numel must be an int >= 0"):
+            ops.make_state(bad, "int8")
 
 
 def test_adam_step_accepts_integral_step_types():
