@@ -17,6 +17,8 @@ _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 PRESETS = {
     "zero2-offload": ("zero2-offload.json", "ZeRO-2 + CPU offload of the optimizer (one or several GPUs; "
                                             "fp16/bf16/fp32 and every optimizer value follow the command line)"),
+    "zero2-offload-int8": ("zero2-offload-int8.json", "as zero2-offload, with the Adam moments stored in 8 bits on "
+                                                      "the host (blockwise int8: 8.3 instead of 14.3 bytes/param)"),
     "zero2": ("zero2.json", "ZeRO-2 without offload: optimizer state and gradients sharded across ranks"),
 }
 # the file names of the HF blog post (and of configs/ in the repository)

@@ -199,10 +199,11 @@ class ZeroOffloadMixin:
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
         logger.info(
             "hf_zero_offload: config=%s ranks=%d backend=%s device=%s dtype=%s engine=%s stage=%s offload=%s "
-            "dpu=%s simd=%s threads=%d host_reserved=%.2fGiB pinned=%s params=%d streams=%s", cfg.source,
+            "dpu=%s moments=%s simd=%s threads=%d host_reserved=%.2fGiB pinned=%s params=%d streams=%s", cfg.source,
             self.args.world_size, backend, self.args.device, str(training_dtype(cfg)).replace("torch.", ""),
             type(eng).__name__, getattr(eng, "stage", "-"), getattr(eng, "offload", True),
-            cfg.zero.delayed_param_update.enabled, ops.simd_level(), torch.get_num_threads(),
+            cfg.zero.delayed_param_update.enabled, getattr(getattr(eng, "moments", None), "state_dtype", "-"),
+            ops.simd_level(), torch.get_num_threads(),
             getattr(getattr(eng, "arena", None), "nbytes", 0) / 2**30,
             getattr(getattr(eng, "arena", None), "pinned", False), eng.numel, eng.streams.kind)
 

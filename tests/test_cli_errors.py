@@ -74,6 +74,15 @@ def test_shipped_configs_by_name_and_the_repo_links_are_the_same_files(capsys):
     assert "zero2-offload" in out and "zero2 " in out and "--zero_offload NAME" in out
 
 
+def test_the_int8_preset_is_zero2_offload_with_8_bit_moments():
+    from hf_zero_offload.config import ArgsView, resolve
+    plain, int8 = load_config("zero2-offload"), load_config("zero2-offload-int8")
+    assert int8["zero_optimization"]["offload_optimizer"].pop("state_dtype") == "int8"
+    assert int8 == plain
+    cfg = resolve("zero2-offload-int8", ArgsView(hidden_size=8))
+    assert cfg.zero.offload and cfg.zero.state_dtype == "int8"
+
+
 def test_a_name_or_path_that_does_not_exist(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # outside the clone: a bare blog file name is the shipped config
     assert presets.resolve_config("ds_config.json") == presets.preset_path("zero2-offload")
