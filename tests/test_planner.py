@@ -82,6 +82,9 @@ def test_offload_rows_equal_the_engines_allocation(gas, state_dtype):
     rows = {r.name: r for r in p.rows}
     if state_dtype != "fp32":  # the compact-state row of the default table is the same plan
         assert rows[f"zero2_offload_state_{state_dtype}"].host_bytes == rows["zero2_offload"].host_bytes
+        # and the legend under the table says so for the offload rows too
+        assert f"  zero2_offload_dpu: ZeRO-2 + CPU offload + delayed param update, bf16, {state_dtype} moments" \
+            in planner.format_plan(p).splitlines()
     for name, dpu in [("zero2_offload", False), ("zero2_offload_dpu", True)]:
         torch.manual_seed(0)
         model = trace.build_model(trace.load_config(T5_TINY), device="cpu")

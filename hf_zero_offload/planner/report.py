@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from . import trace
-from .plan import GiB, SAFETY_BYTES, SAFETY_FRACTION, Plan, device_budget, plan, row_specs
+from .plan import GiB, SAFETY_BYTES, SAFETY_FRACTION, Plan, device_budget, plan
 
 
 def format_plan(p: Plan) -> str:
@@ -45,8 +45,7 @@ def format_plan(p: Plan) -> str:
 
 def _legend(p: Plan) -> list[str]:
     """What the rows and columns of format_plan's table mean (printed under it)."""
-    names = {r.name for r in p.rows}
-    rows = [f"  {s.name}: {s.description}" for s in row_specs(p.dtype) if s.name in names]
+    rows = [f"  {r.name}: {r.description}" for r in p.rows]  # each row's own (its moments' storage included)
     return ["rows (configurations, each per rank):", *rows, "columns:",
             "  device states: parameters, gradients and optimizer state on the device; host: this rank's "
             "offloaded optimizer in host memory (pinned when CUDA is present)",
