@@ -215,12 +215,16 @@ def check_hyperparameters(*, lr, beta1, beta2, eps, weight_decay) -> None:
     [0, 1); a one-element tensor counts as its value. A ValueError names the first bad one. Checked at
     every step, not only when an optimizer is built: an LR scheduler (or an edited param group) that
     yields nan, inf or a negative value would otherwise corrupt every master it reaches."""
-    def value(v):
-        return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
-
+    # plain floats in range (nan fails every comparison) pass at the cost of a few compares: this
+    # runs at every kernel call
+    if (type(lr) is float and type(eps) is float and type(weight_decay) is float and type(beta1) is float
+            and type(beta2) is float and 0.0 <= lr < math.inf and 0.0 <= eps < math.inf
+            and 0.0 <= weight_decay < math.inf and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        return
     for name, v, top in (("lr", lr, math.inf), ("eps", eps, math.inf), ("weight_decay", weight_decay, math.inf),
                          ("beta1", beta1, 1.0), ("beta2", beta2, 1.0)):
-        v = value(v)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < top:
             want = "a finite number >= 0" if top == math.inf else "in [0, 1)"
             raise ValueError(f"{name} must be {want}, got {v!r}")
