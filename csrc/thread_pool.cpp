@@ -7,6 +7,7 @@
 #endif
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <system_error>
@@ -47,28 +48,47 @@ class Pool {
     }
     wake_.notify_all();
     fn(ctx, 0);
+    spin_while([this] { return remaining_.load(std::memory_order_acquire) != 0; });
     std::unique_lock<std::mutex> lk(mu_);
-    done_.wait(lk, [this] { return remaining_ == 0; });
+    done_.wait(lk, [this] { return remaining_.load(std::memory_order_relaxed) == 0; });
     return true;
   }
 
  private:
+  // Spin up to kSpin before parking on a condition variable: the engine calls the kernels tile after
+  // tile, and waking a parked thread (a futex, and on a VM an inter-processor interrupt through the
+  // hypervisor) can take longer than a tile's share of the work. Only a wait that outlasts the spin
+  // parks; the flags are read without the mutex here and re-checked under it before parking.
+  template <typename Busy>
+  static void spin_while(Busy busy) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    while (busy()) {
+      for (int i = 0; i < 64 && busy(); ++i) {
+#if defined(HZO_X86)
+        _mm_pause();
+#endif
+      }
+      if (std::chrono::steady_clock::now() > until) return;
+    }
+  }
+
   void loop(int idx) {
     unsigned long long seen = 0;
     for (;;) {
       Fn fn;
       void* ctx;
+      spin_while([&] { return generation_.load(std::memory_order_acquire) == seen; });
       {
         std::unique_lock<std::mutex> lk(mu_);
-        wake_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
+        wake_.wait(lk, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+        seen = generation_.load(std::memory_order_relaxed);
         if (idx >= nthreads_) continue;
         fn = fn_;
         ctx = ctx_;
       }
       fn(ctx, idx);
       std::lock_guard<std::mutex> lk(mu_);
-      if (--remaining_ == 0) done_.notify_one();
+      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.notify_one();
     }
   }
 
@@ -79,8 +99,10 @@ class Pool {
   Fn fn_ = nullptr;
   void* ctx_ = nullptr;
   int nthreads_ = 0;
-  int remaining_ = 0;
-  unsigned long long generation_ = 0;
+  // atomics so that spin_while may read them without the mutex; written under it
+  std::atomic<int> remaining_{0};
+  std::atomic<unsigned long long> generation_{0};
+  static constexpr std::chrono::microseconds kSpin{50};
 };
 
 // Leaked on purpose (threads are detached and parked). After fork() the child has no workers:
