@@ -79,8 +79,8 @@ class CPUAdam(torch.optim.Optimizer):
                 if group.get(flag):
                     raise ValueError(f"CPUAdam does not support {flag}=True (param group loaded from another optimizer?)")
             try:  # a scheduler may have set them since the last step
-                ops.check_hyperparameters(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                                          eps=group["eps"], weight_decay=group["weight_decay"])
+                ops.check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                          weight_decay=group["weight_decay"])
             except ValueError as e:
                 raise ValueError(f"CPUAdam param group {self.param_groups.index(group)}: {e}") from None
             for p in group["params"]:

@@ -192,7 +192,7 @@ def adam_step(
     step = int(step)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the 1-based count after this update), got {step}")
-    check_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    check_hyperparameters(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
     if kind == "int8":
         check_scales(exp_avg_scale, exp_avg_sq_scale)
     if compact_math and kind != "fp32":
@@ -210,11 +210,16 @@ def adam_step(
     )
 
 
-def check_hyperparameters(*, lr, beta1, beta2, eps, weight_decay) -> None:
-    """Adam's hyper-parameters as a step uses them: lr, eps and weight_decay finite and >= 0, betas in
-    [0, 1); a one-element tensor counts as its value. A ValueError names the first bad one. Checked at
-    every step, not only when an optimizer is built: an LR scheduler (or an edited param group) that
-    yields nan, inf or a negative value would otherwise corrupt every master it reaches."""
+def check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:
+    """Adam's hyper-parameters as a step uses them (a param group's values, as they are): lr, eps and
+    weight_decay finite and >= 0, two betas in [0, 1); a one-element tensor counts as its value. A
+    ValueError names the first bad one. Checked at every step, not only when an optimizer is built:
+    an LR scheduler (or an edited param group) that yields nan, inf or a negative value would
+    otherwise corrupt every master it reaches."""
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be two numbers, got {betas!r}") from None
     # plain floats in range (nan fails every comparison) pass at the cost of a few compares: this
     # runs at every kernel call
     if (type(lr) is float and type(eps) is float and type(weight_decay) is float and type(beta1) is float

@@ -144,12 +144,8 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     def _check_hyper(self) -> None:
         for i, g in enumerate(self.param_groups):
             try:
-                betas = tuple(g["betas"])
-                if len(betas) != 2:
-                    raise ValueError(f"betas must be two numbers, got {g['betas']!r}")
-                ops.check_hyperparameters(lr=g["lr"], beta1=betas[0], beta2=betas[1], eps=g["eps"],
-                                          weight_decay=g["weight_decay"])
-            except (TypeError, ValueError) as e:
+                ops.check_hyperparameters(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
+            except ValueError as e:
                 raise ValueError(f"{type(self).__name__} param group {i}: {e}") from None
 
     def _prepare(self) -> tuple[float, list[bool]]:

@@ -17,7 +17,6 @@ just the overlapping elements, straight into its arena. Files of the first forma
 from __future__ import annotations
 
 import json
-import math
 import os
 import reprlib
 
@@ -91,12 +90,6 @@ def check_model(meta: dict, numel: int, slots: list) -> None:
                          f"in {params} params, this model has {numel} in {sum(map(len, slots))}")
 
 
-def _real(x) -> bool:
-    if torch.is_tensor(x) and x.numel() == 1 and x.is_floating_point():  # a tensor lr (some schedulers)
-        x = x.item()
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
@@ -116,12 +109,12 @@ def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, 
     if not isinstance(saved, list) or len(saved) != groups or not all(isinstance(g, dict) for g in saved):
         raise bad("param_groups", f"a list of {groups} dicts", saved)
     for i, g in enumerate(saved):
-        for key in ("lr", "eps", "weight_decay"):
-            if key in g and not (_real(g[key]) and g[key] >= 0):
-                raise bad(f"param_groups[{i}].{key}", "a finite number >= 0", g[key])
-        betas = g.get("betas", (0.0, 0.0))
-        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas)):
-            raise bad(f"param_groups[{i}].betas", "two numbers in [0, 1)", betas)
+        try:  # the values a step would check (ops.check_hyperparameters); a missing key is left to the defaults
+            ops.check_hyperparameters(lr=g.get("lr", 0.0), betas=g.get("betas", (0.0, 0.0)), eps=g.get("eps", 0.0),
+                                      weight_decay=g.get("weight_decay", 0.0))
+        except ValueError as e:
+            raise StateFileError(f"{where}: param_groups[{i}].{e}; this state was not written by hf_zero_offload "
+                                 "(or is damaged)") from None
         if not isinstance(g.get("adamw_mode", True), bool):
             raise bad(f"param_groups[{i}].adamw_mode", "a bool", g["adamw_mode"])
     counts = meta.get("param_steps")
