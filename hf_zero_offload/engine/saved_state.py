@@ -73,7 +73,7 @@ class SavedState:
         state_dir.check_tensors(state, self.hi - self.lo, where)
         codes = self._saved_codes(state, where)
         self._load_failed = where
-        self.load_state_meta(state)
+        self._apply_meta(state)
         # the state holds this very slice (checked above): ``lo`` is its start
         self._load_tensors(state, codes, lambda lo, dst: [dst[k].copy_(state[k].reshape(-1)[:dst[k].numel()])
                                                            for k in dst], where=where)
@@ -96,6 +96,10 @@ class SavedState:
     def load_state_meta(self, meta: dict) -> None:
         """The small state (hyper-parameters, step counts, loss scaler), after checking it all."""
         self._check_saved(meta, "state meta")
+        self._apply_meta(meta)
+
+    def _apply_meta(self, meta: dict) -> None:
+        """load_state_meta's writes, for a meta its caller has checked (``_check_saved``)."""
         self._wait_worker()
         self._prepared = None
         for group, saved in zip(self.param_groups, meta["param_groups"]):
@@ -130,7 +134,7 @@ class SavedState:
         # the tensors stream into the arena (no second copy of the state): from here a damaged file
         # leaves a mix of old and new state, which step and save then refuse
         self._load_failed = f"checkpoint {directory}"
-        self.load_state_meta(meta)
+        self._apply_meta(meta)
         if self.hi > self.lo:
             self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
         self._finish_load(meta)
