@@ -1,24 +1,17 @@
 """Fixtures shared by the test files (their helpers stay in the ``_*.py`` modules)."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
 import torch
 
-# Another build of the compiled module, loaded before anything imports hf_zero_offload (which then
-# finds it in sys.modules): tests/test_avx512_emulated.py runs the kernel tests against a build whose
-# AVX512 unit runs on AVX2. Unset in every normal run.
-_EXTENSION = os.environ.get("HZO_TEST_EXTENSION")
-if _EXTENSION:
-    _spec = importlib.util.spec_from_file_location("hf_zero_offload._C", _EXTENSION)
-    if _spec is None or _spec.loader is None:
-        raise RuntimeError(f"HZO_TEST_EXTENSION={_EXTENSION!r} is not a loadable extension module")
-    _module = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_module)
-    sys.modules["hf_zero_offload._C"] = _module
+from _extension import load_extension
+
+# tests/test_avx512_emulated.py runs the kernel tests against a build whose AVX512 unit runs on AVX2,
+# loaded here before anything imports hf_zero_offload. Unset in every normal run.
+if os.environ.get("HZO_TEST_EXTENSION"):
+    load_extension(os.environ["HZO_TEST_EXTENSION"])
 
 from _kernels import LEVELS
 from _modes import ALL, make_mode

@@ -81,8 +81,8 @@ def _child_env(extension: Path) -> dict:
 
 
 def test_emulated_build_offers_avx512(emulated_extension):
-    code = ("import sys, importlib.util as u; s = u.spec_from_file_location('hf_zero_offload._C', sys.argv[1]); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); sys.modules['hf_zero_offload._C'] = m; "
+    code = ("import sys; sys.path[:0] = ['tests', '.']; from _extension import load_extension; "
+            "load_extension(sys.argv[1]); "
             "from hf_zero_offload import ops; print(ops.available_simd_levels(), ops.simd_level())")
     out = _run([sys.executable, "-c", code, str(emulated_extension)], timeout=120,
                env=_child_env(emulated_extension))
