@@ -51,6 +51,23 @@ def resolve_config(name_or_path: str) -> str:
     return preset_path(path)
 
 
+def is_shipped(path: str) -> bool:
+    """Whether ``path`` is one of the packaged files (also through the repository's ``configs/`` links)."""
+    return isinstance(path, str) and os.path.dirname(os.path.realpath(path)) == os.path.realpath(_DIR)
+
+
+def missing_file_hint(path: str) -> str:
+    """What to add to "cannot read" for a ds_config path that does not exist: where a relative path was looked
+    up, and the shipped name when the file is one of ours (``configs/ds_config.json`` run from outside the clone)."""
+    hint = "" if os.path.isabs(path) else f" (a relative path is read from the current directory, {os.getcwd()})"
+    stem = os.path.basename(path)
+    stem = stem[:-5] if stem.endswith(".json") else stem
+    name = ALIASES.get(stem, stem)
+    if name in PRESETS:
+        hint += f"; the same config ships with the package: --zero_offload {name}"
+    return hint
+
+
 def listing() -> str:
     """``hf-zero-offload configs``: one line per shipped config with its file."""
     width = max(map(len, PRESETS))

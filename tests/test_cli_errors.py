@@ -90,6 +90,9 @@ def test_a_name_or_path_that_does_not_exist(tmp_path, monkeypatch):
         load_config("zero3")
     with pytest.raises(ConfigError, match="cannot read"):  # a path stays a path: no silent preset
         load_config(str(tmp_path / "zero2-offload"))
+    # the clone's relative path run from elsewhere: where it was looked up, and the shipped name to use
+    with pytest.raises(ConfigError, match=r"cannot read.*current directory, .*--zero_offload zero2-offload"):
+        load_config("configs/ds_config_1gpu.json")
     (tmp_path / "zero2").write_text('{"zero_optimization": {"stage": 1}}')
     assert load_config("zero2")["zero_optimization"]["stage"] == 1  # an existing file wins over a name
 
@@ -137,3 +140,14 @@ def test_plan_header_says_cpu_and_the_runs_dtype_and_explains_columns():
     js = p.to_json()
     assert js["inputs"]["cuda"] is False and js["inputs"]["run_dtype"] == "fp32" and js["inputs"]["batch_size"] == 2
     assert json.loads(json.dumps(js))  # serialisable
+
+
+def test_zero_offload_arguments_refuse_a_second_engine(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_zero_offload import ZeroOffloadTrainingArguments
+
+    with pytest.raises(ConfigError, match="--deepspeed and --zero_offload both given"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), deepspeed=str(ROOT / "configs" / "ds_config.json"),
+                                     zero_offload="zero2-offload", use_cpu=True)
+    with pytest.raises(ConfigError, match="--fsdp and --sharded_ddp both given"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", sharded_ddp=True, use_cpu=True)
