@@ -55,3 +55,12 @@ def test_compact_quality_targets_judge_only_above_the_noise_floor():
     assert noisy[0].startswith(f"[{NOT_HERE}]") and "noise floor 4.00%" in noisy[0] and noisy[0].endswith(")")
     bare = target_lines([row("int8", 0.98, 1.0)])  # no floor measured: judged as it is, and said so
     assert bare[0].startswith(f"[{NOT_MET}]") and "fp32-ulp" in bare[0]
+
+
+def test_state_checksum_refuses_a_missing_dir_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "benchmarks.engine.state_checksum", "--gib", "0.001", "--dir",
+                        str(tmp_path / "missing")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--dir" in r.stderr.splitlines()[-1], r.stderr
