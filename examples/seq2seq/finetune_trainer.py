@@ -44,7 +44,8 @@ from hf_zero_offload import ZeroOffloadSeq2SeqTrainer  # noqa: E402
 from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
 import seq2seq_utils as su  # noqa: E402
-from seq2seq_args import DataTrainingArguments, ModelArguments, check_zero_config, parse_args  # noqa: E402,F401
+from seq2seq_args import (  # noqa: E402,F401
+    DataTrainingArguments, ModelArguments, check_local_paths, check_zero_config, parse_args)
 from train_tokenizer import train_t5_tokenizer  # noqa: E402
 
 logger = logging.getLogger("finetune_trainer")
@@ -84,6 +85,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     # ---- checks and setup ---------------------------------------------------------------------------------------
     if not (model_args.model_name_or_path or model_args.config_name):
         raise ValueError("give --model_name_or_path (pretrained) or --config_name (random initialisation)")
+    check_local_paths(model_args)
     if bool(data_args.data_dir) == bool(data_args.dataset_name):
         raise ValueError("give exactly one of --data_dir (legacy layout) or --dataset_name")
     if (training_args.do_train and os.path.isdir(training_args.output_dir) and os.listdir(training_args.output_dir)
