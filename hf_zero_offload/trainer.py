@@ -116,6 +116,11 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict], cfg: Training
                                 param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
 
 
+def _bytes(n: int) -> str:
+    """A size for the start line: a small model's few MiB must not read as 0.00GiB (as if nothing were reserved)."""
+    return f"{n / 2**30:.2f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
+
+
 class ZeroOffloadMixin:
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
@@ -206,12 +211,12 @@ class ZeroOffloadMixin:
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
         logger.info(
             "hf_zero_offload: config=%s ranks=%d backend=%s device=%s dtype=%s engine=%s stage=%s offload=%s "
-            "dpu=%s moments=%s simd=%s threads=%d host_reserved=%.2fGiB pinned=%s params=%d streams=%s", cfg.source,
+            "dpu=%s moments=%s simd=%s threads=%d host_reserved=%s pinned=%s params=%d streams=%s", cfg.source,
             self.args.world_size, backend, self.args.device, str(training_dtype(cfg)).replace("torch.", ""),
             type(eng).__name__, getattr(eng, "stage", "-"), getattr(eng, "offload", True),
             cfg.zero.delayed_param_update.enabled, getattr(getattr(eng, "moments", None), "state_dtype", "-"),
             ops.simd_level(), torch.get_num_threads(),
-            getattr(getattr(eng, "arena", None), "nbytes", 0) / 2**30,
+            _bytes(getattr(getattr(eng, "arena", None), "nbytes", 0)),
             getattr(getattr(eng, "arena", None), "pinned", False), eng.numel, eng.streams.kind)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

@@ -29,6 +29,8 @@ def test_python_blocks_run_as_written_outside_the_clone(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "hf_zero_offload: config=" in r.stdout + r.stderr  # the engine ran, from the shipped config
+    reserved = re.search(r"host_reserved=([\d.]+)([MG]iB)", r.stdout + r.stderr)
+    assert reserved and float(reserved.group(1)) > 0, "the tiny model's host arena must not read as 0"
     assert (tmp_path / "out").is_dir()
 
 
