@@ -41,3 +41,12 @@ def test_named_paths_and_modules_exist():
         assert (ROOT / path).exists(), f"README.md names {path}, which does not exist"
     for module in sorted(set(re.findall(r"python -m (benchmarks(?:\.\w+)+)", text))):
         assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
+
+
+def test_architecture_names_every_module():
+    """docs/ARCHITECTURE.md is the map a newcomer reads first: every module of the package is on it."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    missing = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "hf_zero_offload").rglob("*.py")
+                     if not p.name.startswith("_") and f"{p.name} " not in text and f"{p.name}:" not in text
+                     and f"{p.name})" not in text and f"{p.name}," not in text)
+    assert not missing, f"docs/ARCHITECTURE.md does not name {missing}"
