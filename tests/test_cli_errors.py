@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero_offload import cli, presets
+from hf_zero_offload import cli, presets, usage
 from hf_zero_offload.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +52,20 @@ def test_debug_flag_and_env_bring_the_traceback_back(monkeypatch):
     monkeypatch.setenv("HF_ZERO_OFFLOAD_DEBUG", "1")
     with pytest.raises(ValueError, match="--seq-len"):
         cli.main(["estimate", "--model", TINY, "--seq-len", "0"])
+
+
+def test_help_names_the_debug_flag_and_a_closed_pipe_is_not_an_error(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "--debug" in capsys.readouterr().out
+    monkeypatch.setattr(sys.stdout, "fileno", lambda: os.open(os.devnull, os.O_WRONLY))  # pytest's capture has none
+
+    def reader_left():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(SystemExit) as e:
+        usage.run_reporting("hf-zero-offload estimate", reader_left, debug=False)
+    assert e.value.code == 1 and "error" not in capsys.readouterr().err
 
 
 def test_installed_command_exits_2_without_traceback():
