@@ -64,3 +64,19 @@ def test_state_checksum_refuses_a_missing_dir_before_any_work(tmp_path):
     r = subprocess.run([sys.executable, "-m", "benchmarks.engine.state_checksum", "--gib", "0.001", "--dir",
                         str(tmp_path / "missing")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--dir" in r.stderr.splitlines()[-1], r.stderr
+
+
+def test_planner_validate_takes_a_name_or_a_path_and_writes_only_when_asked(capsys):
+    import pytest
+
+    from benchmarks.t5 import planner_validate as pv
+
+    tiny = ROOT / "configs" / "models" / "t5-tiny.json"
+    assert pv.model_path("t5-tiny").samefile(tiny) and pv.model_path(str(tiny)) == tiny  # was doubled: .../t5-tiny.json.json
+    with pytest.raises(SystemExit) as e:
+        pv.main(["--models", "t5-tinny"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--models t5-tinny" in err and "t5-tiny" in err.splitlines()[-1], err
+    with pytest.raises(SystemExit):  # the published results are not the default output any more
+        pv.main(["--help"])
+    assert "--json" in capsys.readouterr().out
