@@ -255,6 +255,17 @@ def test_a_relative_model_config_path_run_from_elsewhere(tmp_path, synth_dir, mo
                                                                          "./no/tok", "--do_train"])
 
 
+def test_a_hub_id_offline_points_at_the_clone_config(tmp_path, monkeypatch):
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(finetune_trainer.AutoConfig, "from_pretrained", offline)
+    with pytest.raises(OSError, match=r"couldn't connect.*--config_name .*configs/models/t5-3b.json builds a "
+                                      r"randomly initialised t5-3b"):
+        finetune_trainer.main(["--model_name_or_path", "t5-3b", "--data_dir", "x", "--output_dir",
+                               str(tmp_path / "o"), "--use_cpu"])
+
+
 def test_plot_curves_cli(tmp_path, capsys):
     import plot_curves
 

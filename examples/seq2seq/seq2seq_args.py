@@ -141,6 +141,14 @@ def check_local_paths(model_args) -> None:
                                 f"current directory, {os.getcwd()}){hint}")
 
 
+def repo_config_hint(name: str) -> str:
+    """For a Hub id that could not be loaded (offline): the clone's config of the same architecture, if any."""
+    local = os.path.join(_REPO, "configs", "models", f"{name.rsplit('/', 1)[-1]}.json")
+    if os.path.exists(name) or not os.path.isfile(local):
+        return ""
+    return f" (offline, --config_name {local} builds a randomly initialised {name} without the Hub)"
+
+
 def parse_args(argv: Optional[List[str]] = None):
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, ZeroOffloadSeq2SeqTrainingArguments))
     argv = list(sys.argv[1:] if argv is None else argv)
