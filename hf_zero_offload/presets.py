@@ -25,10 +25,15 @@ PRESETS = {
 ALIASES = {"ds_config_1gpu": "zero2-offload", "ds_config": "zero2-offload", "ds_config_zero2": "zero2"}
 
 
+def _preset_name(name: str) -> str:
+    """A name or alias, with or without ``.json``, as the key of PRESETS (not checked)."""
+    stem = name[:-5] if name.endswith(".json") else name
+    return ALIASES.get(stem, stem)
+
+
 def preset_path(name: str) -> str:
     """The packaged file of a config name (or alias, with or without ``.json``)."""
-    stem = name[:-5] if name.endswith(".json") else name
-    stem = ALIASES.get(stem, stem)
+    stem = _preset_name(name)
     if stem not in PRESETS:
         raise ConfigError(f"no shipped ds_config named {name!r}; names: {', '.join(names())} "
                           f"(aliases: {', '.join(sorted(ALIASES))}), or give a path to a JSON file")
@@ -60,9 +65,7 @@ def missing_file_hint(path: str) -> str:
     """What to add to "cannot read" for a ds_config path that does not exist: where a relative path was looked
     up, and the shipped name when the file is one of ours (``configs/ds_config.json`` run from outside the clone)."""
     hint = "" if os.path.isabs(path) else f" (a relative path is read from the current directory, {os.getcwd()})"
-    stem = os.path.basename(path)
-    stem = stem[:-5] if stem.endswith(".json") else stem
-    name = ALIASES.get(stem, stem)
+    name = _preset_name(os.path.basename(path))
     if name in PRESETS:
         hint += f"; the same config ships with the package: --zero_offload {name}"
     return hint
