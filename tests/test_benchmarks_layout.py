@@ -80,3 +80,22 @@ def test_planner_validate_takes_a_name_or_a_path_and_writes_only_when_asked(caps
     with pytest.raises(SystemExit):  # the published results are not the default output any more
         pv.main(["--help"])
     assert "--json" in capsys.readouterr().out
+
+
+def test_gpu_check_passes_only_flags_its_benchmarks_know():
+    """benchmarks/gpu/check.sh runs once, on a borrowed GPU: a flag a module does not know costs that run."""
+    import subprocess
+    import sys
+
+    script = (BENCH / "gpu" / "check.sh").read_text(encoding="utf-8").replace("\\\n", " ")
+    arrays = {}
+    for name, body in re.findall(r"(\w+)=\(([^)]*)\)", script):
+        arrays.setdefault(name, []).extend(re.findall(r"--[\w-]+", body))
+    for module, rest in sorted(set(re.findall(r"-m (benchmarks\.\w+\.\w+) ([^\n]*)", script))):
+        flags = set(re.findall(r"(?<![\w-])--[\w-]+", rest))
+        for name in re.findall(r"\$\{(\w+)\[@\]\}", rest):
+            flags |= set(arrays[name])
+        help_text = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                                   timeout=120).stdout
+        unknown = sorted(f for f in flags if f not in help_text)
+        assert not unknown, f"check.sh passes {unknown} to {module}"
