@@ -475,6 +475,7 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "hf_zero_offload: config=" in r.stdout + r.stderr and "stage=2" in r.stdout + r.stderr
+    assert (r.stdout + r.stderr).count("accepted, no effect here") == 1  # once per job, not once per rank
     with open(out / "all_results.json") as f:
         metrics = json.load(f)
     assert metrics["train_loss"] == metrics["train_loss"] and "val_bleu" in metrics  # finite, evaluated
