@@ -36,7 +36,9 @@ def _configs(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-zero-offload", description="ZeRO-Offload / ZeRO-1/2 tools")
+    parser = argparse.ArgumentParser(prog="hf-zero-offload", description="ZeRO-Offload / ZeRO-1/2 tools",
+                                     epilog="A mistake prints one line and exits 2; --debug (anywhere on the line) "
+                                            "or HF_ZERO_OFFLOAD_DEBUG=1 shows the traceback.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     est = sub.add_parser("estimate", help="memory plan per configuration and the largest batch that fits",

@@ -49,3 +49,16 @@ def refuse_user_optimizer(optimizer, scheduler, optimizer_cls_and_kwargs) -> Non
             "TrainingArguments or the ds_config's \"optimizer\" block, the schedule with --lr_scheduler_type or the "
             "ds_config's \"scheduler\" block; to drive an engine you built yourself, use a plain Trainer with "
             "ZeroOffloadCallback.")
+
+
+def refuse_other_engines(args) -> None:
+    """``deepspeed`` or ``fsdp`` next to ``zero_offload``/``sharded_ddp``: two engines would each own the optimizer
+    (and DeepSpeed would read the same ds_config). Checked before TrainingArguments' own ``__post_init__``, whose
+    first complaint without the deepspeed package would be a missing package, not the real mistake."""
+    ours = "--zero_offload" if args.zero_offload is not None else "--sharded_ddp" if args.sharded_ddp else None
+    if ours and args.deepspeed:
+        raise ConfigError(f"--deepspeed and {ours} both given: they are two engines for the same job (hf_zero_offload "
+                          "reads the same ds_config.json as --deepspeed); keep one of them")
+    if ours and args.fsdp:
+        raise ConfigError(f"--fsdp and {ours} both given: FSDP and hf_zero_offload's ZeRO-1/2 both shard the "
+                          "optimizer state; keep one of them")

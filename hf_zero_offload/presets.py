@@ -25,10 +25,15 @@ PRESETS = {
 ALIASES = {"ds_config_1gpu": "zero2-offload", "ds_config": "zero2-offload", "ds_config_zero2": "zero2"}
 
 
+def _preset_name(name: str) -> str:
+    """A name or alias, with or without ``.json``, as the key of PRESETS (not checked)."""
+    stem = name[:-5] if name.endswith(".json") else name
+    return ALIASES.get(stem, stem)
+
+
 def preset_path(name: str) -> str:
     """The packaged file of a config name (or alias, with or without ``.json``)."""
-    stem = name[:-5] if name.endswith(".json") else name
-    stem = ALIASES.get(stem, stem)
+    stem = _preset_name(name)
     if stem not in PRESETS:
         raise ConfigError(f"no shipped ds_config named {name!r}; names: {', '.join(names())} "
                           f"(aliases: {', '.join(sorted(ALIASES))}), or give a path to a JSON file")
@@ -49,6 +54,21 @@ def resolve_config(name_or_path: str) -> str:
     if os.path.exists(path) or os.path.dirname(path):
         return path
     return preset_path(path)
+
+
+def is_shipped(path: str) -> bool:
+    """Whether ``path`` is one of the packaged files (also through the repository's ``configs/`` links)."""
+    return isinstance(path, str) and os.path.dirname(os.path.realpath(path)) == os.path.realpath(_DIR)
+
+
+def missing_file_hint(path: str) -> str:
+    """What to add to "cannot read" for a ds_config path that does not exist: where a relative path was looked
+    up, and the shipped name when the file is one of ours (``configs/ds_config.json`` run from outside the clone)."""
+    hint = "" if os.path.isabs(path) else f" (a relative path is read from the current directory, {os.getcwd()})"
+    name = _preset_name(os.path.basename(path))
+    if name in PRESETS:
+        hint += f"; the same config ships with the package: --zero_offload {name}"
+    return hint
 
 
 def listing() -> str:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import ops, resume
+from . import ops, presets, resume
 from .consolidate import write_param_names
 from .args_view import args_view, early_view
 from .config import TrainingConfig, check, resolve
@@ -40,7 +40,7 @@ from .engine import OffloadOptions, ShardOptions, factory
 from .engine.core import AdamCore
 from .engine.checkpoint import atomic_path
 from .accelerator_patch import patch_accelerator
-from .launch_checks import check_world_size, refuse_user_optimizer, warn_fp16_on_cpu
+from .launch_checks import check_world_size, refuse_other_engines, refuse_user_optimizer, warn_fp16_on_cpu
 from .run_lock import RunLock, take_job_lock
 from .schedulers import build_scheduler
 
@@ -75,12 +75,16 @@ class _ZeroOffloadFields:
 
 @dataclass
 class ZeroOffloadTrainingArguments(TrainingArguments, _ZeroOffloadFields):
-    pass
+    def __post_init__(self):
+        refuse_other_engines(self)
+        super().__post_init__()
 
 
 @dataclass
 class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffloadFields):
-    pass
+    def __post_init__(self):
+        refuse_other_engines(self)
+        super().__post_init__()
 
 
 def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
@@ -110,6 +114,11 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict], cfg: Training
     options, shard = engine_options(cfg)
     return factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
                                 param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
+
+
+def _bytes(n: int) -> str:
+    """A size for the start line: a small model's few MiB must not read as 0.00GiB (as if nothing were reserved)."""
+    return f"{n / 2**30:.2f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
 
 
 class ZeroOffloadMixin:
@@ -189,9 +198,12 @@ class ZeroOffloadMixin:
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         self._zo_log_start(cfg)
-        if self._zo_raw.no_effect:
-            logger.warning("hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config.schema."
-                           "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
+        if self._zo_raw.no_effect and self.args.should_log:  # once per job, not once per rank
+            # A warning for the user's own file; our shipped configs keep those keys so that --deepspeed reads
+            # the same file, which is no reason to alarm whoever uses them as they are.
+            level = logging.INFO if presets.is_shipped(cfg.source) else logging.WARNING
+            logger.log(level, "hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config.schema."
+                       "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
         return self.optimizer
 
     def _zo_log_start(self, cfg: TrainingConfig) -> None:
@@ -199,12 +211,12 @@ class ZeroOffloadMixin:
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
         logger.info(
             "hf_zero_offload: config=%s ranks=%d backend=%s device=%s dtype=%s engine=%s stage=%s offload=%s "
-            "dpu=%s moments=%s simd=%s threads=%d host_reserved=%.2fGiB pinned=%s params=%d streams=%s", cfg.source,
+            "dpu=%s moments=%s simd=%s threads=%d host_reserved=%s pinned=%s params=%d streams=%s", cfg.source,
             self.args.world_size, backend, self.args.device, str(training_dtype(cfg)).replace("torch.", ""),
             type(eng).__name__, getattr(eng, "stage", "-"), getattr(eng, "offload", True),
             cfg.zero.delayed_param_update.enabled, getattr(getattr(eng, "moments", None), "state_dtype", "-"),
             ops.simd_level(), torch.get_num_threads(),
-            getattr(getattr(eng, "arena", None), "nbytes", 0) / 2**30,
+            _bytes(getattr(getattr(eng, "arena", None), "nbytes", 0)),
             getattr(getattr(eng, "arena", None), "pinned", False), eng.numel, eng.streams.kind)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

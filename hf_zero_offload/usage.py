@@ -35,6 +35,9 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool) -> object
     """``fn()``; a user error becomes one line on stderr and ``SystemExit(2)`` (unless ``debug``)."""
     try:
         return fn()
+    except BrokenPipeError:  # the reader left (``... --json | head``): not the user's mistake, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not fail again
+        raise SystemExit(1) from None
     except USER_ERRORS as e:
         if debug:
             raise

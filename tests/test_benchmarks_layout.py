@@ -55,3 +55,47 @@ def test_compact_quality_targets_judge_only_above_the_noise_floor():
     assert noisy[0].startswith(f"[{NOT_HERE}]") and "noise floor 4.00%" in noisy[0] and noisy[0].endswith(")")
     bare = target_lines([row("int8", 0.98, 1.0)])  # no floor measured: judged as it is, and said so
     assert bare[0].startswith(f"[{NOT_MET}]") and "fp32-ulp" in bare[0]
+
+
+def test_state_checksum_refuses_a_missing_dir_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "benchmarks.engine.state_checksum", "--gib", "0.001", "--dir",
+                        str(tmp_path / "missing")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--dir" in r.stderr.splitlines()[-1], r.stderr
+
+
+def test_planner_validate_takes_a_name_or_a_path_and_writes_only_when_asked(capsys):
+    import pytest
+
+    from benchmarks.t5 import planner_validate as pv
+
+    tiny = ROOT / "configs" / "models" / "t5-tiny.json"
+    assert pv.model_path("t5-tiny").samefile(tiny) and pv.model_path(str(tiny)) == tiny  # was doubled: .../t5-tiny.json.json
+    with pytest.raises(SystemExit) as e:
+        pv.main(["--models", "t5-tinny"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--models t5-tinny" in err and "t5-tiny" in err.splitlines()[-1], err
+    with pytest.raises(SystemExit):  # the published results are not the default output any more
+        pv.main(["--help"])
+    assert "--json" in capsys.readouterr().out
+
+
+def test_gpu_check_passes_only_flags_its_benchmarks_know():
+    """benchmarks/gpu/check.sh runs once, on a borrowed GPU: a flag a module does not know costs that run."""
+    import subprocess
+    import sys
+
+    script = (BENCH / "gpu" / "check.sh").read_text(encoding="utf-8").replace("\\\n", " ")
+    arrays = {}
+    for name, body in re.findall(r"(\w+)=\(([^)]*)\)", script):
+        arrays.setdefault(name, []).extend(re.findall(r"--[\w-]+", body))
+    for module, rest in sorted(set(re.findall(r"-m (benchmarks\.\w+\.\w+) ([^\n]*)", script))):
+        flags = set(re.findall(r"(?<![\w-])--[\w-]+", rest))
+        for name in re.findall(r"\$\{(\w+)\[@\]\}", rest):
+            flags |= set(arrays[name])
+        help_text = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                                   timeout=120).stdout
+        unknown = sorted(f for f in flags if f not in help_text)
+        assert not unknown, f"check.sh passes {unknown} to {module}"

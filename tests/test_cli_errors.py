@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero_offload import cli, presets
+from hf_zero_offload import cli, presets, usage
 from hf_zero_offload.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +54,20 @@ def test_debug_flag_and_env_bring_the_traceback_back(monkeypatch):
         cli.main(["estimate", "--model", TINY, "--seq-len", "0"])
 
 
+def test_help_names_the_debug_flag_and_a_closed_pipe_is_not_an_error(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "--debug" in capsys.readouterr().out
+    monkeypatch.setattr(sys.stdout, "fileno", lambda: os.open(os.devnull, os.O_WRONLY))  # pytest's capture has none
+
+    def reader_left():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(SystemExit) as e:
+        usage.run_reporting("hf-zero-offload estimate", reader_left, debug=False)
+    assert e.value.code == 1 and "error" not in capsys.readouterr().err
+
+
 def test_installed_command_exits_2_without_traceback():
     cmd = [sys.executable, "-m", "hf_zero_offload.cli", "estimate", "--model", TINY, "--gpu-mem-gib", "nan"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -90,6 +104,9 @@ def test_a_name_or_path_that_does_not_exist(tmp_path, monkeypatch):
         load_config("zero3")
     with pytest.raises(ConfigError, match="cannot read"):  # a path stays a path: no silent preset
         load_config(str(tmp_path / "zero2-offload"))
+    # the clone's relative path run from elsewhere: where it was looked up, and the shipped name to use
+    with pytest.raises(ConfigError, match=r"cannot read.*current directory, .*--zero_offload zero2-offload"):
+        load_config("configs/ds_config_1gpu.json")
     (tmp_path / "zero2").write_text('{"zero_optimization": {"stage": 1}}')
     assert load_config("zero2")["zero_optimization"]["stage"] == 1  # an existing file wins over a name
 
@@ -137,3 +154,14 @@ def test_plan_header_says_cpu_and_the_runs_dtype_and_explains_columns():
     js = p.to_json()
     assert js["inputs"]["cuda"] is False and js["inputs"]["run_dtype"] == "fp32" and js["inputs"]["batch_size"] == 2
     assert json.loads(json.dumps(js))  # serialisable
+
+
+def test_zero_offload_arguments_refuse_a_second_engine(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_zero_offload import ZeroOffloadTrainingArguments
+
+    with pytest.raises(ConfigError, match="--deepspeed and --zero_offload both given"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), deepspeed=str(ROOT / "configs" / "ds_config.json"),
+                                     zero_offload="zero2-offload", use_cpu=True)
+    with pytest.raises(ConfigError, match="--fsdp and --sharded_ddp both given"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", sharded_ddp=True, use_cpu=True)

@@ -233,6 +233,56 @@ def test_deepspeed_flag_without_the_package_points_at_zero_offload(tmp_path):
                                "--deepspeed", "ds_config.json"])
 
 
+def test_deepspeed_together_with_zero_offload_names_the_pair(tmp_path):
+    from hf_zero_offload.config import ConfigError
+
+    base = ["--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path / "o"), "--use_cpu"]
+    with pytest.raises(ConfigError, match="--deepspeed and --zero_offload both given"):
+        finetune_trainer.main(base + ["--deepspeed", "ds_config.json", "--zero_offload", "zero2-offload"])
+    with pytest.raises(ConfigError, match="--fsdp and --sharded_ddp both given"):
+        finetune_trainer.main(base + ["--sharded_ddp", "--fsdp", "full_shard"])
+
+
+def test_a_relative_model_config_path_run_from_elsewhere(tmp_path, synth_dir, monkeypatch):
+    _no_model_work(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # outside the clone: configs/models/... is not there
+    with pytest.raises(FileNotFoundError, match=r"--config_name configs/models/t5-tiny.json: no such file.*"
+                                                r"current directory.*did you mean .*configs/models/t5-tiny.json"):
+        finetune_trainer.main(_common_args(synth_dir, tmp_path / "o") + ["--config_name", "configs/models/t5-tiny.json",
+                                                                         "--do_train"])
+    with pytest.raises(FileNotFoundError, match="--tokenizer_name ./no/tok: no such file"):
+        finetune_trainer.main(_common_args(synth_dir, tmp_path / "o") + ["--config_name", TINY, "--tokenizer_name",
+                                                                         "./no/tok", "--do_train"])
+
+
+def test_a_hub_id_offline_points_at_the_clone_config(tmp_path, monkeypatch):
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(finetune_trainer.AutoConfig, "from_pretrained", offline)
+    with pytest.raises(OSError, match=r"couldn't connect.*--config_name .*configs/models/t5-3b.json builds a "
+                                      r"randomly initialised t5-3b"):
+        finetune_trainer.main(["--model_name_or_path", "t5-3b", "--data_dir", "x", "--output_dir",
+                               str(tmp_path / "o"), "--use_cpu"])
+
+
+def test_plot_curves_cli(tmp_path, capsys):
+    import plot_curves
+
+    with pytest.raises(SystemExit) as e:
+        plot_curves.main(["--help"])
+    assert e.value.code == 0 and "output_dir" in capsys.readouterr().out
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 3, "train_loss": 7.0}]}))
+    for folder, needle in ((tmp_path / "missing", "is not a directory"), (tmp_path, "holds no trainer_state.json"),
+                           (tmp_path / "run", "--logging_steps")):
+        with pytest.raises(SystemExit) as e:
+            plot_curves.main([str(folder)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("plot_curves.py: error: ") and needle in err, err
+
+
 def test_gradient_checkpointing_flag_is_mapped_without_a_deprecation_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
@@ -313,6 +363,9 @@ def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys
     assert ("hf_zero_offload: config=" in caplog.text) == bool(offload)
     if offload:  # the start line says how the host stores the moments (a shipped name: the int8 preset)
         assert f"moments={'int8' if isinstance(offload, str) else 'fp32'} " in caplog.text
+        # our own shipped config's DeepSpeed-only keys are no reason for a WARNING
+        levels = {r.levelname for r in caplog.records if "accepted, no effect here" in r.getMessage()}
+        assert levels == {"INFO"}, levels
     assert ("gradient checkpointing; budget" in capsys.readouterr().out) == bool(offload)
 
     # the saved directory is a complete model + tokenizer: evaluate from it (no tokenizer training this time)
@@ -422,6 +475,7 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "hf_zero_offload: config=" in r.stdout + r.stderr and "stage=2" in r.stdout + r.stderr
+    assert (r.stdout + r.stderr).count("accepted, no effect here") == 1  # once per job, not once per rank
     with open(out / "all_results.json") as f:
         metrics = json.load(f)
     assert metrics["train_loss"] == metrics["train_loss"] and "val_bleu" in metrics  # finite, evaluated

@@ -29,6 +29,8 @@ def test_python_blocks_run_as_written_outside_the_clone(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "hf_zero_offload: config=" in r.stdout + r.stderr  # the engine ran, from the shipped config
+    reserved = re.search(r"host_reserved=([\d.]+)([MG]iB)", r.stdout + r.stderr)
+    assert reserved and float(reserved.group(1)) > 0, "the tiny model's host arena must not read as 0"
     assert (tmp_path / "out").is_dir()
 
 
@@ -39,3 +41,12 @@ def test_named_paths_and_modules_exist():
         assert (ROOT / path).exists(), f"README.md names {path}, which does not exist"
     for module in sorted(set(re.findall(r"python -m (benchmarks(?:\.\w+)+)", text))):
         assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
+
+
+def test_architecture_names_every_module():
+    """docs/ARCHITECTURE.md is the map a newcomer reads first: every module of the package is on it."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    missing = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "hf_zero_offload").rglob("*.py")
+                     if not p.name.startswith("_") and f"{p.name} " not in text and f"{p.name}:" not in text
+                     and f"{p.name})" not in text and f"{p.name}," not in text)
+    assert not missing, f"docs/ARCHITECTURE.md does not name {missing}"

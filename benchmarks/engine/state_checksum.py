@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--json", default=None, help="write the rows as JSON to PATH, or '-' for stdout")
     a = ap.parse_args()
+    if a.dir is not None and not os.path.isdir(a.dir):
+        ap.error(f"--dir {a.dir}: no such directory")  # before allocating the state
     n = int(a.gib * 2**30) // 12
     src = {k: torch.randn(n) for k in ("master", "exp_avg", "exp_avg_sq")}
     dst = {k: torch.empty(n) for k in src}

@@ -58,9 +58,9 @@ run() {
 }
 
 if [[ "${SMALL:-0}" == 1 ]]; then
-  SIZE_A=(--params 4e6 --tokens 64 --steps 3); SIZE_B=(--params 8e6 --tokens 64 --steps 3); ADAM=(--numel 2000000 --repeat 3)
+  SIZE_A=(--params 4e6 --tokens 64 --steps 3); SIZE_B=(--params 8e6 --tokens 64 --steps 3); ADAM=(--numel 2000000 --rounds 3)
 else
-  SIZE_A=(--params 5e8 --tokens 4096 --steps 6); SIZE_B=(--params 1e9 --tokens 2048 --steps 5); ADAM=(--numel 50000000 --repeat 8)
+  SIZE_A=(--params 5e8 --tokens 4096 --steps 6); SIZE_B=(--params 1e9 --tokens 2048 --steps 5); ADAM=(--numel 50000000 --rounds 8)
 fi
 
 # 1. hardware (nvidia-smi first: it needs no Python package)

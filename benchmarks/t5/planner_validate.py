@@ -13,7 +13,7 @@ torch AdamW, torch AMP fp16 + GradScaler, ZeRO-2 + CPU offload with ``OffloadAda
 size and compares ``torch.cuda.max_memory_allocated()`` over steps 2-3 (optimizer state exists) with
 the planner's ``device_bytes_at_batch_size``.
 
-    python -m benchmarks.t5.planner_validate                        # CPU tier, writes benchmarks/results/
+    python -m benchmarks.t5.planner_validate                        # CPU tier (--json PATH to keep the rows)
     python -m benchmarks.t5.planner_validate --gpu --gpu-models t5-large,t5-3b --gpu-batch 8
 """
 from __future__ import annotations
@@ -38,12 +38,17 @@ MiB = 2 ** 20
 KEEP = {"fp32": True, "half": False, "amp": True}  # the gradient policy of the rows that train in each mode
 
 
+def model_path(name: str) -> Path:
+    """A name of configs/models/ (``t5-small``) or a path to a config JSON (``configs/models/t5-small.json``)."""
+    return Path(name) if name.endswith(".json") or os.sep in name else MODELS / f"{name}.json"
+
+
 def _pct(pred, real):
     return round(100.0 * (pred - real) / real, 2)
 
 
 def cpu_params(name: str) -> dict:
-    config = trace.load_config(MODELS / f"{name}.json")
+    config = trace.load_config(model_path(name))
     n_meta, _ = trace.count_params(trace.build_model(config))
     real = trace.build_model(config, device="cpu")
     n_real = sum(p.numel() for p in real.parameters())
@@ -54,7 +59,7 @@ def cpu_engine(name: str) -> list[dict]:
     from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
     out = []
-    config = trace.load_config(MODELS / f"{name}.json")
+    config = trace.load_config(model_path(name))
     opts = dict(bucket_numel=1 << 20, tile_numel=1 << 16)
     p = planner.plan(config, cuda=False, dtype="bf16", configs=["zero2_offload", "zero2_offload_dpu"], seq_len=16,
                      tgt_len=16, **opts)
@@ -70,7 +75,7 @@ def cpu_engine(name: str) -> list[dict]:
 
 
 def cpu_activations(name: str, batches, seq_len: int, tgt_len: int) -> list[dict]:
-    config = trace.load_config(MODELS / f"{name}.json")
+    config = trace.load_config(model_path(name))
     half = torch.bfloat16  # the CPU's 16-bit type for real runs (fp16 has the same sizes)
     profs = trace.profile_modes(config, half_dtype=half, seq_len=seq_len, tgt_len=tgt_len)
     jobs = [(mode, bs, KEEP[mode]) for mode in ("fp32", "half", "amp") for bs in batches]
@@ -101,7 +106,7 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
     from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
     dev = torch.device("cuda", 0)
-    config = trace.load_config(MODELS / f"{name}.json")
+    config = trace.load_config(model_path(name))
     p = planner.plan(config, gpus=1, dtype="fp16", seq_len=seq_len, tgt_len=tgt_len, batch_size=batch, configs=[row])
     pred = p.rows[0].device_bytes_at_batch_size
     torch.cuda.empty_cache()
@@ -142,7 +147,8 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="t5-tiny,t5-small", help="CPU tier models (configs/models/NAME.json)")
+    ap.add_argument("--models", default="t5-tiny,t5-small",
+                    help="CPU tier models: names of configs/models/NAME.json or paths to config JSON files")
     ap.add_argument("--batches", default="2,8")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--tgt-len", type=int, default=128)
@@ -150,8 +156,14 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-models", default="t5-large,t5-3b")
     ap.add_argument("--gpu-rows", default="baseline,fp16,zero2_offload")
     ap.add_argument("--gpu-batch", type=int, default=4)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_validate.json"))
+    ap.add_argument("--json", "--out", dest="json", default=None,
+                    help="write the results as JSON to PATH, or '-' for stdout (the published run: "
+                         "benchmarks/results/planner_validate.json)")
     args = ap.parse_args(argv)
+    for m in [m for m in args.models.split(",") if m] + (args.gpu_models.split(",") if args.gpu else []):
+        if not model_path(m).is_file():  # before any model work, naming what exists
+            ap.error(f"--models {m}: no {model_path(m)}; names: "
+                     f"{', '.join(sorted(p.stem for p in MODELS.glob('*.json')))}, or a path to a config JSON")
 
     info = hardware()
     print(hardware_line(info))
@@ -188,8 +200,9 @@ def main(argv=None) -> int:
             print("\nGPU: torch.cuda.max_memory_allocated vs planner device bytes at the batch size")
             print_table(gpu, ["model", "row", "batch", "measured_GiB", "planned_GiB", "err_%", "error"])
             result["gpu"] = gpu
-    write_json(args.out, result)
-    print(f"\nwrote {args.out}")
+    write_json(args.json, result)
+    if args.json not in (None, "-"):
+        print(f"\nwrote {args.json}")
     return 0
 
 

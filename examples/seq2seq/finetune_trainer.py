@@ -44,7 +44,8 @@ from hf_zero_offload import ZeroOffloadSeq2SeqTrainer  # noqa: E402
 from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
 import seq2seq_utils as su  # noqa: E402
-from seq2seq_args import DataTrainingArguments, ModelArguments, check_zero_config, parse_args  # noqa: E402,F401
+from seq2seq_args import (  # noqa: E402,F401
+    DataTrainingArguments, ModelArguments, check_local_paths, check_zero_config, parse_args, repo_config_hint)
 from train_tokenizer import train_t5_tokenizer  # noqa: E402
 
 logger = logging.getLogger("finetune_trainer")
@@ -84,6 +85,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     # ---- checks and setup ---------------------------------------------------------------------------------------
     if not (model_args.model_name_or_path or model_args.config_name):
         raise ValueError("give --model_name_or_path (pretrained) or --config_name (random initialisation)")
+    check_local_paths(model_args)
     if bool(data_args.data_dir) == bool(data_args.dataset_name):
         raise ValueError("give exactly one of --data_dir (legacy layout) or --dataset_name")
     if (training_args.do_train and os.path.isdir(training_args.output_dir) and os.listdir(training_args.output_dir)
@@ -99,8 +101,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
 
     # the model's config file only (no weights), for the ds_config's "auto" bucket size: the whole config is
     # checked before any tokenizer, model or plan work
-    config = AutoConfig.from_pretrained(model_args.config_name or model_args.model_name_or_path,
-                                        cache_dir=model_args.cache_dir)
+    name = model_args.config_name or model_args.model_name_or_path
+    try:
+        config = AutoConfig.from_pretrained(name, cache_dir=model_args.cache_dir)
+    except OSError as e:  # a Hub id without the network: say which offline file builds the same architecture
+        raise OSError(f"{e}{repo_config_hint(name)}") from e
     check_zero_config(training_args, config)
 
     logging.basicConfig(

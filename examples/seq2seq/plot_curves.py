@@ -16,6 +16,10 @@ import sys
 
 def read_curves(output_dir: str) -> dict:
     """{"loss": [(step, value)], "val_loss": [...], "val_bleu": [...]} from the run's files."""
+    if not os.path.isfile(os.path.join(output_dir, "trainer_state.json")):
+        what = "holds no trainer_state.json" if os.path.isdir(output_dir) else "is not a directory"
+        raise FileNotFoundError(f"{output_dir} {what}: give the --output_dir of a finished finetune_trainer.py "
+                                "--do_train run")
     with open(os.path.join(output_dir, "trainer_state.json")) as f:
         state = json.load(f)
     curves = {"loss": [], "val_loss": [], "val_bleu": []}
@@ -43,7 +47,8 @@ def plot(output_dir: str, name: str = "curves.png") -> str:
 
     curves = read_curves(output_dir)
     if not curves["loss"]:
-        raise ValueError(f"{output_dir}/trainer_state.json has no training loss entries to plot")
+        raise ValueError(f"{output_dir}/trainer_state.json has no training loss entries to plot (the Trainer logs "
+                         "the loss every --logging_steps steps: 500 by default; pass a smaller one)")
     fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(10, 4))
     for key, style in (("loss", "-"), ("val_loss", "o-")):
         if curves[key]:
@@ -63,7 +68,19 @@ def plot(output_dir: str, name: str = "curves.png") -> str:
     return path
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from hf_zero_offload.usage import run_reporting, take_debug_flag
+
+    debug, argv = take_debug_flag(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="errors print one line and exit 2; --debug shows the traceback")
+    parser.add_argument("output_dir", help="the --output_dir of a finetune_trainer.py run (holds trainer_state.json); "
+                                           "curves.png is written there")
+    args = parser.parse_args(argv)
+    print(run_reporting(os.path.basename(__file__), lambda: plot(args.output_dir), debug=debug))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    print(plot(sys.argv[1]))
+    main()

@@ -15,6 +15,8 @@ from hf_zero_offload.config import check, resolve
 
 import seq2seq_utils as su
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the clone's root
+
 
 @dataclass
 class ModelArguments:
@@ -101,7 +103,11 @@ class DataTrainingArguments:
 
 def _refuse_deepspeed_without_package(argv: List[str]) -> None:
     """The blog's ``--deepspeed ds_config.json``: stock transformers needs the deepspeed package for it (and then
-    uses DeepSpeed, which is fine). Without the package, point at our flag, which reads the same file."""
+    uses DeepSpeed, which is fine). Without the package, point at our flag, which reads the same file. Given with
+    --zero_offload/--sharded_ddp, the arguments class refuses the pair (the real mistake) instead."""
+    names = {arg.partition("=")[0] for arg in argv}
+    if names & {"--zero_offload", "--sharded_ddp"}:
+        return
     for i, arg in enumerate(argv):
         name, _, value = arg.partition("=")
         if name != "--deepspeed":
@@ -112,6 +118,35 @@ def _refuse_deepspeed_without_package(argv: List[str]) -> None:
             path = value or (argv[i + 1] if i + 1 < len(argv) else "ds_config.json")
             raise ValueError(f"--deepspeed needs the deepspeed package, which is not installed; hf_zero_offload's "
                              f"--zero_offload {path} takes the same file (ZeRO-2 + CPU offload without DeepSpeed)")
+
+
+def _looks_like_a_path(value: str) -> bool:
+    """A Hub id is ``name`` or ``namespace/name``; anything with a ``.json`` suffix, a leading ``/``, ``.`` or ``~``,
+    or two slashes is a local path (transformers would otherwise report it as a malformed repo id)."""
+    return value.endswith(".json") or value.startswith(("/", ".", "~")) or value.count("/") >= 2
+
+
+def check_local_paths(model_args) -> None:
+    """A path given to --config_name/--model_name_or_path/--tokenizer_name that does not exist is one error naming
+    the flag and the directory it was looked up from, not transformers' "Repo id must be in the form ..." (the
+    usual cause: a relative path such as configs/models/t5-small.json run from outside the clone)."""
+    for flag, value in (("--config_name", model_args.config_name),
+                        ("--model_name_or_path", model_args.model_name_or_path),
+                        ("--tokenizer_name", model_args.tokenizer_name)):
+        if not value or os.path.exists(os.path.expanduser(value)) or not _looks_like_a_path(value):
+            continue
+        in_repo = os.path.join(_REPO, value)
+        hint = f"; did you mean {in_repo}?" if not os.path.isabs(value) and os.path.exists(in_repo) else ""
+        raise FileNotFoundError(f"{flag} {value}: no such file or directory (a relative path is read from the "
+                                f"current directory, {os.getcwd()}){hint}")
+
+
+def repo_config_hint(name: str) -> str:
+    """For a Hub id that could not be loaded (offline): the clone's config of the same architecture, if any."""
+    local = os.path.join(_REPO, "configs", "models", f"{name.rsplit('/', 1)[-1]}.json")
+    if os.path.exists(name) or not os.path.isfile(local):
+        return ""
+    return f" (offline, --config_name {local} builds a randomly initialised {name} without the Hub)"
 
 
 def parse_args(argv: Optional[List[str]] = None):

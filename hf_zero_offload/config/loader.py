@@ -32,7 +32,8 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
         with open(source, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
-        raise ConfigError(f"{source}: cannot read the ds_config file: {e.strerror or e}") from None
+        hint = presets.missing_file_hint(source) if isinstance(e, FileNotFoundError) else ""
+        raise ConfigError(f"{source}: cannot read the ds_config file: {e.strerror or e}{hint}") from None
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates), source
     except json.JSONDecodeError as e:
