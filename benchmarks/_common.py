@@ -222,3 +222,18 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+MODELS = os.path.join(ROOT, "configs", "models")
+
+
+def model_config(name: str) -> str:
+    """``--model`` of the benchmarks: a name of configs/models/ (``t5-small``) or a path to a config JSON; an
+    argparse ``type``, so a wrong one is a usage error listing the names, before any work."""
+    import argparse
+
+    path = name if name.endswith(".json") or os.sep in name else os.path.join(MODELS, f"{name}.json")
+    if not os.path.isfile(path):
+        names = ", ".join(sorted(f[:-5] for f in os.listdir(MODELS) if f.endswith(".json")))
+        raise argparse.ArgumentTypeError(f"no {path}; names: {names}, or a path to a config JSON")
+    return path

@@ -1,5 +1,6 @@
 """benchmarks/ as a newcomer meets it: topic folders with a README each, runnable as ``python -m benchmarks.X.Y``
 (no sys.path edits, no private ``_C``), and target lines that say met / NOT MET / not meaningful here."""
+import os
 import re
 import types
 from pathlib import Path
@@ -66,17 +67,20 @@ def test_state_checksum_refuses_a_missing_dir_before_any_work(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--dir" in r.stderr.splitlines()[-1], r.stderr
 
 
-def test_planner_validate_takes_a_name_or_a_path_and_writes_only_when_asked(capsys):
+def test_benchmark_models_by_name_or_path_and_results_only_when_asked(capsys):
     import pytest
 
+    from benchmarks._common import model_config
+    from benchmarks.engine import compact_quality
     from benchmarks.t5 import planner_validate as pv
 
     tiny = ROOT / "configs" / "models" / "t5-tiny.json"
-    assert pv.model_path("t5-tiny").samefile(tiny) and pv.model_path(str(tiny)) == tiny  # was doubled: .../t5-tiny.json.json
-    with pytest.raises(SystemExit) as e:
-        pv.main(["--models", "t5-tinny"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "--models t5-tinny" in err and "t5-tiny" in err.splitlines()[-1], err
+    assert os.path.samefile(model_config("t5-tiny"), tiny) and model_config(str(tiny)) == str(tiny)  # was doubled
+    for main, argv in ((pv.main, ["--models", "t5-tinny"]), (compact_quality.main, ["--model", "t5-tinny"])):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "t5-tinny" in err and "t5-tiny," in err.splitlines()[-1], err
     with pytest.raises(SystemExit):  # the published results are not the default output any more
         pv.main(["--help"])
     assert "--json" in capsys.readouterr().out

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import torch  # noqa: E402
 
-from benchmarks._common import (NOT_HERE, hardware, hardware_line, load_example, print_table,  # noqa: E402
+from benchmarks._common import (NOT_HERE, hardware, hardware_line, load_example, model_config, print_table,  # noqa: E402
                                target_line, verdict, write_json)
 
 synthetic_data = load_example("synthetic_data")
@@ -288,7 +288,8 @@ def plot(runs: list[dict], path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "t5-demo.json"))
+    ap.add_argument("--model", type=model_config, default=model_config("t5-demo"),
+                    help="a name of configs/models/ or a config JSON")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)

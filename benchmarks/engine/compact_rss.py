@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import psutil  # noqa: E402
 
-from benchmarks._common import hardware, hardware_line, load_example, print_table, write_json  # noqa: E402
+from benchmarks._common import (hardware, hardware_line, load_example, model_config, print_table,  # noqa: E402
+                               write_json)
 
 synthetic_data = load_example("synthetic_data")
 
@@ -62,7 +63,8 @@ def run_one(state_dtype: str, args, work: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "t5-large.json"))
+    ap.add_argument("--model", type=model_config, default=model_config("t5-large"),
+                    help="a name of configs/models/ or a config JSON")
     ap.add_argument("--dtypes", default="fp32,int8")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--min-free-gib", type=float, default=18.0)

@@ -31,16 +31,10 @@ import torch  # noqa: E402
 from hf_zero_offload import planner  # noqa: E402
 from hf_zero_offload.planner import trace  # noqa: E402
 
-from benchmarks._common import hardware, hardware_line, print_table, write_json  # noqa: E402
+from benchmarks._common import hardware, hardware_line, model_config, print_table, write_json  # noqa: E402
 
-MODELS = ROOT / "configs" / "models"
 MiB = 2 ** 20
 KEEP = {"fp32": True, "half": False, "amp": True}  # the gradient policy of the rows that train in each mode
-
-
-def model_path(name: str) -> Path:
-    """A name of configs/models/ (``t5-small``) or a path to a config JSON (``configs/models/t5-small.json``)."""
-    return Path(name) if name.endswith(".json") or os.sep in name else MODELS / f"{name}.json"
 
 
 def _pct(pred, real):
@@ -48,7 +42,7 @@ def _pct(pred, real):
 
 
 def cpu_params(name: str) -> dict:
-    config = trace.load_config(model_path(name))
+    config = trace.load_config(model_config(name))
     n_meta, _ = trace.count_params(trace.build_model(config))
     real = trace.build_model(config, device="cpu")
     n_real = sum(p.numel() for p in real.parameters())
@@ -59,7 +53,7 @@ def cpu_engine(name: str) -> list[dict]:
     from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
     out = []
-    config = trace.load_config(model_path(name))
+    config = trace.load_config(model_config(name))
     opts = dict(bucket_numel=1 << 20, tile_numel=1 << 16)
     p = planner.plan(config, cuda=False, dtype="bf16", configs=["zero2_offload", "zero2_offload_dpu"], seq_len=16,
                      tgt_len=16, **opts)
@@ -75,7 +69,7 @@ def cpu_engine(name: str) -> list[dict]:
 
 
 def cpu_activations(name: str, batches, seq_len: int, tgt_len: int) -> list[dict]:
-    config = trace.load_config(model_path(name))
+    config = trace.load_config(model_config(name))
     half = torch.bfloat16  # the CPU's 16-bit type for real runs (fp16 has the same sizes)
     profs = trace.profile_modes(config, half_dtype=half, seq_len=seq_len, tgt_len=tgt_len)
     jobs = [(mode, bs, KEEP[mode]) for mode in ("fp32", "half", "amp") for bs in batches]
@@ -106,7 +100,7 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
     from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
     dev = torch.device("cuda", 0)
-    config = trace.load_config(model_path(name))
+    config = trace.load_config(model_config(name))
     p = planner.plan(config, gpus=1, dtype="fp16", seq_len=seq_len, tgt_len=tgt_len, batch_size=batch, configs=[row])
     pred = p.rows[0].device_bytes_at_batch_size
     torch.cuda.empty_cache()
@@ -160,10 +154,10 @@ def main(argv=None) -> int:
                     help="write the results as JSON to PATH, or '-' for stdout (the published run: "
                          "benchmarks/results/planner_validate.json)")
     args = ap.parse_args(argv)
-    for m in [m for m in args.models.split(",") if m] + (args.gpu_models.split(",") if args.gpu else []):
-        if not model_path(m).is_file():  # before any model work, naming what exists
-            ap.error(f"--models {m}: no {model_path(m)}; names: "
-                     f"{', '.join(sorted(p.stem for p in MODELS.glob('*.json')))}, or a path to a config JSON")
+    try:  # every model before any work, naming what exists
+        [model_config(m) for m in args.models.split(",") + (args.gpu_models.split(",") if args.gpu else []) if m]
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--models: {e}")
 
     info = hardware()
     print(hardware_line(info))
