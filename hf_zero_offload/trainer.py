@@ -40,7 +40,7 @@ from .engine import OffloadOptions, ShardOptions, factory
 from .engine.core import AdamCore
 from .engine.checkpoint import atomic_path
 from .accelerator_patch import patch_accelerator
-from .launch_checks import check_world_size, refuse_user_optimizer, warn_fp16_on_cpu
+from .launch_checks import check_arguments, check_trainable, check_world_size, refuse_user_optimizer, warn_fp16_on_cpu
 from .run_lock import RunLock, take_job_lock
 from .schedulers import build_scheduler
 
@@ -131,6 +131,7 @@ class ZeroOffloadMixin:
             resolve(self._zo_raw, early_view(targs, self._zo_raw.cfg, *self._zo_precision,
                                              kwargs.get("model", args[0] if args else None)))
             check_world_size(targs)
+            check_arguments(targs)
             self._zo_refuse_user_optimizer(args, kwargs)
             self._zo_take_lock(targs)
             saved = (targs.fp16, targs.bf16, targs.mixed_precision)
@@ -244,7 +245,9 @@ class ZeroOffloadMixin:
         return super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        self._zo_resume = None
+        self._zo_resume, self._zo_best = None, False
+        if self.zero_engine is not None:  # a second train(): the engine of the first one goes on
+            check_trainable(self.zero_engine.slot_params(), self.model.named_parameters())
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
         self._zo_take_lock(self.args)
@@ -253,7 +256,7 @@ class ZeroOffloadMixin:
                 logger.warning("hf_zero_offload: removed %s, left by a writer that was stopped mid-save", path)
         try:
             out = super().train(resume_from_checkpoint, *args, **kwargs)
-            if self.zero_engine is not None:
+            if self.zero_engine is not None and not self._zo_best:
                 self.zero_engine.flush()  # DPU: the last step's parameters reach the model
         finally:
             if self._zo_lock is not None:
@@ -300,7 +303,6 @@ class ZeroOffloadMixin:
         self.zero_engine.save_checkpoint(state_dir)
         if self.args.should_save:
             write_param_names(state_dir, self._zo_slot_names())
-        if self.args.should_save:
             with atomic_path(os.path.join(output_dir, _SCHEDULER_NAME)) as tmp:
                 torch.save(self.lr_scheduler.state_dict(), tmp)
 
@@ -325,8 +327,7 @@ class ZeroOffloadMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
-            raise FileNotFoundError(f"{checkpoint} has no {STATE_DIR}/ optimizer state (was it saved without "
-                                    "--zero_offload?)")
+            raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
         self.zero_engine.load_checkpoint(state_dir)
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(sched):
@@ -336,6 +337,18 @@ class ZeroOffloadMixin:
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
         logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
                                     {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
+
+
+    def _load_best_model(self) -> None:
+        engine = self.zero_engine
+        if engine is None:
+            return super()._load_best_model()
+        engine.flush()  # DPU: the step in flight lands first, so nothing overwrites the best weights later
+        super()._load_best_model()
+        # The model holds the best checkpoint's weights: its masters, moments and step counts follow (the masters
+        # are the weights in fp32), so that a save, consolidate or more training goes on from the best state.
+        engine.load_checkpoint(os.path.join(self.state.best_model_checkpoint, STATE_DIR))
+        self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step
 
 
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
