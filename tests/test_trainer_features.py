@@ -193,3 +193,40 @@ def test_resuming_a_save_only_model_checkpoint_names_it(tmp_path):
                                         train_dataset=ToyDataset())
     with pytest.raises(FileNotFoundError, match=r"holds the model only .*--save_only_model.*from_pretrained"):
         trainer.train(resume_from_checkpoint=True)
+
+
+class _WithDecoderInputs(ToyDataset):
+    """label_smoothing_factor takes the labels away from the model: the decoder inputs come with the batch."""
+
+    def __getitem__(self, i):
+        d = super().__getitem__(i)
+        d["decoder_input_ids"] = torch.cat([torch.zeros(1, dtype=torch.long), d["labels"][:-1]])
+        return d
+
+
+def _frozen_t5():
+    model = tiny_t5()
+    model.shared.requires_grad_(False)  # tied: the lm_head is frozen with it
+    return model
+
+
+@pytest.mark.parametrize("kw, model_fn, data", [
+    # 8 micro-batches in windows of 3: the last window of the epoch has 2
+    (dict(max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=3), tiny_t5, ToyDataset),
+    (dict(label_smoothing_factor=0.1, lr_scheduler_type="cosine", warmup_steps=0.3), tiny_t5, _WithDecoderInputs),
+    (dict(max_steps=4), _frozen_t5, ToyDataset),
+], ids=["partial-accumulation-window", "label-smoothing-cosine-warmup-fraction", "frozen-tied-embedding"])
+def test_trainer_features_equal_the_plain_trainer(tmp_path, kw, model_fn, data):
+    kw = {"max_grad_norm": 1.0, "weight_decay": 0.01, **kw}
+    ref_model, ours_model = model_fn(), model_fn()
+    ref = Seq2SeqTrainer(model=ref_model, args=_args(tmp_path, "ref", optim="adamw_torch", **kw), train_dataset=data())
+    ref.train()
+    ours = ZeroOffloadSeq2SeqTrainer(model=ours_model, args=_args(tmp_path, "ours", zero_offload=OFFLOAD, **kw),
+                                     train_dataset=data())
+    ours.train()
+    for (name, a), b in zip(ref_model.named_parameters(), ours_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert _logged(ours, key) == pytest.approx(_logged(ref, key), rel=1e-5), key
+    assert len(_logged(ours, "loss")) == ours.state.global_step == ref.state.global_step == (
+        3 if "num_train_epochs" in kw else kw.get("max_steps", 6))
