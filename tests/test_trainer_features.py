@@ -230,3 +230,33 @@ def test_trainer_features_equal_the_plain_trainer(tmp_path, kw, model_fn, data):
         assert _logged(ours, key) == pytest.approx(_logged(ref, key), rel=1e-5), key
     assert len(_logged(ours, "loss")) == ours.state.global_step == ref.state.global_step == (
         3 if "num_train_epochs" in kw else kw.get("max_steps", 6))
+
+
+class SharedLayerNet(torch.nn.Module):
+    """One layer applied three times, each in a reentrant-checkpointed segment: its gradient reaches the engine in
+    three pieces per backward (ALBERT-style sharing with gradient checkpointing)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.layer, self.out = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        h = self.emb(input_ids)
+        for _ in range(3):
+            h = h + torch.utils.checkpoint.checkpoint(self.layer, h, use_reentrant=True)
+        logits = self.out(h)
+        return {"loss": torch.nn.functional.cross_entropy(logits.float().reshape(-1, 64), labels.reshape(-1)),
+                "logits": logits}
+
+
+def test_bf16_gradient_in_pieces_within_one_backward(tmp_path):
+    # was: RuntimeError "a parameter received a second gradient before step()" at the first backward
+    trainer = ZeroOffloadTrainer(model=SharedLayerNet(), train_dataset=ToyDataset(), args=_args(
+        tmp_path, "s", zero_offload=OFFLOAD, bf16=True, max_steps=2, train_sampling_strategy="sequential"))
+    trainer.train()
+    ref = SharedLayerNet().bfloat16()  # autograd sums the pieces into a bf16 .grad: the engine must see the same
+    batch = {k: torch.stack([ToyDataset()[i][k] for i in range(4)]) for k in ("input_ids", "labels")}
+    ref(**batch)["loss"].backward()
+    norm = torch.stack([p.grad.double().norm() for p in ref.parameters()]).norm().item()
+    assert _logged(trainer, "grad_norm")[0] == pytest.approx(norm, rel=1e-6)
