@@ -338,7 +338,6 @@ class ZeroOffloadMixin:
         logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
                                     {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
 
-
     def _load_best_model(self) -> None:
         engine = self.zero_engine
         if engine is None:
