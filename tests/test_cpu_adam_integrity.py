@@ -108,3 +108,91 @@ def test_a_hyperparameter_gone_bad_is_refused_at_step(key, value):
     engine.close()
     with pytest.raises(ValueError, match="OffloadAdam param group 0: lr must be a finite number >= 0, got -1"):
         OffloadAdam(param_groups(tiny, 0.01), lr=-1, options=OffloadOptions(num_threads=1))
+
+
+def _layouts():
+    torch.manual_seed(3)
+    base = torch.randn(2, 3, 4, 5)
+    return {"transposed": lambda dt: base[0, 0].to(dt).t(),
+            "channels_last": lambda dt: base.to(dt).to(memory_format=torch.channels_last),
+            "strided slice": lambda dt: base.to(dt)[:, :, :, ::2]}
+
+
+@pytest.mark.parametrize("layout", sorted(_layouts()))
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_non_contiguous_params_step_like_adamw(layout, pdtype):
+    """A transposed, channels_last or sliced param (a view into a larger tensor) is updated where it
+    lives, like torch.optim.AdamW's; it used to be refused half-way through a step, after the
+    params before it had moved."""
+    make = _layouts()[layout]
+    first, p = torch.nn.Parameter(torch.ones(3, dtype=pdtype)), torch.nn.Parameter(make(pdtype))
+    ref = [torch.nn.Parameter(first.detach().float().clone()), torch.nn.Parameter(make(pdtype).float())]
+    strides = p.stride()
+    assert not p.is_contiguous()
+    opt = CPUAdam([first, p], lr=0.1, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.1, foreach=False)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for a, b in zip((first, p), ref):
+            g = torch.randn(b.shape, generator=gen)
+            a.grad, b.grad = g.to(pdtype), g.to(pdtype).float()
+        opt.step()
+        torch_opt.step()
+    assert p.stride() == strides
+    masters = [opt.state[q]["master"] for q in (first, p)] if pdtype != torch.float32 else [first, p]
+    for got, want in zip(masters, ref):
+        torch.testing.assert_close(got.detach().reshape(want.shape), want.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(p.detach(), masters[1].view(p.shape).to(pdtype))  # the 16-bit param: its master rounded
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(lr=None), "lr must be a finite number >= 0, got None"),
+    (dict(lr="1e-3"), "lr must be a finite number >= 0, got '1e-3'"),
+    (dict(lr=float("nan")), "lr must be a finite number >= 0, got nan"),
+    (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0, got inf"),
+    (dict(betas=(0.9,)), r"betas must be two numbers, got \(0.9,\)"),
+    (dict(num_threads=0), "num_threads must be a positive int, got 0"),
+])
+def test_the_constructor_names_a_bad_argument(kw, message):
+    """Refused when the optimizer is built, by name (it used to be an opaque TypeError or
+    IndexError, or accepted until the first step)."""
+    with pytest.raises(ValueError, match=message):
+        CPUAdam([torch.nn.Parameter(torch.zeros(3))], **kw)
+
+
+@pytest.mark.parametrize("group,error,message", [
+    ({"params": [torch.nn.Parameter(torch.ones(4, dtype=torch.float64))]}, TypeError,
+     r"param group 1: needs float32, bfloat16 or float16 parameters; got torch.float64 \(shape \(4,\)\)"),
+    ({"params": [torch.nn.Parameter(torch.ones(4))], "state_dtype": "int4"}, ValueError,
+     "param group 1: state_dtype must be one of fp32, bf16, int8; got 'int4'"),
+    ({"params": [torch.nn.Parameter(torch.ones(4))], "lr": float("nan")}, ValueError,
+     "param group 1: lr must be a finite number >= 0, got nan"),
+])
+def test_add_param_group_refuses_a_bad_group_whole(group, error, message):
+    """A group added after construction gets the constructor's checks; refused, it is not added,
+    and the optimizer steps on as before."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = CPUAdam([p], lr=0.1)
+    with pytest.raises(error, match=message):
+        opt.add_param_group(group)
+    assert len(opt.param_groups) == 1
+    p.grad = torch.ones(4)
+    opt.step()
+    assert torch.allclose(p, torch.full((4,), 0.9))
+
+
+@pytest.mark.parametrize("change", ["resized", "float64"])
+def test_a_param_replaced_since_its_last_step_is_refused_before_any_update(change):
+    """``p.data`` replaced by a tensor of another size or dtype: the step is refused, naming it,
+    before any param moves (it used to fail half-way, after the params before it were updated)."""
+    model, opt = _trained("fp32")
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    new = torch.ones(7) if change == "resized" else torch.ones(2, dtype=torch.float64)
+    params[3].data, params[3].grad = new, torch.ones_like(new)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises((TypeError, ValueError), match="exp_avg has 3 elements, expected 7" if change == "resized"
+                       else r"got torch.float64 \(shape \(2,\)\)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
