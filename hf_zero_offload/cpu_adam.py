@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import reprlib
 from typing import Iterable
 
 import torch
@@ -159,6 +160,7 @@ class CPUAdam(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = _readable(state_dict)
         # torch.optim casts every floating state tensor to its param's dtype (and would turn int8
         # codes into floats): the fp32 master and compact moments are put back exactly as saved.
         exact = {pid: {k: v for k, v in st.items() if k in _EXACT_KEYS and torch.is_tensor(v)}
@@ -187,14 +189,30 @@ _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 _EXACT_KEYS = _MOMENT_KEYS + ("master",)
 
 
+def _readable(state_dict) -> dict:
+    """``state_dict`` with torch.optim's outline checked (a clear error instead of a KeyError deep
+    in torch) and, in a shallow copy, moments saved in float16/float64 (torch.optim.AdamW's, of
+    fp16/fp64 params) widened/rounded to float32, as torch would cast them to an fp32 param."""
+    if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+            and isinstance(state_dict.get("param_groups"), list)
+            and all(isinstance(g, dict) and "params" in g for g in state_dict["param_groups"])):
+        raise ValueError("CPUAdam.load_state_dict: expected an optimizer state dict, {'state': {param id: dict}, "
+                         f"'param_groups': [dict with 'params']}}; got {reprlib.repr(state_dict)}")
+    for pid, st in state_dict["state"].items():
+        if not isinstance(st, dict):
+            raise ValueError(f"optimizer state of param {pid}: expected a dict, got {type(st).__name__}")
+    state = {pid: {k: v.float() if k in _MOMENT_KEYS[:2] and torch.is_tensor(v)
+                   and v.dtype in (torch.float16, torch.float64) else v for k, v in st.items()}
+             for pid, st in state_dict["state"].items()}
+    return {**state_dict, "state": state}
+
+
 def _check_saved_state(st, p: torch.Tensor, pid) -> None:
     """One param's saved state against its param: a step count (an int >= 0, as a number or a
     one-element tensor), moments that pair up and have its size, an fp32 master of its size. Anything
     else was not written by an Adam (or is damaged): refused, naming the param and the entry."""
     where = f"optimizer state of param {pid} (shape {tuple(p.shape)})"
-    if not isinstance(st, dict):
-        raise ValueError(f"{where}: expected a dict, got {type(st).__name__}")
-    if not st:
+    if not st:  # (a dict: _readable checked)
         return
     step = st.get("step")
     if step is None:

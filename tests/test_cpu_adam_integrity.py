@@ -196,3 +196,36 @@ def test_a_param_replaced_since_its_last_step_is_refused_before_any_update(chang
                        else r"got torch.float64 \(shape \(2,\)\)"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
+def test_adamw_state_of_fp16_or_fp64_params_loads(moment_dtype):
+    """torch.optim.AdamW over fp16 (or fp64) params keeps its moments in that dtype; loaded into
+    CPUAdam they are read as fp32 (as torch casts them for an fp32 param) instead of refused."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 5).to(moment_dtype)
+    theirs = torch.nn.Parameter(w.clone())
+    ref = torch.optim.AdamW([theirs], lr=1e-2, weight_decay=0.0, foreach=False)
+    for _ in range(2):
+        theirs.grad = torch.randn(4, 5).to(moment_dtype)
+        ref.step()
+    pdtype = torch.float16 if moment_dtype == torch.float16 else torch.float32
+    mine = torch.nn.Parameter(theirs.detach().to(pdtype))
+    opt = CPUAdam([mine], lr=1e-2)
+    saved = ref.state_dict()
+    opt.load_state_dict(saved)
+    assert saved["state"][0]["exp_avg"].dtype == moment_dtype  # the caller's dict is left as it was
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt.state[mine][k], saved["state"][0][k].float())
+    mine.grad = torch.ones(4, 5, dtype=pdtype)
+    opt.step()
+    assert float(opt.state[mine]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("bad", [None, {}, {"state": [], "param_groups": []}, {"state": {}, "param_groups": [{}]},
+                                 {"state": {0: [1]}, "param_groups": [{"params": [0]}]}])
+def test_a_state_dict_of_the_wrong_outline_names_what_it_expected(bad):
+    opt = CPUAdam([torch.nn.Parameter(torch.ones(3))])
+    with pytest.raises(ValueError, match=r"expected an optimizer state dict|optimizer state of param 0: expected a dict"):
+        opt.load_state_dict(bad)
+    assert len(opt.state) == 0
