@@ -38,6 +38,8 @@ def write_json_atomic(path: str, obj) -> None:
 
 
 def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, *, barrier, partition: list) -> None:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"optimizer checkpoint directory {directory} is a file")
     os.makedirs(directory, exist_ok=True)
     checkpoint.write_state(checkpoint.rank_file(directory, rank, world_size), meta, tensors)
     if world_size == 1:
