@@ -151,7 +151,7 @@ def test_non_contiguous_params_step_like_adamw(layout, pdtype):
     (dict(lr=float("nan")), "lr must be a finite number >= 0, got nan"),
     (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0, got inf"),
     (dict(betas=(0.9,)), r"betas must be two numbers, got \(0.9,\)"),
-    (dict(num_threads=0), "num_threads must be a positive int, got 0"),
+    (dict(num_threads=0), r"num_threads must be a positive int .*got 0"),
 ])
 def test_the_constructor_names_a_bad_argument(kw, message):
     """Refused when the optimizer is built, by name (it used to be an opaque TypeError or
