@@ -40,6 +40,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam: {e}") from None
         ops.check_state_dtype(state_dtype)
         self.num_threads = num_threads
+        self._versions = {}  # 16-bit param -> its version counter after our last write (see _prepare_state)
         ops._threads(num_threads)  # its check of num_threads, now rather than at the first step
         self._state_dtype = state_dtype
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
@@ -135,6 +136,8 @@ class CPUAdam(torch.optim.Optimizer):
             )
             if work is not p:
                 p.copy_(work)
+            if half:
+                self._versions[p] = p._version
             state["step"] += 1  # after the update: a refused call leaves the count as it was
         return loss
 
@@ -152,11 +155,20 @@ class CPUAdam(torch.optim.Optimizer):
             state.update(_shaped(ops.state_from_fp32(m, v, state_dtype), p))
         if state_dtype == "int8":  # saved with the codes (a state without it has map 1)
             state["int8_codes"] = ops.INT8_CODES
-        if p.dtype != torch.float32 and "master" not in state:
+        if p.dtype == torch.float32:
+            # the param is its own master; one kept from 16-bit training would go stale here, and a
+            # later load into 16-bit params would step from it, undoing this training
+            state.pop("master", None)
+        elif "master" not in state:
             state["master"] = p.detach().float().contiguous()
-        master = state.get("master")
-        if master is not None and p.dtype != torch.float32 and master.numel() != p.numel():
-            raise ValueError(f"master has {master.numel()} elements, expected {p.numel()}")
+        elif state["master"].numel() != p.numel():
+            raise ValueError(f"master has {state['master'].numel()} elements, expected {p.numel()}")
+        elif (self._versions.get(p) != p._version
+              and not torch.equal(state["master"].view(p.shape).to(p.dtype), p.detach())):
+            # Written since our last step (model.load_state_dict, an in-place edit) to a value that
+            # is not the master's rounding: the param is what the user set, the master follows it
+            # (else this step would put back the old weights).
+            state["master"].view(p.shape).copy_(p.detach())
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -229,3 +229,43 @@ def test_a_state_dict_of_the_wrong_outline_names_what_it_expected(bad):
     with pytest.raises(ValueError, match=r"expected an optimizer state dict|optimizer state of param 0: expected a dict"):
         opt.load_state_dict(bad)
     assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_16bit_param_written_between_steps_is_kept(pdtype):
+    """model.load_state_dict (or an in-place edit) after a step: the next step starts from the new
+    weights; it used to step from the fp32 master and put the old weights back. A write of the
+    master's own rounding (the model's weights loaded after the optimizer state) keeps the master."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300).to(pdtype))
+    opt = CPUAdam([p], lr=1e-2)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    master = opt.state[p]["master"].clone()
+    new = torch.randn(300).to(pdtype)
+    with torch.no_grad():
+        p.copy_(new)
+    opt.param_groups[0]["lr"] = 0.0  # a step that moves nothing
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(p.detach(), new) and torch.equal(opt.state[p]["master"], new.float())
+    with torch.no_grad():  # the master's rounding written back: nothing of the master is lost
+        opt.state[p]["master"].copy_(master)
+        p.copy_(master.to(pdtype))
+    opt.step()
+    assert torch.equal(opt.state[p]["master"], master)
+
+
+def test_an_fp32_param_drops_a_master_saved_by_16bit_training():
+    """The fp32 param is its own master: one loaded from 16-bit training went stale as it trained
+    and was saved again, so a later load into 16-bit params stepped from the old weights."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = CPUAdam([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    q = torch.nn.Parameter(p.detach().float())
+    fp32 = CPUAdam([q], lr=0.1)
+    fp32.load_state_dict(opt.state_dict())
+    q.grad = torch.ones_like(q)
+    fp32.step()
+    assert "master" not in fp32.state[q] and "master" not in fp32.state_dict()["state"][0]
