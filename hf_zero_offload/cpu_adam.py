@@ -66,10 +66,16 @@ class CPUAdam(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def __getstate__(self):
+        # torch.optim pickles defaults, state and groups only: a torch.load-ed CPUAdam lacked these
+        return {**super().__getstate__(), "num_threads": self.num_threads, "_state_dtype": self._state_dtype}
+
     def __setstate__(self, state):
         # Also the path of load_state_dict, whose saved groups replace ours: a group saved by
         # torch.optim.Adam/AdamW has no "adamw_mode" but says "decoupled_weight_decay".
         super().__setstate__(state)
+        self.__dict__.setdefault("num_threads", None)  # unpickled from a version that did not save it
+        self.__dict__.setdefault("_versions", {})
         for group in self.param_groups:
             group.setdefault("adamw_mode", bool(group.get("decoupled_weight_decay", True)))
             group.setdefault("state_dtype", getattr(self, "_state_dtype", "fp32"))

@@ -269,3 +269,19 @@ def test_an_fp32_param_drops_a_master_saved_by_16bit_training():
     q.grad = torch.ones_like(q)
     fp32.step()
     assert "master" not in fp32.state[q] and "master" not in fp32.state_dict()["state"][0]
+
+
+def test_a_pickled_optimizer_steps_on(tmp_path):
+    """torch.save(optimizer) / torch.load: torch.optim pickles defaults, state and groups only, so
+    the loaded CPUAdam lost num_threads and failed at its first step with an AttributeError."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = CPUAdam([p], lr=0.1, num_threads=1, state_dtype="int8")
+    p.grad = torch.ones_like(p)
+    opt.step()
+    torch.save(opt, tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=False)
+    q = loaded.param_groups[0]["params"][0]
+    q.grad = p.grad = torch.ones_like(p)
+    opt.step()
+    loaded.step()
+    assert loaded.num_threads == 1 and torch.equal(q, p) and torch.equal(loaded.state[q]["master"], opt.state[p]["master"])
