@@ -8,14 +8,22 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.hzo-installed
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h)
+# The editable install maps each module name to its file when it is installed, so a module added,
+# removed or turned into a package (ops.py -> ops/) needs a reinstall: the list is a prerequisite,
+# rewritten only when it changes.
+MODULES := $(sort $(wildcard hf_zero_offload/*.py hf_zero_offload/*/*.py))
+MODULE_LIST := $(VENV)/.hzo-modules
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all bench demo gpu-wheels clean
+.PHONY: install test test-all bench demo gpu-wheels clean FORCE
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(SOURCES) | $(PY)
+$(MODULE_LIST): FORCE | $(PY)
+	@echo '$(MODULES)' | cmp -s - $@ || echo '$(MODULES)' > $@
+
+$(STAMP): $(SOURCES) $(MODULE_LIST) | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja

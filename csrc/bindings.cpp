@@ -1,6 +1,6 @@
 // pybind11 bindings. Tensors cross as integer addresses plus sizes: the C++ side never sees torch,
 // and the typed checks (dtype, device, contiguity, sizes, block alignment) live in
-// hf_zero_offload/ops.py. Every long call releases the GIL so a worker thread (the delayed
+// hf_zero_offload/ops/. Every long call releases the GIL so a worker thread (the delayed
 // parameter update) can run the step while Python keeps driving the device.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
