@@ -57,6 +57,8 @@ class CPUAdam(torch.optim.Optimizer):
         try:
             for p in group["params"]:
                 _check_param(p, index)
+            if not isinstance(group["adamw_mode"], bool):  # "false" would be true
+                raise TypeError(f"CPUAdam param group {index}: adamw_mode must be a bool, got {group['adamw_mode']!r}")
             try:
                 ops.check_state_dtype(group["state_dtype"])
                 ops.check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],

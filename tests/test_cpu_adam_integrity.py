@@ -167,6 +167,8 @@ def test_the_constructor_names_a_bad_argument(kw, message):
      "param group 1: state_dtype must be one of fp32, bf16, int8; got 'int4'"),
     ({"params": [torch.nn.Parameter(torch.ones(4))], "lr": float("nan")}, ValueError,
      "param group 1: lr must be a finite number >= 0, got nan"),
+    ({"params": [torch.nn.Parameter(torch.ones(4))], "adamw_mode": "false"}, TypeError,
+     "param group 1: adamw_mode must be a bool, got 'false'"),
 ])
 def test_add_param_group_refuses_a_bad_group_whole(group, error, message):
     """A group added after construction gets the constructor's checks; refused, it is not added,
