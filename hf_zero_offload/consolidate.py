@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .engine import checkpoint
+from .engine.state_dir import read_range, sources
 
 NAMES_FILE = "param_names.json"
 
@@ -31,8 +32,7 @@ def write_param_names(state_dir: str, slot_names: list[list[str]]) -> None:
 
 def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
     """Every trainable parameter's fp32 master by name (all aliases), from all rank files."""
-    files = sorted(glob.glob(os.path.join(state_dir, "rank*_of_*.hzo")))
-    if not files:
+    if not glob.glob(os.path.join(glob.escape(state_dir), "rank*_of_*.hzo")):
         raise FileNotFoundError(f"no optimizer state files (rank*_of_*.hzo) in {state_dir}")
     names_path = os.path.join(state_dir, NAMES_FILE)
     if not os.path.isfile(names_path):
@@ -40,8 +40,10 @@ def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
                                 "names (the checkpoint is incomplete: use another checkpoint-N of the run)")
     with open(names_path) as f:
         names = json.load(f)
-    meta, _, _ = checkpoint.read_header(files[0])
-    flat = _flat_master(files, meta)
+    # the engine's own reader: the partition map checked, each file's range checked against it
+    srcs, meta = sources(state_dir)
+    flat = torch.empty(meta["numel"])
+    read_range(srcs, 0, {"master": flat})
     slots = [s for g in meta["slots"] for s in g]
     if len(slots) != len(names):
         raise ValueError(f"{state_dir}: {len(slots)} parameters in the state but {len(names)} names")
@@ -51,20 +53,6 @@ def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
         for name in aliases:
             out[name] = t
     return out
-
-
-def _flat_master(files: list[str], meta: dict) -> torch.Tensor:
-    world = meta.get("world_size", 1)
-    if world == 1:
-        return checkpoint.read_tensor(files[0], "master")
-    # Sharded: each rank holds the flat range [shard_start, shard_end) of the padded flat layout.
-    pieces = []
-    for r in range(world):
-        path = checkpoint.rank_file(os.path.dirname(files[0]), r, world)
-        m, _, _ = checkpoint.read_header(path)
-        pieces.append((m["shard_start"], checkpoint.read_tensor(path, "master")))
-    pieces.sort(key=lambda x: x[0])
-    return torch.cat([p for _, p in pieces])
 
 
 def _checkpoints_in(run_dir: str) -> list[str]:
@@ -98,6 +86,13 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     weight_files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
     if not weight_files:
         raise FileNotFoundError(f"no *.safetensors model weights in {checkpoint_dir}")
+    for path in weight_files:  # a master must replace a tensor of its own shape (another model's file?)
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                shape = list(f.get_slice(key).get_shape())
+                if key in masters and list(masters[key].shape) != shape:
+                    raise ValueError(f"{path}: {key} has shape {shape} but its master in the optimizer state has "
+                                     f"{list(masters[key].shape)}: the weights and the state are of different models")
     os.makedirs(output_dir, exist_ok=True)
     written = []
     for path in weight_files:

@@ -1,4 +1,5 @@
-"""Checks of how the run was launched, made before any model work (the Trainer integration calls them).
+"""Checks of how the run was launched and of TrainingArguments the engine cannot honour, made before any model work,
+and of the model at each ``train()`` start (the Trainer integration calls them).
 
 Nothing here imports transformers: ``args`` is any object with TrainingArguments' attributes.
 """
@@ -62,3 +63,39 @@ def refuse_other_engines(args) -> None:
     if ours and args.fsdp:
         raise ConfigError(f"--fsdp and {ours} both given: FSDP and hf_zero_offload's ZeRO-1/2 both shard the "
                           "optimizer state; keep one of them")
+
+
+# ``--optim`` values that name plain AdamW (implementations differ, not the math): the engine is that optimizer,
+# with TrainingArguments' lr, betas, eps and weight decay (or the ds_config's "optimizer" block, as with DeepSpeed).
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_apex_fused",
+                "adamw_hf")
+
+
+def check_arguments(args) -> None:
+    """TrainingArguments that would otherwise be ignored silently (another optimizer trained as Adam) or fail at
+    the end of training (a best checkpoint without optimizer state): one error naming each."""
+    problems = []
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in ADAMW_OPTIMS:
+        problems.append(f"--optim {optim}: the zero_offload engine is Adam/AdamW only (accepted: "
+                        f"{', '.join(ADAMW_OPTIMS)}); drop --optim or use a plain Trainer for {optim}")
+    if getattr(args, "save_only_model", False) and getattr(args, "load_best_model_at_end", False):
+        problems.append("--save_only_model with --load_best_model_at_end: the best checkpoint would hold no "
+                        "optimizer state (fp32 master weights) to load with the model, as with DeepSpeed; drop one "
+                        "of the two")
+    if problems:
+        raise ConfigError("Not supported with zero_offload / sharded_ddp:\n  " + "\n  ".join(problems))
+
+
+def check_trainable(engine_params, named_params) -> None:
+    """At ``train()``: parameters made trainable after the engine was built (``requires_grad_(True)`` between two
+    ``train()`` calls) have no slot in it: their gradients would be computed and dropped at every step, and left out
+    of the logged grad_norm. Parameters frozen since then are fine (no gradient: skipped, as AdamW skips them)."""
+    known = {id(p) for group in engine_params for p in group}
+    new = [n for n, p in named_params if p.requires_grad and id(p) not in known]
+    if new:
+        shown = ", ".join(new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+        raise ConfigError(
+            f"{len(new)} parameter(s) became trainable after the zero_offload engine was built ({shown}): the engine "
+            "holds no optimizer state for them and would never update them. Set requires_grad before creating the "
+            "Trainer, or create a new Trainer after changing it")

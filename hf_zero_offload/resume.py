@@ -151,6 +151,16 @@ def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | No
             "Pass the same --zero_offload config to continue the run as it was")
 
 
+def missing_state_message(checkpoint: str, state_dir: str) -> str:
+    """Why a checkpoint without ``state_dir/`` cannot be resumed with zero_offload, and what to do instead."""
+    if not any(os.path.isfile(os.path.join(checkpoint, n)) for n in ("optimizer.pt", "optimizer.bin", "scheduler.pt")):
+        return (f"{checkpoint} holds the model only (no {state_dir}/, optimizer or scheduler state: saved with "
+                "--save_only_model?): resuming with zero_offload needs the optimizer state (fp32 master weights, Adam "
+                "moments). To start a new run from these weights, load the model from the checkpoint "
+                "(from_pretrained) and train without resume_from_checkpoint")
+    return f"{checkpoint} has no {state_dir}/ optimizer state (was it saved without --zero_offload?)"
+
+
 def saved_learning_rate(checkpoint: str) -> float | None:
     """The last logged learning rate in the checkpoint's trainer_state.json."""
     try:

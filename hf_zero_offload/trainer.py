@@ -32,15 +32,16 @@ import torch.distributed as dist
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import ops, presets, resume
+from . import presets, resume
 from .consolidate import write_param_names
 from .args_view import args_view, early_view
 from .config import TrainingConfig, check, resolve
-from .engine import OffloadOptions, ShardOptions, factory
 from .engine.core import AdamCore
 from .engine.checkpoint import atomic_path
 from .accelerator_patch import patch_accelerator
-from .launch_checks import check_world_size, refuse_other_engines, refuse_user_optimizer, warn_fp16_on_cpu
+from .engine_setup import build_engine, start_line, training_dtype
+from .launch_checks import (check_arguments, check_trainable, check_world_size, refuse_other_engines,
+                            refuse_user_optimizer, warn_fp16_on_cpu)
 from .run_lock import RunLock, take_job_lock
 from .schedulers import build_scheduler
 
@@ -87,40 +88,6 @@ class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffload
         super().__post_init__()
 
 
-def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
-    """The resolved config as the engine's typed options."""
-    z = cfg.zero
-    options = OffloadOptions(
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.gradient_clipping,
-        fp16=cfg.fp16 if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
-        dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps,
-        state_dtype=z.state_dtype)
-    shard = ShardOptions(stage=z.stage, offload=z.offload, allgather_bucket_numel=z.allgather_bucket_size,
-                         reduce_scatter=z.reduce_scatter)
-    return options, shard
-
-
-def training_dtype(cfg: TrainingConfig) -> torch.dtype:
-    return torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16 else torch.float32
-
-
-def build_engine(model: torch.nn.Module, param_groups: list[dict], cfg: TrainingConfig, args: TrainingArguments):
-    """The engine for this config and world size (the optimizer the Trainer will drive)."""
-    opt = cfg.optimizer
-    hyper = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, adamw_mode=opt.adam_w_mode) if opt else dict(
-        lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, adamw_mode=True)
-    if opt is not None:  # the config's weight decay replaces the Trainer's for the decayed group
-        param_groups = [{**g, "weight_decay": opt.weight_decay if g["weight_decay"] else 0.0} for g in param_groups]
-    options, shard = engine_options(cfg)
-    return factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
-                                param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
-
-
-def _bytes(n: int) -> str:
-    """A size for the start line: a small model's few MiB must not read as 0.00GiB (as if nothing were reserved)."""
-    return f"{n / 2**30:.2f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
-
-
 class ZeroOffloadMixin:
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
@@ -140,6 +107,7 @@ class ZeroOffloadMixin:
             resolve(self._zo_raw, early_view(targs, self._zo_raw.cfg, *self._zo_precision,
                                              kwargs.get("model", args[0] if args else None)))
             check_world_size(targs)
+            check_arguments(targs)
             self._zo_refuse_user_optimizer(args, kwargs)
             self._zo_take_lock(targs)
             saved = (targs.fp16, targs.bf16, targs.mixed_precision)
@@ -194,10 +162,10 @@ class ZeroOffloadMixin:
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        self.optimizer = build_engine(model, groups, cfg, self.args)
+        self.optimizer = build_engine(groups, cfg, self.args)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
-        self._zo_log_start(cfg)
+        logger.info(start_line(cfg, self.zero_engine, self.args.world_size, self.args.device))
         if self._zo_raw.no_effect and self.args.should_log:  # once per job, not once per rank
             # A warning for the user's own file; our shipped configs keep those keys so that --deepspeed reads
             # the same file, which is no reason to alarm whoever uses them as they are.
@@ -205,19 +173,6 @@ class ZeroOffloadMixin:
             logger.log(level, "hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config.schema."
                        "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
         return self.optimizer
-
-    def _zo_log_start(self, cfg: TrainingConfig) -> None:
-        eng = self.zero_engine
-        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
-        logger.info(
-            "hf_zero_offload: config=%s ranks=%d backend=%s device=%s dtype=%s engine=%s stage=%s offload=%s "
-            "dpu=%s moments=%s simd=%s threads=%d host_reserved=%s pinned=%s params=%d streams=%s", cfg.source,
-            self.args.world_size, backend, self.args.device, str(training_dtype(cfg)).replace("torch.", ""),
-            type(eng).__name__, getattr(eng, "stage", "-"), getattr(eng, "offload", True),
-            cfg.zero.delayed_param_update.enabled, getattr(getattr(eng, "moments", None), "state_dtype", "-"),
-            ops.simd_level(), torch.get_num_threads(),
-            _bytes(getattr(getattr(eng, "arena", None), "nbytes", 0)),
-            getattr(getattr(eng, "arena", None), "pinned", False), eng.numel, eng.streams.kind)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self._zo_raw is None:
@@ -256,7 +211,9 @@ class ZeroOffloadMixin:
         return super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        self._zo_resume = None
+        self._zo_resume, self._zo_best = None, False
+        if self.zero_engine is not None:  # a second train(): the engine of the first one goes on
+            check_trainable(self.zero_engine.slot_params(), self.model.named_parameters())
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
         self._zo_take_lock(self.args)
@@ -265,7 +222,7 @@ class ZeroOffloadMixin:
                 logger.warning("hf_zero_offload: removed %s, left by a writer that was stopped mid-save", path)
         try:
             out = super().train(resume_from_checkpoint, *args, **kwargs)
-            if self.zero_engine is not None:
+            if self.zero_engine is not None and not self._zo_best:
                 self.zero_engine.flush()  # DPU: the last step's parameters reach the model
         finally:
             if self._zo_lock is not None:
@@ -312,7 +269,6 @@ class ZeroOffloadMixin:
         self.zero_engine.save_checkpoint(state_dir)
         if self.args.should_save:
             write_param_names(state_dir, self._zo_slot_names())
-        if self.args.should_save:
             with atomic_path(os.path.join(output_dir, _SCHEDULER_NAME)) as tmp:
                 torch.save(self.lr_scheduler.state_dict(), tmp)
 
@@ -337,8 +293,7 @@ class ZeroOffloadMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
-            raise FileNotFoundError(f"{checkpoint} has no {STATE_DIR}/ optimizer state (was it saved without "
-                                    "--zero_offload?)")
+            raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
         self.zero_engine.load_checkpoint(state_dir)
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(sched):
@@ -348,6 +303,17 @@ class ZeroOffloadMixin:
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
         logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
                                     {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
+
+    def _load_best_model(self) -> None:
+        engine = self.zero_engine
+        if engine is None:
+            return super()._load_best_model()
+        engine.flush()  # DPU: the step in flight lands first, so nothing overwrites the best weights later
+        super()._load_best_model()
+        # The model holds the best checkpoint's weights: its masters, moments and step counts follow (the masters
+        # are the weights in fp32), so that a save, consolidate or more training goes on from the best state.
+        engine.load_checkpoint(os.path.join(self.state.best_model_checkpoint, STATE_DIR))
+        self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step
 
 
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):

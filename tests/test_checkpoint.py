@@ -50,3 +50,21 @@ def test_bad_inputs_name_the_problem(tmp_path):
         checkpoint.read_into(path, {"half": torch.zeros(333, dtype=torch.bfloat16)})
     with pytest.raises(FileNotFoundError, match="not found"):
         checkpoint.read_header(str(tmp_path / "nope.hzo"))
+
+
+def test_a_full_disk_names_the_file_and_leaves_the_previous_one(tmp_path, monkeypatch):
+    """ENOSPC from a write names no file; the error now does (the temporary is gone, the previous
+    checkpoint file intact). The tmpfs-full case was checked by hand (needs root to mount)."""
+    import errno
+
+    path = str(tmp_path / "rank0_of_1.hzo")
+    checkpoint.write_state(path, {"numel": 3}, {"master": torch.ones(3)})
+    before = open(path, "rb").read()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_byte_chunks", full)
+    with pytest.raises(OSError, match=r"No space left on device: '.*rank0_of_1.hzo'"):
+        checkpoint.write_state(path, {"numel": 3}, {"master": torch.zeros(3)})
+    assert os.listdir(tmp_path) == ["rank0_of_1.hzo"] and open(path, "rb").read() == before

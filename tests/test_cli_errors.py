@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_zero_offload import cli, presets, usage
 from hf_zero_offload.config import ConfigError, load_config
@@ -165,3 +166,36 @@ def test_zero_offload_arguments_refuse_a_second_engine(tmp_path):
                                      zero_offload="zero2-offload", use_cpu=True)
     with pytest.raises(ConfigError, match="--fsdp and --sharded_ddp both given"):
         ZeroOffloadTrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", sharded_ddp=True, use_cpu=True)
+
+
+def _checkpoint_of_a_linear(tmp_path):
+    from safetensors.torch import save_file
+
+    from hf_zero_offload.consolidate import write_param_names
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    model = torch.nn.Linear(4, 3)
+    engine = OffloadAdam(model.parameters(), lr=1e-2, options=OffloadOptions(num_threads=1))
+    model(torch.randn(2, 4)).sum().backward()
+    engine.step()
+    ckpt = tmp_path / "checkpoint-1"
+    engine.save_checkpoint(str(ckpt / "zero_offload"))
+    write_param_names(str(ckpt / "zero_offload"), [["weight"], ["bias"]])
+    engine.close()
+    return ckpt, model, save_file
+
+
+def test_consolidate_refuses_weights_of_another_shape_before_writing(tmp_path, capsys):
+    """A key whose master has another shape used to be written with the master's shape, silently."""
+    ckpt, model, save_file = _checkpoint_of_a_linear(tmp_path)
+    save_file({"weight": torch.zeros(3, 4, dtype=torch.bfloat16), "bias": torch.zeros(3)}, str(ckpt / "a.safetensors"))
+    save_file({"weight": torch.zeros(2, 2)}, str(ckpt / "b.safetensors"))  # sorted after a: checked before a's write
+    _one_line_error(capsys, ["consolidate", str(ckpt), str(tmp_path / "out")],
+                    "weight has shape [2, 2] but its master in the optimizer state has [3, 4]")
+    assert not (tmp_path / "out").exists()
+    (ckpt / "b.safetensors").unlink()
+    from hf_zero_offload.cli import main as cli_main
+    assert cli_main(["consolidate", str(ckpt), str(tmp_path / "out")]) == 0
+    from safetensors.torch import load_file
+    out = load_file(str(tmp_path / "out" / "a.safetensors"))
+    assert torch.equal(out["weight"], model.weight.detach()) and out["weight"].dtype == torch.float32

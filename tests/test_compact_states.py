@@ -279,7 +279,7 @@ def test_sharded_int8_matches_one_process_and_reloads_on_one(tmp_path):
 
 def test_config_key_reaches_the_engine_options():
     from hf_zero_offload import config
-    from hf_zero_offload.trainer import engine_options
+    from hf_zero_offload.engine_setup import engine_options
     zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "state_dtype": "int8"}}
     cfg = config.resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
     assert engine_options(cfg)[0].state_dtype == "int8"

@@ -259,3 +259,51 @@ def test_grad_widening_edge_cases(simd, grad_dtype):
     acc = torch.empty(g.numel())
     ops.accumulate_grad(acc, g, overwrite=True)
     assert _same_with_nans(acc, g.float())
+
+
+@pytest.mark.parametrize("case,message", [
+    ("exp_avg as exp_avg_sq", "exp_avg and exp_avg_sq share memory"),
+    ("grad overlaps param", "param and grad share memory"),
+    ("param_out is param", "param and param_out share memory"),
+    ("negative grad_scale", "grad_scale must be a number >= 0, got -1.0"),
+    ("grad_scale str", "grad_scale must be a number >= 0, got '1'"),
+    ("step 2**63", r"step must be in \[1, 2\*\*63\)"),
+    ("num_threads 2**40", r"num_threads must be a positive int \(< 2\*\*31\), got 1099511627776"),
+    ("num_threads True", r"num_threads must be a positive int \(< 2\*\*31\), got True"),
+])
+def test_adam_step_refuses_aliased_arrays_and_out_of_range_scalars(case, message):
+    """Arrays sharing memory gave thread-order-dependent results, a negative grad_scale ascended
+    the gradient, and step/num_threads past the C types were pybind's opaque TypeError: each is now
+    refused, naming it, before the kernel runs (nothing written)."""
+    buf = torch.ones(40)
+    param, grad = buf[:16], torch.full((16,), 0.5)
+    state = ops.make_state(16)
+    kw = dict(step=1, lr=0.1)
+    if case == "exp_avg as exp_avg_sq":
+        state["exp_avg_sq"] = state["exp_avg"]
+    elif case == "grad overlaps param":
+        grad = buf[8:24]
+    elif case == "param_out is param":
+        kw["param_out"] = param
+    elif case == "negative grad_scale":
+        kw["grad_scale"] = -1.0
+    elif case == "grad_scale str":
+        kw["grad_scale"] = "1"
+    elif case == "step 2**63":
+        kw["step"] = 2**63
+    else:
+        kw["num_threads"] = 2**40 if case.endswith("2**40") else True
+    with pytest.raises(ValueError, match=message):
+        ops.adam_step(param, grad, **state, **kw)
+    assert torch.equal(buf, torch.ones(40)) and not state["exp_avg"].any()
+
+
+def test_set_simd_level_takes_any_case_and_names_a_non_string():
+    before = ops.simd_level()
+    try:
+        ops.set_simd_level(" SCALAR ")  # as HF_ZERO_OFFLOAD_SIMD is read
+        assert ops.simd_level() == "scalar"
+        with pytest.raises(TypeError, match="level must be a str"):
+            ops.set_simd_level(None)
+    finally:
+        ops.set_simd_level(before)

@@ -244,3 +244,30 @@ def test_a_checkpoint_that_fails_part_way_blocks_step_and_save(tmp_path):
     fresh.step()
     for o in (opt, fresh):
         o.close()
+
+
+@pytest.mark.parametrize("partition,error,message", [
+    (lambda n: [[0, n - 10]], ValueError, r"does not cut \[0, \d+\) into 1 consecutive"),
+    (lambda n: [[0, 100], [200, n]], ValueError, "does not cut"),
+    (lambda n: [[0, n], [0, n]], ValueError, "does not cut"),
+    (lambda n: [[n, 0]], ValueError, "does not cut"),
+    (lambda n: [[0, 100], [100, n]], checkpoint.StateFileError,  # a valid map, but each file holds [0, n)
+     r"rank0_of_2.hzo holds elements \[0, \d+\) of the flat state, but the checkpoint's map says \[0, 100\)"),
+])
+def test_a_partition_map_that_does_not_match_its_files_is_refused(tmp_path, partition, error, message):
+    """meta.json's partition used to be trusted: a gap, an overlap or a shift loaded part of the
+    state (the rest kept the fresh engine's values), or read it from the wrong offsets, silently."""
+    model, opt, path = _saved(tmp_path / "one")
+    n = opt.numel
+    ranges = partition(n)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for r in range(len(ranges)):
+        (damaged / f"rank{r}_of_{len(ranges)}.hzo").write_bytes(open(path, "rb").read())
+    (damaged / "meta.json").write_text(json.dumps({
+        "format": "hf_zero_offload.sharded-meta/1", "world_size": len(ranges), "numel": n, "partition": ranges,
+        "files": [f"rank{r}_of_{len(ranges)}.hzo" for r in range(len(ranges))], "param_dtype": "float32",
+        "slots": opt.state_meta()["slots"]}))
+    fresh = _fresh(model)
+    with pytest.raises(error, match=message):
+        fresh.load_checkpoint(str(damaged))

@@ -49,11 +49,12 @@ def boolean(v: Any) -> bool:
     return v
 
 
-def integer(lo: int | None = None, what: str = "an integer") -> Callable[[Any], int]:
-    """Integers; integral floats such as ``2e8`` (DeepSpeed's spelling of sizes) become ints."""
+def integer(lo: int | None = None, what: str = "an integer", hi: int | None = None) -> Callable[[Any], int]:
+    """Integers (in [lo, hi]); integral floats such as ``2e8`` (DeepSpeed's spelling of sizes) become ints."""
 
     def check(v: Any) -> int:
-        if not _is_num(v) or (isinstance(v, float) and not v.is_integer()) or (lo is not None and v < lo):
+        if (not _is_num(v) or (isinstance(v, float) and not v.is_integer()) or (lo is not None and v < lo)
+                or (hi is not None and v > hi)):
             raise BadValue(what)
         return int(v)
 

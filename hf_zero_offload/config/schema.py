@@ -55,7 +55,8 @@ _STAGE3 = "it only applies to ZeRO stage 3, which hf_zero_offload does not imple
 FP16 = {
     "enabled": use(boolean, auto=True),
     "loss_scale": use(number(0, what="a number >= 0 (0 = dynamic)")),
-    "initial_scale_power": use(integer(0, "an integer >= 0")),
+    # 2**1023 is the largest power of two a float holds (the scale is a float)
+    "initial_scale_power": use(integer(0, "an integer in [0, 1023]", hi=1023)),
     "loss_scale_window": use(integer(1, "an integer >= 1")),
     "hysteresis": use(integer(1, "an integer >= 1")),
     "min_loss_scale": use(number(0, what="a number > 0", lo_open=True)),

@@ -55,16 +55,18 @@ def store_dtype(param_dtypes: set, gradient_accumulation_steps: int) -> torch.dt
 
 def write_grad(dst: torch.Tensor, src: torch.Tensor, *, first: bool, num_threads: int | None = None) -> None:
     """The one writer into a host gradient store (both engines): an fp32 store sums the micro-batches
-    of a step (the first overwrites), a 16-bit store holds one gradient per step."""
+    of a step (the first overwrites), a 16-bit store holds one micro-batch's gradient per step.
+
+    A parameter's gradient can still arrive in pieces within one backward: a layer shared by several
+    reentrant-checkpointed segments gets one accumulation per segment (the hook fires each time). A 16-bit
+    store sums those pieces in its own dtype, as autograd sums them into a 16-bit ``.grad`` (and as the
+    sharded engine's device store does)."""
     if dst.dtype == torch.float32:
         ops.accumulate_grad(dst, src, overwrite=first, num_threads=num_threads)
-    elif not first:
-        raise RuntimeError(
-            "a parameter received a second gradient before step(): with gradient_accumulation_steps=1 "
-            "the engine keeps one 16-bit gradient per step; set gradient_accumulation_steps to the "
-            "number of backward passes per step")
-    else:
+    elif first:
         dst.copy_(src)
+    else:
+        dst.add_(src)
 
 
 def plan_host_memory(numel: int, *, param_dtype: torch.dtype, grad_dtype: torch.dtype | None = None,

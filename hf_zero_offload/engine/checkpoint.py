@@ -95,6 +95,10 @@ def atomic_path(path: str):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None:  # a failed write (a full disk) names no file: say which one
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

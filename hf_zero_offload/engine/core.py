@@ -37,6 +37,7 @@ from .streams import Streams, make_streams
 
 class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
+    _grads_from_backward = True   # gradients come from backward hooks, not from .grad at step()
     offload: bool = True          # optimizer state and step on the CPU
     world_size, rank = 1, 0
 
@@ -44,6 +45,7 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
                  param_dtype: torch.dtype | None, options: OffloadOptions, streams: Streams | None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
+        self._layout_fixed = True  # from here on add_param_group refuses (see there)
         self._check_hyper()
         self.options = options
         self.scaler = LossScaler.from_options(options.fp16)
@@ -69,6 +71,41 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
         self._torch_adam = False     # Adam with torch's fused kernel on the device (ZeRO without offload)
         self.uploader = None         # a ParamUploader when updated tiles go up through staging
         self.mirror = None           # the slice in the training dtype, kept equal to the masters' rounding
+
+    def add_param_group(self, param_group: dict) -> None:
+        # torch's __init__ adds the groups through here; once built, the flat layout, the arena and
+        # the gradient hooks are fixed, and a group added later would silently never be stepped
+        if getattr(self, "_layout_fixed", False):
+            raise RuntimeError(f"{type(self).__name__}.add_param_group: the engine's flat layout of parameters is "
+                               "fixed when it is built; build a new engine with every param group")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's meaning: the gradients of this step so far are dropped, those already
+        handed to the engine during backward included, so a ``step()`` right after updates nothing."""
+        super().zero_grad(set_to_none)
+        self._drain_window()  # no copy still in flight may land in the window started next
+        self._prepared = None
+        self._begin_window()
+
+    def _stray_grad(self) -> str | None:
+        """A ``.grad`` this engine would not use, where torch.optim would step its param: on a param
+        frozen when the engine was built (it has no state), or, for an engine that takes gradients
+        from backward (which frees each ``.grad`` as it leaves), one assigned outside backward."""
+        name, trainable = type(self).__name__, {id(p) for p, _, _ in self._flat}
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if id(p) not in trainable:
+                    return (f"{name} param group {i}: a {tuple(p.shape)} param has a .grad but was frozen "
+                            "(requires_grad=False) when the engine was built, so it has no optimizer state and "
+                            "would never be updated; build the engine after unfreezing it")
+                if self._grads_from_backward:
+                    return (f"{name} param group {i}: a {tuple(p.shape)} param has a .grad that did not come "
+                            "from backward(): the engine takes each gradient as backward produces it (and frees "
+                            ".grad), so one assigned by hand would be ignored")
+        return None
 
     # -- set up by the subclass once the arena exists ------------------------------------------
     def _bind_state(self, regions: dict, lo: int, hi: int) -> None:
@@ -150,6 +187,9 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
 
     def _prepare(self) -> tuple[float, list[bool]]:
         if self._prepared is None:
+            stray = self._stray_grad() if self.world_size == 1 else None  # (ranks: see ShardedAdam)
+            if stray is not None:
+                raise ValueError(stray)
             self._prepared = self._gradients()
         return self._prepared
 

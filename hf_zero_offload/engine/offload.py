@@ -79,6 +79,9 @@ class OffloadAdam(AdamCore):
     def _begin_window(self) -> None:
         self.pipeline.new_window(self.store)
 
+    def _drain_window(self) -> None:
+        self.pipeline.drain()
+
     def _after_update(self) -> None:
         """The tiles went up during the Adam pass."""
 

@@ -5,8 +5,25 @@ an optimizer; nothing here imports torch.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
+
+
+def _check_fields(options, rules: dict) -> None:
+    """Each field named in ``rules`` (name -> (smallest value, whether None is allowed)) an int (a
+    number for max_grad_norm) >= its bound: a nonsense value (0 micro-batches, a nan clipping norm)
+    would otherwise pass, clamped or read as "off", and train differently than asked."""
+    for name, (lo, none_ok) in rules.items():
+        v = getattr(options, name)
+        if v is None and none_ok:
+            continue
+        kind = numbers.Real if isinstance(lo, float) else numbers.Integral
+        if isinstance(v, bool) or not isinstance(v, kind) or not (math.isfinite(v) and v >= lo):
+            what = "a finite number" if kind is numbers.Real else "an int"
+            raise ValueError(f"{type(options).__name__}.{name} must be {what} >= {lo:g}"
+                             f"{' or None' if none_ok else ''}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -24,6 +41,11 @@ class OffloadOptions:
     num_threads: int | None = None
     scatter_thread: bool | None = None      # gradient scatter on a helper thread (default: on CUDA)
     state_dtype: str = "fp32"               # Adam moments: "fp32" (exact AdamW), "bf16" or "int8" (blockwise)
+
+    def __post_init__(self):
+        _check_fields(self, {"gradient_accumulation_steps": (1, False), "max_grad_norm": (0.0, False),
+                             "bucket_numel": (1, False), "tile_numel": (1, False), "dpu_warmup_steps": (0, False),
+                             "num_threads": (1, True)})
 
     @property
     def shard_align(self) -> int:
@@ -43,3 +65,6 @@ class ShardOptions:
     offload: bool = True                    # optimizer state and step on the CPU
     allgather_bucket_numel: int = 200_000_000
     reduce_scatter: bool = True             # False: always reduce each owner's piece to it
+
+    def __post_init__(self):
+        _check_fields(self, {"allgather_bucket_numel": (1, False)})

@@ -38,6 +38,9 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
 def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, first: torch.nn.Parameter) -> torch.dtype:
     """The dtype the device params train in: as asked, else fp16 with loss scaling, else the params' own."""
     dtype = param_dtype or (torch.float16 if fp16_on else first.dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"the parameters train in float32, bfloat16 or float16; got {dtype} (the first trainable "
+                         f"param, shape {tuple(first.shape)}, or param_dtype): cast the model or pass param_dtype")
     if fp16_on and dtype != torch.float16:
         raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {dtype}")
     return dtype

@@ -65,6 +65,9 @@ class SavedState:
         """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size).
         Every field and tensor is checked before the first write: a refused state changes nothing."""
         where = "state dict"
+        if not isinstance(state, dict):
+            raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() returns, "
+                            f"got {type(state).__name__}")
         self._check_saved(state, where)
         if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
             raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "

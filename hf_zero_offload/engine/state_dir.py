@@ -38,6 +38,8 @@ def write_json_atomic(path: str, obj) -> None:
 
 
 def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, *, barrier, partition: list) -> None:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"optimizer checkpoint directory {directory} is a file")
     os.makedirs(directory, exist_ok=True)
     checkpoint.write_state(checkpoint.rank_file(directory, rank, world_size), meta, tensors)
     if world_size == 1:
@@ -66,6 +68,7 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
                              "checkpoint") from None
         if m.get("format") != META_FORMAT:
             raise ValueError(f"{meta_path} is not an hf_zero_offload sharded checkpoint map")
+        _check_partition(ranges, w, m.get("numel"), meta_path)
         srcs = [(checkpoint.rank_file(directory, r, w), a, b) for r, (a, b) in enumerate(ranges)]
         state, _, _ = checkpoint.read_header(srcs[0][0])
         return srcs, state
@@ -78,6 +81,20 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
         raise ValueError(f"{directory} holds {partial} but no {META_FILE}: the checkpoint is incomplete "
                          "(a save was interrupted); use the previous checkpoint")
     raise FileNotFoundError(f"no hf_zero_offload optimizer checkpoint in {directory}")
+
+
+def _check_partition(ranges, world_size, numel, where: str) -> None:
+    """The saved ranks' ranges tile [0, numel) in rank order: a gap, an overlap or a shift would
+    leave part of the state as it was, or read it from the wrong offsets, without a word."""
+    ok = (_count(world_size) and world_size >= 1 and _count(numel) and isinstance(ranges, list)
+          and len(ranges) == world_size and all(isinstance(r, list) and len(r) == 2 and all(map(_count, r))
+                                                for r in ranges))
+    if ok:
+        ends = [0] + [b for _, b in ranges]
+        ok = all(a == ends[i] and a <= b for i, (a, b) in enumerate(ranges)) and ends[-1] == numel
+    if not ok:
+        raise ValueError(f"{where} is damaged: its partition {reprlib.repr(ranges)} does not cut [0, {numel}) into "
+                         f"{reprlib.repr(world_size)} consecutive ranks' ranges; resume from an earlier checkpoint")
 
 
 def check_model(meta: dict, numel: int, slots: list) -> None:
@@ -153,6 +170,12 @@ def read_range(srcs: list[tuple[str, int, int]], lo: int, dst: dict) -> None:
     for path, a0, b0 in srcs:
         a, b = max(lo, a0), min(hi, b0)
         if b > a:
+            saved = checkpoint.read_header(path)[0]  # the range this file says it holds (any format)
+            held = (saved.get("shard_start", 0), saved.get("shard_end", saved.get("numel")))
+            if held != (a0, b0):
+                raise StateFileError(f"{path} holds elements [{held[0]}, {held[1]}) of the flat state, but the "
+                                     f"checkpoint's map says [{a0}, {b0}); the directory mixes files of different "
+                                     "checkpoints or is damaged")
             views, start = {}, {}
             for k, v in dst.items():
                 if k.endswith("_scale"):  # int8 scales, one per block: saved slices start on a block

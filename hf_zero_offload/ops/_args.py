@@ -11,8 +11,8 @@ _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 def _threads(num_threads: int | None) -> int:
     if num_threads is None:
         return max(1, torch.get_num_threads())
-    if not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or not 1 <= num_threads < 2**31:
+        raise ValueError(f"num_threads must be a positive int (< 2**31), got {num_threads!r}")
     return num_threads
 
 

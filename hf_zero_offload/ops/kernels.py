@@ -62,9 +62,22 @@ def adam_step(
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(f"step must be an int (1-based count after this update), got {type(step).__name__}")
     step = int(step)
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (the 1-based count after this update), got {step}")
+    if not 1 <= step < 2**63:
+        raise ValueError(f"step must be in [1, 2**63) (the 1-based count after this update), got {step}")
     check_hyperparameters(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    # A negative scale would ascend the gradient. nan passes, as NaN gradients do: the engines'
+    # clipping coefficient of a non-finite norm is nan, so the NaNs reach the params as with torch.
+    if not (type(grad_scale) is float or (isinstance(grad_scale, numbers.Real) and not isinstance(grad_scale, bool))
+            ) or grad_scale < 0.0:
+        raise ValueError(f"grad_scale must be a number >= 0, got {grad_scale!r}")
+    # The kernel's threads read and write these arrays in chunks: two that share memory (exp_avg
+    # passed as exp_avg_sq, a grad overlapping its param) would give thread-order-dependent values.
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in (
+        ("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("param_out", param_out),
+        ("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)) if t is not None and t.numel())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{a} and {b} share memory: each array adam_step reads or writes must be its own")
     if kind == "int8":
         check_scales(exp_avg_scale, exp_avg_sq_scale)
     if compact_math and kind != "fp32":
@@ -142,6 +155,8 @@ def accumulate_grad(
     """``acc = (0 if overwrite else acc) + grad * scale`` with ``acc`` fp32 and ``grad`` fp32/bf16/fp16."""
     _check("acc", acc, (torch.float32,))
     _check("grad", grad, _HALF_OR_FLOAT, acc.numel(), written=False)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a number, got {scale!r}")
     if acc.numel() == 0:
         return
     _C.accumulate(acc.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], float(scale), bool(overwrite),

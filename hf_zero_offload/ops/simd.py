@@ -34,4 +34,6 @@ def available_simd_levels() -> list[str]:
 
 def set_simd_level(level: str) -> None:
     """Force an instruction set (tests and benchmarks). Raises ValueError if the CPU lacks it."""
-    _C.set_level(level)
+    if not isinstance(level, str):
+        raise TypeError(f"level must be a str (one of {', '.join(available_simd_levels())}), got {level!r}")
+    _C.set_level(level.strip().lower())  # as HF_ZERO_OFFLOAD_SIMD is read

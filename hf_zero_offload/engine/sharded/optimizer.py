@@ -206,14 +206,28 @@ class ShardedAdam(AdamCore):
         else:
             sq = torch.linalg.vector_norm(real, dtype=torch.float64).square().reshape(1)
         counts = torch.tensor(self.reducer.received, dtype=torch.float64)
-        stats = torch.cat([sq.to(self.device), counts.to(self.device)])
+        # last: ranks holding a .grad the engine would ignore (core._stray_grad), so that every rank
+        # raises after this collective rather than one rank alone before it (the others would hang)
+        stray = self._stray_grad() if self.world_size > 1 else None
+        stats = torch.cat([sq.to(self.device), counts.to(self.device),
+                           torch.tensor([float(stray is not None)], dtype=torch.float64, device=self.device)])
         if self.world_size > 1:
             dist.all_reduce(stats, group=self.process_group)
-        return stats.tolist()
+        if stats[-1] > 0:
+            raise ValueError(stray or f"{type(self).__name__}: another rank holds a .grad the engine would ignore "
+                             "(see its error)")
+        return stats[:-1].tolist()
 
     def _begin_window(self) -> None:
         self.reducer.store = self.store
         self.reducer.new_window()
+
+    def _drain_window(self) -> None:
+        self.reducer.drain()
+
+    @property
+    def _grads_from_backward(self) -> bool:
+        return self.stage == 2  # stages 0 and 1 read .grad at step()
 
     def _after_update(self) -> None:
         self._gather(self._gather_source())

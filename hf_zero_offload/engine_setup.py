@@ -1,0 +1,58 @@
+"""A resolved TrainingConfig as an engine: its typed options, the training dtype, the engine for the world
+size, and the one line the Trainer logs at its start. No transformers here (the Trainer passes its values)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .config import TrainingConfig
+from .engine import OffloadOptions, ShardOptions, factory
+
+
+def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
+    """The resolved config as the engine's typed options."""
+    z = cfg.zero
+    options = OffloadOptions(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.gradient_clipping,
+        fp16=cfg.fp16 if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
+        dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps,
+        state_dtype=z.state_dtype)
+    shard = ShardOptions(stage=z.stage, offload=z.offload, allgather_bucket_numel=z.allgather_bucket_size,
+                         reduce_scatter=z.reduce_scatter)
+    return options, shard
+
+
+def training_dtype(cfg: TrainingConfig) -> torch.dtype:
+    return torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def build_engine(param_groups: list[dict], cfg: TrainingConfig, args):
+    """The engine for this config and world size (the optimizer the Trainer will drive). ``args``: the
+    TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, world_size, sharded_ddp are read)."""
+    opt = cfg.optimizer
+    hyper = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, adamw_mode=opt.adam_w_mode) if opt else dict(
+        lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, adamw_mode=True)
+    if opt is not None:  # the config's weight decay replaces the Trainer's for the decayed group
+        param_groups = [{**g, "weight_decay": opt.weight_decay if g["weight_decay"] else 0.0} for g in param_groups]
+    options, shard = engine_options(cfg)
+    return factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
+                                param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
+
+
+def _bytes(n: int) -> str:
+    """A size for the start line: a small model's few MiB must not read as 0.00GiB (as if nothing were reserved)."""
+    return f"{n / 2**30:.2f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
+
+
+def start_line(cfg: TrainingConfig, eng, world_size: int, device) -> str:
+    """What the run is: config, ranks, backend, engine, moments, SIMD level, reserved host memory, streams."""
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+    arena = getattr(eng, "arena", None)
+    return (f"hf_zero_offload: config={cfg.source} ranks={world_size} backend={backend} device={device} "
+            f"dtype={str(training_dtype(cfg)).replace('torch.', '')} engine={type(eng).__name__} "
+            f"stage={getattr(eng, 'stage', '-')} offload={getattr(eng, 'offload', True)} "
+            f"dpu={cfg.zero.delayed_param_update.enabled} "
+            f"moments={getattr(getattr(eng, 'moments', None), 'state_dtype', '-')} simd={ops.simd_level()} "
+            f"threads={torch.get_num_threads()} host_reserved={_bytes(getattr(arena, 'nbytes', 0))} "
+            f"pinned={getattr(arena, 'pinned', False)} params={eng.numel} streams={eng.streams.kind}")

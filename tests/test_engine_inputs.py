@@ -1,0 +1,134 @@
+"""The engines against inputs a torch.optim user (or test suite) hands any optimizer: options out of
+range, float64 params, groups added later, gradients that did not come from backward, zero_grad()
+between backward and step, state dicts and directories of the wrong kind. Each is refused by name
+before anything changes, or behaves as torch.optim does."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _models import TinyNet, batches, loss_fn, param_groups
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, ShardOptions
+
+
+KINDS = {"offload": (OffloadAdam, {}), "zero2": (ShardedAdam, {"stage": 2, "offload": False}),
+         "zero0": (ShardedAdam, {"stage": 0, "offload": False})}
+
+
+def _engine(kind="offload", groups=param_groups):
+    torch.manual_seed(0)
+    model = TinyNet()
+    cls, extra = KINDS[kind]
+    return model, cls(groups(model, 0.01), lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+
+
+def _backward(model, k=0):
+    ids, labels, use_branch = batches(k + 1)[k]
+    loss_fn(model, ids, labels, use_branch).backward()
+
+
+@pytest.mark.parametrize("field,value", [("gradient_accumulation_steps", 0), ("max_grad_norm", float("nan")),
+                                         ("max_grad_norm", -1.0), ("bucket_numel", 0), ("tile_numel", -1),
+                                         ("dpu_warmup_steps", -1), ("num_threads", 0), ("bucket_numel", 2.5)])
+def test_options_out_of_range_are_refused_by_name(field, value):
+    """They used to be clamped or read as "off" (a nan clipping norm: no clipping) without a word."""
+    with pytest.raises(ValueError, match=f"OffloadOptions.{field} must be"):
+        OffloadOptions(**{field: value})
+    with pytest.raises(ValueError, match="ShardOptions.allgather_bucket_numel must be an int >= 1, got 0"):
+        ShardOptions(allgather_bucket_numel=0)
+
+
+def test_float64_params_are_refused_when_the_engine_is_built():
+    """Not at the first step with a message about some gradient's dtype."""
+    with pytest.raises(ValueError, match=r"train in float32, bfloat16 or float16; got torch.float64"):
+        OffloadAdam(torch.nn.Linear(3, 4).double().parameters(), options=OffloadOptions(num_threads=1))
+
+
+@pytest.mark.parametrize("kind", ["offload", "zero0"])
+def test_add_param_group_after_construction_is_refused(kind):
+    """The flat layout is fixed at construction: a group added later used to be accepted and never
+    stepped."""
+    model, engine = _engine(kind)
+    extra = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(RuntimeError, match="add_param_group: the engine's flat layout"):
+        engine.add_param_group({"params": [extra]})
+    assert len(engine.param_groups) == 2
+    engine.close()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_grad_the_engine_would_ignore_is_refused_before_the_step(kind):
+    """A param frozen when the engine was built then unfrozen (gradual unfreezing), or (an engine
+    that takes gradients from backward) a .grad assigned by hand: torch.optim would step these
+    params; the engine used to skip them silently."""
+    model, engine = _engine(kind, lambda m, wd: m.parameters())  # the frozen layer's params included
+    frozen = model.frozen.weight
+    frozen.requires_grad_(True)
+    _backward(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"a \(24, 24\) param has a .grad but was frozen"):
+        engine.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and engine.global_steps == 0
+    frozen.grad = None
+    engine.step()  # the gradients of that backward are still there
+    assert not torch.equal(model.body[0].weight, before[3]) and torch.equal(frozen, before[1])
+    model.body[0].weight.grad = torch.ones_like(model.body[0].weight)
+    if kind != "zero0":
+        with pytest.raises(ValueError, match=r"a \(48, 24\) param has a .grad that did not come from backward"):
+            engine.step()
+    else:  # stage 0 and 1 take the gradients from .grad at step(): used as torch.optim would
+        engine.step()
+    engine.close()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_zero_grad_between_backward_and_step_drops_the_gradients(kind):
+    """As torch.optim: the step after zero_grad() updates nothing; it used to apply the gradients
+    the engine had already taken from backward."""
+    model, engine = _engine(kind)
+    _backward(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.zero_grad()
+    engine.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    _backward(model, 1)  # and the next window works as usual
+    engine.step()
+    assert not torch.equal(model.body[0].weight, before[3])
+    engine.close()
+
+
+def test_a_state_dict_or_directory_of_the_wrong_kind(tmp_path):
+    model, engine = _engine()
+    with pytest.raises(TypeError, match="load_state_dict: expected the dict its state_dict"):
+        engine.load_state_dict(None)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError, match="afile is a file"):
+        engine.save_checkpoint(str(tmp_path / "afile"))
+    engine.close()
+
+
+def _stray_on_rank_0(rank, world_size):
+    torch.manual_seed(0)
+    model = TinyNet()
+    engine = ShardedAdam(param_groups(model, 0.01), stage=2, offload=True, lr=1e-2,
+                         options=OffloadOptions(num_threads=1))
+    _backward(model, rank)
+    if rank == 0:
+        model.norm.weight.grad = torch.ones_like(model.norm.weight)
+    try:
+        engine.step()
+    except ValueError as e:
+        return str(e)
+    finally:
+        engine.close()
+    return None
+
+
+def test_a_grad_ignored_on_one_rank_is_an_error_on_every_rank():
+    """Checked inside the step's one small collective: every rank raises after it (one rank raising
+    before it would leave the others waiting in it)."""
+    from _dist import run_distributed
+
+    errors = run_distributed(_stray_on_rank_0, world_size=2)
+    assert "a (24,) param has a .grad that did not come from backward" in errors[0]
+    assert "another rank holds a .grad the engine would ignore" in errors[1]
