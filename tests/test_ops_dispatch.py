@@ -202,6 +202,30 @@ def test_env_override_rejects_unknown_or_unsupported_level():
             assert "lacks" in r.stderr
 
 
+def test_a_bad_env_level_is_raised_by_kernel_calls_not_at_import():
+    """A command that runs no kernel works (hf-zero-offload configs); the first kernel call raises the
+    ValueError naming the variable, which the command lines report in one line; a level set in code
+    replaces it. Importing used to raise a RuntimeError traceback, so every command failed."""
+    code = (
+        "import torch\n"
+        "from hf_zero_offload import CPUAdam, ops\n"
+        "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
+        "for call in (ops.simd_level, lambda: CPUAdam([p]).step(), lambda: ops.grad_norm_sq(torch.ones(3))):\n"
+        "    try:\n"
+        "        call(); print('ran')\n"
+        "    except ValueError as e:\n"
+        "        print('refused', 'HF_ZERO_OFFLOAD_SIMD' in str(e), 'sse9' in str(e))\n"
+        "assert torch.equal(p.data, torch.ones(3))\n"
+        "ops.set_simd_level('scalar'); print(ops.simd_level())\n")
+    env = dict(os.environ, HF_ZERO_OFFLOAD_SIMD="sse9")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:4] == ["refused True True"] * 3 + ["scalar"]
+    r = subprocess.run([sys.executable, "-m", "hf_zero_offload.cli", "configs"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "zero2-offload" in r.stdout, r.stderr
+
+
 def test_unsupported_level_message():
     missing = [lvl for lvl in ("avx2", "avx512") if lvl not in LEVELS]
     if not missing:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from .simd import check_env_level
+
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _threads(num_threads: int | None) -> int:
+    """The thread count of a kernel call; every kernel call passes here, so it also refuses to run one
+    under a bad HF_ZERO_OFFLOAD_SIMD."""
+    check_env_level()
     if num_threads is None:
         return max(1, torch.get_num_threads())
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or not 1 <= num_threads < 2**31:
