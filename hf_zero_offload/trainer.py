@@ -99,8 +99,10 @@ class ZeroOffloadMixin:
         self._zo_dtype: torch.dtype | None = None  # the 16-bit training dtype once the model is cast
         self._zo_lock: RunLock | None = None
         if targs is not None and (getattr(targs, "zero_offload", None) is not None or getattr(targs, "sharded_ddp", False)):
-            raw = targs.zero_offload if targs.zero_offload is not None else {"zero_optimization": {"stage": 2}}
-            self._zo_raw = check(raw)  # validated once: fail fast on unknown keys, before any model work
+            if targs.zero_offload is not None:
+                self._zo_raw = check(targs.zero_offload)  # validated once: fail fast, before any model work
+            else:  # --sharded_ddp alone: ZeRO-2 without offload, named so in the start line
+                self._zo_raw = check({"zero_optimization": {"stage": 2}})._replace(source="--sharded_ddp (stage 2)")
             self._zo_precision = (bool(targs.fp16), bool(targs.bf16))
             # The whole config, resolved against the arguments, before any model work (values that depend
             # on a step count not known yet are checked again at train start).

@@ -260,3 +260,13 @@ def test_bf16_gradient_in_pieces_within_one_backward(tmp_path):
     ref(**batch)["loss"].backward()
     norm = torch.stack([p.grad.double().norm() for p in ref.parameters()]).norm().item()
     assert _logged(trainer, "grad_norm")[0] == pytest.approx(norm, rel=1e-6)
+
+
+def test_start_line_names_sharded_ddp_alone(tmp_path, caplog):
+    """--sharded_ddp without a ds_config logged config=<dict>: the start line now says what was asked for."""
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "s", sharded_ddp=True, max_steps=1),
+                                        train_dataset=ToyDataset())
+    with caplog.at_level("INFO", logger="hf_zero_offload"):
+        trainer.train()
+    start = [r.getMessage() for r in caplog.records if "hf_zero_offload: config=" in r.getMessage()]
+    assert len(start) == 1 and "config=--sharded_ddp (stage 2) " in start[0], start
