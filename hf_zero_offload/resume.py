@@ -180,10 +180,16 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
 
 
 def target(requested, output_dir: str) -> tuple[str, str, list[str]]:
-    """``resume_from_checkpoint`` -> (checkpoint, its status, warnings to log). ``True``: the newest complete
-    checkpoint of ``output_dir`` (transformers' get_last_checkpoint would take a half-written one); a path:
+    """``resume_from_checkpoint`` -> (checkpoint, its status, warnings to log). ``True`` (or the command line's
+    "true"/"last", unless a directory has that name): the newest complete checkpoint of ``output_dir``
+    (transformers' get_last_checkpoint would take a half-written one); a path:
     refused when incomplete, naming the checkpoint to use instead."""
     notes = []
+    if isinstance(requested, str) and requested.strip().lower() in ("true", "last") and not os.path.exists(requested):
+        # the command line gives a string: --resume_from_checkpoint true means what True means in code
+        notes.append(f"hf_zero_offload: --resume_from_checkpoint {requested}: the newest complete checkpoint "
+                     f"of {output_dir}")
+        requested = True
     if requested is True:
         requested, skipped = choose(output_dir)
         notes += [f"hf_zero_offload: skipping {c}: incomplete (no {MARKER}; its writer was stopped during the save); "

@@ -76,6 +76,17 @@ def test_resume_true_skips_a_half_written_checkpoint(full, tmp_path, caplog):
     assert any("skipping" in r.getMessage() and "checkpoint-4" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("word", ["true", "last"])
+def test_resume_true_as_the_command_line_writes_it(full, tmp_path, caplog, word):
+    """--resume_from_checkpoint true reaches train() as the string 'true': it was refused as 'not a directory'."""
+    out = _copy(full, tmp_path)
+    _cut_short(out / "checkpoint-4")
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=word)
+    assert _same(model, full[1])
+    assert any(f"--resume_from_checkpoint {word}: the newest complete" in r.getMessage() for r in caplog.records)
+
+
 def test_an_incomplete_checkpoint_is_refused_naming_the_intact_one(full, tmp_path):
     out = _copy(full, tmp_path)
     _cut_short(out / "checkpoint-4")
