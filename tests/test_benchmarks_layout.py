@@ -43,6 +43,17 @@ def test_offload_targets_each_have_a_verdict():
     assert f"[{NOT_MET}] offload + DPU step" in "\n".join(gpu) and f"[{MET}] offload step" in "\n".join(gpu)
 
 
+def test_a_missed_byte_target_shows_the_excess():
+    """A tiny model's 18.004 B/param printed as "18.00 B/param, target <= 18" beside NOT MET."""
+    from benchmarks._common import NOT_MET
+    from benchmarks.engine.offload_step import _fmt_targets
+
+    rows = [{"row": "(b) ours", "ms": 1.0, "ratio": 1.0, "opt_bpp": 18.004}]
+    line = next(ln for ln in _fmt_targets(rows, types.SimpleNamespace(cuda=False, dtype=torch.float32))
+                if "host optimizer memory" in ln)
+    assert line.startswith(f"[{NOT_MET}]") and "18.004 B/param" in line, line
+
+
 def test_compact_quality_targets_judge_only_above_the_noise_floor():
     from benchmarks._common import MET, NOT_HERE, NOT_MET
     from benchmarks.engine.compact_quality import target_lines
