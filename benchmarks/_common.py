@@ -205,6 +205,16 @@ def target_line(label: str, value: str, verdict: str, why: str = "") -> str:
     return f"[{verdict}] {label}: {value}" + (f" ({why})" if why else "")
 
 
+def beside(value: float, target: float, digits: int = 2) -> str:
+    """``value`` to ``digits`` decimals, or to as many more as it takes to differ from ``target``: a missed
+    target must not print as equal to it (a tiny model's 18.004 B/param read "18.00, target <= 18" next to
+    NOT MET)."""
+    for d in range(digits, digits + 5):
+        if value == target or f"{value:.{d}f}" != f"{target:.{d}f}":
+            return f"{value:.{d}f}"
+    return repr(value)
+
+
 def verdict(ok: bool) -> str:
     return MET if ok else NOT_MET
 

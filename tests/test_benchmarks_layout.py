@@ -52,6 +52,9 @@ def test_a_missed_byte_target_shows_the_excess():
     line = next(ln for ln in _fmt_targets(rows, types.SimpleNamespace(cuda=False, dtype=torch.float32))
                 if "host optimizer memory" in ln)
     assert line.startswith(f"[{NOT_MET}]") and "18.004 B/param" in line, line
+    from benchmarks._common import beside  # the kernel benchmark's target lines print through it too
+    assert (beside(1.0004, 1.0, 3), beside(0.8499, 0.85), beside(0.85, 0.85), beside(14.2857, 18)) == (
+        "1.0004", "0.8499", "0.85", "14.29")
 
 
 def test_compact_quality_targets_judge_only_above_the_noise_floor():

@@ -39,8 +39,8 @@ import traceback
 
 import torch
 
-from benchmarks._common import (NOT_HERE, hardware, hardware_line, print_table, target_line, verdict,  # noqa: E402
-                                write_json)
+from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, print_table, target_line,  # noqa: E402
+                                verdict, write_json)
 from benchmarks.engine.rows import DTYPES, ROWS, Ctx, Skip  # noqa: E402
 
 TARGETS = {"offload_ratio": 1.3, "dpu_ratio": 1.1, "host_bpp": 18.0, "device_state_bpp": 2.0, "pcie_bpp_16bit": 4}
@@ -67,15 +67,6 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _beside(value: float, target: float) -> str:
-    """``value`` to 2 decimals, or to as many as it takes to differ from ``target`` (a tiny model's 18.004 B/param
-    read "18.00, target <= 18" next to NOT MET)."""
-    for digits in range(2, 7):
-        if value == target or f"{value:.{digits}f}" != f"{target:.{digits}f}":
-            return f"{value:.{digits}f}"
-    return repr(value)
-
-
 def _fmt_targets(rows: list[dict], ctx: Ctx) -> list[str]:
     """One line per target: met / NOT MET / not meaningful here (with the reason)."""
     by = {r["row"][:3]: r for r in rows if r.get("ms") is not None}
@@ -90,12 +81,13 @@ def _fmt_targets(rows: list[dict], ctx: Ctx) -> list[str]:
         elif not ctx.cuda:
             lines.append(target_line(label, f"{row['ratio']:.2f}x, {target}", NOT_HERE, cpu_why))
         else:
-            lines.append(target_line(label, f"{row['ratio']:.2f}x, {target}", verdict(row["ratio"] <= TARGETS[key])))
+            lines.append(target_line(label, f"{beside(row['ratio'], TARGETS[key])}x, {target}",
+                                     verdict(row["ratio"] <= TARGETS[key])))
     if b is None:
         return lines + [target_line("host optimizer memory", f"target <= {TARGETS['host_bpp']:.0f} B/param", NOT_HERE,
                                     "row (b) not run")]
-    lines.append(target_line("host optimizer memory (no DPU)", f"{_beside(b['opt_bpp'], TARGETS['host_bpp'])} B/param, target <= "
-                             f"{TARGETS['host_bpp']:.0f}", verdict(b["opt_bpp"] <= TARGETS["host_bpp"])))
+    lines.append(target_line("host optimizer memory (no DPU)", f"{beside(b['opt_bpp'], TARGETS['host_bpp'])} B/param, "
+                             f"target <= {TARGETS['host_bpp']:.0f}", verdict(b["opt_bpp"] <= TARGETS["host_bpp"])))
     if c:
         lines.append(f"  (with DPU {c['opt_bpp']:.2f} B/param: a second gradient store and parameter staging)")
     if b.get("dev_state_bpp") is None or not ctx.cuda:
@@ -113,7 +105,8 @@ def _fmt_targets(rows: list[dict], ctx: Ctx) -> list[str]:
         lines.append(target_line("PCIe traffic per step", target, NOT_HERE,
                                  "the target is for 16-bit models; an fp32 model moves 4 + 4 B/param"))
     else:
-        lines.append(target_line("PCIe traffic per step", f"{b['pcie_bpp']:.1f} B/param, {target}",
+        lines.append(target_line("PCIe traffic per step",
+                                 f"{beside(b['pcie_bpp'], TARGETS['pcie_bpp_16bit'], 1)} B/param, {target}",
                                  verdict(b["pcie_bpp"] <= TARGETS["pcie_bpp_16bit"])))
     return lines
 
