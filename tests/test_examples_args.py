@@ -1,0 +1,183 @@
+"""examples/seq2seq/finetune_trainer.py's arguments: legacy flags, and every mistake a first-hour user makes
+refused in one line before any model work (the runs themselves: test_examples.py)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from _examples import CONFIGS, EX, ROOT, TINY, write_synth
+from _examples import common_args as _common_args
+
+pytest.importorskip("transformers")
+pytest.importorskip("sentencepiece")
+pytest.importorskip("sacrebleu")
+
+import finetune_trainer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def synth_dir(tmp_path_factory):
+    return write_synth(tmp_path_factory)
+
+
+def test_legacy_flags_are_mapped():
+    model_args, data_args, args = finetune_trainer.parse_args([
+        "--config_name", TINY, "--data_dir", "x", "--output_dir", "o", "--label_smoothing", "0.1",
+        "--adam_eps", "1e-6", "--evaluation_strategy", "no", "--sortish_sampler", "--freeze_embeds",
+        "--zero_offload", os.path.join(CONFIGS, "ds_config_1gpu.json"), "--use_cpu",
+    ])
+    assert data_args.label_smoothing == 0.1 and args.adam_epsilon == 1e-6 and args.eval_strategy == "no"
+    assert args.sortish_sampler and model_args.freeze_embeds and args.zero_offload.endswith("ds_config_1gpu.json")
+
+
+def test_freeze_embeds_and_encoder():
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+    import seq2seq_utils as su
+
+    model = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(TINY))
+    su.freeze_embeds(model)
+    assert not model.shared.weight.requires_grad
+    assert not model.encoder.embed_tokens.weight.requires_grad and not model.decoder.embed_tokens.weight.requires_grad
+    assert model.encoder.block[0].layer[0].SelfAttention.q.weight.requires_grad
+    su.freeze_encoder(model)
+    assert not any(p.requires_grad for p in model.encoder.parameters())
+    assert model.decoder.block[0].layer[0].SelfAttention.q.weight.requires_grad
+
+
+def test_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="config_name"):
+        finetune_trainer.main(["--data_dir", "x", "--output_dir", str(tmp_path / "o"), "--use_cpu"])
+    with pytest.raises(ValueError, match="data_dir"):
+        finetune_trainer.main(["--config_name", TINY, "--output_dir", str(tmp_path / "o"), "--use_cpu"])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ValueError, match="overwrite_output_dir"):
+        finetune_trainer.main(["--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path / "full"),
+                               "--do_train", "--use_cpu"])
+
+
+def _no_model_work(monkeypatch):
+    """Make the tokenizer, the model and the memory plan fail loudly if anything reaches them."""
+    def boom(*a, **k):
+        raise AssertionError("model work started before the config was checked")
+
+    monkeypatch.setattr(finetune_trainer, "train_t5_tokenizer", boom)
+    monkeypatch.setattr(finetune_trainer.AutoModelForSeq2SeqLM, "from_config", boom)
+    monkeypatch.setattr(finetune_trainer.AutoModelForSeq2SeqLM, "from_pretrained", boom)
+
+
+@pytest.mark.parametrize("config,extra,match", [
+    ({"zero_optimization": {"stage": 2, "ofload_optimizer": {"device": "cpu"}}}, [], "did you mean 'offload_optimizer'"),
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, ["--bf16"], "fp16.enabled=True vs --fp16 False"),
+    ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}, [], "per_device_train_batch_size 8"),
+    ("no-such-config", [], "no shipped ds_config named"),
+])
+def test_config_errors_come_before_any_model_work(tmp_path, synth_dir, monkeypatch, config, extra, match):
+    from hf_zero_offload.config import ConfigError
+
+    _no_model_work(monkeypatch)
+    path = config
+    if isinstance(config, dict):
+        path = str(tmp_path / "ds.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=match):
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train",
+                                                              "--zero_offload", path, *extra])
+    assert not out.exists() or not os.listdir(out)  # no tokenizer written
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="--deepspeed is then DeepSpeed's")
+def test_deepspeed_flag_without_the_package_points_at_zero_offload(tmp_path):
+    with pytest.raises(ValueError, match="--zero_offload ds_config.json takes the same file"):
+        finetune_trainer.main(["--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path / "o"),
+                               "--deepspeed", "ds_config.json"])
+
+
+def test_deepspeed_together_with_zero_offload_names_the_pair(tmp_path):
+    from hf_zero_offload.config import ConfigError
+
+    base = ["--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path / "o"), "--use_cpu"]
+    with pytest.raises(ConfigError, match="--deepspeed and --zero_offload both given"):
+        finetune_trainer.main(base + ["--deepspeed", "ds_config.json", "--zero_offload", "zero2-offload"])
+    with pytest.raises(ConfigError, match="--fsdp and --sharded_ddp both given"):
+        finetune_trainer.main(base + ["--sharded_ddp", "--fsdp", "full_shard"])
+
+
+def test_a_relative_model_config_path_run_from_elsewhere(tmp_path, synth_dir, monkeypatch):
+    _no_model_work(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # outside the clone: configs/models/... is not there
+    with pytest.raises(FileNotFoundError, match=r"--config_name configs/models/t5-tiny.json: no such file.*"
+                                                r"current directory.*did you mean .*configs/models/t5-tiny.json"):
+        finetune_trainer.main(_common_args(synth_dir, tmp_path / "o") + ["--config_name", "configs/models/t5-tiny.json",
+                                                                         "--do_train"])
+    with pytest.raises(FileNotFoundError, match="--tokenizer_name ./no/tok: no such file"):
+        finetune_trainer.main(_common_args(synth_dir, tmp_path / "o") + ["--config_name", TINY, "--tokenizer_name",
+                                                                         "./no/tok", "--do_train"])
+
+
+def test_a_hub_id_offline_points_at_the_clone_config(tmp_path, monkeypatch):
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(finetune_trainer.AutoConfig, "from_pretrained", offline)
+    with pytest.raises(OSError, match=r"couldn't connect.*--config_name .*configs/models/t5-3b.json builds a "
+                                      r"randomly initialised t5-3b"):
+        finetune_trainer.main(["--model_name_or_path", "t5-3b", "--data_dir", "x", "--output_dir",
+                               str(tmp_path / "o"), "--use_cpu"])
+
+
+def test_plot_curves_cli(tmp_path, capsys):
+    import plot_curves
+
+    with pytest.raises(SystemExit) as e:
+        plot_curves.main(["--help"])
+    assert e.value.code == 0 and "output_dir" in capsys.readouterr().out
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 3, "train_loss": 7.0}]}))
+    for folder, needle in ((tmp_path / "missing", "is not a directory"), (tmp_path, "holds no trainer_state.json"),
+                           (tmp_path / "run", "--logging_steps")):
+        with pytest.raises(SystemExit) as e:
+            plot_curves.main([str(folder)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("plot_curves.py: error: ") and needle in err, err
+
+
+def test_gradient_checkpointing_flag_is_mapped_without_a_deprecation_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _, _, targs = finetune_trainer.parse_args(["--output_dir", str(tmp_path), "--gradient_checkpointing",
+                                                   "--use_cpu"])
+    assert targs.activation_checkpointing and targs.gradient_checkpointing
+
+
+def test_script_errors_are_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text('{"zero_optimization": {"stage": 2, "ofload_optimizer": {"device": "cpu"}}}')
+    argv = [sys.executable, os.path.join(EX, "finetune_trainer.py"), "--config_name", TINY, "--data_dir", "x",
+            "--output_dir", str(tmp_path / "o"), "--use_cpu", "--do_train", "--zero_offload", str(bad)]
+    env = {**os.environ, "HF_ZERO_OFFLOAD_DEBUG": "0"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("finetune_trainer.py: error: ") and "ofload_optimizer" in errors[0]
+    r = subprocess.run(argv + ["--debug"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_dataset_name_without_datasets_is_a_clear_error(tmp_path):
+    try:
+        import datasets  # noqa: F401
+        pytest.skip("datasets is installed")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="--data_dir"):
+        finetune_trainer.main(["--config_name", TINY, "--dataset_name", "wmt16", "--dataset_config_name", "ro-en",
+                               "--src_lang", "en", "--tgt_lang", "ro", "--output_dir", str(tmp_path / "o"),
+                               "--do_train", "--use_cpu", "--report_to", "none"])
