@@ -20,7 +20,6 @@ from typing import Iterable
 import torch
 
 from . import ops
-from .ops._args import _threads
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -42,7 +41,7 @@ class CPUAdam(torch.optim.Optimizer):
         ops.check_state_dtype(state_dtype)
         self.num_threads = num_threads
         self._versions = {}  # 16-bit param -> its version counter after our last write (see _prepare_state)
-        _threads(num_threads)  # the kernels' check of num_threads, now rather than at the first step
+        ops.check_num_threads(num_threads)  # the kernels' check, now rather than at the first step
         self._state_dtype = state_dtype
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                         state_dtype=state_dtype)

@@ -10,6 +10,7 @@ silently (a hidden copy would make an in-place update disappear).
 """
 from __future__ import annotations
 
+from ._args import check_num_threads
 from .kernels import (accumulate_grad, adam_step, check_hyperparameters, grad_norm_sq, grad_norm_sq_and_finite,
                       stream_reference)
 from .moments import (INT8_CODES, QUANT_BLOCK, STATE_DTYPES, check_int8_codes, check_scales, check_state_dtype,
@@ -33,6 +34,7 @@ __all__ = [
     "dequantize_blockwise",
     "state_dtype_of",
     "check_hyperparameters",
+    "check_num_threads",
     "grad_norm_sq",
     "grad_norm_sq_and_finite",
     "accumulate_grad",

@@ -10,15 +10,20 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_num_threads(num_threads: int | None) -> None:
+    """A kernel call's ``num_threads``: None (torch's thread count) or an int in [1, 2**31). Public for
+    optimizers that take it at construction (CPUAdam), so a bad one is refused before the first step."""
+    check_env_level()
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or not 1 <= num_threads < 2**31):
+        raise ValueError(f"num_threads must be a positive int (< 2**31), got {num_threads!r}")
+
+
 def _threads(num_threads: int | None) -> int:
     """The thread count of a kernel call; every kernel call passes here, so it also refuses to run one
     under a bad HF_ZERO_OFFLOAD_SIMD."""
-    check_env_level()
-    if num_threads is None:
-        return max(1, torch.get_num_threads())
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or not 1 <= num_threads < 2**31:
-        raise ValueError(f"num_threads must be a positive int (< 2**31), got {num_threads!r}")
-    return num_threads
+    check_num_threads(num_threads)
+    return max(1, torch.get_num_threads()) if num_threads is None else num_threads
 
 
 def _check(name: str, t, dtypes: tuple[torch.dtype, ...], numel: int | None = None,
