@@ -28,8 +28,10 @@ zero_optimization.reduce_bucket_size           hidden_size * hidden_size (error 
 zero_optimization.allgather_bucket_size *      the resolved reduce_bucket_size
 =============================================  ================================================================
 
-Explicit values are compared with args (every key above except warmup_min_lr and the bucket sizes); all
-disagreements are reported in one ConfigError, one ``- key=value vs --arg value`` line each.
+Explicit values are compared with args (every key above except warmup_min_lr and the bucket sizes), and so is
+scheduler.type with --lr_scheduler_type (the block replaces the Trainer's schedule: WarmupLR goes with linear, the
+default, or constant_with_warmup; WarmupDecayLR with linear); all disagreements are reported in one one-line
+ConfigError, ``key=value vs --arg value`` each, separated by "; ".
 
 Missing keys. With ``args``, a missing key of the table above (except the bucket sizes) takes the same value as
 "auto", so TrainingArguments stay in charge unless the file says otherwise (e.g. gradient_clipping follows
