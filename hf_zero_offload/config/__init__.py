@@ -51,14 +51,14 @@ bf16.immediate_grad_update / check_grad_overflow, optimizer.params.torch_adam (a
 scheduler.params.last_batch_iteration, zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
 ignore_unused_parameters, use_multi_rank_bucket_allreduce, sub_group_size, memory_efficient_linear,
 [stage3_]gather_16bit_weights_on_model_save, stage3_gather_fp16_weights_on_model_save} (accelerate writes the
-last for every stage), offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
+last for every stage), every other stage-3 tuning key (stage3_* and DeepSpeed's aliases such as prefetch_bucket_size:
+a number, a boolean, null or "auto"; DeepSpeed ignores them below stage 3 too), offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
 fast_init}. Legacy spellings: "bfloat16" for "bf16", zero_optimization.cpu_offload (== offload_optimizer.device
 "cpu") and cpu_offload_use_pin_memory (== offload_optimizer.pin_memory).
 
 Unsupported DeepSpeed features are a ConfigError "not supported by hf_zero_offload: <why / what to use>" while they
 are switched on, and ignored while switched off (false/null/0, ``{"enabled": false}``, offload_param
-``{"device": "none"}``, ratio 1, gradient_predivide_factor 1...): ZeRO stage 3 and every other stage3_* key,
-offload_param, NVMe offload, optimizer types other than Adam/AdamW, schedulers other than WarmupLR/WarmupDecayLR,
+``{"device": "none"}``, ratio 1, gradient_predivide_factor 1...): ZeRO stage 3, offload_param, NVMe offload, optimizer types other than Adam/AdamW, schedulers other than WarmupLR/WarmupDecayLR,
 fp16.{consecutive_hysteresis, auto_cast, fp16_master_weights_and_grads}, amp, torch_autocast,
 activation_checkpointing, flops_profiler, tensorboard/wandb/csv_monitor/comet, elasticity, pipeline,
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation

@@ -152,6 +152,13 @@ def anything(v: Any) -> Any:
     return v
 
 
+def stage3_value(v: Any) -> Any:
+    """A ZeRO stage-3 tuning value (a bucket size, a threshold, a switch): a number, a boolean or null."""
+    if not (v is None or isinstance(v, bool) or _is_num(v)):
+        raise BadValue("a number, a boolean or null (a ZeRO stage-3 setting)")
+    return v
+
+
 def an_object(v: Any) -> dict:
     if not isinstance(v, dict):
         raise BadValue("an object")

@@ -22,7 +22,7 @@ import json
 from typing import Any, Callable
 
 from .checks import (BadValue, json_type, non_json, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, number,
-                     section, stage, str_or_null, unsupported, use)
+                     section, stage, stage3_value, str_or_null, unsupported, use)
 
 AUTO = "auto"
 
@@ -51,7 +51,11 @@ def _grad_accum_fp32(v: Any) -> bool:
 
 
 _REPORT_TO = "use TrainingArguments --report_to"
-_STAGE3 = "it only applies to ZeRO stage 3, which hf_zero_offload does not implement; remove it"
+
+# Stage-3 tuning keys (stage3_* and their DeepSpeed aliases) have no meaning at stages 0-2, where DeepSpeed ignores
+# them too: a stage-3 config switched to stage 2 runs as it does under DeepSpeed, and the start log names them.
+# Stage 3 itself is refused by "stage".
+STAGE3_KEY = Spec("ignore", stage3_value, True)
 
 FP16 = {
     "enabled": use(boolean, auto=True),
@@ -153,13 +157,10 @@ ZERO = {
     "mics_hierarchical_params_gather": unsupported("MiCS sharding is not implemented"),
     "zeropp_loco_param": unsupported("ZeRO++ LoCo gradient compression is not implemented",
                                      harmless=lambda v: v is None),
-    "log_trace_cache_warnings": unsupported(_STAGE3),
-    **{k: unsupported(_STAGE3) for k in ("prefetch_bucket_size", "param_persistence_threshold",
-                                          "model_persistence_threshold", "max_live_parameters",
-                                          "max_reuse_distance", "pipeline_loading_checkpoint",
-                                          "override_module_apply")},
+    **{k: STAGE3_KEY for k in ("log_trace_cache_warnings", "prefetch_bucket_size", "param_persistence_threshold",
+                               "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+                               "pipeline_loading_checkpoint", "override_module_apply")},
 }
-STAGE3_PREFIX = Spec("unsupported", harmless=lambda v: False, why=_STAGE3)
 
 TOP = {
     "train_batch_size": use(integer(1, "a positive integer"), auto=True),
@@ -265,7 +266,7 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
             raise _err(source, prefix + bad[0][1:], bad[1])
         spec = table.get(key)
         if spec is None and table is ZERO and key.startswith("stage3_"):
-            spec = STAGE3_PREFIX
+            spec = STAGE3_KEY
         if spec is None:
             raise _unknown(source, path, key, table)
         if spec.kind == "unsupported":
@@ -275,7 +276,10 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
             raise _err(source, path, f"{_show(value)} is not supported by hf_zero_offload: {spec.why}")
         if value == AUTO:
             if spec.auto:
-                out[key] = AUTO
+                if spec.kind == "use":
+                    out[key] = AUTO
+                elif ignored is not None:
+                    ignored.append(path)
                 continue
             raise _err(source, path, '"auto" is not accepted for this key (only for batch sizes, gradient_'
                        'clipping, optimizer/scheduler params, fp16/bf16.enabled and the bucket sizes)')
