@@ -100,6 +100,29 @@ def test_an_incomplete_checkpoint_is_refused_naming_the_intact_one(full, tmp_pat
     assert resume.status(str(out2 / "checkpoint-4")) == "incomplete"
 
 
+@pytest.mark.parametrize("what, match", [
+    ("run folder", r"full\S* is a run folder, not a checkpoint: it holds checkpoint-2, checkpoint-4 \(the newest "
+                   r"complete one is \S*checkpoint-4\); pass one of them, or resume_from_checkpoint=True"),
+    ("saved model", r"saved\S* holds a model \(config.json\) but no trainer_state.json.*from_pretrained"),
+    ("empty folder", r"empty\S* is not a Trainer checkpoint \(no trainer_state.json, model weights or optimizer"),
+    ("missing", r"nope\S* does not exist"),
+    ("file", r"trainer_state.json is a file, not a checkpoint directory"),
+], ids=["run-folder", "saved-model", "empty-folder", "missing", "file"])
+def test_a_path_that_is_no_checkpoint_says_what_it_is(full, tmp_path, what, match):
+    """transformers' test_can_resume_training_errors: a wrong resume_from_checkpoint is a clear error. The run folder
+    or an empty one were reported as 'incomplete ... its writer stopped during the save': the wrong diagnosis."""
+    out = full[0]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "saved").mkdir()
+    shutil.copy(out / "checkpoint-2" / "config.json", tmp_path / "saved")
+    target = {"run folder": out, "saved model": tmp_path / "saved", "empty folder": tmp_path / "empty",
+              "missing": tmp_path / "nope", "file": out / "checkpoint-2" / resume.TRAINER_STATE}[what]
+    _, trainer = _trainer(tmp_path / "x")
+    with pytest.raises(resume.NotACheckpoint, match=match):
+        trainer.train(resume_from_checkpoint=str(target))
+    assert trainer.state.global_step == 0
+
+
 def test_temp_files_of_killed_writers_are_removed_at_the_next_start(full, tmp_path, caplog):
     out = _copy(full, tmp_path)
     (out / "checkpoint-4" / "zero_offload" / "rank0_of_1.hzo.tmp.999999").write_bytes(b"torn")
