@@ -130,7 +130,32 @@ class SavedState:
 
     def load_checkpoint(self, directory: str) -> dict:
         """Load a checkpoint of any engine and world size: this slice's part of every saved file,
-        straight into the arena. Returns what was restored (format, world size saved, stage, ...)."""
+        straight into the arena. Returns what was restored (format, world size saved, stage, ...).
+
+        Every rank calls it; all of them succeed or all raise. A failure only one rank can see (a damaged
+        chunk of the file only it reads) used to leave its peers loaded and training on, to wait for the
+        failed rank in their next collective (gloo: "connection closed by peer"; NCCL: a hang until the
+        timeout): now each rank says which ranks failed, and keeps its own mix refused (``_load_failed``)."""
+        error = None
+        try:
+            restored = self._load_checkpoint(directory)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
+            error = e
+        failed = self._ranks_that_failed(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            self._load_failed = f"checkpoint {directory} (rank(s) {failed} failed to load their part)"
+            raise StateFileError(f"loading the optimizer state in {directory} failed on rank(s) {failed} (their "
+                                 "error names the file); this rank loaded its part, but the ranks no longer hold "
+                                 "one state: resume from an earlier checkpoint")
+        return restored
+
+    def _ranks_that_failed(self, failed: bool) -> list[int]:
+        """The ranks whose load failed (one process: this one, if it did). A collective for sharded engines."""
+        return [self.rank] if failed else []
+
+    def _load_checkpoint(self, directory: str) -> dict:
         srcs, meta = state_dir.sources(directory)
         self._check_saved(meta, directory)
         codes = self._saved_codes(meta, directory)
