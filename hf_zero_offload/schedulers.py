@@ -2,7 +2,10 @@
 
 Iteration 0 is the first optimizer step, as in DeepSpeed: with warmup_type "log" it runs at
 ``warmup_min_lr`` (log(1) = 0) and the LR reaches ``warmup_max_lr`` at ``warmup_num_steps``.
-WarmupDecayLR then decays linearly to 0 at ``total_num_steps``.
+WarmupDecayLR then decays linearly back to ``warmup_min_lr`` at ``total_num_steps`` (DeepSpeed's
+``min_lr + (max_lr - min_lr) * gamma`` in both phases; it decayed to 0 here, whatever ``warmup_min_lr``).
+Where this differs from DeepSpeed on purpose: ``warmup_num_steps`` 0 or 1 means no warm-up here (DeepSpeed
+raises it to 2, so the "auto" value of ``--warmup_steps 0`` would run its first step at ``warmup_min_lr``).
 """
 from __future__ import annotations
 
@@ -33,10 +36,7 @@ class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
         return max(0.0, (self.total - it) / max(1.0, self.total - self.warmup))
 
     def lr_at(self, it: int) -> float:
-        gamma = self._gamma(it)
-        if it >= self.warmup and self.total is not None:
-            return self.max_lr * gamma  # the decay phase scales the peak LR down to 0
-        return self.min_lr + (self.max_lr - self.min_lr) * gamma
+        return self.min_lr + (self.max_lr - self.min_lr) * self._gamma(it)
 
     def get_lr(self):
         return [self.lr_at(self.last_epoch) for _ in self.optimizer.param_groups]
