@@ -271,3 +271,37 @@ def test_a_partition_map_that_does_not_match_its_files_is_refused(tmp_path, part
     fresh = _fresh(model)
     with pytest.raises(error, match=message):
         fresh.load_checkpoint(str(damaged))
+
+
+FP16 = dict(enabled=True, loss_scale=0, initial_scale_power=8, loss_scale_window=2, hysteresis=2, min_loss_scale=1)
+
+
+@pytest.mark.parametrize("saved_fp16, now_fp16, want", [
+    (FP16, None, dict(enabled=False, scale=1.0)),                                  # fp16 -> bf16
+    (None, FP16, dict(enabled=True, dynamic=True, scale=256.0)),                   # bf16 -> fp16: its initial scale
+    (FP16, {**FP16, "loss_scale": 128}, dict(enabled=True, dynamic=False, scale=128.0)),  # -> a static scale
+    (FP16, {**FP16, "hysteresis": 1, "loss_scale_window": 50},                     # -> dynamic, other settings:
+     dict(enabled=True, dynamic=True, scale=1024.0, hysteresis=1, cur_hysteresis=1, scale_window=50)),
+], ids=["fp16-to-bf16", "bf16-to-fp16", "dynamic-to-static", "dynamic-to-other-dynamic"])
+def test_a_resumed_loss_scaler_keeps_this_runs_precision(saved_fp16, now_fp16, want):
+    """The saved loss scaler was loaded whole, configuration included: an fp16 run resumed from a bf16 state trained
+    with scaling off (scale 1, no overflow skips) and a bf16 run resumed from fp16 scaled its loss. The running
+    values carry over between two dynamic scalers only."""
+    def engine(model, fp16):
+        dtype = torch.float16 if fp16 else torch.bfloat16
+        opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=dtype, options=OffloadOptions(**SMALL, fp16=fp16))
+        return opt, model.to(dtype)
+
+    torch.manual_seed(0)
+    base = TinyNet()
+    opt, model = engine(copy.deepcopy(base), saved_fp16)
+    for ids, labels, use_branch in batches(4):  # fp16, window 2: 256 -> 512 -> 1024
+        opt.scale_loss(loss_fn(model, ids, labels, use_branch)).backward()
+        opt.step()
+        opt.zero_grad()
+    fresh, _ = engine(copy.deepcopy(base), now_fp16)
+    fresh.load_state_dict(opt.state_dict())
+    assert {k: getattr(fresh.scaler, k) for k in want} == want
+    assert fresh.scaler.cur_iter == 4 and fresh.global_steps == 4
+    for o in (opt, fresh):
+        o.close()

@@ -167,6 +167,18 @@ def test_missing_scheduler_file_is_a_warning_with_the_learning_rates(full, tmp_p
     assert "restarts from its first step (lr=0)" in msg and "the saved run was at lr=0.000333333" in msg
 
 
+def test_an_fp32_run_resumed_in_fp16_scales_its_loss(full, tmp_path, caplog):
+    """The checkpoint's loss scaler (off: saved by an fp32 run) replaced the fp16 config's: the resumed fp16 run
+    trained at scale 1 without overflow skips."""
+    out = _copy(full, tmp_path)
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    _, trainer = _trainer(out, seed=1, fp16=True, zero_offload={**OFFLOAD, "fp16": {"initial_scale_power": 10}})
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert [h["loss_scale"] for h in trainer.state.log_history if "loss_scale" in h] == [1024.0, 1024.0]
+    assert "the saved state ran without loss scaling; this run's config applies: dynamic loss scaling from 1024" \
+        in caplog.text
+
+
 def test_our_state_resumed_without_zero_offload_is_a_warning(full, tmp_path, caplog):
     out = _copy(full, tmp_path)
     _, trainer = _trainer(out, seed=1, zero_offload=None, optim="adamw_torch")

@@ -108,7 +108,12 @@ class SavedState:
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
-        self.scaler.load_state_dict(meta["loss_scaler"])
+        saved = meta["loss_scaler"]
+        if (saved.get("enabled"), saved.get("dynamic")) != (self.scaler.enabled, self.scaler.dynamic):
+            logger.info("hf_zero_offload: the saved state ran %s; this run's config applies: %s",
+                        "fp16 loss scaling" if saved.get("enabled") else "without loss scaling",
+                        self.scaler.describe())
+        self.scaler.load_state_dict(saved)
         self.global_steps = meta["global_steps"]
 
     def _finish_load(self, meta: dict) -> None:
