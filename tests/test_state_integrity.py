@@ -305,3 +305,24 @@ def test_a_resumed_loss_scaler_keeps_this_runs_precision(saved_fp16, now_fp16, w
     assert fresh.scaler.cur_iter == 4 and fresh.global_steps == 4
     for o in (opt, fresh):
         o.close()
+
+
+def test_a_resume_in_a_higher_precision_starts_from_the_masters(tmp_path):
+    """A bf16 run's checkpoint resumed in fp32: the model read from the checkpoint holds bf16-rounded weights, and
+    they stayed in the model until the first step published the masters (DeepSpeed's load_from_fp32_weights sets
+    them at load). Now the model holds the fp32 masters from the load on."""
+    torch.manual_seed(0)
+    base = TinyNet()
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=torch.bfloat16, options=OffloadOptions(**SMALL))
+    _train(model, opt, batches(3))
+    opt.save_checkpoint(str(tmp_path))
+    resumed = copy.deepcopy(model).float()  # what the Trainer does: the checkpoint's weights into the fp32 model
+    fresh = _fresh(resumed)
+    fresh.load_checkpoint(str(tmp_path))
+    for p, off, n in fresh._flat:
+        assert torch.equal(p.detach().reshape(-1), opt.master[off:off + n])
+    assert any(not torch.equal(p.detach().reshape(-1), opt.master[off:off + n].bfloat16().float())
+               for p, off, n in fresh._flat)  # the masters are not bf16 values: the check can fail
+    for o in (opt, fresh):
+        o.close()

@@ -117,16 +117,18 @@ class SavedState:
         self.global_steps = meta["global_steps"]
 
     def _finish_load(self, meta: dict) -> None:
-        """After the tensors are in place: rebuild what a checkpoint does not store. A DPU state's
-        masters are one step ahead of the saved parameters: with DPU on, the next step publishes
-        them (the schedule of an uninterrupted run); without, they are published now."""
+        """After the tensors are in place: rebuild what a checkpoint does not store, and set the model's
+        parameters from the masters (DeepSpeed's ``load_from_fp32_weights``): saved by a run of a lower
+        precision (bf16 -> fp32), the model read from the checkpoint holds rounded weights, and the first
+        resumed steps ran on those, not on the masters the optimizer goes on from. Same precision: the
+        same values. A DPU state's masters are one step ahead of the saved parameters: with DPU on, the
+        next step publishes them (the schedule of an uninterrupted run); without, they are published now."""
         self._sync_mirror()
         self.needs_publish, self._uploaded = False, None
-        if meta.get("needs_publish"):
-            if self.options.dpu:
-                self.needs_publish = True
-            else:
-                self._publish_masters()
+        if meta.get("needs_publish") and self.options.dpu:
+            self.needs_publish = True
+        else:
+            self._publish_masters()
 
     def save_checkpoint(self, directory: str) -> None:
         """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``)."""
@@ -141,11 +143,12 @@ class SavedState:
         chunk of the file only it reads) used to leave its peers loaded and training on, to wait for the
         failed rank in their next collective (gloo: "connection closed by peer"; NCCL: a hang until the
         timeout): now each rank says which ranks failed, and keeps its own mix refused (``_load_failed``)."""
-        error = None
+        error, meta, files = None, None, 0
         try:
-            restored = self._load_checkpoint(directory)
+            meta, files = self._read_checkpoint(directory)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
             error = e
+        # the agreement comes before _finish_load, whose publish is a collective a failed rank never joins
         failed = self._ranks_that_failed(error is not None)
         if error is not None:
             raise error
@@ -154,13 +157,17 @@ class SavedState:
             raise StateFileError(f"loading the optimizer state in {directory} failed on rank(s) {failed} (their "
                                  "error names the file); this rank loaded its part, but the ranks no longer hold "
                                  "one state: resume from an earlier checkpoint")
-        return restored
+        self._finish_load(meta)
+        self._load_failed = None
+        self.restored = state_dir.summary(meta, files)
+        return self.restored
 
     def _ranks_that_failed(self, failed: bool) -> list[int]:
         """The ranks whose load failed (one process: this one, if it did). A collective for sharded engines."""
         return [self.rank] if failed else []
 
-    def _load_checkpoint(self, directory: str) -> dict:
+    def _read_checkpoint(self, directory: str) -> tuple[dict, int]:
+        """This rank's part of the checkpoint into the state (no collective); (the saved meta, files)."""
         srcs, meta = state_dir.sources(directory)
         self._check_saved(meta, directory)
         codes = self._saved_codes(meta, directory)
@@ -170,10 +177,7 @@ class SavedState:
         self._apply_meta(meta)
         if self.hi > self.lo:
             self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
-        self._finish_load(meta)
-        self._load_failed = None
-        self.restored = state_dir.summary(meta, len(srcs))
-        return self.restored
+        return meta, len(srcs)
 
     @staticmethod
     def _saved_codes(meta: dict, where: str) -> int:
