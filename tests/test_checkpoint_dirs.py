@@ -14,18 +14,11 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from _models import TinyNet, batches, loss_fn, param_groups
-from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, checkpoint, state_dir  # noqa: F401
+from _models import TinyNet, batches, param_groups, run_steps
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, checkpoint, state_dir
 
 LR, WD = 1e-2, 0.01
 SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
-
-
-def _train(model, opt, data):
-    for ids, labels, use_branch in data:
-        loss_fn(model, ids, labels, use_branch).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _engine(model):
@@ -50,10 +43,10 @@ def saved(tmp_path_factory):
     torch.manual_seed(0)
     model = TinyNet()
     opt = _engine(model)
-    _train(model, opt, batches(3))
+    run_steps(model, opt, batches(3))
     _save_as_two_ranks(opt, root / "step3")
     state3 = {k: v.clone() for k, v in opt.state_tensors().items()}
-    _train(model, opt, batches(2, seed=1))
+    run_steps(model, opt, batches(2, seed=1))
     _save_as_two_ranks(opt, root / "step5")
     opt.close()
     return model, root, state3
@@ -108,7 +101,7 @@ def _damaged_peer_job(rank, world, directory):
     torch.manual_seed(0)
     model = TinyNet()
     opt = ShardedAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL), stage=2, offload=True)
-    _train(model, opt, batches(2, seed=10 + rank))
+    run_steps(model, opt, batches(2, seed=10 + rank))
     opt.save_checkpoint(directory)
     if rank == 1:
         path = checkpoint.rank_file(directory, 1, 2)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from _models import TinyNet, batches, loss_fn, param_groups
+from _models import TinyNet, batches, loss_fn, param_groups, run_steps
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
 from hf_zero_offload.engine import checkpoint
 
@@ -24,18 +24,11 @@ LR, WD = 1e-2, 0.01
 SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
 
 
-def _train(model, opt, data):
-    for ids, labels, use_branch in data:
-        loss_fn(model, ids, labels, use_branch).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def _saved(tmp_path, steps=3):
     torch.manual_seed(0)
     model = TinyNet()
     opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL))
-    _train(model, opt, batches(steps))
+    run_steps(model, opt, batches(steps))
     opt.save_checkpoint(str(tmp_path))
     return model, opt, checkpoint.rank_file(str(tmp_path), 0, 1)
 
@@ -139,16 +132,16 @@ def test_zero2_without_offload_resumes_into_offload_bit_for_bit(tmp_path):
     model = TinyNet()
     full = copy.deepcopy(model)
     z2 = ShardedAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL), stage=2, offload=False)
-    _train(model, z2, data[:3])
+    run_steps(model, z2, data[:3])
     z2.save_checkpoint(str(tmp_path))
     z2_full = ShardedAdam(param_groups(full, WD), lr=LR, options=OffloadOptions(**SMALL), stage=2, offload=False)
-    _train(full, z2_full, data)
+    run_steps(full, z2_full, data)
     resumed = copy.deepcopy(model)
     off = OffloadAdam(param_groups(resumed, WD), lr=LR, options=OffloadOptions(**SMALL))
     info = off.load_checkpoint(str(tmp_path))
     assert (info["stage"], info["offload"], info["world_size"], info["global_steps"]) == (2, False, 1, 3)
     assert torch.equal(off.master, z2.master[:z2.numel])
-    _train(resumed, off, data[3:])
+    run_steps(resumed, off, data[3:])
     for a, b in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
@@ -209,7 +202,7 @@ def test_a_foreign_state_dict_is_refused_before_any_write(case):
     model = TinyNet()
     opts = OffloadOptions(**{**SMALL, "state_dtype": "int8"})
     opt = OffloadAdam(param_groups(model, WD), lr=LR, options=opts)
-    _train(model, opt, batches(2))
+    run_steps(model, opt, batches(2))
     good = opt.state_dict()
     bad = copy.deepcopy(good)
     mutate(bad)
@@ -315,7 +308,7 @@ def test_a_resume_in_a_higher_precision_starts_from_the_masters(tmp_path):
     base = TinyNet()
     model = copy.deepcopy(base).to(torch.bfloat16)
     opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=torch.bfloat16, options=OffloadOptions(**SMALL))
-    _train(model, opt, batches(3))
+    run_steps(model, opt, batches(3))
     opt.save_checkpoint(str(tmp_path))
     resumed = copy.deepcopy(model).float()  # what the Trainer does: the checkpoint's weights into the fp32 model
     fresh = _fresh(resumed)
