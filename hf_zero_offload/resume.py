@@ -75,11 +75,53 @@ def newest_whole(folder: str, below: int | None = None) -> str | None:
     return None
 
 
+# What transformers writes into every checkpoint besides trainer_state.json: a directory holding none of these
+# (nor trainer_state.json, nor a marker) was never a checkpoint, as opposed to one whose writer was cut short.
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+            "adapter_model.safetensors", "adapter_model.bin")
+_PIECES = (*_WEIGHTS, "optimizer.pt", "optimizer.bin", "scheduler.pt", "rng_state.pth", "zero_offload")
+
+
+class NotACheckpoint(IncompleteCheckpoint):
+    """resume_from_checkpoint names something that is no Trainer checkpoint (a run folder, a saved model, an empty
+    or missing path): the message says what it is and what to pass instead."""
+
+
+def _not_a_checkpoint(path: str) -> str | None:
+    """Why ``path`` is not a Trainer checkpoint at all, or None when it is one (whole or cut short). A directory named
+    ``checkpoint-N`` is one even when empty: its writer may have been stopped before the first file."""
+    if not os.path.exists(path):
+        return f"resume_from_checkpoint: {path} does not exist"
+    if not os.path.isdir(path):
+        return f"resume_from_checkpoint: {path} is a file, not a checkpoint directory (checkpoint-N)"
+    if _step(path) is not None or status(path) != "incomplete":
+        return None
+    inside = checkpoints(path)
+    if inside:
+        whole = newest_whole(path)
+        use = f"the newest complete one is {whole}" if whole else "none of them is complete"
+        return (f"resume_from_checkpoint: {path} is a run folder, not a checkpoint: it holds "
+                f"{', '.join(os.path.basename(c) for c in inside)} ({use}); pass one of them, or "
+                f"resume_from_checkpoint=True with output_dir={path}")
+    held = set(os.listdir(path))
+    if held & set(_PIECES):
+        return None  # checkpoint files without trainer_state.json: cut short, whatever the folder is called
+    if held & {"config.json", "adapter_config.json"}:
+        return (f"resume_from_checkpoint: {path} holds a model (config.json) but no {TRAINER_STATE}, optimizer or "
+                "scheduler state: a saved model (save_model / save_pretrained), not a Trainer checkpoint. To start "
+                "a new run from these weights, load them with from_pretrained and train without "
+                "resume_from_checkpoint")
+    return (f"resume_from_checkpoint: {path} is not a Trainer checkpoint (no {TRAINER_STATE}, model weights or "
+            "optimizer state in it); pass a checkpoint-N folder of a run's output_dir")
+
+
 def check(checkpoint: str) -> tuple[str, dict | None]:
     """(status, marker) of a checkpoint about to be resumed; an incomplete one is an :class:`IncompleteCheckpoint`
-    that names the newest whole checkpoint beside it."""
-    if not os.path.isdir(checkpoint):
-        raise IncompleteCheckpoint(f"resume_from_checkpoint: {checkpoint} is not a directory")
+    that names the newest whole checkpoint beside it, and a path that is no checkpoint at all a
+    :class:`NotACheckpoint` saying what it is."""
+    wrong = _not_a_checkpoint(checkpoint)
+    if wrong is not None:
+        raise NotACheckpoint(wrong)
     state = status(checkpoint)
     if state != "incomplete":
         return state, read_marker(checkpoint)

@@ -1,9 +1,11 @@
 """DeepSpeed's WarmupLR / WarmupDecayLR as torch LR schedulers (the config's "scheduler" block).
 
 Iteration 0 is the first optimizer step, as in DeepSpeed: with warmup_type "log" it runs at
-``warmup_min_lr`` (log(1) = 0) and the LR reaches ``warmup_max_lr`` at ``warmup_num_steps`` (1: no warm-up).
-WarmupDecayLR then decays linearly back to ``warmup_min_lr`` at ``total_num_steps``: DeepSpeed's
-``min_lr + (max_lr - min_lr) * gamma`` in both phases.
+``warmup_min_lr`` (log(1) = 0) and the LR reaches ``warmup_max_lr`` at ``warmup_num_steps``.
+WarmupDecayLR then decays linearly back to ``warmup_min_lr`` at ``total_num_steps`` (DeepSpeed's
+``min_lr + (max_lr - min_lr) * gamma`` in both phases; it decayed to 0 here, whatever ``warmup_min_lr``).
+Where this differs from DeepSpeed on purpose: ``warmup_num_steps`` 0 or 1 means no warm-up here (DeepSpeed
+raises it to 2, so the "auto" value of ``--warmup_steps 0`` would run its first step at ``warmup_min_lr``).
 """
 from __future__ import annotations
 

@@ -45,6 +45,14 @@ def loss_fn(model: nn.Module, ids, labels, use_branch) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def run_steps(model: nn.Module, opt, data) -> None:
+    """One optimizer step per batch of ``data`` (``batches``), no accumulation, no loss scaling."""
+    for ids, labels, use_branch in data:
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def param_groups(model: nn.Module, weight_decay: float):
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]

@@ -41,3 +41,23 @@ def test_lr_of_every_step_is_deepspeeds(kind, lo, hi, warmup, total):
     assert seen == pytest.approx(want, rel=1e-12, abs=0.0)
     if total is not None:
         assert seen[total] == pytest.approx(lo, rel=1e-12, abs=1e-15)  # decays to warmup_min_lr, not to 0
+
+
+@pytest.mark.parametrize("total", [None, 9], ids=["WarmupLR", "WarmupDecayLR"])
+def test_schedule_resumes_from_its_state_dict(total):
+    """scheduler.pt: a new scheduler loaded from the saved state goes on where the first one was."""
+    params = {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 4, "warmup_type": "linear"}
+    block = {"type": "WarmupLR" if total is None else "WarmupDecayLR",
+             "params": params if total is None else {**params, "total_num_steps": total}}
+    cfg = resolve({"scheduler": block})
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = build_scheduler(opt, cfg.scheduler)
+    for _ in range(6):
+        opt.step()
+        sched.step()
+    again = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), cfg.scheduler)
+    again.load_state_dict(sched.state_dict())
+    assert again.get_last_lr() == sched.get_last_lr()
+    sched.step()
+    again.step()
+    assert again.get_last_lr() == sched.get_last_lr()

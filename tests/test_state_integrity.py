@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from _models import TinyNet, batches, loss_fn, param_groups
+from _models import TinyNet, batches, loss_fn, param_groups, run_steps
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
 from hf_zero_offload.engine import checkpoint
 
@@ -24,18 +24,11 @@ LR, WD = 1e-2, 0.01
 SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
 
 
-def _train(model, opt, data):
-    for ids, labels, use_branch in data:
-        loss_fn(model, ids, labels, use_branch).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def _saved(tmp_path, steps=3):
     torch.manual_seed(0)
     model = TinyNet()
     opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL))
-    _train(model, opt, batches(steps))
+    run_steps(model, opt, batches(steps))
     opt.save_checkpoint(str(tmp_path))
     return model, opt, checkpoint.rank_file(str(tmp_path), 0, 1)
 
@@ -139,16 +132,16 @@ def test_zero2_without_offload_resumes_into_offload_bit_for_bit(tmp_path):
     model = TinyNet()
     full = copy.deepcopy(model)
     z2 = ShardedAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL), stage=2, offload=False)
-    _train(model, z2, data[:3])
+    run_steps(model, z2, data[:3])
     z2.save_checkpoint(str(tmp_path))
     z2_full = ShardedAdam(param_groups(full, WD), lr=LR, options=OffloadOptions(**SMALL), stage=2, offload=False)
-    _train(full, z2_full, data)
+    run_steps(full, z2_full, data)
     resumed = copy.deepcopy(model)
     off = OffloadAdam(param_groups(resumed, WD), lr=LR, options=OffloadOptions(**SMALL))
     info = off.load_checkpoint(str(tmp_path))
     assert (info["stage"], info["offload"], info["world_size"], info["global_steps"]) == (2, False, 1, 3)
     assert torch.equal(off.master, z2.master[:z2.numel])
-    _train(resumed, off, data[3:])
+    run_steps(resumed, off, data[3:])
     for a, b in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
@@ -209,7 +202,7 @@ def test_a_foreign_state_dict_is_refused_before_any_write(case):
     model = TinyNet()
     opts = OffloadOptions(**{**SMALL, "state_dtype": "int8"})
     opt = OffloadAdam(param_groups(model, WD), lr=LR, options=opts)
-    _train(model, opt, batches(2))
+    run_steps(model, opt, batches(2))
     good = opt.state_dict()
     bad = copy.deepcopy(good)
     mutate(bad)
@@ -271,3 +264,58 @@ def test_a_partition_map_that_does_not_match_its_files_is_refused(tmp_path, part
     fresh = _fresh(model)
     with pytest.raises(error, match=message):
         fresh.load_checkpoint(str(damaged))
+
+
+FP16 = dict(enabled=True, loss_scale=0, initial_scale_power=8, loss_scale_window=2, hysteresis=2, min_loss_scale=1)
+
+
+@pytest.mark.parametrize("saved_fp16, now_fp16, want", [
+    (FP16, None, dict(enabled=False, scale=1.0)),                                  # fp16 -> bf16
+    (None, FP16, dict(enabled=True, dynamic=True, scale=256.0)),                   # bf16 -> fp16: its initial scale
+    (FP16, {**FP16, "loss_scale": 128}, dict(enabled=True, dynamic=False, scale=128.0)),  # -> a static scale
+    (FP16, {**FP16, "hysteresis": 1, "loss_scale_window": 50},                     # -> dynamic, other settings:
+     dict(enabled=True, dynamic=True, scale=1024.0, hysteresis=1, cur_hysteresis=1, scale_window=50)),
+], ids=["fp16-to-bf16", "bf16-to-fp16", "dynamic-to-static", "dynamic-to-other-dynamic"])
+def test_a_resumed_loss_scaler_keeps_this_runs_precision(saved_fp16, now_fp16, want):
+    """The saved loss scaler was loaded whole, configuration included: an fp16 run resumed from a bf16 state trained
+    with scaling off (scale 1, no overflow skips) and a bf16 run resumed from fp16 scaled its loss. The running
+    values carry over between two dynamic scalers only."""
+    def engine(model, fp16):
+        dtype = torch.float16 if fp16 else torch.bfloat16
+        opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=dtype, options=OffloadOptions(**SMALL, fp16=fp16))
+        return opt, model.to(dtype)
+
+    torch.manual_seed(0)
+    base = TinyNet()
+    opt, model = engine(copy.deepcopy(base), saved_fp16)
+    for ids, labels, use_branch in batches(4):  # fp16, window 2: 256 -> 512 -> 1024
+        opt.scale_loss(loss_fn(model, ids, labels, use_branch)).backward()
+        opt.step()
+        opt.zero_grad()
+    fresh, _ = engine(copy.deepcopy(base), now_fp16)
+    fresh.load_state_dict(opt.state_dict())
+    assert {k: getattr(fresh.scaler, k) for k in want} == want
+    assert fresh.scaler.cur_iter == 4 and fresh.global_steps == 4
+    for o in (opt, fresh):
+        o.close()
+
+
+def test_a_resume_in_a_higher_precision_starts_from_the_masters(tmp_path):
+    """A bf16 run's checkpoint resumed in fp32: the model read from the checkpoint holds bf16-rounded weights, and
+    they stayed in the model until the first step published the masters (DeepSpeed's load_from_fp32_weights sets
+    them at load). Now the model holds the fp32 masters from the load on."""
+    torch.manual_seed(0)
+    base = TinyNet()
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, param_dtype=torch.bfloat16, options=OffloadOptions(**SMALL))
+    run_steps(model, opt, batches(3))
+    opt.save_checkpoint(str(tmp_path))
+    resumed = copy.deepcopy(model).float()  # what the Trainer does: the checkpoint's weights into the fp32 model
+    fresh = _fresh(resumed)
+    fresh.load_checkpoint(str(tmp_path))
+    for p, off, n in fresh._flat:
+        assert torch.equal(p.detach().reshape(-1), opt.master[off:off + n])
+    assert any(not torch.equal(p.detach().reshape(-1), opt.master[off:off + n].bfloat16().float())
+               for p, off, n in fresh._flat)  # the masters are not bf16 values: the check can fail
+    for o in (opt, fresh):
+        o.close()

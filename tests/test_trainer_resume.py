@@ -100,6 +100,29 @@ def test_an_incomplete_checkpoint_is_refused_naming_the_intact_one(full, tmp_pat
     assert resume.status(str(out2 / "checkpoint-4")) == "incomplete"
 
 
+@pytest.mark.parametrize("what, match", [
+    ("run folder", r"full\S* is a run folder, not a checkpoint: it holds checkpoint-2, checkpoint-4 \(the newest "
+                   r"complete one is \S*checkpoint-4\); pass one of them, or resume_from_checkpoint=True"),
+    ("saved model", r"saved\S* holds a model \(config.json\) but no trainer_state.json.*from_pretrained"),
+    ("empty folder", r"empty\S* is not a Trainer checkpoint \(no trainer_state.json, model weights or optimizer"),
+    ("missing", r"nope\S* does not exist"),
+    ("file", r"trainer_state.json is a file, not a checkpoint directory"),
+], ids=["run-folder", "saved-model", "empty-folder", "missing", "file"])
+def test_a_path_that_is_no_checkpoint_says_what_it_is(full, tmp_path, what, match):
+    """transformers' test_can_resume_training_errors: a wrong resume_from_checkpoint is a clear error. The run folder
+    or an empty one were reported as 'incomplete ... its writer stopped during the save': the wrong diagnosis."""
+    out = full[0]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "saved").mkdir()
+    shutil.copy(out / "checkpoint-2" / "config.json", tmp_path / "saved")
+    target = {"run folder": out, "saved model": tmp_path / "saved", "empty folder": tmp_path / "empty",
+              "missing": tmp_path / "nope", "file": out / "checkpoint-2" / resume.TRAINER_STATE}[what]
+    _, trainer = _trainer(tmp_path / "x")
+    with pytest.raises(resume.NotACheckpoint, match=match):
+        trainer.train(resume_from_checkpoint=str(target))
+    assert trainer.state.global_step == 0
+
+
 def test_temp_files_of_killed_writers_are_removed_at_the_next_start(full, tmp_path, caplog):
     out = _copy(full, tmp_path)
     (out / "checkpoint-4" / "zero_offload" / "rank0_of_1.hzo.tmp.999999").write_bytes(b"torn")
@@ -142,6 +165,18 @@ def test_missing_scheduler_file_is_a_warning_with_the_learning_rates(full, tmp_p
     (msg,) = [r.getMessage() for r in caplog.records if "scheduler.pt" in r.getMessage()]
     # warm-up over 3 steps: the schedule restarts at lr 0 instead of continuing from step 2's lr
     assert "restarts from its first step (lr=0)" in msg and "the saved run was at lr=0.000333333" in msg
+
+
+def test_an_fp32_run_resumed_in_fp16_scales_its_loss(full, tmp_path, caplog):
+    """The checkpoint's loss scaler (off: saved by an fp32 run) replaced the fp16 config's: the resumed fp16 run
+    trained at scale 1 without overflow skips."""
+    out = _copy(full, tmp_path)
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    _, trainer = _trainer(out, seed=1, fp16=True, zero_offload={**OFFLOAD, "fp16": {"initial_scale_power": 10}})
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert [h["loss_scale"] for h in trainer.state.log_history if "loss_scale" in h] == [1024.0, 1024.0]
+    assert "the saved state ran without loss scaling; this run's config applies: dynamic loss scaling from 1024" \
+        in caplog.text
 
 
 def test_our_state_resumed_without_zero_offload_is_a_warning(full, tmp_path, caplog):

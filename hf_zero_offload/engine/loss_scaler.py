@@ -81,8 +81,25 @@ class LossScaler:
                 raise ValueError(f"loss scaler state: {key} must be {want}, got {value!r}")
 
     def load_state_dict(self, state: dict) -> None:
+        """Where a saved run's scaling stood, into this scaler as this run configured it. The configuration
+        (on or off, dynamic or static, window, hysteresis, minimum) stays this run's: loading it too made a
+        bf16 run resumed as fp16 train without loss scaling or overflow skips (the saved scaler was off), and
+        an fp16 run resumed as bf16 scale its loss and skip steps. The running values (scale, overflow
+        history) carry over between two dynamic scalers; a dynamic one resumed from anything else starts at
+        its initial scale. The step count always carries over."""
         self.check_state_dict(state)
-        self.__dict__.update(state)
+        self.cur_iter = int(state.get("cur_iter", self.cur_iter))
+        if not (self.dynamic and state.get("dynamic") and state.get("enabled")):
+            return
+        self.scale = max(float(state.get("scale", self.scale)), self.min_scale)
+        self.last_overflow_iter = int(state.get("last_overflow_iter", self.last_overflow_iter))
+        self.cur_hysteresis = max(1, min(int(state.get("cur_hysteresis", self.hysteresis)), self.hysteresis))
+
+    def describe(self) -> str:
+        """The configuration in a few words (for the log line of a resume that changes it)."""
+        if not self.enabled:
+            return "no loss scaling"
+        return f"dynamic loss scaling from {self.scale:g}" if self.dynamic else f"static loss scale {self.scale:g}"
 
 
 @dataclass

@@ -108,20 +108,27 @@ class SavedState:
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
-        self.scaler.load_state_dict(meta["loss_scaler"])
+        saved = meta["loss_scaler"]
+        if (saved.get("enabled"), saved.get("dynamic")) != (self.scaler.enabled, self.scaler.dynamic):
+            logger.info("hf_zero_offload: the saved state ran %s; this run's config applies: %s",
+                        "fp16 loss scaling" if saved.get("enabled") else "without loss scaling",
+                        self.scaler.describe())
+        self.scaler.load_state_dict(saved)
         self.global_steps = meta["global_steps"]
 
     def _finish_load(self, meta: dict) -> None:
-        """After the tensors are in place: rebuild what a checkpoint does not store. A DPU state's
-        masters are one step ahead of the saved parameters: with DPU on, the next step publishes
-        them (the schedule of an uninterrupted run); without, they are published now."""
+        """After the tensors are in place: rebuild what a checkpoint does not store, and set the model's
+        parameters from the masters (DeepSpeed's ``load_from_fp32_weights``): saved by a run of a lower
+        precision (bf16 -> fp32), the model read from the checkpoint holds rounded weights, and the first
+        resumed steps ran on those, not on the masters the optimizer goes on from. Same precision: the
+        same values. A DPU state's masters are one step ahead of the saved parameters: with DPU on, the
+        next step publishes them (the schedule of an uninterrupted run); without, they are published now."""
         self._sync_mirror()
         self.needs_publish, self._uploaded = False, None
-        if meta.get("needs_publish"):
-            if self.options.dpu:
-                self.needs_publish = True
-            else:
-                self._publish_masters()
+        if meta.get("needs_publish") and self.options.dpu:
+            self.needs_publish = True
+        else:
+            self._publish_masters()
 
     def save_checkpoint(self, directory: str) -> None:
         """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``)."""
@@ -130,7 +137,37 @@ class SavedState:
 
     def load_checkpoint(self, directory: str) -> dict:
         """Load a checkpoint of any engine and world size: this slice's part of every saved file,
-        straight into the arena. Returns what was restored (format, world size saved, stage, ...)."""
+        straight into the arena. Returns what was restored (format, world size saved, stage, ...).
+
+        Every rank calls it; all of them succeed or all raise. A failure only one rank can see (a damaged
+        chunk of the file only it reads) used to leave its peers loaded and training on, to wait for the
+        failed rank in their next collective (gloo: "connection closed by peer"; NCCL: a hang until the
+        timeout): now each rank says which ranks failed, and keeps its own mix refused (``_load_failed``)."""
+        error, meta, files = None, None, 0
+        try:
+            meta, files = self._read_checkpoint(directory)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
+            error = e
+        # the agreement comes before _finish_load, whose publish is a collective a failed rank never joins
+        failed = self._ranks_that_failed(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            self._load_failed = f"checkpoint {directory} (rank(s) {failed} failed to load their part)"
+            raise StateFileError(f"loading the optimizer state in {directory} failed on rank(s) {failed} (their "
+                                 "error names the file); this rank loaded its part, but the ranks no longer hold "
+                                 "one state: resume from an earlier checkpoint")
+        self._finish_load(meta)
+        self._load_failed = None
+        self.restored = state_dir.summary(meta, files)
+        return self.restored
+
+    def _ranks_that_failed(self, failed: bool) -> list[int]:
+        """The ranks whose load failed (one process: this one, if it did). A collective for sharded engines."""
+        return [self.rank] if failed else []
+
+    def _read_checkpoint(self, directory: str) -> tuple[dict, int]:
+        """This rank's part of the checkpoint into the state (no collective); (the saved meta, files)."""
         srcs, meta = state_dir.sources(directory)
         self._check_saved(meta, directory)
         codes = self._saved_codes(meta, directory)
@@ -140,10 +177,7 @@ class SavedState:
         self._apply_meta(meta)
         if self.hi > self.lo:
             self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
-        self._finish_load(meta)
-        self._load_failed = None
-        self.restored = state_dir.summary(meta, len(srcs))
-        return self.restored
+        return meta, len(srcs)
 
     @staticmethod
     def _saved_codes(meta: dict, where: str) -> int:

@@ -70,8 +70,7 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
             raise ValueError(f"{meta_path} is not an hf_zero_offload sharded checkpoint map")
         _check_partition(ranges, w, m.get("numel"), meta_path)
         srcs = [(checkpoint.rank_file(directory, r, w), a, b) for r, (a, b) in enumerate(ranges)]
-        state, _, _ = checkpoint.read_header(srcs[0][0])
-        return srcs, state
+        return srcs, _check_files(srcs, meta_path)
     single = checkpoint.rank_file(directory, 0, 1)
     if os.path.exists(single):
         state, _, _ = checkpoint.read_header(single)
@@ -81,6 +80,34 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
         raise ValueError(f"{directory} holds {partial} but no {META_FILE}: the checkpoint is incomplete "
                          "(a save was interrupted); use the previous checkpoint")
     raise FileNotFoundError(f"no hf_zero_offload optimizer checkpoint in {directory}")
+
+
+def _check_files(srcs: list[tuple[str, int, int]], meta_path: str) -> dict:
+    """Every file the map lists, checked before anything is loaded (its header and trailer: a few KB each),
+    and by every rank, also for the files it will not read: a file missing, cut short, holding another range
+    or another step's state is then the same clear error on every rank, before the first write, instead of
+    one rank failing part way through the load while its peers go on to wait for it in the next collective.
+    Returns rank 0's state meta."""
+    first = None
+    for r, (path, a0, b0) in enumerate(srcs):
+        if not os.path.exists(path):
+            raise StateFileError(f"{path} is missing: {meta_path} lists it as rank {r}'s slice of the optimizer "
+                                 "state (the checkpoint was copied in part or damaged); resume from an earlier "
+                                 "checkpoint")
+        saved = checkpoint.read_header(path)[0]
+        held = (saved.get("shard_start", 0), saved.get("shard_end", saved.get("numel")))
+        if held != (a0, b0):
+            raise StateFileError(f"{path} holds elements [{held[0]}, {held[1]}) of the flat state, but the "
+                                 f"checkpoint's map says [{a0}, {b0}); the directory mixes files of different "
+                                 "checkpoints or is damaged")
+        first = first or saved
+        if (saved.get("global_steps"), saved.get("state_dtype", "fp32")) != (first.get("global_steps"),
+                                                                           first.get("state_dtype", "fp32")):
+            raise StateFileError(f"{path} holds the state after {saved.get('global_steps')} steps "
+                                 f"({saved.get('state_dtype', 'fp32')} moments), {srcs[0][0]} after "
+                                 f"{first.get('global_steps')} ({first.get('state_dtype', 'fp32')}): the directory "
+                                 "mixes files of different checkpoints; resume from an earlier checkpoint")
+    return first
 
 
 def _check_partition(ranges, world_size, numel, where: str) -> None:
@@ -169,13 +196,7 @@ def read_range(srcs: list[tuple[str, int, int]], lo: int, dst: dict) -> None:
     hi = lo + n
     for path, a0, b0 in srcs:
         a, b = max(lo, a0), min(hi, b0)
-        if b > a:
-            saved = checkpoint.read_header(path)[0]  # the range this file says it holds (any format)
-            held = (saved.get("shard_start", 0), saved.get("shard_end", saved.get("numel")))
-            if held != (a0, b0):
-                raise StateFileError(f"{path} holds elements [{held[0]}, {held[1]}) of the flat state, but the "
-                                     f"checkpoint's map says [{a0}, {b0}); the directory mixes files of different "
-                                     "checkpoints or is damaged")
+        if b > a:  # (``sources`` checked that each file holds the range the map gives it)
             views, start = {}, {}
             for k, v in dst.items():
                 if k.endswith("_scale"):  # int8 scales, one per block: saved slices start on a block

@@ -275,6 +275,15 @@ class ShardedAdam(AdamCore):
         if self.world_size > 1:
             dist.barrier(group=self.process_group)
 
+    def _ranks_that_failed(self, failed: bool) -> list[int]:
+        if self.world_size == 1:
+            return super()._ranks_that_failed(failed)
+        # every rank calls load_checkpoint, so every rank reaches this gather, failed or not
+        flags = torch.tensor([int(failed)], dtype=torch.int32, device=self.device)
+        out = [torch.zeros_like(flags) for _ in range(self.world_size)]
+        dist.all_gather(out, flags, group=self.process_group)
+        return [r for r, f in enumerate(out) if int(f.item())]
+
     def flush(self) -> None:
         """Also finishes in-flight reductions (every rank calls it)."""
         self.reducer.drain()

@@ -1,0 +1,132 @@
+"""Checkpoint directories of several rank files, in the style of DeepSpeed's tests/unit/checkpoint (a checkpoint
+missing a file, files of two checkpoints mixed, a file only one rank reads damaged): what every rank checks before
+its first write, and how the ranks agree that a load failed.
+
+A 2-rank directory is built here on one process by cutting a 1-rank state in two (``state_dir.save`` once per
+rank, as each rank of a run calls it), so the one-process checks need no spawn.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from _models import TinyNet, batches, param_groups, run_steps
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, checkpoint, state_dir
+
+LR, WD = 1e-2, 0.01
+SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
+
+
+def _engine(model):
+    return OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL))
+
+
+def _save_as_two_ranks(opt, directory) -> None:
+    """``opt``'s state as the 2-rank checkpoint a sharded run with the same flat layout writes."""
+    meta, tensors = opt.state_meta(), opt.state_tensors()
+    cut = opt.numel // 2
+    ranges = [[0, cut], [cut, opt.numel]]
+    for r in (1, 0):  # rank 0 writes meta.json after its file: last
+        a, b = ranges[r]
+        state_dir.save(str(directory), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
+                       {k: v[a:b] for k, v in tensors.items()}, barrier=lambda: None, partition=ranges)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(model, its state after 3 steps as 2 rank files, the same run's rank 1 file after 5 steps)."""
+    root = tmp_path_factory.mktemp("dirs")
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model)
+    run_steps(model, opt, batches(3))
+    _save_as_two_ranks(opt, root / "step3")
+    state3 = {k: v.clone() for k, v in opt.state_tensors().items()}
+    run_steps(model, opt, batches(2, seed=1))
+    _save_as_two_ranks(opt, root / "step5")
+    opt.close()
+    return model, root, state3
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for name in os.listdir(src):
+        (dst / name).write_bytes((src / name).read_bytes())
+    return dst
+
+
+def test_two_rank_files_load_whole(saved):
+    model, root, state3 = saved
+    fresh = _engine(copy.deepcopy(model))
+    assert fresh.load_checkpoint(str(root / "step3"))["world_size"] == 2
+    assert all(torch.equal(fresh.state_tensors()[k], v) for k, v in state3.items())
+    fresh.close()
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("missing", r"rank1_of_2.hzo is missing: .*meta.json lists it as rank 1's slice"),
+    ("truncated", r"rank1_of_2.hzo: truncated"),
+    ("other step", r"rank1_of_2.hzo holds the state after 5 steps .*rank0_of_2.hzo after 3 .*mixes files"),
+], ids=["missing", "truncated", "other-step"])
+def test_a_bad_file_is_refused_before_the_first_write(saved, tmp_path, damage, match):
+    """The file of rank 1 was read only once rank 0's part was in (missing, other step: not at all), so the engine
+    was left half loaded (every later step refused), and a 2-rank job's rank 0 never heard of it."""
+    model, root, _ = saved
+    bad = _copy(root / "step3", tmp_path / "bad")
+    victim = bad / "rank1_of_2.hzo"
+    if damage == "missing":
+        victim.unlink()
+    elif damage == "truncated":
+        os.truncate(victim, os.path.getsize(victim) - 100)
+    else:
+        victim.write_bytes((root / "step5" / "rank1_of_2.hzo").read_bytes())
+    fresh = _engine(copy.deepcopy(model))
+    before = {k: v.clone() for k, v in fresh.state_tensors().items()}
+    with pytest.raises(checkpoint.StateFileError, match=match):
+        fresh.load_checkpoint(str(bad))
+    assert fresh._load_failed is None and fresh.global_steps == 0  # refused before anything was written
+    assert all(torch.equal(fresh.state_tensors()[k], v) for k, v in before.items())
+    fresh.close()
+
+
+def _damaged_peer_job(rank, world, directory):
+    """Both ranks save a ZeRO-2 offload checkpoint; a byte of rank 1's moments is then damaged: only rank 1 reads
+    that chunk, yet both ranks must raise (rank 0 went on training, to fail in its next collective)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = ShardedAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL), stage=2, offload=True)
+    run_steps(model, opt, batches(2, seed=10 + rank))
+    opt.save_checkpoint(directory)
+    if rank == 1:
+        path = checkpoint.rank_file(directory, 1, 2)
+        _, entries, base = checkpoint.read_header(path)
+        with open(path, "r+b") as f:
+            f.seek(base + entries["exp_avg"]["offset"] + 8)
+            f.write(b"\xff" * 4)
+    dist.barrier()
+    fresh = ShardedAdam(param_groups(copy.deepcopy(model), WD), lr=LR, options=OffloadOptions(**SMALL), stage=2,
+                        offload=True)
+    out = {}
+    try:
+        fresh.load_checkpoint(directory)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        out["load"] = f"{type(e).__name__}: {e}"
+    try:
+        fresh.step()
+    except RuntimeError as e:
+        out["step"] = str(e)
+    return out
+
+
+def test_a_rank_that_fails_to_load_fails_every_rank(tmp_path):
+    r0, r1 = run_distributed(_damaged_peer_job, str(tmp_path / "ckpt"), timeout=120)
+    assert "checksum mismatch" in r1["load"] and "rank1_of_2.hzo" in r1["load"]
+    assert r0["load"].startswith("StateFileError: loading the optimizer state in") and "failed on rank(s) [1]" in r0["load"]
+    for r in (r0, r1):  # each holds part of the checkpoint: refused until a load succeeds
+        assert "failed part way" in r["step"]
