@@ -9,6 +9,14 @@ int8 adds ``exp_avg_scale``/``exp_avg_sq_scale``. bf16/fp16 parameters get an fp
 the state (DeepSpeed's CPU Adam keeps fp32 states for half params the same way): the update runs
 on the master and the 16-bit param is written from it in the same pass. A state saved with another
 ``state_dtype`` (or by torch.optim.AdamW) is converted at the next step.
+
+torch.optim's flags: ``maximize`` is implemented (the step descends the negated gradient, as
+torch's); ``amsgrad``, ``capturable``, ``differentiable`` and ``foreach``/``fused`` = True are
+refused by name (at construction, ``add_param_group``, ``load_state_dict`` and every step). A
+state dict saved by torch.optim.AdamW(foreach=True / fused=True / capturable=True) loads: those
+say how that optimizer ran, not what it computes, so this optimizer keeps its own (as it keeps
+its ``state_dtype``). int8 state dicts keep their codes under their own names and do not load into
+torch.optim: convert with ``CPUAdam.to_torch_state_dict`` (adam_state_dict.py says why).
 """
 from __future__ import annotations
 

@@ -197,3 +197,45 @@ def test_tensor_lr_and_schedulers_that_change_betas(sched):
     _run(as_float, floats, grads)
     _run(as_tensor, tensors, grads)
     assert all(torch.equal(a, b) for a, b in zip(floats, tensors))
+
+
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("n", [1, 7, 22, 55, 127, 1024, 2**20 + 1])
+def test_deepspeed_sizes_match_adamw(n, pdtype):
+    """DeepSpeed's test_cpu_adam sizes (vector tails, thread splits): element by element like
+    torch.optim.AdamW(foreach=False) on an fp32 copy given the same gradients; a 16-bit param is
+    its fp32 master rounded to nearest even."""
+    gen = torch.Generator().manual_seed(n)
+    start = torch.randn(n, generator=gen).to(pdtype)
+    ours, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.float())
+    opt = CPUAdam([ours], lr=1e-3, weight_decay=0.01)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01, foreach=False)
+    for _ in range(10):
+        g = torch.randn(n, generator=gen).to(pdtype)
+        ours.grad, ref.grad = g, g.float()
+        opt.step()
+        torch_opt.step()
+    master = ours.detach() if pdtype == torch.float32 else opt.state[ours]["master"]
+    torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[ours]["exp_avg_sq"], torch_opt.state[ref]["exp_avg_sq"], rtol=1e-5, atol=0.0)
+    assert torch.equal(ours.detach(), master.to(pdtype))
+
+
+def test_the_rest_of_torchs_optimizer_contract():
+    """An empty param list, zero_grad both ways, deepcopy (continues bit for bit), the repr."""
+    with pytest.raises(ValueError, match="empty parameter list"):
+        CPUAdam([])
+    params = _params()
+    opt = CPUAdam(params, lr=1e-2, state_dtype="bf16", maximize=True)
+    _run(opt, params, _grads(params, 2))
+    twin = copy.deepcopy(opt)
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    grads = _grads(params, 2, seed=3)
+    _run(opt, params, grads)
+    _run(twin, twin_params, grads)
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params))
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+    assert "state_dtype: bf16" in repr(opt) and "maximize: True" in repr(opt) and "amsgrad: False" in repr(opt)
