@@ -25,7 +25,8 @@ def args_view(args, *, fp16: bool, bf16: bool, max_steps: int | None, model=None
         max_grad_norm=args.max_grad_norm or 0.0, learning_rate=args.learning_rate, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, weight_decay=args.weight_decay,
         warmup_steps=int(warmup), max_steps=max_steps, fp16=fp16, bf16=bf16,
-        hidden_size=_hidden_size(model) if model is not None else None)
+        hidden_size=_hidden_size(model) if model is not None else None,
+        lr_scheduler_type=str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)))
 
 
 def early_view(args, raw: dict, fp16: bool, bf16: bool, model) -> ArgsView:

@@ -84,7 +84,7 @@ def check_arguments(args) -> None:
                         "optimizer state (fp32 master weights) to load with the model, as with DeepSpeed; drop one "
                         "of the two")
     if problems:
-        raise ConfigError("Not supported with zero_offload / sharded_ddp:\n  " + "\n  ".join(problems))
+        raise ConfigError("Not supported with zero_offload / sharded_ddp: " + "; ".join(problems))
 
 
 def check_trainable(engine_params, named_params) -> None:

@@ -1,8 +1,9 @@
 """DeepSpeed's WarmupLR / WarmupDecayLR as torch LR schedulers (the config's "scheduler" block).
 
 Iteration 0 is the first optimizer step, as in DeepSpeed: with warmup_type "log" it runs at
-``warmup_min_lr`` (log(1) = 0) and the LR reaches ``warmup_max_lr`` at ``warmup_num_steps``.
-WarmupDecayLR then decays linearly to 0 at ``total_num_steps``.
+``warmup_min_lr`` (log(1) = 0) and the LR reaches ``warmup_max_lr`` at ``warmup_num_steps`` (1: no warm-up).
+WarmupDecayLR then decays linearly back to ``warmup_min_lr`` at ``total_num_steps``: DeepSpeed's
+``min_lr + (max_lr - min_lr) * gamma`` in both phases.
 """
 from __future__ import annotations
 
@@ -33,10 +34,7 @@ class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
         return max(0.0, (self.total - it) / max(1.0, self.total - self.warmup))
 
     def lr_at(self, it: int) -> float:
-        gamma = self._gamma(it)
-        if it >= self.warmup and self.total is not None:
-            return self.max_lr * gamma  # the decay phase scales the peak LR down to 0
-        return self.min_lr + (self.max_lr - self.min_lr) * gamma
+        return self.min_lr + (self.max_lr - self.min_lr) * self._gamma(it)
 
     def get_lr(self):
         return [self.lr_at(self.last_epoch) for _ in self.optimizer.param_groups]

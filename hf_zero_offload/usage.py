@@ -41,7 +41,8 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool) -> object
     except USER_ERRORS as e:
         if debug:
             raise
-        message = str(e) or type(e).__name__
+        # one line, whatever the library wrote (transformers' offline error spans two)
+        message = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
         hint = f" (traceback: --debug or {DEBUG_ENV}=1)"
         print(f"{prog}: error: {message}{hint}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -27,12 +26,6 @@ class DistributedError(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank, world_size, port, backend, threads, collective_timeout, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
@@ -40,7 +33,8 @@ def _entry(rank, world_size, port, backend, threads, collective_timeout, fn, arg
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=collective_timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout))
         try:
             out = fn(rank, world_size, *args)
@@ -55,7 +49,11 @@ def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo", threa
                     timeout: float = 120.0, collective_timeout: float = 60.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The rendezvous store lives here, bound to a port the OS picks and held until every rank is done:
+    # a free port picked, released and bound again by rank 0 could be taken in between.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=collective_timeout))
+    port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, threads, collective_timeout, fn, args,
                                               results), daemon=True) for r in range(world_size)]
     for p in procs:

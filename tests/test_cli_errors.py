@@ -69,6 +69,21 @@ def test_help_names_the_debug_flag_and_a_closed_pipe_is_not_an_error(capsys, mon
     assert e.value.code == 1 and "error" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("error", [
+    OSError("We couldn't connect to the Hub.\nCheck your internet connection."),  # transformers' offline error
+    ValueError("\n  first\n\n  second  "), ConfigError("a.json: ds_config values contradict: x\n- y"),
+])
+def test_a_library_message_over_several_lines_is_printed_on_one(capsys, error):
+    def fail():
+        raise error
+
+    with pytest.raises(SystemExit) as e:
+        usage.run_reporting("finetune_trainer.py", fail, debug=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("finetune_trainer.py: error: ") and all(w in err for w in str(error).split())
+
+
 def test_installed_command_exits_2_without_traceback():
     cmd = [sys.executable, "-m", "hf_zero_offload.cli", "estimate", "--model", TINY, "--gpu-mem-gib", "nan"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -118,15 +118,17 @@ def test_mismatches_are_listed_together():
     raw["train_micro_batch_size_per_gpu"] = 16
     args = dataclasses.replace(BLOG_ARGS, learning_rate=5e-5, adam_epsilon=1e-6, adam_beta1=0.8, fp16=False)
     msg = errmsg(raw, args)
-    lines = [line for line in msg.splitlines() if line.startswith("- ")]
-    assert "- optimizer.params.lr=3e-05 vs --learning_rate 5e-05" in lines
-    assert "- optimizer.params.eps=1e-08 vs --adam_epsilon 1e-06" in lines
-    assert "- optimizer.params.betas=[0.9, 0.999] vs --adam_beta1/--adam_beta2 [0.8, 0.999]" in lines
-    assert "- scheduler.params.warmup_max_lr=3e-05 vs --learning_rate 5e-05" in lines
-    assert "- gradient_clipping=0.0 vs --max_grad_norm 1.0" in lines
-    assert "- train_micro_batch_size_per_gpu=16 vs --per_device_train_batch_size 20" in lines
-    assert "- fp16.enabled=True vs --fp16 False" in lines
-    assert len(lines) == 7 and "<dict>" in msg and '"auto"' in msg
+    assert "\n" not in msg  # one line: a command line prints it after "error:"
+    head, _, listed = msg.partition("TrainingArguments values): ")
+    items = listed.split("; ")
+    assert "optimizer.params.lr=3e-05 vs --learning_rate 5e-05" in items
+    assert "optimizer.params.eps=1e-08 vs --adam_epsilon 1e-06" in items
+    assert "optimizer.params.betas=[0.9, 0.999] vs --adam_beta1/--adam_beta2 [0.8, 0.999]" in items
+    assert "scheduler.params.warmup_max_lr=3e-05 vs --learning_rate 5e-05" in items
+    assert "gradient_clipping=0.0 vs --max_grad_norm 1.0" in items
+    assert "train_micro_batch_size_per_gpu=16 vs --per_device_train_batch_size 20" in items
+    assert "fp16.enabled=True vs --fp16 False" in items
+    assert len(items) == 7 and head.startswith("<dict>: ") and '"auto"' in head
 
 
 def test_train_batch_size_consistency():

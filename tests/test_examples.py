@@ -283,8 +283,10 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
         "--per_device_train_batch_size", "4", "--sharded_ddp", "--zero_offload", "zero2"]  # the README's CPU form:
     # --use_cpu (in _common_args) and no --ddp_backend: the backend follows the device
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(_free_port()), os.path.join(EX, "finetune_trainer.py"), *argv],
+    # --standalone: the rendezvous binds a free port itself (the README's form); a port picked here and
+    # released before torchrun binds it could be taken in between
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(EX, "finetune_trainer.py"), *argv],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = r.stdout + r.stderr
@@ -294,10 +296,3 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
         metrics = json.load(f)
     assert metrics["train_loss"] == metrics["train_loss"] and "val_bleu" in metrics  # finite, evaluated
 
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -107,6 +107,16 @@ def test_whole_config_is_checked_at_init(tmp_path):
         ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "x", zero_offload=cfg))
 
 
+def test_a_scheduler_block_does_not_silently_replace_another_lr_scheduler_type(tmp_path):
+    # the shipped configs carry WarmupLR: --lr_scheduler_type cosine would otherwise be dropped without a word
+    with pytest.raises(ConfigError, match=r"scheduler.type='WarmupLR' vs --lr_scheduler_type cosine"):
+        ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "c", zero_offload="zero2-offload",
+                                                              lr_scheduler_type="cosine"))
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(
+        tmp_path, "k", zero_offload="zero2-offload", lr_scheduler_type="constant_with_warmup"))
+    assert trainer.zero_config is None or trainer.zero_config.scheduler.type == "WarmupLR"
+
+
 def test_init_check_leaves_unknown_step_counts_to_train_start(tmp_path):
     # epochs, not max_steps: total_num_steps "auto" and a warm-up ratio are known only at train start
     cfg = {**OFFLOAD, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto",

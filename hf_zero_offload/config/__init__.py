@@ -28,8 +28,10 @@ zero_optimization.reduce_bucket_size           hidden_size * hidden_size (error 
 zero_optimization.allgather_bucket_size *      the resolved reduce_bucket_size
 =============================================  ================================================================
 
-Explicit values are compared with args (every key above except warmup_min_lr and the bucket sizes); all
-disagreements are reported in one ConfigError, one ``- key=value vs --arg value`` line each.
+Explicit values are compared with args (every key above except warmup_min_lr and the bucket sizes), and so is
+scheduler.type with --lr_scheduler_type (the block replaces the Trainer's schedule: WarmupLR goes with linear, the
+default, or constant_with_warmup; WarmupDecayLR with linear); all disagreements are reported in one one-line
+ConfigError, ``key=value vs --arg value`` each, separated by "; ".
 
 Missing keys. With ``args``, a missing key of the table above (except the bucket sizes) takes the same value as
 "auto", so TrainingArguments stay in charge unless the file says otherwise (e.g. gradient_clipping follows
@@ -61,7 +63,9 @@ fp16.{consecutive_hysteresis, auto_cast, fp16_master_weights_and_grads}, amp, to
 activation_checkpointing, flops_profiler, tensorboard/wandb/csv_monitor/comet, elasticity, pipeline,
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
 only), ZeRO++ / MiCS keys and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config.schema`.
-Unknown keys are errors, with "did you mean" for near misses. The extension
+Unknown keys are errors, with "did you mean" for near misses. A section set to null ("offload_optimizer": null,
+"scheduler": null) is a section not given, as DeepSpeed reads its optional blocks; a null leaf value is an error.
+A dict built in Python may hold numpy scalars (numbers) but no arrays, tensors or non-string keys. The extension
 ``zero_optimization.delayed_param_update {enabled, warmup_steps}`` (the paper's DPU) needs CPU offload, and so
 does ``zero_optimization.offload_optimizer.state_dtype`` ("fp32" default, "bf16", "int8": how the Adam moments
 are stored on the host; int8 is blockwise, 256 elements per scale, csrc/quant.h).

@@ -11,7 +11,9 @@ Stdlib only: no torch, no transformers.
 """
 from __future__ import annotations
 
+import json
 import math
+import numbers
 from typing import Any, Callable, NamedTuple
 
 
@@ -40,7 +42,38 @@ class Spec(NamedTuple):
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    # numbers.Real, not (int, float): a dict built in Python may hold numpy scalars (np.float32 is no float)
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def non_json(v: Any, where: str = "") -> tuple[str, str] | None:
+    """Where in ``v`` something sits that json.load could not have produced (``".key"``, ``"[1]"``, ``""`` for
+    ``v`` itself) and what is wrong; None when there is none. numpy scalars count as numbers; arrays, tensors
+    and sets do not (comparing them with ``==`` gives no single truth value)."""
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, (list, tuple)) else None
+    if items is None:
+        if v is None or isinstance(v, (str, bool, numbers.Real)):
+            return None
+        return where, ("expected a JSON value (object, array, string, number, true/false/null), got "
+                       + type(v).__name__)
+    for k, x in items:
+        if isinstance(v, dict) and not isinstance(k, str):
+            return f"{where}.{k!r}", f"keys must be strings, got {type(k).__name__}"
+        found = non_json(x, f"{where}.{k}" if isinstance(v, dict) else f"{where}[{k}]")
+        if found is not None:
+            return found
+    return None
+
+
+def json_type(v: Any) -> str:
+    """How JSON names the type of a parsed value (what the user wrote, not Python's name for it)."""
+    if v is None or isinstance(v, bool):
+        return json.dumps(v)
+    for kind, name in ((str, "a string"), (dict, "an object"), ((list, tuple), "an array"),
+                       (numbers.Real, "a number")):
+        if isinstance(v, kind):
+            return name
+    return type(v).__name__
 
 
 def boolean(v: Any) -> bool:
@@ -53,7 +86,7 @@ def integer(lo: int | None = None, what: str = "an integer", hi: int | None = No
     """Integers (in [lo, hi]); integral floats such as ``2e8`` (DeepSpeed's spelling of sizes) become ints."""
 
     def check(v: Any) -> int:
-        if (not _is_num(v) or (isinstance(v, float) and not v.is_integer()) or (lo is not None and v < lo)
+        if (not _is_num(v) or not float(v).is_integer() or (lo is not None and v < lo)
                 or (hi is not None and v > hi)):
             raise BadValue(what)
         return int(v)
@@ -75,9 +108,10 @@ def number(lo: float | None = None, hi: float | None = None, what: str = "a numb
     return check
 
 
-def choice(*options: str, unsupported: dict[str, str] | None = None,
-           casefold: bool = False) -> Callable[[Any], str]:
-    """One of ``options`` (returned in its canonical spelling); ``unsupported`` maps other known names to a why."""
+def choice(*options: str, unsupported: dict[str, str] | None = None, casefold: bool = False,
+           other: str | None = None) -> Callable[[Any], str]:
+    """One of ``options`` (returned in its canonical spelling); ``unsupported`` maps other known names to a why;
+    ``other``: the why for any other string (DeepSpeed takes any torch optimizer or scheduler by its name)."""
     table = {(o.lower() if casefold else o): o for o in options}
     others = {(k.lower() if casefold else k): w for k, w in (unsupported or {}).items()}
 
@@ -87,6 +121,8 @@ def choice(*options: str, unsupported: dict[str, str] | None = None,
             return table[key]
         if isinstance(key, str) and key in others:
             raise UnsupportedValue(others[key])
+        if isinstance(key, str) and other is not None:
+            raise UnsupportedValue(other)
         raise BadValue("one of " + ", ".join(repr(o) for o in options))
 
     return check

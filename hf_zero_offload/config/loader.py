@@ -22,6 +22,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
+def _json_hint(text: str, e: json.JSONDecodeError) -> str:
+    """What JSON's own message leaves unsaid about the mistakes people make in hand-written configs."""
+    if not text.strip():
+        return "the file is empty (a ds_config is a JSON object: {...})"
+    rest = text[e.pos:]
+    if rest.startswith(("//", "/*", "#")):
+        return "JSON has no comments; remove them"
+    before = text[:e.pos].rstrip()
+    if before.endswith(",") and rest[:1] in ("}", "]"):
+        return f"a trailing comma before {rest[0]!r}; JSON allows none, remove it"
+    return e.msg
+
+
 def _read(path_or_dict: Any) -> tuple[Any, str]:
     if isinstance(path_or_dict, dict):
         return path_or_dict, "<dict>"
@@ -29,15 +42,22 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
         raise ConfigError(f"expected a ds_config path or dict, got {type(path_or_dict).__name__}")
     source = presets.resolve_config(os.fspath(path_or_dict))  # a shipped config's name -> its packaged file
     try:
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
+        with open(source, "rb") as f:
+            data = f.read()
     except OSError as e:
         hint = presets.missing_file_hint(source) if isinstance(e, FileNotFoundError) else ""
         raise ConfigError(f"{source}: cannot read the ds_config file: {e.strerror or e}{hint}") from None
     try:
+        text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) changes no value
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{source}: not a UTF-8 text file (byte {e.start} is 0x{data[e.start]:02x}); "
+                          "a ds_config is JSON saved as UTF-8") from None
+    try:
         return json.loads(text, object_pairs_hook=_no_duplicates), source
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+        raise ConfigError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {_json_hint(text, e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid JSON: nested too deeply for a ds_config") from None
     except ValueError as e:  # duplicate key
         raise ConfigError(f"{source}: invalid JSON: {e}") from None
 

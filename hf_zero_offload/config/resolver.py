@@ -16,6 +16,9 @@ logger = logging.getLogger("hf_zero_offload")
 
 
 _MISSING = object()
+# The Trainer schedules a "scheduler" block stands for (transformers' DeepSpeed guide: WarmupDecayLR is
+# --lr_scheduler_type linear, WarmupLR constant_with_warmup); "linear" is also the default, so it goes with either.
+SCHEDULE_OF = {"WarmupLR": ("linear", "constant_with_warmup"), "WarmupDecayLR": ("linear",)}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -57,7 +60,7 @@ class _Resolver:
         if v is _MISSING:
             return arg if self.args is not None and arg is not None else default
         if self.args is not None and match and arg is not None and not _same(v, arg):
-            self.mismatches.append(f"- {path}={_show(v)} vs {arg_name} {_show(arg)}")
+            self.mismatches.append(f"{path}={_show(v)} vs {arg_name} {_show(arg)}")
         return v
 
     def batch(self) -> tuple[int, int, int]:
@@ -118,6 +121,10 @@ class _Resolver:
         lo = 0.0 if params.get("warmup_min_lr", 0.0) == AUTO else params.get("warmup_min_lr", 0.0)
         hi = self.take(p + "warmup_max_lr", a and a.learning_rate, "--learning_rate", 1e-3)
         n = self.take(p + "warmup_num_steps", a and max(1, a.warmup_steps), "--warmup_steps", 1000)
+        if a is not None and a.lr_scheduler_type not in SCHEDULE_OF[sched["type"]]:
+            # the block replaces the Trainer's schedule (as under DeepSpeed): an explicit other one would be dropped
+            self.mismatches.append(f"scheduler.type={sched['type']!r} vs --lr_scheduler_type {a.lr_scheduler_type} "
+                                   "(drop one of them; a shipped config: copy it without its 'scheduler' block)")
         total = None
         if sched["type"] == "WarmupDecayLR":
             total = self.take(p + "total_num_steps", a and a.max_steps, "the number of training steps", None)
@@ -163,11 +170,10 @@ class _Resolver:
             raise ConfigError(f"{self.source}: \"auto\" values need TrainingArguments (resolve(..., args=ArgsView"
                               "(...))), or replace them with numbers: " + ", ".join(self.needs_args))
         if self.problems:
-            raise ConfigError(f"{self.source}: cannot resolve:\n- " + "\n- ".join(self.problems))
-        if self.mismatches:
-            raise ConfigError(f"{self.source}: these ds_config values contradict TrainingArguments:\n"
-                              + "\n".join(self.mismatches)
-                              + "\nSet them to \"auto\" (or to the TrainingArguments values).")
+            raise ConfigError(f"{self.source}: cannot resolve: " + "; ".join(self.problems))
+        if self.mismatches:  # one line (a command line prints it as "error: ..."), every key on it
+            raise ConfigError(f"{self.source}: ds_config values contradict TrainingArguments (set them to \"auto\" "
+                              "or to the TrainingArguments values): " + "; ".join(self.mismatches))
         if fp16 and bf16:
             raise ConfigError(f"{self.source}: fp16.enabled and bf16.enabled: cannot both be true")
         f = cfg.get("fp16", {})

@@ -18,9 +18,10 @@ Stdlib only: no torch, no transformers.
 from __future__ import annotations
 
 import difflib
+import json
 from typing import Any, Callable
 
-from .checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, number,
+from .checks import (BadValue, json_type, non_json, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, number,
                      section, stage, str_or_null, unsupported, use)
 
 AUTO = "auto"
@@ -69,13 +70,10 @@ BF16 = {
     "immediate_grad_update": ignore(boolean),
     "check_grad_overflow": ignore(boolean),
 }
-OPTIMIZER_TYPES_UNSUPPORTED = {
-    name: "only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
-    for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "FusedLamb", "Lion", "Adagrad", "SGD",
-                 "MuAdam", "MuAdamW", "MuSGD", "Muon", "Adafactor", "CPUAdam", "FusedAdam")
-}
+_ONLY_ADAM = "only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
 OPTIMIZER = {
-    "type": use(choice("Adam", "AdamW", unsupported=OPTIMIZER_TYPES_UNSUPPORTED, casefold=True)),
+    # DeepSpeed's own (OneBitAdam, Lamb, Lion, ...) and any torch.optim name it would import: all refused alike
+    "type": use(choice("Adam", "AdamW", casefold=True, other=_ONLY_ADAM)),
     "params": section({
         "lr": use(number(0, what="a number >= 0"), auto=True),
         "betas": use(betas, auto=True),
@@ -88,9 +86,9 @@ OPTIMIZER = {
     }),
 }
 SCHEDULER = {
-    "type": use(choice("WarmupLR", "WarmupDecayLR", unsupported={
-        t: "remove the 'scheduler' block and use TrainingArguments --lr_scheduler_type"
-        for t in ("OneCycle", "LRRangeTest", "WarmupCosineLR")})),
+    # OneCycle, LRRangeTest, WarmupCosineLR and torch's schedulers by name (DeepSpeed imports them) are refused
+    "type": use(choice("WarmupLR", "WarmupDecayLR", other="remove the 'scheduler' block and use TrainingArguments "
+                                                          "--lr_scheduler_type (e.g. cosine_with_min_lr)")),
     "params": section({
         "warmup_min_lr": use(number(0, what="a number >= 0"), auto=True),
         "warmup_max_lr": use(number(0, what="a number >= 0"), auto=True),
@@ -153,6 +151,9 @@ ZERO = {
     "zero_quantized_gradients": unsupported("ZeRO++ quantized gradients are not implemented"),
     "mics_shard_size": unsupported("MiCS sharding is not implemented", harmless=lambda v: v in (None, -1, 0)),
     "mics_hierarchical_params_gather": unsupported("MiCS sharding is not implemented"),
+    "zeropp_loco_param": unsupported("ZeRO++ LoCo gradient compression is not implemented",
+                                     harmless=lambda v: v is None),
+    "log_trace_cache_warnings": unsupported(_STAGE3),
     **{k: unsupported(_STAGE3) for k in ("prefetch_bucket_size", "param_persistence_threshold",
                                           "model_persistence_threshold", "max_live_parameters",
                                           "max_reuse_distance", "pipeline_loading_checkpoint",
@@ -180,6 +181,7 @@ TOP = {
     "dump_state": ignore(boolean),
     "dataloader_drop_last": ignore(boolean),
     "checkpoint": ignore(an_object),  # transformers writes checkpoint.use_node_local_storage
+    "timers": ignore(an_object),  # DeepSpeed's throughput timers: measurement only
     # unsupported features (fine while switched off)
     "amp": unsupported("NVIDIA Apex AMP is not used; use the fp16/bf16 sections or --fp16/--bf16"),
     "torch_autocast": unsupported("use the fp16/bf16 sections or --fp16/--bf16"),
@@ -210,12 +212,24 @@ TOP = {
     "nebula": unsupported("Nebula checkpointing is not implemented; the Trainer saves checkpoints"),
     "hybrid_engine": unsupported("the RLHF hybrid engine is not implemented"),
     "compile": unsupported("use TrainingArguments --torch_compile"),
+    "comms_logger": unsupported("communication logging is not implemented; use torch.profiler"),
+    "graph_harvesting": unsupported("CUDA graph harvesting is not implemented"),
+    "sequence_parallel_size": unsupported("sequence parallelism is not implemented", harmless=_eq(1)),
+    "use_data_before_expert_parallelism": unsupported("expert parallelism is not implemented"),
 }
 
 
 # ---------------------------------------------------------------- the walker
 
 _FIRST = ("stage", "type", "device", "enabled")  # checked first so their messages win
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in JSON ("true" as a string shows its quotes, None shows as null)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):  # numpy scalars from a dict built in Python
+        return repr(value)
 
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
@@ -246,15 +260,19 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
     out: dict[str, Any] = {}
     for key in sorted(node, key=lambda k: k not in _FIRST):
         value, path = node[key], f"{prefix}{key}"
+        bad = non_json({key: value})  # a dict built in Python: an int key, a numpy array, a tensor...
+        if bad is not None:
+            raise _err(source, prefix + bad[0][1:], bad[1])
         spec = table.get(key)
         if spec is None and table is ZERO and key.startswith("stage3_"):
             spec = STAGE3_PREFIX
         if spec is None:
             raise _unknown(source, path, key, table)
         if spec.kind == "unsupported":
-            if spec.harmless is not None and spec.harmless(value):
+            # null is DeepSpeed's "not set" for its optional features (offload_param: null, ...)
+            if value is None or (spec.harmless is not None and spec.harmless(value)):
                 continue
-            raise _err(source, path, f"{value!r} is not supported by hf_zero_offload: {spec.why}")
+            raise _err(source, path, f"{_show(value)} is not supported by hf_zero_offload: {spec.why}")
         if value == AUTO:
             if spec.auto:
                 out[key] = AUTO
@@ -262,16 +280,18 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
             raise _err(source, path, '"auto" is not accepted for this key (only for batch sizes, gradient_'
                        'clipping, optimizer/scheduler params, fp16/bf16.enabled and the bucket sizes)')
         if spec.children is not None:
+            if value is None:  # a section set to null is a section not given (DeepSpeed's optional blocks)
+                continue
             if not isinstance(value, dict):
-                raise _err(source, path, f"expected an object, got {value!r}")
+                raise _err(source, path, f"expected an object, got {_show(value)}")
             sub = _walk(value, spec.children, path + ".", source, ignored)
         else:
             try:
                 sub = spec.check(value)
             except BadValue as e:
-                raise _err(source, path, f"expected {e.expected}, got {value!r}") from None
+                raise _err(source, path, f"expected {e.expected}, got {_show(value)}") from None
             except UnsupportedValue as e:
-                raise _err(source, path, f"{value!r} is not supported by hf_zero_offload: {e}") from None
+                raise _err(source, path, f"{_show(value)} is not supported by hf_zero_offload: {e}") from None
         if spec.kind == "use":
             out[key] = sub
         if ignored is not None and (spec.kind == "ignore" or path in NO_EFFECT):
@@ -283,7 +303,7 @@ def validate(raw: Any, source: str, ignored: list | None = None) -> dict:
     """Check ``raw`` against the tables; return a normalised copy (ignored keys dropped, "auto" kept).
     ``ignored``: receives the paths of the keys given that have no effect (for the start log)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the top level must be a JSON object, got {type(raw).__name__}")
+        raise ConfigError(f"{source}: the top level must be a JSON object ({{...}}), got {json_type(raw)}")
     cfg = _walk(raw, TOP, "", source, ignored)
     if "bf16" in cfg and "bfloat16" in cfg:
         raise _err(source, "bfloat16", 'legacy spelling of "bf16"; give only one of them')

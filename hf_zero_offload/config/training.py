@@ -114,4 +114,5 @@ class ArgsView:
     fp16: bool = False
     bf16: bool = False
     hidden_size: int | None = None  # model.config.hidden_size / d_model
+    lr_scheduler_type: str = "linear"  # the Trainer's schedule, which a "scheduler" block replaces
 
