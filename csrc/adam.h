@@ -49,6 +49,9 @@ struct AdamArgs {
   float step_size;         // lr / (1 - beta1^step), computed in double
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed in double
   float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step), in double: the compact kinds' form
+  // The compact kinds' bound on the new exp_avg: |m| <= m_bound * sqrt(v), which exact Adam moments
+  // always meet (make_adam_args derives it); m_bound_sq = m_bound^2, the test's form. +inf: none.
+  float m_bound, m_bound_sq;
   // BF16 moments and Q8's exp_avg_sq are stored with stochastic rounding (f32_to_bf16_sr, q_v_sr
   // in quant.h). BF16's 32 random bits of element i are mix32(uint32(round_index + i) ^ round_seed)
   // (round_bits), Q8's 20 are q8_round_bits(round_index + i, round_seed): pure functions of (step,
@@ -158,6 +161,19 @@ inline void store_out(void* out, DType dt, size_t i, float v) {
   }
 }
 
+// The compact kinds' exp_avg bound (AdamArgs::m_bound). By Cauchy-Schwarz, exact moments after t
+// steps with constant betas meet |m| <= (1-beta1) sqrt(sum_{j<t} (beta1^2/beta2)^j / (1-beta2)) sqrt(v),
+// whatever the gradients. 8-bit moments can break it by far: in a block whose absmax is an outlier
+// (a gradient 1e6 times its neighbours'), a small exp_avg rounds to the smallest nonzero code (and
+// stays there: 0.9 of it rounds back to it) while its exp_avg_sq rounds to 0, so m / sqrt(v) went
+// to ~26 and those params moved up to 8 in 50 steps of lr 1e-3 (torch: 0.05). Clamping m to the
+// bound (plus 1/64, make_adam_args) changes nothing where the moments are exact, nor bf16's, and
+// caps such a step at exact Adam's worst. The fp32 moments (torch's math) are never bounded.
+// Tested as m*m > m_bound_sq * v (two products: no square root unless a lane is over).
+inline void bound_m(const AdamArgs& a, float& m, float v) {
+  if (m * m > a.m_bound_sq * v) m = std::copysign(a.m_bound * std::sqrt(v), m);
+}
+
 // The canonical update of one element: g already widened and scaled; returns the new param and
 // the new moments in m, v. The vector kernels perform exactly these operations.
 // Compact (bf16 and 8-bit moments): sqrt(v) times the reciprocal of the bias correction, one fma,
@@ -170,6 +186,7 @@ inline float adam_math(const AdamArgs& a, float g, float p, float m0, float v0, 
   p = p * a.decay;
   m = std::fma(a.one_minus_beta1, g - m0, m0);
   v = std::fma(a.one_minus_beta2, g * g, v0 * a.beta2);
+  if constexpr (Compact) bound_m(a, m, v);
   const float denom = Compact ? std::fma(std::sqrt(v), a.inv_bias_correction2_sqrt, a.eps)
                               : std::sqrt(v) / a.bias_correction2_sqrt + a.eps;
   return std::fma(-a.step_size, m / denom, p);

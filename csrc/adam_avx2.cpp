@@ -95,21 +95,31 @@ inline void store_bf16(void* base, size_t i, __m128i h) {
 
 struct Consts {
   // bc2: sqrt(1 - beta2^t), or its reciprocal for the compact math (one register either way)
-  __m256 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step;
+  __m256 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step, mb, mb2;
   Consts(const AdamArgs& a, bool compact)
       : scale(_mm256_set1_ps(a.grad_scale)), l2(_mm256_set1_ps(a.l2)), decay(_mm256_set1_ps(a.decay)),
         b2(_mm256_set1_ps(a.beta2)), omb1(_mm256_set1_ps(a.one_minus_beta1)),
         omb2(_mm256_set1_ps(a.one_minus_beta2)),
         bc2(_mm256_set1_ps(compact ? a.inv_bias_correction2_sqrt : a.bias_correction2_sqrt)),
-        eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)) {}
+        eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)), mb(_mm256_set1_ps(a.m_bound)),
+        mb2(_mm256_set1_ps(a.m_bound_sq)) {}
 };
 
+// bound_m (adam.h), lane by lane; the square root only when a lane is over (rare: 8-bit outliers)
+inline __m256 bound_m_vec(const Consts& c, __m256 m, __m256 v) {
+  const __m256 over = _mm256_cmp_ps(_mm256_mul_ps(m, m), _mm256_mul_ps(c.mb2, v), _CMP_GT_OQ);
+  if (_mm256_movemask_ps(over) == 0) return m;
+  const __m256 lim = _mm256_mul_ps(c.mb, _mm256_sqrt_ps(v));  // >= 0: m's sign bit is or-ed in
+  return _mm256_blendv_ps(m, _mm256_or_ps(lim, _mm256_andnot_ps(abs_mask(), m)), over);
+}
+
 // adam_math, lane by lane, in its two halves: the new moments, then the param from them.
-template <bool L2>
+template <bool L2, bool Compact>
 inline void moments_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
   if constexpr (L2) g = _mm256_fmadd_ps(c.l2, p, g);
   m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m0), m0);
   v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v0, c.b2));
+  if constexpr (Compact) m = bound_m_vec(c, m, v);
 }
 
 template <bool Compact>
@@ -122,7 +132,7 @@ inline __m256 param_vec(const Consts& c, __m256 p, __m256 m, __m256 v) {
 
 template <bool L2, bool Compact>
 inline __m256 adam_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
-  moments_vec<L2>(c, g, p, m0, v0, m, v);
+  moments_vec<L2, Compact>(c, g, p, m0, v0, m, v);
   return param_vec<Compact>(c, p, m, v);
 }
 
@@ -181,7 +191,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       const size_t i = b + j;
       const __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), c.scale);
       __m256 m, v;
-      moments_vec<L2>(c, g, L2 ? _mm256_loadu_ps(a.param + i) : g, _mm256_mul_ps(dq_m_vec(mc + i), ms),
+      moments_vec<L2, true>(c, g, L2 ? _mm256_loadu_ps(a.param + i) : g, _mm256_mul_ps(dq_m_vec(mc + i), ms),
                       _mm256_mul_ps(dq_v_vec(vc + i), vs), m, v);
       _mm256_store_ps(mb + j, m);
       _mm256_store_ps(vb + j, v);

@@ -22,6 +22,15 @@ AdamArgs make_adam_args(long step, double lr, double beta1, double beta2, double
   a.step_size = static_cast<float>(lr / bc1);
   a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
   a.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  // bound_m's constant: (1-beta1) sqrt(S / (1-beta2)), S = sum_{j<step} r^j, r = beta1^2/beta2 (inf
+  // when beta2 = 0 or S overflows: then no bound), with 1/64 to spare: exact moments meet it with
+  // equality at step 1, and bf16's rounding (< 2^-8 of each moment) must never reach it.
+  const double r = beta2 > 0.0 ? beta1 * beta1 / beta2 : INFINITY;
+  const double sum = r == 1.0 ? static_cast<double>(step)
+                     : r == 0.0 ? 1.0 : (std::pow(r, static_cast<double>(step)) - 1.0) / (r - 1.0);
+  const double bound = (1.0 - beta1) * std::sqrt(sum / (1.0 - beta2)) * (1.0 + 1.0 / 64);
+  a.m_bound = std::isfinite(bound) ? static_cast<float>(bound) : INFINITY;
+  a.m_bound_sq = std::isfinite(bound) ? static_cast<float>(bound * bound) : INFINITY;
   a.round_seed = round_seed_of(step);
   return a;
 }

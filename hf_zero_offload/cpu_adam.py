@@ -9,17 +9,36 @@ int8 adds ``exp_avg_scale``/``exp_avg_sq_scale``. bf16/fp16 parameters get an fp
 the state (DeepSpeed's CPU Adam keeps fp32 states for half params the same way): the update runs
 on the master and the 16-bit param is written from it in the same pass. A state saved with another
 ``state_dtype`` (or by torch.optim.AdamW) is converted at the next step.
+
+torch.optim's flags: ``maximize`` is implemented (the step descends the negated gradient, as
+torch's); ``amsgrad``, ``capturable``, ``differentiable`` and ``foreach``/``fused`` = True are
+refused by name (at construction, ``add_param_group``, ``load_state_dict`` and every step). A
+state dict saved by torch.optim.AdamW(foreach=True / fused=True / capturable=True) loads: those
+say how that optimizer ran, not what it computes, so this optimizer keeps its own (as it keeps
+its ``state_dtype``). int8 state dicts keep their codes under their own names and do not load into
+torch.optim: convert with ``CPUAdam.to_torch_state_dict`` (adam_state_dict.py says why).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
-import math
-import reprlib
 from typing import Iterable
 
 import torch
 
-from . import ops
+from . import adam_state_dict as sdict, ops
+from .adam_state_dict import MOMENT_KEYS as _MOMENT_KEYS
+
+# torch.optim's flags that choose how its step runs, not what it computes: a loaded group's are
+# replaced by this optimizer's (None/False: anything else is refused by _check_group)
+_IMPL_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
+_REFUSED = {
+    "amsgrad": "the C++ kernel has no max(exp_avg_sq) state; use torch.optim.AdamW(amsgrad=True)",
+    "foreach": "CPUAdam always runs its own multi-threaded C++ kernel; leave foreach None or False",
+    "fused": "CPUAdam always runs its own fused C++ kernel; leave fused None or False",
+    "capturable": "it is for CUDA graphs and CPUAdam steps CPU parameters; leave it False",
+    "differentiable": "autograd does not record the C++ step; leave it False",
+}
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -33,6 +52,13 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: bool = True,
         num_threads: int | None = None,
         state_dtype: str = "fp32",
+        *,
+        maximize: bool = False,
+        amsgrad: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ):
         try:  # before torch sees them: None, a string or nan would otherwise pass or fail obscurely
             ops.check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -44,26 +70,36 @@ class CPUAdam(torch.optim.Optimizer):
         ops.check_num_threads(num_threads)  # the kernels' check, now rather than at the first step
         self._state_dtype = state_dtype
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                        state_dtype=state_dtype)
+                        state_dtype=state_dtype, maximize=maximize, amsgrad=amsgrad, foreach=foreach, fused=fused,
+                        capturable=capturable, differentiable=differentiable)
+        try:  # a refused flag, by name, before torch's checks
+            _check_group(defaults)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"CPUAdam: {e}") from None
         super().__init__(params, defaults)  # each group through add_param_group, checked there
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then this group's params (CPU, float32/bfloat16/float16), ``state_dtype`` and
         hyper-parameters are checked: a group added after construction is refused whole, here,
-        rather than at a later step."""
+        rather than at a later step. A param listed twice is refused (torch only warns: each step
+        would update it twice)."""
+        index = len(self.param_groups)
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not isinstance(params, (torch.Tensor, set)):
+            param_group["params"] = params = list(params)
+            tensors = [q[1] if isinstance(q, tuple) and len(q) == 2 else q for q in params]
+            seen = {}
+            for i, t in enumerate(tensors):
+                if id(t) in seen:
+                    raise ValueError(f"CPUAdam param group {index}: params {seen[id(t)]} and {i} are the same tensor "
+                                     "(each step would update it twice); list each param once")
+                seen[id(t)] = i
         super().add_param_group(param_group)
-        group, index = self.param_groups[-1], len(self.param_groups) - 1
+        group = self.param_groups[-1]
         try:
             for p in group["params"]:
                 _check_param(p, index)
-            if not isinstance(group["adamw_mode"], bool):  # "false" would be true
-                raise TypeError(f"CPUAdam param group {index}: adamw_mode must be a bool, got {group['adamw_mode']!r}")
-            try:
-                ops.check_state_dtype(group["state_dtype"])
-                ops.check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                          weight_decay=group["weight_decay"])
-            except ValueError as e:
-                raise ValueError(f"CPUAdam param group {index}: {e}") from None
+            _check_group(group, index)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -81,6 +117,10 @@ class CPUAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             group.setdefault("adamw_mode", bool(group.get("decoupled_weight_decay", True)))
             group.setdefault("state_dtype", getattr(self, "_state_dtype", "fp32"))
+            group.setdefault("maximize", False)
+            group.setdefault("amsgrad", False)
+            for k, v in _IMPL_FLAGS.items():
+                group.setdefault(k, v)
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
@@ -95,21 +135,16 @@ class CPUAdam(torch.optim.Optimizer):
         # Every check and state conversion first, then the updates: a refused step updates no param.
         todo, index = [], 0  # index: a param's first element among the optimizer's params (rounding counter)
         for gi, group in enumerate(self.param_groups):
-            for flag in ("amsgrad", "maximize"):  # may come in with a torch.optim.Adam(W) state dict
-                if group.get(flag):
-                    raise ValueError(f"CPUAdam does not support {flag}=True (param group loaded from another optimizer?)")
-            try:  # a scheduler may have set them since the last step
-                ops.check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                          weight_decay=group["weight_decay"])
-            except ValueError as e:
-                raise ValueError(f"CPUAdam param group {gi}: {e}") from None
+            _check_group(group, gi)  # a scheduler (or an edit) may have changed it since the last step
             for p in group["params"]:
                 index += p.numel()
                 if p.grad is None:
                     continue
                 _check_param(p, gi)  # again: p.data may have been replaced since the group was added
-                if p.grad.is_sparse:
-                    raise TypeError("CPUAdam does not support sparse gradients")
+                if p.grad.layout != torch.strided:
+                    raise TypeError(f"CPUAdam does not support sparse gradients: the grad of a {tuple(p.shape)} param "
+                                    f"in group {gi} is {p.grad.layout} (nn.Embedding(sparse=True)? use "
+                                    "sparse=False)")
                 if (p.grad.dtype not in (torch.float32, torch.bfloat16, torch.float16) or p.grad.shape != p.shape
                         or p.grad.device != p.device):
                     raise TypeError(f"the grad of a {tuple(p.shape)} param is {str(p.grad.dtype)[6:]} "
@@ -127,9 +162,11 @@ class CPUAdam(torch.optim.Optimizer):
             # in a contiguous copy, in its logical element order like the grad and the moments, then
             # copied back: the kernel reads and writes flat arrays.
             work = p.contiguous()
+            # torch's maximize: the step descends -grad (negation is exact, so the math is torch's)
+            grad = p.grad.neg() if group["maximize"] else p.grad
             ops.adam_step(
                 state["master"] if half else work,
-                p.grad.contiguous(),  # a read-only input: a copy here loses nothing
+                grad.contiguous(),  # a read-only input: a copy here loses nothing
                 **moments,
                 param_out=work if half else None,
                 step=int(state["step"].item()) + 1,
@@ -179,81 +216,99 @@ class CPUAdam(torch.optim.Optimizer):
             state["master"].view(p.shape).copy_(p.detach())
         return state
 
+    def state_dict(self) -> dict:
+        """torch's, with int8 codes under their own names (adam_state_dict.py says why); the
+        state_dict post hooks see (and may replace) that dict, as in torch."""
+        with _hooks_set_aside(self, "_optimizer_state_dict_post_hooks") as (post_hooks,):
+            state_dict = super().state_dict()
+        state_dict["state"] = {pid: sdict.packed(st) for pid, st in state_dict["state"].items()}
+        for hook in post_hooks:
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
+
+    to_torch_state_dict = staticmethod(sdict.to_torch_state_dict)
+
     def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = _readable(state_dict)
-        # torch.optim casts every floating state tensor to its param's dtype (and would turn int8
-        # codes into floats): the fp32 master and compact moments are put back exactly as saved.
-        exact = {pid: {k: v for k, v in st.items() if k in _EXACT_KEYS and torch.is_tensor(v)}
-                 for pid, st in state_dict["state"].items()}
-        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-        by_id = dict(zip(saved_ids, params))
-        if [len(g["params"]) for g in state_dict["param_groups"]] == [len(g["params"]) for g in self.param_groups]:
-            for pid, st in state_dict["state"].items():  # refused before anything is loaded
+        """torch's, in torch's order (the load_state_dict pre hooks see the dict first, the post
+        hooks the loaded state), with every saved state and group checked before anything loads,
+        and the fp32 master and compact moments kept exactly as saved (torch.optim casts every
+        floating state tensor to its param's dtype, and would turn int8 codes into floats)."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # (torch's shallow copy, which its pre hooks get)
+        with _hooks_set_aside(self, "_optimizer_load_state_dict_pre_hooks",
+                              "_optimizer_load_state_dict_post_hooks") as (pre_hooks, post_hooks):
+            for hook in pre_hooks:
+                result = hook(self, state_dict)
+                state_dict = state_dict if result is None else result
+            state_dict = sdict.readable(state_dict)
+            exact = {pid: {k: v for k, v in st.items() if k in sdict.EXACT_KEYS and torch.is_tensor(v)}
+                     for pid, st in state_dict["state"].items()}
+            saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+            params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+            by_id = dict(zip(saved_ids, params))
+            # (groups that do not match: torch's load_state_dict below says so, before loading anything)
+            loaded = [_loaded_group(saved, mine) for saved, mine in zip(state_dict["param_groups"], self.param_groups)]
+            if [len(g["params"]) for g in state_dict["param_groups"]] == [len(g["params"]) for g in self.param_groups]:
+                for i, group in enumerate(loaded):  # refused before anything is loaded
+                    try:
+                        _check_group(group, i)
+                    except (TypeError, ValueError) as e:
+                        raise type(e)(f"{e} (in the state dict being loaded)") from None
+                for pid, st in state_dict["state"].items():
+                    if pid in by_id:
+                        sdict.check_saved_state(st, by_id[pid], pid)
+            super().load_state_dict(state_dict)
+            for group, values in zip(self.param_groups, loaded):
+                group.update(values)
+            for pid, values in exact.items():
                 if pid in by_id:
-                    _check_saved_state(st, by_id[pid], pid)
-        # (groups that do not match: torch's load_state_dict below says so, before loading anything)
-        # The storage is this optimizer's choice, not the checkpoint's: moments saved with another
-        # state_dtype are converted at the next step.
-        mine = [g["state_dtype"] for g in self.param_groups]
-        super().load_state_dict(state_dict)
-        for group, state_dtype in zip(self.param_groups, mine):
-            group["state_dtype"] = state_dtype
-        for pid, values in exact.items():
-            if pid in by_id:
-                self.state[by_id[pid]].update({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-                                               for k, v in values.items()})
+                    self.state[by_id[pid]].update({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+                                                   for k, v in values.items()})
+        for hook in post_hooks:
+            hook(self)
 
 
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
-_EXACT_KEYS = _MOMENT_KEYS + ("master",)
-
-
-def _readable(state_dict) -> dict:
-    """``state_dict`` with torch.optim's outline checked (a clear error instead of a KeyError deep
-    in torch) and, in a shallow copy, moments saved in float16/float64 (torch.optim.AdamW's, of
-    fp16/fp64 params) widened/rounded to float32, as torch would cast them to an fp32 param."""
-    if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
-            and isinstance(state_dict.get("param_groups"), list)
-            and all(isinstance(g, dict) and "params" in g for g in state_dict["param_groups"])):
-        raise ValueError("CPUAdam.load_state_dict: expected an optimizer state dict, {'state': {param id: dict}, "
-                         f"'param_groups': [dict with 'params']}}; got {reprlib.repr(state_dict)}")
-    for pid, st in state_dict["state"].items():
-        if not isinstance(st, dict):
-            raise ValueError(f"optimizer state of param {pid}: expected a dict, got {type(st).__name__}")
-    state = {pid: {k: v.float() if k in _MOMENT_KEYS[:2] and torch.is_tensor(v)
-                   and v.dtype in (torch.float16, torch.float64) else v for k, v in st.items()}
-             for pid, st in state_dict["state"].items()}
-    return {**state_dict, "state": state}
-
-
-def _check_saved_state(st, p: torch.Tensor, pid) -> None:
-    """One param's saved state against its param: a step count (an int >= 0, as a number or a
-    one-element tensor), moments that pair up and have its size, an fp32 master of its size. Anything
-    else was not written by an Adam (or is damaged): refused, naming the param and the entry."""
-    where = f"optimizer state of param {pid} (shape {tuple(p.shape)})"
-    if not st:  # (a dict: _readable checked)
-        return
-    step = st.get("step")
-    if step is None:
-        raise ValueError(f"{where}: step is missing (Adam's per-param step count)")
-    value = step.item() if torch.is_tensor(step) and step.numel() == 1 else step
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0 and value == int(value)):
-        raise ValueError(f"{where}: step must be a whole number >= 0, got {step!r}")
+@contextlib.contextmanager
+def _hooks_set_aside(opt, *names):
+    """The hooks in ``opt``'s dicts ``names``, taken out while torch's method runs (CPUAdam runs
+    them itself, before or after its own part, where torch would) and put back after."""
+    saved = [getattr(opt, name) for name in names]
+    for name, hooks in zip(names, saved):
+        setattr(opt, name, type(hooks)())
     try:
-        kind = ops.state_dtype_of({k: v.reshape(-1) if torch.is_tensor(v) else v for k, v in st.items()
-                                   if k in _MOMENT_KEYS}, numel=p.numel())
-        if kind == "int8":
-            ops.check_scales(st["exp_avg_scale"], st["exp_avg_sq_scale"])
-            ops.check_int8_codes(st.get("int8_codes", 1))
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{where}: {e}") from None
-    master = st.get("master")
-    if master is not None and not (torch.is_tensor(master) and master.dtype == torch.float32
-                                   and master.numel() == p.numel()):
-        got = f"{str(master.dtype)[6:]} of {master.numel()} elements" if torch.is_tensor(master) else repr(master)
-        raise TypeError(f"{where}: master must be float32 of {p.numel()} elements, got {got}")
+        yield [list(hooks.values()) for hooks in saved]
+    finally:
+        for name, hooks in zip(names, saved):
+            setattr(opt, name, hooks)
+
+
+def _loaded_group(saved: dict, mine: dict) -> dict:
+    """The keys of a saved group that CPUAdam sets as they will be after the load: the math of the
+    saved one (adamw_mode, or torch's decoupled_weight_decay; maximize; amsgrad), this optimizer's
+    storage (state_dtype) and implementation flags. The other keys are the saved ones."""
+    out = {k: saved[k] for k in ("lr", "betas", "eps", "weight_decay") if k in saved}
+    out.update(adamw_mode=saved.get("adamw_mode", bool(saved.get("decoupled_weight_decay", True))),
+               maximize=saved.get("maximize", False), amsgrad=saved.get("amsgrad", False),
+               state_dtype=mine["state_dtype"], **{k: mine.get(k, v) for k, v in _IMPL_FLAGS.items()})
+    return out
+
+
+def _check_group(group: dict, index: int | None = None) -> None:
+    """A group's flags and hyper-parameters as a step uses them; the error names the group and the key."""
+    where = "" if index is None else f"CPUAdam param group {index}: "
+    for key in ("adamw_mode", "maximize"):
+        if key in group and not isinstance(group[key], bool):  # "false" would be true
+            raise TypeError(f"{where}{key} must be a bool, got {group[key]!r}")
+    for key, why in _REFUSED.items():
+        if group.get(key) not in (None, False):
+            raise ValueError(f"{where}{key}={group[key]!r} is not supported: {why}")
+    try:
+        ops.check_state_dtype(group.get("state_dtype", "fp32"))
+        ops.check_hyperparameters(lr=group.get("lr"), betas=group.get("betas"), eps=group.get("eps"),
+                                  weight_decay=group.get("weight_decay"))
+    except ValueError as e:
+        raise ValueError(f"{where}{e}") from None
 
 
 def _flat(state: dict) -> dict:
@@ -275,6 +330,9 @@ def _dtype_of(state: dict, numel: int | None = None) -> str:
 
 
 def _check_param(p: torch.Tensor, group: int) -> None:
+    if p.layout != torch.strided:
+        raise TypeError(f"CPUAdam param group {group}: needs dense parameters; got a {p.layout} one "
+                        f"(shape {tuple(p.shape)}): the kernel updates flat arrays")
     if p.device.type != "cpu":
         raise ValueError(f"CPUAdam param group {group}: needs CPU parameters; got one on {p.device}")
     if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -157,6 +157,18 @@ def bf16_stochastic(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     return out.to(torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
+def m_bound(beta1: float, beta2: float, step: int) -> float:
+    """(1-beta1) sqrt(sum_{j<step} (beta1^2/beta2)^j / (1-beta2)): max |m| / sqrt(v) of exact Adam
+    after ``step`` steps (Cauchy-Schwarz), plus 1/64; inf where it does not exist or overflows."""
+    r = beta1 * beta1 / beta2 if beta2 > 0 else math.inf
+    try:
+        total = float(step) if r == 1.0 else 1.0 if r == 0.0 else (r**step - 1.0) / (r - 1.0)
+    except OverflowError:
+        return math.inf
+    bound = (1.0 - beta1) * math.sqrt(total / (1.0 - beta2)) * (1.0 + 1.0 / 64)  # 1/64 to spare
+    return bound if math.isfinite(bound) else math.inf
+
+
 def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale=1.0,
               round_index=0, compact_math=False):
     """One step on fp32 ``p`` (in place) with moments stored as the kernel stores them; ``state``
@@ -179,6 +191,10 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
     p1 = p * f32(1.0 - lr * weight_decay if adamw else 1.0)
     m = fma32(f32(1.0 - beta1), g - m0, m0)
     v = fma32(f32(1.0 - beta2), g * g, v0 * f32(beta2))
+    if compact:  # csrc/adam.h bound_m: |m| <= bound * sqrt(v), exact Adam's Cauchy-Schwarz bound
+        bound = m_bound(beta1, beta2, step)
+        over = m * m > f32(bound * bound) * v
+        m = torch.where(over, torch.copysign(f32(bound) * v.double().sqrt().float(), m), m)
     # sqrt and / evaluated in fp64 then rounded once: correctly rounded fp32 results (fp64 has more
     # than 2 * 24 + 2 bits, so the double rounding is innocuous), whatever torch's own kernels do
     if compact:
