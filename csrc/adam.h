@@ -50,8 +50,8 @@ struct AdamArgs {
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed in double
   float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step), in double: the compact kinds' form
   // The compact kinds' bound on the new exp_avg: |m| <= m_bound * sqrt(v), which exact Adam moments
-  // always meet (make_adam_args derives it); m_bound_sq = m_bound^2, the test's form. +inf: none.
-  float m_bound, m_bound_sq;
+  // always meet (make_adam_args derives it). +inf: none.
+  float m_bound;
   // BF16 moments and Q8's exp_avg_sq are stored with stochastic rounding (f32_to_bf16_sr, q_v_sr
   // in quant.h). BF16's 32 random bits of element i are mix32(uint32(round_index + i) ^ round_seed)
   // (round_bits), Q8's 20 are q8_round_bits(round_index + i, round_seed): pure functions of (step,
@@ -169,9 +169,19 @@ inline void store_out(void* out, DType dt, size_t i, float v) {
 // to ~26 and those params moved up to 8 in 50 steps of lr 1e-3 (torch: 0.05). Clamping m to the
 // bound (plus 1/64, make_adam_args) changes nothing where the moments are exact, nor bf16's, and
 // caps such a step at exact Adam's worst. The fp32 moments (torch's math) are never bounded.
-// Tested as m*m > m_bound_sq * v (two products: no square root unless a lane is over).
+// m is clamped to [-lim, lim], lim = m_bound * sqrt(v), with the comparisons of x86's max/min (the
+// second operand when either is NaN), so the vector kernels are one max and one min, no branch. A
+// first form tested m*m > m_bound^2 * v and took the square root only in a branch; the branch was
+// taken in most vectors of the early steps, where int8's rounding puts the moments near the bound.
+// The int8 kernels clamp in the pass that decodes, before the block's absmax, and take the square
+// root again for the denominator: clamping in the second pass, beside the denominator's square
+// root, would leave the scale at the absmax before the clamp, which an int8 block shared by two
+// runs of params (decoded to fp32, updated, re-encoded whole: engine/moments.py) cannot reproduce.
+// A NaN m stays NaN; a NaN lim (v NaN, or an infinite bound times v = 0) leaves m as it is.
 inline void bound_m(const AdamArgs& a, float& m, float v) {
-  if (m * m > a.m_bound_sq * v) m = std::copysign(a.m_bound * std::sqrt(v), m);
+  const float lim = a.m_bound * std::sqrt(v);
+  const float t = -lim > m ? -lim : m;  // max_ps(-lim, m)
+  m = lim < t ? lim : t;                // min_ps(lim, t)
 }
 
 // The canonical update of one element: g already widened and scaled; returns the new param and

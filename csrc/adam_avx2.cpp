@@ -95,22 +95,21 @@ inline void store_bf16(void* base, size_t i, __m128i h) {
 
 struct Consts {
   // bc2: sqrt(1 - beta2^t), or its reciprocal for the compact math (one register either way)
-  __m256 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step, mb, mb2;
+  __m256 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step, mb;
   Consts(const AdamArgs& a, bool compact)
       : scale(_mm256_set1_ps(a.grad_scale)), l2(_mm256_set1_ps(a.l2)), decay(_mm256_set1_ps(a.decay)),
         b2(_mm256_set1_ps(a.beta2)), omb1(_mm256_set1_ps(a.one_minus_beta1)),
         omb2(_mm256_set1_ps(a.one_minus_beta2)),
         bc2(_mm256_set1_ps(compact ? a.inv_bias_correction2_sqrt : a.bias_correction2_sqrt)),
-        eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)), mb(_mm256_set1_ps(a.m_bound)),
-        mb2(_mm256_set1_ps(a.m_bound_sq)) {}
+        eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)), mb(_mm256_set1_ps(a.m_bound)) {}
 };
 
-// bound_m (adam.h), lane by lane; the square root only when a lane is over (rare: 8-bit outliers)
+// bound_m (adam.h), lane by lane: max_ps/min_ps return their second operand when either is NaN,
+// bound_m's comparisons
 inline __m256 bound_m_vec(const Consts& c, __m256 m, __m256 v) {
-  const __m256 over = _mm256_cmp_ps(_mm256_mul_ps(m, m), _mm256_mul_ps(c.mb2, v), _CMP_GT_OQ);
-  if (_mm256_movemask_ps(over) == 0) return m;
-  const __m256 lim = _mm256_mul_ps(c.mb, _mm256_sqrt_ps(v));  // >= 0: m's sign bit is or-ed in
-  return _mm256_blendv_ps(m, _mm256_or_ps(lim, _mm256_andnot_ps(abs_mask(), m)), over);
+  const __m256 lim = _mm256_mul_ps(c.mb, _mm256_sqrt_ps(v));
+  const __m256 t = _mm256_max_ps(_mm256_xor_ps(lim, _mm256_set1_ps(-0.0f)), m);
+  return _mm256_min_ps(lim, t);
 }
 
 // adam_math, lane by lane, in its two halves: the new moments, then the param from them.

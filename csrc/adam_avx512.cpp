@@ -99,23 +99,22 @@ inline void store_bf16(void* base, size_t i, __m256i h) {
 
 struct Consts {
   // bc2: sqrt(1 - beta2^t), or its reciprocal for the compact math (one register either way)
-  __m512 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step, mb, mb2;
+  __m512 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step, mb;
   Consts(const AdamArgs& a, bool compact)
       : scale(_mm512_set1_ps(a.grad_scale)), l2(_mm512_set1_ps(a.l2)), decay(_mm512_set1_ps(a.decay)),
         b2(_mm512_set1_ps(a.beta2)), omb1(_mm512_set1_ps(a.one_minus_beta1)),
         omb2(_mm512_set1_ps(a.one_minus_beta2)),
         bc2(_mm512_set1_ps(compact ? a.inv_bias_correction2_sqrt : a.bias_correction2_sqrt)),
-        eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)), mb(_mm512_set1_ps(a.m_bound)),
-        mb2(_mm512_set1_ps(a.m_bound_sq)) {}
+        eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)), mb(_mm512_set1_ps(a.m_bound)) {}
 };
 
-// bound_m (adam.h), lane by lane; the square root only when a lane is over (rare: 8-bit outliers)
+// bound_m (adam.h), lane by lane: max_ps/min_ps return their second operand when either is NaN,
+// bound_m's comparisons
 inline __m512 bound_m_vec(const Consts& c, __m512 m, __m512 v) {
-  const __mmask16 over = _mm512_cmp_ps_mask(_mm512_mul_ps(m, m), _mm512_mul_ps(c.mb2, v), _CMP_GT_OQ);
-  if (over == 0) return m;
-  const __m512i lim = _mm512_castps_si512(_mm512_mul_ps(c.mb, _mm512_sqrt_ps(v)));  // >= 0: m's sign or-ed in
-  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  return _mm512_mask_blend_ps(over, m, _mm512_castsi512_ps(_mm512_or_si512(lim, sign)));
+  const __m512 lim = _mm512_mul_ps(c.mb, _mm512_sqrt_ps(v));
+  const __m512 neg = _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(lim), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  return _mm512_min_ps(lim, _mm512_max_ps(neg, m));
 }
 
 // adam_math, lane by lane.

@@ -30,7 +30,6 @@ AdamArgs make_adam_args(long step, double lr, double beta1, double beta2, double
                      : r == 0.0 ? 1.0 : (std::pow(r, static_cast<double>(step)) - 1.0) / (r - 1.0);
   const double bound = (1.0 - beta1) * std::sqrt(sum / (1.0 - beta2)) * (1.0 + 1.0 / 64);
   a.m_bound = std::isfinite(bound) ? static_cast<float>(bound) : INFINITY;
-  a.m_bound_sq = std::isfinite(bound) ? static_cast<float>(bound * bound) : INFINITY;
   a.round_seed = round_seed_of(step);
   return a;
 }

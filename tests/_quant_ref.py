@@ -193,8 +193,9 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
     v = fma32(f32(1.0 - beta2), g * g, v0 * f32(beta2))
     if compact:  # csrc/adam.h bound_m: |m| <= bound * sqrt(v), exact Adam's Cauchy-Schwarz bound
         bound = m_bound(beta1, beta2, step)
-        over = m * m > f32(bound * bound) * v
-        m = torch.where(over, torch.copysign(f32(bound) * v.double().sqrt().float(), m), m)
+        lim = f32(bound) * v.double().sqrt().float()  # the clamp with x86 max/min's NaN rule, as bound_m
+        t = torch.where(-lim > m, -lim, m)
+        m = torch.where(lim < t, lim, t)
     # sqrt and / evaluated in fp64 then rounded once: correctly rounded fp32 results (fp64 has more
     # than 2 * 24 + 2 bits, so the double rounding is innocuous), whatever torch's own kernels do
     if compact:
