@@ -178,10 +178,11 @@ inline void store_out(void* out, DType dt, size_t i, float v) {
 // root, would leave the scale at the absmax before the clamp, which an int8 block shared by two
 // runs of params (decoded to fp32, updated, re-encoded whole: engine/moments.py) cannot reproduce.
 // A NaN m stays NaN; a NaN lim (v NaN, or an infinite bound times v = 0) leaves m as it is.
-inline void bound_m(const AdamArgs& a, float& m, float v) {
-  const float lim = a.m_bound * std::sqrt(v);
+// sqrt_v: sqrt(v), the one the denominator takes too.
+inline float bound_m(const AdamArgs& a, float m, float sqrt_v) {
+  const float lim = a.m_bound * sqrt_v;
   const float t = -lim > m ? -lim : m;  // max_ps(-lim, m)
-  m = lim < t ? lim : t;                // min_ps(lim, t)
+  return lim < t ? lim : t;             // min_ps(lim, t)
 }
 
 // The canonical update of one element: g already widened and scaled; returns the new param and
@@ -196,9 +197,10 @@ inline float adam_math(const AdamArgs& a, float g, float p, float m0, float v0, 
   p = p * a.decay;
   m = std::fma(a.one_minus_beta1, g - m0, m0);
   v = std::fma(a.one_minus_beta2, g * g, v0 * a.beta2);
-  if constexpr (Compact) bound_m(a, m, v);
-  const float denom = Compact ? std::fma(std::sqrt(v), a.inv_bias_correction2_sqrt, a.eps)
-                              : std::sqrt(v) / a.bias_correction2_sqrt + a.eps;
+  const float sqrt_v = std::sqrt(v);
+  if constexpr (Compact) m = bound_m(a, m, sqrt_v);
+  const float denom = Compact ? std::fma(sqrt_v, a.inv_bias_correction2_sqrt, a.eps)
+                              : sqrt_v / a.bias_correction2_sqrt + a.eps;
   return std::fma(-a.step_size, m / denom, p);
 }
 

@@ -106,33 +106,36 @@ struct Consts {
 
 // bound_m (adam.h), lane by lane: max_ps/min_ps return their second operand when either is NaN,
 // bound_m's comparisons
-inline __m256 bound_m_vec(const Consts& c, __m256 m, __m256 v) {
-  const __m256 lim = _mm256_mul_ps(c.mb, _mm256_sqrt_ps(v));
+inline __m256 bound_m_vec(const Consts& c, __m256 m, __m256 sqrt_v) {
+  const __m256 lim = _mm256_mul_ps(c.mb, sqrt_v);
   const __m256 t = _mm256_max_ps(_mm256_xor_ps(lim, _mm256_set1_ps(-0.0f)), m);
   return _mm256_min_ps(lim, t);
 }
 
-// adam_math, lane by lane, in its two halves: the new moments, then the param from them.
+// adam_math, lane by lane, in its two halves: the new moments (and sqrt(v), returned), then the param
+// from them.
 template <bool L2, bool Compact>
-inline void moments_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
+inline __m256 moments_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
   if constexpr (L2) g = _mm256_fmadd_ps(c.l2, p, g);
   m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m0), m0);
   v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v0, c.b2));
-  if constexpr (Compact) m = bound_m_vec(c, m, v);
+  const __m256 sqrt_v = _mm256_sqrt_ps(v);
+  if constexpr (Compact) m = bound_m_vec(c, m, sqrt_v);
+  return sqrt_v;
 }
 
 template <bool Compact>
-inline __m256 param_vec(const Consts& c, __m256 p, __m256 m, __m256 v) {
+inline __m256 param_vec(const Consts& c, __m256 p, __m256 m, __m256 sqrt_v) {
   p = _mm256_mul_ps(p, c.decay);
-  const __m256 denom = Compact ? _mm256_fmadd_ps(_mm256_sqrt_ps(v), c.bc2, c.eps)
-                               : _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2), c.eps);
+  const __m256 denom = Compact ? _mm256_fmadd_ps(sqrt_v, c.bc2, c.eps)
+                               : _mm256_add_ps(_mm256_div_ps(sqrt_v, c.bc2), c.eps);
   return _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, denom), p);
 }
 
 template <bool L2, bool Compact>
 inline __m256 adam_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
-  moments_vec<L2, Compact>(c, g, p, m0, v0, m, v);
-  return param_vec<Compact>(c, p, m, v);
+  const __m256 sqrt_v = moments_vec<L2, Compact>(c, g, p, m0, v0, m, v);
+  return param_vec<Compact>(c, p, m, sqrt_v);
 }
 
 template <DType G, int Out, bool L2, bool NT, StateKind S>
@@ -213,7 +216,8 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     __m256i weyl = weyl_of(a.round_index + b);
     auto param = [&](size_t j) {
       const size_t i = b + j;
-      const __m256 p = param_vec<true>(c, _mm256_loadu_ps(params + i), _mm256_load_ps(mb + j), _mm256_load_ps(vb + j));
+      const __m256 p = param_vec<true>(c, _mm256_loadu_ps(params + i), _mm256_load_ps(mb + j),
+                                       _mm256_sqrt_ps(_mm256_load_ps(vb + j)));
       _mm256_storeu_ps(params + i, p);
       store_o<Out, NT>(out, i, p);
     };

@@ -110,8 +110,8 @@ struct Consts {
 
 // bound_m (adam.h), lane by lane: max_ps/min_ps return their second operand when either is NaN,
 // bound_m's comparisons
-inline __m512 bound_m_vec(const Consts& c, __m512 m, __m512 v) {
-  const __m512 lim = _mm512_mul_ps(c.mb, _mm512_sqrt_ps(v));
+inline __m512 bound_m_vec(const Consts& c, __m512 m, __m512 sqrt_v) {
+  const __m512 lim = _mm512_mul_ps(c.mb, sqrt_v);
   const __m512 neg = _mm512_castsi512_ps(
       _mm512_xor_si512(_mm512_castps_si512(lim), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
   return _mm512_min_ps(lim, _mm512_max_ps(neg, m));
@@ -124,9 +124,10 @@ inline __m512 adam_vec(const Consts& c, __m512 g, __m512 p, __m512 m0, __m512 v0
   p = _mm512_mul_ps(p, c.decay);
   m = _mm512_fmadd_ps(c.omb1, _mm512_sub_ps(g, m0), m0);
   v = _mm512_fmadd_ps(c.omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(v0, c.b2));
-  if constexpr (Compact) m = bound_m_vec(c, m, v);
-  const __m512 denom = Compact ? _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.bc2, c.eps)
-                               : _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2), c.eps);
+  const __m512 sqrt_v = _mm512_sqrt_ps(v);
+  if constexpr (Compact) m = bound_m_vec(c, m, sqrt_v);
+  const __m512 denom = Compact ? _mm512_fmadd_ps(sqrt_v, c.bc2, c.eps)
+                               : _mm512_add_ps(_mm512_div_ps(sqrt_v, c.bc2), c.eps);
   return _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, denom), p);
 }
 
