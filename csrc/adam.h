@@ -7,8 +7,13 @@
 //   AdamW: p *= 1 - lr*wd                 Adam: g += wd*p
 //   m = lerp(m, g, 1-beta1)   v = beta2*v + (1-beta2)*g*g
 //   p -= lr/(1-beta1^t) * m / (sqrt(v)/sqrt(1-beta2^t) + eps)
-// adam_math below is the canonical per-element form (with its fused multiply-adds); make_adam_args
-// (adam_scalar.cpp) turns the hyper-parameters into the per-step constants.
+// adam_math below is the canonical per-element form; make_adam_args (adam_scalar.cpp) turns the
+// hyper-parameters into the per-step constants. With fp32 moments it performs the operations of
+// torch's CPU kernels as the x86 wheels compile them (ATen's vectorized loops, whose a + b * c the
+// compiler fuses): add(alpha) is fma(wd, p, g); lerp is fma(w, g - m, m) for w < 0.5, else
+// fma(w - 1, g - m, g); addcmul is fma((1-beta2) * g, g, beta2 * v); addcdiv is p + (-step * m) / d,
+// each operation rounded to fp32. So fp32 moments equal torch.optim.AdamW(foreach=False) bit for bit
+// there (tests/test_ops.py checks that torch's own kernels fuse that way before it asks for it).
 //
 // Every instruction set implements exactly these operations lane by lane (the same fused
 // multiply-adds, true division and square root), so the scalar, AVX2 and AVX512 paths give
@@ -42,7 +47,11 @@ struct AdamArgs {
   DType out_dtype;
   StateKind state;
   float grad_scale;        // multiplies the gradient in-register (loss-scale unscale * clip coef)
-  float beta1, beta2, one_minus_beta1, one_minus_beta2;
+  float beta1, beta2, one_minus_beta2;
+  // exp_avg's lerp as torch computes it: m = fma(lerp_weight, g - m0, lerp_from_grad ? g : m0), with
+  // lerp_weight = 1 - beta1 when that is < 0.5 (any usual beta1), else (1 - beta1) - 1 in fp32, from g.
+  float lerp_weight;
+  bool lerp_from_grad;
   float eps;
   float decay;             // AdamW: 1 - lr * wd (applied to the param before the update); 1 otherwise
   float l2;                // Adam (not W): weight decay added to the gradient; 0 otherwise
@@ -173,9 +182,8 @@ inline void store_out(void* out, DType dt, size_t i, float v) {
 // second operand when either is NaN), so the vector kernels are one max and one min, no branch. A
 // first form tested m*m > m_bound^2 * v and took the square root only in a branch; the branch was
 // taken in most vectors of the early steps, where int8's rounding puts the moments near the bound.
-// The int8 kernels clamp in the pass that decodes, before the block's absmax, and take the square
-// root again for the denominator: clamping in the second pass, beside the denominator's square
-// root, would leave the scale at the absmax before the clamp, which an int8 block shared by two
+// The int8 kernels clamp in the pass that decodes, before the block's absmax, and keep sqrt(v) for
+// the denominator (AVX2: in L1 beside the moments): clamping in the pass of the denominator would leave the scale at the absmax before the clamp, which an int8 block shared by two
 // runs of params (decoded to fp32, updated, re-encoded whole: engine/moments.py) cannot reproduce.
 // A NaN m stays NaN; a NaN lim (v NaN, or an infinite bound times v = 0) leaves m as it is.
 // sqrt_v: sqrt(v), the one the denominator takes too.
@@ -190,18 +198,20 @@ inline float bound_m(const AdamArgs& a, float m, float sqrt_v) {
 // Compact (bf16 and 8-bit moments): sqrt(v) times the reciprocal of the bias correction, one fma,
 // instead of a division: <= 1 ulp from torch's denominator, far below the moments' own storage
 // rounding, and one of the three divider operations per element (the divider is what bounds
-// the compact kernels, which move fewer bytes). fp32 moments keep torch's form bit for bit.
+// the compact kernels, which move fewer bytes); and the param's update as one fma. fp32 moments
+// keep torch's form bit for bit.
 template <bool Compact>
 inline float adam_math(const AdamArgs& a, float g, float p, float m0, float v0, float& m, float& v) {
   if (a.l2 != 0.0f) g = std::fma(a.l2, p, g);
   p = p * a.decay;
-  m = std::fma(a.one_minus_beta1, g - m0, m0);
-  v = std::fma(a.one_minus_beta2, g * g, v0 * a.beta2);
+  m = std::fma(a.lerp_weight, g - m0, a.lerp_from_grad ? g : m0);
+  v = std::fma(a.one_minus_beta2 * g, g, v0 * a.beta2);
   const float sqrt_v = std::sqrt(v);
   if constexpr (Compact) m = bound_m(a, m, sqrt_v);
   const float denom = Compact ? std::fma(sqrt_v, a.inv_bias_correction2_sqrt, a.eps)
                               : sqrt_v / a.bias_correction2_sqrt + a.eps;
-  return std::fma(-a.step_size, m / denom, p);
+  if constexpr (Compact) return std::fma(-a.step_size, m / denom, p);
+  return p + -a.step_size * m / denom;  // torch's addcdiv: (value * m) / denom, then the add
 }
 
 // A 32-bit integer hash with full avalanche (C. Wellons' "lowbias32": two multiplies, three

@@ -95,13 +95,15 @@ inline void store_bf16(void* base, size_t i, __m128i h) {
 
 struct Consts {
   // bc2: sqrt(1 - beta2^t), or its reciprocal for the compact math (one register either way)
-  __m256 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step, mb;
+  __m256 scale, l2, decay, b2, lw, omb2, bc2, eps, neg_step, mb;
+  bool lerp_from_grad;
   Consts(const AdamArgs& a, bool compact)
       : scale(_mm256_set1_ps(a.grad_scale)), l2(_mm256_set1_ps(a.l2)), decay(_mm256_set1_ps(a.decay)),
-        b2(_mm256_set1_ps(a.beta2)), omb1(_mm256_set1_ps(a.one_minus_beta1)),
+        b2(_mm256_set1_ps(a.beta2)), lw(_mm256_set1_ps(a.lerp_weight)),
         omb2(_mm256_set1_ps(a.one_minus_beta2)),
         bc2(_mm256_set1_ps(compact ? a.inv_bias_correction2_sqrt : a.bias_correction2_sqrt)),
-        eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)), mb(_mm256_set1_ps(a.m_bound)) {}
+        eps(_mm256_set1_ps(a.eps)), neg_step(_mm256_set1_ps(-a.step_size)), mb(_mm256_set1_ps(a.m_bound)),
+        lerp_from_grad(a.lerp_from_grad) {}
 };
 
 // bound_m (adam.h), lane by lane: max_ps/min_ps return their second operand when either is NaN,
@@ -117,8 +119,8 @@ inline __m256 bound_m_vec(const Consts& c, __m256 m, __m256 sqrt_v) {
 template <bool L2, bool Compact>
 inline __m256 moments_vec(const Consts& c, __m256 g, __m256 p, __m256 m0, __m256 v0, __m256& m, __m256& v) {
   if constexpr (L2) g = _mm256_fmadd_ps(c.l2, p, g);
-  m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m0), m0);
-  v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v0, c.b2));
+  m = _mm256_fmadd_ps(c.lw, _mm256_sub_ps(g, m0), c.lerp_from_grad ? g : m0);
+  v = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, g), g, _mm256_mul_ps(v0, c.b2));
   const __m256 sqrt_v = _mm256_sqrt_ps(v);
   if constexpr (Compact) m = bound_m_vec(c, m, sqrt_v);
   return sqrt_v;
@@ -129,7 +131,8 @@ inline __m256 param_vec(const Consts& c, __m256 p, __m256 m, __m256 sqrt_v) {
   p = _mm256_mul_ps(p, c.decay);
   const __m256 denom = Compact ? _mm256_fmadd_ps(sqrt_v, c.bc2, c.eps)
                                : _mm256_add_ps(_mm256_div_ps(sqrt_v, c.bc2), c.eps);
-  return _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, denom), p);
+  if constexpr (Compact) return _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, denom), p);
+  return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.neg_step, m), denom));  // adam_math's torch form
 }
 
 template <bool L2, bool Compact>

@@ -99,13 +99,15 @@ inline void store_bf16(void* base, size_t i, __m256i h) {
 
 struct Consts {
   // bc2: sqrt(1 - beta2^t), or its reciprocal for the compact math (one register either way)
-  __m512 scale, l2, decay, b2, omb1, omb2, bc2, eps, neg_step, mb;
+  __m512 scale, l2, decay, b2, lw, omb2, bc2, eps, neg_step, mb;
+  bool lerp_from_grad;
   Consts(const AdamArgs& a, bool compact)
       : scale(_mm512_set1_ps(a.grad_scale)), l2(_mm512_set1_ps(a.l2)), decay(_mm512_set1_ps(a.decay)),
-        b2(_mm512_set1_ps(a.beta2)), omb1(_mm512_set1_ps(a.one_minus_beta1)),
+        b2(_mm512_set1_ps(a.beta2)), lw(_mm512_set1_ps(a.lerp_weight)),
         omb2(_mm512_set1_ps(a.one_minus_beta2)),
         bc2(_mm512_set1_ps(compact ? a.inv_bias_correction2_sqrt : a.bias_correction2_sqrt)),
-        eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)), mb(_mm512_set1_ps(a.m_bound)) {}
+        eps(_mm512_set1_ps(a.eps)), neg_step(_mm512_set1_ps(-a.step_size)), mb(_mm512_set1_ps(a.m_bound)),
+        lerp_from_grad(a.lerp_from_grad) {}
 };
 
 // bound_m (adam.h), lane by lane: max_ps/min_ps return their second operand when either is NaN,
@@ -122,13 +124,14 @@ template <bool L2, bool Compact>
 inline __m512 adam_vec(const Consts& c, __m512 g, __m512 p, __m512 m0, __m512 v0, __m512& m, __m512& v) {
   if constexpr (L2) g = _mm512_fmadd_ps(c.l2, p, g);
   p = _mm512_mul_ps(p, c.decay);
-  m = _mm512_fmadd_ps(c.omb1, _mm512_sub_ps(g, m0), m0);
-  v = _mm512_fmadd_ps(c.omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(v0, c.b2));
+  m = _mm512_fmadd_ps(c.lw, _mm512_sub_ps(g, m0), c.lerp_from_grad ? g : m0);
+  v = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, g), g, _mm512_mul_ps(v0, c.b2));
   const __m512 sqrt_v = _mm512_sqrt_ps(v);
   if constexpr (Compact) m = bound_m_vec(c, m, sqrt_v);
   const __m512 denom = Compact ? _mm512_fmadd_ps(sqrt_v, c.bc2, c.eps)
                                : _mm512_add_ps(_mm512_div_ps(sqrt_v, c.bc2), c.eps);
-  return _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, denom), p);
+  if constexpr (Compact) return _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, denom), p);
+  return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c.neg_step, m), denom));  // adam_math's torch form
 }
 
 template <DType G, int Out, bool L2, bool NT, StateKind S>

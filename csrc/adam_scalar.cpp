@@ -12,7 +12,10 @@ AdamArgs make_adam_args(long step, double lr, double beta1, double beta2, double
   a.grad_scale = static_cast<float>(grad_scale);
   a.beta1 = static_cast<float>(beta1);
   a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  // torch's lerp: weight w = fp32(1 - beta1); |w| < 0.5: m + w (g - m), else g + (w - 1) (g - m), w - 1 in fp32
+  const float w = static_cast<float>(1.0 - beta1);
+  a.lerp_from_grad = !(std::fabs(w) < 0.5f);
+  a.lerp_weight = a.lerp_from_grad ? w - 1.0f : w;
   a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   a.eps = static_cast<float>(eps);
   a.decay = adamw ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;  // Loshchilov & Hutter, Alg. 2 line 12

@@ -189,8 +189,9 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
     if l2 != 0.0:
         g = fma32(f32(l2), p, g)
     p1 = p * f32(1.0 - lr * weight_decay if adamw else 1.0)
-    m = fma32(f32(1.0 - beta1), g - m0, m0)
-    v = fma32(f32(1.0 - beta2), g * g, v0 * f32(beta2))
+    w = f32(1.0 - beta1)  # torch's lerp: from m0 when |w| < 0.5, else from g with w - 1
+    m = fma32(w, g - m0, m0) if abs(float(w)) < 0.5 else fma32(w - 1, g - m0, g)
+    v = fma32(f32(1.0 - beta2) * g, g, v0 * f32(beta2))  # torch's addcmul as ATen's vector loop fuses it
     if compact:  # csrc/adam.h bound_m: |m| <= bound * sqrt(v), exact Adam's Cauchy-Schwarz bound
         bound = m_bound(beta1, beta2, step)
         lim = f32(bound) * v.double().sqrt().float()  # the clamp with x86 max/min's NaN rule, as bound_m
@@ -202,7 +203,11 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
         denom = fma32(v.double().sqrt().float(), f32(1.0 / math.sqrt(1.0 - beta2**step)), f32(eps))
     else:
         denom = (v.double().sqrt().float().double() / f32(math.sqrt(1.0 - beta2**step)).double()).float() + f32(eps)
-    p.copy_(fma32(f32(-(lr / (1.0 - beta1**step))), (m.double() / denom.double()).float(), p1))
+    neg_step = f32(-(lr / (1.0 - beta1**step)))
+    if compact:
+        p.copy_(fma32(neg_step, (m.double() / denom.double()).float(), p1))
+    else:  # torch's addcdiv: (value * m) / denom, then the add
+        p.copy_(p1 + ((neg_step * m).double() / denom.double()).float())
     if q8:  # exp_avg to nearest, exp_avg_sq stochastically (q8_random_bits)
         state["exp_avg"], state["exp_avg_scale"] = quantize(m, "exp_avg")
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize(v, "exp_avg_sq", step, round_index)
