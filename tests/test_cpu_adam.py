@@ -8,7 +8,7 @@ import torch
 
 from hf_zero_offload import CPUAdam, ops
 
-# a few ulp per step: torch's CPU sqrt is not correctly rounded (MKL's), ours is; the params differ by
+# a few ulp per step: torch's CPU sqrt is not correctly rounded, ours is; the params differ by
 # an ulp here and there, and the gradients, hence the moments, follow them (tests/test_ops.py: bit for bit)
 TOL = dict(rtol=1e-5, atol=1e-6)
 
