@@ -1,11 +1,23 @@
-"""DeepSpeed's WarmupLR / WarmupDecayLR as torch LR schedulers (the config's "scheduler" block).
+"""DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR as torch LR schedulers (the config's "scheduler" block).
 
-Iteration 0 is the first optimizer step, as in DeepSpeed: with warmup_type "log" it runs at
-``warmup_min_lr`` (log(1) = 0) and the LR reaches ``warmup_max_lr`` at ``warmup_num_steps``.
-WarmupDecayLR then decays linearly back to ``warmup_min_lr`` at ``total_num_steps`` (DeepSpeed's
-``min_lr + (max_lr - min_lr) * gamma`` in both phases; it decayed to 0 here, whatever ``warmup_min_lr``).
-Where this differs from DeepSpeed on purpose: ``warmup_num_steps`` 0 or 1 means no warm-up here (DeepSpeed
-raises it to 2, so the "auto" value of ``--warmup_steps 0`` would run its first step at ``warmup_min_lr``).
+Iteration 0 is the first optimizer step: with warmup_type "log" it runs at the start of the warm-up
+(log(1) = 0) and the warm-up ends at ``warmup_num_steps``. WarmupLR / WarmupDecayLR go from ``warmup_min_lr`` to
+``warmup_max_lr``, the same LR for every param group; WarmupDecayLR then decays linearly back to ``warmup_min_lr``
+at ``total_num_steps`` (DeepSpeed's ``min_lr + (max_lr - min_lr) * gamma`` in both phases).
+WarmupCosineLR scales each param group's own initial lr (the optimizer's lr: DeepSpeed's ``org_lrs``) by a
+ratio going from ``warmup_min_ratio`` to 1 over the warm-up, then along a cosine from 1 to ``cos_min_ratio``,
+which it reaches at iteration ``total_num_steps - 1`` and keeps after. As in DeepSpeed the cosine counts from the
+last warm-up iteration, so its first iteration is already one step down: the ratio never quite reaches 1.
+
+Where this differs from DeepSpeed on purpose:
+
+* ``warmup_num_steps`` 0 or 1: DeepSpeed raises it to 2 (so the "auto" value of ``--warmup_steps 0`` would run
+  its first step at the bottom of the warm-up); here it stays 1: with "log" there is no warm-up, with "linear"
+  iteration 0 runs at the bottom and iteration 1 at the top.
+* The first step. DeepSpeed's engine steps its schedule after each optimizer step, and its constructor sets
+  the LR of the first one from iteration -1: ``warmup_min_lr`` for WarmupLR / WarmupDecayLR, 0 for
+  WarmupCosineLR (whatever ``warmup_min_ratio``); under DeepSpeed, optimizer step k >= 1 runs at iteration
+  k - 1. Here, as with the Trainer's own schedulers, optimizer step k runs at iteration k.
 """
 from __future__ import annotations
 
@@ -14,12 +26,23 @@ import math
 import torch
 
 
+def _warm_up(it: int, warmup: int, warmup_type: str) -> float:
+    """0 -> 1 over iterations ``0 .. warmup - 1`` (``warmup`` >= 1), DeepSpeed's log or linear curve."""
+    if warmup_type == "log":
+        return math.log(it + 1) / math.log(warmup) if warmup > 1 else 1.0
+    return it / warmup
+
+
+def _check_warmup_type(warmup_type: str) -> None:
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+
+
 class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
     def __init__(self, optimizer, *, warmup_min_lr: float = 0.0, warmup_max_lr: float = 1e-3,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", total_num_steps: int | None = None,
                  last_epoch: int = -1):
-        if warmup_type not in ("log", "linear"):
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+        _check_warmup_type(warmup_type)
         self.min_lr, self.max_lr = warmup_min_lr, warmup_max_lr
         self.warmup = max(1, int(warmup_num_steps))
         self.warmup_type = warmup_type
@@ -28,9 +51,7 @@ class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
 
     def _gamma(self, it: int) -> float:
         if it < self.warmup:
-            if self.warmup_type == "log":
-                return math.log(it + 1) / math.log(self.warmup) if self.warmup > 1 else 1.0
-            return it / self.warmup
+            return _warm_up(it, self.warmup, self.warmup_type)
         if self.total is None:
             return 1.0
         return max(0.0, (self.total - it) / max(1.0, self.total - self.warmup))
@@ -42,8 +63,40 @@ class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
         return [self.lr_at(self.last_epoch) for _ in self.optimizer.param_groups]
 
 
-def build_scheduler(optimizer, cfg) -> WarmupLR:
+class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
+    """Each param group's initial lr (``base_lrs``, saved in the state dict) times :meth:`ratio_at`."""
+
+    def __init__(self, optimizer, *, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 1e-4, warmup_type: str = "log",
+                 last_epoch: int = -1):
+        _check_warmup_type(warmup_type)
+        for name, r in (("warmup_min_ratio", warmup_min_ratio), ("cos_min_ratio", cos_min_ratio)):
+            if not 0.0 <= r <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1] (a fraction of the optimizer's lr), got {r!r}")
+        self.total = int(total_num_steps)
+        self.warmup = max(1, int(warmup_num_steps))
+        self.warmup_type = warmup_type
+        self.min_ratio, self.cos_min_ratio = warmup_min_ratio, cos_min_ratio
+        super().__init__(optimizer, last_epoch)
+
+    def ratio_at(self, it: int) -> float:
+        if it < self.warmup:
+            return self.min_ratio + (1.0 - self.min_ratio) * _warm_up(it, self.warmup, self.warmup_type)
+        # clamped at 1: past total_num_steps (or with no room left after the warm-up) it stays at the floor
+        progress = min(1.0, (it - self.warmup + 1) / max(1, self.total - self.warmup))
+        return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * ((1.0 + math.cos(math.pi * progress)) / 2)
+
+    def get_lr(self):
+        ratio = self.ratio_at(self.last_epoch)
+        return [base * ratio for base in self.base_lrs]
+
+
+def build_scheduler(optimizer, cfg) -> torch.optim.lr_scheduler.LRScheduler:
     """``cfg``: a resolved ``config.SchedulerConfig``."""
+    if cfg.type == "WarmupCosineLR":
+        return WarmupCosineLR(optimizer, total_num_steps=cfg.total_num_steps, warmup_min_ratio=cfg.warmup_min_ratio,
+                              warmup_num_steps=cfg.warmup_num_steps, cos_min_ratio=cfg.cos_min_ratio,
+                              warmup_type=cfg.warmup_type)
     total = cfg.total_num_steps if cfg.type == "WarmupDecayLR" else None
     return WarmupLR(optimizer, warmup_min_lr=cfg.warmup_min_lr, warmup_max_lr=cfg.warmup_max_lr,
                     warmup_num_steps=cfg.warmup_num_steps, warmup_type=cfg.warmup_type, total_num_steps=total)

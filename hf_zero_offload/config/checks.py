@@ -95,13 +95,13 @@ def integer(lo: int | None = None, what: str = "an integer", hi: int | None = No
 
 
 def number(lo: float | None = None, hi: float | None = None, what: str = "a number",
-           lo_open: bool = False) -> Callable[[Any], float]:
+           lo_open: bool = False, hi_open: bool = True) -> Callable[[Any], float]:
     def check(v: Any) -> float:
         if not _is_num(v):
             raise BadValue(what)
         if lo is not None and (v < lo or (lo_open and v == lo)):
             raise BadValue(what)
-        if hi is not None and v >= hi:
+        if hi is not None and (v > hi or (hi_open and v == hi)):
             raise BadValue(what)
         return float(v)
 

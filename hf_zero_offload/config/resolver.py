@@ -17,8 +17,10 @@ logger = logging.getLogger("hf_zero_offload")
 
 _MISSING = object()
 # The Trainer schedules a "scheduler" block stands for (transformers' DeepSpeed guide: WarmupDecayLR is
-# --lr_scheduler_type linear, WarmupLR constant_with_warmup); "linear" is also the default, so it goes with either.
-SCHEDULE_OF = {"WarmupLR": ("linear", "constant_with_warmup"), "WarmupDecayLR": ("linear",)}
+# --lr_scheduler_type linear, WarmupLR constant_with_warmup; WarmupCosineLR is a warm-up then a cosine to a floor,
+# the Trainer's cosine family); "linear" is also the default, so it goes with any of them.
+SCHEDULE_OF = {"WarmupLR": ("linear", "constant_with_warmup"), "WarmupDecayLR": ("linear",),
+               "WarmupCosineLR": ("linear", "cosine", "cosine_with_min_lr", "cosine_warmup_with_min_lr")}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -116,23 +118,27 @@ class _Resolver:
         sched = self.cfg.get("scheduler")
         if sched is None:
             return None
-        a, p = self.args, "scheduler.params."
+        a, p, kind = self.args, "scheduler.params.", sched["type"]
         params = sched.get("params", {})
-        lo = 0.0 if params.get("warmup_min_lr", 0.0) == AUTO else params.get("warmup_min_lr", 0.0)
-        hi = self.take(p + "warmup_max_lr", a and a.learning_rate, "--learning_rate", 1e-3)
         n = self.take(p + "warmup_num_steps", a and max(1, a.warmup_steps), "--warmup_steps", 1000)
-        if a is not None and a.lr_scheduler_type not in SCHEDULE_OF[sched["type"]]:
+        if a is not None and a.lr_scheduler_type not in SCHEDULE_OF[kind]:
             # the block replaces the Trainer's schedule (as under DeepSpeed): an explicit other one would be dropped
-            self.mismatches.append(f"scheduler.type={sched['type']!r} vs --lr_scheduler_type {a.lr_scheduler_type} "
+            self.mismatches.append(f"scheduler.type={kind!r} vs --lr_scheduler_type {a.lr_scheduler_type} "
                                    "(drop one of them; a shipped config: copy it without its 'scheduler' block)")
         total = None
-        if sched["type"] == "WarmupDecayLR":
+        if kind != "WarmupLR":
             total = self.take(p + "total_num_steps", a and a.max_steps, "the number of training steps", None)
             if total is None and not self.needs_args and not self.problems:
-                self.problems.append(f"{p}total_num_steps: required by WarmupDecayLR (give it, or \"auto\" with "
+                self.problems.append(f"{p}total_num_steps: required by {kind} (give it, or \"auto\" with "
                                      "the number of training steps known)")
-        return SchedulerConfig(sched["type"], float(lo), float(hi), int(n), params.get("warmup_type", "log"),
-                               None if total is None else int(total))
+        common = dict(type=kind, warmup_num_steps=int(n), warmup_type=params.get("warmup_type", "log"),
+                      total_num_steps=None if total is None else int(total))
+        if kind == "WarmupCosineLR":  # its peak is each param group's own lr: no LR of its own to resolve
+            return SchedulerConfig(**common, warmup_min_ratio=float(params.get("warmup_min_ratio", 0.0)),
+                                   cos_min_ratio=float(params.get("cos_min_ratio", 1e-4)))
+        lo = 0.0 if params.get("warmup_min_lr", 0.0) == AUTO else params.get("warmup_min_lr", 0.0)
+        hi = self.take(p + "warmup_max_lr", a and a.learning_rate, "--learning_rate", 1e-3)
+        return SchedulerConfig(**common, warmup_min_lr=float(lo), warmup_max_lr=float(hi))
 
     def zero(self) -> ZeroConfig:
         z = self.cfg.get("zero_optimization", {})

@@ -89,16 +89,29 @@ OPTIMIZER = {
         "amsgrad": unsupported("AMSGrad has no kernel here; set it to false"),
     }),
 }
+# The params each scheduler type takes (DeepSpeed builds its class with **params: another key is a TypeError there).
+_WARMUP = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
+SCHEDULER_PARAMS = {
+    "WarmupLR": _WARMUP,
+    "WarmupDecayLR": _WARMUP + ("total_num_steps",),
+    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+                       "last_batch_iteration"),
+}
+# DeepSpeed's ratios are fractions of the optimizer's lr, the schedule's peak: above 1 the "min" ratio would be a
+# maximum (DeepSpeed runs it, warming down or "decaying" upwards); refused here as the slip it almost surely is.
+_RATIO = use(number(0, 1, what="a number in [0, 1] (a fraction of the optimizer's lr)", hi_open=False))
 SCHEDULER = {
-    # OneCycle, LRRangeTest, WarmupCosineLR and torch's schedulers by name (DeepSpeed imports them) are refused
-    "type": use(choice("WarmupLR", "WarmupDecayLR", other="remove the 'scheduler' block and use TrainingArguments "
-                                                          "--lr_scheduler_type (e.g. cosine_with_min_lr)")),
+    # OneCycle, LRRangeTest and torch's schedulers by name (DeepSpeed imports them) are refused
+    "type": use(choice(*SCHEDULER_PARAMS, other="remove the 'scheduler' block and use TrainingArguments "
+                                                 "--lr_scheduler_type (e.g. cosine_with_min_lr)")),
     "params": section({
         "warmup_min_lr": use(number(0, what="a number >= 0"), auto=True),
         "warmup_max_lr": use(number(0, what="a number >= 0"), auto=True),
         "warmup_num_steps": use(integer(1, "an integer >= 1"), auto=True),
         "warmup_type": use(choice("log", "linear")),
         "total_num_steps": use(integer(1, "an integer >= 1"), auto=True),
+        "warmup_min_ratio": _RATIO,  # no "auto": transformers fills neither ratio, DeepSpeed would get the string
+        "cos_min_ratio": _RATIO,
         "last_batch_iteration": ignore(integer(-1, "an integer >= -1")),
     }),
 }
@@ -282,7 +295,8 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
                     ignored.append(path)
                 continue
             raise _err(source, path, '"auto" is not accepted for this key (only for batch sizes, gradient_'
-                       'clipping, optimizer/scheduler params, fp16/bf16.enabled and the bucket sizes)')
+                       'clipping, the optimizer\'s numbers, the scheduler\'s LRs and step counts, fp16/bf16.enabled '
+                       'and the bucket sizes)')
         if spec.children is not None:
             if value is None:  # a section set to null is a section not given (DeepSpeed's optional blocks)
                 continue
@@ -319,8 +333,11 @@ def validate(raw: Any, source: str, ignored: list | None = None) -> dict:
         if name in cfg and "type" not in cfg[name]:
             raise _err(source, f"{name}.type", "required when the '" + name + "' block is given")
     sched = cfg.get("scheduler", {})
-    if sched.get("type") == "WarmupLR" and "total_num_steps" in sched.get("params", {}):
-        raise _err(source, "scheduler.params.total_num_steps", "only used by WarmupDecayLR; remove it")
+    for key in sched.get("params", {}):
+        if key not in SCHEDULER_PARAMS[sched["type"]]:
+            users = " and ".join(t for t, keys in SCHEDULER_PARAMS.items() if key in keys)
+            raise _err(source, f"scheduler.params.{key}", f"not a parameter of {sched['type']} (only used by "
+                       f"{users}); remove it")
     zero = cfg.get("zero_optimization", {})
     off = zero.get("offload_optimizer", {})
     if "cpu_offload" in zero and "device" in off and zero["cpu_offload"] != (off["device"] == "cpu"):

@@ -32,12 +32,14 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    type: str = "WarmupLR"  # "WarmupLR" | "WarmupDecayLR"
-    warmup_min_lr: float = 0.0
+    type: str = "WarmupLR"  # "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
+    warmup_min_lr: float = 0.0  # the two LRs: WarmupLR / WarmupDecayLR (WarmupCosineLR peaks at the optimizer's lr)
     warmup_max_lr: float = 1e-3
     warmup_num_steps: int = 1000
     warmup_type: str = "log"  # "log" | "linear"
-    total_num_steps: int | None = None  # WarmupDecayLR only
+    total_num_steps: int | None = None  # WarmupDecayLR and WarmupCosineLR
+    warmup_min_ratio: float = 0.0  # the two ratios (of each param group's lr): WarmupCosineLR only
+    cos_min_ratio: float = 1e-4
 
 
 @dataclass(frozen=True)
