@@ -1,7 +1,8 @@
 """ds_config.json files as users pass them to DeepSpeed with the HF Trainer, and hostile variants of them.
 
 tests/data/configs/wild/ holds configs written after the key structure of transformers' DeepSpeed guide and its
-tests/deepspeed configs, DeepSpeed's config-json reference, DeepSpeedExamples and accelerate's templates. Each is
+tests/deepspeed configs, DeepSpeed's config-json reference, DeepSpeedExamples and accelerate's templates (and
+hf_auto_zero2_cosine.json: the "auto" style of transformers' guide with DeepSpeed's WarmupCosineLR parameters). Each is
 accepted with DeepSpeed's meaning or refused with one line naming the file, the key and why. The variants are
 generated from the schema's own tables, so a key added there is covered here too.
 """
@@ -41,6 +42,7 @@ def wild(name: str) -> dict:
 @pytest.mark.parametrize("name, stage, offload", [
     ("hf_docs_zero2_offload.json", 2, True), ("hf_tests_zero2_bf16_auto.json", 2, True),
     ("accelerate_stage2_offload.json", 2, True), ("accelerate_stage1_decay.json", 1, False),
+    ("hf_auto_zero2_cosine.json", 2, True),
 ])
 def test_hf_style_auto_configs_take_every_value_from_the_arguments(name, stage, offload):
     args = dataclasses.replace(ARGS, gradient_accumulation_steps=1)  # accelerate's files say 1
@@ -51,7 +53,11 @@ def test_hf_style_auto_configs_take_every_value_from_the_arguments(name, stage, 
     # accelerate's files leave betas and eps out: missing keys follow the arguments too
     assert cfg.optimizer == OptimizerConfig("AdamW", 2e-4, (0.8, 0.99), 1e-6, 0.01, True)
     sched = wild(name)["scheduler"]["type"]
-    assert cfg.scheduler == SchedulerConfig(sched, 0.0, 2e-4, 3, "log", 20 if sched == "WarmupDecayLR" else None)
+    if sched == "WarmupCosineLR":  # its peak is the optimizer's lr (2e-4 above): no LR of its own
+        assert cfg.scheduler == SchedulerConfig(sched, warmup_num_steps=3, warmup_type="linear", total_num_steps=20,
+                                                warmup_min_ratio=0.0, cos_min_ratio=0.1)
+    else:
+        assert cfg.scheduler == SchedulerConfig(sched, 0.0, 2e-4, 3, "log", 20 if sched == "WarmupDecayLR" else None)
     if name.startswith("hf_"):
         assert cfg.zero.reduce_bucket_size == 200_000_000
     else:
@@ -205,7 +211,7 @@ def test_scheduler_block_against_the_trainer_schedule():
                  "scheduler.params.warmup_num_steps=7 vs --warmup_steps 3",
                  "scheduler.params.total_num_steps=50 vs the number of training steps 20"):
         assert item in msg.split("values): ")[1].split("; ")
-    for name in ("WarmupCosineLR", "OneCycle", "StepLR", "CosineAnnealingLR"):
+    for name in ("OneCycle", "LRRangeTest", "StepLR", "CosineAnnealingLR"):
         msg = error({"scheduler": {"type": name, "params": {"total_num_steps": 10}}})
         assert "scheduler.type" in msg and "--lr_scheduler_type" in msg and "not supported" in msg
 

@@ -1,0 +1,90 @@
+"""The "scheduler" block's WarmupCosineLR: its keys, the params each type takes, "auto", and --lr_scheduler_type.
+
+DeepSpeed builds a scheduler with ``**params``: a key of another type (warmup_max_lr with WarmupCosineLR, the ratios
+with WarmupLR) is a TypeError there, and one line naming the key and the type here."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hf_zero_offload.config import ArgsView, ConfigError, SchedulerConfig, TrainingConfig, resolve
+
+ARGS = ArgsView(learning_rate=2e-4, warmup_steps=3, max_steps=20)
+
+
+def errmsg(cfg, args=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, args)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("<dict>: "), msg
+    return msg
+
+
+def cosine(**params) -> dict:
+    return {"scheduler": {"type": "WarmupCosineLR", "params": params}}
+
+
+def test_explicit_values_and_deepspeeds_defaults():
+    cfg = resolve(cosine(total_num_steps=100, warmup_min_ratio=0.1, warmup_num_steps=10, cos_min_ratio=0.05,
+                         warmup_type="linear", last_batch_iteration=-1))
+    assert cfg.scheduler == SchedulerConfig("WarmupCosineLR", warmup_num_steps=10, warmup_type="linear",
+                                            total_num_steps=100, warmup_min_ratio=0.1, cos_min_ratio=0.05)
+    # DeepSpeed's defaults: warmup_min_ratio 0, 1000 warm-up steps, cos_min_ratio 1e-4, log warm-up
+    assert resolve(cosine(total_num_steps=5000)).scheduler == SchedulerConfig(
+        "WarmupCosineLR", warmup_num_steps=1000, warmup_type="log", total_num_steps=5000, warmup_min_ratio=0.0,
+        cos_min_ratio=1e-4)
+    for ratio in (0, 1, 1.0):  # both ends of [0, 1]
+        assert resolve(cosine(total_num_steps=9, cos_min_ratio=ratio)).scheduler.cos_min_ratio == ratio
+    assert TrainingConfig.from_dict(cfg.to_dict()) == cfg  # checkpoint metadata
+
+
+def test_auto_follows_the_arguments():
+    cfg = resolve(cosine(total_num_steps="auto", warmup_num_steps="auto"), ARGS)
+    assert (cfg.scheduler.total_num_steps, cfg.scheduler.warmup_num_steps) == (20, 3)
+    # missing keys follow the arguments too; --warmup_steps 0 is 1 (DeepSpeed rejects 0), as for WarmupLR
+    cfg = resolve(cosine(), dataclasses.replace(ARGS, warmup_steps=0))
+    assert (cfg.scheduler.total_num_steps, cfg.scheduler.warmup_num_steps) == (20, 1)
+    assert "total_num_steps=50 vs the number of training steps 20" in errmsg(cosine(total_num_steps=50), ARGS)
+    assert "warmup_num_steps=7 vs --warmup_steps 3" in errmsg(cosine(total_num_steps=20, warmup_num_steps=7), ARGS)
+
+
+def test_total_num_steps_is_required():
+    assert "scheduler.params.total_num_steps: required by WarmupCosineLR" in errmsg(cosine())
+    assert "scheduler.params.total_num_steps: required by WarmupCosineLR" in errmsg(
+        cosine(), dataclasses.replace(ARGS, max_steps=None))
+    assert "scheduler.params.total_num_steps" in errmsg(cosine(total_num_steps="auto"))  # needs args
+
+
+@pytest.mark.parametrize("key", ["warmup_min_ratio", "cos_min_ratio"])
+def test_ratios_are_fractions_of_the_lr(key):
+    for bad in (-0.1, 1.5, 2):
+        msg = errmsg(cosine(total_num_steps=9, **{key: bad}))
+        assert f"<dict>: scheduler.params.{key}: expected a number in [0, 1]" in msg
+    assert f"<dict>: scheduler.params.{key}: expected a number" in errmsg(cosine(total_num_steps=9, **{key: "0.1"}))
+    # transformers fills neither ratio: DeepSpeed would get the string "auto"
+    assert f"<dict>: scheduler.params.{key}: \"auto\" is not accepted" in errmsg(
+        cosine(total_num_steps=9, **{key: "auto"}), ARGS)
+
+
+@pytest.mark.parametrize("kind, key", [
+    ("WarmupCosineLR", "warmup_min_lr"), ("WarmupCosineLR", "warmup_max_lr"),
+    ("WarmupLR", "warmup_min_ratio"), ("WarmupLR", "cos_min_ratio"), ("WarmupLR", "total_num_steps"),
+    ("WarmupDecayLR", "warmup_min_ratio"), ("WarmupDecayLR", "cos_min_ratio"),
+])
+def test_a_key_of_another_type_names_the_key_and_the_type(kind, key):
+    params = {key: 10 if key == "total_num_steps" else 0.0}
+    if kind != "WarmupLR":
+        params.setdefault("total_num_steps", 10)
+    for value in (params[key], "auto") if key.endswith("_lr") else (params[key],):  # the LRs take "auto"
+        msg = errmsg({"scheduler": {"type": kind, "params": {**params, key: value}}}, ARGS)
+        assert msg.startswith(f"<dict>: scheduler.params.{key}: not a parameter of {kind}"), msg
+
+
+def test_goes_with_the_trainers_cosine_schedules():
+    raw = cosine(total_num_steps="auto")
+    for kind in ("linear", "cosine", "cosine_with_min_lr", "cosine_warmup_with_min_lr"):  # linear: the default
+        assert resolve(raw, dataclasses.replace(ARGS, lr_scheduler_type=kind)).scheduler.type == "WarmupCosineLR"
+    for kind in ("constant_with_warmup", "constant", "polynomial", "cosine_with_restarts"):
+        msg = errmsg(raw, dataclasses.replace(ARGS, lr_scheduler_type=kind))
+        assert f"scheduler.type='WarmupCosineLR' vs --lr_scheduler_type {kind}" in msg
