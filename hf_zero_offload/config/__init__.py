@@ -22,7 +22,7 @@ optimizer.params.weight_decay                  weight_decay
 scheduler.params.warmup_min_lr *               0
 scheduler.params.warmup_max_lr                 learning_rate
 scheduler.params.warmup_num_steps              max(1, warmup_steps)  (DeepSpeed rejects 0)
-scheduler.params.total_num_steps               max_steps (error when unknown)
+scheduler.params.total_num_steps               max_steps (error when unknown; WarmupDecayLR/WarmupCosineLR)
 fp16.enabled / bf16.enabled                    fp16 / bf16
 zero_optimization.reduce_bucket_size           hidden_size * hidden_size (error when hidden_size is unknown)
 zero_optimization.allgather_bucket_size *      the resolved reduce_bucket_size
@@ -30,14 +30,25 @@ zero_optimization.allgather_bucket_size *      the resolved reduce_bucket_size
 
 Explicit values are compared with args (every key above except warmup_min_lr and the bucket sizes), and so is
 scheduler.type with --lr_scheduler_type (the block replaces the Trainer's schedule: WarmupLR goes with linear, the
-default, or constant_with_warmup; WarmupDecayLR with linear); all disagreements are reported in one one-line
-ConfigError, ``key=value vs --arg value`` each, separated by "; ".
+default, or constant_with_warmup; WarmupDecayLR with linear; WarmupCosineLR with linear, cosine, cosine_with_min_lr
+or cosine_warmup_with_min_lr); all disagreements are reported in one one-line ConfigError, ``key=value vs --arg
+value`` each, separated by "; ".
+
+Schedulers (:mod:`hf_zero_offload.schedulers`). WarmupLR / WarmupDecayLR take warmup_min_lr, warmup_max_lr,
+warmup_num_steps, warmup_type and (WarmupDecayLR, required) total_num_steps. WarmupCosineLR takes total_num_steps
+(required), warmup_num_steps, warmup_type, warmup_min_ratio and cos_min_ratio: its LR is each param group's lr (the
+optimizer's: optimizer.params.lr or --learning_rate) times a ratio, warmup_min_ratio -> 1 over the warm-up, then a
+cosine down to cos_min_ratio. The two ratios are numbers in [0, 1] (above 1 the "min" would be a maximum: refused)
+and take no "auto" (transformers fills neither). DeepSpeed builds a scheduler with the block's params as keyword
+arguments, so a key of another type (warmup_max_lr with WarmupCosineLR, a ratio or total_num_steps with WarmupLR)
+is an error naming the key and the type; last_batch_iteration is accepted with every type and ignored.
 
 Missing keys. With ``args``, a missing key of the table above (except the bucket sizes) takes the same value as
 "auto", so TrainingArguments stay in charge unless the file says otherwise (e.g. gradient_clipping follows
 --max_grad_norm). Without args, DeepSpeed's defaults apply: micro batch 1, gradient accumulation 1 and
 train_batch_size derived from the others assuming world_size 1; gradient_clipping 1.0; fp16/bf16 off; Adam
-lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0; WarmupLR 0 -> 1e-3 over 1000 steps, warmup_type "log".
+lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0; WarmupLR 0 -> 1e-3 over 1000 steps, warmup_type "log";
+WarmupCosineLR warmup_min_ratio 0, cos_min_ratio 1e-4, 1000 warm-up steps, warmup_type "log".
 Always: stage 0, no offload, pin_memory true, overlap_comm false, contiguous_gradients true, reduce_scatter true,
 allgather_partitions true, round_robin_gradients false, both bucket sizes 5e8, steps_per_print 10. A missing
 "optimizer" block gives ``optimizer=None`` (the Trainer's AdamW from TrainingArguments); a missing "scheduler" gives
@@ -58,7 +69,8 @@ fast_init}. Legacy spellings: "bfloat16" for "bf16", zero_optimization.cpu_offlo
 
 Unsupported DeepSpeed features are a ConfigError "not supported by hf_zero_offload: <why / what to use>" while they
 are switched on, and ignored while switched off (false/null/0, ``{"enabled": false}``, offload_param
-``{"device": "none"}``, ratio 1, gradient_predivide_factor 1...): ZeRO stage 3, offload_param, NVMe offload, optimizer types other than Adam/AdamW, schedulers other than WarmupLR/WarmupDecayLR,
+``{"device": "none"}``, ratio 1, gradient_predivide_factor 1...): ZeRO stage 3, offload_param, NVMe offload, optimizer types other than Adam/AdamW,
+schedulers other than WarmupLR/WarmupDecayLR/WarmupCosineLR (OneCycle, LRRangeTest, torch's by name),
 fp16.{consecutive_hysteresis, auto_cast, fp16_master_weights_and_grads}, amp, torch_autocast,
 activation_checkpointing, flops_profiler, tensorboard/wandb/csv_monitor/comet, elasticity, pipeline,
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
