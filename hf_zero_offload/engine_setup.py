@@ -18,13 +18,15 @@ def step_threads(explicit: int | None) -> int:
     (LOCAL_WORLD_SIZE > 1), this rank's share of the CPUs it may run on: torchrun sets OMP_NUM_THREADS=1
     for every rank of such a launch, and torch's thread count, which the kernels follow by default, would
     leave the step on one core per rank while the rest of the host idles (the step is the part of a
-    ZeRO-Offload run that needs the host's cores and memory bandwidth). Alone on the node: torch's own
-    thread count. The result does not depend on it: the kernels give the same bits at any thread count."""
+    ZeRO-Offload run that needs the host's cores and memory bandwidth); ranks started another way would
+    each take all the cores. An OMP_NUM_THREADS other than torchrun's 1 is the user's choice and is kept,
+    as it is alone on the node: torch's own thread count. The result does not depend on it: the kernels
+    give the same bits at any thread count."""
     if explicit is not None:
         return explicit
     local = os.environ.get("LOCAL_WORLD_SIZE", "1")
     local_ranks = int(local) if local.isdigit() and int(local) > 0 else 1
-    if local_ranks == 1:
+    if local_ranks == 1 or os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
         return max(1, torch.get_num_threads())
     try:
         cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use (taskset, a cpuset)

@@ -59,21 +59,24 @@ def test_fp16_on_cpu_names_bf16(tmp_path, caplog, fp16):
     assert all("use --bf16" in r.getMessage() and r.levelno == logging.WARNING for r in hits)
 
 
-@pytest.mark.parametrize("explicit, local, cpus, torch_threads, want", [
-    (3, "2", 16, 1, 3),         # offload_optimizer.cpu_threads wins
-    (None, None, 16, 5, 5),     # alone on the node: torch's thread count
-    (None, "1", 16, 5, 5),
-    (None, "2", 16, 1, 8),      # torchrun, 2 ranks: OMP_NUM_THREADS=1 would leave 14 of 16 CPUs idle
-    (None, "4", 16, 16, 4),     # several ranks started without torchrun: no 4 x 16 threads on 16 CPUs
-    (None, "32", 16, 1, 1),
-    (None, "two", 16, 5, 5),    # not a count: as if alone
+@pytest.mark.parametrize("explicit, local, omp, cpus, torch_threads, want", [
+    (3, "2", "1", 16, 1, 3),         # offload_optimizer.cpu_threads wins
+    (None, None, None, 16, 5, 5),    # alone on the node: torch's thread count
+    (None, "1", "1", 16, 1, 1),
+    (None, "2", "1", 16, 1, 8),      # torchrun, 2 ranks: OMP_NUM_THREADS=1 would leave 14 of 16 CPUs idle
+    (None, "4", None, 16, 16, 4),    # several ranks started another way: no 4 x 16 threads on 16 CPUs
+    (None, "2", "6", 16, 6, 6),      # the user's own OMP_NUM_THREADS is kept
+    (None, "32", "1", 16, 1, 1),
+    (None, "two", None, 16, 5, 5),   # not a count: as if alone
 ])
-def test_step_threads_share_the_node_between_local_ranks(monkeypatch, explicit, local, cpus, torch_threads, want):
+def test_step_threads_share_the_node_between_local_ranks(monkeypatch, explicit, local, omp, cpus, torch_threads,
+                                                          want):
     from hf_zero_offload import engine_setup
-    if local is None:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    for name, value in (("LOCAL_WORLD_SIZE", local), ("OMP_NUM_THREADS", omp)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     monkeypatch.setattr(engine_setup.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     monkeypatch.setattr(engine_setup.torch, "get_num_threads", lambda: torch_threads)
     assert engine_setup.step_threads(explicit) == want
