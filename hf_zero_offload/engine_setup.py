@@ -2,12 +2,37 @@
 size, and the one line the Trainer logs at its start. No transformers here (the Trainer passes its values)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from . import ops
 from .config import TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
+
+
+def step_threads(explicit: int | None) -> int:
+    """Threads of this rank's CPU optimizer step (and its gradient norms and accumulation): ``explicit``
+    (offload_optimizer.cpu_threads) when given. Otherwise, with several ranks on this node
+    (LOCAL_WORLD_SIZE > 1), this rank's share of the CPUs it may run on: torchrun sets OMP_NUM_THREADS=1
+    for every rank of such a launch, and torch's thread count, which the kernels follow by default, would
+    leave the step on one core per rank while the rest of the host idles (the step is the part of a
+    ZeRO-Offload run that needs the host's cores and memory bandwidth); ranks started another way would
+    each take all the cores. An OMP_NUM_THREADS other than torchrun's 1 is the user's choice and is kept,
+    as it is alone on the node: torch's own thread count. The result does not depend on it: the kernels
+    give the same bits at any thread count."""
+    if explicit is not None:
+        return explicit
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    local_ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    if local_ranks == 1 or os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
+        return max(1, torch.get_num_threads())
+    try:
+        cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use (taskset, a cpuset)
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // local_ranks)
 
 
 def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
@@ -17,7 +42,7 @@ def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.gradient_clipping,
         fp16=cfg.fp16 if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
         dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps,
-        state_dtype=z.state_dtype)
+        state_dtype=z.state_dtype, num_threads=step_threads(z.cpu_threads))
     shard = ShardOptions(stage=z.stage, offload=z.offload, allgather_bucket_numel=z.allgather_bucket_size,
                          reduce_scatter=z.reduce_scatter)
     return options, shard
@@ -54,5 +79,6 @@ def start_line(cfg: TrainingConfig, eng, world_size: int, device) -> str:
             f"stage={getattr(eng, 'stage', '-')} offload={getattr(eng, 'offload', True)} "
             f"dpu={cfg.zero.delayed_param_update.enabled} "
             f"moments={getattr(getattr(eng, 'moments', None), 'state_dtype', '-')} simd={ops.simd_level()} "
-            f"threads={torch.get_num_threads()} host_reserved={_bytes(getattr(arena, 'nbytes', 0))} "
+            f"threads={torch.get_num_threads()} step_threads={getattr(getattr(eng, 'options', None), 'num_threads', '-')} "
+            f"host_reserved={_bytes(getattr(arena, 'nbytes', 0))} "
             f"pinned={getattr(arena, 'pinned', False)} params={eng.numel} streams={eng.streams.kind}")

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from _kernels import TORCH_FUSES
 
 from hf_zero_offload import CPUAdam, ops
 
@@ -69,6 +70,32 @@ def test_matches_torch(simd, adamw):
     _train(ref_m, ref, batches)
     _assert_models_close(ours_m, ref_m)
     _assert_states_close(ours, ref)
+
+
+@pytest.mark.skipif(not TORCH_FUSES, reason="this torch's CPU kernels round Adam's moments another way")
+def test_adamw_moments_are_torchs_bits(simd):
+    """Given the same gradients (AdamW's moments see nothing else), CPUAdam's state dict holds
+    torch.optim.AdamW(foreach=False)'s moments bit for bit, step after step, with per-group betas;
+    the params stay within a few ulp (torch's sqrt is not correctly rounded)."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(33, 13), (33,), (5, 33), (4099,)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    ours_p = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_p = [torch.nn.Parameter(t.clone()) for t in init]
+    groups = lambda ps: [{"params": ps[:2], "betas": (0.9, 0.999)},  # noqa: E731
+                         {"params": ps[2:], "betas": (0.3, 0.95), "weight_decay": 0.0}]
+    ours = CPUAdam(groups(ours_p), lr=1e-3, weight_decay=0.1)
+    ref = torch.optim.AdamW(groups(ref_p), lr=1e-3, weight_decay=0.1, foreach=False)
+    for step in range(8):
+        for a, b in zip(ours_p, ref_p):
+            a.grad = torch.randn(a.shape, generator=gen) * 10.0 ** (step % 4 - 2)
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+        for a, b in zip(ours_p, ref_p):
+            sa, sb = ours.state[a], ref.state[b]
+            assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+            torch.testing.assert_close(a, b, **TOL)
 
 
 @pytest.mark.parametrize("sched_name", ["lambda", "step"])

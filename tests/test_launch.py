@@ -33,6 +33,8 @@ def test_torchrun_on_cpu_without_use_cpu_stops_with_one_line(tmp_path):
     starts = [ln for ln in good.stderr.splitlines() if " ranks=" in ln and "backend=" in ln]
     assert len(starts) == 2 and all(ln.startswith("INFO") for ln in starts)  # one per rank, at INFO
     assert "ranks=2 backend=gloo device=cpu" in starts[0] and "dtype=float32" in starts[0]
+    share = max(1, len(os.sched_getaffinity(0)) // 2)  # each rank's step takes its share of the node's CPUs
+    assert all(f" step_threads={share} " in ln for ln in starts)
 
 
 def _args(tmp_path, **kw):
@@ -55,3 +57,47 @@ def test_fp16_on_cpu_names_bf16(tmp_path, caplog, fp16):
     hits = [r for r in caplog.records if "--fp16 on a CPU-only run" in r.getMessage()]
     assert len(hits) == int(fp16)
     assert all("use --bf16" in r.getMessage() and r.levelno == logging.WARNING for r in hits)
+
+
+@pytest.mark.parametrize("explicit, local, omp, cpus, torch_threads, want", [
+    (3, "2", "1", 16, 1, 3),         # offload_optimizer.cpu_threads wins
+    (None, None, None, 16, 5, 5),    # alone on the node: torch's thread count
+    (None, "1", "1", 16, 1, 1),
+    (None, "2", "1", 16, 1, 8),      # torchrun, 2 ranks: OMP_NUM_THREADS=1 would leave 14 of 16 CPUs idle
+    (None, "4", None, 16, 16, 4),    # several ranks started another way: no 4 x 16 threads on 16 CPUs
+    (None, "2", "6", 16, 6, 6),      # the user's own OMP_NUM_THREADS is kept
+    (None, "32", "1", 16, 1, 1),
+    (None, "two", None, 16, 5, 5),   # not a count: as if alone
+])
+def test_step_threads_share_the_node_between_local_ranks(monkeypatch, explicit, local, omp, cpus, torch_threads,
+                                                          want):
+    from hf_zero_offload import engine_setup
+    for name, value in (("LOCAL_WORLD_SIZE", local), ("OMP_NUM_THREADS", omp)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(engine_setup.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(engine_setup.torch, "get_num_threads", lambda: torch_threads)
+    assert engine_setup.step_threads(explicit) == want
+
+
+def test_cpu_threads_key_reaches_the_engine_and_the_start_line(tmp_path, caplog):
+    from hf_zero_offload import config
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "cpu_threads": 3}}
+    args = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True, zero_offload={"zero_optimization": zero})
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=ToyDataset())
+    trainer.train()
+    assert trainer.zero_engine.options.num_threads == 3
+    assert trainer.zero_engine.pipeline.num_threads == 3
+    (start,) = [r.getMessage() for r in caplog.records if "ranks=" in r.getMessage() and "backend=" in r.getMessage()]
+    assert " step_threads=3 " in start
+    for bad in (0, 2.5, "many"):
+        zero["offload_optimizer"]["cpu_threads"] = bad
+        with pytest.raises(config.ConfigError, match="offload_optimizer.cpu_threads.*an integer >= 1"):
+            config.resolve({"zero_optimization": zero})
+    zero["offload_optimizer"]["cpu_threads"] = "auto"
+    assert config.resolve({"zero_optimization": zero}).zero.cpu_threads is None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernels import GRAD_DTYPES, LEVELS
+from _kernels import GRAD_DTYPES, LEVELS, TORCH_FUSES
 from _kernels import dtname as _dtname
 
 from hf_zero_offload import ops
@@ -24,22 +24,6 @@ SIZES = [1, 7, 15, 16, 17, 4097, 2**20 + 3]
 OUT_DTYPES = [None, torch.float32, torch.bfloat16, torch.float16]
 # params after 10 steps: a few ulp from torch (its sqrt is not correctly rounded; see above)
 TOL = dict(rtol=2e-6, atol=1e-6)
-
-
-def _torch_fuses() -> bool:
-    """Whether this torch's CPU kernels round Adam's moments as adam_math does: addcmul_ as
-    fma(value * t1, t2, self), lerp_ with a small weight as fma(w, end - self, self) (x86 wheels:
-    ATen's vector loops, whose a + b * c the compiler fuses). Other builds get a tolerance."""
-    gen = torch.Generator().manual_seed(7)
-    v, g = torch.rand(4099, generator=gen) * 1e-3, torch.randn(4099, generator=gen) * 1e-2
-    w = torch.tensor(1 - 0.999, dtype=torch.float32)
-    fused = (v.double() + (w * g).double() * g.double()).float()  # exact in fp64, one rounding
-    m_ref = (v.double() + torch.tensor(0.1).double() * (g - v).double()).float()
-    return torch.equal(v.clone().addcmul_(g, g, value=1 - 0.999), fused) and torch.equal(
-        v.clone().lerp_(g, 0.1), m_ref)
-
-
-TORCH_FUSES = _torch_fuses()
 MOMENT_TOL = dict(rtol=0, atol=0) if TORCH_FUSES else TOL
 
 

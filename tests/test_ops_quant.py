@@ -106,6 +106,27 @@ def test_compact_step_matches_reference(simd, n, kind, adamw, grad_dtype):
             assert torch.equal(out, p.to(out_dtype))
 
 
+@pytest.mark.parametrize("simd", LEVELS, indirect=True)
+@pytest.mark.parametrize("beta1", [0.5, 0.3, 0.0])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_compact_step_with_small_beta1_matches_reference(simd, kind, beta1):
+    """1 - beta1 >= 0.5: torch's lerp interpolates from the gradient (fma(w - 1, g - m, g)); the vector
+    loops and the scalar tail of a partial block take that form too."""
+    n, hp = 4097, {**HP, "beta1": beta1}
+    gen = torch.Generator().manual_seed(11)
+    p = torch.randn(n, generator=gen)
+    p_ref, st = p.clone(), _state(n, kind, seed=12)
+    st_ref = _clone(st)
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen).to(torch.bfloat16)
+        ops.adam_step(p, g, st["exp_avg"], st["exp_avg_sq"], step=step, adamw=True,
+                      exp_avg_scale=st.get("exp_avg_scale"), exp_avg_sq_scale=st.get("exp_avg_sq_scale"), **hp)
+        ref.adam_step(p_ref, g, st_ref, step=step, adamw=True, **hp)
+        for k in st:
+            assert torch.equal(st[k], st_ref[k]), (k, step)
+        assert torch.equal(p, p_ref), step
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_compact_bit_identical_across_levels_and_threads(kind):
     n = 2**20 + 300  # several threads' worth, a partial last block

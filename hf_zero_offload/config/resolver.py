@@ -163,6 +163,7 @@ class _Resolver:
             round_robin_gradients=z.get("round_robin_gradients", False),
             delayed_param_update=DPUConfig(dpu.get("enabled", False), dpu.get("warmup_steps", 40)),
             state_dtype=off.get("state_dtype", "fp32"),
+            cpu_threads=None if off.get("cpu_threads", AUTO) == AUTO else int(off["cpu_threads"]),
         )
 
     def run(self) -> TrainingConfig:

@@ -121,6 +121,8 @@ OFFLOAD_OPTIMIZER = {
     "pin_memory": use(boolean),
     # our extension: storage of the Adam moments on the host (fp32 default: exact AdamW)
     "state_dtype": use(choice("fp32", "bf16", "int8")),
+    # our extension: threads of the CPU optimizer step per rank ("auto": engine_setup.step_threads)
+    "cpu_threads": use(integer(1, "an integer >= 1"), auto=True),
     "nvme_path": ignore(str_or_null),
     "buffer_count": ignore(integer(0, "an integer >= 0")),
     "pipeline": ignore(boolean),

@@ -62,6 +62,7 @@ class ZeroConfig:
     round_robin_gradients: bool = False
     delayed_param_update: DPUConfig = field(default_factory=DPUConfig)
     state_dtype: str = "fp32"  # offload_optimizer.state_dtype: the Adam moments on the host
+    cpu_threads: int | None = None  # offload_optimizer.cpu_threads; None ("auto"): engine_setup.step_threads
 
 
 @dataclass(frozen=True)

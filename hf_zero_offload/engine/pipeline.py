@@ -20,8 +20,10 @@ _SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thr
 
 class GradPipeline:
     def __init__(self, slots: list[tuple[torch.nn.Parameter, int, int]], *, streams: Streams,
-                 buckets: torch.Tensor, staging: torch.Tensor | None, scatter_thread: bool | None = None):
+                 buckets: torch.Tensor, staging: torch.Tensor | None, scatter_thread: bool | None = None,
+                 num_threads: int | None = None):
         self.streams = streams
+        self.num_threads = num_threads    # the engine's step threads (None: torch's)
         self.buckets = buckets            # [2, bucket_numel] on the device
         self.staging = staging            # [2, bucket_numel] pinned host (async copies) or None (CPU)
         self.bucket_numel = buckets.shape[1]
@@ -111,7 +113,7 @@ class GradPipeline:
             seen = self.received.get(offset, 0)
             dst = self.store[offset:offset + numel]
             piece = src[boff:boff + numel]
-            write_grad(dst, piece, first=seen == 0, num_threads=1 if numel < _SMALL else None)
+            write_grad(dst, piece, first=seen == 0, num_threads=1 if numel < _SMALL else self.num_threads)
             self.received[offset] = seen + 1
 
     # -- step side -----------------------------------------------------------------------------
