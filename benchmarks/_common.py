@@ -11,14 +11,22 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
 def cpu_model() -> str:
+    """The model name, with the x86 family/model numbers: a VM often shows only "AMD EPYC", and two
+    generations of one name (Zen 3, family 25; Zen 5, family 26) differ in vector width and speed."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip().lower()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
 
 
 def hardware() -> dict[str, Any]:
