@@ -191,6 +191,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
   alignas(32) float mb[kQBlock], vb[kQBlock], sb[kQBlock];  // sb: sqrt(v) of vb
   // Locals, not a's fields: the vector stores may alias anything, so a's fields would be reloaded each time.
   float* const params = a.param;
+  const void* const grad = a.grad;
   void* const out = a.param_out;
   for (size_t b = begin; b < end; b += kQBlock) {
     const size_t e = std::min(end, b + kQBlock), k = b / kQBlock, nv = (e - b) / W * W;
@@ -198,9 +199,9 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     __m256 mmax = _mm256_setzero_ps(), vmax = _mm256_setzero_ps();
     for (size_t j = 0; j < nv; j += W) {
       const size_t i = b + j;
-      const __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), c.scale);
+      const __m256 g = _mm256_mul_ps(load_g<G>(grad, i), c.scale);
       __m256 m, v;
-      const __m256 sq = moments_vec<L2, true>(c, g, L2 ? _mm256_loadu_ps(a.param + i) : g,
+      const __m256 sq = moments_vec<L2, true>(c, g, L2 ? _mm256_loadu_ps(params + i) : g,
                                                _mm256_mul_ps(dq_m_vec(mc + i), ms),
                                                _mm256_mul_ps(dq_v_vec(vc + i), vs), m, v);
       _mm256_store_ps(sb + j, sq);
@@ -209,7 +210,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       mmax = _mm256_max_ps(_mm256_and_ps(m, abs_mask()), mmax);
       vmax = _mm256_max_ps(v, vmax);  // v >= 0 or NaN here: |v| is v (see q_v_x4)
     }
-    float mx = hmax(mmax, 0.0f), vx = hmax(vmax, 0.0f);
+    float mx = hmax(mmax), vx = hmax(vmax);
     for (size_t i = b + nv; i < e; ++i) {  // the partial block's tail: the whole scalar update
       const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
       const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
@@ -241,7 +242,9 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
       q_v_vec(_mm256_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
     }
-    q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);
+    // Only a partial last block has a tail. Tested here, not only inside: gcc calls q_block_tail out of
+    // line, saving the live vector registers around the call (and a vzeroupper) for every block.
+    if (j < e - b) q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;
   }

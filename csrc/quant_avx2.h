@@ -107,12 +107,14 @@ inline void q_v_x4(const float* x, __m256 inv, __m256i& weyl, __m256i seed, uint
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(c));
 }
 
-// Lanes are >= 0 and never NaN (max_ps(x, acc) keeps acc when x is NaN), so the order is free.
-inline float hmax(__m256 x, float acc) {
-  alignas(32) float l[W];
-  _mm256_store_ps(l, x);
-  for (float f : l) acc = max_step(acc, f);
-  return acc;
+// The block's absmax from the lanes' maxima: the lanes are +0 or positive and never NaN (max_ps(x, acc)
+// keeps acc when x is NaN), so max is associative here and a shuffle tree gives the value max_step gives
+// in lane order.
+inline float hmax(__m256 x) {
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
 }
 
 }  // namespace
