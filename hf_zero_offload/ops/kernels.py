@@ -9,7 +9,7 @@ import torch
 
 from .. import _C
 from ._args import _DTYPE_CODE, _HALF_OR_FLOAT, _check, _threads
-from .moments import _STATE_CODE, _state_kind, check_scales
+from .moments import _STATE_CODE, _state_kind
 
 
 def adam_step(
@@ -78,8 +78,6 @@ def adam_step(
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
             raise ValueError(f"{a} and {b} share memory: each array adam_step reads or writes must be its own")
-    if kind == "int8":
-        check_scales(exp_avg_scale, exp_avg_sq_scale)
     if compact_math and kind != "fp32":
         raise ValueError(f"compact_math is for fp32 moments (bf16/int8 moments always use it); got {kind}")
     if n == 0:
