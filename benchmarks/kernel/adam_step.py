@@ -252,7 +252,8 @@ def main() -> int:
         "(a projection from these figures, not a measurement)")
     write_json(ARGS.json, {
         "benchmark": "kernel/adam_step",
-        "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.kernel.adam_step"] + sys.argv[1:]),
+        "command": " ".join([f"HF_ZERO_OFFLOAD_SIMD={os.environ['HF_ZERO_OFFLOAD_SIMD']}"] * bool(os.environ.get(
+            "HF_ZERO_OFFLOAD_SIMD")) + [os.path.basename(sys.executable), "-m", "benchmarks.kernel.adam_step"] + sys.argv[1:]),
         "hardware_line": hardware_line(info), "hardware": info, "numel": n, "threads": threads, "rounds": rounds,
         "stream_bound_gb_s": bound_gbs, "stream_bound_gb_s_per_core": bound_gbs / threads, "rows": rows, "skipped": skipped, "peer_versions": versions,
         "foreign_load_cores": load.cores,
