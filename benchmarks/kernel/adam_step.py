@@ -250,10 +250,12 @@ def main() -> int:
         + ". A row is bandwidth-bound wherever the memory system gives each core less than it consumes, e.g. "
         "8+ cores on two channels: the compact rows' speedup over mixed then approaches their byte ratio "
         "(a projection from these figures, not a measurement)")
+    simd = os.environ.get("HF_ZERO_OFFLOAD_SIMD")  # part of the command: it chose the kernels
+    simd_env = [f"HF_ZERO_OFFLOAD_SIMD={simd}"] if simd else []
     write_json(ARGS.json, {
         "benchmark": "kernel/adam_step",
-        "command": " ".join([f"HF_ZERO_OFFLOAD_SIMD={os.environ['HF_ZERO_OFFLOAD_SIMD']}"] * bool(os.environ.get(
-            "HF_ZERO_OFFLOAD_SIMD")) + [os.path.basename(sys.executable), "-m", "benchmarks.kernel.adam_step"] + sys.argv[1:]),
+        "command": " ".join(simd_env + [os.path.basename(sys.executable), "-m", "benchmarks.kernel.adam_step"]
+                            + sys.argv[1:]),
         "hardware_line": hardware_line(info), "hardware": info, "numel": n, "threads": threads, "rounds": rounds,
         "stream_bound_gb_s": bound_gbs, "stream_bound_gb_s_per_core": bound_gbs / threads, "rows": rows, "skipped": skipped, "peer_versions": versions,
         "foreign_load_cores": load.cores,
