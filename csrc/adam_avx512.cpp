@@ -293,9 +293,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       q_m_vec(_mm512_load_ps(mb + j), mdv, mc + b + j);
       q_v_vec(_mm512_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
     }
-    // Only a partial last block has a tail. Tested here, not only inside: gcc calls q_block_tail out of
-    // line, saving a dozen vector registers around the call (and a vzeroupper) for every block.
-    if (j < e - b) q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);
+    q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);
     a.exp_avg_scale[k] = mx;
     a.exp_avg_sq_scale[k] = vx;
   }

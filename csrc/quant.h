@@ -149,14 +149,22 @@ inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale, 
 
 // The codes of elements [from, len) of the block at b, its reciprocals known: the vector kernels'
 // scalar tail of a partial last block. exp_avg to nearest, exp_avg_sq as the step stores it.
-inline void q_block_tail(const AdamArgs& a, size_t b, const float* mb, const float* vb, size_t from, size_t len,
-                         float minv, float vinv) {
+// The vector kernels call q_block_tail after every block, and only a partial last block has a tail:
+// the test is inlined there and the loop stays out of line, since a call in the block loop (gcc did not
+// inline the loop) saved and restored a dozen vector registers, and a vzeroupper, on every block.
+__attribute__((noinline)) inline void q_tail_codes(const AdamArgs& a, size_t b, const float* mb, const float* vb,
+                                                   size_t from, size_t len, float minv, float vinv) {
   int8_t* mc = static_cast<int8_t*>(a.exp_avg) + b;
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq) + b;
   for (size_t j = from; j < len; ++j) {
     mc[j] = q_m(mb[j], minv);
     vc[j] = q_v_sr(vb[j], vinv, q8_round_bits(a.round_index + b + j, a.round_seed));
   }
+}
+__attribute__((always_inline)) inline void q_block_tail(const AdamArgs& a, size_t b, const float* mb,
+                                                        const float* vb, size_t from, size_t len, float minv,
+                                                        float vinv) {
+  if (from < len) q_tail_codes(a, b, mb, vb, from, len, minv, vinv);
 }
 
 // The reference Q8 update of the block holding [b, e) (b a multiple of kQBlock, e <= b + kQBlock):
