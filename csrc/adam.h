@@ -183,8 +183,9 @@ inline void store_out(void* out, DType dt, size_t i, float v) {
 // first form tested m*m > m_bound^2 * v and took the square root only in a branch; the branch was
 // taken in most vectors of the early steps, where int8's rounding puts the moments near the bound.
 // The int8 kernels clamp in the pass that decodes, before the block's absmax, and keep sqrt(v) for
-// the denominator (AVX2: in L1 beside the moments): clamping in the pass of the denominator would leave the scale at the absmax before the clamp, which an int8 block shared by two
-// runs of params (decoded to fp32, updated, re-encoded whole: engine/moments.py) cannot reproduce.
+// the denominator (AVX2: in L1 beside the moments): clamping in the pass of the denominator would
+// leave the scale at the absmax before the clamp, which an int8 block shared by two runs of params
+// (decoded to fp32, updated, re-encoded whole: engine/moments.py) cannot reproduce.
 // A NaN m stays NaN; a NaN lim (v NaN, or an infinite bound times v = 0) leaves m as it is.
 // sqrt_v: sqrt(v), the one the denominator takes too.
 inline float bound_m(const AdamArgs& a, float m, float sqrt_v) {

@@ -94,9 +94,10 @@ inline void q_m_x4(const float* x, __m256 inv, int8_t* dst) {
 }
 
 // The update's exp_avg_sq: fma(1 - beta2, g*g, v0 * beta2) with v0 a code (>= 0) times a scale that
-// the driver's scale check (dispatch.cpp) keeps >= 0, so it is +0, positive, +inf or NaN, never negative: q_v's |x| is x,
-// and a NaN of either sign clamps to the top code in q_mag_r_vec. One op fewer per vector, here and
-// in the block max (measured 1.51 -> 1.37-1.40 ns/param single-threaded). weyl: as round_hi20's.
+// the driver's scale check (dispatch.cpp) keeps >= 0, so it is +0, positive, +inf or NaN, never
+// negative: q_v's |x| is x, and a NaN of either sign clamps to the top code in q_mag_r_vec. One op
+// fewer per vector, here and in the block max (measured 1.51 -> 1.37-1.40 ns/param single-threaded).
+// weyl: as round_hi20's.
 inline void q_v_x4(const float* x, __m256 inv, __m256i& weyl, __m256i seed, uint8_t* dst) {
   // one declaration: its initializers run in order, so vector q takes the indices of elements 8q..8q+7
   const __m256i r0 = round_hi20(weyl, seed), r1 = round_hi20(weyl, seed), r2 = round_hi20(weyl, seed),
