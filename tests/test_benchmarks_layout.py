@@ -140,3 +140,5 @@ def test_kernel_benchmark_runs_and_its_json_names_the_simd_override():
         assert out["command"].startswith(f"HF_ZERO_OFFLOAD_SIMD={level} " if level else "python"), out["command"]
         assert out["hardware"]["simd"] == (level or ops.available_simd_levels()[-1])  # unset: the best level
         assert {row["name"] for row in out["rows"]} >= {"ours fp32", "ours mixed", "ours int8-state", "stream bound"}
+        # every round's time is kept, so a run's spread (the host's drift) can be read back later
+        assert all(len(row["times_ms"]) == 1 and row["times_ms"][0] > 0 for row in out["rows"])

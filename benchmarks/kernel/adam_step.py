@@ -5,7 +5,8 @@ its peers, interleaved round by round in one process.
 
 (run from the repository root). Every round times each row once, in an order rotated per round, so
 a drift of the machine's bandwidth (neighbours, frequency) hits every row alike; the table shows
-medians over the rounds and ratios within this run only.
+medians over the rounds and ratios within this run only. The JSON keeps every round's time per row
+(times_ms, in round order), so a run's spread can be read back.
 
 Rows and the bytes per param each must move (reads + writes, no write-allocate):
   ours fp32         fp32 grad, fp32 master + moments                         4+4 +4 +8+8     = 28
@@ -225,7 +226,8 @@ def main() -> int:
     for name, (kind, bpp, _) in spec.items():
         ms = median(times[name]) * 1e3
         rows.append(dict(name=name, kind=kind, ms=ms, min_ms=min(times[name]) * 1e3, bytes_per_param=round(bpp, 2),
-                         gb_s=bpp * n / ms / 1e6, of_bound=(bpp * n / bound_gbs / 1e6) / ms))
+                         gb_s=bpp * n / ms / 1e6, of_bound=(bpp * n / bound_gbs / 1e6) / ms,
+                         times_ms=[round(t * 1e3, 4) for t in times[name]]))
     by = {r["name"]: r for r in rows}
     for r in rows:
         r["vs_ours_mixed"] = r["ms"] / by["ours mixed"]["ms"]
