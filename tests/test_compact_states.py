@@ -302,7 +302,7 @@ def test_int8_state_with_negative_scales_is_refused_on_load(tmp_path):
     opt.save_checkpoint(str(tmp_path))
     bad = opt.state_dict()
     other = engine(None, copy.deepcopy(model), "int8")
-    with pytest.raises(ValueError, match=f"{tmp_path}: exp_avg_sq_scale has negative entries"):
+    with pytest.raises(ValueError, match=f"{tmp_path}/rank0_of_1.hzo: exp_avg_sq_scale has negative entries"):
         other.load_checkpoint(str(tmp_path))
     with pytest.raises(ValueError, match="state dict: exp_avg_sq_scale has negative entries"):
         other.load_state_dict(bad)

@@ -81,8 +81,9 @@ A dict built in Python may hold numpy scalars (numbers) but no arrays, tensors o
 ``zero_optimization.delayed_param_update {enabled, warmup_steps}`` (the paper's DPU) needs CPU offload, and so
 does ``zero_optimization.offload_optimizer.state_dtype`` ("fp32" default, "bf16", "int8": how the Adam moments
 are stored on the host; int8 is blockwise, 256 elements per scale, csrc/quant.h). The extension
-``zero_optimization.offload_optimizer.cpu_threads`` (an integer >= 1 or "auto", the default) sets the threads of
-each rank's CPU step (``engine_setup.step_threads`` says what "auto" picks).
+``zero_optimization.offload_optimizer.cpu_threads`` (an integer in [1, 2**31) or "auto", the default) sets the threads of
+each rank's CPU step (``engine_setup.step_threads`` says what "auto" picks). Either key under ``offload_param``
+is an error naming where it belongs (not ignored with the switched-off section).
 
 Layout: :mod:`.training` holds the frozen dataclasses (and :class:`ArgsView`), :mod:`.loader` reads and validates a
 file (:func:`check`, :func:`load_config`), :mod:`.resolver` turns a validated dict into a :class:`TrainingConfig`,

@@ -122,7 +122,9 @@ OFFLOAD_OPTIMIZER = {
     # our extension: storage of the Adam moments on the host (fp32 default: exact AdamW)
     "state_dtype": use(choice("fp32", "bf16", "int8")),
     # our extension: threads of the CPU optimizer step per rank ("auto": engine_setup.step_threads)
-    "cpu_threads": use(integer(1, "an integer >= 1"), auto=True),
+    # bounded by what the kernels take (ops.check_num_threads): a larger value passed here and failed at the first
+    # step, after the model had loaded, in an error that did not name this key
+    "cpu_threads": use(integer(1, "an integer >= 1 (and below 2**31) or \"auto\"", hi=2**31 - 1), auto=True),
     "nvme_path": ignore(str_or_null),
     "buffer_count": ignore(integer(0, "an integer >= 0")),
     "pipeline": ignore(boolean),
@@ -272,6 +274,24 @@ NO_EFFECT = {
 }
 
 
+def _expected(spec: Spec) -> str:
+    """"; expected <the values the key takes>" for an error about "auto" (offload_optimizer.state_dtype: "auto" used
+    to be refused without saying that fp32, bf16 and int8 are what it takes)."""
+    try:
+        if spec.check is not None:
+            spec.check(AUTO)
+    except BadValue as e:
+        return f"; expected {e.expected}"
+    except UnsupportedValue:
+        pass
+    return ""
+
+
+# Our extensions of offload_optimizer, placed under DeepSpeed's offload_param: with its "device" "none" (or none
+# given) offload_param is switched off and used to be ignored whole, so the moments silently stayed fp32.
+_OUR_OFFLOAD_KEYS = ("state_dtype", "cpu_threads")
+
+
 def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored: list | None = None) -> dict:
     out: dict[str, Any] = {}
     for key in sorted(node, key=lambda k: k not in _FIRST):
@@ -298,7 +318,7 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
                 continue
             raise _err(source, path, '"auto" is not accepted for this key (only for batch sizes, gradient_'
                        'clipping, the optimizer\'s numbers, the scheduler\'s LRs and step counts, fp16/bf16.enabled '
-                       'and the bucket sizes)')
+                       'and the bucket sizes)' + _expected(spec))
         if spec.children is not None:
             if value is None:  # a section set to null is a section not given (DeepSpeed's optional blocks)
                 continue
@@ -325,6 +345,11 @@ def validate(raw: Any, source: str, ignored: list | None = None) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object ({{...}}), got {json_type(raw)}")
     cfg = _walk(raw, TOP, "", source, ignored)
+    param = (raw.get("zero_optimization") or {}).get("offload_param")
+    for key in _OUR_OFFLOAD_KEYS if isinstance(param, dict) else ():
+        if key in param:
+            raise _err(source, f"zero_optimization.offload_param.{key}", "belongs under zero_optimization."
+                       "offload_optimizer (offload_param is DeepSpeed's stage-3 parameter offload)")
     if "bf16" in cfg and "bfloat16" in cfg:
         raise _err(source, "bfloat16", 'legacy spelling of "bf16"; give only one of them')
     if "bfloat16" in cfg:

@@ -46,6 +46,10 @@ class OffloadOptions:
         _check_fields(self, {"gradient_accumulation_steps": (1, False), "max_grad_norm": (0.0, False),
                              "bucket_numel": (1, False), "tile_numel": (1, False), "dpu_warmup_steps": (0, False),
                              "num_threads": (1, True)})
+        # the kernels take fewer than 2**31 threads (ops.check_num_threads): refused here, at construction,
+        # not at the first step after the model has loaded
+        if self.num_threads is not None and self.num_threads >= 2**31:
+            raise ValueError(f"OffloadOptions.num_threads must be an int in [1, 2**31) or None, got {self.num_threads!r}")
 
     @property
     def shard_align(self) -> int:

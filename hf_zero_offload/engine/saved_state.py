@@ -171,6 +171,7 @@ class SavedState:
         srcs, meta = state_dir.sources(directory)
         self._check_saved(meta, directory)
         codes = self._saved_codes(meta, directory)
+        state_dir.check_sources(srcs, meta.get("state_dtype", "fp32"), self.lo, self.hi)
         # the tensors stream into the arena (no second copy of the state): from here a damaged file
         # leaves a mix of old and new state, which step and save then refuse
         self._load_failed = f"checkpoint {directory}"

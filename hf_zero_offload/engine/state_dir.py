@@ -190,6 +190,38 @@ def check_tensors(state: dict, n: int, where: str) -> None:
             raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
 
 
+def check_sources(srcs: list[tuple[str, int, int]], saved: str, lo: int, hi: int) -> None:
+    """Before the first write of a checkpoint load: each file this slice [lo, hi) reads holds every
+    tensor its ``saved`` state_dtype stores, of that dtype and long enough for the file's range (read
+    from its header), and, for int8, the scales of the blocks read are absmax values (>= 0; read here,
+    CRC-checked: 8 bytes per 256 elements). Without this a checksum-valid but foreign file (a tensor of
+    another dtype or length) failed part way through the streamed load, after the optimizer's state was
+    overwritten; and negative scales, checked only after the load into an int8 engine, went unchecked
+    into a fp32/bf16 engine, where they decode to negative exp_avg_sq (NaN updates)."""
+    if saved == "int8":  # the blocks the conversion decodes (``_convert_loaded``)
+        lo, hi = lo // Q * Q, -(-hi // Q) * Q
+    for path, a0, b0 in srcs:
+        a, b = max(lo, a0), min(hi, b0)
+        if b <= a:
+            continue
+        entries = checkpoint.read_header(path)[1]
+        for key, (count, dtype) in {"master": (b0 - a0, torch.float32), **moment_regions(b0 - a0, saved)}.items():
+            e, name = entries.get(key), str(dtype).replace("torch.", "")
+            if e is None or e.get("dtype") != name or e.get("nbytes", 0) < count * dtype.itemsize:
+                got = "missing" if e is None else f"{e.get('dtype')}, {e.get('nbytes')} bytes"
+                raise StateFileError(f"{path}: {key} is {got}, expected {name}, {count * dtype.itemsize} bytes (the "
+                                     f"{saved} state of elements [{a0}, {b0})): this file was not written by "
+                                     "hf_zero_offload (or is damaged); use an earlier checkpoint")
+        if saved == "int8":
+            k0, k1 = (a - a0) // Q, -(-(b - a0) // Q)
+            scales = {k: torch.empty(k1 - k0) for k in SCALES}
+            checkpoint.read_into(path, scales, start=dict.fromkeys(SCALES, k0))
+            try:
+                ops.check_scales(*scales.values())
+            except ValueError as e:
+                raise StateFileError(f"{path}: {e}; use an earlier checkpoint") from None
+
+
 def read_range(srcs: list[tuple[str, int, int]], lo: int, dst: dict) -> None:
     """Fill ``dst`` (flat tensors covering [lo, lo + n)) from the saved files that overlap it."""
     n = next(v for k, v in dst.items() if not k.endswith("_scale")).numel()
