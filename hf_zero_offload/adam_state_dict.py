@@ -16,6 +16,7 @@ import reprlib
 import torch
 
 from . import ops
+from .ops.moments import check_code_range
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 EXACT_KEYS = MOMENT_KEYS + ("master",)
@@ -23,6 +24,16 @@ EXACT_KEYS = MOMENT_KEYS + ("master",)
 CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
 #: what a CPUAdam group holds that torch.optim.Adam(W) does not (and torch's name for one of them)
 _OUR_GROUP_KEYS = ("state_dtype", "adamw_mode")
+#: step tensors that count exactly past any real run (and torch's: float32)
+_STEP_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+_MAX_STEP = 2**53
+
+
+def step_tensor(step) -> torch.Tensor:
+    """A checked step count as torch.optim.AdamW keeps it: a 0-dim float32 tensor (float64 past
+    2**24, where float32 would stop counting), whatever number or tensor kind it was saved as."""
+    value = float(step.item() if torch.is_tensor(step) else step)
+    return torch.tensor(value, dtype=torch.float32 if value <= 2**24 else torch.float64)
 
 
 def packed(state: dict) -> dict:
@@ -64,19 +75,34 @@ def check_saved_state(st, p: torch.Tensor, pid) -> None:
     where = f"optimizer state of param {pid} (shape {tuple(p.shape)})"
     if not st:
         return
+    for k, v in st.items():  # torch's load would fail on it, or ours after torch's had loaded the rest
+        if torch.is_tensor(v) and v.device.type == "meta":
+            raise ValueError(f"{where}: {k} is on the meta device (a tensor without data)")
     step = st.get("step")
     if step is None:
         raise ValueError(f"{where}: step is missing (Adam's per-param step count)")
+    if torch.is_tensor(step) and step.dtype not in _STEP_DTYPES:
+        # uint8 255 + 1 wraps to 0, bfloat16 256 + 1 stays 256: the bias correction would restart or stall
+        raise TypeError(f"{where}: step must be a float32, float64, int32 or int64 tensor (a count that "
+                        f"does not wrap or stall), got {str(step.dtype)[6:]}")
     value = step.item() if torch.is_tensor(step) and step.numel() == 1 else step
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             math.isfinite(value) and value >= 0 and value == int(value)):
         raise ValueError(f"{where}: step must be a whole number >= 0, got {step!r}")
+    if value >= _MAX_STEP:  # else the kernel refuses it at a step, after updating the params before it
+        raise ValueError(f"{where}: step must be a whole number < 2**53 (counted exactly), got {step!r}")
     try:
-        kind = ops.state_dtype_of({k: v.reshape(-1) if torch.is_tensor(v) else v for k, v in st.items()
-                                   if k in MOMENT_KEYS}, numel=p.numel())
+        # (a strided view holds valid moments: flat copies, as the load copies them anyway)
+        flat = {k: v.reshape(-1).contiguous() if torch.is_tensor(v) else v for k, v in st.items() if k in MOMENT_KEYS}
+        kind = ops.state_dtype_of(flat, numel=p.numel())
+        for k in ("exp_avg", "exp_avg_sq"):  # torch.optim's layout, which the step and to_torch_state_dict keep
+            if st[k].shape != p.shape:
+                raise ValueError(f"{k} has shape {tuple(st[k].shape)}, expected the param's {tuple(p.shape)}")
         if kind == "int8":
-            ops.check_scales(st["exp_avg_scale"], st["exp_avg_sq_scale"])
+            ops.check_scales(flat["exp_avg_scale"], flat["exp_avg_sq_scale"])
             ops.check_int8_codes(st.get("int8_codes", 1))
+            for k in ("exp_avg", "exp_avg_sq"):
+                check_code_range(CODE_KEYS[k], flat[k])
     except (TypeError, ValueError) as e:
         raise type(e)(f"{where}: {e}") from None
     master = st.get("master")

@@ -233,7 +233,8 @@ class CPUAdam(torch.optim.Optimizer):
         """torch's, in torch's order (the load_state_dict pre hooks see the dict first, the post
         hooks the loaded state), with every saved state and group checked before anything loads,
         and the fp32 master and compact moments kept exactly as saved (torch.optim casts every
-        floating state tensor to its param's dtype, and would turn int8 codes into floats)."""
+        floating state tensor to its param's dtype, and would turn int8 codes into floats). Each step
+        count loads as torch's float32 tensor, whatever number or tensor kind it was saved as."""
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # (torch's shallow copy, which its pre hooks get)
         with _hooks_set_aside(self, "_optimizer_load_state_dict_pre_hooks",
@@ -265,6 +266,9 @@ class CPUAdam(torch.optim.Optimizer):
                 if pid in by_id:
                     self.state[by_id[pid]].update({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
                                                    for k, v in values.items()})
+            for pid, st in state_dict["state"].items():  # torch keeps a step's kind; an int64 one stayed int64
+                if pid in by_id and "step" in st:
+                    self.state[by_id[pid]]["step"] = sdict.step_tensor(st["step"])
         for hook in post_hooks:
             hook(self)
 

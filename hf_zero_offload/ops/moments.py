@@ -61,6 +61,25 @@ def check_scales(exp_avg_scale: torch.Tensor, exp_avg_sq_scale: torch.Tensor) ->
                              "int8 state was not written by hf_zero_offload (or is damaged)")
 
 
+#: The largest code magnitude the kernel writes (csrc/quant.h, QFormat::kMaxMag: 1.0's code, where
+#: every value clamps, inf and NaN included): a larger one decodes above its block's absmax (up to
+#: 2x), which no step wrote.
+MAX_CODE = {"exp_avg": 120, "exp_avg_sq": 248}
+
+
+def check_code_range(name: str, codes: torch.Tensor) -> None:
+    """int8 codes of ``exp_avg`` (int8: |code| <= 120) or ``exp_avg_sq`` (uint8: <= 248), named
+    ``name`` in the error; for loads, before they write anything."""
+    top = MAX_CODE["exp_avg" if codes.dtype == torch.int8 else "exp_avg_sq"]
+    bottom = -top if codes.dtype == torch.int8 else 0
+    if codes.numel() == 0:
+        return
+    lo, hi = int(codes.min()), int(codes.max())  # one pass each, at load time only
+    if lo < bottom or hi > top:
+        raise ValueError(f"{name} has code {lo if lo < bottom else hi}, outside [{bottom}, {top}], the codes the "
+                         "kernel writes: this int8 state was not written by hf_zero_offload (or is damaged)")
+
+
 def check_state_dtype(state_dtype: str) -> None:
     """The one check of a moment storage name (CPUAdam, the engine, the planner)."""
     if state_dtype not in STATE_DTYPES:
