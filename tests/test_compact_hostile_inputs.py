@@ -154,6 +154,29 @@ def test_a_foreign_checkpoint_is_refused_by_file_and_key_before_any_write(tmp_pa
         o.close()
 
 
+@pytest.mark.parametrize("own", ["int8", "fp32"])
+@pytest.mark.parametrize("key,code", [("exp_avg", -128), ("exp_avg", 121), ("exp_avg_sq", 249)])
+def test_a_checkpoint_with_codes_the_kernel_never_writes_is_refused(tmp_path, own, key, code):
+    """A checksum-valid int8 file whose codes lie outside what the kernel writes (|exp_avg| <= 120,
+    exp_avg_sq <= 248: a larger code decodes above its block's absmax, up to 2x) loaded silently. The codes
+    stream into the state, so the refusal comes after the load began: step and save then refuse too."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    saver = engine(model, "int8")
+    train(model, saver, batches(2))
+    tensors = {k: v.clone() for k, v in saver.state_tensors().items()}
+    codes = tensors[key]
+    codes[codes.numel() // 2] = code
+    state_dir.save(str(tmp_path), 0, 1, saver.state_meta(), tensors, barrier=None, partition=None)
+    target = engine(copy.deepcopy(model), own)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path))}: {key} codes has code {code}, outside"):
+        target.load_checkpoint(str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed part way"):
+        target.step()
+    for o in (saver, target):
+        o.close()
+
+
 # -- int8 on 2 ranks -> 1 rank in fp32 and back, and consolidate ------------------------------------
 def _int8_job(rank, world, ckpt):
     torch.manual_seed(0)

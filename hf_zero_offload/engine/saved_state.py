@@ -18,6 +18,7 @@ import logging
 import torch
 
 from .. import ops
+from ..ops.moments import check_code_range
 from . import state_dir
 from .checkpoint import StateFileError
 from .moments import SCALES, Q
@@ -200,14 +201,24 @@ class SavedState:
         if saved == self.moments.state_dtype and codes == ops.INT8_CODES:
             read(self.lo, self.state_tensors())
         else:
-            self._convert_loaded(saved, codes, read)
+            self._convert_loaded(saved, codes, read, where)
         if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
-            try:
-                ops.check_scales(*(self.moments.state[k] for k in SCALES))
-            except ValueError as e:
-                raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
+            self._check_int8(self.moments.state, where)
 
-    def _convert_loaded(self, saved: str, codes: int, read) -> None:
+    @staticmethod
+    def _check_int8(state: dict, where: str) -> None:
+        """Loaded int8 moments: absmax scales, and codes in the range the kernel writes (a larger code
+        decodes above its block's absmax). The codes can only be read once they are loaded (they stream
+        into the arena, and reading them twice would add a third to a resume's reads), so a refusal here
+        comes after the load's first write: ``_load_failed`` then keeps step and save refused."""
+        try:
+            ops.check_scales(*(state[k] for k in SCALES))
+            for k in ("exp_avg", "exp_avg_sq"):
+                check_code_range(f"{k} codes", state[k])
+        except ValueError as e:
+            raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
+
+    def _convert_loaded(self, saved: str, codes: int, read, where: str) -> None:
         own, n = self.moments.state_dtype, self.hi - self.lo
         read(self.lo, {"master": self.master[:n]})
         # the saved int8 blocks that cover this slice (its start need not be a block start then)
@@ -215,6 +226,8 @@ class SavedState:
         ha = min(self.numel, -(-self.hi // Q) * Q) if saved == "int8" else self.hi
         tmp = ops.make_state(ha - la, saved)
         read(la, tmp)
+        if saved == "int8":
+            self._check_int8(tmp, where)
         m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
         for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
             self.moments.tensors(n)[k].copy_(t)
