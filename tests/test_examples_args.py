@@ -181,3 +181,18 @@ def test_dataset_name_without_datasets_is_a_clear_error(tmp_path):
         finetune_trainer.main(["--config_name", TINY, "--dataset_name", "wmt16", "--dataset_config_name", "ro-en",
                                "--src_lang", "en", "--tgt_lang", "ro", "--output_dir", str(tmp_path / "o"),
                                "--do_train", "--use_cpu", "--report_to", "none"])
+
+
+@pytest.mark.parametrize("env,want", [({}, "10000"), ({"GOMP_SPINCOUNT": "500"}, "500"),
+                                      ({"OMP_WAIT_POLICY": "active"}, None)])
+def test_the_script_shortens_the_openmp_spin_unless_the_user_chose(env, want):
+    """torch's OpenMP workers spin for milliseconds after each parallel op on the cores the CPU step needs
+    next; the script sets a shorter spin before torch loads libgomp (README, Limitations), and keeps a
+    GOMP_SPINCOUNT or OMP_WAIT_POLICY the user gave."""
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import finetune_trainer; "
+            "print(os.environ.get('GOMP_SPINCOUNT'))")
+    out = subprocess.run([sys.executable, "-c", code, EX], env={**base, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(want)
