@@ -56,12 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     cfg = sub.add_parser("configs", help="list the ds_configs shipped with the package (--zero_offload NAME)")
     cfg.set_defaults(func=_configs)
+    parser.subcommands = sub.choices  # name -> its parser: main reports a stray argument in the subcommand's words
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     debug, argv = take_debug_flag(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would blame the top-level command and print its usage, not the subcommand's
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(run_reporting(f"hf-zero-offload {args.command}", lambda: args.func(args), debug=debug) or 0)
     except SystemExit as e:  # the one-line report of a user error

@@ -38,8 +38,13 @@ def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
     if not os.path.isfile(names_path):
         raise FileNotFoundError(f"{names_path} is missing: without it the masters cannot be matched to parameter "
                                 "names (the checkpoint is incomplete: use another checkpoint-N of the run)")
-    with open(names_path) as f:
-        names = json.load(f)
+    names = _read_json(names_path)
+    # a list per engine slot of that parameter's names; anything else would match masters to no tensor (or to
+    # single letters of a name) and leave the 16-bit weights in place, silently
+    if not (isinstance(names, list) and all(isinstance(a, list) and a and all(isinstance(n, str) for n in a)
+                                            for a in names)):
+        raise ValueError(f"{names_path} is damaged: expected a list of lists of parameter names (one list per "
+                         "optimizer slot); use another checkpoint-N of the run")
     # the engine's own reader: the partition map checked, each file's range checked against it
     srcs, meta = sources(state_dir)
     flat = torch.empty(meta["numel"])
@@ -55,6 +60,15 @@ def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _read_json(path: str):
+    """The JSON in ``path``; a damaged file is a ValueError that names it (json's own message does not)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from e
+
+
 def _checkpoints_in(run_dir: str) -> list[str]:
     found = [d for d in os.listdir(run_dir) if d.startswith("checkpoint-") and d[11:].isdigit()
              and os.path.isdir(os.path.join(run_dir, d))]
@@ -63,6 +77,9 @@ def _checkpoints_in(run_dir: str) -> list[str]:
 
 def state_dir_of(checkpoint_dir: str) -> str:
     """``CHECKPOINT/zero_offload``, or an error that says what ``checkpoint_dir`` is instead."""
+    if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise NotADirectoryError(f"{checkpoint_dir} is a file, not a checkpoint folder: give the checkpoint-N "
+                                 "folder that holds zero_offload/")
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"{checkpoint_dir}: no such checkpoint folder")
     state_dir = os.path.join(checkpoint_dir, "zero_offload")
@@ -82,17 +99,42 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     if os.path.realpath(output_dir) == os.path.realpath(checkpoint_dir):
         raise ValueError(f"output {output_dir} is the checkpoint itself: its 16-bit weights would be replaced; "
                          "give another folder")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise NotADirectoryError(f"output {output_dir} is a file, not a folder: give a folder (it is created "
+                                 "when missing)")
     masters = full_masters(state_dir_of(checkpoint_dir))
     weight_files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
     if not weight_files:
         raise FileNotFoundError(f"no *.safetensors model weights in {checkpoint_dir}")
+    used = set()  # the masters (by tensor: tied aliases share one) that replace some tensor of the weight files
     for path in weight_files:  # a master must replace a tensor of its own shape (another model's file?)
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
+                if key in masters:
+                    used.add(id(masters[key]))
                 shape = list(f.get_slice(key).get_shape())
                 if key in masters and list(masters[key].shape) != shape:
                     raise ValueError(f"{path}: {key} has shape {shape} but its master in the optimizer state has "
                                      f"{list(masters[key].shape)}: the weights and the state are of different models")
+    unused = sorted(k for k, t in masters.items() if id(t) not in used)
+    if unused:  # its weights would be written as the checkpoint's 16-bit copy while claiming to be the masters
+        raise ValueError(f"{checkpoint_dir}: the optimizer state has masters for {', '.join(unused[:5])}"
+                         f"{' ...' if len(unused) > 5 else ''} but no weight file holds a tensor of that name: the "
+                         "weights and the state (or zero_offload/param_names.json) are of different models")
+    # the side files are read (and their JSON checked) before the first write too: a damaged config.json must not
+    # leave an output folder with weights and no config
+    extras = []
+    for extra in sorted(glob.glob(os.path.join(checkpoint_dir, "*.json"))
+                        + glob.glob(os.path.join(checkpoint_dir, "*.model"))):
+        name = os.path.basename(extra)
+        if name.startswith(("trainer_state", "optimizer")):
+            continue
+        content = None
+        if name == "config.json" or name.endswith(".index.json"):
+            content = _read_json(extra)
+            if not isinstance(content, dict):
+                raise ValueError(f"{extra} is damaged: expected a JSON object, got {type(content).__name__}")
+        extras.append((extra, name, content))
     os.makedirs(output_dir, exist_ok=True)
     written = []
     for path in weight_files:
@@ -106,21 +148,18 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
         with checkpoint.atomic_path(dst) as tmp:
             save_file(tensors, tmp, metadata=metadata or {"format": "pt"})
         written.append(dst)
-    for extra in glob.glob(os.path.join(checkpoint_dir, "*.json")) + glob.glob(os.path.join(checkpoint_dir, "*.model")):
-        name = os.path.basename(extra)
-        if name.startswith(("trainer_state", "optimizer")):
-            continue
+    for extra, name, content in extras:
         dst = os.path.join(output_dir, name)
         if name == "config.json":
-            with open(extra) as f:
-                cfg = json.load(f)
+            cfg = content
             cfg["dtype"] = cfg["torch_dtype"] = "float32"
             with checkpoint.atomic_open(dst, "w") as f:
                 json.dump(cfg, f, indent=2)
         elif name.endswith(".index.json"):
-            with open(extra) as f:
-                index = json.load(f)
-            index.setdefault("metadata", {})["total_size"] = sum(os.path.getsize(w) for w in written)
+            index = content
+            if not isinstance(index.get("metadata"), dict):
+                index["metadata"] = {}
+            index["metadata"]["total_size"] = sum(os.path.getsize(w) for w in written)
             with checkpoint.atomic_open(dst, "w") as f:
                 json.dump(index, f, indent=2)
         else:

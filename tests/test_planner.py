@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_zero_offload import cli, planner
-from hf_zero_offload.planner import trace
+from hf_zero_offload.planner import measure, trace
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_activation_prediction_matches_a_real_cpu_step(tmp_path):
     path = config_file("t5-tiny", T5_TINY, tmp_path)
     config = trace.load_config(path)
     jobs = [("fp32", 8, True), ("half", 8, False), ("amp", 8, True)]
-    measured = trace.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16)
+    measured = measure.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16)
     profs = trace.profile_modes(config, half_dtype=torch.bfloat16)
     for (mode, bs, keep), real in zip(jobs, measured):
         pred = profs[mode].peak(bs, keep)
@@ -174,7 +174,7 @@ def test_gradient_checkpointing_prediction_matches_a_real_cpu_step(tmp_path):
     path = config_file("t5-tiny", T5_TINY, tmp_path)
     config = trace.load_config(path)
     jobs = [("fp32", 16, False), ("half", 16, False)]
-    measured = trace.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16, gradient_checkpointing=True)
+    measured = measure.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16, gradient_checkpointing=True)
     ckpt = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16,
                                model=trace.build_model(config, gradient_checkpointing=True))
     plain = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16)

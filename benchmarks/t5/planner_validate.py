@@ -4,7 +4,7 @@ CPU tier (default; Linux, any machine):
   * parameter counts: planner (meta model) vs a real CPU model from the same config;
   * offload host bytes: planner row vs ``OffloadAdam(...).arena.nbytes`` with the same options;
   * activation peaks of one real forward + backward on the CPU (kernel-measured: VmHWM with every
-    tensor its own mmap, see ``planner.trace.measure_cpu_steps``) vs the meta-trace prediction in the
+    tensor its own mmap, see ``planner.measure.measure_cpu_steps``) vs the meta-trace prediction in the
     row's dtype, and vs the alternative "trace fp32 and halve the activations".
 
 GPU tier (``--gpu``; needs CUDA) -- WRITTEN BUT NOT YET RUN: the build machine has no GPU and this
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 import torch  # noqa: E402
 
 from hf_zero_offload import planner  # noqa: E402
-from hf_zero_offload.planner import trace  # noqa: E402
+from hf_zero_offload.planner import measure, trace  # noqa: E402
 
 from benchmarks._common import hardware, hardware_line, model_config, print_table, write_json  # noqa: E402
 
@@ -74,7 +74,7 @@ def cpu_activations(name: str, batches, seq_len: int, tgt_len: int) -> list[dict
     profs = trace.profile_modes(config, half_dtype=half, seq_len=seq_len, tgt_len=tgt_len)
     jobs = [(mode, bs, KEEP[mode]) for mode in ("fp32", "half", "amp") for bs in batches]
     t0 = time.perf_counter()
-    measured = trace.measure_cpu_steps(config, jobs, half_dtype=half, seq_len=seq_len, tgt_len=tgt_len)
+    measured = measure.measure_cpu_steps(config, jobs, half_dtype=half, seq_len=seq_len, tgt_len=tgt_len)
     print(f"  {name}: {len(jobs)} real CPU steps measured in {time.perf_counter() - t0:.1f} s")
     f32 = profs["fp32"]
     rows = []

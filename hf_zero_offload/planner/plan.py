@@ -2,6 +2,7 @@
 (see the package docstring)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -225,7 +226,8 @@ def _check_inputs(*, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, batch_size, buc
     """Every number and name before any model work; each message names the CLI flag (API keyword)."""
     if dtype not in _HALF_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_HALF_DTYPES)}, got {dtype!r}")
-    if not (isinstance(gpu_mem_gib, (int, float)) and math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
+    # finite in bytes too: 1e308 GiB is a finite float whose byte count is not (int(inf) would be a traceback)
+    if not (isinstance(gpu_mem_gib, (int, float)) and math.isfinite(gpu_mem_gib * GiB) and gpu_mem_gib > 0):
         raise ValueError(f"--gpu-mem-gib (gpu_mem_gib) must be a finite number > 0, got {gpu_mem_gib!r}")
     if device_budget(gpu_mem_gib) <= 0:
         raise ValueError(f"--gpu-mem-gib {gpu_mem_gib:g}: nothing left after the safety margin of "
@@ -249,6 +251,39 @@ def _check_inputs(*, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, batch_size, buc
                              f"rows for {dtype}: {', '.join(known)}")
 
 
+@contextlib.contextmanager
+def _model_errors(name: str, what: str, hint: str):
+    """A config that parses but describes no model that can be built or run (a negative size, a key its model
+    needs left out: AttributeError, RuntimeError, ...) is the config's fault: one ValueError naming it, the
+    original chained (``--debug``)."""
+    try:
+        yield
+    except (ValueError, OSError, ImportError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        message = " ".join(str(e).split())
+        raise ValueError(f"{name}: cannot {what} ({type(e).__name__}: {message}); {hint}") from e
+
+
+def _check_positions(config, model, seq_len: int, tgt_len: int, name: str) -> None:
+    """Learned absolute positions (GPT-2's wpe, BART's and BERT's position embeddings) cap the sequence length: a
+    real step beyond them fails, but meta tensors index without bounds checks, so the trace would not. Rotary and
+    relative models (Llama, T5) have no such table (no position-sized embedding besides the tokens') and no cap."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    rows = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    rows.discard(getattr(config, "vocab_size", None))
+    if not rows & {limit, limit + 2}:  # BART's table has 2 extra rows (its offset); the usable length is the limit
+        return
+    lengths = [("--seq-len", seq_len)] + ([("--tgt-len", tgt_len)] if getattr(config, "is_encoder_decoder", False)
+                                          else [])
+    for flag, length in lengths:
+        if length > limit:
+            raise ValueError(f"{flag} {length} is longer than the {limit} positions of this model "
+                             f"(max_position_embeddings in {name}): a real step would fail; give {flag} <= {limit}")
+
+
 def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtype: str = "fp16",
          seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
          tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
@@ -267,15 +302,19 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
                   state_dtype=state_dtype)
     src = getattr(model_config_or_path, "config", model_config_or_path)
     config = trace.load_config(src)
-    model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
+    with _model_errors(_model_name(src), "build the model this config describes", "is a key missing or wrong?"):
+        model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
+    _check_positions(config, model, seq_len, tgt_len, _model_name(src))
     n, max_numel = trace.count_params(model)
     defaults = _engine_defaults()
     settings = EngineSettings(bucket_numel or defaults["bucket_numel"], tile_numel or defaults["tile_numel"],
                               gradient_accumulation_steps, max_numel, cuda, _HALF_DTYPES[dtype],
                               tuple(p.numel() for p in model.parameters() if p.requires_grad))
     specs = [s for s in row_specs(dtype, state_dtype) if configs is None or s.name in configs]
-    profiles = trace.profile_modes(config, {s.mode for s in specs}, half_dtype=settings.half_dtype,
-                                   seq_len=seq_len, tgt_len=tgt_len, model=model)
+    with _model_errors(_model_name(src), f"trace a training step at --seq-len {seq_len} --tgt-len {tgt_len}",
+                       "are the lengths too long, or is a key of the config missing or wrong?"):
+        profiles = trace.profile_modes(config, {s.mode for s in specs}, half_dtype=settings.half_dtype,
+                                       seq_len=seq_len, tgt_len=tgt_len, model=model)
     budget = device_budget(gpu_mem_gib)
     rows = []
     for spec in specs:

@@ -18,7 +18,7 @@ exact rather than a secant through two peaks (at small B the peak sits late in b
 gradients dominate; at large B at the start of backward). When the sequences differ (a model with
 data-dependent control flow) the two peaks give one line.
 
-16-bit training, three ways. Checked against real CPU steps (``benchmarks/planner_validate.py``,
+16-bit training, three ways. Checked against real CPU steps (``measure.py``, ``benchmarks/t5/planner_validate.py``,
 t5-small, seq 128, batch 2 and 8): tracing in the row's own dtype was within 0.6 % in every mode;
 "trace fp32 and halve" was off by -28 % to +7 % (it misses what stays fp32 or 1 byte: upcast
 softmax and norms, dropout masks, the fp32 loss), so every row is traced in its own dtype:
@@ -143,7 +143,20 @@ def load_config(model_config_or_path):
         hint = f"; did you mean {guess}?" if os.path.isfile(guess) else ""
         raise FileNotFoundError(f"{path}: no such config file or model directory (the planner works offline: "
                                 f"pass a local config.json or a directory holding one{hint})")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        # transformers would say "Should have a `model_type` key in its config.json", of a file that is not there
+        raise FileNotFoundError(f"{path}: a folder with no config.json in it (pass a model folder holding "
+                                "config.json, or a config JSON file)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 -- a value of the wrong type is huggingface_hub's own exception class
+        if isinstance(e, ImportError):
+            raise
+        message = " ".join(str(e).split())
+        if isinstance(e, OSError) and path in message:
+            raise  # transformers' own message already names the file
+        # every other failure to read the file is the file's fault: say which file (the message may not)
+        raise ValueError(f"{path}: not a model config transformers can read ({type(e).__name__}: {message})") from e
 
 
 def build_model(config, *, dtype: torch.dtype = torch.float32, device="meta", gradient_checkpointing: bool = False):
@@ -194,7 +207,7 @@ def dummy_batch(config, batch_size: int, seq_len: int, tgt_len: int, device="met
     return batch
 
 
-def _loss(model, batch):
+def loss_of(model, batch):
     return model(**batch).loss  # the outputs (logits) die here, as in Trainer.compute_loss
 
 
@@ -218,7 +231,7 @@ def trace_step(model, batch: dict, *, autocast_dtype: torch.dtype | None = None,
     try:
         with fake_mode or contextlib.nullcontext(), tracker:
             with amp:
-                loss = _loss(model, batch)
+                loss = loss_of(model, batch)
             loss.backward()
             del loss
     finally:
@@ -317,82 +330,3 @@ def count_params(model) -> tuple[int, int]:
     """(trainable params, largest trainable param) counting tied params once."""
     ps = [p for p in model.parameters() if p.requires_grad]  # parameters() yields each tensor once
     return sum(p.numel() for p in ps), max((p.numel() for p in ps), default=0)
-
-
-# -- ground truth on the CPU: a real step, measured by the kernel's resident-set high-water mark ------
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ckpt: bool = False) -> list[int]:
-    import gc
-
-    torch.set_num_threads(1)
-    peaks = []
-    for mode, batch_size, keep_grads in jobs:
-        torch.manual_seed(0)
-        model = build_model(config, dtype=half_dtype if mode == "half" else torch.float32, device="cpu",
-                            gradient_checkpointing=ckpt)
-        batch = dummy_batch(config, batch_size, seq_len, tgt_len, "cpu")
-        amp = (lambda: torch.autocast("cpu", dtype=half_dtype)) if mode == "amp" else contextlib.nullcontext
-        if not keep_grads:
-            for p in model.parameters():
-                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-
-        def step():
-            with amp():
-                loss = _loss(model, batch)
-            loss.backward()
-            del loss
-
-        step()  # warm-up: lazily created kernels, caches and the autograd engine's threads
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        before = _status_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        step()
-        peaks.append(_status_bytes("VmHWM") - before)
-        del model, batch
-        gc.collect()
-    return peaks
-
-
-def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16, seq_len: int = 128,
-                      tgt_len: int = 128, timeout: float = 600, gradient_checkpointing: bool = False) -> list[int]:
-    """Peak extra resident memory (bytes) of one real forward + backward on the CPU per job
-    ``(mode, batch_size, keep_grads)`` (Linux only), each on a fresh model, one process for all.
-
-    The process runs with ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor above 64 KiB is its own
-    mmap that glibc returns to the kernel when freed: the resident-set high-water mark (``VmHWM``,
-    reset before the step) minus the RSS before the step is then the step's peak of live tensor
-    memory, measured by the kernel rather than by the planner's own accounting."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
-    cfg = load_config(config)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "config.json")
-        cfg.to_json_file(path)
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-        args = json.dumps([path, [list(j) for j in jobs], str(half_dtype).split(".")[-1], seq_len, tgt_len,
-                           gradient_checkpointing])
-        res = subprocess.run([sys.executable, "-m", "hf_zero_offload.planner.trace", args], env=env,
-                             capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0:
-        raise RuntimeError(f"measurement process failed:\n{res.stderr[-4000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    _path, _jobs, _dt, _seq, _tgt, _ckpt = json.loads(sys.argv[1])
-    print(json.dumps(_measure_in_process(load_config(_path), _jobs, getattr(torch, _dt), _seq, _tgt, _ckpt)))
