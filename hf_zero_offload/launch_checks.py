@@ -71,10 +71,20 @@ ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_to
                 "adamw_hf")
 
 
-def check_arguments(args) -> None:
-    """TrainingArguments that would otherwise be ignored silently (another optimizer trained as Adam) or fail at
-    the end of training (a best checkpoint without optimizer state): one error naming each."""
+def check_arguments(args, scheduler_block: str | None = None) -> None:
+    """TrainingArguments that would otherwise be ignored silently (another optimizer trained as Adam, schedule
+    options next to the ds_config's "scheduler" block, which replaces the Trainer's schedule) or fail later (a best
+    checkpoint without optimizer state, max_grad_norm=None): one error naming each. ``scheduler_block``: the
+    config's scheduler type, when it has one."""
     problems = []
+    if getattr(args, "max_grad_norm", 0) is None:
+        # transformers' loop compares it with 0 after the first backward: a TypeError, with or without zero_offload
+        problems.append("--max_grad_norm None: the Trainer's loop needs a number (transformers compares it with 0 "
+                        "at every step); use 0 to turn clipping off")
+    if scheduler_block and getattr(args, "lr_scheduler_kwargs", None):
+        problems.append(f"--lr_scheduler_kwargs {args.lr_scheduler_kwargs}: the ds_config's \"scheduler\" block "
+                        f"({scheduler_block}) replaces the Trainer's schedule, so these would have no effect; set the "
+                        "block's params instead, or drop the block to keep --lr_scheduler_type")
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in ADAMW_OPTIMS:
         problems.append(f"--optim {optim}: the zero_offload engine is Adam/AdamW only (accepted: "

@@ -149,11 +149,13 @@ def choose(folder: str) -> tuple[str, list[str]]:
 def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
     """What the checkpoint's optimizer state is: the marker's record, else read from the state files (legacy);
     None when the checkpoint holds no hf_zero_offload state."""
+    d = os.path.join(checkpoint, state_dir)
+    if not os.path.isdir(d):
+        return None  # e.g. --save_only_model: the marker records the engine that ran, but no state was written
     marker = read_marker(checkpoint)
     if marker is not None and marker.get("engine"):
         return marker["engine"]
-    d = os.path.join(checkpoint, state_dir)
-    files = sorted(n for n in os.listdir(d) if n.endswith(".hzo")) if os.path.isdir(d) else []
+    files = sorted(n for n in os.listdir(d) if n.endswith(".hzo"))
     if not files:
         return None
     info = {"world_size": len(files)}

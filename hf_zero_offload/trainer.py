@@ -21,6 +21,7 @@ resume only from complete ones (``True``: the newest complete one), and log what
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -106,10 +107,10 @@ class ZeroOffloadMixin:
             self._zo_precision = (bool(targs.fp16), bool(targs.bf16))
             # The whole config, resolved against the arguments, before any model work (values that depend
             # on a step count not known yet are checked again at train start).
-            resolve(self._zo_raw, early_view(targs, self._zo_raw.cfg, *self._zo_precision,
-                                             kwargs.get("model", args[0] if args else None)))
+            early = resolve(self._zo_raw, early_view(targs, self._zo_raw.cfg, *self._zo_precision,
+                                                     kwargs.get("model", args[0] if args else None)))
             check_world_size(targs)
-            check_arguments(targs)
+            check_arguments(targs, early.scheduler.type if early.scheduler is not None else None)
             self._zo_refuse_user_optimizer(args, kwargs)
             self._zo_take_lock(targs)
             saved = (targs.fp16, targs.bf16, targs.mixed_precision)
@@ -148,8 +149,8 @@ class ZeroOffloadMixin:
         opt = getattr(opt, "optimizer", opt)  # unwrap Accelerate's AcceleratedOptimizer
         return opt if isinstance(opt, AdamCore) else None
 
-    def _zo_resolve(self) -> TrainingConfig:
-        max_steps = getattr(getattr(self, "state", None), "max_steps", 0) or None
+    def _zo_resolve(self, max_steps: int | None = None) -> TrainingConfig:
+        max_steps = max_steps or getattr(getattr(self, "state", None), "max_steps", 0) or None
         fp16, bf16 = self._zo_precision
         view = args_view(self.args, fp16=fp16, bf16=bf16, max_steps=max_steps, model=self.model)
         return resolve(self._zo_raw, view)
@@ -182,7 +183,14 @@ class ZeroOffloadMixin:
         if self.lr_scheduler is None:
             cfg = self.zero_config
             if cfg is not None and cfg.scheduler is not None:
+                # resolved again for this train()'s step count ("auto" total_num_steps / warm-up ratio): a second
+                # train() may run another number of steps, on the engine of the first
+                self.zero_config = cfg = dataclasses.replace(
+                    cfg, scheduler=self._zo_resolve(num_training_steps).scheduler)
                 self.lr_scheduler = build_scheduler(self.zero_engine, cfg.scheduler)
+                # as transformers marks the schedule it creates: the next train() builds it again (it was kept,
+                # already at its end, and a second train() with WarmupDecayLR ran at lr 0 without a word)
+                self._created_lr_scheduler = True
             else:
                 super().create_scheduler(num_training_steps, self.zero_engine)
         return self.lr_scheduler
@@ -251,8 +259,9 @@ class ZeroOffloadMixin:
         if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
         if self.args.should_save:
+            saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
             resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
-                                             "engine": self._zo_engine_info()})
+                                             "engine": self._zo_engine_info() if saved else None})
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
                                best_model_checkpoint=self.state.best_model_checkpoint)
 

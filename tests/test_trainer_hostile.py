@@ -1,0 +1,230 @@
+"""Hostile probes of the Trainer integration: TrainingArguments a user sets together with --zero_offload that touch the
+optimizer, the schedule or the checkpoints. Each either equals the plain Trainer / a documented result, or is one
+clear error naming the argument before any training."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from transformers import Seq2SeqTrainer
+
+from _t5 import ToyDataset, tiny_t5
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+from hf_zero_offload import resume
+from hf_zero_offload.config import ConfigError
+
+OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+COMMON = dict(per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_to=[], logging_steps=1,
+              save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2, weight_decay=0.01)
+
+
+def _args(tmp_path, name, **kw):
+    return ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / name), **{**COMMON, **kw})
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+def _trainer(cls, tmp_path, name, seed=0, **kw):
+    model = tiny_t5(seed)
+    return model, cls(model=model, args=_args(tmp_path, name, **kw), train_dataset=ToyDataset(),
+                      eval_dataset=ToyDataset(8, seed=1))
+
+
+def _close(a_model, b_model, **tol):
+    for (name, a), b in zip(a_model.named_parameters(), b_model.parameters()):
+        torch.testing.assert_close(b, a, **(tol or dict(rtol=1e-5, atol=1e-6)), msg=name)
+
+
+# ---- resume_from_checkpoint -----------------------------------------------------------------------------------------
+
+def test_resume_true_with_no_checkpoint_names_the_folder(tmp_path):
+    _, trainer = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "none", zero_offload=OFFLOAD)
+    with pytest.raises(resume.IncompleteCheckpoint, match=r"resume_from_checkpoint=True: no complete checkpoint in "
+                                                          r"\S*none"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 0 and trainer.zero_engine is None
+
+
+def test_checkpoint_of_a_plain_trainer_resumed_with_offload_is_refused_by_name(tmp_path):
+    kw = dict(save_strategy="steps", save_steps=2, max_steps=2)
+    _, plain = _trainer(Seq2SeqTrainer, tmp_path, "plain", optim="adamw_torch", **kw)
+    plain.train()
+    ckpt = tmp_path / "plain" / "checkpoint-2"
+    assert (ckpt / "optimizer.pt").is_file()
+    _, ours = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "ours", zero_offload=OFFLOAD, **{**kw, "max_steps": 4})
+    with pytest.raises(FileNotFoundError, match=r"checkpoint-2 has no zero_offload/ optimizer state \(was it saved "
+                                                r"without --zero_offload\?\)"):
+        ours.train(resume_from_checkpoint=str(ckpt))
+    assert ours.state.global_step == 2 and not os.path.exists(tmp_path / "ours" / "checkpoint-4")
+
+
+@pytest.mark.parametrize("saved, now", [("fp32", "int8"), ("int8", "bf16")])
+def test_checkpoint_of_another_state_dtype_converts_and_says_so(tmp_path, caplog, saved, now):
+    def cfg(dtype):
+        return {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "state_dtype": dtype}}}
+    kw = dict(save_strategy="steps", save_steps=2)
+    _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "a", zero_offload=cfg(saved), **kw)[1].train()
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    model, trainer = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "b", seed=1, zero_offload=cfg(now), **kw)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert trainer.zero_engine.moments.state_dtype == now and trainer.state.global_step == 4
+    assert f"converted to state_dtype={now}" in caplog.text
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_save_total_limit_keeps_whole_checkpoints_with_their_state(tmp_path):
+    _, trainer = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "lim", zero_offload=OFFLOAD, save_strategy="steps",
+                          save_steps=1, save_total_limit=2, max_steps=5)
+    trainer.train()
+    kept = sorted(os.listdir(tmp_path / "lim"))
+    assert [k for k in kept if k.startswith("checkpoint-")] == ["checkpoint-4", "checkpoint-5"]
+    for k in ("checkpoint-4", "checkpoint-5"):
+        assert resume.status(str(tmp_path / "lim" / k)) == "complete"
+        assert os.path.isfile(tmp_path / "lim" / k / "zero_offload" / "rank0_of_1.hzo")
+
+
+# ---- arguments that meet the optimizer ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "adamw_torch_4bit", "lion_32bit", "rmsprop", "adamw_anyprecision"])
+def test_other_optimizers_are_refused_by_name(tmp_path, optim):
+    with pytest.raises(ConfigError, match=rf"--optim {optim}: the zero_offload engine is Adam/AdamW only"):
+        _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "o", zero_offload=OFFLOAD, optim=optim)
+
+
+def test_max_grad_norm_none_is_refused_at_init_naming_it(tmp_path):
+    # transformers' loop compares max_grad_norm with 0 after the first backward (TypeError); say it up front
+    with pytest.raises(ConfigError, match=r"--max_grad_norm None: .*use 0 to turn clipping off"):
+        _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "n", zero_offload=OFFLOAD, max_grad_norm=None)
+
+
+def test_max_grad_norm_zero_equals_the_plain_trainer(tmp_path):
+    ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", max_grad_norm=0.0)
+    ref.train()
+    model, ours = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "ours", zero_offload=OFFLOAD, max_grad_norm=0.0)
+    ours.train()
+    _close(ref_model, model)
+    assert _logged(ours, "grad_norm") == pytest.approx(_logged(ref, "grad_norm"), rel=1e-5)
+
+
+@pytest.mark.parametrize("key, arg, value", [("lr", "learning_rate", 3e-3), ("weight_decay", "weight_decay", 0.1),
+                                             ("eps", "adam_epsilon", 1e-6)])
+def test_optimizer_values_given_twice_must_agree(tmp_path, key, arg, value):
+    cfg = {**OFFLOAD, "optimizer": {"type": "AdamW", "params": {key: value}}}
+    with pytest.raises(ConfigError, match=rf"{key}.*--{arg}"):
+        _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "x", zero_offload=cfg)
+    # the same value in both: the config's optimizer block is what trains, and equals the plain Trainer's AdamW
+    kw = {arg: value}
+    _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "y", zero_offload=cfg, **kw)
+
+
+def test_lr_scheduler_kwargs_next_to_a_scheduler_block_are_not_dropped_silently(tmp_path):
+    cfg = {**OFFLOAD, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}}}
+    with pytest.raises(ConfigError, match=r"--lr_scheduler_kwargs.*scheduler"):
+        _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "k", zero_offload=cfg, lr_scheduler_type="cosine_with_min_lr",
+                 lr_scheduler_kwargs={"min_lr": 1e-4})
+
+
+# ---- evaluate / predict / train twice -------------------------------------------------------------------------------
+
+def test_evaluate_and_predict_before_training_equal_the_plain_trainer(tmp_path):
+    _, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", per_device_eval_batch_size=4)
+    _, ours = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "ours", zero_offload=OFFLOAD, per_device_eval_batch_size=4)
+    assert ours.evaluate()["eval_loss"] == ref.evaluate()["eval_loss"]
+    a, b = ref.predict(ToyDataset(4)), ours.predict(ToyDataset(4))
+    assert b.metrics["test_loss"] == a.metrics["test_loss"]
+    ours.train()  # and training still starts from there
+    assert ours.state.global_step == 4
+
+
+@pytest.mark.parametrize("cfg", [OFFLOAD, {**OFFLOAD, "scheduler": {"type": "WarmupDecayLR", "params": {
+    "total_num_steps": "auto", "warmup_num_steps": "auto"}}}], ids=["trainer-schedule", "scheduler-block"])
+def test_train_twice_restarts_the_schedule_as_the_plain_trainer_does(tmp_path, cfg):
+    # transformers recreates the LR schedule it created at every train() (its parameters may differ); the
+    # config's schedule was kept, already at its end: the second train() ran at lr=0 (WarmupDecayLR)
+    _, trainer = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "t", zero_offload=cfg, warmup_steps=2)
+    trainer.train()
+    first = _logged(trainer, "learning_rate")
+    trainer.train()
+    second = _logged(trainer, "learning_rate")  # a new TrainerState: the log starts again
+    assert second == pytest.approx(first)
+    assert trainer.zero_engine.global_steps == 8  # the optimizer state goes on, as AdamW's does
+
+
+def test_train_twice_equals_the_plain_trainer(tmp_path):
+    ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", warmup_steps=2)
+    model, ours = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "ours", zero_offload=OFFLOAD, warmup_steps=2)
+    for t in (ref, ours, ref, ours):
+        t.train()
+    _close(ref_model, model)
+    assert _logged(ours, "learning_rate") == pytest.approx(_logged(ref, "learning_rate"))
+
+
+def test_second_train_with_more_steps_resolves_the_auto_schedule_again(tmp_path):
+    # "auto" total_num_steps is this train()'s step count, as for the first one (it kept the first's: 4)
+    cfg = {**OFFLOAD, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}
+    _, trainer = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "t", zero_offload=cfg, warmup_steps=2)
+    trainer.train()
+    trainer.args.max_steps = 6
+    trainer.train()
+    _, fresh = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "f", zero_offload=cfg, warmup_steps=2, max_steps=6)
+    fresh.train()
+    assert trainer.zero_config.scheduler.total_num_steps == 6
+    assert _logged(trainer, "learning_rate") == pytest.approx(_logged(fresh, "learning_rate"))
+
+
+def test_save_only_model_checkpoint_claims_no_optimizer_state(tmp_path, caplog):
+    # its marker recorded the engine although no zero_offload/ was written: a plain Trainer resuming it was told
+    # the checkpoint "holds hf_zero_offload optimizer state ... that this run drops"
+    kw = dict(save_only_model=True, save_strategy="steps", save_steps=2, max_steps=2)
+    _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "s", zero_offload=OFFLOAD, **kw)[1].train()
+    ckpt = tmp_path / "s" / "checkpoint-2"
+    assert not (ckpt / "zero_offload").exists()
+    assert resume.saved_engine(str(ckpt), "zero_offload") is None
+    _, plain = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "p", optim="adamw_torch", **{**kw, "max_steps": 4})
+    plain.train(resume_from_checkpoint=str(ckpt))
+    assert "that this run drops" not in caplog.text
+
+
+def test_torch_compile_equals_the_plain_trainer(tmp_path):
+    kw = dict(torch_compile=True, torch_compile_backend="eager", max_steps=2)
+    ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", **kw)
+    ref.train()
+    model, ours = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "ours", zero_offload=OFFLOAD, **kw)
+    ours.train()
+    _close(ref_model, model)
+    assert _logged(ours, "loss") == pytest.approx(_logged(ref, "loss"), rel=1e-5)
+
+
+def test_model_init_trains_each_new_model_with_a_new_engine(tmp_path):
+    # model_init (hyperparameter search): every train() starts from a new model; the engine must follow it
+    targs = dict(optim="adamw_torch", max_steps=2)
+    ref = Seq2SeqTrainer(model_init=lambda *_: tiny_t5(), args=_args(tmp_path, "ref", **targs),
+                         train_dataset=ToyDataset())
+    ours = ZeroOffloadSeq2SeqTrainer(model_init=lambda *_: tiny_t5(), args=_args(tmp_path, "ours", zero_offload=OFFLOAD,
+                                                                                **targs), train_dataset=ToyDataset())
+    for t in (ref, ours, ref, ours):
+        t.train()
+    _close(ref.model, ours.model)
+    assert ours.zero_engine.global_steps == 2
+
+
+def test_unknown_preset_name_is_one_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"zero2-ofload"):
+        _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "p", zero_offload="zero2-ofload")
+
+
+@pytest.mark.parametrize("kw", [dict(neftune_noise_alpha=5.0), dict(include_num_input_tokens_seen="all"),
+                                dict(eval_on_start=True, eval_strategy="steps", eval_steps=2)],
+                         ids=["neftune", "tokens-seen", "eval-on-start"])
+def test_readme_listed_features_equal_the_plain_trainer(tmp_path, kw):
+    ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", **kw)
+    ref.train()
+    model, ours = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "ours", zero_offload=OFFLOAD, **kw)
+    ours.train()
+    _close(ref_model, model)
+    for key in ("loss", "eval_loss", "num_input_tokens_seen"):
+        assert _logged(ours, key) == pytest.approx(_logged(ref, key), rel=1e-5), key
