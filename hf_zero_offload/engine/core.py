@@ -35,6 +35,17 @@ from .saved_state import SavedState
 from .streams import Streams, make_streams
 
 
+# torch.optim.Adam/AdamW flags the engine does not implement: refused when truthy (see _check_group_flags)
+_REFUSED_FLAGS = {
+    "amsgrad": "the kernels keep no max(exp_avg_sq) state; use torch.optim.AdamW(amsgrad=True)",
+    "maximize": "the engine descends the gradient; negate the loss instead",
+    "capturable": "it is for CUDA graphs, which the engine's host step cannot be captured in",
+    "differentiable": "autograd does not record the engine's step",
+    "foreach": "the engine always runs its own fused kernels; leave foreach None or False",
+    "fused": "the engine always runs its own fused kernels; leave fused None or False",
+}
+
+
 class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
     _grads_from_backward = True   # gradients come from backward hooks, not from .grad at step()
@@ -46,8 +57,8 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
         self._layout_fixed = True  # from here on add_param_group refuses (see there)
-        self._check_hyper()
         self.options = options
+        self._check_hyper()
         self.scaler = LossScaler.from_options(options.fp16)
         # per group: (param, flat offset, numel); ``_flat``: all of them in order; ``_groups``: indices
         self._slots, self.numel, self.device = flat_layout(self.param_groups, type(self).__name__)
@@ -67,6 +78,12 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
         self._pending: Future | None = None
         self._uploaded = None        # DPU: event of the worker's last upload (None: nothing to wait for)
         self._prepared = None        # this step's (sumsq, received), computed once
+        # torch.optim's zero_grad(set_to_none=False) leaves a zero .grad on every param that had one,
+        # and AdamW then steps it with a zero gradient. The engines free each .grad as they take it,
+        # so they remember which params would hold one: ``_last_received`` (the last step's), folded
+        # into ``_kept_grad`` by zero_grad(set_to_none=False), cleared by set_to_none=True.
+        self._last_received = [False] * len(self._flat)
+        self._kept_grad = [False] * len(self._flat)
         self._divisor = 1            # the gradient store holds the sum over this many ranks
         self._torch_adam = False     # Adam with torch's fused kernel on the device (ZeRO without offload)
         self.uploader = None         # a ParamUploader when updated tiles go up through staging
@@ -82,8 +99,14 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's meaning: the gradients of this step so far are dropped, those already
-        handed to the engine during backward included, so a ``step()`` right after updates nothing."""
+        handed to the engine during backward included, so a ``step()`` right after updates nothing.
+        ``set_to_none=False``: the params that got a gradient in the last step keep stepping with a zero
+        gradient until a ``zero_grad(set_to_none=True)``, as torch.optim steps their zeroed ``.grad``
+        (gradients dropped mid-window by this call are not counted: on several ranks that would need a
+        collective here)."""
         super().zero_grad(set_to_none)
+        self._kept_grad = ([False] * len(self._flat) if set_to_none
+                           else [k or r for k, r in zip(self._kept_grad, self._last_received)])
         self._drain_window()  # no copy still in flight may land in the window started next
         self._prepared = None
         self._begin_window()
@@ -149,6 +172,7 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
             loss = closure() if closure is not None else None
         sumsq, received = self._prepare()
         self._prepared = None
+        self._last_received = received
         self.global_steps += 1
         self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor)
         # DPU: the delayed step in flight finishes and its parameters are published, whatever comes
@@ -181,17 +205,47 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     def _check_hyper(self) -> None:
         for i, g in enumerate(self.param_groups):
             try:
+                self._check_group_flags(g)
                 ops.check_hyperparameters(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__} param group {i}: {e}") from None
+
+    def _check_group_flags(self, g: dict) -> None:
+        """torch.optim's Adam/AdamW flags a group may carry (copied from another optimizer's groups, or
+        set by hand): the step reads only lr, betas, eps, weight_decay and adamw_mode, so a flag that
+        changes the math (or a per-group state_dtype) used to be dropped without a word."""
+        if not isinstance(g["adamw_mode"], bool):  # "false" would be true
+            raise ValueError(f"adamw_mode must be a bool, got {g['adamw_mode']!r}")
+        for key, why in _REFUSED_FLAGS.items():
+            if g.get(key) not in (None, False):
+                raise ValueError(f"{key}={g[key]!r} is not supported: {why}")
+        dwd = g.get("decoupled_weight_decay")
+        if dwd is not None and bool(dwd) != g["adamw_mode"]:
+            raise ValueError(f"decoupled_weight_decay={dwd!r} contradicts adamw_mode={g['adamw_mode']!r}: the "
+                             "engine's weight decay is decoupled (AdamW) exactly when adamw_mode is True")
+        sd = g.get("state_dtype")
+        if sd is not None and sd != self.options.state_dtype:
+            raise ValueError(f"state_dtype={sd!r} differs from OffloadOptions.state_dtype="
+                             f"{self.options.state_dtype!r}: the engine stores every group's moments one way")
 
     def _prepare(self) -> tuple[float, list[bool]]:
         if self._prepared is None:
             stray = self._stray_grad() if self.world_size == 1 else None  # (ranks: see ShardedAdam)
             if stray is not None:
                 raise ValueError(stray)
-            self._prepared = self._gradients()
+            sumsq, received = self._gradients()
+            # a param holding a zeroed .grad in torch (zero_grad(set_to_none=False)) steps with a zero
+            # gradient, as AdamW steps it (moments decay, weight decay applies); it was skipped
+            kept = [k and not r for k, r in zip(self._kept_grad, received)]
+            if any(kept):
+                self._zero_grads(kept)
+                received = [r or k for r, k in zip(received, kept)]
+            self._prepared = (sumsq, received)
         return self._prepared
+
+    def _zero_grads(self, which: list[bool]) -> None:
+        """The gradient store holds zeros for these params (which no rank sent a gradient in this
+        window). Sharded: it does already (GradReducer zero-fills what a rank did not produce)."""
 
     def grad_norm(self) -> float:
         """The global L2 norm of this step's (unscaled, averaged) gradients before clipping; inf on

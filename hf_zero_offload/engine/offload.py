@@ -76,6 +76,14 @@ class OffloadAdam(AdamCore):
         sumsq = sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads) for r in runs)
         return sumsq, received
 
+    @torch.no_grad()
+    def _zero_grads(self, which: list[bool]) -> None:
+        # the pipeline writes only the params it received: the rest of the store may hold an
+        # earlier window's gradients
+        for (_, off, n), w in zip(self._flat, which):
+            if w:
+                self.pipeline.store[off:off + n].zero_()
+
     def _begin_window(self) -> None:
         self.pipeline.new_window(self.store)
 

@@ -59,7 +59,11 @@ class GradReducer:
         self.comm_stream = torch.cuda.Stream(device=streams.device) if streams.cuda else None
         self.index = FlatIndex(slots)
         self.slot_of = {id(p): i for i, (p, _, _) in enumerate(slots)}
-        self.shard_start = partition.start(rank)
+        # where this rank's piece of the *padded* layout begins (segments are cut in it); not
+        # ``partition.start``, which clamps to the model's end: a rank whose shard is all padding
+        # (int8 blocks of 256 on a small model, or more ranks than elements) delivered its piece at
+        # the clamped offset, past its store's end, and failed inside backward with its peers waiting
+        self.shard_start = rank * partition.shard_numel
         self.buckets, self.seg, self.buffer_numel = buffer_layout(slots, partition, stage, bucket_numel, use_rs)
         self.chunk = self.seg  # stage 1: elements per rank and round
         self.bucket_of = [0] * len(slots)
