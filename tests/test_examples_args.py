@@ -187,12 +187,20 @@ def test_dataset_name_without_datasets_is_a_clear_error(tmp_path):
                                       ({"OMP_WAIT_POLICY": "active"}, None)])
 def test_the_script_shortens_the_openmp_spin_unless_the_user_chose(env, want):
     """torch's OpenMP workers spin for milliseconds after each parallel op on the cores the CPU step needs
-    next; the script sets a shorter spin before torch loads libgomp (README, Limitations), and keeps a
-    GOMP_SPINCOUNT or OMP_WAIT_POLICY the user gave."""
-    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import finetune_trainer; "
-            "print(os.environ.get('GOMP_SPINCOUNT'))")
-    out = subprocess.run([sys.executable, "-c", code, EX], env={**base, **env}, capture_output=True, text=True,
-                         timeout=300)
+    next; the script sets a shorter spin (README, Limitations) and keeps a GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY the user gave."""
+    environ = dict(env)
+    finetune_trainer.shorten_openmp_spin(environ)
+    assert environ.get("GOMP_SPINCOUNT") == want
+
+
+def test_the_spin_is_set_before_torch_loads_openmp():
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: the script must set it before `import torch`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import finetune_trainer, os; "
+            "src = open(finetune_trainer.__file__).read(); "
+            "print(src.index('\\nshorten_openmp_spin(os.environ)') < src.index('\\nimport torch'), "
+            "os.environ.get('GOMP_SPINCOUNT'))")
+    out = subprocess.run([sys.executable, "-c", code, EX], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == str(want)
+    assert out.stdout.strip().splitlines()[-1] == "True 10000"

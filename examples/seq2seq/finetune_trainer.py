@@ -32,8 +32,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # read by libgomp when torch loads it (so before `import torch`): 20M params, 2 cores, int8 moments, opt.step
 # 17.2-18.0 -> 12.0-13.5 ms and the whole step 61.7-64.6 -> 57.4-61.8 ms (README, "Limitations").
 # A GOMP_SPINCOUNT or OMP_WAIT_POLICY of the user's own is kept.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
+def shorten_openmp_spin(environ) -> None:
+    if "OMP_WAIT_POLICY" not in environ:
+        environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
+shorten_openmp_spin(os.environ)
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
