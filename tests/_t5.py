@@ -27,3 +27,13 @@ class ToyDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return {"input_ids": self.src[i], "attention_mask": torch.ones_like(self.src[i]),
                 "labels": self.src[i].flip(0)}
+
+
+#: the shortest ds_config that turns the engine on: ZeRO-2 with the optimizer offloaded to the CPU
+OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+def logged(trainer, key: str) -> list:
+    """``key``'s values in the Trainer's log history, one per logging step (the final summary left out)."""
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import Seq2SeqTrainer
 
-from _t5 import ToyDataset, tiny_t5
+from _t5 import OFFLOAD, ToyDataset, tiny_t5
+from _t5 import logged as _logged
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 from hf_zero_offload import resume
 from hf_zero_offload.config import ConfigError
 
-OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 COMMON = dict(per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_to=[], logging_steps=1,
               save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2, weight_decay=0.01)
 
@@ -23,9 +23,6 @@ COMMON = dict(per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_t
 def _args(tmp_path, name, **kw):
     return ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / name), **{**COMMON, **kw})
 
-
-def _logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
 
 
 def _trainer(cls, tmp_path, name, seed=0, **kw):
