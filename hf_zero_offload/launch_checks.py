@@ -9,6 +9,7 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 from .config import ConfigError
 
@@ -19,17 +20,80 @@ class LaunchError(ConfigError):
     """The launch and the Trainer disagree (e.g. torchrun started several processes, the Trainer sees one)."""
 
 
+# MPI launchers name the rank their own way; Accelerate reads these instead of RANK (and needs no MASTER_ADDR
+# with the mpi backend), so their launches are left to it.
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def check_launch_env(env=None) -> None:
+    """torchrun's variables, checked before TrainingArguments sets up the process group (its first use of them).
+    Left to Accelerate and torch, a partial or inconsistent set either hangs (``RANK=2 WORLD_SIZE=2``: rank 2 waits
+    at the rendezvous for ranks that never come, 30 minutes by default) or fails with a message about something
+    else (``WORLD_SIZE=2`` alone: "multinode ... MASTER_ADDR"; ``LOCAL_RANK`` alone, a leftover of another launch:
+    "MASTER_ADDR expected"; ``WORLD_SIZE=two``: an int() traceback). One error naming the variable instead. A group
+    the user initialised before is not checked here (their variables may be absent): ``check_world_size`` compares
+    its size with the Trainer's."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    env = os.environ if env is None else env
+
+    def count(name):
+        value = env.get(name)
+        if value is None:
+            return None
+        if not value.strip().isdigit():
+            raise LaunchError(f"{name}={value!r}: not a count (torchrun sets it to a non-negative integer)")
+        return int(value)
+
+    world, rank = count("WORLD_SIZE"), count("RANK")
+    local_rank, local_world = count("LOCAL_RANK"), count("LOCAL_WORLD_SIZE")
+    hint = "start every process with torchrun (or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT " \
+           "in each, as torchrun does), or unset them all for one process"
+    if world == 0:
+        raise LaunchError(f"WORLD_SIZE=0: a run needs at least one process; {hint}")
+    if world is None:
+        stray = [f"{n}={env[n]}" for n in ("RANK", "LOCAL_RANK") if n in env]
+        if stray:
+            raise LaunchError(f"{' and '.join(stray)} set without WORLD_SIZE (a leftover of another launch?); {hint}")
+        return
+    if rank is not None and rank >= world:
+        raise LaunchError(f"RANK={rank} with WORLD_SIZE={world}: ranks are 0..{world - 1}, this process would wait "
+                          f"for the others forever; {hint}")
+    if local_world is not None and local_world > world:
+        raise LaunchError(f"LOCAL_WORLD_SIZE={local_world} > WORLD_SIZE={world}; {hint}")
+    if local_rank is not None and local_world is not None and local_rank >= local_world:
+        raise LaunchError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world}: local ranks are "
+                          f"0..{local_world - 1}; {hint}")
+    if world > 1 and not any(n in env for n in _MPI_RANK_VARS):
+        missing = [n for n in ("RANK", "MASTER_ADDR") if not env.get(n)]
+        if missing:
+            raise LaunchError(f"WORLD_SIZE={world} but {' and '.join(missing)} not set: this process cannot know "
+                              f"which rank it is or where to meet the others; {hint}")
+
+
+def _use_cpu_hint() -> str:
+    return "--use_cpu (use_cpu=True; the gloo backend follows)" if not torch.cuda.is_available() else \
+        "a CUDA device per process, or --use_cpu (use_cpu=True) for CPU training"
+
+
 def check_world_size(args) -> None:
     """torchrun on CPUs without ``--use_cpu``: every process trains alone on all the data and all of them write
-    ``rank0_of_1`` into the same output_dir. Stop with the one flag that fixes it."""
+    ``rank0_of_1`` into the same output_dir. Stop with the one flag that fixes it. The same for a process group the
+    user initialised before the Trainer without torchrun's variables: Accelerate, which reads only those, sees one
+    process, and each rank would train alone (and meet the others' run lock in a shared output_dir)."""
     env = os.environ.get("WORLD_SIZE", "1")
     launched = int(env) if env.isdigit() else 1
     if launched > 1 and args.world_size == 1:
-        flag = "--use_cpu (use_cpu=True; the gloo backend follows)" if not torch.cuda.is_available() else \
-            "a CUDA device per process, or --use_cpu (use_cpu=True) for CPU training"
         raise LaunchError(
             f"WORLD_SIZE={launched} (torchrun) but the Trainer sees 1 process: each rank would train alone on all "
-            f"the data and write into the same output_dir. Add {flag}")
+            f"the data and write into the same output_dir. Add {_use_cpu_hint()}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != args.world_size:
+        raise LaunchError(
+            f"torch.distributed is initialised with {dist.get_world_size()} ranks (backend {dist.get_backend()}) "
+            f"but the Trainer sees {args.world_size}: each rank would train alone on all the data. Set RANK, "
+            "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in each process before creating the "
+            f"TrainingArguments (Accelerate reads those, not the group), or start with torchrun; on CPUs also "
+            f"{_use_cpu_hint()}")
 
 
 def warn_fp16_on_cpu(args, fp16: bool) -> None:

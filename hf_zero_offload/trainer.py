@@ -38,11 +38,11 @@ from .consolidate import write_param_names
 from .args_view import args_view, early_view
 from .config import TrainingConfig, check, resolve
 from .engine.core import AdamCore
-from .engine.checkpoint import atomic_path
+from .engine.checkpoint import atomic_path, fsync_tree
 from .accelerator_patch import patch_accelerator
 from .engine_setup import build_engine, start_line, training_dtype
-from .launch_checks import (check_arguments, check_trainable, check_world_size, refuse_other_engines,
-                            refuse_user_optimizer, warn_fp16_on_cpu)
+from .launch_checks import (check_arguments, check_launch_env, check_trainable, check_world_size,
+                            refuse_other_engines, refuse_user_optimizer, warn_fp16_on_cpu)
 from .run_lock import RunLock, take_job_lock
 from .schedulers import build_scheduler
 
@@ -75,10 +75,18 @@ class _ZeroOffloadFields:
     )
 
 
+def _check_launch(args) -> None:
+    # Before TrainingArguments' __post_init__, which sets up the process group from torchrun's variables (and may
+    # hang on an inconsistent set); only when our engine is asked for, as plain runs are transformers' business.
+    if args.zero_offload is not None or args.sharded_ddp:
+        check_launch_env()
+
+
 @dataclass
 class ZeroOffloadTrainingArguments(TrainingArguments, _ZeroOffloadFields):
     def __post_init__(self):
         refuse_other_engines(self)
+        _check_launch(self)
         super().__post_init__()
 
 
@@ -86,6 +94,7 @@ class ZeroOffloadTrainingArguments(TrainingArguments, _ZeroOffloadFields):
 class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffloadFields):
     def __post_init__(self):
         refuse_other_engines(self)
+        _check_launch(self)
         super().__post_init__()
 
 
@@ -249,16 +258,24 @@ class ZeroOffloadMixin:
         # transformers rotates old checkpoints at the end of its save: here that waits until this one is
         # marked complete, so a kill during the save never leaves only incomplete checkpoints behind.
         limit = self.args.save_total_limit
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        distributed = self.args.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if self.args.should_save:
+            # checkpoint-N written again (a restarted run, a second train()): its old marker would declare the
+            # mix of new and old files complete should this save stop part way
+            resume.clear_marker(output_dir)
+        if distributed:
+            dist.barrier()  # no rank writes into checkpoint-N before its old marker is gone
         self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
-        run_dir = self._get_output_dir(trial=trial)
-        output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-        if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+        if distributed:
             dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
         if self.args.should_save:
+            fsync_tree(output_dir)  # transformers writes without fsync: on disk before the marker says complete
             saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
             resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
                                              "engine": self._zo_engine_info() if saved else None})

@@ -14,9 +14,9 @@ no checksum) still load.
 
 Tensors are streamed straight from the host arena to disk and read straight back into it: no second
 copy of the optimizer state in RAM (device-resident state, ZeRO without offload, goes through a
-64 MiB host bounce buffer). Writes go to ``<file>.tmp.<host>.<pid>``, are fsynced, then renamed: a crash
-leaves the previous checkpoint intact, never half a file; the next save removes temporaries whose
-writer is dead.
+64 MiB host bounce buffer). Writes go to ``<file>.tmp.<host>.<pid>``, are fsynced, then renamed (the
+directory fsynced too): a crash leaves the previous checkpoint intact, never half a file; the next
+save removes temporaries whose writer is dead.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _tmp_name(path: str) -> str:
+def tmp_name(path: str) -> str:
     # The host is in the name: ranks on other nodes may write into the same (shared) directory, and
     # only a writer on this host can be known dead.
     return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
@@ -76,10 +76,38 @@ def remove_stale_temporaries(directory: str) -> list[str]:
         who, _, pid = tail.rpartition(".")
         if who not in ("", host) or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
             continue
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(path)
             removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError:  # a read-only checkpoint (a mounted snapshot): the cleanup is best effort, the run goes on
+            continue
     return removed
+
+
+def fsync_dir(directory: str) -> None:
+    """Make the names in ``directory`` durable: a rename is in the page cache until its directory is fsynced, so
+    after a power cut the completion marker could exist while a file renamed before it did not."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # a platform or file system that cannot open a directory: nothing more can be done
+    try:
+        with contextlib.suppress(OSError):  # some file systems (FUSE) refuse fsync on a directory
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: str) -> None:
+    """Every file and directory under ``directory`` on disk: the Trainer's own files (model, trainer state) are
+    written without fsync, and the completion marker must not reach the disk before them."""
+    for root, dirs, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(root)
 
 
 @contextlib.contextmanager
@@ -89,12 +117,13 @@ def atomic_path(path: str):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     remove_stale_temporaries(directory)
-    tmp = _tmp_name(path)
+    tmp = tmp_name(path)
     try:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(directory)
     except OSError as e:
         if e.filename is None:  # a failed write (a full disk) names no file: say which one
             raise OSError(e.errno, e.strerror, path) from e

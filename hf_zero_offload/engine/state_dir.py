@@ -41,6 +41,10 @@ def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, 
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"optimizer checkpoint directory {directory} is a file")
     os.makedirs(directory, exist_ok=True)
+    if rank == 0:
+        _clear_previous(directory, world_size)
+    if world_size > 1:
+        barrier()  # no rank writes its new file while the old meta.json still declares the directory complete
     checkpoint.write_state(checkpoint.rank_file(directory, rank, world_size), meta, tensors)
     if world_size == 1:
         return
@@ -52,6 +56,20 @@ def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, 
             "param_dtype": meta["param_dtype"], "slots": meta["slots"],
         })
     barrier()  # on return, every rank sees the whole checkpoint
+
+
+def _clear_previous(directory: str, world_size: int) -> None:
+    """A directory saved again (a restarted run writing the same checkpoint-N): its old ``meta.json`` would declare
+    a mix of old and new rank files complete should the save stop part way, and the files of another world size
+    would be loaded instead of the new ones (``sources`` reads ``meta.json`` first). Both go before the first write."""
+    stale = [META_FILE] + [n for n in os.listdir(directory) if n.startswith("rank") and n.endswith(".hzo")
+                           and not n.endswith(f"_of_{world_size}.hzo")]
+    for name in stale:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    checkpoint.fsync_dir(directory)
 
 
 def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:

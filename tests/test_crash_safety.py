@@ -1,0 +1,298 @@
+"""Crash safety of saves and resumes, probed as a hostile outsider would: a save stopped at every stage (a full disk,
+Ctrl-C, SIGKILL), a checkpoint written again over an older one, two processes on one output_dir, a read-only
+checkpoint, a renamed checkpoint, consolidate stopped part way. The rule: the last good checkpoint stays loadable,
+no half-written file or directory is ever taken for a complete one, and the next save succeeds.
+(The marker, rotation and lock basics are in test_trainer_resume.py, CRC damage in test_state_integrity.py.)"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_zero_offload import resume
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, checkpoint, state_dir
+from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_cli_errors import _checkpoint_of_a_linear  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"master": torch.randn(300, generator=g), "exp_avg": torch.randn(300, generator=g)}
+
+
+def _load(path):
+    out = {k: torch.empty(300) for k in ("master", "exp_avg")}
+    return checkpoint.read_into(path, out), out
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["write", "fsync", "replace"])
+@pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
+                         ids=["ENOSPC", "ctrl-c"])
+def test_a_save_stopped_at_any_stage_keeps_the_previous_file(tmp_path, monkeypatch, where, exc):
+    monkeypatch.setattr(checkpoint, "_CHUNK", 64)  # several chunks: stopped after the first one was written
+    path = checkpoint.rank_file(str(tmp_path), 0, 1)
+    checkpoint.write_state(path, {"step": 1}, _state(1))
+    calls = {"n": 0}
+
+    def fail(real):
+        def f(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2 or where != "write":
+                raise exc
+            return real(*a, **k)
+        return f
+
+    with monkeypatch.context() as m, pytest.raises(type(exc)):
+        if where == "write":
+            real_chunks = checkpoint._byte_chunks
+            m.setattr(checkpoint, "_byte_chunks", lambda t: (fail(lambda x: x)(c) for c in real_chunks(t)))
+        else:
+            m.setattr(os, where, fail(getattr(os, where)))
+        checkpoint.write_state(path, {"step": 2}, _state(2))
+    assert os.listdir(tmp_path) == ["rank0_of_1.hzo"]  # no temporary left behind
+    meta, got = _load(path)
+    assert meta == {"step": 1} and torch.equal(got["master"], _state(1)["master"])
+    checkpoint.write_state(path, {"step": 2}, _state(2))  # the next save succeeds
+    assert _load(path)[0] == {"step": 2}
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import sys, time, torch
+    from hf_zero_offload.engine import checkpoint
+    checkpoint._CHUNK = 64
+    real = checkpoint._byte_chunks
+    def slow(t):
+        for i, c in enumerate(real(t)):
+            if i == 2:
+                print("mid-save", flush=True)
+                time.sleep(60)
+            yield c
+    checkpoint._byte_chunks = slow
+    checkpoint.write_state(sys.argv[1], {"step": 4}, {"master": torch.zeros(300), "exp_avg": torch.zeros(300)})
+""")
+
+
+def test_sigkill_mid_save_then_resume_true_takes_the_newest_complete_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    for step in (2, 4):
+        (run / f"checkpoint-{step}" / "zero_offload").mkdir(parents=True)
+    two = run / "checkpoint-2"
+    checkpoint.write_state(checkpoint.rank_file(str(two / "zero_offload"), 0, 1), {"step": 2}, _state(2))
+    (two / resume.TRAINER_STATE).write_text("{}")
+    resume.write_marker(str(two), {"step": 2})
+    victim = checkpoint.rank_file(str(run / "checkpoint-4" / "zero_offload"), 0, 1)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, victim], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "mid-save"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    left = os.listdir(run / "checkpoint-4" / "zero_offload")
+    assert len(left) == 1 and ".tmp." in left[0]  # only the killed writer's temporary: no rank file
+    path, state, notes = resume.target(True, str(run))
+    assert path == str(two) and state == "complete" and "skipping" in notes[0] and "checkpoint-4" in notes[0]
+    with pytest.raises(resume.IncompleteCheckpoint, match="checkpoint-4 is incomplete.*checkpoint-2"):
+        resume.target(str(run / "checkpoint-4"), str(run))
+    assert resume.remove_stale_temp_files(str(run)) == [str(run / "checkpoint-4" / "zero_offload" / left[0])]
+
+
+def _engine(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    opt = OffloadAdam(model.parameters(), lr=1e-2, options=OffloadOptions(num_threads=1))
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return opt
+
+
+def test_a_directory_saved_again_at_another_world_size_loads_the_new_state(tmp_path):
+    """A 2-rank run's zero_offload/ written again by a 1-rank run (a restarted run into the same output_dir): the old
+    meta.json stayed, and the load read the old 2-rank state instead of the new file, silently."""
+    old, new = _engine(0), _engine(1)
+    meta, tensors = old.state_meta(), old.state_tensors()
+    cut = old.numel // 2
+    ranges = [[0, cut], [cut, old.numel]]
+    for r in (1, 0):
+        a, b = ranges[r]
+        state_dir.save(str(tmp_path), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
+                       {k: v[a:b] for k, v in tensors.items()}, barrier=lambda: None, partition=ranges)
+    new.save_checkpoint(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["rank0_of_1.hzo"]  # the other layout's files are gone
+    fresh = _engine(2)
+    fresh.load_checkpoint(str(tmp_path))
+    assert all(torch.equal(fresh.state_tensors()[k], v) for k, v in new.state_tensors().items())
+    for o in (old, new, fresh):
+        o.close()
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from hf_zero_offload.run_lock import RunLock
+    RunLock(sys.argv[1]).acquire()
+    print("held", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_two_processes_on_one_output_dir(tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLockError, match=rf"{out}.*another run \(pid {holder.pid}"):
+            RunLock(str(out)).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no atexit: the lock file stays, its owner dead
+        holder.wait()
+    lock = RunLock(str(out))
+    assert f"pid {holder.pid}" in lock.acquire() and json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_stale_temporary_in_a_read_only_checkpoint_does_not_stop_the_run(tmp_path, monkeypatch):
+    """Running as root here, so the read-only file system is simulated (EROFS from unlink). The best-effort cleanup
+    at train start raised, and a run resumed from a read-only checkpoint (e.g. a mounted snapshot) never started."""
+    ro = tmp_path / "run" / "checkpoint-2" / "zero_offload"
+    ro.mkdir(parents=True)
+    (ro / "rank0_of_1.hzo.tmp.999999").write_bytes(b"torn")
+    real = os.unlink
+
+    def unlink(path, *a, **k):
+        if str(path).startswith(str(ro)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert resume.remove_stale_temp_files(str(tmp_path / "run")) == []
+
+
+def test_a_renamed_or_moved_checkpoint_still_resumes(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoint-6"
+    ckpt.mkdir(parents=True)
+    (ckpt / resume.TRAINER_STATE).write_text("{}")
+    resume.write_marker(str(ckpt), {"step": 6})
+    moved = tmp_path / "elsewhere" / "best"
+    moved.parent.mkdir()
+    os.rename(ckpt, moved)
+    assert resume.target(str(moved), str(tmp_path / "run"))[:2] == (str(moved), "complete")
+
+
+def test_atomic_writes_reach_the_disk_directory_entry_included(tmp_path, monkeypatch):
+    """fsync of the file alone leaves the rename in the page cache: after a power cut the name can be the old file
+    (or none) while the completion marker, written later, survived."""
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd)), real(fd))[1])
+    checkpoint.write_state(checkpoint.rank_file(str(tmp_path), 0, 1), {}, _state(0))
+    assert any(stat.S_ISDIR(s.st_mode) and s.st_ino == os.stat(tmp_path).st_ino for s in synced)
+
+
+@pytest.fixture
+def ckpt_model(tmp_path):
+    from safetensors.torch import save_file
+
+    ckpt, model, _ = _checkpoint_of_a_linear(tmp_path)
+    save_file({"weight": model.weight.detach().to(torch.bfloat16), "bias": model.bias.detach().to(torch.bfloat16)},
+              str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "linear", "torch_dtype": "bfloat16"}))
+    (ckpt / "generation_config.json").write_text("{}")
+    return ckpt
+
+
+def _stop_at_the_config(monkeypatch):
+    import hf_zero_offload.consolidate as cons
+
+    real = cons.json.dump
+
+    def dump(obj, f, *a, **k):
+        if isinstance(obj, dict) and "model_type" in obj:
+            raise KeyboardInterrupt
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(cons.json, "dump", dump)
+
+
+def test_consolidate_stopped_part_way_leaves_no_output(ckpt_model, tmp_path, monkeypatch):
+    """The weights were written (renamed into place) before config.json: stopped there, the output folder held
+    fp32 weights without a config, a half output that looks like a result."""
+    from hf_zero_offload.consolidate import consolidate
+
+    out = tmp_path / "out"
+    _stop_at_the_config(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        consolidate(str(ckpt_model), str(out))
+    assert not out.exists()
+    monkeypatch.undo()
+    consolidate(str(ckpt_model), str(out))
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_consolidate_stopped_over_its_previous_output_leaves_that_output_whole(ckpt_model, tmp_path, monkeypatch):
+    from hf_zero_offload.consolidate import consolidate
+
+    out = tmp_path / "out"
+    consolidate(str(ckpt_model), str(out))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    from safetensors.torch import save_file
+    save_file({"weight": torch.zeros(3, 4, dtype=torch.bfloat16), "bias": torch.zeros(3, dtype=torch.bfloat16),
+               "extra": torch.ones(2)}, str(ckpt_model / "model.safetensors"))  # the new output differs
+    _stop_at_the_config(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        consolidate(str(ckpt_model), str(out))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# ---------------------------------------------------------------- the Trainer's save path
+
+def _trainer(out, **kw):
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    args = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=2, use_cpu=True, report_to=[], seed=0,
+        disable_tqdm=True, learning_rate=1e-3, save_strategy="steps", save_steps=2,
+        zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, **kw)
+    return ZeroOffloadSeq2SeqTrainer(model=tiny_t5(0), args=args, train_dataset=ToyDataset())
+
+
+def test_a_checkpoint_written_again_is_not_complete_until_its_new_marker(tmp_path, monkeypatch):
+    """A second run (or a second train()) into the same output_dir writes checkpoint-2 again: the first run's marker
+    stayed in place during the save, so a save stopped part way left the new model beside the old optimizer state
+    under a marker that said complete. Also: every file is on disk (fsynced) before the marker says complete."""
+    out = tmp_path / "out"
+    synced = set()
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.add(os.fstat(fd).st_ino), real(fd))[1])
+    _trainer(out).train()
+    monkeypatch.undo()
+    ckpt = out / "checkpoint-2"
+    unsynced = [str(p.relative_to(ckpt)) for p in [ckpt, *ckpt.rglob("*")] if os.stat(p).st_ino not in synced]
+    assert not unsynced, f"not fsynced before the marker: {unsynced}"
+    again = _trainer(out)
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(again, "_save_optimizer_and_scheduler", stop)
+    with pytest.raises(KeyboardInterrupt):
+        again.train()
+    assert resume.status(str(ckpt)) == "incomplete"
+    with pytest.raises(resume.IncompleteCheckpoint):
+        resume.target(True, str(out))
