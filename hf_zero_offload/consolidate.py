@@ -135,56 +135,43 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
             if not isinstance(content, dict):
                 raise ValueError(f"{extra} is damaged: expected a JSON object, got {type(content).__name__}")
         extras.append((extra, name, content))
-    # Two phases, so that a stop part way (Ctrl-C, a full disk, a kill) leaves the output whole or absent: every
-    # file is first written in full to a temporary beside its target (fsynced), and only then are they renamed into
-    # place, config.json last (from_pretrained needs it). Written and renamed file by file, a stop after the weights
-    # left fp32 weights without a config, or a previous output with half its files replaced.
+    # Written as one set (checkpoint.atomic_files), so that a stop part way (Ctrl-C, a full disk, a kill) leaves the
+    # output whole or absent: config.json is staged last, so it appears last (from_pretrained needs it). Written
+    # and renamed file by file, a stop after the weights left fp32 weights without a config, or a previous output
+    # with half its files replaced.
     created = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
-    staged: list[tuple[str, str]] = []  # (temporary, target)
-
-    def stage(name: str) -> str:
-        dst = os.path.join(output_dir, name)
-        staged.append((checkpoint.tmp_name(dst), dst))
-        return staged[-1][0]
-
+    written = [os.path.join(output_dir, os.path.basename(path)) for path in weight_files]
     try:
-        checkpoint.remove_stale_temporaries(output_dir)
-        for path in weight_files:
-            tensors = {}
-            with safe_open(path, framework="pt") as f:
-                metadata = f.metadata()
-                for key in f.keys():
-                    t = masters.get(key)
-                    tensors[key] = (t if t is not None else f.get_tensor(key)).float().contiguous()
-            save_file(tensors, stage(os.path.basename(path)), metadata=metadata or {"format": "pt"})
-        weights = [tmp for tmp, _ in staged]
-        for extra, name, content in sorted(extras, key=lambda e: e[1] == "config.json"):
-            if name == "config.json":
-                content["dtype"] = content["torch_dtype"] = "float32"
-            elif name.endswith(".index.json"):
-                if not isinstance(content.get("metadata"), dict):
-                    content["metadata"] = {}
-                content["metadata"]["total_size"] = sum(os.path.getsize(w) for w in weights)
-            if content is None:
-                shutil.copyfile(extra, stage(name))
-            else:
-                with open(stage(name), "w") as f:
-                    json.dump(content, f, indent=2)
-        for tmp, _ in staged:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        for tmp, dst in staged:  # config.json is the last one
-            os.replace(tmp, dst)
-        checkpoint.fsync_dir(output_dir)
+        with checkpoint.atomic_files(output_dir) as stage:
+            weights = []
+            for path, dst in zip(weight_files, written):
+                tensors = {}
+                with safe_open(path, framework="pt") as f:
+                    metadata = f.metadata()
+                    for key in f.keys():
+                        t = masters.get(key)
+                        tensors[key] = (t if t is not None else f.get_tensor(key)).float().contiguous()
+                weights.append(stage(dst))
+                save_file(tensors, weights[-1], metadata=metadata or {"format": "pt"})
+            for extra, name, content in sorted(extras, key=lambda e: e[1] == "config.json"):
+                if name == "config.json":
+                    content["dtype"] = content["torch_dtype"] = "float32"
+                elif name.endswith(".index.json"):
+                    if not isinstance(content.get("metadata"), dict):
+                        content["metadata"] = {}
+                    content["metadata"]["total_size"] = sum(os.path.getsize(w) for w in weights)
+                dst = stage(os.path.join(output_dir, name))
+                if content is None:
+                    shutil.copyfile(extra, dst)
+                else:
+                    with open(dst, "w") as f:
+                        json.dump(content, f, indent=2)
     except BaseException:
-        for tmp, _ in staged:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         if created and not os.listdir(output_dir):
             os.rmdir(output_dir)  # absent, as before
         raise
-    return [dst for _, dst in staged[:len(weight_files)]]
+    return written
 
 
 def consolidate_main(args) -> int:

@@ -17,7 +17,7 @@ import re
 import time
 
 from .config import ConfigError
-from .engine.checkpoint import atomic_open, fsync_dir, read_header, remove_stale_temporaries
+from .engine.checkpoint import atomic_open, read_header, remove_durably, remove_stale_temporaries
 
 MARKER = "hzo_complete.json"
 TRAINER_STATE = "trainer_state.json"
@@ -36,15 +36,7 @@ def write_marker(checkpoint: str, info: dict) -> None:
 def clear_marker(checkpoint: str) -> None:
     """Before ``checkpoint`` is written (again): it reads as incomplete until its new marker. The old
     trainer_state.json goes too, else a marker-less directory holding it would pass for a legacy (whole) one."""
-    gone = False
-    for name in (MARKER, TRAINER_STATE):
-        try:
-            os.unlink(os.path.join(checkpoint, name))
-            gone = True
-        except FileNotFoundError:
-            pass
-    if gone:
-        fsync_dir(checkpoint)
+    remove_durably(checkpoint, (MARKER, TRAINER_STATE))
 
 
 def read_marker(checkpoint: str) -> dict | None:

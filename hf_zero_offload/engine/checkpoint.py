@@ -134,6 +134,47 @@ def atomic_path(path: str):
 
 
 @contextlib.contextmanager
+def atomic_files(directory: str):
+    """Several files of ``directory`` made visible together, or none: yields ``stage(path)``, which gives the
+    temporary to write ``path``'s whole content to. When the block ends every temporary is fsynced, then all are
+    renamed in the order staged (so the file staged last appears last) and the directory fsynced; a failure or a
+    stop before that (Ctrl-C, a full disk) removes the temporaries and renames nothing. :func:`atomic_path` is the
+    one-file case; this one keeps a set of files (weights beside their config) from being half replaced."""
+    staged: list[tuple[str, str]] = []  # (temporary, target)
+
+    def stage(path: str) -> str:
+        staged.append((tmp_name(path), path))
+        return staged[-1][0]
+
+    remove_stale_temporaries(directory)
+    try:
+        yield stage
+        for tmp, _ in staged:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        for tmp, path in staged:
+            os.replace(tmp, path)
+        fsync_dir(directory)
+    except BaseException:
+        for tmp, _ in staged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
+
+
+def remove_durably(directory: str, names) -> None:
+    """Unlink the files ``names`` of ``directory`` (those present) and make their removal durable before anything
+    is written after it (an old completion record must not survive a crash beside new files)."""
+    gone = False
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+            gone = True
+    if gone:
+        fsync_dir(directory)
+
+
+@contextlib.contextmanager
 def atomic_open(path: str, mode: str = "wb"):
     """``open(path, mode)`` for writing, made atomic with :func:`atomic_path`."""
     with atomic_path(path) as tmp, open(tmp, mode) as f:

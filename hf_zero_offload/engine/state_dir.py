@@ -62,14 +62,9 @@ def _clear_previous(directory: str, world_size: int) -> None:
     """A directory saved again (a restarted run writing the same checkpoint-N): its old ``meta.json`` would declare
     a mix of old and new rank files complete should the save stop part way, and the files of another world size
     would be loaded instead of the new ones (``sources`` reads ``meta.json`` first). Both go before the first write."""
-    stale = [META_FILE] + [n for n in os.listdir(directory) if n.startswith("rank") and n.endswith(".hzo")
-                           and not n.endswith(f"_of_{world_size}.hzo")]
-    for name in stale:
-        try:
-            os.unlink(os.path.join(directory, name))
-        except FileNotFoundError:
-            pass
-    checkpoint.fsync_dir(directory)
+    checkpoint.remove_durably(directory, [META_FILE] + [
+        n for n in os.listdir(directory)
+        if n.startswith("rank") and n.endswith(".hzo") and not n.endswith(f"_of_{world_size}.hzo")])
 
 
 def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
