@@ -74,6 +74,7 @@ PYBIND11_MODULE(_C, m) {
     hzo::dequantize(ptr<const void>(codes), ptr<const float>(scales), ptr<float>(out), is_sq, n, nthreads);
   });
   m.def("quant_block", &hzo::quant_block);
+  m.def("quant_max_code", &hzo::quant_max_code);
   m.def(
       "stream_ref",
       [](uintptr_t p, uintptr_t g, uintptr_t m_, uintptr_t v, size_t n, int nthreads) {

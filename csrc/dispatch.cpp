@@ -139,6 +139,8 @@ void dequantize(const void* codes, const float* scales, float* out, bool is_sq, 
 
 size_t quant_block() { return kQBlock; }
 
+unsigned quant_max_code(bool is_sq) { return is_sq ? QV::kMaxMag : QM::kMaxMag; }
+
 // The streaming bound: Adam's memory traffic (read param, grad, m, v; write param, m, v; fp32) with
 // a trivial computation and the same split, compiled for the best vector width this CPU has.
 #if defined(HZO_X86)

@@ -26,6 +26,8 @@ void quantize(const float* x, void* codes, float* scales, bool is_sq, size_t n, 
               uint64_t round_index = 0);
 void dequantize(const void* codes, const float* scales, float* out, bool is_sq, size_t n, int nthreads);
 size_t quant_block();
+// The largest code magnitude a step writes (1.0, where every value clamps): exp_avg_sq's (is_sq) or exp_avg's.
+unsigned quant_max_code(bool is_sq);
 
 // Benchmark reference: the memory traffic of an fp32 Adam step (4 reads, 3 writes), no sqrt/div.
 void stream_ref(float* p, const float* g, float* m, float* v, size_t n, int nthreads);

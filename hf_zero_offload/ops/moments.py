@@ -62,9 +62,9 @@ def check_scales(exp_avg_scale: torch.Tensor, exp_avg_sq_scale: torch.Tensor) ->
 
 
 #: The largest code magnitude the kernel writes (csrc/quant.h, QFormat::kMaxMag: 1.0's code, where
-#: every value clamps, inf and NaN included): a larger one decodes above its block's absmax (up to
-#: 2x), which no step wrote.
-MAX_CODE = {"exp_avg": 120, "exp_avg_sq": 248}
+#: every value clamps, inf and NaN included; 120 and 248): a larger one decodes above its block's absmax
+#: (up to 2x), which no step wrote. Read from the kernel, as QUANT_BLOCK is.
+MAX_CODE = {"exp_avg": _C.quant_max_code(False), "exp_avg_sq": _C.quant_max_code(True)}
 
 
 def check_code_range(name: str, codes: torch.Tensor) -> None:
