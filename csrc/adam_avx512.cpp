@@ -166,64 +166,107 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
   for (; i < end; ++i) adam_scalar_elem<S>(a, i);
 }
 
-// adam_q8_block_scalar, block by block: vectors over the block, a scalar tail only in a partial
-// last block (blocks start at multiples of kQBlock, a multiple of W).
-// The param update (sqrt, division) stays in the decode pass, unlike adam_avx2.cpp, which moved it
-// into the encode pass. llvm-mca 14 (sapphirerapids and icelake-server models) put this order at
-// 24.4 + 5.3 cycles per 16 params (bf16 grad and param out) and the AVX2 order at 11.3 + 23.7. Timed
-// on a Zen 5 (session 12, 50M params, 2 threads, 41 alternated rounds, twice), the AVX2 order took
-// 18.0 and 18.2 ms against 17.9 and 18.9: no difference, so the simpler single-pass update stays.
+// Software prefetch, kPrefetch elements ahead of the int8 loop, one line of each array per 64 bytes
+// it advances (16-element steps: every step for the fp32 params, every 2nd or 4th for the 16-bit grads,
+// every 4th for the codes). The int8 step does ~4x the arithmetic per byte of the fp32 one, so the
+// cores issue its loads late; the hardware prefetchers also restart at every 4 KiB page. Measured on a
+// Zen 5 at 50M params, 2 threads (benchmarks/kernel/README.md, session 13): 2048 ahead, with the block
+// order below, took 0.93-0.98x the time; 1024 and 4096 gave the same within the noise. A prefetch
+// never faults, so the addresses past a range's end (formed as integers, not pointers) are harmless.
+constexpr size_t kPrefetch = 2048;
+
+inline void prefetch_at(const void* base, size_t byte_offset) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + byte_offset), _MM_HINT_T0);
+}
+
+// Pass 1 of adam_q8_block_scalar over the block [b, e): the update, the param and param out written,
+// the new moments kept in mb/vb and their block maxima returned in mx/vx. A scalar tail only in a
+// partial last block (blocks start at multiples of kQBlock, a multiple of W).
 template <DType G, int Out, bool L2, bool NT>
-void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
-  const Consts c(a, true);
-  int8_t* mc = static_cast<int8_t*>(a.exp_avg);
-  uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
-  const __m512i seed = _mm512_set1_epi32(static_cast<int>(a.round_seed));
+inline void q8_update(const AdamArgs& a, const Consts& c, size_t b, size_t e, float* mb, float* vb, float& mx,
+                      float& vx) {
+  const int8_t* mc = static_cast<const int8_t*>(a.exp_avg);
+  const uint8_t* vc = static_cast<const uint8_t*>(a.exp_avg_sq);
   // Locals: the intrinsic stores may alias the argument struct, so gcc would reload a.param, a.grad and
   // a.param_out from it for every vector.
   float* const params = a.param;
   const void* const grad = a.grad;
   void* const out = a.param_out;
-  alignas(64) float mb[kQBlock], vb[kQBlock];
-  for (size_t b = begin; b < end; b += kQBlock) {
-    const size_t e = std::min(end, b + kQBlock), k = b / kQBlock;
-    const __m512 ms = _mm512_set1_ps(a.exp_avg_scale[k]), vs = _mm512_set1_ps(a.exp_avg_sq_scale[k]);
-    __m512 mmax = _mm512_setzero_ps(), vmax = _mm512_setzero_ps();
-    size_t i = b;
-    for (; i + W <= e; i += W) {
-      const __m512 g = _mm512_mul_ps(load_g<G>(grad, i), c.scale);
-      __m512 m, v;
-      const __m512 p = adam_vec<L2, true>(c, g, _mm512_loadu_ps(params + i), _mm512_mul_ps(dq_m_vec(mc + i), ms),
-                                    _mm512_mul_ps(dq_v_vec(vc + i), vs), m, v);
-      _mm512_storeu_ps(params + i, p);
-      store_o<Out, NT>(out, i, p);
-      _mm512_store_ps(mb + (i - b), m);
-      _mm512_store_ps(vb + (i - b), v);
-      mmax = _mm512_max_ps(abs_ps(m), mmax);
-      vmax = _mm512_max_ps(abs_ps(v), vmax);
+  constexpr size_t gsize = G == DType::F32 ? 4 : 2;
+  const size_t k = b / kQBlock;
+  const __m512 ms = _mm512_set1_ps(a.exp_avg_scale[k]), vs = _mm512_set1_ps(a.exp_avg_sq_scale[k]);
+  __m512 mmax = _mm512_setzero_ps(), vmax = _mm512_setzero_ps();
+  size_t i = b;
+  for (; i + W <= e; i += W) {
+    prefetch_at(params, (i + kPrefetch) * 4);
+    if ((i * gsize) % 64 == 0) prefetch_at(grad, (i + kPrefetch) * gsize);
+    if (i % 64 == 0) {
+      prefetch_at(mc, i + kPrefetch);
+      prefetch_at(vc, i + kPrefetch);
     }
-    float mx = hmax(mmax), vx = hmax(vmax);
-    for (; i < e; ++i) {
-      const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
-      const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
-                                dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
-      a.param[i] = p;
-      if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
-      mx = max_step(mx, std::fabs(mb[i - b]));
-      vx = max_step(vx, std::fabs(vb[i - b]));
-    }
-    const float minv = q_inverse(mx), vinv = q_inverse(vx);
-    const __m512 mdv = _mm512_set1_ps(minv), vdv = _mm512_set1_ps(vinv);
-    // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l
-    __m512i weyl = weyl_of(a.round_index + b);
-    size_t j = 0;
-    for (; j + W <= e - b; j += W) {
-      q_m_vec(_mm512_load_ps(mb + j), mdv, mc + b + j);
-      q_v_vec(_mm512_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
-    }
-    q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);
-    a.exp_avg_scale[k] = mx;
-    a.exp_avg_sq_scale[k] = vx;
+    const __m512 g = _mm512_mul_ps(load_g<G>(grad, i), c.scale);
+    __m512 m, v;
+    const __m512 p = adam_vec<L2, true>(c, g, _mm512_loadu_ps(params + i), _mm512_mul_ps(dq_m_vec(mc + i), ms),
+                                        _mm512_mul_ps(dq_v_vec(vc + i), vs), m, v);
+    _mm512_storeu_ps(params + i, p);
+    store_o<Out, NT>(out, i, p);
+    _mm512_store_ps(mb + (i - b), m);
+    _mm512_store_ps(vb + (i - b), v);
+    mmax = _mm512_max_ps(abs_ps(m), mmax);
+    vmax = _mm512_max_ps(abs_ps(v), vmax);
+  }
+  mx = hmax(mmax), vx = hmax(vmax);
+  for (; i < e; ++i) {
+    const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
+    const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
+                                    dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
+    a.param[i] = p;
+    if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
+    mx = max_step(mx, std::fabs(mb[i - b]));
+    vx = max_step(vx, std::fabs(vb[i - b]));
+  }
+}
+
+// Pass 2 over the block [b, e): mb/vb requantized with the block maxima mx/vx; codes and scales written.
+inline void q8_encode(const AdamArgs& a, size_t b, size_t e, const float* mb, const float* vb, float mx, float vx) {
+  int8_t* mc = static_cast<int8_t*>(a.exp_avg);
+  uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
+  const __m512i seed = _mm512_set1_epi32(static_cast<int>(a.round_seed));
+  const float minv = q_inverse(mx), vinv = q_inverse(vx);
+  const __m512 mdv = _mm512_set1_ps(minv), vdv = _mm512_set1_ps(vinv);
+  // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l
+  __m512i weyl = weyl_of(a.round_index + b);
+  size_t j = 0;
+  for (; j + W <= e - b; j += W) {
+    q_m_vec(_mm512_load_ps(mb + j), mdv, mc + b + j);
+    q_v_vec(_mm512_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
+  }
+  q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);
+  a.exp_avg_scale[b / kQBlock] = mx;
+  a.exp_avg_sq_scale[b / kQBlock] = vx;
+}
+
+// adam_q8_block_scalar, block by block, with block n's update run before block n-1's requantization:
+// the latency of n-1's max reduction and reciprocal then hides behind independent work instead of
+// stalling the encode (in cache 0.415 -> 0.404 ns/param). The blocks are disjoint, so the order changes
+// no result. The param update (sqrt, division) stays in the update pass, unlike adam_avx2.cpp, which
+// moved it into the encode pass. llvm-mca 14 (sapphirerapids and icelake-server models) put this order
+// at 24.4 + 5.3 cycles per 16 params (bf16 grad and param out) and the AVX2 order at 11.3 + 23.7. Timed
+// on a Zen 5 (session 12, 50M params, 2 threads, 41 alternated rounds, twice), the AVX2 order took
+// 18.0 and 18.2 ms against 17.9 and 18.9: no difference, so the simpler single-pass update stays.
+template <DType G, int Out, bool L2, bool NT>
+void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
+  const Consts c(a, true);
+  alignas(64) float mb[2][kQBlock], vb[2][kQBlock];
+  float mx[2], vx[2];
+  int cur = 0;
+  for (size_t b = begin; b < end; b += kQBlock, cur ^= 1) {
+    q8_update<G, Out, L2, NT>(a, c, b, std::min(end, b + kQBlock), mb[cur], vb[cur], mx[cur], vx[cur]);
+    if (b != begin) q8_encode(a, b - kQBlock, b, mb[cur ^ 1], vb[cur ^ 1], mx[cur ^ 1], vx[cur ^ 1]);
+  }
+  if (begin < end) {
+    const size_t last = begin + (end - begin - 1) / kQBlock * kQBlock;
+    q8_encode(a, last, end, mb[cur ^ 1], vb[cur ^ 1], mx[cur ^ 1], vx[cur ^ 1]);
   }
   if constexpr (NT) _mm_sfence();  // order the streamed stores before the join
 }
