@@ -211,15 +211,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       vmax = _mm256_max_ps(v, vmax);  // v >= 0 or NaN here: |v| is v (see q_v_x4)
     }
     float mx = hmax(mmax), vx = hmax(vmax);
-    for (size_t i = b + nv; i < e; ++i) {  // the partial block's tail: the whole scalar update
-      const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
-      const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
-                                      dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
-      a.param[i] = p;
-      if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
-      mx = max_step(mx, std::fabs(mb[i - b]));
-      vx = max_step(vx, std::fabs(vb[i - b]));
-    }
+    q_update_tail(a, b, b + nv, e, mb, vb, mx, vx);  // the partial block's tail: the whole scalar update
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
     // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l

@@ -171,7 +171,7 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
 // every 4th for the codes). The int8 step does ~4x the arithmetic per byte of the fp32 one, so the
 // cores issue its loads late; the hardware prefetchers also restart at every 4 KiB page. Measured on a
 // Zen 5 at 50M params, 2 threads (benchmarks/kernel/README.md, session 13): 2048 ahead, with the block
-// order below, took 0.93-0.98x the time; 1024 and 4096 gave the same within the noise. A prefetch
+// order below, took 0.96-0.99x the time (four paired runs); 1024 and 4096 did no better. A prefetch
 // never faults, so the addresses past a range's end (formed as integers, not pointers) are harmless.
 constexpr size_t kPrefetch = 2048;
 
@@ -216,15 +216,7 @@ inline void q8_update(const AdamArgs& a, const Consts& c, size_t b, size_t e, fl
     vmax = _mm512_max_ps(abs_ps(v), vmax);
   }
   mx = hmax(mmax), vx = hmax(vmax);
-  for (; i < e; ++i) {
-    const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
-    const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
-                                    dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
-    a.param[i] = p;
-    if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
-    mx = max_step(mx, std::fabs(mb[i - b]));
-    vx = max_step(vx, std::fabs(vb[i - b]));
-  }
+  q_update_tail(a, b, i, e, mb, vb, mx, vx);
 }
 
 // Pass 2 over the block [b, e): mb/vb requantized with the block maxima mx/vx; codes and scales written.

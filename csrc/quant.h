@@ -167,6 +167,30 @@ __attribute__((always_inline)) inline void q_block_tail(const AdamArgs& a, size_
   if (from < len) q_tail_codes(a, b, mb, vb, from, len, minv, vinv);
 }
 
+// The scalar update of elements [i, e) of the block at b, the vector kernels' tail of a partial last
+// block: the param and param out written, the new moments kept in mb/vb and their magnitudes folded
+// into the running block maxima mx/vx in index order (max_step). Out of line behind an inlined test,
+// for the reason q_block_tail gives.
+__attribute__((noinline)) inline void q_update_elems(const AdamArgs& a, size_t b, size_t i, size_t e, float* mb,
+                                                     float* vb, float& mx, float& vx) {
+  const size_t k = b / kQBlock;
+  const int8_t* mc = static_cast<const int8_t*>(a.exp_avg);
+  const uint8_t* vc = static_cast<const uint8_t*>(a.exp_avg_sq);
+  for (; i < e; ++i) {
+    const float g = load_grad(a.grad, a.grad_dtype, i) * a.grad_scale;
+    const float p = adam_math<true>(a, g, a.param[i], dq_m(mc[i]) * a.exp_avg_scale[k],
+                                    dq_v(vc[i]) * a.exp_avg_sq_scale[k], mb[i - b], vb[i - b]);
+    a.param[i] = p;
+    if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
+    mx = max_step(mx, std::fabs(mb[i - b]));
+    vx = max_step(vx, std::fabs(vb[i - b]));
+  }
+}
+__attribute__((always_inline)) inline void q_update_tail(const AdamArgs& a, size_t b, size_t i, size_t e, float* mb,
+                                                         float* vb, float& mx, float& vx) {
+  if (i < e) q_update_elems(a, b, i, e, mb, vb, mx, vx);
+}
+
 // The reference Q8 update of the block holding [b, e) (b a multiple of kQBlock, e <= b + kQBlock):
 // decode, the same AdamW as adam_math, the param written from the unrounded moments, requantize.
 inline void adam_q8_block_scalar(const AdamArgs& a, size_t b, size_t e) {
