@@ -10,6 +10,7 @@ checked: it is an error that says which file to delete if that run is dead. Noth
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,11 @@ import time
 
 import psutil
 import torch.distributed as dist
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no takeover guard (torch.distributed runs here on Linux)
+    fcntl = None
 
 from .config import ConfigError
 from .engine.checkpoint import atomic_open
@@ -76,6 +82,22 @@ class RunLock:
             json.dump(me, f)
         return True
 
+    @contextlib.contextmanager
+    def _takeover_guard(self):
+        """Judging the owner gone and replacing it must be one step for the processes of this host: two takers
+        that both judged a stale lock before either replaced it would each replace it, and the first to check
+        its ownership afterwards would run beside the second. An exclusive flock on the directory (released by
+        the kernel if the holder dies; no extra file left behind) makes the takers take turns."""
+        if fcntl is None:
+            yield
+            return
+        fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # drops the flock
+
     def acquire(self) -> str | None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         me = _me()
@@ -83,25 +105,26 @@ class RunLock:
         for _ in range(3):  # a racing taker may remove the file between our reads
             if self._create(me):
                 break
-            owner = self._read()
-            if owner is None:
-                continue
-            if _same_process(owner, me):
-                break  # this process already holds it (another Trainer of the same script)
-            if owner.get("host") not in (None, me["host"]):
-                raise RunLockError(
-                    f"{self.path}: output_dir is in use by pid {owner.get('pid')} on host {owner.get('host')} "
-                    f"(started {owner.get('started')}); use another --output_dir, or delete the lock file if that "
-                    "run is dead")
-            if owner and _alive(owner):
-                raise RunLockError(
-                    f"{self.path}: another run (pid {owner.get('pid')}, started {owner.get('started')}) is "
-                    "training in this output_dir; wait for it, stop it, or use another --output_dir")
-            warning = (f"hf_zero_offload: took over the stale run lock {self.path} (pid {owner.get('pid')} on "
-                       f"{owner.get('host')}, started {owner.get('started')}, is gone)")
-            # replace, not delete + create: a second taker racing us reads either the old or our owner
-            with atomic_open(self.path, "w") as f:
-                json.dump(me, f)
+            with self._takeover_guard():
+                owner = self._read()
+                if owner is None:
+                    continue
+                if _same_process(owner, me):
+                    break  # this process already holds it (another Trainer of the same script)
+                if owner.get("host") not in (None, me["host"]):
+                    raise RunLockError(
+                        f"{self.path}: output_dir is in use by pid {owner.get('pid')} on host {owner.get('host')} "
+                        f"(started {owner.get('started')}); use another --output_dir, or delete the lock file if "
+                        "that run is dead")
+                if owner and _alive(owner):
+                    raise RunLockError(
+                        f"{self.path}: another run (pid {owner.get('pid')}, started {owner.get('started')}) is "
+                        "training in this output_dir; wait for it, stop it, or use another --output_dir")
+                warning = (f"hf_zero_offload: took over the stale run lock {self.path} (pid {owner.get('pid')} on "
+                           f"{owner.get('host')}, started {owner.get('started')}, is gone)")
+                # replace, not delete + create: a process creating the lock anew (O_EXCL) sees a file throughout
+                with atomic_open(self.path, "w") as f:
+                    json.dump(me, f)
         else:
             raise RunLockError(f"{self.path}: could not take the run lock (it keeps changing owner)")
         if not _same_process(self._read() or {}, me):

@@ -166,6 +166,50 @@ def test_two_processes_on_one_output_dir(tmp_path):
     lock.release()
 
 
+_TAKER = textwrap.dedent("""
+    import os, sys, time
+    from hf_zero_offload import run_lock
+    from hf_zero_offload.run_lock import RunLock, RunLockError
+    out, judge_s, go = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    alive = run_lock._alive
+
+    def slow_alive(owner):  # widens the window between judging the owner gone and replacing it
+        time.sleep(judge_s)
+        return alive(owner)
+
+    run_lock._alive = slow_alive
+    print("ready", flush=True)
+    while not os.path.exists(go):  # both start together, once both have imported
+        time.sleep(0.005)
+    try:
+        RunLock(out).acquire()
+        print("won", flush=True)
+        time.sleep(3)  # hold it while the other taker looks
+    except RunLockError as e:
+        print("lost", e, flush=True)
+""")
+
+
+def test_two_takers_of_a_stale_lock_never_both_win(tmp_path):
+    """Two runs started together on an output_dir whose lock's owner is dead: each judges the lock stale and
+    takes it over. The one that judged faster finished taking it before the slower one replaced it, and both
+    ran (the slower one's ownership check came after its own replacement). Now exactly one runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "process_start": 1.0,
+                                             "started": "earlier"}))
+    go = tmp_path / "go"
+    takers = [subprocess.Popen([sys.executable, "-c", _TAKER, str(out), str(judge), str(go)],
+                               stdout=subprocess.PIPE, text=True) for judge in (0.1, 1.0)]
+    assert [t.stdout.readline().strip() for t in takers] == ["ready", "ready"]
+    go.touch()
+    said = [t.communicate(timeout=60)[0].strip() for t in takers]
+    assert sorted(s.split()[0] for s in said) == ["lost", "won"], said
+    assert "another run" in next(s for s in said if s.startswith("lost"))
+
+
 def test_a_stale_temporary_in_a_read_only_checkpoint_does_not_stop_the_run(tmp_path, monkeypatch):
     """Running as root here, so the read-only file system is simulated (EROFS from unlink). The best-effort cleanup
     at train start raised, and a run resumed from a read-only checkpoint (e.g. a mounted snapshot) never started."""
