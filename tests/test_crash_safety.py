@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -105,7 +106,7 @@ def test_sigkill_mid_save_then_resume_true_takes_the_newest_complete_checkpoint(
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     left = os.listdir(run / "checkpoint-4" / "zero_offload")
-    assert len(left) == 1 and ".tmp." in left[0]  # only the killed writer's temporary: no rank file
+    assert len(left) == 1 and checkpoint.TMP_TAG in left[0]  # only the killed writer's temporary: no rank file
     path, state, notes = resume.target(True, str(run))
     assert path == str(two) and state == "complete" and "skipping" in notes[0] and "checkpoint-4" in notes[0]
     with pytest.raises(resume.IncompleteCheckpoint, match="checkpoint-4 is incomplete.*checkpoint-2"):
@@ -215,7 +216,7 @@ def test_a_stale_temporary_in_a_read_only_checkpoint_does_not_stop_the_run(tmp_p
     at train start raised, and a run resumed from a read-only checkpoint (e.g. a mounted snapshot) never started."""
     ro = tmp_path / "run" / "checkpoint-2" / "zero_offload"
     ro.mkdir(parents=True)
-    (ro / "rank0_of_1.hzo.tmp.999999").write_bytes(b"torn")
+    (ro / f"rank0_of_1.hzo.hzo-tmp.{socket.gethostname()}.999999").write_bytes(b"torn")
     real = os.unlink
 
     def unlink(path, *a, **k):

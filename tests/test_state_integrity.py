@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import struct
+import socket
 import subprocess
 import sys
 
@@ -84,14 +85,17 @@ def test_absurd_or_broken_headers_give_a_clear_error(tmp_path, length):
 def test_stale_temporaries_of_dead_writers_are_removed_on_save(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)  # that process has exited
-    stale = [tmp_path / f"rank0_of_1.hzo.tmp.{pid}", tmp_path / f"param_names.json.tmp.{pid}"]
-    live = tmp_path / f"rank1_of_2.hzo.tmp.{os.getppid()}"  # a live writer (our parent) keeps its file
-    other_host = tmp_path / f"meta.json.tmp.some-other-host.{pid}"
-    for p in [*stale, live, other_host]:
+    host = socket.gethostname()
+    stale = [tmp_path / f"rank0_of_1.hzo.hzo-tmp.{host}.{pid}", tmp_path / f"param_names.json.tmp.{host}.{pid}"]
+    live = tmp_path / f"rank1_of_2.hzo.hzo-tmp.{host}.{os.getppid()}"  # a live writer (our parent) keeps its file
+    other_host = tmp_path / f"meta.json.hzo-tmp.some-other-host.{pid}"
+    # a user's own files that merely look like temporaries (the first format's "<file>.tmp.<pid>" among them)
+    users = [tmp_path / f"data.tmp.{pid}", tmp_path / f"notes.tmp.{pid}.bak", tmp_path / "x.tmp.y"]
+    for p in [*stale, live, other_host, *users]:
         p.write_bytes(b"partial")
     _saved(tmp_path)
     left = sorted(os.listdir(tmp_path))
-    assert left == sorted(["rank0_of_1.hzo", live.name, other_host.name])
+    assert left == sorted(["rank0_of_1.hzo", live.name, other_host.name, *(u.name for u in users)])
 
 
 def _write_first_format(path, meta, tensors):

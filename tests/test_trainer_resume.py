@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -125,11 +126,12 @@ def test_a_path_that_is_no_checkpoint_says_what_it_is(full, tmp_path, what, matc
 
 def test_temp_files_of_killed_writers_are_removed_at_the_next_start(full, tmp_path, caplog):
     out = _copy(full, tmp_path)
-    (out / "checkpoint-4" / "zero_offload" / "rank0_of_1.hzo.tmp.999999").write_bytes(b"torn")
-    (out / "checkpoint-4" / "zero_offload" / "param_names.json.tmp.999998").write_text("{")
+    host = socket.gethostname()
+    (out / "checkpoint-4" / "zero_offload" / f"rank0_of_1.hzo.hzo-tmp.{host}.999999").write_bytes(b"torn")
+    (out / "checkpoint-4" / "zero_offload" / f"param_names.json.tmp.{host}.999998").write_text("{")
     _, trainer = _trainer(out, seed=1)
     trainer.train(resume_from_checkpoint=True)
-    assert not [p for p in out.rglob("*") if ".tmp." in p.name]
+    assert not [p for p in out.rglob("*") if "tmp." in p.name]
     assert sum("left by a writer that was stopped" in r.getMessage() for r in caplog.records) == 2
 
 

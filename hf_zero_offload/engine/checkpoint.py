@@ -14,7 +14,7 @@ no checksum) still load.
 
 Tensors are streamed straight from the host arena to disk and read straight back into it: no second
 copy of the optimizer state in RAM (device-resident state, ZeRO without offload, goes through a
-64 MiB host bounce buffer). Writes go to ``<file>.tmp.<host>.<pid>``, are fsynced, then renamed (the
+64 MiB host bounce buffer). Writes go to ``<file>.hzo-tmp.<host>.<pid>``, are fsynced, then renamed (the
 directory fsynced too): a crash leaves the previous checkpoint intact, never half a file; the next
 save removes temporaries whose writer is dead.
 """
@@ -60,21 +60,30 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+TMP_TAG = ".hzo-tmp."  # ours alone: the cleanup below must never match a user's own "x.tmp.3"
+
+
 def tmp_name(path: str) -> str:
     # The host is in the name: ranks on other nodes may write into the same (shared) directory, and
     # only a writer on this host can be known dead.
-    return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+    return f"{path}{TMP_TAG}{socket.gethostname()}.{os.getpid()}"
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:
-    """Remove the temporaries (``<file>.tmp.<host>.<pid>``, or ``<file>.tmp.<pid>`` of the first
-    format) in ``directory`` whose writer on this host is dead (killed mid-save); a live writer's
-    temporary stays, and so does another host's. Returns what was removed."""
+    """Remove the temporaries in ``directory`` whose writer on this host is dead (killed mid-save); a live
+    writer's temporary stays, and so does another host's. Returns what was removed.
+
+    Only names this module writes are candidates: ``<file>.hzo-tmp.<host>.<pid>``, and the earlier
+    ``<file>.tmp.<host>.<pid>`` with this host's name. Not the first format's ``<file>.tmp.<pid>``: the run
+    walks its whole output_dir, and that pattern also fits files of the user's own (``data.tmp.3``), which
+    a cleanup must not delete."""
     removed, host = [], socket.gethostname()
-    for path in glob.glob(os.path.join(glob.escape(directory), "*.tmp.*")):
-        tail = path.rsplit(".tmp.", 1)[1]
-        who, _, pid = tail.rpartition(".")
-        if who not in ("", host) or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+    paths = {p for pattern in (f"*{TMP_TAG}*", "*.tmp.*") for p in glob.glob(os.path.join(glob.escape(directory), pattern))}
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        tag = TMP_TAG if TMP_TAG in name else ".tmp."
+        who, _, pid = name.rsplit(tag, 1)[1].rpartition(".")
+        if who != host or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
             continue
         try:
             os.unlink(path)
