@@ -10,6 +10,7 @@
 
 #include <algorithm>
 
+#include "q8_prefetch.h"
 #include "quant_avx2.h"
 
 namespace hzo {
@@ -199,6 +200,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     __m256 mmax = _mm256_setzero_ps(), vmax = _mm256_setzero_ps();
     for (size_t j = 0; j < nv; j += W) {
       const size_t i = b + j;
+      q8_prefetch<W, G == DType::F32 ? 4 : 2>(params, grad, mc, vc, i);
       const __m256 g = _mm256_mul_ps(load_g<G>(grad, i), c.scale);
       __m256 m, v;
       const __m256 sq = moments_vec<L2, true>(c, g, L2 ? _mm256_loadu_ps(params + i) : g,

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 
+#include "q8_prefetch.h"
 #include "quant_avx512.h"
 
 namespace hzo {
@@ -166,19 +167,6 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
   for (; i < end; ++i) adam_scalar_elem<S>(a, i);
 }
 
-// Software prefetch, kPrefetch elements ahead of the int8 loop, one line of each array per 64 bytes
-// it advances (16-element steps: every step for the fp32 params, every 2nd or 4th for the 16-bit grads,
-// every 4th for the codes). The int8 step does ~4x the arithmetic per byte of the fp32 one, so the
-// cores issue its loads late; the hardware prefetchers also restart at every 4 KiB page. Measured on a
-// Zen 5 at 50M params, 2 threads (benchmarks/kernel/README.md, session 13): 2048 ahead, with the block
-// order below, took 0.96-0.99x the time (four paired runs); 1024 and 4096 did no better. A prefetch
-// never faults, so the addresses past a range's end (formed as integers, not pointers) are harmless.
-constexpr size_t kPrefetch = 2048;
-
-inline void prefetch_at(const void* base, size_t byte_offset) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + byte_offset), _MM_HINT_T0);
-}
-
 // Pass 1 of adam_q8_block_scalar over the block [b, e): the update, the param and param out written,
 // the new moments kept in mb/vb and their block maxima returned in mx/vx. A scalar tail only in a
 // partial last block (blocks start at multiples of kQBlock, a multiple of W).
@@ -198,12 +186,7 @@ inline void q8_update(const AdamArgs& a, const Consts& c, size_t b, size_t e, fl
   __m512 mmax = _mm512_setzero_ps(), vmax = _mm512_setzero_ps();
   size_t i = b;
   for (; i + W <= e; i += W) {
-    prefetch_at(params, (i + kPrefetch) * 4);
-    if ((i * gsize) % 64 == 0) prefetch_at(grad, (i + kPrefetch) * gsize);
-    if (i % 64 == 0) {
-      prefetch_at(mc, i + kPrefetch);
-      prefetch_at(vc, i + kPrefetch);
-    }
+    q8_prefetch<W, gsize>(params, grad, mc, vc, i);
     const __m512 g = _mm512_mul_ps(load_g<G>(grad, i), c.scale);
     __m512 m, v;
     const __m512 p = adam_vec<L2, true>(c, g, _mm512_loadu_ps(params + i), _mm512_mul_ps(dq_m_vec(mc + i), ms),

@@ -1,0 +1,41 @@
+// Software prefetch for the vector int8 loops (adam_avx2.cpp, adam_avx512.cpp; SSE's prefetcht0, which every
+// x86-64 has). always_inline, not a preference: a prefetch has no effect gcc can see, so gcc 12 judged a
+// helper made only of prefetches a const function, and deleted its calls (in the 16-bit-gradient variants,
+// where it did not inline the helper early) before inlining could keep them.
+//
+// kQPrefetch elements ahead: one line of each streamed array per 64 bytes it advances (params 4 B, grads GSize,
+// codes 1 B per element; called at every vector of W = 8 or 16 elements, whose bytes per array divide 64).
+// The int8 step does ~4x the arithmetic per byte of the fp32 one, so the cores issue its loads late, and the
+// hardware prefetchers restart at every 4 KiB page. Measured at 50M params, 2 threads, on a Zen 5
+// (benchmarks/kernel/README.md, session 13), paired against the same build without: AVX512 (with its
+// pipelined blocks) 0.96-0.99x the time over four runs, 1024 or 4096 ahead no better; the AVX2 loop (held to
+// AVX2 on that CPU) 0.90-1.03x, mean 0.98, over seven: within the noise there, harmless. A prefetch never faults, so the addresses past a range's end (formed as integers, not
+// pointers) are harmless.
+#pragma once
+#include <xmmintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hzo {
+namespace {
+
+constexpr size_t kQPrefetch = 2048;
+
+__attribute__((always_inline)) inline void prefetch_line(const void* base, size_t byte_offset) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + byte_offset), _MM_HINT_T0);
+}
+
+template <size_t W, size_t GSize>
+__attribute__((always_inline)) inline void q8_prefetch(const float* params, const void* grad, const int8_t* mc, const uint8_t* vc, size_t i) {
+  const size_t ahead = i + kQPrefetch;
+  if (W * 4 >= 64 || i * 4 % 64 == 0) prefetch_line(params, ahead * 4);
+  if (W * GSize >= 64 || i * GSize % 64 == 0) prefetch_line(grad, ahead * GSize);
+  if (i % 64 == 0) {
+    prefetch_line(mc, ahead);
+    prefetch_line(vc, ahead);
+  }
+}
+
+}  // namespace
+}  // namespace hzo
