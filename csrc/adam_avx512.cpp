@@ -196,7 +196,7 @@ inline void q8_update(const AdamArgs& a, const Consts& c, size_t b, size_t e, fl
     _mm512_store_ps(mb + (i - b), m);
     _mm512_store_ps(vb + (i - b), v);
     mmax = _mm512_max_ps(abs_ps(m), mmax);
-    vmax = _mm512_max_ps(abs_ps(v), vmax);
+    vmax = _mm512_max_ps(v, vmax);  // v >= 0 or NaN here: |v| is v (see q_v_vec)
   }
   mx = hmax(mmax), vx = hmax(vmax);
   q_update_tail(a, b, i, e, mb, vb, mx, vx);

@@ -64,8 +64,10 @@ inline void q_m_vec(__m512 x, __m512 inv, int8_t* dst) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // |c| <= 120: exact
 }
 
+// x is the step's exp_avg_sq: +0, positive, +inf or NaN, never negative (quant_avx2.h, before q_v_x4, says why),
+// so q_v's |x| is x, and a NaN of either sign clamps to the top code in q_mag_r_vec, as the scalar q_v's |NaN| does.
 inline void q_v_vec(__m512 x, __m512 inv, __m512i r20, uint8_t* dst) {
-  const __m512i c = q_mag_r_vec<32>(_mm512_mul_ps(abs_ps(x), inv), r20);
+  const __m512i c = q_mag_r_vec<32>(_mm512_mul_ps(x, inv), r20);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // c <= 248: exact
 }
 
