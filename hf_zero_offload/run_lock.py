@@ -88,15 +88,21 @@ class RunLock:
         that both judged a stale lock before either replaced it would each replace it, and the first to check
         its ownership afterwards would run beside the second. An exclusive flock on the directory (released by
         the kernel if the holder dies; no extra file left behind) makes the takers take turns."""
-        if fcntl is None:
-            yield
-            return
-        fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+        fd = None
+        if fcntl is not None:
+            try:
+                fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:  # a file system without flock (some NFS or FUSE mounts): unguarded, as before
+                logger.debug("hf_zero_offload: no flock on %s (%s); run-lock takeover unguarded", self.path, e)
+                if fd is not None:
+                    os.close(fd)
+                fd = None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)  # drops the flock
+            if fd is not None:
+                os.close(fd)  # drops the flock
 
     def acquire(self) -> str | None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

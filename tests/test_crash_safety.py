@@ -211,6 +211,27 @@ def test_two_takers_of_a_stale_lock_never_both_win(tmp_path):
     assert "another run" in next(s for s in said if s.startswith("lost"))
 
 
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EOPNOTSUPP, errno.EACCES])
+def test_a_file_system_without_flock_still_takes_a_stale_lock(tmp_path, monkeypatch, err):
+    """Some NFS and FUSE mounts refuse flock: the takeover then runs unguarded, as before the guard existed,
+    instead of the run failing to start."""
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(),
+                                             "process_start": 1.0, "started": "earlier"}))
+    lock = RunLock(str(out))
+    assert "took over the stale run lock" in lock.acquire()
+    assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (out / LOCK_NAME).exists()
+
+
 def test_a_stale_temporary_in_a_read_only_checkpoint_does_not_stop_the_run(tmp_path, monkeypatch):
     """Running as root here, so the read-only file system is simulated (EROFS from unlink). The best-effort cleanup
     at train start raised, and a run resumed from a read-only checkpoint (e.g. a mounted snapshot) never started."""
