@@ -78,7 +78,8 @@ def remove_stale_temporaries(directory: str) -> list[str]:
     walks its whole output_dir, and that pattern also fits files of the user's own (``data.tmp.3``), which
     a cleanup must not delete."""
     removed, host = [], socket.gethostname()
-    paths = {p for pattern in (f"*{TMP_TAG}*", "*.tmp.*") for p in glob.glob(os.path.join(glob.escape(directory), pattern))}
+    paths = {p for pattern in (f"*{TMP_TAG}*", "*.tmp.*")
+             for p in glob.glob(os.path.join(glob.escape(directory), pattern))}
     for path in sorted(paths):
         name = os.path.basename(path)
         tag = TMP_TAG if TMP_TAG in name else ".tmp."
@@ -122,24 +123,17 @@ def fsync_tree(directory: str) -> None:
 @contextlib.contextmanager
 def atomic_path(path: str):
     """Yield a temporary name beside ``path``; once the caller has written it, fsync it and rename it
-    over ``path``. A crash or an exception leaves the previous file (or none), never half a file."""
+    over ``path``. A crash or an exception leaves the previous file (or none), never half a file: the
+    one-file case of :func:`atomic_files`."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    remove_stale_temporaries(directory)
-    tmp = tmp_name(path)
     try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(directory)
+        with atomic_files(directory) as stage:
+            yield stage(path)
     except OSError as e:
         if e.filename is None:  # a failed write (a full disk) names no file: say which one
             raise OSError(e.errno, e.strerror, path) from e
         raise
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @contextlib.contextmanager
@@ -147,8 +141,8 @@ def atomic_files(directory: str):
     """Several files of ``directory`` made visible together, or none: yields ``stage(path)``, which gives the
     temporary to write ``path``'s whole content to. When the block ends every temporary is fsynced, then all are
     renamed in the order staged (so the file staged last appears last) and the directory fsynced; a failure or a
-    stop before that (Ctrl-C, a full disk) removes the temporaries and renames nothing. :func:`atomic_path` is the
-    one-file case; this one keeps a set of files (weights beside their config) from being half replaced."""
+    stop before that (Ctrl-C, a full disk) removes the temporaries and renames nothing. A set of files (weights
+    beside their config) is thus never half replaced; :func:`atomic_path` is the one-file case."""
     staged: list[tuple[str, str]] = []  # (temporary, target)
 
     def stage(path: str) -> str:
