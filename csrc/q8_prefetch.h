@@ -9,8 +9,8 @@
 // hardware prefetchers restart at every 4 KiB page. Measured at 50M params, 2 threads, on a Zen 5
 // (benchmarks/kernel/README.md, session 13), paired against the same build without: AVX512 (with its
 // pipelined blocks) 0.96-0.99x the time over four runs, 1024 or 4096 ahead no better; the AVX2 loop (held to
-// AVX2 on that CPU) 0.90-1.03x, mean 0.98, over seven: within the noise there, harmless. A prefetch never faults, so the addresses past a range's end (formed as integers, not
-// pointers) are harmless.
+// AVX2 on that CPU) 0.90-1.03x, mean 0.98, over seven: within the noise there, harmless. A prefetch never
+// faults, so the addresses past a range's end (formed as integers, not pointers) are harmless.
 #pragma once
 #include <xmmintrin.h>
 
@@ -27,7 +27,8 @@ __attribute__((always_inline)) inline void prefetch_line(const void* base, size_
 }
 
 template <size_t W, size_t GSize>
-__attribute__((always_inline)) inline void q8_prefetch(const float* params, const void* grad, const int8_t* mc, const uint8_t* vc, size_t i) {
+__attribute__((always_inline)) inline void q8_prefetch(const float* params, const void* grad, const int8_t* mc,
+                                                       const uint8_t* vc, size_t i) {
   const size_t ahead = i + kQPrefetch;
   if (W * 4 >= 64 || i * 4 % 64 == 0) prefetch_line(params, ahead * 4);
   if (W * GSize >= 64 || i * GSize % 64 == 0) prefetch_line(grad, ahead * GSize);
