@@ -3,7 +3,7 @@
     results = run_distributed(fn, arg1, arg2, world_size=2)
 
 ``fn(rank, world_size, *args)`` must be importable by name (a module-level function of a test module
-or helper): each rank is a fresh ``spawn`` process. The process group is initialised before ``fn``
+or helper): each rank is a process forked from a server that has imported torch and the Trainer once. The process group is initialised before ``fn``
 runs and destroyed after. Return values are pickled back (tensors included, as copies), in rank
 order. If any rank raises, ``run_distributed`` raises ``DistributedError`` with every failing rank's
 traceback; a rank that hangs (e.g. a collective its peer never joins) is killed after ``timeout``.
@@ -26,7 +26,24 @@ class DistributedError(RuntimeError):
     pass
 
 
-def _entry(rank, world_size, port, backend, threads, collective_timeout, fn, args, results):
+# Ranks fork from a server that has imported these once, instead of each importing them anew: torch and
+# transformers' Trainer take 3-10 s per process on a 2-core machine, most of a Trainer test's time.
+# Nothing runs in the server but the imports (no threads, no OpenMP pool, no process group), so a
+# forked rank starts from a state a fresh interpreter would reach; each rank still gets the test's
+# sys.path and cwd (multiprocessing's preparation data) and, below, its environment.
+PRELOAD = ["torch", "torch.distributed", "hf_zero_offload", "hf_zero_offload.trainer"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts: the first run's ranks
+    return ctx
+
+
+def _entry(rank, world_size, port, backend, threads, collective_timeout, fn, args, results, environ):
+    # the server's environment is the one it started with; a rank runs in the caller's, as a spawned one did
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)  # ranks share the machine's cores
@@ -47,7 +64,7 @@ def _entry(rank, world_size, port, backend, threads, collective_timeout, fn, arg
 
 def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo", threads: int = 1,
                     timeout: float = 120.0, collective_timeout: float = 60.0) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     # The rendezvous store lives here, bound to a port the OS picks and held until every rank is done:
     # a free port picked, released and bound again by rank 0 could be taken in between.
@@ -55,7 +72,7 @@ def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo", threa
                           timeout=timedelta(seconds=collective_timeout))
     port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, threads, collective_timeout, fn, args,
-                                              results), daemon=True) for r in range(world_size)]
+                                              results, dict(os.environ)), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     got, errors = {}, {}
