@@ -366,16 +366,26 @@ def test_config_module_stays_free_of_transformers():
             assert banned not in src
 
 
-@pytest.mark.parametrize("first", ["hf_zero_offload.presets", "hf_zero_offload.config.schema",
-                                   "hf_zero_offload.config.resolver", "hf_zero_offload.run_lock"])
-def test_config_package_imports_in_any_order(first):
-    # presets raises the package's ConfigError and the package's loader calls presets: each imports the other
-    import subprocess
+FIRST_IMPORTS = ["hf_zero_offload.presets", "hf_zero_offload.config.schema", "hf_zero_offload.config.resolver",
+                 "hf_zero_offload.run_lock"]
+
+
+@pytest.fixture(scope="module")
+def imports_in_each_order():
+    """One fresh interpreter per first import, side by side (each mostly imports torch)."""
     import sys
-    code = (f"import {first}\n"
-            "from hf_zero_offload import presets\n"
-            "from hf_zero_offload.config import ArgsView, ConfigError, resolve\n"
-            "assert presets.ConfigError is ConfigError\n"
-            "print(resolve('zero2-offload', ArgsView(hidden_size=8)).zero.offload)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+    from _procs import run_together
+    codes = [(f"import {first}\n"
+              "from hf_zero_offload import presets\n"
+              "from hf_zero_offload.config import ArgsView, ConfigError, resolve\n"
+              "assert presets.ConfigError is ConfigError\n"
+              "print(resolve('zero2-offload', ArgsView(hidden_size=8)).zero.offload)") for first in FIRST_IMPORTS]
+    return dict(zip(FIRST_IMPORTS, run_together([[sys.executable, "-c", code] for code in codes], timeout=300)))
+
+
+@pytest.mark.parametrize("first", FIRST_IMPORTS)
+def test_config_package_imports_in_any_order(first, imports_in_each_order):
+    # presets raises the package's ConfigError and the package's loader calls presets: each imports the other
+    out = imports_in_each_order[first]
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]

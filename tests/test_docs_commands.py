@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -84,6 +85,35 @@ def _target(words: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
+def _help_argv(what: str) -> tuple[str, ...] | None:
+    """The arguments before ``--help`` that describe ``what`` (a _target), None for finetune_trainer.py."""
+    if what.startswith("hf-zero-offload"):
+        return ("-m", "hf_zero_offload.cli", *what.split()[1:])
+    if what.startswith("-m "):
+        return ("-m", what[3:])
+    if what.endswith("finetune_trainer.py"):
+        return None
+    return (str((ROOT if "/" in what else EX) / what),)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _helps_side_by_side():
+    """Each distinct --help is a child that mostly imports torch, single-threaded: run them two at a time
+    before the tests read them from _help's cache. A child that fails is not cached, so its test runs it
+    again and reports it."""
+    targets = [_target(words) for _, _, words in COMMANDS if words[0] != "make"]
+    argvs = {_help_argv(t[0]) for t in targets if t is not None and "<" not in t[0]} - {None}
+
+    def warm(argv):
+        try:
+            _help(*argv)
+        except (AssertionError, OSError, subprocess.SubprocessError):
+            pass
+
+    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool:
+        list(pool.map(warm, sorted(argvs)))
+
+
 def test_the_docs_show_commands():
     kinds = {words[0] for _, _, words in COMMANDS}
     assert {"python", "torchrun", "hf-zero-offload", "make"} <= kinds, kinds
@@ -101,18 +131,16 @@ def test_every_documented_command_names_what_exists(doc, line, words):
     if target is None or "<" in target[0]:  # pip, venv; a placeholder such as benchmarks.<topic>.<script>
         return
     what, args = target
-    if what.startswith("hf-zero-offload"):
-        text = _help("-m", "hf_zero_offload.cli", *what.split()[1:])
-    elif what.startswith("-m "):
+    if what.startswith("-m "):
         module = what[3:]
         assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), f"{doc.name}: {module}: no such module"
-        text = _help("-m", module)
-    else:
+    elif not what.startswith("hf-zero-offload"):
         cwd = ROOT if "/" in what else EX  # the blog's bare "python finetune_trainer.py" runs in examples/seq2seq
         assert (cwd / what).is_file(), f"{doc.name}: {line}: {what} not found from {cwd}"
-        if what.endswith("finetune_trainer.py"):  # it maps legacy flags --help does not list: parsed below
-            return
-        text = _help(str(cwd / what))
+    argv = _help_argv(what)
+    if argv is None:  # finetune_trainer.py maps legacy flags --help does not list: parsed below
+        return
+    text = _help(*argv)
     unknown = sorted(f for f in _flags(args) if f not in text)
     assert not unknown, f"{doc.name}: {line}: {what} does not know {unknown}"
 

@@ -11,6 +11,7 @@ import pytest
 
 from _examples import CONFIGS, EX, ROOT, TINY, write_synth
 from _examples import common_args as _common_args
+from _procs import run_together
 
 pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
@@ -163,11 +164,11 @@ def test_script_errors_are_one_line_and_exit_2(tmp_path):
     argv = [sys.executable, os.path.join(EX, "finetune_trainer.py"), "--config_name", TINY, "--data_dir", "x",
             "--output_dir", str(tmp_path / "o"), "--use_cpu", "--do_train", "--zero_offload", str(bad)]
     env = {**os.environ, "HF_ZERO_OFFLOAD_DEBUG": "0"}
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    r, debug = run_together([argv, argv + ["--debug", "--output_dir", str(tmp_path / "o2")]], timeout=300, cwd=ROOT, env=env)
     errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert len(errors) == 1 and errors[0].startswith("finetune_trainer.py: error: ") and "ofload_optimizer" in errors[0]
-    r = subprocess.run(argv + ["--debug"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    r = debug
     assert r.returncode == 1 and "Traceback" in r.stderr and "ConfigError" in r.stderr
 
 

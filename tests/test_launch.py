@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
 
+from _procs import run_together
 from _t5 import ToyDataset, tiny_t5
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
@@ -16,19 +16,18 @@ OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cp
 
 
 def _torchrun(out_dir, *extra):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(HERE, "_launch_script.py"), str(out_dir), *extra],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            os.path.join(HERE, "_launch_script.py"), str(out_dir), *extra]
 
 
 def test_torchrun_on_cpu_without_use_cpu_stops_with_one_line(tmp_path):
-    bad = _torchrun(tmp_path / "bad")
+    # --standalone: each launch binds its own free rendezvous port, so the two run side by side
+    bad, good = run_together([_torchrun(tmp_path / "bad"), _torchrun(tmp_path / "good", "--use_cpu")],
+                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert bad.returncode != 0
     assert "WORLD_SIZE=2 (torchrun) but the Trainer sees 1 process" in bad.stderr
     assert "Add --use_cpu" in bad.stderr
     assert not os.path.exists(tmp_path / "bad" / "checkpoint-2")
-    good = _torchrun(tmp_path / "good", "--use_cpu")
     assert good.returncode == 0, good.stderr[-3000:]
     starts = [ln for ln in good.stderr.splitlines() if " ranks=" in ln and "backend=" in ln]
     assert len(starts) == 2 and all(ln.startswith("INFO") for ln in starts)  # one per rank, at INFO

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from _kernels import LEVELS
+from _procs import run_together
 
 from hf_zero_offload import ops
 
@@ -194,8 +195,11 @@ def test_env_override_selects_level():
 
 def test_env_override_rejects_unknown_or_unsupported_level():
     missing = [lvl for lvl in ("avx2", "avx512") if lvl not in LEVELS]
-    for value in ["sse9"] + missing:
-        r = _import_with_env(value)
+    values = ["sse9"] + missing
+    code = "from hf_zero_offload import ops; print(ops.simd_level())"
+    runs = run_together([[sys.executable, "-c", code]] * len(values), timeout=120,
+                        per_child=[{"env": dict(os.environ, HF_ZERO_OFFLOAD_SIMD=v)} for v in values])
+    for value, r in zip(values, runs):
         assert r.returncode != 0
         assert "HF_ZERO_OFFLOAD_SIMD" in r.stderr and value in r.stderr
         if value in missing:
@@ -218,11 +222,11 @@ def test_a_bad_env_level_is_raised_by_kernel_calls_not_at_import():
         "assert torch.equal(p.data, torch.ones(3))\n"
         "ops.set_simd_level('scalar'); print(ops.simd_level())\n")
     env = dict(os.environ, HF_ZERO_OFFLOAD_SIMD="sse9")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    r, cli = run_together([[sys.executable, "-c", code], [sys.executable, "-m", "hf_zero_offload.cli", "configs"]],
+                          env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:4] == ["refused True True"] * 3 + ["scalar"]
-    r = subprocess.run([sys.executable, "-m", "hf_zero_offload.cli", "configs"], env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = cli
     assert r.returncode == 0 and "zero2-offload" in r.stdout, r.stderr
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -130,8 +131,10 @@ def test_sharded_rows_are_what_the_engine_allocates():
     engine's layout), region by region; params and full .grads are the model's, not the engine's."""
     from _dist import run_distributed
 
-    p = planner.plan(T5_TINY, gpus=2, dtype="bf16", cuda=False, bucket_numel=10_000, configs=list(SHARDED_ROWS))
-    r0, r1 = run_distributed(_sharded_allocation_job, T5_TINY, 10_000)
+    with ThreadPoolExecutor(1) as pool:  # the ranks start (imports, spawn) while the plan is made here
+        ranks = pool.submit(run_distributed, _sharded_allocation_job, T5_TINY, 10_000)
+        p = planner.plan(T5_TINY, gpus=2, dtype="bf16", cuda=False, bucket_numel=10_000, configs=list(SHARDED_ROWS))
+        r0, r1 = ranks.result()
     assert r0 == r1
     for row in p.rows:
         real = r0[row.name]
@@ -160,8 +163,10 @@ def test_activation_prediction_matches_a_real_cpu_step(tmp_path):
     path = config_file("t5-tiny", T5_TINY, tmp_path)
     config = trace.load_config(path)
     jobs = [("fp32", 8, True), ("half", 8, False), ("amp", 8, True)]
-    measured = measure.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16)
-    profs = trace.profile_modes(config, half_dtype=torch.bfloat16)
+    with ThreadPoolExecutor(1) as pool:  # the real steps' child process and the trace here, side by side
+        measured = pool.submit(measure.measure_cpu_steps, config, jobs, half_dtype=torch.bfloat16)
+        profs = trace.profile_modes(config, half_dtype=torch.bfloat16)
+        measured = measured.result()
     for (mode, bs, keep), real in zip(jobs, measured):
         pred = profs[mode].peak(bs, keep)
         assert abs(pred - real) <= 0.10 * real, (mode, bs, keep, pred, real)
@@ -174,10 +179,13 @@ def test_gradient_checkpointing_prediction_matches_a_real_cpu_step(tmp_path):
     path = config_file("t5-tiny", T5_TINY, tmp_path)
     config = trace.load_config(path)
     jobs = [("fp32", 16, False), ("half", 16, False)]
-    measured = measure.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16, gradient_checkpointing=True)
-    ckpt = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16,
-                               model=trace.build_model(config, gradient_checkpointing=True))
-    plain = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16)
+    with ThreadPoolExecutor(1) as pool:  # as above
+        measured = pool.submit(measure.measure_cpu_steps, config, jobs, half_dtype=torch.bfloat16,
+                               gradient_checkpointing=True)
+        ckpt = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16,
+                                   model=trace.build_model(config, gradient_checkpointing=True))
+        plain = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16)
+        measured = measured.result()
     for (mode, bs, keep), real in zip(jobs, measured):
         pred = ckpt[mode].peak(bs, keep)
         assert abs(pred - real) <= 0.10 * real, (mode, bs, pred, real)
