@@ -131,7 +131,7 @@ def test_sharded_rows_are_what_the_engine_allocates():
     engine's layout), region by region; params and full .grads are the model's, not the engine's."""
     from _dist import run_distributed
 
-    with ThreadPoolExecutor(1) as pool:  # the ranks start (imports, spawn) while the plan is made here
+    with ThreadPoolExecutor(1) as pool:  # the ranks start and allocate while the plan is made here
         ranks = pool.submit(run_distributed, _sharded_allocation_job, T5_TINY, 10_000)
         p = planner.plan(T5_TINY, gpus=2, dtype="bf16", cuda=False, bucket_numel=10_000, configs=list(SHARDED_ROWS))
         r0, r1 = ranks.result()
