@@ -10,6 +10,7 @@ import torch.distributed as dist
 from . import ops
 from .config import TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
+from .launch_checks import LaunchError, launch_count
 
 
 def step_threads(explicit: int | None) -> int:
@@ -24,8 +25,10 @@ def step_threads(explicit: int | None) -> int:
     give the same bits at any thread count."""
     if explicit is not None:
         return explicit
-    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    local_ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    try:  # read as the launch checks and Accelerate read it: " 2" is two ranks
+        local_ranks = launch_count(os.environ, "LOCAL_WORLD_SIZE") or 1
+    except LaunchError:  # not a count: check_launch_env names it before a Trainer run gets here
+        local_ranks = 1
     if local_ranks == 1 or os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
         return max(1, torch.get_num_threads())
     try:

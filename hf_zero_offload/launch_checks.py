@@ -25,6 +25,19 @@ class LaunchError(ConfigError):
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 
 
+def launch_count(env, name: str) -> int | None:
+    """torchrun's count ``name`` in ``env`` as Accelerate and torch read it (``int()``, surrounding blanks
+    allowed), None when unset; anything else, ``int()``'s other forms included (``+2``, ``2_0``, ``-1``), is refused
+    by name. Every check reads the variables through this one parse: one that skipped the blanks took
+    ``WORLD_SIZE=" 2"`` for one process while Accelerate started two."""
+    value = env.get(name)
+    if value is None:
+        return None
+    if not value.strip().isdecimal():  # isdecimal, not isdigit: "²" is a digit that int() refuses
+        raise LaunchError(f"{name}={value!r}: not a count (torchrun sets it to a non-negative integer)")
+    return int(value)
+
+
 def check_launch_env(env=None) -> None:
     """torchrun's variables, checked before TrainingArguments sets up the process group (its first use of them).
     Left to Accelerate and torch, a partial or inconsistent set either hangs (``RANK=2 WORLD_SIZE=2``: rank 2 waits
@@ -37,16 +50,8 @@ def check_launch_env(env=None) -> None:
         return
     env = os.environ if env is None else env
 
-    def count(name):
-        value = env.get(name)
-        if value is None:
-            return None
-        if not value.strip().isdigit():
-            raise LaunchError(f"{name}={value!r}: not a count (torchrun sets it to a non-negative integer)")
-        return int(value)
-
-    world, rank = count("WORLD_SIZE"), count("RANK")
-    local_rank, local_world = count("LOCAL_RANK"), count("LOCAL_WORLD_SIZE")
+    world, rank = launch_count(env, "WORLD_SIZE"), launch_count(env, "RANK")
+    local_rank, local_world = launch_count(env, "LOCAL_RANK"), launch_count(env, "LOCAL_WORLD_SIZE")
     hint = "start every process with torchrun (or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT " \
            "in each, as torchrun does), or unset them all for one process"
     if world == 0:
@@ -81,8 +86,7 @@ def check_world_size(args) -> None:
     ``rank0_of_1`` into the same output_dir. Stop with the one flag that fixes it. The same for a process group the
     user initialised before the Trainer without torchrun's variables: Accelerate, which reads only those, sees one
     process, and each rank would train alone (and meet the others' run lock in a shared output_dir)."""
-    env = os.environ.get("WORLD_SIZE", "1")
-    launched = int(env) if env.isdigit() else 1
+    launched = launch_count(os.environ, "WORLD_SIZE") or 1
     if launched > 1 and args.world_size == 1:
         raise LaunchError(
             f"WORLD_SIZE={launched} (torchrun) but the Trainer sees 1 process: each rank would train alone on all "

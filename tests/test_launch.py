@@ -63,6 +63,7 @@ def test_fp16_on_cpu_names_bf16(tmp_path, caplog, fp16):
     (None, None, None, 16, 5, 5),    # alone on the node: torch's thread count
     (None, "1", "1", 16, 1, 1),
     (None, "2", "1", 16, 1, 8),      # torchrun, 2 ranks: OMP_NUM_THREADS=1 would leave 14 of 16 CPUs idle
+    (None, " 2\n", "1", 16, 1, 8),  # as int() and Accelerate read it (was: as if alone)
     (None, "4", None, 16, 16, 4),    # several ranks started another way: no 4 x 16 threads on 16 CPUs
     (None, "2", "6", 16, 6, 6),      # the user's own OMP_NUM_THREADS is kept
     (None, "32", "1", 16, 1, 1),

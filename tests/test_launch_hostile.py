@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from _dist import DistributedError, run_distributed
 from _t5 import ToyDataset, tiny_t5
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
-from hf_zero_offload.launch_checks import LaunchError, check_launch_env
+from hf_zero_offload.launch_checks import LaunchError, check_launch_env, check_world_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -31,6 +32,9 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE
     ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 set without WORLD_SIZE"),                   # was "MASTER_ADDR expected"
     ({"RANK": "0"}, "RANK=0 set without WORLD_SIZE"),
     ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': not a count"),                       # was an int() traceback
+    ({"WORLD_SIZE": "\u00b2"}, "WORLD_SIZE='\u00b2': not a count"),                   # a digit int() refuses: was a traceback
+    ({"WORLD_SIZE": "2_0"}, "WORLD_SIZE='2_0': not a count"),                       # int() reads 20
+    ({**TORCHRUN, "RANK": "-1"}, "RANK='-1': not a count"),
     ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
     ({**TORCHRUN, "LOCAL_WORLD_SIZE": "4"}, "LOCAL_WORLD_SIZE=4 > WORLD_SIZE=2"),
     ({**TORCHRUN, "LOCAL_RANK": "2"}, "LOCAL_RANK=2 with LOCAL_WORLD_SIZE=2"),
@@ -47,6 +51,22 @@ def test_partial_or_inconsistent_launch_variables_are_refused_by_name(env, match
 ])
 def test_consistent_launch_variables_pass(env):
     check_launch_env(env)
+
+
+@pytest.mark.parametrize("value", ["2", " 2", "2\n", "\uff12"])  # as int() reads them, and as Accelerate does
+def test_every_form_of_a_launched_world_size_is_compared_with_the_trainers(monkeypatch, value):
+    """check_world_size read WORLD_SIZE with isdigit() and no strip: " 2" counted as one process, so two ranks
+    that Accelerate saw as one each trained alone. It now reads it through check_launch_env's parse."""
+    monkeypatch.setenv("WORLD_SIZE", value)
+    with pytest.raises(LaunchError, match="WORLD_SIZE=2 \\(torchrun\\) but the Trainer sees 1 process"):
+        check_world_size(SimpleNamespace(world_size=1))
+    check_world_size(SimpleNamespace(world_size=2))  # no group initialised here: nothing else to compare
+
+
+def test_a_world_size_that_is_not_a_count_is_refused_by_the_world_size_check_too(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2_0")
+    with pytest.raises(LaunchError, match="WORLD_SIZE='2_0': not a count"):
+        check_world_size(SimpleNamespace(world_size=1))
 
 
 def test_the_arguments_check_the_variables_before_setting_up_the_process_group(monkeypatch, tmp_path):
