@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -29,10 +28,8 @@ def _t5_table():
 def test_smoke_outputs(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.t5.table", "--smoke", "--cpu", "--out_dir", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # a hang guard, not a speed target
-    wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     payload = json.loads((tmp_path / "t5_table_smoke.json").read_text())
@@ -63,7 +60,6 @@ def test_smoke_outputs(tmp_path):
 
     png = (tmp_path / "t5_table_smoke.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert wall < 120, f"smoke run took {wall:.0f} s"
 
 
 def test_rows_cpu(tmp_path):
