@@ -146,11 +146,15 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
         with checkpoint.atomic_files(output_dir) as stage:
             weights = []
             for path, dst in zip(weight_files, written):
-                tensors = {}
+                tensors, taken = {}, set()
                 with safe_open(path, framework="pt") as f:
                     metadata = f.metadata()
                     for key in f.keys():
                         t = masters.get(key)
+                        if t is not None and id(t) in taken:  # a tied weight the file holds under two names: two
+                            t = t.clone()                       # copies, as it had (safetensors refuses shared memory)
+                        elif t is not None:
+                            taken.add(id(t))
                         tensors[key] = (t if t is not None else f.get_tensor(key)).float().contiguous()
                 weights.append(stage(dst))
                 save_file(tensors, weights[-1], metadata=metadata or {"format": "pt"})

@@ -196,3 +196,22 @@ def test_consolidate_into_a_new_nested_folder_and_over_its_own_output(ckpt_model
     w = load_file(str(out / "model.safetensors"))
     assert torch.equal(w["weight"], model.weight.detach()) and torch.equal(w["bias"], model.bias.detach())
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+def test_consolidate_writes_both_names_of_a_tied_weight_held_twice_in_one_file(ckpt_model, tmp_path, capsys):
+    """A weight file may hold a tied weight under two names (saved as two copies, e.g. by a model that does not
+    declare the tie); both get the master. They used to be handed to safetensors as one shared tensor, which it
+    refuses ("Some tensors share memory"), so consolidate failed after reading everything."""
+    ckpt, model = ckpt_model
+    from safetensors.torch import load_file, save_file
+
+    from hf_zero_offload.consolidate import write_param_names
+    write_param_names(str(ckpt / "zero_offload"), [["weight", "proj.weight"], ["bias"]])
+    save_file({"weight": torch.zeros(3, 4, dtype=torch.bfloat16), "proj.weight": torch.zeros(3, 4, dtype=torch.bfloat16),
+               "bias": torch.zeros(3, dtype=torch.bfloat16)}, str(ckpt / "model.safetensors"))
+    out = tmp_path / "out"
+    assert cli.main(["consolidate", str(ckpt), str(out)]) == 0, capsys.readouterr().err
+    w = load_file(str(out / "model.safetensors"))
+    assert sorted(w) == ["bias", "proj.weight", "weight"]
+    assert torch.equal(w["weight"], model.weight.detach()) and torch.equal(w["proj.weight"], model.weight.detach())
+    assert torch.equal(w["bias"], model.bias.detach())
