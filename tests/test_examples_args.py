@@ -93,6 +93,40 @@ def test_config_errors_come_before_any_model_work(tmp_path, synth_dir, monkeypat
     assert not out.exists() or not os.listdir(out)  # no tokenizer written
 
 
+@pytest.mark.parametrize("extra,match", [
+    (["--zero_offload", "zero2-offload", "--optim", "adafactor"], "--optim adafactor"),
+    (["--sharded_ddp", "--optim", "adafactor"], "--optim adafactor"),
+    (["--zero_offload", "zero2-offload", "--max_grad_norm", "-1"], r"--max_grad_norm -1\.0: must be a finite number"),
+    (["--zero_offload", "zero2-offload", "--max_grad_norm", "nan"], "--max_grad_norm nan"),
+    (["--zero_offload", "zero2-offload", "--save_only_model", "--load_best_model_at_end", "--eval_strategy", "steps",
+      "--save_strategy", "steps"], "--save_only_model with --load_best_model_at_end"),
+])
+def test_argument_errors_come_before_any_model_work(tmp_path, synth_dir, monkeypatch, extra, match):
+    """The Trainer's own argument checks, made by the script before the tokenizer, the model and the memory plan
+    (they used to come ~20 s and a tokenizer written into output_dir later, from the Trainer); the clipping norm
+    is named as the flag (it was "OffloadOptions.max_grad_norm")."""
+    from hf_zero_offload.config import ConfigError
+
+    _no_model_work(monkeypatch)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=match):
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", *extra])
+    assert not out.exists() or not os.listdir(out)  # no tokenizer written
+
+
+def test_a_resume_target_that_is_no_checkpoint_is_refused_before_any_model_work(tmp_path, synth_dir, monkeypatch):
+    from hf_zero_offload.config import ConfigError
+
+    _no_model_work(monkeypatch)
+    run = tmp_path / "run"
+    (run / "checkpoint-4").mkdir(parents=True)  # a run folder given where a checkpoint is expected
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="is a run folder, not a checkpoint"):
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", "--zero_offload",
+                                                              "zero2-offload", "--resume_from_checkpoint", str(run)])
+    assert not out.exists() or not os.listdir(out)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="--deepspeed is then DeepSpeed's")
 def test_deepspeed_flag_without_the_package_points_at_zero_offload(tmp_path):
     with pytest.raises(ValueError, match="--zero_offload ds_config.json takes the same file"):

@@ -58,7 +58,8 @@ from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
 import seq2seq_utils as su  # noqa: E402
 from seq2seq_args import (  # noqa: E402,F401
-    DataTrainingArguments, ModelArguments, check_local_paths, check_zero_config, parse_args, repo_config_hint)
+    DataTrainingArguments, ModelArguments, check_local_paths, check_resume_target, check_zero_config, parse_args,
+    repo_config_hint)
 from train_tokenizer import train_t5_tokenizer  # noqa: E402
 
 logger = logging.getLogger("finetune_trainer")
@@ -120,6 +121,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     except OSError as e:  # a Hub id without the network: say which offline file builds the same architecture
         raise OSError(f"{e}{repo_config_hint(name)}") from e
     check_zero_config(training_args, config)
+    check_resume_target(training_args)
 
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",

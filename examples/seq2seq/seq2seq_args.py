@@ -9,9 +9,10 @@ from typing import List, Optional
 
 from transformers import HfArgumentParser
 
-from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, resume
 from hf_zero_offload.args_view import early_view
 from hf_zero_offload.config import check, resolve
+from hf_zero_offload.launch_checks import check_arguments
 
 import seq2seq_utils as su
 
@@ -164,7 +165,17 @@ def check_zero_config(training_args, config) -> None:
     The Trainer resolves it again once it knows the number of training steps; only that number is provisional
     here (and only when the config leaves total_num_steps to "auto": any value resolves the same way)."""
     if training_args.zero_offload is None:
+        if training_args.sharded_ddp:  # ZeRO-2 without offload: the arguments the engine cannot honour, now too
+            check_arguments(training_args)
         return
     checked = check(training_args.zero_offload)  # a path or a shipped config's name
-    resolve(checked, early_view(training_args, checked.cfg, training_args.fp16, training_args.bf16,
-                                types.SimpleNamespace(config=config)))
+    cfg = resolve(checked, early_view(training_args, checked.cfg, training_args.fp16, training_args.bf16,
+                                      types.SimpleNamespace(config=config)))
+    check_arguments(training_args, cfg.scheduler.type if cfg.scheduler is not None else None)
+
+
+def check_resume_target(training_args) -> None:
+    """--resume_from_checkpoint names a complete checkpoint (or true/last with one in output_dir): checked before the
+    tokenizer, the model and the memory plan, as the Trainer's train() will check it again."""
+    if training_args.do_train and training_args.resume_from_checkpoint:
+        resume.target(training_args.resume_from_checkpoint, training_args.output_dir)

@@ -170,6 +170,10 @@ class _Resolver:
         a, cfg = self.args, self.cfg
         tbs, micro, gas = self.batch()
         clip = self.take("gradient_clipping", a and a.max_grad_norm, "--max_grad_norm", 1.0)
+        if not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and math.isfinite(clip) and clip >= 0):
+            # the file's own value is checked by the schema: this one came from the arguments; named as the user
+            # wrote it, not as the engine's OffloadOptions.max_grad_norm it would fail in later
+            raise ConfigError(f"--max_grad_norm {clip!r}: must be a finite number >= 0 (0 turns clipping off)")
         fp16 = bool(self.take("fp16.enabled", a and a.fp16, "--fp16", False))
         bf16 = bool(self.take("bf16.enabled", a and a.bf16, "--bf16", False))
         optimizer, scheduler, zero = self.optimizer(), self.scheduler(), self.zero()
