@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from .engine import checkpoint
 from .engine.state_dir import read_range, sources
+from .resume import MARKER
 
 NAMES_FILE = "param_names.json"
 
@@ -94,6 +95,26 @@ def state_dir_of(checkpoint_dir: str) -> str:
                             "checkpoint-N folder of a run trained with --zero_offload or --sharded_ddp)")
 
 
+def _check_output(output_dir: str, written: list[str]) -> None:
+    """An existing output folder is written over file by file (a previous consolidate's output is replaced), so it
+    must hold nothing that would be read with the new files as one model: weight files of another layout (a
+    sharded output's shards and index beside a single new file, or the reverse), a completion marker, or a
+    training checkpoint's own state."""
+    if not os.path.isdir(output_dir):
+        return
+    present = set(os.listdir(output_dir))
+    if "zero_offload" in present or "trainer_state.json" in present:
+        raise ValueError(f"output {output_dir} is a training checkpoint (it holds "
+                         f"{'zero_offload/' if 'zero_offload' in present else 'trainer_state.json'}): its weights "
+                         "would be replaced; give another folder")
+    stale = sorted(n for n in present if n not in written
+                   and (n.endswith((".safetensors", ".safetensors.index.json", ".bin")) or n == MARKER))
+    if stale:
+        raise ValueError(f"output {output_dir} holds {', '.join(stale[:5])}{' ...' if len(stale) > 5 else ''}, which "
+                         "this checkpoint does not write: from_pretrained would read them with the new weights; "
+                         "remove them or give an empty folder")
+
+
 def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     """Everything is read and checked before the first write; each file is written atomically."""
     if os.path.realpath(output_dir) == os.path.realpath(checkpoint_dir):
@@ -127,7 +148,7 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     for extra in sorted(glob.glob(os.path.join(checkpoint_dir, "*.json"))
                         + glob.glob(os.path.join(checkpoint_dir, "*.model"))):
         name = os.path.basename(extra)
-        if name.startswith(("trainer_state", "optimizer")):
+        if name.startswith(("trainer_state", "optimizer")) or name == MARKER:  # the checkpoint's, not the model's
             continue
         content = None
         if name == "config.json" or name.endswith(".index.json"):
@@ -135,6 +156,7 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
             if not isinstance(content, dict):
                 raise ValueError(f"{extra} is damaged: expected a JSON object, got {type(content).__name__}")
         extras.append((extra, name, content))
+    _check_output(output_dir, [os.path.basename(p) for p in weight_files] + [name for _, name, _ in extras])
     # Written as one set (checkpoint.atomic_files), so that a stop part way (Ctrl-C, a full disk, a kill) leaves the
     # output whole or absent: config.json is staged last, so it appears last (from_pretrained needs it). Written
     # and renamed file by file, a stop after the weights left fp32 weights without a config, or a previous output

@@ -215,3 +215,28 @@ def test_consolidate_writes_both_names_of_a_tied_weight_held_twice_in_one_file(c
     assert sorted(w) == ["bias", "proj.weight", "weight"]
     assert torch.equal(w["weight"], model.weight.detach()) and torch.equal(w["proj.weight"], model.weight.detach())
     assert torch.equal(w["bias"], model.bias.detach())
+
+
+def test_consolidate_writes_no_completion_marker(ckpt_model, tmp_path, capsys):
+    """The checkpoint's hzo_complete.json was copied with the config files: the fp32 folder claimed to be a
+    complete training checkpoint."""
+    ckpt, model = ckpt_model
+    _write(ckpt / "hzo_complete.json", {"complete": True, "step": 1})
+    assert cli.main(["consolidate", str(ckpt), str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("stale", ["model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                                   "hzo_complete.json", "trainer_state.json", "zero_offload"])
+def test_consolidate_into_a_folder_with_other_weights_or_a_checkpoint_writes_nothing(ckpt_model, tmp_path, capsys,
+                                                                                    stale):
+    """An existing output was written over file by file: a previous sharded output's index and shards stayed
+    beside the new single file (from_pretrained would read the stale shards), and a training checkpoint given
+    as the output lost its weights."""
+    ckpt, model = ckpt_model
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / stale).mkdir() if stale == "zero_offload" else _write(out / stale, "{}")
+    (out / "model.safetensors").write_bytes(b"old")
+    _one_line_error(capsys, ["consolidate", str(ckpt), str(out)], stale)
+    assert (out / "model.safetensors").read_bytes() == b"old"
