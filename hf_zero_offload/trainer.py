@@ -42,7 +42,8 @@ from .engine.checkpoint import atomic_path, fsync_tree
 from .accelerator_patch import patch_accelerator
 from .engine_setup import build_engine, start_line, training_dtype
 from .launch_checks import (check_arguments, check_launch_env, check_trainable, check_world_size,
-                            refuse_other_engines, refuse_user_optimizer, warn_fp16_on_cpu)
+                            refuse_other_engines, refuse_user_optimizer, warn_bf16_on_cpu,
+                            warn_fp16_on_cpu)
 from .run_lock import RunLock, take_job_lock
 from .schedulers import build_scheduler
 
@@ -136,6 +137,7 @@ class ZeroOffloadMixin:
             super().__init__(*args, **kwargs)
         if targs is not None:
             warn_fp16_on_cpu(targs, bool(targs.fp16))
+            warn_bf16_on_cpu(targs, bool(targs.bf16))
         if self._zo_raw is not None:
             patch_accelerator(self.accelerator, lambda: self.zero_engine)
 

@@ -101,3 +101,26 @@ def test_cpu_threads_key_reaches_the_engine_and_the_start_line(tmp_path, caplog)
             config.resolve({"zero_optimization": zero})
     zero["offload_optimizer"]["cpu_threads"] = "auto"
     assert config.resolve({"zero_optimization": zero}).zero.cpu_threads is None
+
+
+@pytest.mark.parametrize("native, warned", [(False, True), (True, False), (None, False)])
+def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, caplog, monkeypatch, native, warned):
+    """On an AVX2 CPU torch emulates bf16 matmuls (a t5-small step > 20x slower than fp32): one WARNING saying to
+    drop --bf16; none where the CPU has AVX512-BF16/AMX or where its flags are unknown."""
+    from hf_zero_offload import launch_checks
+    monkeypatch.setattr(launch_checks, "cpu_has_native_bf16", lambda: native)
+    ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, bf16=True), train_dataset=ToyDataset())
+    hits = [r for r in caplog.records if "without AVX512-BF16 or AMX" in r.getMessage()]
+    assert len(hits) == int(warned) and all(r.levelno == logging.WARNING for r in hits)
+
+
+def test_the_cpu_flags_are_read_from_the_flags_lines(monkeypatch, tmp_path):
+    from hf_zero_offload import launch_checks
+    real_open = open
+    for text, want in [("flags\t\t: fpu avx2 fma\n", False), ("flags\t\t: fpu avx512f avx512_bf16\n", True),
+                       ("flags\t\t: fpu amx_bf16 amx_tile\n", True), ("Features\t: fp asimd bf16\n", None)]:
+        path = tmp_path / "cpuinfo"
+        path.write_text("processor\t: 0\n" + text)
+        monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(path if p == "/proc/cpuinfo" else p, *a, **k))
+        assert launch_checks.cpu_has_native_bf16() is want, text
+        monkeypatch.undo()
