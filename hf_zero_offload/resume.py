@@ -229,6 +229,14 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
             f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {_step(checkpoint)})")
 
 
+def no_resume_word(value):
+    """The command line's ``false``/``no``/``none`` for ``resume_from_checkpoint`` (unless a path has that name):
+    None, no resume. Anything else unchanged."""
+    if isinstance(value, str) and value.strip().lower() in ("false", "no", "none") and not os.path.exists(value):
+        return None
+    return value
+
+
 def target(requested, output_dir: str) -> tuple[str, str, list[str]]:
     """``resume_from_checkpoint`` -> (checkpoint, its status, warnings to log). ``True`` (or the command line's
     "true"/"last", unless a directory has that name): the newest complete checkpoint of ``output_dir``

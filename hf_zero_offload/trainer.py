@@ -76,26 +76,28 @@ class _ZeroOffloadFields:
     )
 
 
-def _check_launch(args) -> None:
+def _before_post_init(args) -> None:
+    refuse_other_engines(args)
     # Before TrainingArguments' __post_init__, which sets up the process group from torchrun's variables (and may
     # hang on an inconsistent set); only when our engine is asked for, as plain runs are transformers' business.
     if args.zero_offload is not None or args.sharded_ddp:
         check_launch_env()
+    # --resume_from_checkpoint false: no resume, as "true" means the newest checkpoint (it was taken for a path, and
+    # a script's "output_dir not empty" check, which tests the value's truth, let the run write over the folder)
+    args.resume_from_checkpoint = resume.no_resume_word(args.resume_from_checkpoint)
 
 
 @dataclass
 class ZeroOffloadTrainingArguments(TrainingArguments, _ZeroOffloadFields):
     def __post_init__(self):
-        refuse_other_engines(self)
-        _check_launch(self)
+        _before_post_init(self)
         super().__post_init__()
 
 
 @dataclass
 class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffloadFields):
     def __post_init__(self):
-        refuse_other_engines(self)
-        _check_launch(self)
+        _before_post_init(self)
         super().__post_init__()
 
 
@@ -235,6 +237,7 @@ class ZeroOffloadMixin:
         self._zo_resume, self._zo_best = None, False
         if self.zero_engine is not None:  # a second train(): the engine of the first one goes on
             check_trainable(self.zero_engine.slot_params(), self.model.named_parameters())
+        resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
         self._zo_take_lock(self.args)

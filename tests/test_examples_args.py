@@ -127,6 +127,29 @@ def test_a_resume_target_that_is_no_checkpoint_is_refused_before_any_model_work(
     assert not out.exists() or not os.listdir(out)
 
 
+@pytest.mark.parametrize("word", ["false", "False", "no", "none"])
+def test_resume_false_means_no_resume_and_keeps_the_output_dir_check(tmp_path, synth_dir, monkeypatch, word):
+    """--resume_from_checkpoint false was taken for a path ("false does not exist", after model work), and being a
+    non-empty string it let the script's "output_dir not empty" check pass: now it is no resume."""
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments
+
+    monkeypatch.chdir(tmp_path)
+    args = ZeroOffloadSeq2SeqTrainingArguments(output_dir="o", use_cpu=True, report_to=[], resume_from_checkpoint=word)
+    assert args.resume_from_checkpoint is None
+    (tmp_path / word).mkdir()  # a folder of that name is a path, as before
+    args = ZeroOffloadSeq2SeqTrainingArguments(output_dir="o", use_cpu=True, report_to=[], resume_from_checkpoint=word)
+    assert args.resume_from_checkpoint == word
+    (tmp_path / word).rmdir()
+    _no_model_work(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="already exists and is not empty"):
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", "--zero_offload",
+                                                              "zero2-offload", "--resume_from_checkpoint", word])
+    assert (out / "keep.txt").read_text() == "x"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="--deepspeed is then DeepSpeed's")
 def test_deepspeed_flag_without_the_package_points_at_zero_offload(tmp_path):
     with pytest.raises(ValueError, match="--zero_offload ds_config.json takes the same file"):
