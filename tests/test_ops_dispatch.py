@@ -5,7 +5,6 @@ ValueError / TypeError naming the argument, and the instruction set is chosen by
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -181,14 +180,15 @@ def test_levels_reported():
         ops.set_simd_level("sse9")
 
 
-def _import_with_env(value):
-    env = dict(os.environ, HF_ZERO_OFFLOAD_SIMD=value)
+def _import_with_env(*values):
+    """One fresh interpreter per HF_ZERO_OFFLOAD_SIMD value, side by side, each printing the level it gets."""
     code = "from hf_zero_offload import ops; print(ops.simd_level())"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return run_together([[sys.executable, "-c", code]] * len(values), timeout=120,
+                        per_child=[{"env": dict(os.environ, HF_ZERO_OFFLOAD_SIMD=v)} for v in values])
 
 
 def test_env_override_selects_level():
-    r = _import_with_env("scalar")
+    (r,) = _import_with_env("scalar")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "scalar"
 
@@ -196,10 +196,7 @@ def test_env_override_selects_level():
 def test_env_override_rejects_unknown_or_unsupported_level():
     missing = [lvl for lvl in ("avx2", "avx512") if lvl not in LEVELS]
     values = ["sse9"] + missing
-    code = "from hf_zero_offload import ops; print(ops.simd_level())"
-    runs = run_together([[sys.executable, "-c", code]] * len(values), timeout=120,
-                        per_child=[{"env": dict(os.environ, HF_ZERO_OFFLOAD_SIMD=v)} for v in values])
-    for value, r in zip(values, runs):
+    for value, r in zip(values, _import_with_env(*values)):
         assert r.returncode != 0
         assert "HF_ZERO_OFFLOAD_SIMD" in r.stderr and value in r.stderr
         if value in missing:
@@ -226,8 +223,7 @@ def test_a_bad_env_level_is_raised_by_kernel_calls_not_at_import():
                           env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:4] == ["refused True True"] * 3 + ["scalar"]
-    r = cli
-    assert r.returncode == 0 and "zero2-offload" in r.stdout, r.stderr
+    assert cli.returncode == 0 and "zero2-offload" in cli.stdout, cli.stderr
 
 
 def test_unsupported_level_message():
