@@ -12,6 +12,7 @@ sibling proves the writer knew the marker, so this one was cut short). Nothing h
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -237,25 +238,27 @@ def no_resume_word(value):
     return value
 
 
-def target(requested, output_dir: str) -> tuple[str, str, list[str]]:
-    """``resume_from_checkpoint`` -> (checkpoint, its status, warnings to log). ``True`` (or the command line's
-    "true"/"last", unless a directory has that name): the newest complete checkpoint of ``output_dir``
-    (transformers' get_last_checkpoint would take a half-written one); a path:
+def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]:
+    """``resume_from_checkpoint`` -> (checkpoint, its status, (logging level, message) pairs to log). ``True`` (or
+    the command line's "true"/"last", unless a directory has that name): the newest complete checkpoint of
+    ``output_dir`` (transformers' get_last_checkpoint would take a half-written one); a path:
     refused when incomplete, naming the checkpoint to use instead."""
-    notes = []
+    notes, word = [], None
     if isinstance(requested, str) and requested.strip().lower() in ("true", "last") and not os.path.exists(requested):
         # the command line gives a string: --resume_from_checkpoint true means what True means in code
-        notes.append(f"hf_zero_offload: --resume_from_checkpoint {requested}: the newest complete checkpoint "
-                     f"of {output_dir}")
-        requested = True
+        word, requested = requested, True
     if requested is True:
         requested, skipped = choose(output_dir)
-        notes += [f"hf_zero_offload: skipping {c}: incomplete (no {MARKER}; its writer was stopped during the save); "
-                  f"resuming from {requested}" for c in skipped]
+        notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: incomplete (no {MARKER}; its writer was stopped "
+                                    f"during the save); resuming from {requested}") for c in skipped]
+        if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
+            notes.append((logging.INFO, f"hf_zero_offload: --resume_from_checkpoint {word}: the newest complete "
+                                        f"checkpoint of {output_dir}, {requested}"))
     state, _ = check(str(requested))
     if state == "legacy":
-        notes.append(f"hf_zero_offload: {requested} has no completion marker {MARKER} (written before markers existed, "
-                     f"or by another Trainer); it holds {TRAINER_STATE}, so it is resumed as is")
+        notes.append((logging.WARNING, f"hf_zero_offload: {requested} has no completion marker {MARKER} (written "
+                                       f"before markers existed, or by another Trainer); it holds {TRAINER_STATE}, so "
+                                       "it is resumed as is"))
     return str(requested), state, notes
 
 

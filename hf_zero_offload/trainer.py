@@ -255,8 +255,8 @@ class ZeroOffloadMixin:
 
     def _zo_resume_target(self, target) -> str:
         path, self._zo_resume, notes = resume.target(target, self.args.output_dir)
-        for note in notes:
-            logger.warning(note)
+        for level, note in notes:
+            logger.log(level, note)
         return path
 
     def _save_checkpoint(self, model, trial) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import socket
@@ -108,7 +109,7 @@ def test_sigkill_mid_save_then_resume_true_takes_the_newest_complete_checkpoint(
     left = os.listdir(run / "checkpoint-4" / "zero_offload")
     assert len(left) == 1 and checkpoint.TMP_TAG in left[0]  # only the killed writer's temporary: no rank file
     path, state, notes = resume.target(True, str(run))
-    assert path == str(two) and state == "complete" and "skipping" in notes[0] and "checkpoint-4" in notes[0]
+    assert path == str(two) and state == "complete" and notes[0][0] == logging.WARNING and "skipping" in notes[0][1] and "checkpoint-4" in notes[0][1]
     with pytest.raises(resume.IncompleteCheckpoint, match="checkpoint-4 is incomplete.*checkpoint-2"):
         resume.target(str(run / "checkpoint-4"), str(run))
     assert resume.remove_stale_temp_files(str(run)) == [str(run / "checkpoint-4" / "zero_offload" / left[0])]
