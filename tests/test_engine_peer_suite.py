@@ -39,12 +39,17 @@ def own_groups(model):
     return g
 
 
-def run(model, opt, data, *, lr_at=3, keep_zero=False, explicit_zero=False):
+def run(model, opt, data, *, lr_at=3, keep_zero=False, explicit_zero=False, drops=None):
     """One step per batch; group 1's lr changes before step ``lr_at`` (a scheduler would). ``keep_zero``:
-    zero_grad(set_to_none=False); ``explicit_zero``: the unused branch gets an explicit zero gradient."""
+    zero_grad(set_to_none=False); ``explicit_zero``: the unused branch gets an explicit zero gradient;
+    ``drops``: each window starts with a backward (through the branch where ``drops[i]``) that
+    zero_grad(set_to_none=False) drops, leaving a zero .grad on the params it reached."""
     for i, (ids, labels, use_branch) in enumerate(data):
         if i == lr_at:
             opt.param_groups[1]["lr"] = 5e-3
+        if drops is not None:
+            loss_fn(model, labels, ids, drops[i]).backward()
+            opt.zero_grad(set_to_none=False)
         loss = loss_fn(model, ids, labels, use_branch)
         if explicit_zero and not use_branch:
             loss = loss + 0 * sum(p.sum() for p in model.branch.parameters())
@@ -210,6 +215,52 @@ def test_zero_grad_keeping_zeros_is_an_explicit_zero_gradient(state_dtype, dpu):
         assert torch.equal(runs[0][1][k], t), k
 
 
+# The branch per step: in the batch (BRANCH), in the dropped backward that starts the window (DROPS). Steps 1
+# and 5: only the dropped gradient reaches it (torch steps its zero .grad; the engines skipped it). Steps 2 and
+# 4: neither, after a step that updated it (torch: None since zero_grad(); the engines stepped it with zeros).
+BRANCH = [True, False, False, True, False, False]
+DROPS = [False, True, False, True, False, True]
+BRANCH_STEPS = 4
+
+
+def dropping_data(seed=0):
+    return [(ids, labels, use) for (ids, labels, _), use in zip(batches(6, seed=seed), BRANCH)]
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_gradients_dropped_by_zero_grad_keeping_zeros_leave_the_zeros_adamw_steps(state_dtype):
+    """zero_grad(set_to_none=False) part way through a window leaves a zero .grad exactly on the params that
+    hold a .grad then, and AdamW steps those even when the rest of the window gives them none. The engines
+    went by the last step's gradients instead, even after a zero_grad() had set them to None. fp32 against
+    AdamW; bf16/int8 bit for bit against the run that gives those params explicit zero gradients."""
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model, zeros_model = copy.deepcopy(ref_model), copy.deepcopy(ref_model)
+    opt = offload(model, groups=lambda m: param_groups(m, WD), state_dtype=state_dtype)
+    run(model, opt, dropping_data(), drops=DROPS)
+    branch = next(i for i, (q, _, _) in enumerate(opt._flat) if q is model.branch.weight)
+    assert int(opt._param_steps[branch]) == BRANCH_STEPS
+    if state_dtype == "fp32":
+        ref = torch.optim.AdamW(param_groups(ref_model, WD), lr=LR, foreach=False)
+        run(ref_model, ref, dropping_data(), drops=DROPS)
+        assert ref.state[ref_model.branch.weight]["step"].item() == BRANCH_STEPS
+        torch.testing.assert_close(flat(model), flat(ref_model), **TIGHT)
+    else:
+        zeros = offload(zeros_model, groups=lambda m: param_groups(m, WD), state_dtype=state_dtype)
+        for i, ((ids, labels, use), drop) in enumerate(zip(dropping_data(), DROPS)):
+            if i == 3:
+                zeros.param_groups[1]["lr"] = 5e-3  # as run() does
+            loss = loss_fn(zeros_model, ids, labels, use)
+            if drop and not use:
+                loss = loss + 0 * sum(p.sum() for p in zeros_model.branch.parameters())
+            loss.backward()
+            zeros.step()
+            zeros.zero_grad()
+        assert torch.equal(flat(model), flat(zeros_model))
+        zeros.close()
+    opt.close()
+
+
 # -- two ranks -------------------------------------------------------------------------------------
 SHARDED = {"s1-off": dict(stage=1, offload=True), "s2-off": dict(stage=2, offload=True),
            "s2-off-dpu": dict(stage=2, offload=True, dpu=True), "s1": dict(stage=1, offload=False),
@@ -229,18 +280,20 @@ def _two_rank_job(rank, world, ckpt):
     own = batches(6, seed=10 + rank)    # each rank its own: against DDP
     torch.manual_seed(0)
     ddp_model = TinyNet()
-    for keep in (False, True):
+    # drop: each window starts with a backward through the branch that zero_grad(set_to_none=False) drops
+    for keep, drop in ((False, False), (True, False), (False, True)):
+        data, drops = (dropping_data(seed=10 + rank), DROPS) if drop else (own, None)
         m = copy.deepcopy(ddp_model)
         ref = torch.optim.AdamW(own_groups(m), lr=LR, foreach=False)
-        run(DDP(m, find_unused_parameters=True), ref, own, keep_zero=keep)
+        run(DDP(m, find_unused_parameters=True), ref, data, keep_zero=keep, drops=drops)
         for name, cfg in SHARDED.items():
             if cfg.get("dpu"):
                 continue  # one step behind AdamW by design (test_sharding_dpu.py has its reference)
             torch.manual_seed(0)
             model = TinyNet()
             opt = _sharded(model, own_groups, cfg)
-            run(model, opt, own, keep_zero=keep)
-            torch.testing.assert_close(flat(model), flat(m), **TIGHT, msg=f"{name} keep_zero={keep}")
+            run(model, opt, data, keep_zero=keep, drops=drops)
+            torch.testing.assert_close(flat(model), flat(m), **TIGHT, msg=f"{name} keep_zero={keep} drop={drop}")
             opt.close()
     for st in ("bf16", "int8"):
         for name in ("s1-off", "s2-off", "s2-off-dpu"):

@@ -80,8 +80,9 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
         self._prepared = None        # this step's (sumsq, received), computed once
         # torch.optim's zero_grad(set_to_none=False) leaves a zero .grad on every param that had one,
         # and AdamW then steps it with a zero gradient. The engines free each .grad as they take it,
-        # so they remember which params would hold one: ``_last_received`` (the last step's), folded
-        # into ``_kept_grad`` by zero_grad(set_to_none=False), cleared by set_to_none=True.
+        # so they remember which params would hold one: ``_last_received`` (the last step's, until a
+        # zero_grad(set_to_none=True)) and those of the window so far, folded into ``_kept_grad`` by
+        # zero_grad(set_to_none=False); set_to_none=True clears both.
         self._last_received = [False] * len(self._flat)
         self._kept_grad = [False] * len(self._flat)
         self._divisor = 1            # the gradient store holds the sum over this many ranks
@@ -100,16 +101,24 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's meaning: the gradients of this step so far are dropped, those already
         handed to the engine during backward included, so a ``step()`` right after updates nothing.
-        ``set_to_none=False``: the params that got a gradient in the last step keep stepping with a zero
-        gradient until a ``zero_grad(set_to_none=True)``, as torch.optim steps their zeroed ``.grad``
-        (gradients dropped mid-window by this call are not counted: on several ranks that would need a
-        collective here)."""
+        ``set_to_none=False``: the params that got a gradient in the last step, or in this window before
+        this call, keep stepping with a zero gradient until a ``zero_grad(set_to_none=True)``, as
+        torch.optim steps their zeroed ``.grad``. (On several ranks a param any rank holds a zero for
+        steps: the flags join the step's one all-reduce, see ShardedAdam._global_stats.)"""
         super().zero_grad(set_to_none)
-        self._kept_grad = ([False] * len(self._flat) if set_to_none
-                           else [k or r for k, r in zip(self._kept_grad, self._last_received)])
         self._drain_window()  # no copy still in flight may land in the window started next
+        if set_to_none:  # torch: every .grad is None now, the last step's too
+            self._kept_grad = [False] * len(self._flat)
+            self._last_received = [False] * len(self._flat)
+        else:  # read after the drain: the window's last gradients are counted by then
+            self._kept_grad = [k or r or w for k, r, w in
+                               zip(self._kept_grad, self._last_received, self._window_received())]
         self._prepared = None
         self._begin_window()
+
+    def _window_received(self) -> list[bool]:
+        """Per param: a gradient reached the engine in the current window (its ``.grad`` already freed)."""
+        raise NotImplementedError
 
     def _stray_grad(self) -> str | None:
         """A ``.grad`` this engine would not use, where torch.optim would step its param: on a param

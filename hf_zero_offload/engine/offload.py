@@ -70,11 +70,14 @@ class OffloadAdam(AdamCore):
         """Wait for this step's gradients; (squared norm of the loss-scaled gradients, which params
         received one). The norm sums one fused pass per run of parameters, in fp64."""
         self.pipeline.drain()
-        received = [off in self.pipeline.received for _, off, _ in self._flat]
+        received = self._window_received()
         runs = make_runs(self._groups, self._flat, received, self._param_steps.tolist())
         store = self.pipeline.store
         sumsq = sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads) for r in runs)
         return sumsq, received
+
+    def _window_received(self) -> list[bool]:
+        return [off in self.pipeline.received for _, off, _ in self._flat]
 
     @torch.no_grad()
     def _zero_grads(self, which: list[bool]) -> None:

@@ -205,7 +205,9 @@ class ShardedAdam(AdamCore):
             sq = torch.tensor([ops.grad_norm_sq(real, num_threads=self.options.num_threads)], dtype=torch.float64)
         else:
             sq = torch.linalg.vector_norm(real, dtype=torch.float64).square().reshape(1)
-        counts = torch.tensor(self.reducer.received, dtype=torch.float64)
+        # a param this rank holds a zeroed .grad for (zero_grad(set_to_none=False)) counts as received: on
+        # every rank alike after the sum, so all step it with the zero gradient the store holds for it
+        counts = torch.tensor([r + k for r, k in zip(self.reducer.received, self._kept_grad)], dtype=torch.float64)
         # last: ranks holding a .grad the engine would ignore (core._stray_grad), so that every rank
         # raises after this collective rather than one rank alone before it (the others would hang)
         stray = self._stray_grad() if self.world_size > 1 else None
@@ -224,6 +226,10 @@ class ShardedAdam(AdamCore):
 
     def _drain_window(self) -> None:
         self.reducer.drain()
+
+    def _window_received(self) -> list[bool]:
+        # stages 0 and 1 read .grad at step(): a zeroed one is still there and counted then
+        return [c > 0 for c in self.reducer.received] if self.stage == 2 else [False] * len(self._flat)
 
     @property
     def _grads_from_backward(self) -> bool:
