@@ -151,9 +151,15 @@ class CPUAdam(torch.optim.Optimizer):
                                     f"{tuple(p.grad.shape)} on {p.grad.device}: expected its shape in float32, "
                                     "bfloat16 or float16 on the CPU")
                 try:
-                    todo.append((group, p, self._prepare_state(p, group["state_dtype"]), index - p.numel()))
+                    state = self._prepare_state(p, group["state_dtype"])
                 except (TypeError, ValueError) as e:  # a state of another size (p.data replaced, a foreign load)
                     raise type(e)(f"CPUAdam state of a {tuple(p.shape)} param: {e}") from None
+                try:  # here, not only in adam_step: a grad sharing its param's memory was refused after the
+                    arrays = {k: v for k, v in state.items() if k != "step" and torch.is_tensor(v)}
+                    ops.check_separate(param=p, grad=p.grad, **arrays)
+                except ValueError as e:  # params before it in the step were updated
+                    raise ValueError(f"CPUAdam: a {tuple(p.shape)} param in group {gi}: {e}") from None
+                todo.append((group, p, state, index - p.numel()))
         for group, p, state, first in todo:
             beta1, beta2 = (float(b) for b in group["betas"])
             half = p.dtype != torch.float32

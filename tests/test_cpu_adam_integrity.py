@@ -67,8 +67,10 @@ def test_a_foreign_state_is_refused_before_anything_loads(case):
                for p, q in zip(model.parameters(), fresh.param_groups[0]["params"]))
 
 
-@pytest.mark.parametrize("grad", ["int", "shape"])
+@pytest.mark.parametrize("grad", ["int", "shape", "its param", "its moment"])
 def test_a_refused_step_updates_no_param(grad):
+    """A grad sharing memory with its param or its state was refused by the kernel call, after the params
+    before it in the step were updated."""
     model, opt = _trained("fp32")
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
@@ -77,8 +79,14 @@ def test_a_refused_step_updates_no_param(grad):
     for p in params:
         p.grad = torch.ones_like(p)
     # through .data: the only way past torch's own checks on assigning a grad
-    params[2].grad.data = torch.ones(3, 2, dtype=torch.int32) if grad == "int" else torch.ones(6)
-    with pytest.raises(TypeError, match=r"the grad of a \(3, 2\) param is"):
+    error, match = TypeError, r"the grad of a \(3, 2\) param is"
+    if grad in ("int", "shape"):
+        params[2].grad.data = torch.ones(3, 2, dtype=torch.int32) if grad == "int" else torch.ones(6)
+    else:
+        shared = params[2].data if grad == "its param" else opt.state[params[2]]["exp_avg"]
+        params[2].grad.data = shared.view(3, 2)
+        error, match = ValueError, r"a \(3, 2\) param in group 0: (grad and \w+|\w+ and grad) share memory"
+    with pytest.raises(error, match=match):
         opt.step()
     for p, b, s, m in zip(params, before, steps, moments):
         assert torch.equal(p, b) and float(opt.state[p]["step"]) == s and torch.equal(opt.state[p]["exp_avg"], m)

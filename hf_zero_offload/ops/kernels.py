@@ -70,14 +70,8 @@ def adam_step(
     if not (type(grad_scale) is float or (isinstance(grad_scale, numbers.Real) and not isinstance(grad_scale, bool))
             ) or grad_scale < 0.0:
         raise ValueError(f"grad_scale must be a number >= 0, got {grad_scale!r}")
-    # The kernel's threads read and write these arrays in chunks: two that share memory (exp_avg
-    # passed as exp_avg_sq, a grad overlapping its param) would give thread-order-dependent values.
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in (
-        ("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("param_out", param_out),
-        ("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)) if t is not None and t.numel())
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(f"{a} and {b} share memory: each array adam_step reads or writes must be its own")
+    check_separate(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param_out=param_out,
+                   exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)
     if compact_math and kind != "fp32":
         raise ValueError(f"compact_math is for fp32 moments (bf16/int8 moments always use it); got {kind}")
     if n == 0:
@@ -91,6 +85,21 @@ def adam_step(
         float(grad_scale), int(round_index) % 2**64, bool(compact_math),
         _threads(num_threads),
     )
+
+
+def check_separate(**arrays) -> None:
+    """No two of ``arrays`` (None: absent) share memory. The kernel's threads read and write its arrays in
+    chunks: two that share memory (exp_avg passed as exp_avg_sq, a grad overlapping its param) would give
+    thread-order-dependent values. A strided tensor counts for the bytes from its first to its last element."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + _extent(t), name) for name, t in arrays.items()
+                   if t is not None and t.numel())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{a} and {b} share memory: each array adam_step reads or writes must be its own")
+
+
+def _extent(t: torch.Tensor) -> int:
+    return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:
