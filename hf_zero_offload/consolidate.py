@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .engine import checkpoint
-from .engine.state_dir import read_range, sources
-from .resume import MARKER
+from .engine.state_dir import check_sources, read_range, sources
+from .resume import MARKER, recorded_save_id
 
 NAMES_FILE = "param_names.json"
 
@@ -31,8 +31,9 @@ def write_param_names(state_dir: str, slot_names: list[list[str]]) -> None:
         json.dump(slot_names, f)
 
 
-def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
-    """Every trainable parameter's fp32 master by name (all aliases), from all rank files."""
+def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's fp32 master by name (all aliases), from all rank files. ``expected_save_id``:
+    the save the checkpoint's marker records (``resume.recorded_save_id``); a state of another save is refused."""
     if not glob.glob(os.path.join(glob.escape(state_dir), "rank*_of_*.hzo")):
         raise FileNotFoundError(f"no optimizer state files (rank*_of_*.hzo) in {state_dir}")
     names_path = os.path.join(state_dir, NAMES_FILE)
@@ -47,7 +48,13 @@ def full_masters(state_dir: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{names_path} is damaged: expected a list of lists of parameter names (one list per "
                          "optimizer slot); use another checkpoint-N of the run")
     # the engine's own reader: the partition map checked, each file's range checked against it
-    srcs, meta = sources(state_dir)
+    srcs, meta = sources(state_dir)  # (every header checked: state_dir.check_header)
+    if expected_save_id is not None and meta.get("save_id") != expected_save_id:
+        raise ValueError(f"{state_dir} holds the optimizer state of another save (save id {meta.get('save_id')!r}, "
+                         f"the state after {meta.get('global_steps')} steps) than the checkpoint's completion marker "
+                         f"records ({expected_save_id!r}): it was copied or linked from another checkpoint, so its "
+                         "masters are not this checkpoint's weights; consolidate a checkpoint whose state is its own")
+    check_sources(srcs, meta.get("state_dtype", "fp32"), 0, meta["numel"])  # the bytes are there, before allocating
     flat = torch.empty(meta["numel"])
     read_range(srcs, 0, {"master": flat})
     slots = [s for g in meta["slots"] for s in g]
@@ -123,7 +130,7 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise NotADirectoryError(f"output {output_dir} is a file, not a folder: give a folder (it is created "
                                  "when missing)")
-    masters = full_masters(state_dir_of(checkpoint_dir))
+    masters = full_masters(state_dir_of(checkpoint_dir), recorded_save_id(checkpoint_dir))
     weight_files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
     if not weight_files:
         raise FileNotFoundError(f"no *.safetensors model weights in {checkpoint_dir}")

@@ -269,3 +269,11 @@ def remove_stale_temp_files(output_dir: str) -> list[str]:
     for root, _, _ in os.walk(output_dir):
         removed += remove_stale_temporaries(root)
     return removed
+
+
+def recorded_save_id(checkpoint: str) -> str | None:
+    """The save id of the optimizer state the checkpoint's marker records (None: no marker, or one written before
+    save ids): the state under ``zero_offload/`` must be that save's, not one copied or linked from elsewhere."""
+    engine = (read_marker(checkpoint) or {}).get("engine")
+    save_id = engine.get("save_id") if isinstance(engine, dict) else None
+    return save_id if isinstance(save_id, str) else None

@@ -293,7 +293,8 @@ class ZeroOffloadMixin:
             return None
         return {"format": eng.state_meta().get("format"), "world_size": self.args.world_size,
                 "stage": getattr(eng, "stage", "-"), "offload": getattr(eng, "offload", True),
-                "dpu": eng.options.dpu, "dtype": str(eng.param_dtype).replace("torch.", "")}
+                "dpu": eng.options.dpu, "dtype": str(eng.param_dtype).replace("torch.", ""),
+                "save_id": eng.last_save_id}
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._zo_raw is None:
@@ -327,7 +328,7 @@ class ZeroOffloadMixin:
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
-        self.zero_engine.load_checkpoint(state_dir)
+        self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
@@ -345,7 +346,8 @@ class ZeroOffloadMixin:
         super()._load_best_model()
         # The model holds the best checkpoint's weights: its masters, moments and step counts follow (the masters
         # are the weights in fp32), so that a save, consolidate or more training goes on from the best state.
-        engine.load_checkpoint(os.path.join(self.state.best_model_checkpoint, STATE_DIR))
+        best = self.state.best_model_checkpoint
+        engine.load_checkpoint(os.path.join(best, STATE_DIR), expected_save_id=resume.recorded_save_id(best))
         self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step
 
 

@@ -8,6 +8,7 @@ rank, as each rank of a run calls it), so the one-process checks need no spawn.
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -27,7 +28,7 @@ def _engine(model):
 
 def _save_as_two_ranks(opt, directory) -> None:
     """``opt``'s state as the 2-rank checkpoint a sharded run with the same flat layout writes."""
-    meta, tensors = opt.state_meta(), opt.state_tensors()
+    meta, tensors = {**opt.state_meta(), "save_id": os.urandom(8).hex()}, opt.state_tensors()  # as save_checkpoint
     cut = opt.numel // 2
     ranges = [[0, cut], [cut, opt.numel]]
     for r in (1, 0):  # rank 0 writes meta.json after its file: last
@@ -48,6 +49,12 @@ def saved(tmp_path_factory):
     state3 = {k: v.clone() for k, v in opt.state_tensors().items()}
     run_steps(model, opt, batches(2, seed=1))
     _save_as_two_ranks(opt, root / "step5")
+    opt.close()
+    torch.manual_seed(1)  # another run of the same model, saved at the same step
+    other = TinyNet()
+    opt = _engine(other)
+    run_steps(other, opt, batches(3, seed=2))
+    _save_as_two_ranks(opt, root / "run2")
     opt.close()
     return model, root, state3
 
@@ -70,8 +77,13 @@ def test_two_rank_files_load_whole(saved):
 @pytest.mark.parametrize("damage, match", [
     ("missing", r"rank1_of_2.hzo is missing: .*meta.json lists it as rank 1's slice"),
     ("truncated", r"rank1_of_2.hzo: truncated"),
-    ("other step", r"rank1_of_2.hzo holds the state after 5 steps .*rank0_of_2.hzo after 3 .*mixes files"),
-], ids=["missing", "truncated", "other-step"])
+    ("other step", r"rank1_of_2.hzo and \S*rank0_of_2.hzo are of different saves: save_id .*mixes files"),
+    ("other run", r"rank1_of_2.hzo and \S*rank0_of_2.hzo are of different saves: save_id '\w+' against '\w+' "
+                  r"\(the states after 3 and 3 steps\).*mixes files"),
+    ("other model", r"rank1_of_2.hzo and \S*rank0_of_2.hzo are of different saves: slots \[\["),
+    ("old files, other step", r"rank1_of_2.hzo and \S*rank0_of_2.hzo are of different saves: global_steps 5 against "
+                              r"3; the directory mixes files"),
+], ids=["missing", "truncated", "other-step", "other-run", "other-model", "old-files-other-step"])
 def test_a_bad_file_is_refused_before_the_first_write(saved, tmp_path, damage, match):
     """The file of rank 1 was read only once rank 0's part was in (missing, other step: not at all), so the engine
     was left half loaded (every later step refused), and a 2-rank job's rank 0 never heard of it."""
@@ -82,8 +94,17 @@ def test_a_bad_file_is_refused_before_the_first_write(saved, tmp_path, damage, m
         victim.unlink()
     elif damage == "truncated":
         os.truncate(victim, os.path.getsize(victim) - 100)
-    else:
-        victim.write_bytes((root / "step5" / "rank1_of_2.hzo").read_bytes())
+    elif damage in ("other step", "other run"):  # the files of another save of this model (another run: the
+        # same step count too, and the same range; told apart by the save id alone)
+        victim.write_bytes((root / ("step5" if damage == "other step" else "run2") / "rank1_of_2.hzo").read_bytes())
+    elif damage == "other model":  # one param where the model has several (rewritten: checksums valid)
+        _rewrite(victim, victim, lambda m: {**m, "slots": [[[0, m["numel"], [m["numel"]]]]]})
+    else:  # both files and meta.json as written before save ids existed, rank 1's of another step
+        def old(m):
+            return {k: v for k, v in m.items() if k != "save_id"}
+        _rewrite(bad / "rank0_of_2.hzo", bad / "rank0_of_2.hzo", old)
+        _rewrite(root / "step5" / "rank1_of_2.hzo", victim, old)
+        (bad / state_dir.META_FILE).write_text(json.dumps(old(json.loads((bad / state_dir.META_FILE).read_text()))))
     fresh = _engine(copy.deepcopy(model))
     before = {k: v.clone() for k, v in fresh.state_tensors().items()}
     with pytest.raises(checkpoint.StateFileError, match=match):
@@ -91,6 +112,14 @@ def test_a_bad_file_is_refused_before_the_first_write(saved, tmp_path, damage, m
     assert fresh._load_failed is None and fresh.global_steps == 0  # refused before anything was written
     assert all(torch.equal(fresh.state_tensors()[k], v) for k, v in before.items())
     fresh.close()
+
+
+def _rewrite(src, dst, edit):
+    """``src``'s state file written again at ``dst`` with its header edited (valid checksums)."""
+    meta, entries, _ = checkpoint.read_header(str(src))
+    tensors = {key: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for key, e in entries.items()}
+    checkpoint.read_into(str(src), tensors)
+    checkpoint.write_state(str(dst), edit(meta), tensors)
 
 
 def _damaged_peer_job(rank, world, directory):

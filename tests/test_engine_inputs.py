@@ -4,6 +4,7 @@ between backward and step, state dicts and directories of the wrong kind. Each i
 before anything changes, or behaves as torch.optim does."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,3 +133,57 @@ def test_a_grad_ignored_on_one_rank_is_an_error_on_every_rank():
     errors = run_distributed(_stray_on_rank_0, world_size=2)
     assert "a (24,) param has a .grad that did not come from backward" in errors[0]
     assert "another rank holds a .grad the engine would ignore" in errors[1]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_meta_device_params_are_refused_when_the_engine_is_built(kind):
+    """OffloadAdam failed in torch ("Cannot copy out of meta tensor"); ZeRO-0 was built and failed at step()."""
+    cls, extra = KINDS[kind]
+    with torch.device("meta"):
+        model = TinyNet()
+    with pytest.raises(ValueError, match=r"a parameter of shape \(\d+, \d+\) is on the meta device \(not "
+                                         r"materialised: init_empty_weights"):
+        cls(param_groups(model, 0.01), lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+
+
+def test_a_saved_group_never_replaces_the_engines_params():
+    """A state dict whose groups carry "params" (torch.optim's layout lists param ids there) was loaded into the
+    live groups: the engine's params became ints and the next step failed with an AttributeError."""
+    model, opt = _engine()
+    _backward(model)
+    opt.step()
+    own = [list(g["params"]) for g in opt.param_groups]
+    state = opt.state_dict()
+    for i, g in enumerate(state["param_groups"]):
+        g["params"] = list(range(i, i + 2))
+    opt.load_state_dict(state)
+    assert [g["params"] for g in opt.param_groups] == own
+    _backward(model, 1)
+    opt.step()
+    opt.close()
+
+
+@pytest.mark.parametrize("value, saved", [
+    (np.float32(0.5), 0.5), (np.float64(0.25), 0.25), (torch.tensor(0.125), 0.125), (np.int64(3), 3),
+    ((torch.tensor(0.9), np.float32(0.5)), [0.8999999761581421, 0.5]),
+], ids=["np.float32", "np.float64", "tensor", "np.int64", "tuple-of-mixed"])
+def test_group_values_a_step_takes_are_saved_as_numbers(tmp_path, value, saved):
+    """A LambdaLR whose lambda returns numpy floats (NumPy 2), or a tensor lr, stepped fine; save_checkpoint then
+    failed in json ("Object of type float32 is not JSON serializable") with the checkpoint half written."""
+    model, opt = _engine()
+    key = "betas" if isinstance(value, tuple) else "extra" if isinstance(value, np.int64) else "lr"
+    opt.param_groups[0][key] = value
+    _backward(model)
+    opt.step()
+    opt.save_checkpoint(str(tmp_path / "ckpt"))
+    assert opt.state_meta()["param_groups"][0][key] == saved
+    fresh = _engine()[1]
+    fresh.load_checkpoint(str(tmp_path / "ckpt"))
+    assert fresh.param_groups[0][key] == (tuple(saved) if key == "betas" else saved)
+    opt.param_groups[0]["unsaveable"] = {1, 2}
+    with pytest.raises(TypeError, match=r"param_groups\[0\].unsaveable is \{1, 2\} \(set\): an optimizer checkpoint "
+                                        "holds a param group's values as numbers"):
+        opt.save_checkpoint(str(tmp_path / "ckpt2"))
+    assert not (tmp_path / "ckpt2").exists()  # refused before the directory was made
+    opt.close()
+    fresh.close()

@@ -82,6 +82,46 @@ def test_absurd_or_broken_headers_give_a_clear_error(tmp_path, length):
     assert path in str(e.value)
 
 
+HEADER_EDITS = {
+    "no numel": (lambda m: {k: v for k, v in m.items() if k != "numel"}, r"numel must be an int >= 0, got None"),
+    "numel bool": (lambda m: {**m, "numel": True}, r"numel must be an int >= 0, got True"),
+    "numel float": (lambda m: {**m, "numel": 2.0}, r"numel must be an int >= 0, got 2.0"),
+    "numel -1": (lambda m: {**m, "numel": -1}, r"numel must be an int >= 0, got -1"),
+    "numel 1e15": (lambda m: {**m, "numel": 10**15, "shard_end": 10**15},
+                   r"master is float32, \d+ bytes, expected float32, 4000000000000000 bytes"),
+    "not an object": (lambda m: [m], r"the header must be a JSON object"),
+    "no format": (lambda m: {k: v for k, v in m.items() if k != "format"}, r"format must be one of"),
+    "global_steps": (lambda m: {**m, "global_steps": 1.5}, r"global_steps must be an int >= 0, got 1.5"),
+    "slot past the end": (lambda m: {**m, "slots": [[[0, m["numel"] + 1, [m["numel"] + 1]]]]},
+                          r"slots must be \[offset, numel, shape\] entries within"),
+    "slot shape": (lambda m: {**m, "slots": [[[0, 4, [3]]]]}, r"slots must be \[offset, numel, shape\]"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(HEADER_EDITS))
+def test_a_header_that_does_not_add_up_is_refused_by_name_by_the_engine_and_consolidate(tmp_path, edit):
+    """Valid checksums (the project's own writer), fields that do not add up: the engine's loader and consolidate
+    (which has no model to compare with) gave KeyError/TypeError tracebacks, tried to allocate 4 PB, or (consolidate)
+    accepted headers the engine refuses."""
+    from hf_zero_offload.consolidate import full_masters
+    model, opt, path = _saved(tmp_path / "state")
+    opt.close()
+    meta, entries, _ = checkpoint.read_header(path)
+    tensors = {k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for k, e in entries.items()}
+    checkpoint.read_into(path, tensors)
+    change, match = HEADER_EDITS[edit]
+    checkpoint.write_state(path, change(meta), tensors)
+    (tmp_path / "state" / "param_names.json").write_text(json.dumps([[f"p{i}"] for i in range(len(opt._flat))]))
+    with pytest.raises(checkpoint.StateFileError, match=match) as e:
+        full_masters(str(tmp_path / "state"))
+    assert path in str(e.value)
+    fresh = _fresh(model)
+    with pytest.raises(ValueError) as e:
+        fresh.load_checkpoint(str(tmp_path / "state"))
+    assert path in str(e.value) or "does not match this model" in str(e.value)
+    assert fresh.global_steps == 0 and fresh._load_failed is None
+
+
 def test_stale_temporaries_of_dead_writers_are_removed_on_save(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)  # that process has exited

@@ -17,6 +17,7 @@ from transformers import Seq2SeqTrainer
 from _t5 import ToyDataset, tiny_t5
 from hf_zero_offload import ZeroOffloadCallback, ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 from hf_zero_offload import resume
+from hf_zero_offload.consolidate import consolidate
 from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
 
 OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
@@ -125,6 +126,32 @@ def test_a_path_that_is_no_checkpoint_says_what_it_is(full, tmp_path, what, matc
     with pytest.raises(resume.NotACheckpoint, match=match):
         trainer.train(resume_from_checkpoint=str(target))
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("how", ["copied folder", "linked file"])
+def test_an_optimizer_state_of_another_checkpoint_is_refused(full, tmp_path, how):
+    """checkpoint-4 with checkpoint-2's zero_offload/ (copied, or its rank file a link) resumed as "step 4,
+    complete", restored the step-2 masters over the step-4 weights, and consolidate wrote them as step 4's."""
+    out = _copy(full, tmp_path)
+    four, two = out / "checkpoint-4" / "zero_offload", out / "checkpoint-2" / "zero_offload"
+    if how == "copied folder":
+        shutil.rmtree(four)
+        shutil.copytree(two, four)
+    else:
+        (four / "rank0_of_1.hzo").unlink()
+        (four / "rank0_of_1.hzo").symlink_to(two / "rank0_of_1.hzo")
+    _, trainer = _trainer(out / "x", seed=1)
+    with pytest.raises(ValueError, match=r"checkpoint-4/zero_offload holds the optimizer state of another save .*the "
+                                         r"state after 2 steps\) than the one recorded for it"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert trainer.zero_engine.global_steps == 0 and trainer.zero_engine._load_failed is None  # nothing loaded
+    with pytest.raises(ValueError, match=r"another save .*completion marker records"):
+        consolidate(str(out / "checkpoint-4"), str(tmp_path / "fp32"))
+    assert not (tmp_path / "fp32").exists()
+    # the pristine checkpoints load (their ids match), whichever engine saved them
+    model, trainer = _trainer(out / "y", seed=1)
+    trainer.train(resume_from_checkpoint=str(full[0] / "checkpoint-2"))
+    assert _same(model, full[1])
 
 
 def test_temp_files_of_killed_writers_are_removed_at_the_next_start(full, tmp_path, caplog):

@@ -20,6 +20,10 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
             seen.add(id(p))
             if not p.requires_grad:
                 continue  # frozen: never gets a gradient, owns no optimizer state
+            if p.device.type == "meta":  # no values to take masters from: a copy failed deep in torch, or steps did
+                raise ValueError(f"{who}: a parameter of shape {tuple(p.shape)} is on the meta device (not "
+                                 "materialised: init_empty_weights, low_cpu_mem_usage or device_map?); load its "
+                                 "weights before building the optimizer")
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; updates are copied "
                                  "into parameters as flat ranges")

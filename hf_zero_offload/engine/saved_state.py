@@ -14,6 +14,9 @@ A mixin of the same object, not a helper of another: its methods read the core's
 from __future__ import annotations
 
 import logging
+import numbers
+import os
+import reprlib
 
 import torch
 
@@ -25,6 +28,24 @@ from .moments import SCALES, Q
 
 STATE_FORMAT = "hf_zero_offload.state/2"
 logger = logging.getLogger("hf_zero_offload")
+
+
+def _json_value(v, where: str):
+    """A param group's value as the state's JSON header holds it. A step takes numbers of any kind (numpy
+    scalars from a scheduler's lambda, one-element tensors), which json.dumps refused only once the save had
+    begun: they are written as Python numbers; what JSON cannot hold is refused by name before any write."""
+    if v is None or isinstance(v, (bool, str, int, float)):
+        return int(v) if type(v) is not bool and isinstance(v, int) else v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    if torch.is_tensor(v) and v.numel() == 1 and not v.is_complex():
+        return v.item()
+    if isinstance(v, (list, tuple)) or (torch.is_tensor(v) and v.dim() == 1):
+        return [_json_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    raise TypeError(f"{where} is {reprlib.repr(v)} ({type(v).__name__}): an optimizer checkpoint holds a param "
+                    "group's values as numbers, strings or lists of them; remove or convert that key before saving")
 
 
 class SavedState:
@@ -43,8 +64,8 @@ class SavedState:
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
             "state_dtype": self.moments.state_dtype,
             **({"int8_codes": ops.INT8_CODES} if self.moments.state_dtype == "int8" else {}),
-            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-                             for g in self.param_groups],
+            "param_groups": [{k: _json_value(v, f"param_groups[{i}].{k}") for k, v in g.items() if k != "params"}
+                             for i, g in enumerate(self.param_groups)],
             "slots": self._slot_meta(),
             "param_steps": self._param_steps.tolist(),
             "loss_scaler": self.scaler.state_dict(),
@@ -107,7 +128,8 @@ class SavedState:
         self._wait_worker()
         self._prepared = None
         for group, saved in zip(self.param_groups, meta["param_groups"]):
-            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+            # never "params" (torch.optim's state dicts list param ids there): the engine's own params stay
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
         self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
         saved = meta["loss_scaler"]
         if (saved.get("enabled"), saved.get("dynamic")) != (self.scaler.enabled, self.scaler.dynamic):
@@ -131,14 +153,28 @@ class SavedState:
         else:
             self._publish_masters()
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``)."""
-        state_dir.save(directory, self.rank, self.world_size, self.state_meta(), self.state_tensors(),
-                       barrier=self._barrier, partition=self._partition_ranges())
+    last_save_id: str | None = None  # the save id of this engine's last save_checkpoint
 
-    def load_checkpoint(self, directory: str) -> dict:
+    def save_checkpoint(self, directory: str) -> str:
+        """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``). Returns the save's id, a
+        token every file of this save holds (and ``meta.json``): a load refuses a directory whose files
+        disagree on it, and one whose id is not the ``expected_save_id`` its caller recorded for it."""
+        meta = {**self.state_meta(), "save_id": self._shared_token()}
+        state_dir.save(directory, self.rank, self.world_size, meta, self.state_tensors(),
+                       barrier=self._barrier, partition=self._partition_ranges())
+        self.last_save_id = meta["save_id"]
+        return self.last_save_id
+
+    def _shared_token(self) -> str:
+        """A random token, the same on every rank (one process: its own)."""
+        return os.urandom(8).hex()
+
+    def load_checkpoint(self, directory: str, expected_save_id: str | None = None) -> dict:
         """Load a checkpoint of any engine and world size: this slice's part of every saved file,
         straight into the arena. Returns what was restored (format, world size saved, stage, ...).
+        ``expected_save_id``: what ``save_checkpoint`` returned for this directory (the Trainer records it in
+        the checkpoint's completion marker); a state of another save (a zero_offload/ copied or linked from
+        another checkpoint) is refused before the first write.
 
         Every rank calls it; all of them succeed or all raise. A failure only one rank can see (a damaged
         chunk of the file only it reads) used to leave its peers loaded and training on, to wait for the
@@ -146,7 +182,7 @@ class SavedState:
         timeout): now each rank says which ranks failed, and keeps its own mix refused (``_load_failed``)."""
         error, meta, files = None, None, 0
         try:
-            meta, files = self._read_checkpoint(directory)
+            meta, files = self._read_checkpoint(directory, expected_save_id)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
             error = e
         # the agreement comes before _finish_load, whose publish is a collective a failed rank never joins
@@ -167,9 +203,15 @@ class SavedState:
         """The ranks whose load failed (one process: this one, if it did). A collective for sharded engines."""
         return [self.rank] if failed else []
 
-    def _read_checkpoint(self, directory: str) -> tuple[dict, int]:
+    def _read_checkpoint(self, directory: str, expected_save_id: str | None) -> tuple[dict, int]:
         """This rank's part of the checkpoint into the state (no collective); (the saved meta, files)."""
         srcs, meta = state_dir.sources(directory)
+        if expected_save_id is not None and meta.get("save_id") != expected_save_id:
+            raise StateFileError(
+                f"{directory} holds the optimizer state of another save (save id {meta.get('save_id')!r}, the state "
+                f"after {meta.get('global_steps')} steps) than the one recorded for it ({expected_save_id!r}): it was "
+                "copied or linked from another checkpoint, and would roll the model back to that state; resume "
+                "from a checkpoint whose optimizer state is its own")
         self._check_saved(meta, directory)
         codes = self._saved_codes(meta, directory)
         state_dir.check_sources(srcs, meta.get("state_dtype", "fp32"), self.lo, self.hi)

@@ -17,6 +17,7 @@ just the overlapping elements, straight into its arena. Files of the first forma
 from __future__ import annotations
 
 import json
+import math
 import os
 import reprlib
 
@@ -53,7 +54,7 @@ def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, 
         write_json_atomic(os.path.join(directory, META_FILE), {
             "format": META_FORMAT, "world_size": world_size, "numel": meta["numel"], "partition": partition,
             "files": [os.path.basename(checkpoint.rank_file(directory, r, world_size)) for r in range(world_size)],
-            "param_dtype": meta["param_dtype"], "slots": meta["slots"],
+            "param_dtype": meta["param_dtype"], "slots": meta["slots"], "save_id": meta.get("save_id"),
         })
     barrier()  # on return, every rank sees the whole checkpoint
 
@@ -83,10 +84,11 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
             raise ValueError(f"{meta_path} is not an hf_zero_offload sharded checkpoint map")
         _check_partition(ranges, w, m.get("numel"), meta_path)
         srcs = [(checkpoint.rank_file(directory, r, w), a, b) for r, (a, b) in enumerate(ranges)]
-        return srcs, _check_files(srcs, meta_path)
+        return srcs, _check_files(srcs, meta_path, m)
     single = checkpoint.rank_file(directory, 0, 1)
     if os.path.exists(single):
         state, _, _ = checkpoint.read_header(single)
+        check_header(state, single)
         return [(single, 0, state["numel"])], state
     partial = sorted(n for n in os.listdir(directory) if n.endswith(".hzo")) if os.path.isdir(directory) else []
     if partial:
@@ -95,10 +97,18 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
     raise FileNotFoundError(f"no hf_zero_offload optimizer checkpoint in {directory}")
 
 
-def _check_files(srcs: list[tuple[str, int, int]], meta_path: str) -> dict:
+# What every rank file of one save holds alike: a file that differs in any of them was written by another save (of
+# another model, run or step), whatever its range. save_id (a token the ranks of one save share, absent in files
+# written before it existed) tells apart two saves of the same model at the same step, as from two runs.
+_SAME_IN_EVERY_FILE = ("save_id", "numel", "world_size", "slots", "param_dtype", "state_dtype", "global_steps",
+                       "param_steps")
+_SAME_IN_MAP = ("save_id", "numel", "slots", "param_dtype")
+
+
+def _check_files(srcs: list[tuple[str, int, int]], meta_path: str, saved_map: dict) -> dict:
     """Every file the map lists, checked before anything is loaded (its header and trailer: a few KB each),
     and by every rank, also for the files it will not read: a file missing, cut short, holding another range
-    or another step's state is then the same clear error on every rank, before the first write, instead of
+    or another save's state is then the same clear error on every rank, before the first write, instead of
     one rank failing part way through the load while its peers go on to wait for it in the next collective.
     Returns rank 0's state meta."""
     first = None
@@ -108,19 +118,68 @@ def _check_files(srcs: list[tuple[str, int, int]], meta_path: str) -> dict:
                                  "state (the checkpoint was copied in part or damaged); resume from an earlier "
                                  "checkpoint")
         saved = checkpoint.read_header(path)[0]
+        check_header(saved, path)
         held = (saved.get("shard_start", 0), saved.get("shard_end", saved.get("numel")))
         if held != (a0, b0):
             raise StateFileError(f"{path} holds elements [{held[0]}, {held[1]}) of the flat state, but the "
                                  f"checkpoint's map says [{a0}, {b0}); the directory mixes files of different "
                                  "checkpoints or is damaged")
         first = first or saved
-        if (saved.get("global_steps"), saved.get("state_dtype", "fp32")) != (first.get("global_steps"),
-                                                                           first.get("state_dtype", "fp32")):
-            raise StateFileError(f"{path} holds the state after {saved.get('global_steps')} steps "
-                                 f"({saved.get('state_dtype', 'fp32')} moments), {srcs[0][0]} after "
-                                 f"{first.get('global_steps')} ({first.get('state_dtype', 'fp32')}): the directory "
-                                 "mixes files of different checkpoints; resume from an earlier checkpoint")
+        for key, other, whose in ([(k, first, srcs[0][0]) for k in _SAME_IN_EVERY_FILE]
+                                  + [(k, saved_map, meta_path) for k in _SAME_IN_MAP if k in saved_map]):
+            if saved.get(key, _DEFAULT.get(key)) != other.get(key, _DEFAULT.get(key)):
+                steps = "" if key == "global_steps" else (
+                    f" (the states after {saved.get('global_steps')} and "
+                    f"{other.get('global_steps', first.get('global_steps'))} steps)")
+                raise StateFileError(
+                    f"{path} and {whose} are of different saves: {key} {_brief(saved.get(key))} against "
+                    f"{_brief(other.get(key))}{steps}; the directory mixes files of different checkpoints (copied "
+                    "or linked from another run, model or step): resume from an earlier checkpoint")
     return first
+
+
+_DEFAULT = {"state_dtype": "fp32"}
+_REPR = reprlib.Repr()
+_REPR.maxlist, _REPR.maxstring = 4, 40
+
+
+def _brief(value) -> str:
+    return _REPR.repr(value)
+
+
+def check_header(meta, where: str) -> None:
+    """The fields of a state file's header that locate its data (``numel``, ``slots``, ranges, counts), checked
+    before any is used, without the engine's model at hand (``consolidate`` reads files this way): a damaged or
+    foreign header is then one error naming the file and the field, not a KeyError or a 4 PB allocation (the
+    tensors' byte counts are checked against ``numel`` by ``check_sources``)."""
+    def bad(field: str, want: str, got) -> StateFileError:
+        return StateFileError(f"{where}: {field} must be {want}, got {_brief(got)}; this file was not written by "
+                              "hf_zero_offload (or is damaged): use an earlier checkpoint")
+
+    if not isinstance(meta, dict):
+        raise bad("the header", "a JSON object", meta)
+    if meta.get("format") not in STATE_FORMATS:
+        raise bad("format", f"one of {STATE_FORMATS}", meta.get("format"))
+    numel = meta.get("numel")
+    if not _count(numel):
+        raise bad("numel", "an int >= 0", numel)
+    lo, hi = meta.get("shard_start", 0), meta.get("shard_end", numel)
+    if not (_count(lo) and _count(hi) and lo <= hi <= numel):
+        raise bad("[shard_start, shard_end)", f"a range within [0, {numel}]", [lo, hi])
+    if meta.get("state_dtype", "fp32") not in ops.STATE_DTYPES:
+        raise bad("state_dtype", f"one of {ops.STATE_DTYPES}", meta.get("state_dtype"))
+    if not _count(meta.get("global_steps")):
+        raise bad("global_steps", "an int >= 0", meta.get("global_steps"))
+    slots = meta.get("slots")
+    ok = isinstance(slots, list) and all(isinstance(g, list) for g in slots)
+    for slot in (s for g in slots for s in g) if ok else ():
+        ok = (isinstance(slot, list) and len(slot) == 3 and _count(slot[0]) and _count(slot[1])
+              and slot[0] + slot[1] <= numel and isinstance(slot[2], list) and all(map(_count, slot[2]))
+              and math.prod(slot[2]) == slot[1])
+        if not ok:
+            raise bad("slots", f"[offset, numel, shape] entries within [0, {numel})", slot)
+    if not ok:
+        raise bad("slots", "a list of lists of [offset, numel, shape]", slots)
 
 
 def _check_partition(ranges, world_size, numel, where: str) -> None:

@@ -60,6 +60,8 @@ on GPUs, ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``::
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -280,6 +282,15 @@ class ShardedAdam(AdamCore):
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.process_group)
+
+    def _shared_token(self) -> str:
+        if self.world_size == 1:
+            return super()._shared_token()
+        # rank 0's draw, summed with the others' zeros: every rank calls save_checkpoint, so every rank is here
+        mine = int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0
+        token = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(token, group=self.process_group)
+        return f"{int(token.item()):014x}"
 
     def _ranks_that_failed(self, failed: bool) -> list[int]:
         if self.world_size == 1:
