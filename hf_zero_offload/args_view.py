@@ -10,11 +10,24 @@ from .config import ArgsView
 
 
 def _hidden_size(model) -> int | None:
+    """The width "auto" bucket sizes scale with, found where transformers' DeepSpeed integration finds it: the
+    config's hidden size (or its other names), else the largest of ``hidden_sizes`` (ConvNext, ResNet: no single
+    width), else the text model's (Llava and other multimodal configs nest it in ``text_config``)."""
     cfg = getattr(model, "config", None)
-    for name in ("hidden_size", "d_model", "n_embd"):
-        if cfg is not None and isinstance(getattr(cfg, name, None), int):
-            return getattr(cfg, name)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is None:
+            continue
+        for name in ("hidden_size", "d_model", "n_embd"):
+            if _is_width(getattr(c, name, None)):
+                return getattr(c, name)
+        widths = getattr(c, "hidden_sizes", None)
+        if isinstance(widths, (list, tuple)) and widths and all(map(_is_width, widths)):
+            return max(widths)
     return None
+
+
+def _is_width(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def args_view(args, *, fp16: bool, bf16: bool, max_steps: int | None, model=None) -> ArgsView:

@@ -113,6 +113,20 @@ def test_auto_needs_hidden_size_and_max_steps():
     assert resolve(raw, ArgsView(hidden_size=8, max_steps=50)).scheduler.total_num_steps == 50
 
 
+def test_auto_bucket_sizes_find_the_width_where_transformers_finds_it():
+    """reduce_bucket_size "auto" on a ConvNext (hidden_sizes) or a Llava (text_config) failed at train(), after the
+    model had loaded, where transformers' DeepSpeed integration takes max(hidden_sizes) / the text model's width."""
+    from types import SimpleNamespace
+
+    from transformers import ConvNextConfig, GPT2Config, LlamaConfig, LlavaConfig, PretrainedConfig, T5Config
+
+    from hf_zero_offload.args_view import _hidden_size
+    llava = LlavaConfig(text_config=LlamaConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=2))
+    for cfg, width in ((ConvNextConfig(hidden_sizes=[8, 16, 40, 24]), 40), (llava, 48), (T5Config(d_model=32), 32),
+                       (GPT2Config(n_embd=24), 24), (PretrainedConfig(), None)):
+        assert _hidden_size(SimpleNamespace(config=cfg)) == width, type(cfg).__name__
+
+
 def test_mismatches_are_listed_together():
     raw = json.loads(BLOG_1GPU.read_text())
     raw["gradient_clipping"] = 0.0
