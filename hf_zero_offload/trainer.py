@@ -235,8 +235,12 @@ class ZeroOffloadMixin:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._zo_resume, self._zo_best = None, False
-        if self.zero_engine is not None:  # a second train(): the engine of the first one goes on
-            check_trainable(self.zero_engine.slot_params(), self.model.named_parameters())
+        engine = self.zero_engine
+        if engine is not None and self.model_init is not None:
+            engine.close()  # transformers builds a new model, so a new engine: this one is done
+        elif engine is not None:  # a second train(): the engine of the first one goes on
+            check_trainable(engine.slot_params(), self.model.named_parameters())
+            engine.attach_hooks()  # refused, naming why, when another engine has taken the model since
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
@@ -249,6 +253,10 @@ class ZeroOffloadMixin:
             if self.zero_engine is not None and not self._zo_best:
                 self.zero_engine.flush()  # DPU: the last step's parameters reach the model
         finally:
+            if self.zero_engine is not None:
+                # between runs the model is plain torch: a manual backward, a plain optimizer or another Trainer
+                # on this model get their gradients in .grad (the hooks took them, silently)
+                self.zero_engine.detach_hooks()
             if self._zo_lock is not None:
                 self._zo_lock.release()
         return out
