@@ -92,6 +92,9 @@ class GradReducer:
     def new_window(self) -> None:
         self.received = [0] * len(self.slots)
         self.micro = 0
+        # a backward that raised part way (an OOM) never ran its end callback: its marks must not
+        # carry over (the next backward would queue no callback and launch no bucket)
+        self._reset_backward()
 
     def close(self) -> None:
         self.drain()
