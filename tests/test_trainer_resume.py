@@ -172,6 +172,27 @@ def test_missing_scheduler_file_is_a_warning_with_the_learning_rates(full, tmp_p
     assert "restarts from its first step (lr=0)" in msg and "the saved run was at lr=0.000333333" in msg
 
 
+@pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR"])
+def test_resume_with_more_steps_follows_this_runs_auto_schedule(tmp_path, kind):
+    """A ds_config scheduler block with "auto" total_num_steps resumed with a larger max_steps: scheduler.pt held
+    the saved run's total, loaded over this run's, so the steps past the old end ran at warmup_min_lr. Now equal to
+    the uninterrupted longer run, element by element (the checkpoint is in the warm-up, whose LRs do not depend on
+    the total)."""
+    cfg = {**OFFLOAD, "scheduler": {"type": kind, "params": {"total_num_steps": "auto", "warmup_num_steps": "auto",
+                                                              "warmup_type": "linear"}}}
+    kw = dict(zero_offload=cfg, warmup_steps=2, save_steps=1, learning_rate=1e-2)
+    _trainer(tmp_path / "short", max_steps=3, **kw)[1].train()
+    model, resumed = _trainer(tmp_path / "resumed", seed=1, max_steps=6, **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "short" / "checkpoint-1"))
+    ref_model, ref = _trainer(tmp_path / "long", max_steps=6, **kw)
+    ref.train()
+    assert resumed.lr_scheduler.total == 6
+    lrs = [h["learning_rate"] for h in ref.state.log_history if "learning_rate" in h]
+    assert [h["learning_rate"] for h in resumed.state.log_history if "learning_rate" in h] == lrs  # step 1 restored
+    for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
 def test_an_fp32_run_resumed_in_fp16_scales_its_loss(full, tmp_path, caplog):
     """The checkpoint's loss scaler (off: saved by an fp32 run) replaced the fp16 config's: the resumed fp16 run
     trained at scale 1 without overflow skips."""
