@@ -342,11 +342,11 @@ class ZeroOffloadMixin:
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
-        self.zero_engine.load_checkpoint(state_dir)
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
-        if os.path.isfile(sched):
-            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
-        else:
+        if os.path.isfile(sched):  # first: a damaged file is refused before the engine's state is touched
+            resume.load_scheduler(self.lr_scheduler, sched)
+        self.zero_engine.load_checkpoint(state_dir)
+        if not os.path.isfile(sched):
             logger.warning(resume.missing_scheduler_message(checkpoint, self._get_learning_rate(), _SCHEDULER_NAME))
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
         logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -191,6 +192,50 @@ def test_resume_with_more_steps_follows_this_runs_auto_schedule(tmp_path, kind):
     assert [h["learning_rate"] for h in resumed.state.log_history if "learning_rate" in h] == lrs  # step 1 restored
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not-a-schedule"])
+def test_a_damaged_scheduler_file_is_named_before_the_engine_state_is_loaded(full, tmp_path, damage):
+    """It was loaded after the engine's state, failing with torch's error naming no file (or a raw KeyError)."""
+    out = _copy(full, tmp_path)
+    sched = out / "checkpoint-2" / "scheduler.pt"
+    if damage == "truncated":
+        with open(sched, "r+b") as f:
+            f.truncate(40)
+    else:
+        torch.save({"last_epoch": "x"}, sched)
+    _, trainer = _trainer(out, seed=1)
+    with pytest.raises(ValueError, match=r"checkpoint-2/scheduler.pt cannot be loaded \(.*\); resume from an "
+                                          r"earlier checkpoint") as err:
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert isinstance(err.value, resume.DamagedFile)
+    assert trainer.zero_engine.global_steps == 0  # the engine's state was not loaded
+
+
+@pytest.mark.parametrize("marker, said", [
+    ({"engine": "x"}, r'its hzo_complete.json is damaged \("engine" is a str, not an object\)'),
+    ([1], r"its hzo_complete.json is damaged \(a JSON list, not an object\)"),
+    ("{bad", r"its hzo_complete.json cannot be read \(JSONDecodeError")], ids=["engine-str", "list", "not-json"])
+def test_a_damaged_marker_is_named_as_damaged_not_missing(full, tmp_path, caplog, marker, said):
+    """An "engine" that is no object crashed the resume's summary (AttributeError); a marker that is no object
+    was reported as missing. The resume goes on as before (the state files say what was saved) and says so."""
+    out = _copy(full, tmp_path)
+    path = out / "checkpoint-2" / resume.MARKER
+    if isinstance(marker, dict):
+        marker = {**json.loads(path.read_text()), **marker}
+    path.write_text(marker if isinstance(marker, str) else json.dumps(marker))
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert _same(model, full[1])
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_zero_offload: resumed")]
+    assert re.search(said, line) and "hf_zero_offload.state/2 saved by 1 rank(s)" in line
+    assert "no completion marker" not in caplog.text and "written before completion markers" not in caplog.text
+    if not isinstance(marker, dict):  # newer than a marked checkpoint, such a marker is no proof: said so
+        shutil.copy(full[0] / "checkpoint-2" / resume.MARKER, path)
+        (out / "checkpoint-4" / resume.MARKER).write_text(marker if isinstance(marker, str) else json.dumps(marker))
+        with pytest.raises(resume.IncompleteCheckpoint, match=said + r".*, nothing else proves it whole: its writer may"):
+            resume.check(str(out / "checkpoint-4"))
 
 
 def test_an_fp32_run_resumed_in_fp16_scales_its_loss(full, tmp_path, caplog):
