@@ -193,6 +193,22 @@ def test_params_unfrozen_between_two_train_calls_are_refused(tmp_path):
         trainer.train()
 
 
+def test_params_frozen_between_two_train_calls_stay_as_they_are(tmp_path):
+    """As with the plain Trainer; the engine's hooks, attached again at every train(), were put on a frozen param,
+    which torch refuses. Equal to the plain Trainer element by element."""
+    runs = []
+    for name, extra in (("ref", dict(optim="adamw_torch")), ("ours", dict(zero_offload=OFFLOAD))):
+        model = tiny_t5()
+        trainer = (Seq2SeqTrainer if name == "ref" else ZeroOffloadSeq2SeqTrainer)(
+            model=model, args=_args(tmp_path, name, max_steps=2, **extra), train_dataset=ToyDataset())
+        trainer.train()
+        model.decoder.final_layer_norm.requires_grad_(False)
+        trainer.train()
+        runs.append(model)
+    for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_resuming_a_save_only_model_checkpoint_names_it(tmp_path):
     kw = dict(zero_offload=OFFLOAD, save_only_model=True, save_strategy="steps", save_steps=2, max_steps=2)
     ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "s", **kw), train_dataset=ToyDataset()).train()

@@ -234,7 +234,8 @@ def test_a_damaged_marker_is_named_as_damaged_not_missing(full, tmp_path, caplog
     if not isinstance(marker, dict):  # newer than a marked checkpoint, such a marker is no proof: said so
         shutil.copy(full[0] / "checkpoint-2" / resume.MARKER, path)
         (out / "checkpoint-4" / resume.MARKER).write_text(marker if isinstance(marker, str) else json.dumps(marker))
-        with pytest.raises(resume.IncompleteCheckpoint, match=said + r".*, nothing else proves it whole: its writer may"):
+        with pytest.raises(resume.IncompleteCheckpoint, match=said + r".*, nothing else proves it whole: its "
+                                                                   r"writer may"):
             resume.check(str(out / "checkpoint-4"))
 
 

@@ -156,9 +156,7 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
             return
         if self._load_failed is None:  # (a half-loaded state is not worth publishing)
             self.flush()
-        hooks = self._hooks()
-        if hooks is not None:
-            hooks.detach()
+        self.detach_hooks()
         self._done_why = (f"replaced by a {type(by).__name__} built on the same parameters (e.g. another Trainer "
                           "on this model): its masters no longer describe the model")
 

@@ -75,7 +75,8 @@ class GradHooks:
             if f is not None:  # its engine is gone: the gradient stays in .grad, as without hooks
                 f(p)
 
-        self._handles.extend(p.register_post_accumulate_grad_hook(hook) for p in self._params)
+        # a param frozen since the engine was built gets no gradient (torch refuses a hook on it)
+        self._handles.extend(p.register_post_accumulate_grad_hook(hook) for p in self._params if p.requires_grad)
 
     def detach(self) -> None:
         _remove(self._handles)
