@@ -17,6 +17,8 @@ import os
 import re
 import time
 
+import torch
+
 from .config import ConfigError
 from .engine.checkpoint import atomic_open, read_header, remove_durably, remove_stale_temporaries
 
@@ -27,6 +29,10 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 class IncompleteCheckpoint(ConfigError):
     """A checkpoint that was not written to the end; the message names the newest whole one, if any."""
+
+
+class DamagedFile(ValueError):
+    """A file of a checkpoint that is there but cannot be loaded; the message names it."""
 
 
 def write_marker(checkpoint: str, info: dict) -> None:
@@ -47,6 +53,33 @@ def read_marker(checkpoint: str) -> dict | None:
     except (OSError, ValueError):  # missing, or unreadable: not a proof of completeness either way
         return None
     return marker if isinstance(marker, dict) and marker.get("complete") is True else None
+
+
+def marker_problem(checkpoint: str) -> str | None:
+    """What is wrong with a marker that is there (None: whole, or absent): said as such, not as a missing one."""
+    path = os.path.join(checkpoint, MARKER)
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"its {MARKER} cannot be read ({type(e).__name__}: {e})"
+    if not isinstance(marker, dict):
+        return f"its {MARKER} is damaged (a JSON {type(marker).__name__}, not an object)"
+    if marker.get("complete") is not True:
+        return f"its {MARKER} is damaged (\"complete\" is {marker.get('complete')!r}, not true)"
+    if marker.get("engine") is not None and not isinstance(marker["engine"], dict):
+        return f"its {MARKER} is damaged (\"engine\" is a {type(marker['engine']).__name__}, not an object)"
+    return None
+
+
+def _not_marked(checkpoint: str) -> str:
+    problem = marker_problem(checkpoint)
+    return f"{problem}, nothing else proves it whole" if problem else f"no {MARKER}"
+
+
+_WHY = "its writer may have stopped before finishing it, e.g. killed during the save"
 
 
 def _step(path: str) -> int | None:
@@ -137,8 +170,7 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
     hint = (f"the newest complete checkpoint is {fallback}: resume from it" if fallback else
             "no complete checkpoint was found beside it")
     raise IncompleteCheckpoint(
-        f"{checkpoint} is incomplete (no {MARKER}: its writer stopped before finishing it, e.g. killed during the "
-        f"save); {hint}")
+        f"{checkpoint} is incomplete ({_not_marked(checkpoint)}: {_WHY}); {hint}")
 
 
 def choose(folder: str) -> tuple[str, list[str]]:
@@ -160,8 +192,8 @@ def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
     if not os.path.isdir(d):
         return None  # e.g. --save_only_model: the marker records the engine that ran, but no state was written
     marker = read_marker(checkpoint)
-    if marker is not None and marker.get("engine"):
-        return marker["engine"]
+    if marker is not None and isinstance(marker.get("engine"), dict) and marker["engine"]:
+        return marker["engine"]  # (any other "engine" is damage, which describe() names: read the files)
     files = sorted(n for n in os.listdir(d) if n.endswith(".hzo"))
     if not files:
         return None
@@ -177,8 +209,12 @@ def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
 def describe(checkpoint: str, state: str, engine: dict | None, now: dict) -> str:
     """The one line a resume logs: what was restored, saved vs now."""
     step = _step(checkpoint)
-    parts = [f"hf_zero_offload: resumed {checkpoint} (step {step if step is not None else '?'}, "
-             + ("complete)" if state == "complete" else "written before completion markers, accepted as is)")]
+    problem = marker_problem(checkpoint)
+    how = ("complete" if state == "complete" else f"{problem}, accepted as is" if problem else
+           "written before completion markers, accepted as is")
+    parts = [f"hf_zero_offload: resumed {checkpoint} (step {step if step is not None else '?'}, {how})"]
+    if state == "complete" and problem:
+        parts.append(f"{problem}: the state files say what was saved")
     if engine is not None:
         ws = engine.get("world_size", "?")
         parts.append(f"optimizer state {engine.get('format', '?')} saved by {ws} rank(s), loaded on "
@@ -230,6 +266,19 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
             f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {_step(checkpoint)})")
 
 
+def load_scheduler(scheduler, path: str) -> None:
+    """``path`` (scheduler.pt) into the LR schedule; the Trainer calls it before the engine's state is loaded (it was
+    read after: a damaged file failed with torch's error naming no file, the engine already overwritten). A file
+    that does not load changes nothing and is an error naming it."""
+    before = scheduler.state_dict()
+    try:
+        scheduler.load_state_dict(torch.load(path, weights_only=True))
+    except Exception as e:
+        scheduler.load_state_dict(before)
+        raise DamagedFile(f"{path} cannot be loaded ({type(e).__name__}: {e}); resume from an earlier checkpoint, or "
+                          "remove the file to restart the learning-rate schedule from its first step") from e
+
+
 def no_resume_word(value):
     """The command line's ``false``/``no``/``none`` for ``resume_from_checkpoint`` (unless a path has that name):
     None, no resume. Anything else unchanged."""
@@ -249,16 +298,18 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
         word, requested = requested, True
     if requested is True:
         requested, skipped = choose(output_dir)
-        notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: incomplete (no {MARKER}; its writer was stopped "
-                                    f"during the save); resuming from {requested}") for c in skipped]
+        notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: incomplete ({_not_marked(c)}: {_WHY}); "
+                                    f"resuming from {requested}") for c in skipped]
         if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
             notes.append((logging.INFO, f"hf_zero_offload: --resume_from_checkpoint {word}: the newest complete "
                                         f"checkpoint of {output_dir}, {requested}"))
     state, _ = check(str(requested))
     if state == "legacy":
-        notes.append((logging.WARNING, f"hf_zero_offload: {requested} has no completion marker {MARKER} (written "
-                                       f"before markers existed, or by another Trainer); it holds {TRAINER_STATE}, so "
-                                       "it is resumed as is"))
+        problem = marker_problem(str(requested))
+        why = (f"{problem}" if problem else f"has no completion marker {MARKER} (written before markers existed, or "
+               "by another Trainer)")
+        notes.append((logging.WARNING, f"hf_zero_offload: {requested}: {why}; it holds {TRAINER_STATE} (and no older "
+                                       "checkpoint beside it a marker), so it is resumed as is"))
     return str(requested), state, notes
 
 

@@ -38,7 +38,35 @@ def _check_warmup_type(warmup_type: str) -> None:
         raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
 
 
-class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
+class _SavesPosition(torch.optim.lr_scheduler.LRScheduler):
+    """The state dict is where the schedule is, not its shape: a resume with a larger max_steps kept the saved
+    ``total_num_steps`` (and warm-up, LRs) over the config's values resolved for this run ("auto": this run's
+    max_steps) and ran its extra steps at ``warmup_min_lr``. DeepSpeed's schedulers save only
+    ``last_batch_iteration``; torch's LambdaLR saves no schedule shape either (``base_lrs`` and the counters,
+    kept here as it keeps them). A state saved with the whole ``__dict__`` (before) loads: its shape is ignored."""
+
+    _POSITION = ("base_lrs", "last_epoch", "_step_count", "_last_lr")
+
+    def state_dict(self) -> dict:
+        return {k: self.__dict__[k] for k in self._POSITION if k in self.__dict__}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        name, groups = type(self).__name__, len(self.optimizer.param_groups)
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{name}.load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        for key in ("last_epoch", "_step_count"):
+            if not isinstance(state_dict.get(key), int) or isinstance(state_dict.get(key), bool):
+                raise ValueError(f"{name}.load_state_dict: {key!r} must be an int, got {state_dict.get(key)!r}")
+        for key in ("base_lrs", "_last_lr"):
+            v = state_dict.get(key)
+            if v is not None and not (isinstance(v, list) and len(v) == groups and
+                                      all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
+                raise ValueError(f"{name}.load_state_dict: {key!r} must be a list of {groups} learning rate(s), "
+                                 f"got {v!r}")
+        self.__dict__.update({k: state_dict[k] for k in self._POSITION if k in state_dict})
+
+
+class WarmupLR(_SavesPosition):
     def __init__(self, optimizer, *, warmup_min_lr: float = 0.0, warmup_max_lr: float = 1e-3,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", total_num_steps: int | None = None,
                  last_epoch: int = -1):
@@ -63,7 +91,7 @@ class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
         return [self.lr_at(self.last_epoch) for _ in self.optimizer.param_groups]
 
 
-class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
+class WarmupCosineLR(_SavesPosition):
     """Each param group's initial lr (``base_lrs``, saved in the state dict) times :meth:`ratio_at`."""
 
     def __init__(self, optimizer, *, total_num_steps: int, warmup_min_ratio: float = 0.0,

@@ -235,8 +235,12 @@ class ZeroOffloadMixin:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._zo_resume, self._zo_best = None, False
-        if self.zero_engine is not None:  # a second train(): the engine of the first one goes on
-            check_trainable(self.zero_engine.slot_params(), self.model.named_parameters())
+        engine = self.zero_engine
+        if engine is not None and self.model_init is not None:
+            engine.close()  # transformers builds a new model, so a new engine: this one is done
+            engine = None
+        elif engine is not None:  # a second train(): the engine of the first one goes on
+            check_trainable(engine.slot_params(), self.model.named_parameters())
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
@@ -245,13 +249,24 @@ class ZeroOffloadMixin:
             for path in resume.remove_stale_temp_files(self.args.output_dir):
                 logger.warning("hf_zero_offload: removed %s, left by a writer that was stopped mid-save", path)
         try:
+            if engine is not None:  # refused, naming why, when another engine has taken the model since
+                engine.attach_hooks()
             out = super().train(resume_from_checkpoint, *args, **kwargs)
             if self.zero_engine is not None and not self._zo_best:
                 self.zero_engine.flush()  # DPU: the last step's parameters reach the model
         finally:
+            if self.zero_engine is not None:  # between runs the model is plain torch: a manual backward, a plain
+                self.zero_engine.detach_hooks()  # optimizer or another Trainer find their .grad (the hooks took it)
             if self._zo_lock is not None:
                 self._zo_lock.release()
         return out
+
+    def _inner_training_loop(self, *args, **kwargs):
+        if self.zero_engine is not None:
+            # transformers' model.zero_grad() here misses the gradients the engine took from .grad: a window left
+            # part way (stop, interrupt, a failed auto_find_batch_size attempt) was summed into the next first step
+            self.zero_engine.zero_grad(set_to_none=True)
+        return super()._inner_training_loop(*args, **kwargs)
 
     def _zo_resume_target(self, target) -> str:
         path, self._zo_resume, notes = resume.target(target, self.args.output_dir)
@@ -328,11 +343,17 @@ class ZeroOffloadMixin:
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
-        self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
-        if os.path.isfile(sched):
-            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
-        else:
+        before = self.lr_scheduler.state_dict() if os.path.isfile(sched) else None
+        if before is not None:  # first: a damaged file is refused before the engine's state is touched
+            resume.load_scheduler(self.lr_scheduler, sched)
+        try:
+            self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
+        except BaseException:
+            if before is not None:  # a refused state (another save's, damaged) leaves the schedule as it was too
+                self.lr_scheduler.load_state_dict(before)
+            raise
+        if before is None:
             logger.warning(resume.missing_scheduler_message(checkpoint, self._get_learning_rate(), _SCHEDULER_NAME))
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
         logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),

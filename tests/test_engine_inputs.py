@@ -4,11 +4,13 @@ between backward and step, state dicts and directories of the wrong kind. Each i
 before anything changes, or behaves as torch.optim does."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
-from _models import TinyNet, batches, loss_fn, param_groups
+from _models import TinyNet, batches, loss_fn, param_groups, run_steps
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, ShardOptions
 
 
@@ -187,3 +189,48 @@ def test_group_values_a_step_takes_are_saved_as_numbers(tmp_path, value, saved):
     assert not (tmp_path / "ckpt2").exists()  # refused before the directory was made
     opt.close()
     fresh.close()
+
+
+HANDOVER = {"offload": (OffloadAdam, {}, {}), "offload-dpu": (OffloadAdam, {}, {"dpu": True, "dpu_warmup_steps": 1}),
+            "zero2": (ShardedAdam, {"stage": 2, "offload": False}, {}),
+            "zero1": (ShardedAdam, {"stage": 1, "offload": False}, {})}
+
+
+@pytest.mark.parametrize("kind", sorted(HANDOVER))
+def test_an_engine_built_on_the_params_of_a_live_one_takes_them_over(kind):
+    """A notebook cell building the engine run again while the old engine lives on (or another Trainer on the
+    model): the old engine's hooks took every gradient, so the new one stepped nothing without an error (ZeRO-2:
+    crashed in backward). Now the old engine's delayed step lands first, the new one steps like a fresh AdamW
+    from there, element by element, the old one refuses to step, and a closed engine leaves .grad to torch."""
+    cls, extra, opts = HANDOVER[kind]
+
+    def build(m):
+        return cls(param_groups(m, 0.01), lr=1e-2, options=OffloadOptions(num_threads=1, **opts), **extra)
+
+    def adamw(m):
+        return torch.optim.AdamW(param_groups(m, 0.01), lr=1e-2, foreach=False)
+
+    torch.manual_seed(0)
+    model, data = TinyNet(), batches(4)  # DPU, warm-up 1: step 2 of each engine runs delayed, on exact params
+    ref = copy.deepcopy(model)
+    old = build(model)
+    run_steps(model, old, data[:2])
+    run_steps(ref, adamw(ref), data[:2])
+    assert old.needs_publish == bool(opts)  # DPU: step 2 is still on the worker
+    new = build(model)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    run_steps(model, new, data[2:])
+    new.flush()
+    run_steps(ref, adamw(ref), data[2:])
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(RuntimeError, match=f"{cls.__name__} was replaced by a {cls.__name__} built on the same "
+                                           "parameters"):
+        old.step()
+    new.close()
+    with pytest.raises(RuntimeError, match=f"{cls.__name__} was closed; build a new engine"):
+        new.step()
+    loss_fn(model, *data[0]).backward()
+    assert all(p.grad is not None for p in model.body.parameters())
+    old.close()

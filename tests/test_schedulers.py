@@ -149,6 +149,36 @@ def test_cosine_resumes_from_its_state_dict():
     assert rest[-1] == pytest.approx([lr * 0.01 for lr in GROUP_LRS], rel=1e-12, abs=0.0)
 
 
+@pytest.mark.parametrize("block", [
+    {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 2}},
+    _cosine_block(0.1, 2, 0.01, None, "linear")], ids=["WarmupDecayLR", "WarmupCosineLR"])
+def test_the_state_dict_is_where_the_schedule_is_and_the_config_gives_its_shape(block):
+    """A resume with a larger max_steps ("auto" total_num_steps): the saved total (and warm-up, LRs) used to be
+    loaded over this run's, from the whole __dict__. Now the state holds base_lrs and the counters only (as
+    torch's LambdaLR, DeepSpeed's last_batch_iteration); both it and a state saved the old way load, and the
+    schedule goes on as one built for the longer run, every LR equal. A damaged state is refused by key."""
+    def build(total):
+        return build_scheduler(_two_groups(), resolve({"scheduler": {
+            **block, "params": {**block["params"], "total_num_steps": total}}}).scheduler)
+
+    short, long = build(4), build(10)
+    _lrs_of_every_step(short.optimizer, short, 3)
+    _lrs_of_every_step(long.optimizer, long, 3)
+    assert set(short.state_dict()) == {"base_lrs", "last_epoch", "_step_count", "_last_lr"}
+    whole = torch.optim.lr_scheduler.LRScheduler.state_dict(short)  # how scheduler.pt was written before
+    assert whole["total"] == 4
+    want = _lrs_of_every_step(long.optimizer, long, 8)[1:]
+    for saved in (short.state_dict(), whole):
+        again = build(10)
+        again.load_state_dict(saved)
+        assert again.total == 10 and again.last_epoch == 3
+        assert _lrs_of_every_step(again.optimizer, again, 8)[1:] == want
+    with pytest.raises(ValueError, match=r"load_state_dict: 'last_epoch' must be an int, got 'x'"):
+        build(10).load_state_dict({**short.state_dict(), "last_epoch": "x"})
+    with pytest.raises(ValueError, match=r"'_last_lr' must be a list of 2 learning rate\(s\), got \[0.1\]"):
+        build(10).load_state_dict({**short.state_dict(), "_last_lr": [0.1]})
+
+
 def test_trainer_runs_a_warmup_cosine_block(tmp_path):
     """A real Trainer run: the LR it logs at every step (the LR that step used) is the formula's, with "auto"
     total_num_steps / warmup_num_steps from max_steps / --warmup_steps, peaking at --learning_rate."""

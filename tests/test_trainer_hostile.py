@@ -225,3 +225,50 @@ def test_readme_listed_features_equal_the_plain_trainer(tmp_path, kw):
     _close(ref_model, model)
     for key in ("loss", "eval_loss", "num_input_tokens_seen"):
         assert _logged(ours, key) == pytest.approx(_logged(ref, key), rel=1e-5), key
+
+
+# ---- another Trainer (or a plain optimizer) on the same model object ------------------------------------------------
+
+_DPU = {"zero_optimization": {**OFFLOAD["zero_optimization"], "delayed_param_update": {"enabled": True,
+                                                                                        "warmup_steps": 1}}}
+_AFTER = {"offload": OFFLOAD, "dpu": _DPU, "zero2": {"zero_optimization": {"stage": 2}},
+          "zero1": {"zero_optimization": {"stage": 1}}}
+
+
+@pytest.mark.parametrize("first, second", [("offload", "offload"), ("dpu", "dpu"), ("zero2", "zero2"),
+                                           ("zero1", "offload"), ("offload", "plain")])
+def test_a_second_trainer_on_the_same_model_trains_it(tmp_path, first, second):
+    """The notebook pattern ``t1.train(); t2 = Trainer(model=model, ...); t2.train()``: the first engine's backward
+    hooks stayed on the params and took every gradient, so the second Trainer (ours or a plain one) changed nothing
+    and logged grad_norm 0 (ZeRO-2: crashed in backward). Now it equals the same Trainer run on a copy of the model
+    (the plain Trainer, or with DPU a fresh one of ours) element by element, ``del t1`` frees the first engine's
+    memory, and the first Trainer, whose engine was replaced, refuses to train again, saying why."""
+    import copy
+    import gc
+    import weakref
+
+    model = tiny_t5()
+    t1 = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "t1", zero_offload=_AFTER[first], max_steps=2),
+                                   train_dataset=ToyDataset())
+    t1.train()
+    copied = copy.deepcopy(model)
+    kw = dict(max_steps=3, learning_rate=5e-3)
+    ours = dict(zero_offload=_AFTER[second]) if second != "plain" else dict(optim="adamw_torch")
+    t2 = (Seq2SeqTrainer if second == "plain" else ZeroOffloadSeq2SeqTrainer)(
+        model=model, args=_args(tmp_path, "t2", **ours, **kw), train_dataset=ToyDataset())
+    t2.train()
+    ref_kw = dict(zero_offload=_DPU) if second == "dpu" else dict(optim="adamw_torch")
+    ref = (ZeroOffloadSeq2SeqTrainer if second == "dpu" else Seq2SeqTrainer)(
+        model=copied, args=_args(tmp_path, "ref", **ref_kw, **kw), train_dataset=ToyDataset())
+    ref.train()
+    _close(copied, model)
+    assert _logged(t2, "grad_norm") == pytest.approx(_logged(ref, "grad_norm"), rel=1e-5)
+    engine = t1.zero_engine
+    if second != "plain":
+        with pytest.raises(RuntimeError, match=r"was replaced by a \w+ built on the same parameters \(e.g. another "
+                                               r"Trainer on this model\)"):
+            t1.train()
+    holder = weakref.ref(getattr(engine, "pipeline", None) or engine.reducer)  # holds the gradient store
+    del t1, engine
+    gc.collect()
+    assert holder() is None

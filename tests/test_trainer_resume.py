@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -197,6 +198,72 @@ def test_missing_scheduler_file_is_a_warning_with_the_learning_rates(full, tmp_p
     (msg,) = [r.getMessage() for r in caplog.records if "scheduler.pt" in r.getMessage()]
     # warm-up over 3 steps: the schedule restarts at lr 0 instead of continuing from step 2's lr
     assert "restarts from its first step (lr=0)" in msg and "the saved run was at lr=0.000333333" in msg
+
+
+@pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR"])
+def test_resume_with_more_steps_follows_this_runs_auto_schedule(tmp_path, kind):
+    """A ds_config scheduler block with "auto" total_num_steps resumed with a larger max_steps: scheduler.pt held
+    the saved run's total, loaded over this run's, so the steps past the old end ran at warmup_min_lr. Now equal to
+    the uninterrupted longer run, element by element (the checkpoint is in the warm-up, whose LRs do not depend on
+    the total)."""
+    cfg = {**OFFLOAD, "scheduler": {"type": kind, "params": {"total_num_steps": "auto", "warmup_num_steps": "auto",
+                                                              "warmup_type": "linear"}}}
+    kw = dict(zero_offload=cfg, warmup_steps=2, save_steps=1, learning_rate=1e-2)
+    _trainer(tmp_path / "short", max_steps=3, **kw)[1].train()
+    model, resumed = _trainer(tmp_path / "resumed", seed=1, max_steps=6, **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "short" / "checkpoint-1"))
+    ref_model, ref = _trainer(tmp_path / "long", max_steps=6, **kw)
+    ref.train()
+    assert resumed.lr_scheduler.total == 6
+    lrs = [h["learning_rate"] for h in ref.state.log_history if "learning_rate" in h]
+    assert [h["learning_rate"] for h in resumed.state.log_history if "learning_rate" in h] == lrs  # step 1 restored
+    for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not-a-schedule"])
+def test_a_damaged_scheduler_file_is_named_before_the_engine_state_is_loaded(full, tmp_path, damage):
+    """It was loaded after the engine's state, failing with torch's error naming no file (or a raw KeyError)."""
+    out = _copy(full, tmp_path)
+    sched = out / "checkpoint-2" / "scheduler.pt"
+    if damage == "truncated":
+        with open(sched, "r+b") as f:
+            f.truncate(40)
+    else:
+        torch.save({"last_epoch": "x"}, sched)
+    _, trainer = _trainer(out, seed=1)
+    with pytest.raises(ValueError, match=r"checkpoint-2/scheduler.pt cannot be loaded \(.*\); resume from an "
+                                          r"earlier checkpoint") as err:
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert isinstance(err.value, resume.DamagedFile)
+    assert trainer.zero_engine.global_steps == 0  # the engine's state was not loaded
+
+
+@pytest.mark.parametrize("marker, said", [
+    ({"engine": "x"}, r'its hzo_complete.json is damaged \("engine" is a str, not an object\)'),
+    ([1], r"its hzo_complete.json is damaged \(a JSON list, not an object\)"),
+    ("{bad", r"its hzo_complete.json cannot be read \(JSONDecodeError")], ids=["engine-str", "list", "not-json"])
+def test_a_damaged_marker_is_named_as_damaged_not_missing(full, tmp_path, caplog, marker, said):
+    """An "engine" that is no object crashed the resume's summary (AttributeError); a marker that is no object
+    was reported as missing. The resume goes on as before (the state files say what was saved) and says so."""
+    out = _copy(full, tmp_path)
+    path = out / "checkpoint-2" / resume.MARKER
+    if isinstance(marker, dict):
+        marker = {**json.loads(path.read_text()), **marker}
+    path.write_text(marker if isinstance(marker, str) else json.dumps(marker))
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert _same(model, full[1])
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_zero_offload: resumed")]
+    assert re.search(said, line) and "hf_zero_offload.state/2 saved by 1 rank(s)" in line
+    assert "no completion marker" not in caplog.text and "written before completion markers" not in caplog.text
+    if not isinstance(marker, dict):  # newer than a marked checkpoint, such a marker is no proof: said so
+        shutil.copy(full[0] / "checkpoint-2" / resume.MARKER, path)
+        (out / "checkpoint-4" / resume.MARKER).write_text(marker if isinstance(marker, str) else json.dumps(marker))
+        with pytest.raises(resume.IncompleteCheckpoint, match=said + r".*, nothing else proves it whole: its "
+                                                                   r"writer may"):
+            resume.check(str(out / "checkpoint-4"))
 
 
 def test_an_fp32_run_resumed_in_fp16_scales_its_loss(full, tmp_path, caplog):

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 import torch
 
 from .. import ops
+from . import grad_hooks
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
@@ -89,6 +90,7 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
         self._torch_adam = False     # Adam with torch's fused kernel on the device (ZeRO without offload)
         self.uploader = None         # a ParamUploader when updated tiles go up through staging
         self.mirror = None           # the slice in the training dtype, kept equal to the masters' rounding
+        self._done_why: str | None = None  # closed or replaced: why it may no longer step
 
     def add_param_group(self, param_group: dict) -> None:
         # torch's __init__ adds the groups through here; once built, the flat layout, the arena and
@@ -139,6 +141,43 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
                             ".grad), so one assigned by hand would be ignored")
         return None
 
+    # -- which engine takes the params' gradients (grad_hooks) ----------------------------------
+    def _take_params(self) -> None:
+        """The subclass calls this once its memory is allocated, before it reads the params: an engine that
+        held them is replaced (its delayed step published) so that this one starts from the latest weights."""
+        grad_hooks.claim(self, [p for p, _, _ in self._flat])
+
+    def _hooks(self) -> grad_hooks.GradHooks | None:
+        """The subclass's gradient hooks (None: it reads ``.grad`` at ``step()``)."""
+        return None
+
+    def _replaced(self, by) -> None:
+        if self._done_why is not None:
+            return
+        if self._load_failed is None:  # (a half-loaded state is not worth publishing)
+            self.flush()
+        self.detach_hooks()
+        self._done_why = (f"replaced by a {type(by).__name__} built on the same parameters (e.g. another Trainer "
+                          "on this model): its masters no longer describe the model")
+
+    def _check_open(self) -> None:
+        if self._done_why is not None:
+            raise RuntimeError(f"{type(self).__name__} was {self._done_why}; build a new engine (a new Trainer) "
+                               "to train these parameters")
+
+    def attach_hooks(self) -> None:
+        """Gradients go to this engine during backward again (after ``detach_hooks``)."""
+        self._check_open()
+        hooks = self._hooks()
+        if hooks is not None:
+            hooks.attach()
+
+    def detach_hooks(self) -> None:
+        """Backward leaves gradients in ``.grad`` until ``attach_hooks``, as without this engine."""
+        hooks = self._hooks()
+        if hooks is not None:
+            hooks.detach()
+
     # -- set up by the subclass once the arena exists ------------------------------------------
     def _bind_state(self, regions: dict, lo: int, hi: int) -> None:
         """The state of the slice [lo, hi) (padded regions may be longer) and its gradient stores."""
@@ -175,6 +214,7 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_open()
         self._check_intact()
         self._check_hyper()  # before anything moves: a scheduler may have set them since the last step
         with torch.enable_grad():
@@ -356,6 +396,12 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
         """All ranks reach this point (one process: nothing to wait for)."""
 
     def close(self) -> None:
+        """Hooks removed, helper threads stopped (a delayed step not flushed before is dropped); the engine
+        refuses to step after. Calling it again does nothing."""
+        if self._done_why == "closed":
+            return
+        self._done_why = "closed"
+        self.detach_hooks()
         self._wait_worker()
         self.streams.synchronize()  # no copy may still read the arena we unpin
         if self._worker is not None:

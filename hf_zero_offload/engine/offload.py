@@ -55,6 +55,7 @@ class OffloadAdam(AdamCore):
         self.param_staging = r["param_staging"]
         # DPU: the full-size staging is published whole, so it mirrors every master
         self.mirror = self.param_staging if options.dpu else None
+        self._take_params()
         self._init_masters(FlatIndex(self._flat))
         bucket_n = self.plan.regions["grad_buckets"][0] // 2
         buckets = torch.empty(2, bucket_n, dtype=self.param_dtype, device=self.device)
@@ -86,6 +87,10 @@ class OffloadAdam(AdamCore):
         for (_, off, n), w in zip(self._flat, which):
             if w:
                 self.pipeline.store[off:off + n].zero_()
+
+    def _hooks(self):
+        pipeline = getattr(self, "pipeline", None)
+        return pipeline.hooks if pipeline is not None else None
 
     def _begin_window(self) -> None:
         self.pipeline.new_window(self.store)

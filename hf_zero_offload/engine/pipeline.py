@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .buffers import write_grad
+from .grad_hooks import GradHooks
 from .streams import Streams
 
 _SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thread
@@ -37,19 +38,16 @@ class GradPipeline:
         # Default: a scatter thread on CUDA (backward must not stall), inline on CPU (nothing to overlap).
         use_thread = streams.async_copies if scatter_thread is None else scatter_thread
         self._pool = streams.executor("hzo-scatter") if use_thread else None
-        self._handles = []
         for p, offset, numel in slots:
             if numel > self.bucket_numel:
                 raise ValueError(f"bucket of {self.bucket_numel} elements cannot hold a {numel}-element parameter")
             self._index[p] = (offset, numel)
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.hooks = GradHooks(self._index, self._on_grad)
 
     def close(self) -> None:
+        self.hooks.detach()
         if self._pool is not None:
             self._pool.shutdown()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     # -- backward side -------------------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:

@@ -111,7 +111,6 @@ class ShardedAdam(AdamCore):
         if stage == 0 and self.world_size > 1:
             raise ValueError(f"stage 0 (no partitioning) runs on one process, not {self.world_size}; use stage 1 or 2")
         self._divisor = self.world_size  # the store holds the sum over ranks: grad_scale also averages
-        self._broadcast_params(allgather_bucket_numel)
         # The simulator (``streams``) covers the offload upload path; reductions stay synchronous
         # (gloo) there.
         cuda = self.streams.cuda
@@ -148,6 +147,10 @@ class ShardedAdam(AdamCore):
         with torch.no_grad():
             for t in self._stores:
                 t.zero_()
+        # once everything that may refuse these options has: an engine built on these params before is replaced
+        # (its delayed step published) before rank 0's weights go to every rank
+        self._take_params()
+        self._broadcast_params(allgather_bucket_numel)
         self._init_masters(self._index)
         self.reducer.bind(r["grad_buckets"], self.store, r.get("grad_staging"))
 
@@ -221,6 +224,10 @@ class ShardedAdam(AdamCore):
             raise ValueError(stray or f"{type(self).__name__}: another rank holds a .grad the engine would ignore "
                              "(see its error)")
         return stats[:-1].tolist()
+
+    def _hooks(self):
+        reducer = getattr(self, "reducer", None)
+        return reducer.hooks if reducer is not None else None
 
     def _begin_window(self) -> None:
         self.reducer.store = self.store

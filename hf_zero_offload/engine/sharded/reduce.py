@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..buffers import write_grad
+from ..grad_hooks import GradHooks
 from ..runs import FlatIndex
 from ..streams import Streams
 from .layout import Partition, make_buckets
@@ -74,7 +75,7 @@ class GradReducer:
         self.micro = 0                    # stage 2: backward passes reduced in this window
         self._buf_slot = 0
         self._inflight = [None, None]     # CUDA: per buffer, the reduction not yet delivered
-        self._handles = []
+        self.hooks: GradHooks | None = None  # stage 2: set by ``bind``
         self._reset_backward()
 
     def bind(self, buffer: torch.Tensor, store: torch.Tensor, staging: torch.Tensor | None) -> None:
@@ -83,7 +84,7 @@ class GradReducer:
         self.store, self.staging = store, staging
         if self.stage == 2:
             self.bucket_bufs = buffer.view(2, -1)
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p, _, _ in self.slots]
+            self.hooks = GradHooks([p for p, _, _ in self.slots], self._on_grad)
         else:
             W, c = self.world_size, self.chunk
             self.round_in, self.round_out = buffer[:W * c], (buffer[W * c:] if self.use_rs else None)
@@ -91,12 +92,14 @@ class GradReducer:
     def new_window(self) -> None:
         self.received = [0] * len(self.slots)
         self.micro = 0
+        # a backward that raised part way (an OOM) never ran its end callback: its marks must not
+        # carry over (the next backward would queue no callback and launch no bucket)
+        self._reset_backward()
 
     def close(self) -> None:
         self.drain()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        if self.hooks is not None:
+            self.hooks.detach()
 
     # -- stage 2: backward side ------------------------------------------------------------------
     def _reset_backward(self) -> None:

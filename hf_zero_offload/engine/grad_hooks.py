@@ -1,0 +1,82 @@
+"""Which engine takes a parameter's gradients: one engine at a time, and none once it is done.
+
+The offload engine and ZeRO-2 take each gradient out of ``.grad`` during backward (post-accumulate-grad hooks)
+and free it. Hooks left behind by an engine no longer in use took every gradient from whatever trained the model
+next (a second Trainer on the same model, a plain torch optimizer, a manual ``backward()``), which then stepped
+nothing, without an error. So:
+
+- every engine claims its trainable params when it is built (:func:`claim`); an engine that held any of them is
+  replaced (``AdamCore._replaced``: its delayed step is published first, so the new engine starts from the
+  latest weights; its hooks go, and it refuses to step or take gradients again, as its masters no longer
+  describe the model);
+- :class:`GradHooks` can be detached and attached again (the Trainer detaches them when ``train()`` returns, so
+  between runs the model is plain torch) and are removed by ``close()``;
+- a hook holds its engine's callback weakly and is removed when that callback's owner is garbage-collected, so a
+  model that outlives its Trainer does not keep the engine and its host memory alive.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary  # tensors compare elementwise: keyed by identity
+
+_owner = WeakIdKeyDictionary()  # param -> weakref to the engine that claimed it last
+
+
+def claim(engine, params) -> None:
+    """``engine`` owns ``params`` from now on; a live engine that owned any of them is replaced first."""
+    others = {}
+    for p in params:
+        ref = _owner.get(p)
+        other = ref() if ref is not None else None
+        if other is not None and other is not engine:
+            others[id(other)] = other
+    for other in others.values():
+        other._replaced(by=engine)
+    for p in params:
+        _owner[p] = weakref.ref(engine)
+
+
+def owner(p: torch.Tensor):
+    """The live engine that claimed ``p`` last, or None."""
+    ref = _owner.get(p)
+    return ref() if ref is not None else None
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+class GradHooks:
+    """Post-accumulate-grad hooks calling ``on_grad(p)`` (a bound method, held weakly) on each of ``params``."""
+
+    def __init__(self, params, on_grad):
+        self._params = list(params)
+        self._on_grad = weakref.WeakMethod(on_grad)
+        self._handles: list = []
+        # the finalizer holds the handles, not this object: it runs when the owner of ``on_grad`` goes
+        weakref.finalize(on_grad.__self__, _remove, self._handles)
+        self.attach()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self) -> None:
+        if self._handles:
+            return
+        target = self._on_grad
+
+        def hook(p):
+            f = target()
+            if f is not None:  # its engine is gone: the gradient stays in .grad, as without hooks
+                f(p)
+
+        # a param frozen since the engine was built gets no gradient (torch refuses a hook on it)
+        self._handles.extend(p.register_post_accumulate_grad_hook(hook) for p in self._params if p.requires_grad)
+
+    def detach(self) -> None:
+        _remove(self._handles)
