@@ -234,3 +234,18 @@ def test_an_engine_built_on_the_params_of_a_live_one_takes_them_over(kind):
     loss_fn(model, *data[0]).backward()
     assert all(p.grad is not None for p in model.body.parameters())
     old.close()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_sparse_gradients_are_refused_by_name(kind):
+    """An nn.Embedding(sparse=True) failed with torch's "reshape is not implemented for sparse tensors" from inside
+    backward (offload, ZeRO-2) or at step (ZeRO-0): CPUAdam's refusal, by name."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    cls, extra = KINDS[kind]
+    opt = cls(emb.parameters(), lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    with pytest.raises(TypeError, match=r"the engines do not support sparse gradients: the grad of a \(10, 4\) param "
+                                        r"is torch.sparse_coo \(nn.Embedding\(sparse=True\)\? use sparse=False\)"):
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+        opt.step()
+    opt.close()

@@ -44,6 +44,15 @@ def owner(p: torch.Tensor):
     return ref() if ref is not None else None
 
 
+def check_dense(p: torch.Tensor) -> None:
+    """The engines copy gradients as flat ranges: a sparse one (``nn.Embedding(sparse=True)``) is refused by
+    name, as CPUAdam refuses it, not with torch's "reshape is not implemented for sparse tensors" from deep in
+    backward."""
+    if p.grad is not None and p.grad.layout != torch.strided:
+        raise TypeError(f"the engines do not support sparse gradients: the grad of a {tuple(p.shape)} param is "
+                        f"{p.grad.layout} (nn.Embedding(sparse=True)? use sparse=False)")
+
+
 def _remove(handles: list) -> None:
     for h in handles:
         h.remove()
@@ -73,6 +82,7 @@ class GradHooks:
         def hook(p):
             f = target()
             if f is not None:  # its engine is gone: the gradient stays in .grad, as without hooks
+                check_dense(p)
                 f(p)
 
         # a param frozen since the engine was built gets no gradient (torch refuses a hook on it)

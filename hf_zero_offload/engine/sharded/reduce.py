@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..buffers import write_grad
-from ..grad_hooks import GradHooks
+from ..grad_hooks import GradHooks, check_dense
 from ..runs import FlatIndex
 from ..streams import Streams
 from .layout import Partition, make_buckets
@@ -165,6 +165,8 @@ class GradReducer:
     @torch.no_grad()
     def reduce_full(self) -> None:
         """Round k: element range k of every rank's shard, from the full ``.grad``s."""
+        for p, _, _ in self.slots:
+            check_dense(p)
         W, S, c, N = self.world_size, self.partition.shard_numel, self.chunk, self.partition.numel
         for k0 in range(0, S, c):
             ck = min(c, S - k0)
