@@ -116,7 +116,8 @@ class ZeroOffloadMixin:
                 self._zo_raw = check(targs.zero_offload)  # validated once: fail fast, before any model work
             else:  # --sharded_ddp alone: ZeRO-2 without offload, named so in the start line
                 self._zo_raw = check({"zero_optimization": {"stage": 2}})._replace(source="--sharded_ddp (stage 2)")
-            self._zo_precision = (bool(targs.fp16), bool(targs.bf16))
+            # as transformers' DeepSpeed integration: --fp16_full_eval means the fp16 model (ours trains as it evals)
+            self._zo_precision = (bool(targs.fp16 or targs.fp16_full_eval), bool(targs.bf16 or targs.bf16_full_eval))
             # The whole config, resolved against the arguments, before any model work (values that depend
             # on a step count not known yet are checked again at train start).
             early = resolve(self._zo_raw, early_view(targs, self._zo_raw.cfg, *self._zo_precision,

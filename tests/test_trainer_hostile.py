@@ -24,7 +24,6 @@ def _args(tmp_path, name, **kw):
     return ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / name), **{**COMMON, **kw})
 
 
-
 def _trainer(cls, tmp_path, name, seed=0, **kw):
     model = tiny_t5(seed)
     return model, cls(model=model, args=_args(tmp_path, name, **kw), train_dataset=ToyDataset(),
@@ -34,6 +33,17 @@ def _trainer(cls, tmp_path, name, seed=0, **kw):
 def _close(a_model, b_model, **tol):
     for (name, a), b in zip(a_model.named_parameters(), b_model.parameters()):
         torch.testing.assert_close(b, a, **(tol or dict(rtol=1e-5, atol=1e-6)), msg=name)
+
+
+@pytest.mark.parametrize("config_bf16", ["auto", True])
+def test_bf16_full_eval_means_bf16_as_with_deepspeed(tmp_path, config_bf16):
+    """transformers' DeepSpeed integration reads bf16.enabled "auto" as --bf16 or --bf16_full_eval (the model it
+    evaluates is the one it trains): we trained in fp32, and refused an explicit "enabled": true as a contradiction."""
+    cfg = {**OFFLOAD, "bf16": {"enabled": config_bf16}}
+    _, trainer = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "e", zero_offload=cfg, bf16_full_eval=True)
+    trainer.train()
+    assert trainer.zero_config.bf16 and not trainer.zero_config.fp16.enabled
+    assert next(trainer.model.parameters()).dtype == torch.bfloat16
 
 
 # ---- resume_from_checkpoint -----------------------------------------------------------------------------------------
