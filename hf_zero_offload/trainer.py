@@ -242,6 +242,11 @@ class ZeroOffloadMixin:
             engine = None
         elif engine is not None:  # a second train(): the engine of the first one goes on
             check_trainable(engine.slot_params(), self.model.named_parameters())
+            changed = engine.adopt_changed_params()
+            if changed:
+                logger.warning("hf_zero_offload: %d parameter(s) changed since this optimizer last set them (another "
+                               "optimizer trained the model, or its weights were loaded): training goes on from the "
+                               "model's weights, with this optimizer's moments", changed)
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)

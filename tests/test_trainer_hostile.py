@@ -170,6 +170,22 @@ def test_train_twice_equals_the_plain_trainer(tmp_path):
     assert _logged(ours, "learning_rate") == pytest.approx(_logged(ref, "learning_rate"))
 
 
+@pytest.mark.parametrize("cfg", [OFFLOAD, {"zero_optimization": {"stage": 1}}], ids=["offload", "zero1"])
+def test_weights_changed_between_two_train_calls_are_trained_on(tmp_path, caplog, cfg):
+    """Weights loaded (or trained by another optimizer) between two train() calls were overwritten by the engine's
+    stale masters at the next step, silently; the plain Trainer's AdamW steps from the model's weights."""
+    ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", warmup_steps=2)
+    model, ours = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "ours", zero_offload=cfg, warmup_steps=2)
+    for m, t in ((ref_model, ref), (model, ours)):
+        t.train()
+        with torch.no_grad():
+            m.lm_head.weight.mul_(0.5)  # T5's tied embedding: one of the engine's params
+            m.encoder.block[0].layer[0].layer_norm.weight.add_(0.25)
+        t.train()
+    _close(ref_model, model)
+    assert any("2 parameter(s) changed since this optimizer last set them" in r.getMessage() for r in caplog.records)
+
+
 def test_second_train_with_more_steps_resolves_the_auto_schedule_again(tmp_path):
     # "auto" total_num_steps is this train()'s step count, as for the first one (it kept the first's: 4)
     cfg = {**OFFLOAD, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}

@@ -25,6 +25,7 @@ from ..ops.moments import check_code_range
 from . import state_dir
 from .checkpoint import StateFileError
 from .moments import SCALES, Q
+from .runs import FlatIndex
 
 STATE_FORMAT = "hf_zero_offload.state/2"
 logger = logging.getLogger("hf_zero_offload")
@@ -154,6 +155,29 @@ class SavedState:
             self._publish_masters()
 
     last_save_id: str | None = None  # the save id of this engine's last save_checkpoint
+
+    @torch.no_grad()
+    def adopt_changed_params(self) -> int:
+        """Parameters written since this engine last set them (another optimizer trained the model, or
+        ``load_state_dict`` between two ``train()`` calls), found by comparing this slice of the model with its
+        masters rounded as the kernel rounds them: their masters take the model's values (the moments stay, as
+        CPUAdam and torch.optim keep theirs). Without this the next step published the stale masters over them,
+        without a word. Returns how many parameters of this slice changed. A DPU state whose masters are
+        meant to lead the model by one step (``needs_publish``) is left as it is."""
+        self._wait_worker()
+        if self.needs_publish:
+            return 0
+        changed, lo = set(), self.lo
+        for p, off, a, b in FlatIndex(self._flat).pieces(lo, self.hi):
+            now = p.detach().reshape(-1)[a - off:b - off]
+            master = self.master[a - lo:b - lo]
+            held = master.to(device=now.device, dtype=now.dtype)
+            if not bool(((now == held) | (now.isnan() & held.isnan())).all()):
+                master.copy_(now)
+                changed.add(id(p))
+        if changed:
+            self._sync_mirror()
+        return len(changed)
 
     def save_checkpoint(self, directory: str) -> str:
         """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``). Returns the save's id, a
