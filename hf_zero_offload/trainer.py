@@ -242,11 +242,7 @@ class ZeroOffloadMixin:
             engine = None
         elif engine is not None:  # a second train(): the engine of the first one goes on
             check_trainable(engine.slot_params(), self.model.named_parameters())
-            changed = engine.adopt_changed_params()
-            if changed:
-                logger.warning("hf_zero_offload: %d parameter(s) changed since this optimizer last set them (another "
-                               "optimizer trained the model, or its weights were loaded): training goes on from the "
-                               "model's weights, with this optimizer's moments", changed)
+            _adopt_changed_params(engine)
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
@@ -378,6 +374,14 @@ class ZeroOffloadMixin:
         self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step
 
 
+def _adopt_changed_params(engine) -> None:
+    changed = engine.adopt_changed_params()
+    if changed:
+        logger.warning("hf_zero_offload: %d parameter(s) changed since this optimizer last set them (another "
+                       "optimizer trained the model, or its weights were loaded): training goes on from the model's "
+                       "weights, with this optimizer's moments", changed)
+
+
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
     pass
 
@@ -410,12 +414,15 @@ class ZeroOffloadCallback(TrainerCallback):
             logs["loss_scale"] = engine.loss_scale
 
     def on_train_begin(self, args, state, control, **kwargs):
+        engine = self._engine(kwargs)
+        if engine is not None:  # what the mixin does at every train(): no window left part way, no stale masters
+            engine.zero_grad(set_to_none=True)
+            _adopt_changed_params(engine)
         # A plain Trainer never loads zero_offload/: say so when it resumed a checkpoint that holds it.
         if state.global_step == 0:
             return
         ckpt = args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else \
             os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        engine = self._engine(kwargs)
         if os.path.isdir(ckpt) and (engine is None or engine.global_steps == 0):
             message = resume.dropped_state_message(ckpt, STATE_DIR, "a plain Trainer does not load it; use "
                                                    "ZeroOffloadTrainer / ZeroOffloadMixin")

@@ -207,3 +207,13 @@ def test_callback_with_a_plain_trainer(tmp_path):
     for a, b in zip(ref_model.parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert all(g > 0 for g in losses(trainer, "zero_grad_norm"))
+    # a second train() after a stray backward (the engine took its gradients: they were summed into the next
+    # first step) and with weights changed in between (the engine's stale masters overwrote them): as the plain one
+    batch = {k: torch.stack([ToyDataset()[i][k] for i in range(4)]) for k in ("input_ids", "labels")}
+    for m, t in ((ref_model, ref), (model, trainer)):
+        m(**batch).loss.backward()
+        with torch.no_grad():
+            m.lm_head.weight.mul_(0.5)
+        t.train()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
