@@ -1,104 +1,32 @@
-"""Trainer integration: the only module that imports ``transformers``.
-
-``ZeroOffloadMixin`` goes before any ``transformers.Trainer`` subclass in the bases. With
-``--zero_offload ds_config.json`` (or ``--sharded_ddp``) it:
-
-- checks, at ``__init__`` and before any model work, the whole config against the TrainingArguments
-  ("auto" values, one error listing mismatches), the launch (torchrun's WORLD_SIZE vs the ranks the
-  Trainer sees), that no optimizer of the user's was passed, and takes the output_dir's run lock;
-- builds the engine in ``create_optimizer`` from the Trainer's own parameter grouping (no weight
-  decay for biases and norms) and keeps the model in the training dtype on the device;
-- owns loss scaling: Accelerate runs without mixed precision (no autocast, no GradScaler), the
-  loss is multiplied by the engine's scale before backward, and the engine unscales, clips and
-  checks overflow on the CPU; an overflow step does not advance the LR schedule;
-- logs ``grad_norm`` (the engine's, before clipping) and ``loss_scale``;
-- saves the optimizer state per rank under ``checkpoint-N/zero_offload/`` atomically and loads it
-  back on ``--resume_from_checkpoint``.
-
-With or without ``zero_offload``, the classes here write a completion marker last into every checkpoint,
-resume only from complete ones (``True``: the newest complete one), and log what a resume restored or drops
-(see :mod:`hf_zero_offload.resume`).
-"""
+"""``ZeroOffloadMixin`` (see the package's docstring for what it does) and the two Trainers built with it."""
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
-from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
+from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import presets, resume
-from .consolidate import write_param_names
-from .args_view import args_view, early_view
-from .config import TrainingConfig, check, resolve
-from .engine.core import AdamCore
-from .engine.checkpoint import atomic_path, fsync_tree
-from .accelerator_patch import patch_accelerator
-from .engine_setup import build_engine, start_line, training_dtype
-from .launch_checks import (check_arguments, check_launch_env, check_trainable, check_world_size,
-                            refuse_other_engines, refuse_user_optimizer, warn_bf16_on_cpu,
-                            warn_fp16_on_cpu)
-from .run_lock import RunLock, take_job_lock
-from .schedulers import build_scheduler
-
-__all__ = [
-    "ZeroOffloadTrainingArguments",
-    "ZeroOffloadSeq2SeqTrainingArguments",
-    "ZeroOffloadMixin",
-    "ZeroOffloadTrainer",
-    "ZeroOffloadSeq2SeqTrainer",
-    "ZeroOffloadCallback",
-]
+from .. import presets, resume
+from ..consolidate import write_param_names
+from ..args_view import args_view, early_view
+from ..config import TrainingConfig, check, resolve
+from ..engine.core import AdamCore
+from ..engine.checkpoint import atomic_path, fsync_tree
+from ..accelerator_patch import patch_accelerator
+from ..engine_setup import build_engine, start_line, training_dtype
+from ..launch_checks import (check_arguments, check_trainable, check_world_size, refuse_user_optimizer,
+                             warn_bf16_on_cpu, warn_fp16_on_cpu)
+from ..run_lock import RunLock, take_job_lock
+from ..schedulers import build_scheduler
 
 logger = logging.getLogger("hf_zero_offload")
 STATE_DIR = "zero_offload"
 _SCHEDULER_NAME = "scheduler.pt"
-
-
-@dataclass
-class _ZeroOffloadFields:
-    # Typed str for HfArgumentParser; code may pass a dict (the dataclass does not enforce the annotation).
-    zero_offload: Optional[str] = field(
-        default=None,
-        metadata={"help": "A DeepSpeed-style ds_config.json path or a shipped config's name (hf-zero-offload "
-                          "configs; a dict is accepted in code): enables hf_zero_offload's ZeRO-Offload / ZeRO-2 "
-                          "engine."},
-    )
-    sharded_ddp: bool = field(
-        default=False,
-        metadata={"help": "Partition optimizer states and gradients across data-parallel ranks (ZeRO stage 1/2)."},
-    )
-
-
-def _before_post_init(args) -> None:
-    refuse_other_engines(args)
-    # Before TrainingArguments' __post_init__, which sets up the process group from torchrun's variables (and may
-    # hang on an inconsistent set); only when our engine is asked for, as plain runs are transformers' business.
-    if args.zero_offload is not None or args.sharded_ddp:
-        check_launch_env()
-    # --resume_from_checkpoint false: no resume, as "true" means the newest checkpoint (it was taken for a path, and
-    # a script's "output_dir not empty" check, which tests the value's truth, let the run write over the folder)
-    args.resume_from_checkpoint = resume.no_resume_word(args.resume_from_checkpoint)
-
-
-@dataclass
-class ZeroOffloadTrainingArguments(TrainingArguments, _ZeroOffloadFields):
-    def __post_init__(self):
-        _before_post_init(self)
-        super().__post_init__()
-
-
-@dataclass
-class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffloadFields):
-    def __post_init__(self):
-        _before_post_init(self)
-        super().__post_init__()
 
 
 class ZeroOffloadMixin:
@@ -242,7 +170,7 @@ class ZeroOffloadMixin:
             engine = None
         elif engine is not None:  # a second train(): the engine of the first one goes on
             check_trainable(engine.slot_params(), self.model.named_parameters())
-            _adopt_changed_params(engine)
+            adopt_changed_params(engine)
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
@@ -374,7 +302,7 @@ class ZeroOffloadMixin:
         self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step
 
 
-def _adopt_changed_params(engine) -> None:
+def adopt_changed_params(engine) -> None:
     changed = engine.adopt_changed_params()
     if changed:
         logger.warning("hf_zero_offload: %d parameter(s) changed since this optimizer last set them (another "
@@ -388,48 +316,3 @@ class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
 
 class ZeroOffloadSeq2SeqTrainer(ZeroOffloadMixin, Seq2SeqTrainer):
     pass
-
-
-class ZeroOffloadCallback(TrainerCallback):
-    """For users who keep their own Trainer and pass an engine as ``optimizers=(engine, scheduler)``.
-
-    What the callback does: logs the engine's gradient norm and loss scale, and finishes a pending
-    delayed parameter update at the end of training. What it cannot do without the mixin: scale the
-    loss (so fp16 is not supported: use bf16 or fp32), stop the Trainer's own clipping (which sees no
-    gradients: clip with the engine's ``max_grad_norm`` instead), hold the LR schedule on skipped
-    steps, or save the optimizer state per rank (the Trainer would call ``state_dict()``, which
-    copies the whole state into one file).
-    """
-
-    @staticmethod
-    def _engine(kwargs):
-        opt = kwargs.get("optimizer")
-        opt = getattr(opt, "optimizer", opt)
-        return opt if hasattr(opt, "grad_norm") and hasattr(opt, "flush") else None
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        engine = self._engine(kwargs)
-        if engine is not None and logs is not None and "loss" in logs:
-            logs["zero_grad_norm"] = engine.last.grad_norm
-            logs["loss_scale"] = engine.loss_scale
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        engine = self._engine(kwargs)
-        if engine is not None:  # what the mixin does at every train(): no window left part way, no stale masters
-            engine.zero_grad(set_to_none=True)
-            _adopt_changed_params(engine)
-        # A plain Trainer never loads zero_offload/: say so when it resumed a checkpoint that holds it.
-        if state.global_step == 0:
-            return
-        ckpt = args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else \
-            os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(ckpt) and (engine is None or engine.global_steps == 0):
-            message = resume.dropped_state_message(ckpt, STATE_DIR, "a plain Trainer does not load it; use "
-                                                   "ZeroOffloadTrainer / ZeroOffloadMixin")
-            if message:
-                logger.warning(message)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        engine = self._engine(kwargs)
-        if engine is not None:
-            engine.flush()

@@ -1,0 +1,51 @@
+"""The TrainingArguments of the integration: transformers' own, plus ``zero_offload`` and ``sharded_ddp``, checked
+before transformers' ``__post_init__`` sets up the process group."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+from .. import resume
+from ..launch_checks import check_launch_env, refuse_other_engines
+
+
+@dataclass
+class _ZeroOffloadFields:
+    # Typed str for HfArgumentParser; code may pass a dict (the dataclass does not enforce the annotation).
+    zero_offload: Optional[str] = field(
+        default=None,
+        metadata={"help": "A DeepSpeed-style ds_config.json path or a shipped config's name (hf-zero-offload "
+                          "configs; a dict is accepted in code): enables hf_zero_offload's ZeRO-Offload / ZeRO-2 "
+                          "engine."},
+    )
+    sharded_ddp: bool = field(
+        default=False,
+        metadata={"help": "Partition optimizer states and gradients across data-parallel ranks (ZeRO stage 1/2)."},
+    )
+
+
+def _before_post_init(args) -> None:
+    refuse_other_engines(args)
+    # Before TrainingArguments' __post_init__, which sets up the process group from torchrun's variables (and may
+    # hang on an inconsistent set); only when our engine is asked for, as plain runs are transformers' business.
+    if args.zero_offload is not None or args.sharded_ddp:
+        check_launch_env()
+    # --resume_from_checkpoint false: no resume, as "true" means the newest checkpoint (it was taken for a path, and
+    # a script's "output_dir not empty" check, which tests the value's truth, let the run write over the folder)
+    args.resume_from_checkpoint = resume.no_resume_word(args.resume_from_checkpoint)
+
+
+@dataclass
+class ZeroOffloadTrainingArguments(TrainingArguments, _ZeroOffloadFields):
+    def __post_init__(self):
+        _before_post_init(self)
+        super().__post_init__()
+
+
+@dataclass
+class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffloadFields):
+    def __post_init__(self):
+        _before_post_init(self)
+        super().__post_init__()
