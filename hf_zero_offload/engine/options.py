@@ -50,6 +50,10 @@ class OffloadOptions:
         # not at the first step after the model has loaded
         if self.num_threads is not None and self.num_threads >= 2**31:
             raise ValueError(f"OffloadOptions.num_threads must be an int in [1, 2**31) or None, got {self.num_threads!r}")
+        # int8 moments: a tile of updated params ends on a quantization block's end, so each block is encoded once
+        # per step; a smaller tile re-encoded a block per part, and the result depended on the tile size
+        if self.state_dtype == "int8" and self.tile_numel % self.shard_align:
+            object.__setattr__(self, "tile_numel", -(-self.tile_numel // self.shard_align) * self.shard_align)
 
     @property
     def shard_align(self) -> int:
