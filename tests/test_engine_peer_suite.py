@@ -397,3 +397,53 @@ def test_int8_results_do_not_depend_on_the_tile_size(dpu):
     for r in runs[1:]:
         assert torch.equal(r, runs[0])
 
+
+
+class _SharedInTwoSegments(torch.nn.Module):
+    """A layer used by two segments checkpointed with use_reentrant=True: each segment's backward accumulates
+    its piece of that layer's gradient on its own, so the gradient reaches the engine twice in one backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.mid, self.out = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 16),
+                                                     torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(lambda t: torch.tanh(self.shared(t)), self.inp(x), use_reentrant=True)
+        h = checkpoint(lambda t: torch.tanh(self.shared(self.mid(t))), h, use_reentrant=True)
+        return self.out(h)
+
+
+def _shared_layer_steps(model, opt):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=g).requires_grad_(True), torch.randn(4, 4, generator=g)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return flat(model)
+
+
+def _shared_layer_job(rank, world):
+    out = {}
+    for offload in (True, False):  # buckets of 100 elements: the shared layer's bucket goes before its second piece
+        torch.manual_seed(0)
+        model = _SharedInTwoSegments()
+        opt = ShardedAdam(model.parameters(), lr=LR, stage=2, offload=offload, allgather_bucket_numel=1000,
+                          options=OffloadOptions(bucket_numel=100, tile_numel=300, num_threads=1))
+        out[offload] = _shared_layer_steps(model, opt)
+        opt.close()
+    return out
+
+
+def test_zero2_sums_a_gradient_that_arrives_in_two_pieces_after_its_bucket_went():
+    """ZeRO-2 left the second piece in .grad once the param's bucket had been reduced, and the step refused it as
+    "a .grad that did not come from backward()". Both ranks see the same data: equal to AdamW on one process."""
+    torch.manual_seed(0)
+    ref_model = _SharedInTwoSegments()
+    want = _shared_layer_steps(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.0,
+                                                                    foreach=False))
+    for r in run_distributed(_shared_layer_job, timeout=120, collective_timeout=30):
+        for offload, got in r.items():
+            torch.testing.assert_close(got, want, **TIGHT, msg=f"offload={offload}")

@@ -120,6 +120,12 @@ class GradReducer:
             # Runs once the whole backward is done: launches the buckets still waiting.
             Variable._execution_engine.queue_callback(self._end_backward)
         if self._hooked[i]:
+            # A second piece of this backward's gradient (a weight used in two segments checkpointed with
+            # use_reentrant=True: each segment's backward accumulates into .grad on its own). Before its bucket went,
+            # .grad holds the sum; after, the piece goes in a reduction of its own, added to the first. Every rank
+            # runs the same graph, so every rank issues this extra collective at the same point.
+            if self.bucket_of[i] < self._next:
+                self._launch(self.bucket_of[i], late=i)
             return
         self._hooked[i] = True
         self._ready[self.bucket_of[i]] += 1
@@ -136,7 +142,8 @@ class GradReducer:
         self.micro += 1
 
     @torch.no_grad()
-    def _launch(self, k: int) -> None:
+    def _launch(self, k: int, late: int | None = None) -> None:
+        """Reduce bucket ``k``'s gradients; ``late``: only that param's, added to what the bucket delivered."""
         b = self.buckets[k]
         j = self._buf_slot
         self._buf_slot ^= 1
@@ -145,7 +152,7 @@ class GradReducer:
         for i in b.slots:
             p, off, n = self.slots[i]
             dst = buf[off - b.start:off - b.start + n]
-            if self._hooked[i]:
+            if self._hooked[i] and late in (None, i):
                 dst.copy_(p.grad.reshape(-1))
                 # Freed on the compute stream right after the copy that reads it was queued there:
                 # the caching allocator reuses memory in stream order, so the copy reads valid data.
@@ -159,7 +166,7 @@ class GradReducer:
         segs = self.partition.segments(b.start, b.end)
         mine = [lo for r, lo, _ in segs if r == self.rank]
         self._reduce(buf, [(r, lo - b.start, hi - b.start) for r, lo, hi in segs],
-                     mine[0] - self.shard_start if mine else 0, j, first=self.micro == 0)
+                     mine[0] - self.shard_start if mine else 0, j, first=self.micro == 0 and late is None)
 
     # -- stage 1 -----------------------------------------------------------------------------------
     @torch.no_grad()
