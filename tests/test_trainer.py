@@ -192,6 +192,18 @@ def test_simulated_gpu_pipeline_through_the_trainer(tmp_path, monkeypatch, zero)
         assert torch.equal(a, b)
 
 
+def test_callback_refuses_an_engine_of_several_ranks():
+    """A plain Trainer saved rank 0's slice alone as optimizer.pt (2 ranks, ZeRO-1): the resume failed on rank 1,
+    and ZeRO-2 under the Trainer's DDP wrapper failed at its first step with a misleading error."""
+    from types import SimpleNamespace
+
+    from hf_zero_offload import ZeroOffloadCallback
+    engine = SimpleNamespace(world_size=2, grad_norm=lambda: 0.0, flush=lambda: None)
+    with pytest.raises(ValueError, match=r"sharded over 2 ranks, and a plain Trainer saves one optimizer.pt from "
+                                         r"rank 0.*use ZeroOffloadTrainer"):
+        ZeroOffloadCallback().on_train_begin(None, SimpleNamespace(global_step=0), None, optimizer=engine)
+
+
 def test_callback_with_a_plain_trainer(tmp_path):
     from hf_zero_offload import ZeroOffloadCallback
     from hf_zero_offload.engine import OffloadAdam, OffloadOptions

@@ -17,8 +17,9 @@ class ZeroOffloadCallback(TrainerCallback):
     delayed parameter update at the end of training. What it cannot do without the mixin: scale the
     loss (so fp16 is not supported: use bf16 or fp32), stop the Trainer's own clipping (which sees no
     gradients: clip with the engine's ``max_grad_norm`` instead), hold the LR schedule on skipped
-    steps, or save the optimizer state per rank (the Trainer would call ``state_dict()``, which
-    copies the whole state into one file).
+    steps, or save the optimizer state per rank: the Trainer saves ``state_dict()`` into one
+    ``optimizer.pt`` from rank 0, and a sharded engine's holds only that rank's slice, so an engine of
+    several ranks is refused at ``train()`` (use ZeroOffloadTrainer / ZeroOffloadMixin).
     """
 
     @staticmethod
@@ -35,6 +36,11 @@ class ZeroOffloadCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         engine = self._engine(kwargs)
+        if engine is not None and getattr(engine, "world_size", 1) > 1:
+            raise ValueError(f"ZeroOffloadCallback: the engine is sharded over {engine.world_size} ranks, and a plain "
+                             "Trainer saves one optimizer.pt from rank 0, which holds only rank 0's slice (the other "
+                             "ranks' state would be lost at every checkpoint); use ZeroOffloadTrainer or "
+                             "ZeroOffloadMixin, which save every rank's state")
         if engine is not None:  # what the mixin does at every train(): no window left part way, no stale masters
             engine.zero_grad(set_to_none=True)
             adopt_changed_params(engine)
