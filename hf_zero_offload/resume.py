@@ -164,6 +164,7 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
         raise NotACheckpoint(wrong)
     state = status(checkpoint)
     if state != "incomplete":
+        _check_trainer_state(checkpoint)
         return state, read_marker(checkpoint)
     step = _step(checkpoint)
     fallback = newest_whole(os.path.dirname(os.path.normpath(checkpoint)), below=step)
@@ -171,6 +172,20 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
             "no complete checkpoint was found beside it")
     raise IncompleteCheckpoint(
         f"{checkpoint} is incomplete ({_not_marked(checkpoint)}: {_WHY}); {hint}")
+
+
+def _check_trainer_state(checkpoint: str) -> None:
+    """transformers reads trainer_state.json after the model and the optimizer state are loaded, and a damaged one
+    failed there with json's error, naming no file: read here, before anything is loaded."""
+    path = os.path.join(checkpoint, TRAINER_STATE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DamagedFile(f"{path} cannot be read ({type(e).__name__}: {e}); resume from an earlier checkpoint") from e
+    if not isinstance(content, dict):
+        raise DamagedFile(f"{path} is damaged: a JSON {type(content).__name__}, not the object transformers writes; "
+                          "resume from an earlier checkpoint")
 
 
 def choose(folder: str) -> tuple[str, list[str]]:

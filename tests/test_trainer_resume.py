@@ -155,6 +155,18 @@ def test_an_optimizer_state_of_another_checkpoint_is_refused(full, tmp_path, how
     assert _same(model, full[1])
 
 
+@pytest.mark.parametrize("content", [b'{"global_step": 4, "log_hi', b"[4]"], ids=["cut-short", "a-list"])
+def test_a_damaged_trainer_state_is_named_before_anything_loads(full, tmp_path, content):
+    """transformers failed on it after the model and the optimizer state were loaded, with json's error alone."""
+    out = _copy(full, tmp_path)
+    (out / "checkpoint-4" / resume.TRAINER_STATE).write_bytes(content)
+    _, trainer = _trainer(out / "x", seed=1)
+    with pytest.raises(resume.DamagedFile, match=r"checkpoint-4/trainer_state.json (cannot be read|is damaged).*"
+                                                 r"earlier checkpoint"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert trainer.state.global_step == 0
+
+
 def test_temp_files_of_killed_writers_are_removed_at_the_next_start(full, tmp_path, caplog):
     out = _copy(full, tmp_path)
     host = socket.gethostname()
