@@ -200,8 +200,9 @@ HANDOVER = {"offload": (OffloadAdam, {}, {}), "offload-dpu": (OffloadAdam, {}, {
 def test_an_engine_built_on_the_params_of_a_live_one_takes_them_over(kind):
     """A notebook cell building the engine run again while the old engine lives on (or another Trainer on the
     model): the old engine's hooks took every gradient, so the new one stepped nothing without an error (ZeRO-2:
-    crashed in backward). Now the old engine's delayed step lands first, the new one steps like a fresh AdamW
-    from there, element by element, the old one refuses to step, and a closed engine leaves .grad to torch."""
+    crashed in backward). Now the new one steps like a fresh AdamW from the model's weights as they are (the old
+    engine publishes nothing: whether it is still alive depends on the garbage collector, which differs between
+    ranks), element by element, the old one refuses to step, and a closed engine leaves .grad to torch."""
     cls, extra, opts = HANDOVER[kind]
 
     def build(m):
@@ -212,14 +213,13 @@ def test_an_engine_built_on_the_params_of_a_live_one_takes_them_over(kind):
 
     torch.manual_seed(0)
     model, data = TinyNet(), batches(4)  # DPU, warm-up 1: step 2 of each engine runs delayed, on exact params
-    ref = copy.deepcopy(model)
     old = build(model)
     run_steps(model, old, data[:2])
-    run_steps(ref, adamw(ref), data[:2])
     assert old.needs_publish == bool(opts)  # DPU: step 2 is still on the worker
+    before = [p.detach().clone() for p in model.parameters()]
     new = build(model)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # nothing published
+    ref = copy.deepcopy(model)
     run_steps(model, new, data[2:])
     new.flush()
     run_steps(ref, adamw(ref), data[2:])

@@ -32,7 +32,7 @@ from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
 from .runs import Run, flat_layout, make_runs, training_dtype
-from .saved_state import SavedState
+from .saved_state import SavedState, logger
 from .streams import Streams, make_streams
 
 
@@ -144,7 +144,7 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     # -- which engine takes the params' gradients (grad_hooks) ----------------------------------
     def _take_params(self) -> None:
         """The subclass calls this once its memory is allocated, before it reads the params: an engine that
-        held them is replaced (its delayed step published) so that this one starts from the latest weights."""
+        held them is replaced (its hooks go; it publishes nothing, see ``_replaced``)."""
         grad_hooks.claim(self, [p for p, _, _ in self._flat])
 
     def _hooks(self) -> grad_hooks.GradHooks | None:
@@ -154,8 +154,14 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
     def _replaced(self, by) -> None:
         if self._done_why is not None:
             return
-        if self._load_failed is None:  # (a half-loaded state is not worth publishing)
-            self.flush()
+        # No publish (for ShardedAdam a collective): whether this engine is still alive to be replaced depends on
+        # when the garbage collector ran, which differs between ranks. The new engine starts from the model's
+        # weights as they are, whatever became of this one; its worker's step in flight ends first (local only).
+        try:
+            self._wait_worker()
+        except Exception as e:  # noqa: BLE001 - this engine is done; its failure is no reason to refuse the new one
+            logger.warning("hf_zero_offload: the replaced %s's last delayed step failed (%s)", type(self).__name__, e)
+            self._pending = None
         self.detach_hooks()
         self._done_why = (f"replaced by a {type(by).__name__} built on the same parameters (e.g. another Trainer "
                           "on this model): its masters no longer describe the model")

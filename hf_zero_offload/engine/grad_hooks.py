@@ -6,9 +6,9 @@ next (a second Trainer on the same model, a plain torch optimizer, a manual ``ba
 nothing, without an error. So:
 
 - every engine claims its trainable params when it is built (:func:`claim`); an engine that held any of them is
-  replaced (``AdamCore._replaced``: its delayed step is published first, so the new engine starts from the
-  latest weights; its hooks go, and it refuses to step or take gradients again, as its masters no longer
-  describe the model);
+  replaced (``AdamCore._replaced``: its hooks go, and it refuses to step or take gradients again, as its masters
+  no longer describe the model). It publishes nothing: whether it is still alive depends on the garbage
+  collector, so the new engine starts from the model's weights as they are, on every rank alike;
 - :class:`GradHooks` can be detached and attached again (the Trainer detaches them when ``train()`` returns, so
   between runs the model is plain torch) and are removed by ``close()``;
 - a hook holds its engine's callback weakly and is removed when that callback's owner is garbage-collected, so a
