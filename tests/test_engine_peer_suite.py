@@ -407,43 +407,49 @@ class _SharedInTwoSegments(torch.nn.Module):
         super().__init__()
         self.inp, self.shared, self.mid, self.out = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 16),
                                                      torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        self.aux = torch.nn.Linear(16, 16)  # used on some ranks only: holds back its bucket there
 
-    def forward(self, x):
+    def forward(self, x, aux=False):
         from torch.utils.checkpoint import checkpoint
         h = checkpoint(lambda t: torch.tanh(self.shared(t)), self.inp(x), use_reentrant=True)
         h = checkpoint(lambda t: torch.tanh(self.shared(self.mid(t))), h, use_reentrant=True)
-        return self.out(h)
+        return self.out(self.aux(h) if aux else h)
 
 
-def _shared_layer_steps(model, opt):
+def _shared_layer_steps(model, opt, aux):
+    """``aux``: per rank, whether it runs the aux layer (one process: the mean of the ranks' losses)."""
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x, y = torch.randn(4, 8, generator=g).requires_grad_(True), torch.randn(4, 4, generator=g)
-        ((model(x) - y) ** 2).mean().backward()
+        sum(((model(x, a) - y) ** 2).mean() for a in aux).div(len(aux)).backward()
         opt.step()
         opt.zero_grad()
     return flat(model)
 
 
-def _shared_layer_job(rank, world):
+def _shared_layer_job(rank, world, aux):
     out = {}
-    for offload in (True, False):  # buckets of 100 elements: the shared layer's bucket goes before its second piece
+    # buckets of 100 and 300 elements: the shared layer's bucket goes before its second piece, on the rank that
+    # runs aux only where aux shares that bucket (on the other it waits for the end of backward)
+    for offload, bucket in ((True, 100), (False, 100), (True, 300), (False, 300)):
         torch.manual_seed(0)
         model = _SharedInTwoSegments()
         opt = ShardedAdam(model.parameters(), lr=LR, stage=2, offload=offload, allgather_bucket_numel=1000,
-                          options=OffloadOptions(bucket_numel=100, tile_numel=300, num_threads=1))
-        out[offload] = _shared_layer_steps(model, opt)
+                          options=OffloadOptions(bucket_numel=bucket, tile_numel=300, num_threads=1))
+        out[(offload, bucket)] = _shared_layer_steps(model, opt, [aux[rank]])
         opt.close()
     return out
 
 
-def test_zero2_sums_a_gradient_that_arrives_in_two_pieces_after_its_bucket_went():
+@pytest.mark.parametrize("aux", [(False, False), (True, False)], ids=["same-graph", "aux-on-rank-0"])
+def test_zero2_sums_a_gradient_that_arrives_in_two_pieces_after_its_bucket_went(aux):
     """ZeRO-2 left the second piece in .grad once the param's bucket had been reduced, and the step refused it as
-    "a .grad that did not come from backward()". Both ranks see the same data: equal to AdamW on one process."""
+    "a .grad that did not come from backward()". Equal to AdamW on one process (the mean of the ranks' losses);
+    with a layer one rank skips, the ranks see the late piece at different points and still reduce alike."""
     torch.manual_seed(0)
     ref_model = _SharedInTwoSegments()
     want = _shared_layer_steps(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.0,
-                                                                    foreach=False))
-    for r in run_distributed(_shared_layer_job, timeout=120, collective_timeout=30):
-        for offload, got in r.items():
-            torch.testing.assert_close(got, want, **TIGHT, msg=f"offload={offload}")
+                                                                    foreach=False), list(aux))
+    for r in run_distributed(_shared_layer_job, aux, timeout=120, collective_timeout=30):
+        for key, got in r.items():
+            torch.testing.assert_close(got, want, **TIGHT, msg=f"offload, bucket={key}")

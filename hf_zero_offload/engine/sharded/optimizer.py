@@ -199,6 +199,7 @@ class ShardedAdam(AdamCore):
             self.reducer.drain()
             if self.reducer.micro == 0:
                 self.store.zero_()  # no backward in this window: no gradient anywhere
+            self.reducer.reduce_late()  # (every rank: one small all-reduce of flags)
         stats = self._global_stats()
         return stats[0], [c > 0 for c in stats[1:]]
 

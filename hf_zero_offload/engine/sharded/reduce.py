@@ -72,6 +72,7 @@ class GradReducer:
             for i in b.slots:
                 self.bucket_of[i] = k
         self.received = [0] * len(slots)  # gradients received in this window, per param (this rank)
+        self._late = {}
         self.micro = 0                    # stage 2: backward passes reduced in this window
         self._buf_slot = 0
         self._inflight = [None, None]     # CUDA: per buffer, the reduction not yet delivered
@@ -92,6 +93,7 @@ class GradReducer:
     def new_window(self) -> None:
         self.received = [0] * len(self.slots)
         self.micro = 0
+        self._late = {}  # slot -> the gradient pieces that came after its bucket was reduced (this window)
         # a backward that raised part way (an OOM) never ran its end callback: its marks must not
         # carry over (the next backward would queue no callback and launch no bucket)
         self._reset_backward()
@@ -122,10 +124,12 @@ class GradReducer:
         if self._hooked[i]:
             # A second piece of this backward's gradient (a weight used in two segments checkpointed with
             # use_reentrant=True: each segment's backward accumulates into .grad on its own). Before its bucket went,
-            # .grad holds the sum; after, the piece goes in a reduction of its own, added to the first. Every rank
-            # runs the same graph, so every rank issues this extra collective at the same point.
+            # .grad holds the sum; after, the piece is kept here and reduced at the step (``reduce_late``): whether
+            # a bucket had gone is this rank's own (a param unused here holds it back), so no collective now.
             if self.bucket_of[i] < self._next:
-                self._launch(self.bucket_of[i], late=i)
+                g = p.grad.reshape(-1)
+                p.grad = None
+                self._late[i] = self._late[i].add_(g) if i in self._late else g
             return
         self._hooked[i] = True
         self._ready[self.bucket_of[i]] += 1
@@ -142,8 +146,22 @@ class GradReducer:
         self.micro += 1
 
     @torch.no_grad()
-    def _launch(self, k: int, late: int | None = None) -> None:
-        """Reduce bucket ``k``'s gradients; ``late``: only that param's, added to what the bucket delivered."""
+    def reduce_late(self) -> None:
+        """At the step, after ``drain``: the late pieces of every bucket that has one on any rank, reduced and added
+        to the store. One small all-reduce of per-bucket flags first, so every rank issues the same reductions."""
+        flags = torch.zeros(len(self.buckets), dtype=torch.float32, device=self.bucket_bufs.device)
+        for i in self._late:
+            flags[self.bucket_of[i]] = 1.0
+        if self.world_size > 1:
+            dist.all_reduce(flags, group=self.process_group)
+        for k in flags.nonzero().flatten().tolist():
+            self._launch(k, late=True)
+        self.drain()
+        self._late = {}
+
+    @torch.no_grad()
+    def _launch(self, k: int, late: bool = False) -> None:
+        """Reduce bucket ``k``'s gradients; ``late``: the pieces kept in ``_late``, added to what it delivered."""
         b = self.buckets[k]
         j = self._buf_slot
         self._buf_slot ^= 1
@@ -152,7 +170,12 @@ class GradReducer:
         for i in b.slots:
             p, off, n = self.slots[i]
             dst = buf[off - b.start:off - b.start + n]
-            if self._hooked[i] and late in (None, i):
+            if late:
+                if i in self._late:
+                    dst.copy_(self._late[i])
+                else:
+                    dst.zero_()
+            elif self._hooked[i]:
                 dst.copy_(p.grad.reshape(-1))
                 # Freed on the compute stream right after the copy that reads it was queued there:
                 # the caching allocator reuses memory in stream order, so the copy reads valid data.
@@ -166,7 +189,7 @@ class GradReducer:
         segs = self.partition.segments(b.start, b.end)
         mine = [lo for r, lo, _ in segs if r == self.rank]
         self._reduce(buf, [(r, lo - b.start, hi - b.start) for r, lo, hi in segs],
-                     mine[0] - self.shard_start if mine else 0, j, first=self.micro == 0 and late is None)
+                     mine[0] - self.shard_start if mine else 0, j, first=self.micro == 0 and not late)
 
     # -- stage 1 -----------------------------------------------------------------------------------
     @torch.no_grad()
