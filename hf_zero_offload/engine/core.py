@@ -27,12 +27,12 @@ from concurrent.futures import Future
 import torch
 
 from .. import ops
-from . import grad_hooks
+from .grad_hooks import ParamOwner
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
 from .runs import Run, flat_layout, make_runs, training_dtype
-from .saved_state import SavedState, logger
+from .saved_state import SavedState
 from .streams import Streams, make_streams
 
 
@@ -47,7 +47,7 @@ _REFUSED_FLAGS = {
 }
 
 
-class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
+class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
     _grads_from_backward = True   # gradients come from backward hooks, not from .grad at step()
     offload: bool = True          # optimizer state and step on the CPU
@@ -90,7 +90,6 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
         self._torch_adam = False     # Adam with torch's fused kernel on the device (ZeRO without offload)
         self.uploader = None         # a ParamUploader when updated tiles go up through staging
         self.mirror = None           # the slice in the training dtype, kept equal to the masters' rounding
-        self._done_why: str | None = None  # closed or replaced: why it may no longer step
 
     def add_param_group(self, param_group: dict) -> None:
         # torch's __init__ adds the groups through here; once built, the flat layout, the arena and
@@ -140,49 +139,6 @@ class AdamCore(SavedState, LossScaled, torch.optim.Optimizer):
                             "from backward(): the engine takes each gradient as backward produces it (and frees "
                             ".grad), so one assigned by hand would be ignored")
         return None
-
-    # -- which engine takes the params' gradients (grad_hooks) ----------------------------------
-    def _take_params(self) -> None:
-        """The subclass calls this once its memory is allocated, before it reads the params: an engine that
-        held them is replaced (its hooks go; it publishes nothing, see ``_replaced``)."""
-        grad_hooks.claim(self, [p for p, _, _ in self._flat])
-
-    def _hooks(self) -> grad_hooks.GradHooks | None:
-        """The subclass's gradient hooks (None: it reads ``.grad`` at ``step()``)."""
-        return None
-
-    def _replaced(self, by) -> None:
-        if self._done_why is not None:
-            return
-        # No publish (for ShardedAdam a collective): whether this engine is still alive to be replaced depends on
-        # when the garbage collector ran, which differs between ranks. The new engine starts from the model's
-        # weights as they are, whatever became of this one; its worker's step in flight ends first (local only).
-        try:
-            self._wait_worker()
-        except Exception as e:  # noqa: BLE001 - this engine is done; its failure is no reason to refuse the new one
-            logger.warning("hf_zero_offload: the replaced %s's last delayed step failed (%s)", type(self).__name__, e)
-            self._pending = None
-        self.detach_hooks()
-        self._done_why = (f"replaced by a {type(by).__name__} built on the same parameters (e.g. another Trainer "
-                          "on this model): its masters no longer describe the model")
-
-    def _check_open(self) -> None:
-        if self._done_why is not None:
-            raise RuntimeError(f"{type(self).__name__} was {self._done_why}; build a new engine (a new Trainer) "
-                               "to train these parameters")
-
-    def attach_hooks(self) -> None:
-        """Gradients go to this engine during backward again (after ``detach_hooks``)."""
-        self._check_open()
-        hooks = self._hooks()
-        if hooks is not None:
-            hooks.attach()
-
-    def detach_hooks(self) -> None:
-        """Backward leaves gradients in ``.grad`` until ``attach_hooks``, as without this engine."""
-        hooks = self._hooks()
-        if hooks is not None:
-            hooks.detach()
 
     # -- set up by the subclass once the arena exists ------------------------------------------
     def _bind_state(self, regions: dict, lo: int, hi: int) -> None:

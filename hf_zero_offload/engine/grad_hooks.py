@@ -13,15 +13,19 @@ nothing, without an error. So:
   between runs the model is plain torch) and are removed by ``close()``;
 - a hook holds its engine's callback weakly and is removed when that callback's owner is garbage-collected, so a
   model that outlives its Trainer does not keep the engine and its host memory alive.
+
+:class:`ParamOwner` is the engines' side of this (a mixin of ``AdamCore``, as ``SavedState`` is).
 """
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary  # tensors compare elementwise: keyed by identity
 
 _owner = WeakIdKeyDictionary()  # param -> weakref to the engine that claimed it last
+logger = logging.getLogger("hf_zero_offload")
 
 
 def claim(engine, params) -> None:
@@ -36,12 +40,6 @@ def claim(engine, params) -> None:
         other._replaced(by=engine)
     for p in params:
         _owner[p] = weakref.ref(engine)
-
-
-def owner(p: torch.Tensor):
-    """The live engine that claimed ``p`` last, or None."""
-    ref = _owner.get(p)
-    return ref() if ref is not None else None
 
 
 def check_dense(p: torch.Tensor) -> None:
@@ -70,10 +68,6 @@ class GradHooks:
         weakref.finalize(on_grad.__self__, _remove, self._handles)
         self.attach()
 
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
-
     def attach(self) -> None:
         if self._handles:
             return
@@ -90,3 +84,53 @@ class GradHooks:
 
     def detach(self) -> None:
         _remove(self._handles)
+
+
+class ParamOwner:
+    """Which engine takes the params' gradients: the part of ``AdamCore`` that claims its params, is replaced by a
+    later engine, and attaches or detaches its hooks. Its methods read the core's fields (``_flat``, ``_pending``,
+    ``_wait_worker``) as their own."""
+    _done_why: str | None = None  # closed or replaced: why it may no longer step
+
+    def _take_params(self) -> None:
+        """The subclass calls this once its memory is allocated, before it reads the params: an engine that
+        held them is replaced (its hooks go; it publishes nothing, see ``_replaced``)."""
+        claim(self, [p for p, _, _ in self._flat])
+
+    def _hooks(self) -> GradHooks | None:
+        """The subclass's gradient hooks (None: it reads ``.grad`` at ``step()``)."""
+        return None
+
+    def _replaced(self, by) -> None:
+        if self._done_why is not None:
+            return
+        # No publish (for ShardedAdam a collective): whether this engine is still alive to be replaced depends on
+        # when the garbage collector ran, which differs between ranks. The new engine starts from the model's
+        # weights as they are, whatever became of this one; its worker's step in flight ends first (local only).
+        try:
+            self._wait_worker()
+        except Exception as e:  # noqa: BLE001 - this engine is done; its failure is no reason to refuse the new one
+            logger.warning("hf_zero_offload: the replaced %s's last delayed step failed (%s)", type(self).__name__, e)
+            self._pending = None
+        self.detach_hooks()
+        self._done_why = (f"replaced by a {type(by).__name__} built on the same parameters (e.g. another Trainer "
+                          "on this model): its masters no longer describe the model")
+
+    def _check_open(self) -> None:
+        if self._done_why is not None:
+            raise RuntimeError(f"{type(self).__name__} was {self._done_why}; build a new engine (a new Trainer) "
+                               "to train these parameters")
+
+    def attach_hooks(self) -> None:
+        """Gradients go to this engine during backward again (after ``detach_hooks``)."""
+        self._check_open()
+        hooks = self._hooks()
+        if hooks is not None:
+            hooks.attach()
+
+    def detach_hooks(self) -> None:
+        """Backward leaves gradients in ``.grad`` until ``attach_hooks``, as without this engine."""
+        hooks = self._hooks()
+        if hooks is not None:
+            hooks.detach()
+

@@ -148,7 +148,7 @@ class ShardedAdam(AdamCore):
             for t in self._stores:
                 t.zero_()
         # once everything that may refuse these options has: an engine built on these params before is replaced
-        # (its delayed step published) before rank 0's weights go to every rank
+        # (it publishes nothing) before rank 0's weights go to every rank
         self._take_params()
         self._broadcast_params(allgather_bucket_numel)
         self._init_masters(self._index)
