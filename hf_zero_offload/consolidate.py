@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .engine import checkpoint
-from .engine.state_dir import check_sources, read_range, sources
+from .engine.state_dir import check_save_id, check_sources, read_range, sources
 from .resume import MARKER, recorded_save_id
 
 NAMES_FILE = "param_names.json"
@@ -49,11 +49,7 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
                          "optimizer slot); use another checkpoint-N of the run")
     # the engine's own reader: the partition map checked, each file's range checked against it
     srcs, meta = sources(state_dir)  # (every header checked: state_dir.check_header)
-    if expected_save_id is not None and meta.get("save_id") != expected_save_id:
-        raise ValueError(f"{state_dir} holds the optimizer state of another save (save id {meta.get('save_id')!r}, "
-                         f"the state after {meta.get('global_steps')} steps) than the checkpoint's completion marker "
-                         f"records ({expected_save_id!r}): it was copied or linked from another checkpoint, so its "
-                         "masters are not this checkpoint's weights; consolidate a checkpoint whose state is its own")
+    check_save_id(meta, expected_save_id, state_dir)
     check_sources(srcs, meta.get("state_dtype", "fp32"), 0, meta["numel"])  # the bytes are there, before allocating
     flat = torch.empty(meta["numel"])
     read_range(srcs, 0, {"master": flat})

@@ -230,12 +230,7 @@ class SavedState:
     def _read_checkpoint(self, directory: str, expected_save_id: str | None) -> tuple[dict, int]:
         """This rank's part of the checkpoint into the state (no collective); (the saved meta, files)."""
         srcs, meta = state_dir.sources(directory)
-        if expected_save_id is not None and meta.get("save_id") != expected_save_id:
-            raise StateFileError(
-                f"{directory} holds the optimizer state of another save (save id {meta.get('save_id')!r}, the state "
-                f"after {meta.get('global_steps')} steps) than the one recorded for it ({expected_save_id!r}): it was "
-                "copied or linked from another checkpoint, and would roll the model back to that state; resume "
-                "from a checkpoint whose optimizer state is its own")
+        state_dir.check_save_id(meta, expected_save_id, directory)
         self._check_saved(meta, directory)
         codes = self._saved_codes(meta, directory)
         state_dir.check_sources(srcs, meta.get("state_dtype", "fp32"), self.lo, self.hi)

@@ -182,6 +182,17 @@ def check_header(meta, where: str) -> None:
         raise bad("slots", "a list of lists of [offset, numel, shape]", slots)
 
 
+def check_save_id(meta: dict, expected: str | None, where: str) -> None:
+    """The state ``where`` (rank 0's meta) is of the save ``expected`` records (None: nothing recorded, as before
+    save ids): one copied or linked from another checkpoint would stand for this one's weights."""
+    if expected is not None and meta.get("save_id") != expected:
+        raise StateFileError(
+            f"{where} holds the optimizer state of another save (save id {meta.get('save_id')!r}, the state after "
+            f"{meta.get('global_steps')} steps) than the one recorded for it (the checkpoint's completion marker "
+            f"records {expected!r}): it was copied or linked from another checkpoint, and would roll the model back "
+            "to that state; use a checkpoint whose optimizer state is its own")
+
+
 def _check_partition(ranges, world_size, numel, where: str) -> None:
     """The saved ranks' ranges tile [0, numel) in rank order: a gap, an overlap or a shift would
     leave part of the state as it was, or read it from the wrong offsets, without a word."""
