@@ -283,13 +283,11 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
 
 def load_scheduler(scheduler, path: str) -> None:
     """``path`` (scheduler.pt) into the LR schedule; the Trainer calls it before the engine's state is loaded (it was
-    read after: a damaged file failed with torch's error naming no file, the engine already overwritten). A file
-    that does not load changes nothing and is an error naming it."""
-    before = scheduler.state_dict()
+    read after: a damaged file failed with torch's error naming no file, the engine already overwritten), and
+    restores the schedule it had should either load fail. A file that does not load is an error naming it."""
     try:
         scheduler.load_state_dict(torch.load(path, weights_only=True))
     except Exception as e:
-        scheduler.load_state_dict(before)
         raise DamagedFile(f"{path} cannot be loaded ({type(e).__name__}: {e}); resume from an earlier checkpoint, or "
                           "remove the file to restart the learning-rate schedule from its first step") from e
 

@@ -275,12 +275,12 @@ class ZeroOffloadMixin:
             raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
         before = self.lr_scheduler.state_dict() if os.path.isfile(sched) else None
-        if before is not None:  # first: a damaged file is refused before the engine's state is touched
-            resume.load_scheduler(self.lr_scheduler, sched)
         try:
+            if before is not None:  # first: a damaged file is refused before the engine's state is touched
+                resume.load_scheduler(self.lr_scheduler, sched)
             self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
         except BaseException:
-            if before is not None:  # a refused state (another save's, damaged) leaves the schedule as it was too
+            if before is not None:  # a refused file or state leaves the schedule as it was
                 self.lr_scheduler.load_state_dict(before)
             raise
         if before is None:
