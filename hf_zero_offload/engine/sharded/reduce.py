@@ -149,9 +149,10 @@ class GradReducer:
     def reduce_late(self) -> None:
         """At the step, after ``drain``: the late pieces of every bucket that has one on any rank, reduced and added
         to the store. One small all-reduce of per-bucket flags first, so every rank issues the same reductions."""
-        flags = torch.zeros(len(self.buckets), dtype=torch.float32, device=self.bucket_bufs.device)
-        for i in self._late:
-            flags[self.bucket_of[i]] = 1.0
+        if self.world_size == 1 and not self._late:
+            return  # nothing to agree on, nothing late: no tensor, no device sync on the step's path
+        late = {self.bucket_of[i] for i in self._late}
+        flags = torch.tensor([float(k in late) for k in range(len(self.buckets))], device=self.bucket_bufs.device)
         if self.world_size > 1:
             dist.all_reduce(flags, group=self.process_group)
         for k in flags.nonzero().flatten().tolist():
