@@ -177,3 +177,39 @@ def test_offload_adam_dpu_state_into_a_non_dpu_engine_publishes_the_masters(tmp_
 def test_dpu_without_offload_is_refused():
     with pytest.raises(ValueError, match="needs offload=True"):
         ShardedAdam(TinyNet().parameters(), options=OffloadOptions(dpu=True), offload=False)
+
+
+def _upload_tiles_job(rank, world, state_dtype, width, sim):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 1))
+    opts = OffloadOptions(dpu=True, dpu_warmup_steps=1, state_dtype=state_dtype, tile_numel=300, bucket_numel=200,
+                          num_threads=1)
+    opt = ShardedAdam(list(model.parameters()), lr=LR, options=opts, stage=2, offload=True,
+                      streams=SimStreams() if sim else None)
+    g = torch.Generator().manual_seed(1 + rank)
+    for _ in range(5):
+        model(torch.randn(8, width, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    staging = opt.regions.get("param_staging")
+    out = {"params": flat_params(model), "state": opt.state_dict(), "shard": opt.plan.numel,
+           "staging": None if staging is None else staging.numel()}
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "fp32"])
+@pytest.mark.parametrize("width", [20, 60])  # shards of 256 elements (one int8 block), and of several tiles
+def test_dpu_upload_tiles_equal_the_cpu_path(state_dtype, width):
+    """The simulated GPU path of a delayed step uploads through two staging tiles of tile_numel (int8:
+    whole blocks) and equals the CPU path bit for bit. A full-size staging cut in halves made tiles of
+    half a 256-element shard, so each half encoded the int8 block alone (the params drifted)."""
+    cpu = run_distributed(_upload_tiles_job, state_dtype, width, False)
+    sim = run_distributed(_upload_tiles_job, state_dtype, width, True)
+    tile = 512 if state_dtype == "int8" else 300  # int8 tiles round up to whole blocks
+    for c, s in zip(cpu, sim):
+        assert torch.equal(c["params"], s["params"])
+        for k, v in c["state"].items():
+            assert torch.equal(v, s["state"][k]) if isinstance(v, torch.Tensor) else v == s["state"][k], k
+        assert c["staging"] is None and s["staging"] == 2 * min(tile, s["shard"]), (s["staging"], s["shard"])

@@ -32,8 +32,14 @@ def make_plan(S: int, seg: int, buffer_numel: int, gchunk: int, world_size: int,
         regions["grad_store"] = (S, torch.float32, where)
     if offload and cuda:
         regions["grad_staging"] = (seg, param_dtype, "host")  # the host waits for each copy
-    if tiled:  # updated tiles go up through staging
-        regions["param_staging"] = base["param_staging"]
+    if tiled:
+        # Updated tiles go up through two staging tiles, with or without DPU: a delayed step writes the
+        # device shard (shard_out), which nothing reads before the publish's all-gather, so it needs no
+        # full-size staging as OffloadAdam's does (whose targets are the params the device computes with).
+        # A full-size one, cut in halves, made tiles of S/2: under one int8 block when S < 512 (each half
+        # then encoded the block alone) and, for a large shard, no copy until half the shard was stepped.
+        regions["param_staging"] = plan_host_memory(S, param_dtype=param_dtype, bucket_numel=o.bucket_numel,
+                                                    tile_numel=o.tile_numel, cuda=cuda).regions["param_staging"]
     regions["grad_buckets"] = (buffer_numel, param_dtype, "device")
     if param_dtype != torch.float32 or tiled:
         regions["shard_out"] = (S, param_dtype, "device")  # the updated shard, ready to gather
