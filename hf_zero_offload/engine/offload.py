@@ -78,7 +78,7 @@ class OffloadAdam(AdamCore):
         return sumsq, received
 
     def _window_received(self) -> list[bool]:
-        return [off in self.pipeline.received for _, off, _ in self._flat]
+        return [c > 0 for c in self.pipeline.received]
 
     @torch.no_grad()
     def _zero_grads(self, which: list[bool]) -> None:

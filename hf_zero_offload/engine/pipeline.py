@@ -29,7 +29,9 @@ class GradPipeline:
         self.staging = staging            # [2, bucket_numel] pinned host (async copies) or None (CPU)
         self.bucket_numel = buckets.shape[1]
         self.store: torch.Tensor | None = None   # flat host gradient store, set by the engine
-        self.received: dict[int, int] = {}       # flat offset -> grads received in this window
+        # grads received in this window, per slot: by slot, not by flat offset, which an empty param shares
+        # with the next one (its gradient then counted as the next param's, added to a stale store)
+        self.received = [0] * len(slots)
         self._index = {}
         self._slot, self._cursor = 0, 0
         self._pending = [[], []]
@@ -38,10 +40,10 @@ class GradPipeline:
         # Default: a scatter thread on CUDA (backward must not stall), inline on CPU (nothing to overlap).
         use_thread = streams.async_copies if scatter_thread is None else scatter_thread
         self._pool = streams.executor("hzo-scatter") if use_thread else None
-        for p, offset, numel in slots:
+        for i, (p, offset, numel) in enumerate(slots):
             if numel > self.bucket_numel:
                 raise ValueError(f"bucket of {self.bucket_numel} elements cannot hold a {numel}-element parameter")
-            self._index[p] = (offset, numel)
+            self._index[p] = (i, offset, numel)
         self.hooks = GradHooks(self._index, self._on_grad)
 
     def close(self) -> None:
@@ -57,12 +59,12 @@ class GradPipeline:
         if g.dtype != self.buckets.dtype:
             raise TypeError(f"gradient dtype {g.dtype} differs from the engine's {self.buckets.dtype}; "
                             "keep every trainable parameter in the training dtype")
-        offset, numel = self._index[p]
+        i, offset, numel = self._index[p]
         if self._cursor + numel > self.bucket_numel:
             self._flush()
         s = self.streams
         s.copy(self.buckets[self._slot, self._cursor:self._cursor + numel], g.reshape(-1), s.compute())
-        self._pending[self._slot].append((offset, self._cursor, numel))
+        self._pending[self._slot].append((i, offset, self._cursor, numel))
         self._cursor += numel
         # Freed on the compute stream right after the copy kernel that reads it was queued there:
         # the caching allocator reuses memory in stream order, so the copy still reads valid data.
@@ -107,12 +109,12 @@ class GradPipeline:
             return
         self.streams.host_wait(self._done[slot])  # the copy down must have landed in staging
         src = self.staging[slot] if self.streams.async_copies else self.buckets[slot]
-        for offset, boff, numel in pending:
-            seen = self.received.get(offset, 0)
+        for i, offset, boff, numel in pending:
+            seen = self.received[i]
             dst = self.store[offset:offset + numel]
             piece = src[boff:boff + numel]
             write_grad(dst, piece, first=seen == 0, num_threads=1 if numel < _SMALL else self.num_threads)
-            self.received[offset] = seen + 1
+            self.received[i] = seen + 1
 
     # -- step side -----------------------------------------------------------------------------
     def drain(self) -> None:
@@ -124,4 +126,4 @@ class GradPipeline:
     def new_window(self, store: torch.Tensor) -> None:
         """Start accumulating the next step's gradients into ``store``."""
         self.store = store
-        self.received = {}
+        self.received = [0] * len(self.received)
