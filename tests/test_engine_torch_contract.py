@@ -57,3 +57,30 @@ def test_a_zero_element_param_with_a_gradient_leaves_its_neighbours_exact(kind, 
             o.zero_grad()
     opt.flush()
     torch.testing.assert_close(model.w, ref_model.w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grad_norm_asked_between_two_backward_passes_sees_both(kind):
+    """grad_norm() is computed once per step and reused by step(); a backward after it (accumulation by
+    hand) used to be left out of both, and its gradients went to the next step."""
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = copy.deepcopy(ref_model)
+    opt = engine(kind, list(model.parameters()))
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        xs = [torch.randn(3, 5, generator=g) for _ in range(2)]
+        for x in xs:
+            ref_model(x).pow(2).mean().backward()
+        want = torch.nn.utils.get_total_norm([p.grad for p in ref_model.parameters()]).item()
+        model(xs[0]).pow(2).mean().backward()
+        opt.grad_norm()  # mid-window
+        model(xs[1]).pow(2).mean().backward()
+        assert opt.grad_norm() == pytest.approx(want, rel=1e-6)
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        ref.zero_grad()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -79,6 +79,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         self._pending: Future | None = None
         self._uploaded = None        # DPU: event of the worker's last upload (None: nothing to wait for)
         self._prepared = None        # this step's (sumsq, received), computed once
+        self._prepared_at = None     # _arrivals() when it was: a gradient after that makes it stale
         # torch.optim's zero_grad(set_to_none=False) leaves a zero .grad on every param that had one,
         # and AdamW then steps it with a zero gradient. The engines free each .grad as they take it,
         # so they remember which params would hold one: ``_last_received`` (the last step's, until a
@@ -239,7 +240,15 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
             raise ValueError(f"state_dtype={sd!r} differs from OffloadOptions.state_dtype="
                              f"{self.options.state_dtype!r}: the engine stores every group's moments one way")
 
+    def _arrivals(self):
+        """A value that changes when a gradient reaches the engine (``_prepare``'s cache key)."""
+        raise NotImplementedError
+
     def _prepare(self) -> tuple[float, list[bool]]:
+        # A backward after grad_norm() (accumulation by hand, a norm logged mid-window) adds to this
+        # step's gradients: prepared again, the norm and the step see them (they were left for the next step).
+        if self._prepared is not None and self._prepared_at != self._arrivals():
+            self._prepared = None
         if self._prepared is None:
             stray = self._stray_grad() if self.world_size == 1 else None  # (ranks: see ShardedAdam)
             if stray is not None:
@@ -251,7 +260,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
             if any(kept):
                 self._zero_grads(kept)
                 received = [r or k for r, k in zip(received, kept)]
-            self._prepared = (sumsq, received)
+            self._prepared, self._prepared_at = (sumsq, received), self._arrivals()
         return self._prepared
 
     def _zero_grads(self, which: list[bool]) -> None:

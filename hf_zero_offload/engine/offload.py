@@ -77,6 +77,9 @@ class OffloadAdam(AdamCore):
         sumsq = sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads) for r in runs)
         return sumsq, received
 
+    def _arrivals(self) -> int:
+        return self.pipeline.arrivals
+
     def _window_received(self) -> list[bool]:
         return [c > 0 for c in self.pipeline.received]
 

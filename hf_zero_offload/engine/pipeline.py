@@ -32,6 +32,7 @@ class GradPipeline:
         # grads received in this window, per slot: by slot, not by flat offset, which an empty param shares
         # with the next one (its gradient then counted as the next param's, added to a stale store)
         self.received = [0] * len(slots)
+        self.arrivals = 0                 # gradients taken from backward, ever (the engine's cache key)
         self._index = {}
         self._slot, self._cursor = 0, 0
         self._pending = [[], []]
@@ -60,6 +61,7 @@ class GradPipeline:
             raise TypeError(f"gradient dtype {g.dtype} differs from the engine's {self.buckets.dtype}; "
                             "keep every trainable parameter in the training dtype")
         i, offset, numel = self._index[p]
+        self.arrivals += 1
         if self._cursor + numel > self.bucket_numel:
             self._flush()
         s = self.streams

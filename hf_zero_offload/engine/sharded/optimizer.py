@@ -237,6 +237,12 @@ class ShardedAdam(AdamCore):
     def _drain_window(self) -> None:
         self.reducer.drain()
 
+    def _arrivals(self):
+        # stage 2: backward passes taken; stages 0 and 1 take .grad at step() and free it
+        if self.stage == 2:
+            return self.reducer.micro
+        return sum(p.grad is not None for p, _, _ in self._flat)
+
     def _window_received(self) -> list[bool]:
         # stages 0 and 1 read .grad at step(): a zeroed one is still there and counted then
         return [c > 0 for c in self.reducer.received] if self.stage == 2 else [False] * len(self._flat)

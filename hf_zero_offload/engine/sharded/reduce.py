@@ -74,6 +74,7 @@ class GradReducer:
         self.received = [0] * len(slots)  # gradients received in this window, per param (this rank)
         self._late = {}
         self.micro = 0                    # stage 2: backward passes reduced in this window
+        self._full_rounds = 0
         self._buf_slot = 0
         self._inflight = [None, None]     # CUDA: per buffer, the reduction not yet delivered
         self.hooks: GradHooks | None = None  # stage 2: set by ``bind``
@@ -93,6 +94,7 @@ class GradReducer:
     def new_window(self) -> None:
         self.received = [0] * len(self.slots)
         self.micro = 0
+        self._full_rounds = 0  # stage 1: reduce_full calls in this window (a second one adds to the first)
         self._late = {}  # slot -> the gradient pieces that came after its bucket was reduced (this window)
         # a backward that raised part way (an OOM) never ran its end callback: its marks must not
         # carry over (the next backward would queue no callback and launch no bucket)
@@ -212,8 +214,10 @@ class GradReducer:
                         piece[lo - a:hi - a].copy_(p.grad.reshape(-1)[lo - off:hi - off])
                 if a + ck > N:
                     piece[max(N - a, 0):].zero_()
-            self._reduce(x, [(r, r * ck, (r + 1) * ck) for r in range(W)], k0, 0, first=True, out=self.round_out)
+            self._reduce(x, [(r, r * ck, (r + 1) * ck) for r in range(W)], k0, 0, first=self._full_rounds == 0,
+                         out=self.round_out)
             self._retire(0)  # CUDA: deliver now (the next round rewrites x)
+        self._full_rounds += 1
         for i, (p, _, _) in enumerate(self.slots):
             if p.grad is not None:
                 self.received[i] = 1
