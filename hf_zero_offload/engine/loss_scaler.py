@@ -111,8 +111,9 @@ class StepResult:
 
 def unscaled_norm(scaler: LossScaler, sumsq: float, divisor: float = 1.0) -> float:
     """The L2 norm of the gradients before loss scaling (and ``divisor``: the world size for a sum
-    over ranks) from ``sumsq``, the squared norm of what backward produced; inf when not finite."""
-    return math.sqrt(sumsq) / (scaler.scale * divisor) if math.isfinite(sumsq) else float("inf")
+    over ranks) from ``sumsq``, the squared norm of what backward produced: inf with an infinite
+    gradient, nan with a NaN one, as ``torch.nn.utils.clip_grad_norm_`` returns."""
+    return math.sqrt(sumsq) / (scaler.scale * divisor)
 
 
 def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor: float = 1.0
@@ -122,17 +123,18 @@ def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor:
 
     Returns the result to report and ``grad_scale``, the factor the fused kernel applies to the stored
     gradients (unscale, average, clip: ``torch.nn.utils.clip_grad_norm_``'s coefficient clamped to 1),
-    or None when fp16 overflowed and the step is skipped. Without fp16 a non-finite norm is not a skip:
-    the NaNs go through, as with torch."""
+    or None when fp16 overflowed and the step is skipped. Without fp16 a non-finite norm is not a skip,
+    and the step does what torch's ``clip_grad_norm_`` + AdamW do: an inf norm clips by 0 (the inf
+    elements become NaN, every other gradient 0), a NaN norm by NaN; unclipped, the values go through."""
     finite = math.isfinite(sumsq)
     if scaler.enabled and not finite:
         scaler.update(True)
         return StepResult(True, float("inf"), scaler.scale), None
     unscale = scaler.scale * divisor
-    norm = unscaled_norm(scaler, sumsq, divisor) if finite else float("nan")
+    norm = unscaled_norm(scaler, sumsq, divisor)
     clip = 1.0
-    if max_grad_norm > 0:
-        clip = min(max_grad_norm / (norm + 1e-6), 1.0) if finite else float("nan")
+    if max_grad_norm > 0:  # min(nan, 1.0) is nan: a NaN norm clips by NaN, as torch's clamp does
+        clip = min(max_grad_norm / (norm + 1e-6), 1.0)
     scaler.update(False)
     return StepResult(False, norm, scaler.scale), clip / unscale
 
