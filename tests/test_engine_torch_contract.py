@@ -11,16 +11,19 @@ import torch
 from torch import nn
 
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
+from hf_zero_offload.engine.streams import SimStreams
 
 LR = 1e-2
 SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
 
 
-def engine(kind, params, **opts):
+def engine(kind, params, sim=False, **opts):
     o = OffloadOptions(**{**SMALL, **opts})
+    streams = SimStreams() if sim else None  # the GPU path's copies and events, simulated
     if kind == "offload":
-        return OffloadAdam(params, lr=LR, options=o)
-    return ShardedAdam(params, lr=LR, options=o, stage=int(kind[-1]), offload=kind.startswith("sharded-off"))
+        return OffloadAdam(params, lr=LR, options=o, streams=streams)
+    return ShardedAdam(params, lr=LR, options=o, stage=int(kind[-1]), offload=kind.startswith("sharded-off"),
+                       streams=streams)
 
 
 KINDS = ["offload", "sharded1", "sharded2", "sharded-off2"]
@@ -84,3 +87,89 @@ def test_grad_norm_asked_between_two_backward_passes_sees_both(kind):
         ref.zero_grad()
     for a, b in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_non_finite_gradient_with_clipping_does_what_torch_clipping_does(kind, bad):
+    """clip_grad_norm_ returns inf and clips by 0 for an infinite gradient (only the inf elements become
+    NaN; the rest step with a zero gradient), nan and clips by NaN for a NaN one. The engines clipped by
+    NaN for both (every param NaN) and reported nan for an inf norm."""
+    torch.manual_seed(0)
+    ref_model = nn.Linear(3, 2)
+    model = copy.deepcopy(ref_model)
+    opt = engine(kind, list(model.parameters()), max_grad_norm=1.0)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    for k in range(3):
+        x = torch.tensor([[1.0, -2.0, 3.0]]) * (k + 1)
+        for m in (model, ref_model):
+            out = m(x)
+            if k == 1:  # one element of the weight's gradient is non-finite
+                out = out + m.weight[0, 0] * bad
+            out.sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0).item()
+        ref.step()
+        ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        got = opt.last.grad_norm
+        assert got == pytest.approx(norm, rel=1e-6, nan_ok=True), (k, got, norm)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert not torch.isnan(model.bias).any() or bad != bad
+
+
+def _write(model, how):
+    new = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+    if how == "load_state_dict":
+        model.load_state_dict(new)
+    elif how == "no_grad_copy":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.full_like(p, 0.25))
+    else:  # rebinding .data
+        for p in model.parameters():
+            p.data = torch.full_like(p, 0.25)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("how", ["load_state_dict", "no_grad_copy", "data_rebind"])
+@pytest.mark.parametrize("at", [0, 2])  # before the first step (optimizer built, then weights loaded), mid-run
+def test_params_written_between_steps_are_what_the_next_step_starts_from(kind, how, at):
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = copy.deepcopy(ref_model)
+    opt = engine(kind, list(model.parameters()))
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    for k in range(4):
+        if k == at:
+            _write(model, how)
+            _write(ref_model, how)
+        x = torch.linspace(-1, 1, 6).reshape(2, 3) * (k + 1)
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dpu", [False, True], ids=["sync", "dpu"])
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "sim"])
+def test_the_engines_own_writes_are_not_taken_for_the_users(kind, dpu, sim, monkeypatch):
+    """No pass over the values at a step unless something else wrote a param."""
+    if dpu and not kind.startswith(("offload", "sharded-off")):
+        pytest.skip("DPU needs offload")
+    calls = []
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = engine(kind, list(model.parameters()), sim=sim, dpu=dpu, dpu_warmup_steps=1)
+    monkeypatch.setattr(opt, "adopt_changed_params", lambda: calls.append(1) or 0)
+    for k in range(4):
+        model(torch.ones(2, 3) * k).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    assert calls == []

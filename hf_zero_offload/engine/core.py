@@ -167,6 +167,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
             if p.dtype != self.param_dtype:
                 p.data = p.data.to(self.param_dtype)
         self._sync_mirror()
+        self._mark_params()
 
     def _sync_mirror(self) -> None:
         # Params not updated in a DPU step are published from here: it must hold every parameter,
@@ -182,6 +183,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         self._check_hyper()  # before anything moves: a scheduler may have set them since the last step
         with torch.enable_grad():
             loss = closure() if closure is not None else None
+        self._adopt_written_params()
         sumsq, received = self._prepare()
         self._prepared = None
         self._last_received = received
@@ -194,6 +196,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         self._publish()
         if grad_scale is None:  # fp16 overflow: skipped, masters and step counts untouched
             self._begin_window()
+            self._mark_params()
             return loss
         runs = make_runs(self._groups, self._flat, received, self._param_steps.tolist())
         for run in runs:
@@ -212,6 +215,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
             self._adam_pass(runs, self.store, grad_scale, hyper, False)
             self._after_update()
             self._begin_window()
+        self._mark_params()  # the params as this step (or the publish of the last one) left them
         return loss
 
     def _check_hyper(self) -> None:
@@ -354,6 +358,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         self._publish()
         if self.uploader is not None:
             self.uploader.wait_all()
+        self._mark_params()
 
     def slot_params(self) -> list[list[torch.nn.Parameter]]:
         """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""

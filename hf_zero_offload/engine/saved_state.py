@@ -153,8 +153,30 @@ class SavedState:
             self.needs_publish = True
         else:
             self._publish_masters()
+        self._mark_params()
 
     last_save_id: str | None = None  # the save id of this engine's last save_checkpoint
+    _param_marks: list | None = None  # per param (version counter, storage) when this engine last set or took it
+
+    def _mark_params(self) -> None:
+        self._param_marks = [(p._version, p.data_ptr()) for p, _, _ in self._flat]
+
+    def _adopt_written_params(self) -> None:
+        """At each step: a parameter written since this engine last set it, in place (``load_state_dict``, an
+        edit under ``no_grad``) or rebound (``p.data = t``), is what this step starts from, as with torch.optim
+        (the stale master was published over it). A look at each param's version counter and storage (no pass
+        over the values unless one moved). A write through ``p.data.<op>_()`` moves neither: call
+        ``adopt_changed_params()`` after such a write."""
+        marks = self._param_marks
+        if marks is None or all(m == (p._version, p.data_ptr()) for m, (p, _, _) in zip(marks, self._flat)):
+            return
+        self._wait_worker()
+        if self.needs_publish:
+            logger.warning("hf_zero_offload: parameters were written while a delayed step (DPU) was in flight; "
+                           "that step's publish now overwrites them: call flush() before writing parameters")
+        elif n := self.adopt_changed_params():
+            logger.info("hf_zero_offload: %d parameter(s) written since the last step; the step starts from them", n)
+        self._mark_params()
 
     @torch.no_grad()
     def adopt_changed_params(self) -> int:
@@ -177,6 +199,7 @@ class SavedState:
                 changed.add(id(p))
         if changed:
             self._sync_mirror()
+        self._mark_params()
         return len(changed)
 
     def save_checkpoint(self, directory: str) -> str:
