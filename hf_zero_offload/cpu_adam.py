@@ -66,7 +66,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam: {e}") from None
         ops.check_state_dtype(state_dtype)
         self.num_threads = num_threads
-        self._versions = {}  # 16-bit param -> its version counter after our last write (see _prepare_state)
+        self._versions = {}  # 16-bit param -> (version counter, storage) after our last write (_prepare_state)
         ops.check_num_threads(num_threads)  # the kernels' check, now rather than at the first step
         self._state_dtype = state_dtype
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
@@ -188,7 +188,7 @@ class CPUAdam(torch.optim.Optimizer):
             if work is not p:
                 p.copy_(work)
             if half:
-                self._versions[p] = p._version
+                self._versions[p] = (p._version, p.data_ptr())
             state["step"] += 1  # after the update: a refused call leaves the count as it was
         return loss
 
@@ -214,11 +214,12 @@ class CPUAdam(torch.optim.Optimizer):
             state["master"] = p.detach().float().contiguous()
         elif state["master"].numel() != p.numel():
             raise ValueError(f"master has {state['master'].numel()} elements, expected {p.numel()}")
-        elif (self._versions.get(p) != p._version
+        elif (self._versions.get(p) != (p._version, p.data_ptr())
               and not torch.equal(state["master"].view(p.shape).to(p.dtype), p.detach())):
-            # Written since our last step (model.load_state_dict, an in-place edit) to a value that
-            # is not the master's rounding: the param is what the user set, the master follows it
-            # (else this step would put back the old weights).
+            # Written since our last step (model.load_state_dict, an in-place edit, p.data = t: the version
+            # counter or the storage moved) to a value that is not the master's rounding: the param is what
+            # the user set, the master follows it (else this step would put back the old weights). A write
+            # through p.data.<op>_() moves neither (p.data has its own counter): it is not seen.
             state["master"].view(p.shape).copy_(p.detach())
         return state
 

@@ -239,3 +239,31 @@ def test_the_rest_of_torchs_optimizer_contract():
     opt.zero_grad()
     assert all(p.grad is None for p in params)
     assert "state_dtype: bf16" in repr(opt) and "maximize: True" in repr(opt) and "amsgrad: False" in repr(opt)
+
+
+@pytest.mark.parametrize("how", ["no_grad_copy", "load_state_dict", "data_rebind"])
+def test_a_16bit_param_written_between_steps_is_what_the_next_step_starts_from(how):
+    """The fp32 master follows a 16-bit param written since the last step: seen by its version counter,
+    or, for ``p.data = t`` (which does not move it), by its storage."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 1).bfloat16()
+    opt = CPUAdam(lin.parameters(), lr=1e-2)
+    for k in range(3):
+        if k == 1:
+            new = {n: torch.full_like(t, 2.0) for n, t in lin.state_dict().items()}
+            if how == "load_state_dict":
+                lin.load_state_dict(new)
+            elif how == "no_grad_copy":
+                with torch.no_grad():
+                    for p in lin.parameters():
+                        p.copy_(torch.full_like(p, 2.0))
+            else:
+                for p in lin.parameters():
+                    p.data = torch.full_like(p, 2.0)
+            start = [p.detach().float().clone() for p in lin.parameters()]
+        lin(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if k == 1:  # one step from 2.0: the update is about lr, never back to the old weights
+            for p, s in zip(lin.parameters(), start):
+                assert ((p.float() - s).abs() <= 0.02).all(), (how, p)
