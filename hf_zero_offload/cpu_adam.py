@@ -229,6 +229,10 @@ class CPUAdam(torch.optim.Optimizer):
         with _hooks_set_aside(self, "_optimizer_state_dict_post_hooks") as (post_hooks,):
             state_dict = super().state_dict()
         state_dict["state"] = {pid: sdict.packed(st) for pid, st in state_dict["state"].items()}
+        # torch.optim.Adam(decoupled_weight_decay=True) loading this dict takes the saved groups and defaults a
+        # missing key to False: it became L2 Adam, without a word (torch's AdamW forces it; Adam does not)
+        for g in state_dict["param_groups"]:
+            g["decoupled_weight_decay"] = bool(g["adamw_mode"])
         for hook in post_hooks:
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result

@@ -267,3 +267,27 @@ def test_a_16bit_param_written_between_steps_is_what_the_next_step_starts_from(h
         if k == 1:  # one step from 2.0: the update is about lr, never back to the old weights
             for p, s in zip(lin.parameters(), start):
                 assert ((p.float() - s).abs() <= 0.02).all(), (how, p)
+
+
+def test_a_state_dict_loaded_into_adam_with_decoupled_weight_decay_stays_adamw():
+    """The saved groups say torch's decoupled_weight_decay: without it torch.optim.Adam(decoupled_weight_decay=True)
+    defaulted the key to False on load and went on as L2 Adam."""
+    g = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(9, generator=g), [torch.randn(9, generator=g) for _ in range(6)]
+    p, q = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    ours = CPUAdam([p], lr=1e-2, weight_decay=0.5)
+    ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.5, foreach=False)
+    for gr in grads[:3]:
+        p.grad, q.grad = gr.clone(), gr.clone()
+        ours.step()
+        ref.step()
+    p2 = torch.nn.Parameter(p.detach().clone())
+    torch_adam = torch.optim.Adam([p2], lr=1e-2, weight_decay=0.5, decoupled_weight_decay=True, foreach=False)
+    torch_adam.load_state_dict(copy.deepcopy(ours.state_dict()))
+    assert torch_adam.param_groups[0]["decoupled_weight_decay"] is True
+    for gr in grads[3:]:
+        p2.grad, q.grad = gr.clone(), gr.clone()
+        torch_adam.step()
+        ref.step()
+    torch.testing.assert_close(p2, q, rtol=1e-6, atol=1e-7)
+    ours.load_state_dict(copy.deepcopy(ours.state_dict()))  # and back into CPUAdam
