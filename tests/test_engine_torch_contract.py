@@ -173,3 +173,32 @@ def test_the_engines_own_writes_are_not_taken_for_the_users(kind, dpu, sim, monk
     model(torch.ones(2, 3)).sum().backward()
     opt.step()
     assert calls == []
+
+
+@pytest.mark.parametrize("kind", ["offload", "sharded2"])
+def test_torch_state_dict_hooks_run_in_torchs_order(kind):
+    model = nn.Linear(3, 2)
+    opt = engine(kind, list(model.parameters()))
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("sd_pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append("sd_post") or {**sd, "mine": 1})
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: seen.append("load_pre") or {k: v for k, v in sd.items() if k != "mine"})
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("load_post"))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["mine"] == 1
+    opt.load_state_dict(sd)
+    assert seen == ["sd_pre", "sd_post", "load_pre", "load_post"]
+
+
+@pytest.mark.parametrize("kind", ["offload", "sharded2"])
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "torch.save"])
+def test_copying_an_engine_is_refused_by_name(kind, how, tmp_path):
+    """The copy had no masters or moments and failed at its first step with an AttributeError."""
+    opt = engine(kind, list(nn.Linear(3, 2).parameters()))
+    act = {"deepcopy": lambda: copy.deepcopy(opt), "copy": lambda: copy.copy(opt),
+           "torch.save": lambda: torch.save(opt, tmp_path / "opt.pt")}[how]
+    with pytest.raises(TypeError, match="cannot be .*save_checkpoint"):
+        act()

@@ -80,13 +80,42 @@ class SavedState:
         n = self.hi - self.lo
         return {"master": self.master[:n], **self.moments.tensors(n)}
 
+    def _refuse_copy(self, what: str):
+        raise TypeError(f"{type(self).__name__} cannot be {what}: its state lives in a host arena (and on other ranks), "
+                        "with gradient hooks on the model's parameters; save it with state_dict() or "
+                        "save_checkpoint() and load that into an engine built on the new model")
+
+    def __getstate__(self):  # pickle, torch.save(engine), copy.copy: torch's kept group settings alone
+        self._refuse_copy("pickled or copied")
+
+    def __deepcopy__(self, memo):  # a copy without masters or moments, which failed at its first step
+        self._refuse_copy("deep-copied")
+
     def state_dict(self) -> dict:
+        """This slice's state (``state_meta`` and clones of its tensors), through torch.optim's state_dict
+        hooks in torch's order: the pre hooks see the optimizer, the post hooks the dict (and may replace it)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         # Clones: torch.save of a view would write the whole arena (gradient stores included).
-        return {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
+        state = {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state)
+            state = state if result is None else result
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size).
-        Every field and tensor is checked before the first write: a refused state changes nothing."""
+        Every field and tensor is checked before the first write: a refused state changes nothing.
+        torch.optim's load_state_dict hooks run as in torch: the pre hooks see (and may replace) the dict
+        before the checks, the post hooks the optimizer as loaded."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state)
+            state = state if result is None else result
+        self._load_state_dict(state)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _load_state_dict(self, state: dict) -> None:
         where = "state dict"
         if not isinstance(state, dict):
             raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() returns, "
