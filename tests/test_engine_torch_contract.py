@@ -202,3 +202,23 @@ def test_copying_an_engine_is_refused_by_name(kind, how, tmp_path):
            "torch.save": lambda: torch.save(opt, tmp_path / "opt.pt")}[how]
     with pytest.raises(TypeError, match="cannot be .*save_checkpoint"):
         act()
+
+
+@pytest.mark.parametrize("end", ["close", "drop", "flush_then_drop"])
+def test_a_delayed_step_that_never_reaches_the_model_is_said(end, caplog):
+    import gc
+    model = nn.Linear(3, 2)
+    opt = engine("offload", list(model.parameters()), dpu=True, dpu_warmup_steps=0)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert opt.needs_publish
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        if end == "close":
+            opt.close()
+        else:
+            if end == "flush_then_drop":
+                opt.flush()
+            del opt
+            gc.collect()
+    said = [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
+    assert len(said) == (0 if end == "flush_then_drop" else 1), said

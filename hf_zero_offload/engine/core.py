@@ -32,7 +32,7 @@ from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
 from .runs import Run, flat_layout, make_runs, training_dtype
-from .saved_state import SavedState
+from .saved_state import SavedState, logger
 from .streams import Streams, make_streams
 
 
@@ -371,11 +371,23 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
     def _barrier(self) -> None:
         """All ranks reach this point (one process: nothing to wait for)."""
 
+    def __del__(self):
+        # an engine used directly, dropped with a delayed step pending: that step never reaches the model
+        try:
+            if getattr(self, "needs_publish", False) and getattr(self, "_done_why", None) is None:
+                logger.warning("hf_zero_offload: %s dropped with a delayed (DPU) step not published: the model keeps "
+                               "the weights of one step before; call flush() when done", type(self).__name__)
+        except Exception:  # interpreter shutdown: logging may be gone
+            pass
+
     def close(self) -> None:
         """Hooks removed, helper threads stopped (a delayed step not flushed before is dropped); the engine
         refuses to step after. Calling it again does nothing."""
         if self._done_why == "closed":
             return
+        if self.needs_publish and self._done_why is None:
+            logger.warning("hf_zero_offload: %s closed with a delayed (DPU) step not published: the model keeps the "
+                           "weights of one step before the masters; call flush() before close()", type(self).__name__)
         self._done_why = "closed"
         self.detach_hooks()
         self._wait_worker()
