@@ -199,11 +199,31 @@ def test_two_ranks_refuse_a_peer_file_cut_in_the_middle_before_the_first_write(t
             assert "400 bytes are missing" in r[state_dtype] and r[state_dtype + " unchanged"], r
 
 
-def _rewrite(src, dst, edit):
-    """``src``'s state file written again at ``dst`` with its header edited (valid checksums)."""
+@pytest.mark.parametrize("own", ["int8", "fp32"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_int8_code_out_of_range_names_the_rank_file_that_holds_it(tmp_path, rank, own):
+    """Checked once loaded, on the engine's whole slice: the error named the directory, so with several rank files
+    the user could not tell which one was damaged."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, "int8")
+    run_steps(model, opt, batches(3))
+    _save_as_two_ranks(opt, tmp_path / "ck")
+    opt.close()
+    path = str(tmp_path / "ck" / f"rank{rank}_of_2.hzo")
+    _rewrite(path, path, lambda m: m, change=lambda t: t["exp_avg_sq"].__setitem__(-1, 255))
+    fresh = _engine(copy.deepcopy(model), own)
+    with pytest.raises(checkpoint.StateFileError, match=re.escape(f"{path}: exp_avg_sq codes has code 255, outside")):
+        fresh.load_checkpoint(str(tmp_path / "ck"))
+    fresh.close()
+
+
+def _rewrite(src, dst, edit, change=lambda tensors: None):
+    """``src``'s state file written again at ``dst`` with its header edited, its tensors changed (valid checksums)."""
     meta, entries, _ = checkpoint.read_header(str(src))
     tensors = {key: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for key, e in entries.items()}
     checkpoint.read_into(str(src), tensors)
+    change(tensors)
     checkpoint.write_state(str(dst), edit(meta), tensors)
 
 
