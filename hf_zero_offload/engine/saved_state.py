@@ -265,7 +265,8 @@ class SavedState:
         else:
             self._convert_loaded(saved, codes, read, where, files)
         if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
-            self._check_int8(self.moments.state, where, self.lo, files)
+            # (codes of a conversion are this process's own encoding: no file to blame)
+            self._check_int8(self.moments.state, where, self.lo, files if saved == "int8" else None)
 
     @staticmethod
     def _check_int8(state: dict, where: str, first: int = 0, files: list | None = None) -> None:
