@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -17,24 +18,27 @@ import torch
 from _dist import run_distributed
 from _models import TinyNet, batches, param_groups, run_steps
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, checkpoint, state_dir
+from hf_zero_offload.ops import QUANT_BLOCK as Q
 
 LR, WD = 1e-2, 0.01
 SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
 
 
-def _engine(model):
-    return OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL))
+def _engine(model, state_dtype="fp32"):
+    return OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL, state_dtype=state_dtype))
 
 
 def _save_as_two_ranks(opt, directory) -> None:
-    """``opt``'s state as the 2-rank checkpoint a sharded run with the same flat layout writes."""
+    """``opt``'s state as the 2-rank checkpoint a sharded run with the same flat layout writes (its shards start on
+    an int8 block; int8 scales are cut by block)."""
     meta, tensors = {**opt.state_meta(), "save_id": os.urandom(8).hex()}, opt.state_tensors()  # as save_checkpoint
-    cut = opt.numel // 2
+    cut = opt.numel // 2 // Q * Q
     ranges = [[0, cut], [cut, opt.numel]]
     for r in (1, 0):  # rank 0 writes meta.json after its file: last
         a, b = ranges[r]
         state_dir.save(str(directory), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
-                       {k: v[a:b] for k, v in tensors.items()}, barrier=lambda: None, partition=ranges)
+                       {k: v[a // Q:-(-b // Q)] if k.endswith("_scale") else v[a:b] for k, v in tensors.items()},
+                       barrier=lambda: None, partition=ranges)
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +118,112 @@ def test_a_bad_file_is_refused_before_the_first_write(saved, tmp_path, damage, m
     fresh.close()
 
 
-def _rewrite(src, dst, edit):
-    """``src``'s state file written again at ``dst`` with its header edited (valid checksums)."""
+def _snapshot(model, opt) -> dict:
+    return {"state": {k: v.clone() for k, v in opt.state_tensors().items()}, "global": opt.global_steps,
+            "steps": opt._param_steps.clone(), "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def _unchanged(model, opt, before: dict) -> bool:
+    now = _snapshot(model, opt)
+    return (all(torch.equal(now["state"][k], v) for k, v in before["state"].items()) and now["global"] == before["global"]
+            and torch.equal(now["steps"], before["steps"]) and opt._load_failed is None
+            and all(torch.equal(p, q) for p, q in zip(now["params"], before["params"])))
+
+
+def _splice_exp_avg(path, change: int) -> None:
+    """``-change`` bytes cut out of (or ``change`` added to) exp_avg's data, 100 bytes in; header and trailer stay
+    whole. A load reads that after the masters of every file it reads, so it used to write before finding it."""
+    _, entries, base = checkpoint.read_header(path)
+    at, raw = base + entries["exp_avg"]["offset"] + 100, open(path, "rb").read()
+    open(path, "wb").write(raw[:at] + raw[at - change:] if change < 0 else raw[:at] + b"\x5a" * change + raw[at:])
+
+
+SPLICES = {"cut in the middle": (-400, "400 bytes are missing"), "bytes inserted": (64, "it has 64 bytes too many")}
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("splice", sorted(SPLICES))
+def test_a_rank_file_missing_or_gaining_bytes_in_its_data_is_refused_before_the_first_write(tmp_path, splice,
+                                                                                            state_dtype):
+    """Header and trailer whole, their checksums valid: the file passed every check made before the load, which failed
+    only on the checksum of the chunk the cut shifted, with the master, moments and step count already overwritten
+    (int8: refused before, but by chance: its scales, read first, lay past the end)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, state_dtype)
+    run_steps(model, opt, batches(3))
+    _save_as_two_ranks(opt, tmp_path / "ck")
+    change, says = SPLICES[splice]
+    victim = str(tmp_path / "ck" / "rank1_of_2.hzo")
+    _splice_exp_avg(victim, change)
+    run_steps(model, opt, batches(1, seed=1))  # the engine holds a state the checkpoint's would replace
+    before = _snapshot(model, opt)
+    with pytest.raises(checkpoint.StateFileError, match=re.escape(f"{victim}: the file is ") + f".*: {says}"):
+        opt.load_checkpoint(str(tmp_path / "ck"))
+    assert _unchanged(model, opt, before)
+    run_steps(model, opt, batches(1, seed=2))  # and it still steps
+    opt.close()
+
+
+def _cut_peer_job(rank, world, root):
+    """A 2-rank ZeRO-2 offload save, rank 1's file cut in the middle, then a load into the same engines a step
+    later: both ranks refuse it (each checks every file of the map) and keep their state."""
+    out = {}
+    for state_dtype in ("fp32", "bf16", "int8"):
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = ShardedAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL, state_dtype=state_dtype),
+                          stage=2, offload=True)
+        run_steps(model, opt, batches(2, seed=10 + rank))
+        directory = os.path.join(root, state_dtype)
+        opt.save_checkpoint(directory)
+        if rank == 1:
+            _splice_exp_avg(checkpoint.rank_file(directory, 1, 2), -400)
+        run_steps(model, opt, batches(1, seed=20 + rank))  # (a collective: rank 1's cut is done by then)
+        before = _snapshot(model, opt)
+        try:
+            opt.load_checkpoint(directory)
+            out[state_dtype] = "loaded"
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out[state_dtype] = f"{type(e).__name__}: {e}"
+        out[state_dtype + " unchanged"] = _unchanged(model, opt, before)
+        opt.close()
+    return out
+
+
+def test_two_ranks_refuse_a_peer_file_cut_in_the_middle_before_the_first_write(tmp_path):
+    for r in run_distributed(_cut_peer_job, str(tmp_path), timeout=180):
+        for state_dtype in ("fp32", "bf16", "int8"):
+            victim = checkpoint.rank_file(str(tmp_path / state_dtype), 1, 2)
+            assert r[state_dtype].startswith(f"StateFileError: optimizer state file {victim}: the file is "), r
+            assert "400 bytes are missing" in r[state_dtype] and r[state_dtype + " unchanged"], r
+
+
+@pytest.mark.parametrize("own", ["int8", "fp32"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_int8_code_out_of_range_names_the_rank_file_that_holds_it(tmp_path, rank, own):
+    """Checked once loaded, on the engine's whole slice: the error named the directory, so with several rank files
+    the user could not tell which one was damaged."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, "int8")
+    run_steps(model, opt, batches(3))
+    _save_as_two_ranks(opt, tmp_path / "ck")
+    opt.close()
+    path = str(tmp_path / "ck" / f"rank{rank}_of_2.hzo")
+    _rewrite(path, path, lambda m: m, change=lambda t: t["exp_avg_sq"].__setitem__(-1, 255))
+    fresh = _engine(copy.deepcopy(model), own)
+    with pytest.raises(checkpoint.StateFileError, match=re.escape(f"{path}: exp_avg_sq codes has code 255, outside")):
+        fresh.load_checkpoint(str(tmp_path / "ck"))
+    fresh.close()
+
+
+def _rewrite(src, dst, edit, change=lambda tensors: None):
+    """``src``'s state file written again at ``dst`` with its header edited, its tensors changed (valid checksums)."""
     meta, entries, _ = checkpoint.read_header(str(src))
     tensors = {key: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for key, e in entries.items()}
     checkpoint.read_into(str(src), tensors)
+    change(tensors)
     checkpoint.write_state(str(dst), edit(meta), tensors)
 
 

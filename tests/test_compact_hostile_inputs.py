@@ -169,7 +169,8 @@ def test_a_checkpoint_with_codes_the_kernel_never_writes_is_refused(tmp_path, ow
     codes[codes.numel() // 2] = code
     state_dir.save(str(tmp_path), 0, 1, saver.state_meta(), tensors, barrier=None, partition=None)
     target = engine(copy.deepcopy(model), own)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path))}: {key} codes has code {code}, outside"):
+    path = re.escape(os.path.join(str(tmp_path), "rank0_of_1.hzo"))  # the file, not only the directory
+    with pytest.raises(ValueError, match=rf"{path}: {key} codes has code {code}, outside"):
         target.load_checkpoint(str(tmp_path))
     with pytest.raises(RuntimeError, match="failed part way"):
         target.step()
@@ -229,6 +230,51 @@ def test_int8_two_ranks_load_into_one_fp32_and_back_and_consolidate(tmp_path):
         assert out[name].dtype == torch.float32 and torch.equal(out[name].reshape(-1), saved["master"][off:off + n])
     for o in (fp32, int8):
         o.close()
+
+
+# -- ops.adam_step on a part of an int8 state --------------------------------------------------------
+BAD_PARTS = {  # (codes [a, b), scales [sa, sb)): the right number of scales, of other blocks
+    "inside a block": ((100, 612), (0, 2), "starts at element 100 of its state array but {}_scale at block 0"),
+    "another block": ((256, 768), (0, 2), "starts at element 256 of its state array but {}_scale at block 0"),
+    "later scales": ((0, 512), (1, 3), "starts at element 0 of its state array but {}_scale at block 1"),
+}
+
+
+def test_adam_step_refuses_int8_codes_with_the_scales_of_other_blocks():
+    """codes[100:612] with the scales of blocks 0-1 stepped each element with another block's absmax (exp_avg off
+    by up to 2.4x its largest value), where ``state_slice`` refused the same range. Refused now, nothing written;
+    what the check cannot locate is not refused: block-aligned parts, and a state carved out of one buffer at
+    offsets unrelated to its blocks (the engine's arena), step exactly as the whole state does."""
+    torch.manual_seed(0)
+    st, p = ops.make_state(1024, "int8"), torch.randn(1024)
+    g = torch.randn(1024) * torch.logspace(-3, 1, 1024)  # blocks of different absmax: a wrong scale matters
+    for s in (1, 2):
+        ops.adam_step(p, g, step=s, lr=1e-2, **st)
+    before, p0 = {k: v.clone() for k, v in st.items()}, p.clone()
+    for case, ((a, b), (sa, sb), says) in BAD_PARTS.items():
+        for moment in ("exp_avg", "exp_avg_sq"):  # each pair on its own, the other one aligned
+            part = {**ops.state_slice(st, 0, b - a), moment: st[moment][a:b],
+                    f"{moment}_scale": st[f"{moment}_scale"][sa:sb]}
+            with pytest.raises(ValueError, match=re.escape(f"{moment} {says.format(moment)}") + ".*state_slice"):
+                ops.adam_step(p[a:b], g[a:b], step=3, lr=1e-2, **part)
+    for k, v in st.items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(p, p0)
+    whole, whole_p = {k: v.clone() for k, v in st.items()}, p.clone()
+    ops.adam_step(whole_p, g, step=3, lr=1e-2, **whole)
+    buf = torch.zeros(8192, dtype=torch.uint8)  # codes at bytes 100 and 1124, scales at 4000 and 4016
+    carved = {"exp_avg": buf[100:1124].view(torch.int8), "exp_avg_sq": buf[1124:2148],
+              "exp_avg_scale": buf[4000:4016].view(torch.float32), "exp_avg_sq_scale": buf[4016:4032].view(torch.float32)}
+    for k, v in carved.items():
+        v.copy_(st[k])
+    carved_p = p.clone()
+    ops.adam_step(carved_p, g, step=3, lr=1e-2, **carved)
+    for a, b in ((0, 256), (256, 1024)):
+        ops.adam_step(p[a:b], g[a:b], step=3, lr=1e-2, round_index=a, **ops.state_slice(st, a, b))
+    for got, got_p in ((st, p), (carved, carved_p)):
+        assert torch.equal(got_p, whole_p)
+        for k, v in whole.items():
+            assert torch.equal(got[k], v), k
 
 
 # -- the estimate CLI ---------------------------------------------------------------------------------

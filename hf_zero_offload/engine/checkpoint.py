@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
+import reprlib
 import socket
 import struct
 import zlib
@@ -238,7 +240,14 @@ def _read_trailer(f, path: str, size: int) -> dict:
     trailer = f.read(n)
     if zlib.crc32(trailer) != crc:
         raise _bad(path, "checksum trailer does not match its checksum")
-    return json.loads(trailer)
+    try:
+        sums = json.loads(trailer)
+        ok = isinstance(sums, dict) and isinstance(sums.get("header"), int) and isinstance(sums.get("chunks"), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise _bad(path, 'checksum trailer is not {"header": crc, "chunks": {name: [crc, ...]}}')
+    return {**sums, "length": tail + n}
 
 
 def read_header(path: str, *, with_sums: bool = False):
@@ -268,8 +277,51 @@ def read_header(path: str, *, with_sums: bool = False):
         meta, entries = header["meta"], header["tensors"]
     except (ValueError, KeyError, TypeError) as e:
         raise _bad(path, f"unreadable header ({type(e).__name__}: {e})") from None
-    out = (meta, entries, len(_MAGIC) + 8 + n)
+    base = len(_MAGIC) + 8 + n
+    _check_layout(path, entries, size, base, sums)
+    out = (meta, entries, base)
     return (*out, sums) if with_sums else out
+
+
+def _check_layout(path: str, entries, size: int, base: int, sums: dict | None) -> None:
+    """The file is exactly what ``write_state`` writes for this header: each tensor's bytes right after the one
+    before it (no overlap, no gap), the data ending where the trailer starts, one checksum per chunk. The header and
+    trailer checksums cannot tell a file whose data lost or gained bytes (a copy cut short in the middle, a block
+    inserted): without this it passed every check made before a load and failed only part way through, after the
+    optimizer's state had been overwritten. Costs one ``stat`` and a loop over the few tensors."""
+    if not isinstance(entries, dict):
+        raise _bad(path, f"the header's tensors must be an object, got {type(entries).__name__}")
+    end = 0
+    for name, e in entries.items():
+        if not _entry_ok(e):
+            raise _bad(path, f"tensor {name!r} is {reprlib.repr(e)}, expected a dtype, a shape, a byte offset and "
+                             "the nbytes that dtype and shape make")
+        if e["offset"] != end:
+            raise _bad(path, f"tensor {name!r} starts at byte {e['offset']} of the data, expected {end} (where the "
+                             "tensor before it ends): its bytes overlap another tensor's or leave a gap")
+        end += e["nbytes"]
+        chunks, want = sums and sums["chunks"].get(name), -(-e["nbytes"] // _CHUNK)
+        if sums is not None and not (isinstance(chunks, list) and len(chunks) == want):
+            raise _bad(path, f"the checksum trailer holds {reprlib.repr(chunks)} for {name!r}, expected {want} "
+                             f"checksums (one per {_CHUNK} bytes)")
+    declared = base + end + (0 if sums is None else sums["length"])
+    if size != declared:
+        off = (f"{declared - size} bytes are missing (a copy cut short, or bytes lost in the middle)"
+               if size < declared else f"it has {size - declared} bytes too many (bytes added to its data)")
+        raise _bad(path, f"the file is {size} bytes, but its header declares {declared} ({base} of header, {end} of "
+                         f"tensors, {declared - base - end} of checksum trailer): {off}")
+
+
+def _entry_ok(e) -> bool:
+    if not (isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)):
+        return False
+    dtype = getattr(torch, e["dtype"], None)
+    return (isinstance(dtype, torch.dtype) and all(map(_count, e["shape"])) and _count(e.get("offset"))
+            and _count(e.get("nbytes")) and e["nbytes"] == math.prod(e["shape"]) * dtype.itemsize)
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def read_into(path: str, tensors: dict[str, torch.Tensor], *, start: dict[str, int] | None = None) -> dict:

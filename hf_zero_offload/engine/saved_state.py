@@ -291,7 +291,8 @@ class SavedState:
         self._load_failed = f"checkpoint {directory}"
         self._apply_meta(meta)
         if self.hi > self.lo:
-            self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory)
+            self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory,
+                               files=srcs)
         return meta, len(srcs)
 
     @staticmethod
@@ -305,33 +306,43 @@ class SavedState:
             raise StateFileError(f"{where}: {e}") from None
         return codes
 
-    def _load_tensors(self, meta: dict, codes: int, read, where: str) -> None:
+    def _load_tensors(self, meta: dict, codes: int, read, where: str, files: list | None = None) -> None:
         """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``,
         block-aligned for int8). Moments saved with another ``state_dtype`` (or int8 ones with an
         earlier code map ``codes``) are converted through fp32 (a one-time copy of the slice's
-        moments), with one log line."""
+        moments), with one log line. ``files``: a checkpoint's (path, start, end), to name in errors."""
         saved = meta.get("state_dtype", "fp32")
         if saved == self.moments.state_dtype and codes == ops.INT8_CODES:
             read(self.lo, self.state_tensors())
         else:
-            self._convert_loaded(saved, codes, read, where)
+            self._convert_loaded(saved, codes, read, where, files)
         if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
-            self._check_int8(self.moments.state, where)
+            # (codes of a conversion are this process's own encoding: no file to blame)
+            self._check_int8(self.moments.state, where, self.lo, files if saved == "int8" else None)
 
     @staticmethod
-    def _check_int8(state: dict, where: str) -> None:
+    def _check_int8(state: dict, where: str, first: int = 0, files: list | None = None) -> None:
         """Loaded int8 moments: absmax scales, and codes in the range the kernel writes (a larger code
         decodes above its block's absmax). The codes can only be read once they are loaded (they stream
         into the arena, and reading them twice would add a third to a resume's reads), so a refusal here
-        comes after the load's first write: ``_load_failed`` then keeps step and save refused."""
+        comes after the load's first write: ``_load_failed`` then keeps step and save refused. With
+        ``files`` (a checkpoint's (path, start, end); ``first``: the flat index of the state's element 0)
+        the codes each file gave are checked apart, so the error names the rank file that holds the bad
+        code, not only the directory (the same one pass over the codes)."""
+        n = state["exp_avg"].numel()
+        parts = [(where, 0, n)] if files is None else [
+            (path, max(a0, first) - first, min(b0, first + n) - first) for path, a0, b0 in files
+            if min(b0, first + n) > max(a0, first)]
+        name = where
         try:
             ops.check_scales(*(state[k] for k in SCALES))
-            for k in ("exp_avg", "exp_avg_sq"):
-                check_code_range(f"{k} codes", state[k])
+            for name, a, b in parts:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    check_code_range(f"{k} codes", state[k][a:b])
         except ValueError as e:
-            raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
+            raise StateFileError(f"{name}: {e}; use an earlier checkpoint") from None
 
-    def _convert_loaded(self, saved: str, codes: int, read, where: str) -> None:
+    def _convert_loaded(self, saved: str, codes: int, read, where: str, files: list | None) -> None:
         own, n = self.moments.state_dtype, self.hi - self.lo
         read(self.lo, {"master": self.master[:n]})
         # the saved int8 blocks that cover this slice (its start need not be a block start then)
@@ -340,7 +351,7 @@ class SavedState:
         tmp = ops.make_state(ha - la, saved)
         read(la, tmp)
         if saved == "int8":
-            self._check_int8(tmp, where)
+            self._check_int8(tmp, where, la, files)
         m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
         for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
             self.moments.tensors(n)[k].copy_(t)

@@ -106,7 +106,8 @@ _SAME_IN_MAP = ("save_id", "numel", "slots", "param_dtype")
 
 
 def _check_files(srcs: list[tuple[str, int, int]], meta_path: str, saved_map: dict) -> dict:
-    """Every file the map lists, checked before anything is loaded (its header and trailer: a few KB each),
+    """Every file the map lists, checked before anything is loaded (its header and trailer, a few KB each, and its
+    size against them: ``checkpoint.read_header``),
     and by every rank, also for the files it will not read: a file missing, cut short, holding another range
     or another save's state is then the same clear error on every rank, before the first write, instead of
     one rank failing part way through the load while its peers go on to wait for it in the next collective.

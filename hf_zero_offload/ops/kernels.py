@@ -9,7 +9,7 @@ import torch
 
 from .. import _C
 from ._args import _DTYPE_CODE, _HALF_OR_FLOAT, _check, _threads
-from .moments import _STATE_CODE, _state_kind
+from .moments import _STATE_CODE, _state_kind, check_blocks
 
 
 def adam_step(
@@ -42,8 +42,13 @@ def adam_step(
     The moments' dtypes choose their storage (``STATE_DTYPES``): fp32/fp32; bf16/bf16; or int8
     ``exp_avg`` + uint8 ``exp_avg_sq`` codes with fp32 ``exp_avg_scale``/``exp_avg_sq_scale`` of
     ``ceil(numel / QUANT_BLOCK)`` entries, the range starting on a block boundary of the full
-    arrays (slice with ``state_slice``). In every kind the update runs in fp32 on the decoded
-    moments and the param is updated from the new moments before they are rounded for storage.
+    arrays, with the scales of the blocks it covers (slice with ``state_slice``): codes decoded with
+    another block's scale step from wrong moments. Refused when the arrays' storages tell (each holds
+    one state array, as ``make_state`` makes them: ``check_blocks``); in arrays carved out of one
+    buffer (the engine's arena) it is the caller's to keep. The codes' range is not checked here (a
+    pass over them at every step): loads check it (``check_code_range``). In every kind the update
+    runs in fp32 on the decoded moments and the param is updated from the new moments before they
+    are rounded for storage.
 
     bf16 moments are stored with stochastic rounding; element i's random bits are a hash of
     (``step``, ``round_index + i``), so give each element of a larger state the same index at every
@@ -72,6 +77,8 @@ def adam_step(
         raise ValueError(f"grad_scale must be a number >= 0, got {grad_scale!r}")
     check_separate(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param_out=param_out,
                    exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)
+    if kind == "int8":
+        check_blocks(exp_avg=(exp_avg, exp_avg_scale), exp_avg_sq=(exp_avg_sq, exp_avg_sq_scale))
     if compact_math and kind != "fp32":
         raise ValueError(f"compact_math is for fp32 moments (bf16/int8 moments always use it); got {kind}")
     if n == 0:

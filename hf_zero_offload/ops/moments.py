@@ -49,6 +49,26 @@ def _state_kind(n: int, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale) ->
     return kind
 
 
+def check_blocks(**pairs) -> None:
+    """int8 codes and their scales (``name=(codes, scales)``) that start on the same block, when that can be
+    told: when each tensor's storage holds exactly one state array (``make_state``, ``state_from_fp32``, a
+    ``torch.load``: ``n`` codes, ``ceil(n / QUANT_BLOCK)`` scales), a view of it (``state_slice``) sits at its
+    offset in that storage, so the codes must start at ``QUANT_BLOCK`` times the scales' offset. Otherwise
+    (the engine carves every region out of one host arena, whose offsets say nothing about a region's start)
+    nothing is checked: the caller must slice on blocks, as ``state_slice`` does. Two integer compares per
+    array, no pass over the data."""
+    for name, (codes, scales) in pairs.items():
+        # (one storage shared by codes and scales, as in the arena, fails this too: n == 4 * ceil(n / 256) only at 0)
+        if scales.untyped_storage().nbytes() != 4 * _num_scales(codes.untyped_storage().nbytes()):
+            continue  # not one storage per array: the offsets do not locate the range
+        if codes.storage_offset() != QUANT_BLOCK * scales.storage_offset():
+            raise ValueError(
+                f"{name} starts at element {codes.storage_offset()} of its state array but {name}_scale at block "
+                f"{scales.storage_offset()}, whose codes start at {QUANT_BLOCK * scales.storage_offset()}: int8 "
+                f"moments are stepped from a multiple of QUANT_BLOCK={QUANT_BLOCK} with that block's scales "
+                "(take both with ops.state_slice)")
+
+
 def check_scales(exp_avg_scale: torch.Tensor, exp_avg_sq_scale: torch.Tensor) -> None:
     """int8 scales are their blocks' absmax: >= 0 (NaN or inf after a non-finite step). A negative
     one was not written by this kernel; the vector kernels rely on it (they skip |v| for
