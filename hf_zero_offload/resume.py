@@ -134,15 +134,19 @@ def _not_a_checkpoint(path: str) -> str | None:
         return f"resume_from_checkpoint: {path} does not exist"
     if not os.path.isdir(path):
         return f"resume_from_checkpoint: {path} is a file, not a checkpoint directory (checkpoint-N)"
-    if _step(path) is not None or status(path) != "incomplete":
+    if _step(path) is not None or read_marker(path) is not None:
         return None
     inside = checkpoints(path)
+    # checkpoint-N folders inside: a run's output_dir, even when it holds trainer_state.json and the final model
+    # too (a finished run saves both there), which is not a checkpoint of its own
     if inside:
         whole = newest_whole(path)
         use = f"the newest complete one is {whole}" if whole else "none of them is complete"
         return (f"resume_from_checkpoint: {path} is a run folder, not a checkpoint: it holds "
                 f"{', '.join(os.path.basename(c) for c in inside)} ({use}); pass one of them, or "
                 f"resume_from_checkpoint=True with output_dir={path}")
+    if status(path) != "incomplete":
+        return None
     held = set(os.listdir(path))
     if held & set(_PIECES):
         return None  # checkpoint files without trainer_state.json: cut short, whatever the folder is called

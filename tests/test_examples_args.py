@@ -114,12 +114,20 @@ def test_argument_errors_come_before_any_model_work(tmp_path, synth_dir, monkeyp
     assert not out.exists() or not os.listdir(out)  # no tokenizer written
 
 
-def test_a_resume_target_that_is_no_checkpoint_is_refused_before_any_model_work(tmp_path, synth_dir, monkeypatch):
+@pytest.mark.parametrize("finished", [False, True], ids=["running", "finished"])
+def test_a_resume_target_that_is_no_checkpoint_is_refused_before_any_model_work(tmp_path, synth_dir, monkeypatch,
+                                                                                finished):
+    """A finished run's folder holds trainer_state.json and the model beside its checkpoints: it was taken for a
+    checkpoint without a marker, then refused in train(), after tokenizer and plan work, as 'the model only'."""
     from hf_zero_offload.config import ConfigError
 
     _no_model_work(monkeypatch)
     run = tmp_path / "run"
     (run / "checkpoint-4").mkdir(parents=True)  # a run folder given where a checkpoint is expected
+    if finished:
+        (run / "trainer_state.json").write_text('{"global_step": 4, "log_history": []}')
+        (run / "config.json").write_text("{}")
+        (run / "model.safetensors").write_bytes(b"")
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match="is a run folder, not a checkpoint"):
         finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", "--zero_offload",
