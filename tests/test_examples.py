@@ -296,3 +296,21 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
         metrics = json.load(f)
     assert metrics["train_loss"] == metrics["train_loss"] and "val_bleu" in metrics  # finite, evaluated
 
+
+
+def test_a_resume_takes_the_tokenizer_of_its_checkpoint(tmp_path, synth_dir):
+    """Random initialisation trains a tokenizer on the training text; a resume (here with another --n_train)
+    trained another one, whose ids no longer matched the embedding rows the model had learned."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "out"
+    base = _common_args(synth_dir, out, n_train=48) + ["--config_name", TINY, "--do_train", "--zero_offload",
+                                                      "zero2-offload"]
+    base[base.index("--save_strategy") + 1] = "steps"
+    finetune_trainer.main(base + ["--save_steps", "2", "--max_steps", "2"])
+    saved = AutoTokenizer.from_pretrained(out / "checkpoint-2").get_vocab()
+    argv = _common_args(synth_dir, out, n_train=160) + ["--config_name", TINY, "--do_train", "--zero_offload",
+                                                       "zero2-offload", "--resume_from_checkpoint",
+                                                       str(out / "checkpoint-2")]
+    finetune_trainer.main(argv)
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == saved  # the final model's tokenizer is the run's

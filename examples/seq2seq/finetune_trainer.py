@@ -121,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     except OSError as e:  # a Hub id without the network: say which offline file builds the same architecture
         raise OSError(f"{e}{repo_config_hint(name)}") from e
     check_zero_config(training_args, config)
-    check_resume_target(training_args)
+    resumed_from = check_resume_target(training_args)
 
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
@@ -150,7 +150,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if training_args.do_predict:
         texts["test"] = _load_texts(model_args, data_args, "test", data_args.n_test)
 
-    if train_tokenizer_here:
+    saved_tokenizer = resumed_from and os.path.isfile(os.path.join(resumed_from, "tokenizer.json"))
+    if train_tokenizer_here and saved_tokenizer:
+        # The tokenizer the resumed model was trained with (every checkpoint saves it): one trained again on this
+        # run's text (another --n_train, other data) gave other ids to the embedding rows the model had learned.
+        tokenizer = AutoTokenizer.from_pretrained(resumed_from)
+        logger.info("tokenizer: %d ids, the one saved in %s (a resume does not train a new one)", len(tokenizer),
+                    resumed_from)
+    elif train_tokenizer_here:
+        if resumed_from:
+            logger.warning("%s holds no tokenizer.json: a tokenizer is trained on this run's training text, and its "
+                           "ids match the resumed model's only if that text is the first run's", resumed_from)
         vocab_size = model_args.tokenizer_vocab_size or config.vocab_size
         src, tgt = texts["train"]
         logger.info("training a SentencePiece unigram tokenizer (vocab <= %d) on %d training pairs",

@@ -174,8 +174,10 @@ def check_zero_config(training_args, config) -> None:
     check_arguments(training_args, cfg.scheduler.type if cfg.scheduler is not None else None)
 
 
-def check_resume_target(training_args) -> None:
+def check_resume_target(training_args) -> Optional[str]:
     """--resume_from_checkpoint names a complete checkpoint (or true/last with one in output_dir): checked before the
-    tokenizer, the model and the memory plan, as the Trainer's train() will check it again."""
+    tokenizer, the model and the memory plan, as the Trainer's train() will check it again. Returns the checkpoint
+    the run resumes from (None: no resume)."""
     if training_args.do_train and training_args.resume_from_checkpoint:
-        resume.target(training_args.resume_from_checkpoint, training_args.output_dir)
+        return resume.target(training_args.resume_from_checkpoint, training_args.output_dir)[0]
+    return None
