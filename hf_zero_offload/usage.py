@@ -3,8 +3,10 @@
 ``hf-zero-offload`` and ``examples/seq2seq/finetune_trainer.py`` run their work through :func:`run_reporting`:
 a bad value (``ValueError``, which ``ConfigError`` is), a missing or unreadable file (``OSError``) or a missing
 package (``ImportError``) prints ``PROG: error: MESSAGE`` on stderr and exits 2, the exit status argparse uses for
-bad arguments. Anything else is a bug and keeps its traceback. ``--debug`` (a bare flag) or
-``HF_ZERO_OFFLOAD_DEBUG=1`` brings the traceback back for the user's errors too.
+bad arguments. Ctrl-C prints ``PROG: interrupted`` (and, from ``interrupted()``, where to go on from) and exits
+130, as a shell reports SIGINT, instead of a traceback through the model's forward. Anything else is a bug and
+keeps its traceback. ``--debug`` (a bare flag) or ``HF_ZERO_OFFLOAD_DEBUG=1`` brings the traceback back for the
+user's errors too.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Callable, Sequence
 DEBUG_ENV = "HF_ZERO_OFFLOAD_DEBUG"
 USER_ERRORS = (ValueError, OSError, ImportError)
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
 def take_debug_flag(argv: Sequence[str], *, shared_with_trainer: bool = False) -> tuple[bool, list[str]]:
@@ -31,10 +34,21 @@ def take_debug_flag(argv: Sequence[str], *, shared_with_trainer: bool = False) -
     return debug, out
 
 
-def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool) -> object:
-    """``fn()``; a user error becomes one line on stderr and ``SystemExit(2)`` (unless ``debug``)."""
+def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
+                  interrupted: Callable[[], str | None] | None = None) -> object:
+    """``fn()``; a user error becomes one line on stderr and ``SystemExit(2)`` (unless ``debug``); Ctrl-C one
+    line (with ``interrupted()``'s hint) and ``SystemExit(130)``."""
     try:
         return fn()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        try:
+            hint = interrupted() if interrupted is not None else None
+        except Exception:  # the hint is a courtesy: a failure in it must not bring the traceback back
+            hint = None
+        print(f"{prog}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:  # the reader left (``... --json | head``): not the user's mistake, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not fail again
         raise SystemExit(1) from None

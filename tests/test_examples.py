@@ -314,3 +314,30 @@ def test_a_resume_takes_the_tokenizer_of_its_checkpoint(tmp_path, synth_dir):
                                                        str(out / "checkpoint-2")]
     finetune_trainer.main(argv)
     assert AutoTokenizer.from_pretrained(out).get_vocab() == saved  # the final model's tokenizer is the run's
+
+
+def test_ctrl_c_is_one_line_naming_the_checkpoint_to_go_on_from(tmp_path, synth_dir):
+    """SIGINT mid-run printed a 115-line KeyboardInterrupt traceback through the model's forward."""
+    import signal
+
+    out = tmp_path / "out"
+    argv = _common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", "--zero_offload", "zero2-offload",
+                                          "--max_steps", "100000", "--save_steps", "2"]
+    argv[argv.index("--save_strategy") + 1] = "steps"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX])}
+    p = subprocess.Popen([sys.executable, os.path.join(EX, "finetune_trainer.py"), *argv], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoint-2" / "hzo_complete.json").exists():
+            assert p.poll() is None and time.time() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("finetune_trainer.py: interrupted; the newest complete checkpoint is "), last
+    assert "--resume_from_checkpoint true" in last

@@ -53,7 +53,7 @@ from transformers import (  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
 
-from hf_zero_offload import ZeroOffloadSeq2SeqTrainer  # noqa: E402
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, resume  # noqa: E402
 from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
 import seq2seq_utils as su  # noqa: E402
@@ -95,6 +95,7 @@ def _round_up(n: int, multiple: int = 8) -> int:
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     model_args, data_args, training_args = parse_args(argv)
+    _RUN["output_dir"] = training_args.output_dir
 
     # ---- checks and setup ---------------------------------------------------------------------------------------
     if not (model_args.model_name_or_path or model_args.config_name):
@@ -315,10 +316,23 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     return all_metrics
 
 
+_RUN = {}  # what a Ctrl-C's one line names: this run's output_dir
+
+
+def _where_to_go_on() -> Optional[str]:
+    out = _RUN.get("output_dir")
+    if out is None:
+        return None
+    last = resume.newest_whole(out)
+    if last is None:
+        return f"no complete checkpoint in {out}"
+    return f"the newest complete checkpoint is {last}: go on with --resume_from_checkpoint true (or {last})"
+
+
 def _mp_fn(index):  # for xla_spawn (TPUs), as the legacy script had
     main()
 
 
 if __name__ == "__main__":
     _debug, _argv = take_debug_flag(sys.argv[1:], shared_with_trainer=True)
-    run_reporting(os.path.basename(__file__), lambda: main(_argv), debug=_debug)
+    run_reporting(os.path.basename(__file__), lambda: main(_argv), debug=_debug, interrupted=_where_to_go_on)
