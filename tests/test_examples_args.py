@@ -270,3 +270,15 @@ def test_the_spin_is_set_before_torch_loads_openmp():
     out = subprocess.run([sys.executable, "-c", code, EX], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True 10000"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--per_device_train_batch_size", "abc"], r"--per_device_train_batch_size.*invalid int value: 'abc'"),
+    (["--zero_offload"], r"--zero_offload.*expected one argument"),
+    (["--zero_ofload", "zero2-offload"], r"unknown arguments: --zero_ofload \(did you mean --zero_offload\?\)"),
+], ids=["bad-value", "missing-value", "misspelled-flag"])
+def test_a_flag_mistake_is_one_error_without_the_usage_text(argv, match, capsys):
+    """argparse printed its 140-line usage before a bad or missing value's message."""
+    with pytest.raises(ValueError, match=match):
+        finetune_trainer.parse_args(["--output_dir", "o", *argv])
+    assert "usage:" not in capsys.readouterr().err

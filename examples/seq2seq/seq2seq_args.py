@@ -1,6 +1,7 @@
 """``finetune_trainer.py``'s command line: the legacy argument dataclasses, parsing (legacy spellings mapped), and
 the checks that run before any tokenizer, model or plan work."""
 
+import difflib
 import os
 import sys
 import types
@@ -152,11 +153,24 @@ def repo_config_hint(name: str) -> str:
 
 def parse_args(argv: Optional[List[str]] = None):
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, ZeroOffloadSeq2SeqTrainingArguments))
+
+    def one_line(message: str):
+        # argparse printed its 140-line usage before a bad or missing value's message; one line, as for the rest
+        raise ValueError(f"{message} (all flags: --help)")
+
+    parser.error = one_line
     argv = list(sys.argv[1:] if argv is None else argv)
     _refuse_deepspeed_without_package(argv)
     if len(argv) == 1 and argv[0].endswith(".json"):
         return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=su.rewrite_legacy_argv(argv))
+    *parsed, unknown = parser.parse_args_into_dataclasses(args=su.rewrite_legacy_argv(argv),
+                                                          return_remaining_strings=True)
+    if unknown:
+        flags = [f for a in parser._actions for f in a.option_strings]
+        hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(u.split("=")[0], flags, n=1))
+                 else u for u in unknown if u.startswith("-")]
+        raise ValueError(f"unknown arguments: {', '.join(hints or unknown)} (all flags: --help)")
+    return tuple(parsed)
 
 
 def check_zero_config(training_args, config) -> None:
