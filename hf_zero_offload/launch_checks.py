@@ -103,8 +103,12 @@ def check_world_size(args) -> None:
 
 def warn_fp16_on_cpu(args, fp16: bool) -> None:
     if fp16 and (getattr(args, "use_cpu", False) or not torch.cuda.is_available()):
+        # the advice of warn_bf16_on_cpu too: --bf16 only where the CPU runs bf16 matmuls natively (it told users of
+        # other CPUs to take --bf16, and the next run's warning to drop it)
+        instead = ("use --bf16 for 16-bit training on this CPU (it has AVX512-BF16 or AMX)" if cpu_has_native_bf16()
+                   else "drop --fp16 to train in fp32 (on a CPU, --bf16 helps only with AVX512-BF16 or AMX)")
         logger.warning("hf_zero_offload: --fp16 on a CPU-only run: CPUs emulate fp16 arithmetic (~20x slower than "
-                       "bf16 here); use --bf16 for 16-bit training on a CPU")
+                       "bf16 or fp32); %s", instead)
 
 
 def cpu_has_native_bf16() -> bool | None:

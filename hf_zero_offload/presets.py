@@ -7,6 +7,7 @@ source of truth. A name is the file's stem; the blog's file names are accepted a
 """
 from __future__ import annotations
 
+import difflib
 import os
 
 from .config.schema import ConfigError  # .schema, not the package: the package imports presets
@@ -34,6 +35,10 @@ def _preset_name(name: str) -> str:
 def preset_path(name: str) -> str:
     """The packaged file of a config name (or alias, with or without ``.json``)."""
     stem = _preset_name(name)
+    if stem not in PRESETS and name.endswith(".json"):  # a file name with a typo, not a shipped config's name
+        near = difflib.get_close_matches(name, [f for f in os.listdir(".") if f.endswith(".json")], n=1)
+        raise ConfigError(f"{name}: no such file in {os.getcwd()}" + (f" (did you mean {near[0]}?)" if near else "")
+                          + f", and no shipped ds_config of that name ({', '.join(names())})")
     if stem not in PRESETS:
         raise ConfigError(f"no shipped ds_config named {name!r}; names: {', '.join(names())} "
                           f"(aliases: {', '.join(sorted(ALIASES))}), or give a path to a JSON file")

@@ -50,12 +50,18 @@ def test_start_line_is_info_with_ranks_backend_device_and_dtype(tmp_path, caplog
     assert "ranks=1 backend=none device=cpu dtype=bfloat16 engine=OffloadAdam" in start.getMessage()
 
 
+@pytest.mark.parametrize("native_bf16", [True, False, None], ids=["bf16-cpu", "other-cpu", "unknown"])
 @pytest.mark.parametrize("fp16", [True, False])
-def test_fp16_on_cpu_names_bf16(tmp_path, caplog, fp16):
+def test_fp16_on_cpu_names_what_to_use_on_this_cpu(tmp_path, caplog, fp16, native_bf16, monkeypatch):
+    """It advised --bf16 on every CPU; where the CPU has no native bf16, the --bf16 warning then said to drop it."""
+    from hf_zero_offload import launch_checks
+
+    monkeypatch.setattr(launch_checks, "cpu_has_native_bf16", lambda: native_bf16)
     ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, fp16=fp16), train_dataset=ToyDataset())
     hits = [r for r in caplog.records if "--fp16 on a CPU-only run" in r.getMessage()]
     assert len(hits) == int(fp16)
-    assert all("use --bf16" in r.getMessage() and r.levelno == logging.WARNING for r in hits)
+    advice = "use --bf16" if native_bf16 else "drop --fp16 to train in fp32"
+    assert all(advice in r.getMessage() and r.levelno == logging.WARNING for r in hits)
 
 
 @pytest.mark.parametrize("explicit, local, omp, cpus, torch_threads, want", [
