@@ -330,6 +330,18 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
     return str(requested), state, notes
 
 
+def nothing_left_message(checkpoint: str, max_steps: int) -> str | None:
+    """The warning for a resume whose checkpoint already reached ``max_steps`` (transformers then trains 0 steps
+    and exits as if it had): often a checkpoint an earlier run left in output_dir (``--overwrite_output_dir``
+    removes none), which ``true`` takes as the highest-numbered complete one. None when steps are left."""
+    step = _step(checkpoint)
+    if max_steps is None or max_steps <= 0 or step is None or step < max_steps:
+        return None
+    return (f"hf_zero_offload: {checkpoint} is at step {step} and max_steps is {max_steps}: nothing is left to train. "
+            "A checkpoint of an earlier run in this output_dir? (--resume_from_checkpoint true takes the "
+            "highest-numbered complete one; --overwrite_output_dir removes none)")
+
+
 def remove_stale_temp_files(output_dir: str) -> list[str]:
     """The temporaries of killed writers anywhere under ``output_dir`` (every checkpoint, not only the ones
     written again): :func:`engine.checkpoint.remove_stale_temporaries` on each directory."""

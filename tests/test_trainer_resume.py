@@ -93,6 +93,19 @@ def test_resume_true_as_the_command_line_writes_it(full, tmp_path, caplog, word)
     assert [r.levelno for r in said] == [logging.INFO] and said[0].getMessage().endswith("checkpoint-2")
 
 
+@pytest.mark.parametrize("max_steps, warned", [(4, True), (2, True), (6, False)])
+def test_a_resume_with_nothing_left_to_train_says_so(full, tmp_path, caplog, max_steps, warned):
+    """After --overwrite_output_dir, --resume_from_checkpoint true took an earlier run's checkpoint-25 for a 6-step
+    run, trained 0 steps and exited 0 without a word (transformers does the same)."""
+    out = _copy(full, tmp_path)
+    _, trainer = _trainer(out, seed=1, max_steps=max_steps)
+    trainer.train(resume_from_checkpoint=True)
+    said = [r for r in caplog.records if "nothing is left to train" in r.getMessage()]
+    assert [r.levelno for r in said] == ([logging.WARNING] if warned else []), said
+    if warned:
+        assert "checkpoint-4 is at step 4" in said[0].getMessage()
+
+
 def test_an_incomplete_checkpoint_is_refused_naming_the_intact_one(full, tmp_path):
     out = _copy(full, tmp_path)
     _cut_short(out / "checkpoint-4")

@@ -202,6 +202,9 @@ class ZeroOffloadMixin:
         path, self._zo_resume, notes = resume.target(target, self.args.output_dir)
         for level, note in notes:
             logger.log(level, note)
+        done = resume.nothing_left_message(path, self.args.max_steps)
+        if done is not None:
+            logger.warning(done)
         return path
 
     def _save_checkpoint(self, model, trial) -> None:
