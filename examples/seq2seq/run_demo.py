@@ -86,7 +86,7 @@ def build_command(data_dir: str, output_dir: str, sizes: dict, model_config: str
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="toy sizes and 5 training steps (for tests)")
+    p.add_argument("--smoke", action="store_true", help="toy sizes and 6 training steps (for tests)")
     p.add_argument("--output_root", default=os.path.join(ROOT, "output"),
                    help="where demo_data/ and demo/ go (default: ./output)")
     p.add_argument("--model_config", default=os.path.join(ROOT, "configs", "models", "t5-demo.json"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..ops import STATE_DTYPES
 from .plan import plan
@@ -11,17 +12,18 @@ from .report import format_plan
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="config JSON file or local model directory")
-    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (GPUs)")
-    parser.add_argument("--gpu-mem-gib", type=float, default=24.0, help="memory of one GPU in GiB")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (GPUs); default 1")
+    parser.add_argument("--gpu-mem-gib", type=float, default=24.0, help="memory of one GPU in GiB; default 24")
     half = parser.add_mutually_exclusive_group()
     half.add_argument("--fp16", dest="dtype", action="store_const", const="fp16", help="16-bit = fp16 (default)")
     half.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="16-bit = bf16")
     parser.set_defaults(dtype="fp16")
-    parser.add_argument("--seq-len", type=int, default=128, help="padded source length")
-    parser.add_argument("--tgt-len", type=int, default=128, help="padded target length (seq2seq)")
+    parser.add_argument("--seq-len", type=int, default=128, help="padded source length; default 128")
+    parser.add_argument("--tgt-len", type=int, default=128, help="padded target length (seq2seq); default 128")
     parser.add_argument("--batch-size", type=int, default=None, help="also report the memory at this batch size")
     parser.add_argument("--bucket-numel", type=int, default=None, help="gradient bucket size (engine default)")
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                        help="micro-batches per step (the gradient store is fp32 above 1); default 1")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="trace the step with the model's gradient checkpointing on")
     parser.add_argument("--configs", default=None, help="comma-separated row names (default: all)")
@@ -35,7 +37,10 @@ def main(args: argparse.Namespace) -> int:
              tgt_len=args.tgt_len, batch_size=args.batch_size, bucket_numel=args.bucket_numel,
              gradient_accumulation_steps=args.gradient_accumulation_steps,
              configs=args.configs.split(",") if args.configs else None,
-             gradient_checkpointing=args.gradient_checkpointing, state_dtype=args.state_dtype)
+             gradient_checkpointing=args.gradient_checkpointing, state_dtype=args.state_dtype,
+             # the trace takes seconds to minutes (a large model, a loaded machine): say so on stderr, where
+             # --json's output is not
+             progress=lambda line: print(f"hf-zero-offload estimate: {line}", file=sys.stderr, flush=True))
     p.inputs["model"] = args.model  # as typed
     if args.json:
         print(json.dumps(p.to_json(), indent=2))

@@ -288,13 +288,14 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
          seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
          tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
          configs: list[str] | None = None, gradient_checkpointing: bool = False, run_dtype: str | None = None,
-         state_dtype: str = "fp32") -> Plan:
+         state_dtype: str = "fp32", progress=None) -> Plan:
     """Plan every configuration for the model (a config JSON path, a model directory, a dict, a
     ``PretrainedConfig`` or a model with ``.config``) on ``gpus`` GPUs of ``gpu_mem_gib`` each.
     ``cuda=False`` plans the engine as it allocates on a CPU-only machine (no separate bucket staging).
     ``run_dtype`` (``"fp32"``/``"fp16"``/``"bf16"``): what the calling run trains in, shown in the header.
-    ``state_dtype``: the Adam moments of the offload rows (offload_optimizer.state_dtype)."""
-    inputs = {k: v for k, v in locals().items() if k != "model_config_or_path"}
+    ``state_dtype``: the Adam moments of the offload rows (offload_optimizer.state_dtype). ``progress``: called
+    with one line before the trace, the long part, once every input has been checked."""
+    inputs = {k: v for k, v in locals().items() if k not in ("model_config_or_path", "progress")}
     t0 = time.perf_counter()
     _check_inputs(gpus=gpus, gpu_mem_gib=gpu_mem_gib, dtype=dtype, seq_len=seq_len, tgt_len=tgt_len,
                   batch_size=batch_size, bucket_numel=bucket_numel, tile_numel=tile_numel,
@@ -311,6 +312,9 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
                               gradient_accumulation_steps, max_numel, cuda, _HALF_DTYPES[dtype],
                               tuple(p.numel() for p in model.parameters() if p.requires_grad))
     specs = [s for s in row_specs(dtype, state_dtype) if configs is None or s.name in configs]
+    if progress is not None:
+        progress(f"tracing {_model_name(src)} ({n / 1e6:.1f}M params) on the meta device, no weights: seconds to "
+                 "minutes")
     with _model_errors(_model_name(src), f"trace a training step at --seq-len {seq_len} --tgt-len {tgt_len}",
                        "are the lengths too long, or is a key of the config missing or wrong?"):
         profiles = trace.profile_modes(config, {s.mode for s in specs}, half_dtype=settings.half_dtype,
