@@ -36,9 +36,14 @@ def preset_path(name: str) -> str:
     """The packaged file of a config name (or alias, with or without ``.json``)."""
     stem = _preset_name(name)
     if stem not in PRESETS and name.endswith(".json"):  # a file name with a typo, not a shipped config's name
-        near = difflib.get_close_matches(name, [f for f in os.listdir(".") if f.endswith(".json")], n=1)
-        raise ConfigError(f"{name}: no such file in {os.getcwd()}" + (f" (did you mean {near[0]}?)" if near else "")
-                          + f", and no shipped ds_config of that name ({', '.join(names())})")
+        folder = os.path.dirname(name) or "."
+        files = [os.path.join(os.path.dirname(name), f) for f in os.listdir(folder) if f.endswith(".json")] \
+            if os.path.isdir(folder) else []
+        near = difflib.get_close_matches(name, files, n=1) or difflib.get_close_matches(
+            stem, [*names(), *ALIASES], n=1)
+        where = os.path.abspath(folder)
+        raise ConfigError(f"{name}: no such file (in {where})" + (f"; did you mean {near[0]}?" if near else "")
+                          + f"; shipped ds_configs: {', '.join(names())} (aliases: {', '.join(sorted(ALIASES))})")
     if stem not in PRESETS:
         raise ConfigError(f"no shipped ds_config named {name!r}; names: {', '.join(names())} "
                           f"(aliases: {', '.join(sorted(ALIASES))}), or give a path to a JSON file")

@@ -128,7 +128,7 @@ def test_a_name_or_path_that_does_not_exist(tmp_path, monkeypatch):
     assert load_config("zero2")["zero_optimization"]["stage"] == 1  # an existing file wins over a name
     # a file name with a typo: a missing file (with the near one here), not an unknown shipped name
     (tmp_path / "ds_config_mine.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"ds_config_mie.json: no such file in .* \(did you mean ds_config_mine.json\?\)"):
+    with pytest.raises(ConfigError, match=r"ds_config_mie.json: no such file \(in .*\); did you mean ds_config_mine.json\?"):
         load_config("ds_config_mie.json")
 
 

@@ -168,9 +168,17 @@ def parse_args(argv: Optional[List[str]] = None):
     if unknown:
         flags = [f for a in parser._actions for f in a.option_strings]
         hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(u.split("=")[0], flags, n=1))
-                 else u for u in unknown if u.startswith("-")]
+                 else u for u in unknown if u.startswith("-") and not _is_number(u)]
         raise ValueError(f"unknown arguments: {', '.join(hints or unknown)} (all flags: --help)")
     return tuple(parsed)
+
+
+def _is_number(s: str) -> bool:  # the value of a misspelled flag, "-1", is no flag of its own
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
 
 
 def check_zero_config(training_args, config) -> None:

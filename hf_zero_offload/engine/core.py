@@ -74,6 +74,8 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         self._param_steps = torch.zeros(len(self._flat), dtype=torch.int64)  # AdamW's per-param step
         self.global_steps = 0        # step() calls, skipped ones included (the DPU warm-up counts these)
         self.needs_publish = False   # DPU: the masters are one step ahead of the device parameters
+        # ... because of a step of this engine (not a loaded state that was saved so): what a close or a drop loses
+        self._step_unpublished = False
         self.last = StepResult(False, 0.0, self.scaler.scale)
         self._worker = self.streams.executor("hzo-dpu") if options.dpu else None
         self._pending: Future | None = None
@@ -210,7 +212,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
             self.store = self._stores[self._store_index]
             self._begin_window()
             self._pending = self._worker.submit(self._adam_pass, runs, store, grad_scale, hyper, True)
-            self.needs_publish = True
+            self.needs_publish = self._step_unpublished = True
         else:
             self._adam_pass(runs, self.store, grad_scale, hyper, False)
             self._after_update()
@@ -272,8 +274,8 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         window). Sharded: it does already (GradReducer zero-fills what a rank did not produce)."""
 
     def grad_norm(self) -> float:
-        """The global L2 norm of this step's (unscaled, averaged) gradients before clipping; inf on
-        overflow. Computed once per step (``step()`` reuses it), so the Trainer can log it first."""
+        """The global L2 norm of this step's (unscaled, averaged) gradients before clipping: inf with an
+        infinite gradient, nan with a NaN one, as torch's clip_grad_norm_ returns. Computed once per step (``step()`` reuses it), so the Trainer can log it first."""
         return unscaled_norm(self.scaler, self._prepare()[0], self._divisor)
 
     def _adam_pass(self, runs: list[Run], store: torch.Tensor, grad_scale: float, hyper: list[dict],
@@ -344,7 +346,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         """DPU: the masters computed on the worker reach the device parameters."""
         if self.needs_publish:
             self._publish_params()
-            self.needs_publish = False
+            self.needs_publish = self._step_unpublished = False
 
     def _wait_worker(self) -> None:
         if self._pending is not None:
@@ -374,7 +376,8 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
     def __del__(self):
         # an engine used directly, dropped with a delayed step pending: that step never reaches the model
         try:
-            if getattr(self, "needs_publish", False) and getattr(self, "_done_why", None) is None:
+            # (a loaded state that leads the model, as load_best_model_at_end leaves one, is as it was saved)
+            if getattr(self, "_step_unpublished", False) and getattr(self, "_done_why", None) is None:
                 logger.warning("hf_zero_offload: %s dropped with a delayed (DPU) step not published: the model keeps "
                                "the weights of one step before; call flush() when done", type(self).__name__)
         except Exception:  # interpreter shutdown: logging may be gone
@@ -385,7 +388,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         refuses to step after. Calling it again does nothing."""
         if self._done_why == "closed":
             return
-        if self.needs_publish and self._done_why is None:
+        if self._step_unpublished and self._done_why is None:
             logger.warning("hf_zero_offload: %s closed with a delayed (DPU) step not published: the model keeps the "
                            "weights of one step before the masters; call flush() before close()", type(self).__name__)
         self._done_why = "closed"

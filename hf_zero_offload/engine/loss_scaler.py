@@ -128,8 +128,9 @@ def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor:
     elements become NaN, every other gradient 0), a NaN norm by NaN; unclipped, the values go through."""
     finite = math.isfinite(sumsq)
     if scaler.enabled and not finite:
+        norm = unscaled_norm(scaler, sumsq, divisor)  # before the update: what grad_norm() reported for this step
         scaler.update(True)
-        return StepResult(True, float("inf"), scaler.scale), None
+        return StepResult(True, norm, scaler.scale), None
     unscale = scaler.scale * divisor
     norm = unscaled_norm(scaler, sumsq, divisor)
     clip = 1.0

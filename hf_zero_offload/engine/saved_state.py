@@ -177,7 +177,7 @@ class SavedState:
         same values. A DPU state's masters are one step ahead of the saved parameters: with DPU on, the
         next step publishes them (the schedule of an uninterrupted run); without, they are published now."""
         self._sync_mirror()
-        self.needs_publish, self._uploaded = False, None
+        self.needs_publish, self._uploaded, self._step_unpublished = False, None, False
         if meta.get("needs_publish") and self.options.dpu:
             self.needs_publish = True
         else:
@@ -318,7 +318,8 @@ class SavedState:
             self._convert_loaded(saved, codes, read, where, files)
         if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
             # (codes of a conversion are this process's own encoding: no file to blame)
-            self._check_int8(self.moments.state, where, self.lo, files if saved == "int8" else None)
+            self._check_int8(self.moments.state, where, self.lo,
+                             files if saved == "int8" and codes == ops.INT8_CODES else None)
 
     @staticmethod
     def _check_int8(state: dict, where: str, first: int = 0, files: list | None = None) -> None:
