@@ -4,7 +4,8 @@
 a bad value (``ValueError``, which ``ConfigError`` is), a missing or unreadable file (``OSError``) or a missing
 package (``ImportError``) prints ``PROG: error: MESSAGE`` on stderr and exits 2, the exit status argparse uses for
 bad arguments. Ctrl-C prints ``PROG: interrupted`` (and, from ``interrupted()``, where to go on from) and exits
-130, as a shell reports SIGINT, instead of a traceback through the model's forward. Anything else is a bug and
+130, as a shell reports SIGINT, instead of a traceback through the model's forward (under torchrun, which
+passes Ctrl-C to every rank, only each node's local rank 0 prints it). Anything else is a bug and
 keeps its traceback. ``--debug`` (a bare flag) or ``HF_ZERO_OFFLOAD_DEBUG=1`` brings the traceback back for the
 user's errors too.
 """
@@ -47,7 +48,9 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
             hint = interrupted() if interrupted is not None else None
         except Exception:  # the hint is a courtesy: a failure in it must not bring the traceback back
             hint = None
-        print(f"{prog}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        # torchrun sends Ctrl-C to every rank: one line per node (its local rank 0), not one per rank
+        if os.environ.get("LOCAL_RANK", "0").strip() in ("", "0"):
+            print(f"{prog}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:  # the reader left (``... --json | head``): not the user's mistake, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not fail again

@@ -229,3 +229,23 @@ def test_estimate_says_it_is_tracing_on_stderr_and_keeps_json_clean(capsys):
     captured = capsys.readouterr()
     assert captured.err.startswith("hf-zero-offload estimate: tracing ") and "t5-tiny" in captured.err
     json.loads(captured.out)
+
+
+@pytest.mark.parametrize("local_rank, printed", [(None, True), ("0", True), ("1", False), ("3", False)])
+def test_ctrl_c_under_torchrun_is_one_line_per_node(capsys, monkeypatch, local_rank, printed):
+    """torchrun passes SIGINT to every rank: the interrupted line came once per rank, the same line N times."""
+    from hf_zero_offload.usage import EXIT_INTERRUPTED, run_reporting
+
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+
+    def work():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        run_reporting("prog", work, debug=False, interrupted=lambda: "go on from X")
+    assert e.value.code == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert (err == "prog: interrupted; go on from X\n") if printed else err == "", err
