@@ -249,6 +249,10 @@ inline uint32_t q8_round_bits(uint64_t index, uint32_t seed) {
   return ((static_cast<uint32_t>(index) * 0x9e3779b1u) ^ seed) >> 12;
 }
 
+// int8 exp_avg's seed for a step's seed: its own stream of bits (the same Weyl sequence, another
+// seed), so an element's two moments do not round up together; mix32 makes it independent of seed.
+inline uint32_t q8_seed_m(uint32_t seed) { return mix32(seed ^ 0x7f4a7c15u); }
+
 // AdamArgs::round_seed of a step (make_adam_args, and quantize for exp_avg_sq at a step).
 inline uint32_t round_seed_of(long step) { return mix32(static_cast<uint32_t>(step) ^ 0x9e3779b9u); }
 

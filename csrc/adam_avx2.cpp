@@ -189,6 +189,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
   int8_t* mc = static_cast<int8_t*>(a.exp_avg);
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
   const __m256i seed = _mm256_set1_epi32(static_cast<int>(a.round_seed));
+  const __m256i seed_m = _mm256_set1_epi32(static_cast<int>(q8_seed_m(a.round_seed)));
   alignas(32) float mb[kQBlock], vb[kQBlock], sb[kQBlock];  // sb: sqrt(v) of vb
   // Locals, not a's fields: the vector stores may alias anything, so a's fields would be reloaded each time.
   float* const params = a.param;
@@ -216,7 +217,7 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     q_update_tail(a, b, b + nv, e, mb, vb, mx, vx);  // the partial block's tail: the whole scalar update
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
-    // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l
+    // the moments' random bits: lane l of the vector at j has index round_index + b + j + l
     __m256i weyl = weyl_of(a.round_index + b);
     auto param = [&](size_t j) {
       const size_t i = b + j;
@@ -228,12 +229,12 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     size_t j = 0;
     for (; j + 4 * W <= nv; j += 4 * W) {
       for (size_t q = 0; q < 4 * W; q += W) param(j + q);
-      q_m_x4(mb + j, mdv, mc + b + j);
+      q_m_x4(mb + j, mdv, weyl, seed_m, mc + b + j);  // before q_v_x4 moves weyl on
       q_v_x4(vb + j, vdv, weyl, seed, vc + b + j);
     }
     for (; j < nv; j += W) {
       param(j);
-      q_m_vec(_mm256_load_ps(mb + j), mdv, mc + b + j);
+      q_m_vec(_mm256_load_ps(mb + j), mdv, round_at(weyl, seed_m), mc + b + j);
       q_v_vec(_mm256_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
     }
     q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);

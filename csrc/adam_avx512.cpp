@@ -207,13 +207,14 @@ inline void q8_encode(const AdamArgs& a, size_t b, size_t e, const float* mb, co
   int8_t* mc = static_cast<int8_t*>(a.exp_avg);
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq);
   const __m512i seed = _mm512_set1_epi32(static_cast<int>(a.round_seed));
+  const __m512i seed_m = _mm512_set1_epi32(static_cast<int>(q8_seed_m(a.round_seed)));
   const float minv = q_inverse(mx), vinv = q_inverse(vx);
   const __m512 mdv = _mm512_set1_ps(minv), vdv = _mm512_set1_ps(vinv);
-  // exp_avg_sq's random bits: lane l of the vector at j has index round_index + b + j + l
+  // the moments' random bits: lane l of the vector at j has index round_index + b + j + l
   __m512i weyl = weyl_of(a.round_index + b);
   size_t j = 0;
   for (; j + W <= e - b; j += W) {
-    q_m_vec(_mm512_load_ps(mb + j), mdv, mc + b + j);
+    q_m_vec(_mm512_load_ps(mb + j), mdv, round_at(weyl, seed_m), mc + b + j);
     q_v_vec(_mm512_load_ps(vb + j), vdv, round_hi20(weyl, seed), vc + b + j);
   }
   q_block_tail(a, b, mb, vb, j, e - b, minv, vinv);

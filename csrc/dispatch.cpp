@@ -123,7 +123,8 @@ void quantize(const float* x, void* codes, float* scales, bool is_sq, size_t n, 
       const size_t len = std::min(e, s + kQBlock) - s;
       if (is_sq) q_block_v(x + s, len, static_cast<uint8_t*>(codes) + s, scales + s / kQBlock,
                            sr_step > 0 ? &seed : nullptr, round_index + s);
-      else q_block_m(x + s, len, static_cast<int8_t*>(codes) + s, scales + s / kQBlock);
+      else q_block_m(x + s, len, static_cast<int8_t*>(codes) + s, scales + s / kQBlock, sr_step > 0 ? &seed : nullptr,
+                     round_index + s);
     }
   });
 }

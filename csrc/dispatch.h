@@ -20,8 +20,8 @@ void accumulate(float* acc, const void* grad, DType dt, float scale, bool overwr
 // Blockwise 8-bit codes of fp32 moments (quant.h), bit-identical to what the Q8 kernel stores.
 // is_sq: exp_avg_sq's unsigned code (uint8), else exp_avg's signed one (int8).
 // scales has ceil(n / kQBlock) entries.
-// exp_avg_sq (is_sq) with sr_step > 0: stochastic rounding as the kernel's step sr_step stores it,
-// element i keyed by round_index + i; otherwise to nearest (one-off conversions).
+// sr_step > 0: stochastic rounding as the kernel's step sr_step stores it, element i keyed by
+// round_index + i (each moment with its own bits); otherwise to nearest (one-off conversions).
 void quantize(const float* x, void* codes, float* scales, bool is_sq, size_t n, int nthreads, long sr_step = 0,
               uint64_t round_index = 0);
 void dequantize(const void* codes, const float* scales, float* out, bool is_sq, size_t n, int nthreads);

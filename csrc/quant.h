@@ -35,7 +35,11 @@
 //                values, at most ~6.25% relative error well above c.
 //     exp_avg_sq uint8: magnitude 0..248, EB = 32: 2^-34 (5.8e-11) to 1.0 (mag 248), i.e. the
 //                square of exp_avg's range, because v ~ g^2 and the update divides by sqrt(v).
-// - exp_avg_sq is written with stochastic rounding (q_v_sr), exp_avg to nearest. With beta2 =
+// - Both moments are written with stochastic rounding (q_m_sr, q_v_sr), each with its own random
+//   bits. exp_avg was to nearest until session 17: beta1 = 0.9 moves m by 10% of (g - m) per step,
+//   under half a code step once g is near m, as in full-batch training, and its codes froze too (a
+//   small MLP, full batch, 100 steps: 16-24% above fp32 AdamW's loss over 3 seeds; with stochastic m
+//   0.1-0.4% below it; tests/test_ops_quant.py has the frozen m). With beta2 =
 //   0.999 an element's v moves by 0.1% of (g^2 - v) per step, far under half a code step (3-6%), so
 //   to nearest its code relative to the block's (exact) absmax froze and v stopped following its
 //   own gradient (tests/test_ops_quant.py: a gradient falling from 0.3 to 0.1 left the stored v
@@ -112,10 +116,13 @@ inline float dq_v(uint8_t c) { return dq_mag<32>(c); }
 // the clamp in q_mag catches the rest. A block whose max is below FLT_MIN (or 0) codes all zeros:
 // its reciprocal would overflow, and such moments are zero for Adam anyway.
 inline float q_inverse(float absmax) { return absmax >= 1.17549435e-38f ? 1.0f / absmax : 0.0f; }
-inline int8_t q_m(float x, float inv) {
-  const uint32_t mag = q_mag<16>(std::fabs(x) * inv);
+// exp_avg: q_m to nearest (one-off conversions), q_m_sr what a step stores (its magnitude rounded
+// stochastically, so the signed value is unbiased too; r20: q8_round_bits with q8_seed_m's seed).
+inline int8_t q_m_sr(float x, float inv, uint32_t r20) {
+  const uint32_t mag = q_mag_r<16>(std::fabs(x) * inv, r20);
   return static_cast<int8_t>(std::signbit(x) ? -static_cast<int32_t>(mag) : static_cast<int32_t>(mag));
 }
+inline int8_t q_m(float x, float inv) { return q_m_sr(x, inv, 1u << 19); }
 // exp_avg_sq is >= 0; |x| makes a -0 (or a foreign negative value) code like its magnitude. q_v:
 // to nearest (one-off conversions); q_v_sr: what a step stores (r20: q8_round_bits in adam.h).
 inline uint8_t q_v(float x, float inv) { return static_cast<uint8_t>(q_mag<32>(std::fabs(x) * inv)); }
@@ -126,20 +133,29 @@ inline uint8_t q_v_sr(float x, float inv, uint32_t r20) {
 // Running max that never takes a NaN (the comparison is false), so any order gives the same value.
 inline float max_step(float acc, float x) { return x > acc ? x : acc; }
 
-// Quantize one block of fp32 moments (len <= kQBlock): its scale, then its codes.
-inline void q_block_m(const float* x, size_t len, int8_t* codes, float* scale) {
+// The block's scale: its absmax.
+inline float q_scale(const float* x, size_t len) {
   float mx = 0.0f;
   for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
+  return mx;
+}
+
+// Quantize one block of fp32 moments (len <= kQBlock): its scale, then its codes. Without a seed to
+// nearest; with one (a step's round_seed), stochastically, element i taking q8_round_bits(index + i,
+// q8_seed_m(seed)).
+inline void q_block_m(const float* x, size_t len, int8_t* codes, float* scale, const uint32_t* seed = nullptr,
+                      uint64_t index = 0) {
+  const float mx = q_scale(x, len);
   const float inv = q_inverse(mx);
-  for (size_t i = 0; i < len; ++i) codes[i] = q_m(x[i], inv);
+  const uint32_t seed_m = seed ? q8_seed_m(*seed) : 0;
+  for (size_t i = 0; i < len; ++i) codes[i] = seed ? q_m_sr(x[i], inv, q8_round_bits(index + i, seed_m)) : q_m(x[i], inv);
   *scale = mx;
 }
 // exp_avg_sq: to nearest without a seed; with one (a step's round_seed), stochastically, element i
 // taking q8_round_bits(index + i, seed).
 inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale, const uint32_t* seed = nullptr,
                       uint64_t index = 0) {
-  float mx = 0.0f;
-  for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
+  const float mx = q_scale(x, len);
   const float inv = q_inverse(mx);
   for (size_t i = 0; i < len; ++i) {
     codes[i] = seed ? q_v_sr(x[i], inv, q8_round_bits(index + i, *seed)) : q_v(x[i], inv);
@@ -148,7 +164,7 @@ inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale, 
 }
 
 // The codes of elements [from, len) of the block at b, its reciprocals known: the vector kernels'
-// scalar tail of a partial last block. exp_avg to nearest, exp_avg_sq as the step stores it.
+// scalar tail of a partial last block, both moments as the step stores them.
 // The vector kernels call q_block_tail after every block, and only a partial last block has a tail:
 // the test is inlined there and the loop stays out of line, since a call in the block loop (gcc did not
 // inline the loop) saved and restored a dozen vector registers, and a vzeroupper, on every block.
@@ -156,8 +172,9 @@ __attribute__((noinline)) inline void q_tail_codes(const AdamArgs& a, size_t b, 
                                                    size_t from, size_t len, float minv, float vinv) {
   int8_t* mc = static_cast<int8_t*>(a.exp_avg) + b;
   uint8_t* vc = static_cast<uint8_t*>(a.exp_avg_sq) + b;
+  const uint32_t seed_m = q8_seed_m(a.round_seed);
   for (size_t j = from; j < len; ++j) {
-    mc[j] = q_m(mb[j], minv);
+    mc[j] = q_m_sr(mb[j], minv, q8_round_bits(a.round_index + b + j, seed_m));
     vc[j] = q_v_sr(vb[j], vinv, q8_round_bits(a.round_index + b + j, a.round_seed));
   }
 }
@@ -205,7 +222,7 @@ inline void adam_q8_block_scalar(const AdamArgs& a, size_t b, size_t e) {
     a.param[i] = p;
     if (a.param_out) store_out(a.param_out, a.out_dtype, i, p);
   }
-  q_block_m(mb, e - b, mc + b, a.exp_avg_scale + k);
+  q_block_m(mb, e - b, mc + b, a.exp_avg_scale + k, &a.round_seed, a.round_index + b);
   q_block_v(vb, e - b, vc + b, a.exp_avg_sq_scale + k, &a.round_seed, a.round_index + b);
 }
 

@@ -39,9 +39,11 @@ inline __m256i q_mag_r_vec(__m256 n, __m256i r) {
 template <int EB>
 inline __m256i q_mag_vec(__m256 n) { return q_mag_r_vec<EB>(n, _mm256_set1_epi32(1 << 19)); }
 
-// q8_round_bits for the 8 lanes whose index * 0x9e3779b1 is in weyl, and weyl moved on by 8 indices.
+// q8_round_bits for the 8 lanes whose index * 0x9e3779b1 is in weyl (round_at), and weyl moved on by 8
+// indices (round_hi20).
+inline __m256i round_at(__m256i weyl, __m256i seed) { return _mm256_srli_epi32(_mm256_xor_si256(weyl, seed), 12); }
 inline __m256i round_hi20(__m256i& weyl, __m256i seed) {
-  const __m256i r = _mm256_srli_epi32(_mm256_xor_si256(weyl, seed), 12);
+  const __m256i r = round_at(weyl, seed);
   weyl = _mm256_add_epi32(weyl, _mm256_set1_epi32(static_cast<int>(8u * 0x9e3779b1u)));
   return r;
 }
@@ -56,8 +58,8 @@ inline __m256i weyl_of(uint64_t first) {
 // A function, not a global: a global would run an AVX instruction at load time on any CPU.
 inline __m256 abs_mask() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)); }
 
-inline void q_m_vec(__m256 x, __m256 inv, int8_t* dst) {
-  const __m256i mag = q_mag_vec<16>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv));
+inline void q_m_vec(__m256 x, __m256 inv, __m256i r20, int8_t* dst) {
+  const __m256i mag = q_mag_r_vec<16>(_mm256_mul_ps(_mm256_and_ps(x, abs_mask()), inv), r20);
   const __m256i s = _mm256_srai_epi32(_mm256_castps_si256(x), 31);
   const __m256i c = _mm256_sub_epi32(_mm256_xor_si256(mag, s), s);  // -mag where the sign bit is set
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
@@ -81,12 +83,17 @@ inline __m256i unshuffle_x4(__m256i w) {
   return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-inline void q_m_x4(const float* x, __m256 inv, int8_t* dst) {
+// weyl: as round_hi20's, for the first of the 32 elements (a copy: q_v_x4 moves the caller's on).
+inline void q_m_x4(const float* x, __m256 inv, __m256i weyl, __m256i seed_m, int8_t* dst) {
   const __m256 x0 = _mm256_load_ps(x), x1 = _mm256_load_ps(x + W), x2 = _mm256_load_ps(x + 2 * W),
                x3 = _mm256_load_ps(x + 3 * W);
-  auto mag = [&](__m256 v) { return q_mag_vec<16>(_mm256_mul_ps(_mm256_and_ps(v, abs_mask()), inv)); };
-  const __m256i m =
-      _mm256_packus_epi16(_mm256_packus_epi32(mag(x0), mag(x1)), _mm256_packus_epi32(mag(x2), mag(x3)));
+  const __m256i r0 = round_hi20(weyl, seed_m), r1 = round_hi20(weyl, seed_m), r2 = round_hi20(weyl, seed_m),
+                r3 = round_hi20(weyl, seed_m);  // in order: one declaration's initializers run in sequence
+  auto mag = [&](__m256 v, __m256i r) {
+    return q_mag_r_vec<16>(_mm256_mul_ps(_mm256_and_ps(v, abs_mask()), inv), r);
+  };
+  const __m256i m = _mm256_packus_epi16(_mm256_packus_epi32(mag(x0, r0), mag(x1, r1)),
+                                        _mm256_packus_epi32(mag(x2, r2), mag(x3, r3)));
   auto bits = [](__m256 v) { return _mm256_castps_si256(v); };
   const __m256i s =
       _mm256_packs_epi16(_mm256_packs_epi32(bits(x0), bits(x1)), _mm256_packs_epi32(bits(x2), bits(x3)));

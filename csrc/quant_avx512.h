@@ -37,9 +37,11 @@ inline __m512i q_mag_r_vec(__m512 n, __m512i r) {
 template <int EB>
 inline __m512i q_mag_vec(__m512 n) { return q_mag_r_vec<EB>(n, _mm512_set1_epi32(1 << 19)); }
 
-// q8_round_bits for the 16 lanes whose index * 0x9e3779b1 is in weyl, and weyl moved on by 16 indices.
+// q8_round_bits for the 16 lanes whose index * 0x9e3779b1 is in weyl (round_at), and weyl moved on by
+// 16 indices (round_hi20).
+inline __m512i round_at(__m512i weyl, __m512i seed) { return _mm512_srli_epi32(_mm512_xor_si512(weyl, seed), 12); }
 inline __m512i round_hi20(__m512i& weyl, __m512i seed) {
-  const __m512i r = _mm512_srli_epi32(_mm512_xor_si512(weyl, seed), 12);
+  const __m512i r = round_at(weyl, seed);
   weyl = _mm512_add_epi32(weyl, _mm512_set1_epi32(static_cast<int>(16u * 0x9e3779b1u)));
   return r;
 }
@@ -57,8 +59,8 @@ inline __m512 abs_ps(__m512 x) {
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_castps_si512(abs_mask())));
 }
 
-inline void q_m_vec(__m512 x, __m512 inv, int8_t* dst) {
-  const __m512i mag = q_mag_vec<16>(_mm512_mul_ps(abs_ps(x), inv));
+inline void q_m_vec(__m512 x, __m512 inv, __m512i r20, int8_t* dst) {
+  const __m512i mag = q_mag_r_vec<16>(_mm512_mul_ps(abs_ps(x), inv), r20);
   const __m512i s = _mm512_srai_epi32(_mm512_castps_si512(x), 31);
   const __m512i c = _mm512_sub_epi32(_mm512_xor_si512(mag, s), s);  // -mag where the sign bit is set
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(c));  // |c| <= 120: exact

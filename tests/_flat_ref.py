@@ -67,7 +67,7 @@ class FlatReference(torch.optim.Optimizer):
         if "exp_avg_scale" in st:
             m, v = m.clone(), v.clone()
             m[x0 - s:x1 - s], v[x0 - s:x1 - s] = part["exp_avg"], part["exp_avg_sq"]
-            st["exp_avg"][s:e], st["exp_avg_scale"][s // Q] = ref.quantize(m, "exp_avg")
+            st["exp_avg"][s:e], st["exp_avg_scale"][s // Q] = ref.quantize(m, "exp_avg", kw["step"], s)
             st["exp_avg_sq"][s:e], st["exp_avg_sq_scale"][s // Q] = ref.quantize(v, "exp_avg_sq", kw["step"], s)
         else:
             st["exp_avg"][s:e], st["exp_avg_sq"][s:e] = part["exp_avg"], part["exp_avg_sq"]

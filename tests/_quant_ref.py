@@ -75,8 +75,8 @@ def stochastic_mag(n: torch.Tensor, moment: str, r20: torch.Tensor) -> torch.Ten
 
 def quantize(x: torch.Tensor, moment: str, step: int | None = None,
              round_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and block scales of fp32 ``x``; with ``step``, exp_avg_sq's codes are rounded
-    stochastically with ``q8_random_bits(step, round_index, n)`` (what a step stores)."""
+    """Codes and block scales of fp32 ``x``; with ``step``, the codes' magnitudes are rounded
+    stochastically with ``q8_random_bits(step, round_index, n, moment)`` (what a step stores)."""
     n = x.numel()
     nb = -(-n // BLOCK)
     a = torch.zeros(nb * BLOCK)
@@ -86,8 +86,8 @@ def quantize(x: torch.Tensor, moment: str, step: int | None = None,
     # product rounded once
     inv = torch.where(absmax >= torch.finfo(torch.float32).tiny, (1.0 / absmax.double()).float(), 0.0)
     scaled = (x.abs().double() * inv.repeat_interleave(BLOCK)[:n].double()).float()
-    if step is not None and moment == "exp_avg_sq":
-        mag = stochastic_mag(scaled, moment, q8_random_bits(step, round_index, n))
+    if step is not None:
+        mag = stochastic_mag(scaled, moment, q8_random_bits(step, round_index, n, moment))
     else:
         mag = nearest_mag(scaled, moment)
     if moment == "exp_avg":
@@ -144,9 +144,13 @@ def random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
     return mix32(flat_indices(round_index, n) ^ step_seed(step))
 
 
-def q8_random_bits(step: int, round_index: int, n: int) -> torch.Tensor:
-    """int8 exp_avg_sq: element i's 20 random bits, the high 20 of (index * 0x9e3779b1 mod 2^32) ^ seed."""
-    return (((flat_indices(round_index, n) * 0x9E3779B1) & M32) ^ step_seed(step)) >> 12
+def q8_random_bits(step: int, round_index: int, n: int, moment: str = "exp_avg_sq") -> torch.Tensor:
+    """int8 moments: element i's 20 random bits, the high 20 of (index * 0x9e3779b1 mod 2^32) ^ seed, the
+    seed the step's for exp_avg_sq and mix32(it ^ 0x7f4a7c15) for exp_avg (its own stream)."""
+    seed = step_seed(step)
+    if moment == "exp_avg":
+        seed = int(mix32(torch.tensor([seed ^ 0x7F4A7C15]))[0])
+    return (((flat_indices(round_index, n) * 0x9E3779B1) & M32) ^ seed) >> 12
 
 
 def bf16_stochastic(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
@@ -174,8 +178,8 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
     """One step on fp32 ``p`` (in place) with moments stored as the kernel stores them; ``state``
     holds fp32/bf16 exp_avg/exp_avg_sq, or int8/uint8 codes with exp_avg_scale/exp_avg_sq_scale.
     bf16 and int8 moments (and fp32 ones with ``compact_math``) use the compact denominator,
-    fma(sqrt(v), fp32(1 / sqrt(1 - beta2^step)), eps); bf16 moments and int8's exp_avg_sq are stored
-    with stochastic rounding keyed by (step, round_index + i)."""
+    fma(sqrt(v), fp32(1 / sqrt(1 - beta2^step)), eps); bf16 and int8 moments are stored with
+    stochastic rounding keyed by (step, round_index + i)."""
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     q8 = "exp_avg_scale" in state
     compact = compact_math or q8 or state["exp_avg"].dtype == torch.bfloat16
@@ -208,8 +212,8 @@ def adam_step(p, g, state: dict, *, step, lr, beta1, beta2, eps, weight_decay, a
         p.copy_(fma32(neg_step, (m.double() / denom.double()).float(), p1))
     else:  # torch's addcdiv: (value * m) / denom, then the add
         p.copy_(p1 + ((neg_step * m).double() / denom.double()).float())
-    if q8:  # exp_avg to nearest, exp_avg_sq stochastically (q8_random_bits)
-        state["exp_avg"], state["exp_avg_scale"] = quantize(m, "exp_avg")
+    if q8:  # both stochastically, each with its own bits (q8_random_bits)
+        state["exp_avg"], state["exp_avg_scale"] = quantize(m, "exp_avg", step, round_index)
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize(v, "exp_avg_sq", step, round_index)
     elif state["exp_avg"].dtype == torch.bfloat16:  # exp_avg: the low 16 random bits, exp_avg_sq the high
         r = random_bits(step, round_index, m.numel())

@@ -92,6 +92,6 @@ class Moments:
         block = cut(self.state, s, min(s + Q, self.length))
         m, v = ops.state_to_fp32(block)
         ops.adam_step(master, grad, m[x0 - s:x1 - s], v[x0 - s:x1 - s], param_out=out, compact_math=True, **kw)
-        # re-encoded as the kernel would store this block at this step (exp_avg_sq's random bits)
+        # re-encoded as the kernel would store this block at this step (both moments' random bits)
         for k, t in ops.state_from_fp32(m, v, "int8", step=kw["step"], round_index=self.origin + s).items():
             block[k].copy_(t)

@@ -152,9 +152,9 @@ def state_slice(state: dict[str, torch.Tensor], start: int, end: int) -> dict[st
 def quantize_blockwise(x: torch.Tensor, moment: str, *, step: int | None = None, round_index: int = 0,
                        num_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x`` -> (codes, scales) exactly as the int8 kernel stores them. ``moment``:
-    "exp_avg" (int8 signed code, to nearest) or "exp_avg_sq" (uint8 code of |x|): to nearest without
-    ``step`` (a one-off conversion), else stochastically rounded as the kernel's step ``step``
-    stores it, element i keyed by ``round_index + i``."""
+    "exp_avg" (int8 signed code) or "exp_avg_sq" (uint8 code of |x|): to nearest without ``step`` (a
+    one-off conversion), else stochastically rounded as the kernel's step ``step`` stores it, element i
+    keyed by ``round_index + i`` (each moment with its own random bits)."""
     if moment not in _MOMENTS:
         raise ValueError(f"moment must be 'exp_avg' or 'exp_avg_sq'; got {moment!r}")
     x = _read_only(x)
@@ -220,8 +220,8 @@ def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype
                     round_index: int = 0) -> dict[str, torch.Tensor]:
     """A new state of ``state_dtype`` from fp32 moments. bf16: round to nearest even, a one-off
     conversion (e.g. of a checkpoint) where the kernel's per-step stochastic rounding has no drift to
-    undo; int8 likewise, unless ``step`` is given: then exp_avg_sq is rounded as that step of the
-    kernel rounds it (``quantize_blockwise``), for a block the engine updates outside the kernel."""
+    undo; int8 likewise, unless ``step`` is given: then both moments are rounded as that step of the
+    kernel rounds them (``quantize_blockwise``), for a block the engine updates outside the kernel."""
     check_state_dtype(state_dtype)
     exp_avg, exp_avg_sq = _read_only(exp_avg), _read_only(exp_avg_sq)
     _check("exp_avg", exp_avg, (torch.float32,))
@@ -230,6 +230,6 @@ def state_from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, state_dtype
         return {"exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone()}
     if state_dtype == "bf16":
         return {"exp_avg": exp_avg.to(torch.bfloat16), "exp_avg_sq": exp_avg_sq.to(torch.bfloat16)}
-    m, ms = quantize_blockwise(exp_avg, "exp_avg")
+    m, ms = quantize_blockwise(exp_avg, "exp_avg", step=step, round_index=round_index)
     v, vs = quantize_blockwise(exp_avg_sq, "exp_avg_sq", step=step, round_index=round_index)
     return {"exp_avg": m, "exp_avg_sq": v, "exp_avg_scale": ms, "exp_avg_sq_scale": vs}
