@@ -151,6 +151,33 @@ def test_wrong_types_name_the_key(path, value):
     assert msg.startswith(f"<dict>: {path}: ") and ("expected" in msg or "not supported" in msg), msg
 
 
+def _leaves(table=schema.TOP, prefix=""):
+    for key, spec in table.items():
+        if spec.children is not None:
+            yield from _leaves(spec.children, f"{prefix}{key}.")
+        yield f"{prefix}{key}"  # a section too: an integer where an object belongs
+
+
+@pytest.mark.parametrize("value", [10**400, -10**400], ids=["huge", "-huge"])
+@pytest.mark.parametrize("path", list(_leaves()) + ["zero_optimization.stage3_prefetch_bucket_size"])
+def test_integers_beyond_a_float_name_the_key(path, value):
+    # JSON allows any integer literal: one beyond a float's range raised OverflowError (a traceback) in every
+    # numeric key's check, ignored ones included
+    msg = error(_with(path, value), ARGS)
+    assert msg.startswith(f"<dict>: {path}: ") and "integer of 401 digits" in msg, msg
+
+
+def test_an_integer_longer_than_python_prints_names_the_file_and_key(tmp_path):
+    # past 4300 digits json.loads itself raised, with no key, suggesting sys.set_int_max_str_digits()
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "reduce_bucket_size": -1' + "0" * 5000 + "}}")
+    msg = error(path, source=str(path))
+    assert msg == (f"{path}: zero_optimization.reduce_bucket_size: expected a positive integer, got a negative "
+                   "integer of 5001 digits")
+    path.write_text('{"checkpoint": {"tag": 1' + "0" * 5000 + "}}")  # a free-form object's value is never read
+    assert resolve(path).zero.stage == 0
+
+
 def test_dicts_built_in_python():
     raw = {"zero_optimization": {"stage": np.int64(2), "offload_optimizer": {"device": "cpu"},
                                  "reduce_bucket_size": np.float64(2e8)},

@@ -18,11 +18,10 @@ Stdlib only: no torch, no transformers.
 from __future__ import annotations
 
 import difflib
-import json
 from typing import Any, Callable
 
 from .checks import (BadValue, json_type, non_json, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, number,
-                     section, stage, stage3_value, str_or_null, unsupported, use)
+                     section, show, stage, stage3_value, str_or_null, unsupported, use)
 
 AUTO = "auto"
 
@@ -242,12 +241,7 @@ TOP = {
 _FIRST = ("stage", "type", "device", "enabled")  # checked first so their messages win
 
 
-def _show(value: Any) -> str:
-    """A value as the user wrote it in JSON ("true" as a string shows its quotes, None shows as null)."""
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):  # numpy scalars from a dict built in Python
-        return repr(value)
+_show = show
 
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
