@@ -178,6 +178,33 @@ def test_an_integer_longer_than_python_prints_names_the_file_and_key(tmp_path):
     assert resolve(path).zero.stage == 0
 
 
+@pytest.mark.parametrize("fp16, path, says", [
+    # 1/1e-300 is inf in the kernel's fp32: NaN weights after one step; at 1e-10 every fp16 gradient underflowed
+    ({"loss_scale": 1e-300}, "fp16.loss_scale", "expected 0 (dynamic) or a static scale in [1, 2**126]"),
+    ({"loss_scale": 1e-10}, "fp16.loss_scale", "below 1 a scale only pushes fp16 gradients into underflow"),
+    ({"loss_scale": 0.5}, "fp16.loss_scale", "got 0.5"),
+    ({"loss_scale": 2.0 ** 127}, "fp16.loss_scale", "[1, 2**126]"),
+    ({"min_loss_scale": 1e-300}, "fp16.min_loss_scale", "expected a number in [2**-126, 2**126]"),
+    # the first overflow set the scale to max(scale / 2, minimum) = the minimum: every later step skipped
+    ({"initial_scale_power": 16, "min_loss_scale": 1e30, "hysteresis": 1}, "fp16.min_loss_scale",
+     "1e+30 is above the initial dynamic scale 65536 = 2**fp16.initial_scale_power (2**16)"),
+    ({"min_loss_scale": 1e5}, "fp16.min_loss_scale", "above the initial dynamic scale 65536"),  # 2**16: the default
+    ({"initial_scale_power": 0, "min_loss_scale": 2}, "fp16.min_loss_scale", "(2**0)"),
+    ({"loss_scale_window": 0}, "fp16.loss_scale_window", "an integer >= 1"),
+    ({"hysteresis": -1}, "fp16.hysteresis", "an integer >= 1"),
+])
+def test_loss_scales_outside_what_fp32_unscales_are_refused(fp16, path, says):
+    msg = error({"fp16": {"enabled": True, **fp16}})
+    assert msg.startswith(f"<dict>: {path}: ") and says in msg, msg
+
+
+def test_loss_scales_at_the_limits_are_accepted():
+    for fp16 in ({"loss_scale": 1}, {"loss_scale": 2.0 ** 126}, {"initial_scale_power": 0},
+                 {"initial_scale_power": 126, "min_loss_scale": 2.0 ** 126}, {"min_loss_scale": 2.0 ** -126},
+                 {"loss_scale": 128, "min_loss_scale": 1e30}):  # a static scale never reaches its minimum
+        resolve({"fp16": {"enabled": True, **fp16}})
+
+
 def test_dicts_built_in_python():
     raw = {"zero_optimization": {"stage": np.int64(2), "offload_optimizer": {"device": "cpu"},
                                  "reduce_bucket_size": np.float64(2e8)},

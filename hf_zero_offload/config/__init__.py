@@ -87,13 +87,21 @@ is an error naming where it belongs (not ignored with the switched-off section).
 
 Layout: :mod:`.training` holds the frozen dataclasses (and :class:`ArgsView`), :mod:`.loader` reads and validates a
 file (:func:`check`, :func:`load_config`), :mod:`.resolver` turns a validated dict into a :class:`TrainingConfig`,
-:mod:`.schema` holds the key tables and their walker, :mod:`.checks` the value checks those tables use.
+:mod:`.schema` holds the key tables and their walker, :mod:`.checks` the value checks those tables use, :mod:`.rules`
+the rules across keys (and :func:`validate`, which applies both).
+
+fp16 loss scaling: the engine unscales by 1/scale in fp32, so every scale and its reciprocal must be normal fp32
+numbers: ``loss_scale`` is 0 (dynamic) or a static scale in [1, 2**126] (below 1 a static scale only pushes fp16
+gradients into underflow: refused; 1 is no scaling), ``initial_scale_power`` in [0, 126], ``min_loss_scale`` in
+[2**-126, 2**126] and, for a dynamic scale, at most 2**initial_scale_power (above it the first overflow raised the
+scale to the "minimum"). An integer beyond a float's range (JSON allows any length) is refused naming the key.
 """
 from __future__ import annotations
 
 from .loader import Checked, check, load_config
 from .resolver import resolve
-from .schema import AUTO, ConfigError, validate
+from .rules import validate
+from .schema import AUTO, ConfigError
 from .training import (DEFAULT_BUCKET_SIZE, ArgsView, DPUConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                        TrainingConfig, ZeroConfig)
 

@@ -142,6 +142,17 @@ def number(lo: float | None = None, hi: float | None = None, what: str = "a numb
     return check
 
 
+def static_loss_scale(v: Any) -> float:
+    """fp16.loss_scale: 0 (dynamic) or a static scale. The engine unscales by ``1/scale`` in fp32: a scale below
+    2**-126 made that inf and every weight NaN after the first step (0 * inf), silently. Below 1 a static scale
+    scales the gradients down, the opposite of what loss scaling is for: at 1e-10 every fp16 gradient underflowed
+    to 0 and nothing trained, silently; refused as the slip it almost surely is (1 is "no scaling")."""
+    if _is_num(v) and (v == 0 or 1 <= v <= 2.0 ** 126):
+        return float(v)
+    raise BadValue("0 (dynamic) or a static scale in [1, 2**126] (below 1 a scale only pushes fp16 gradients into "
+                   "underflow; 1 is no scaling)")
+
+
 def choice(*options: str, unsupported: dict[str, str] | None = None, casefold: bool = False,
            other: str | None = None) -> Callable[[Any], str]:
     """One of ``options`` (returned in its canonical spelling); ``unsupported`` maps other known names to a why;

@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 # the module, not its names: presets raises ConfigError from .schema, so presets and this package import
 # each other, and binding the module lets either be imported first (resolve_config is looked up at call time)
 from .. import presets
-from .schema import ConfigError, validate
+from .rules import validate
+from .schema import ConfigError
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
