@@ -41,7 +41,9 @@ optimizer's: optimizer.params.lr or --learning_rate) times a ratio, warmup_min_r
 cosine down to cos_min_ratio. The two ratios are numbers in [0, 1] (above 1 the "min" would be a maximum: refused)
 and take no "auto" (transformers fills neither). DeepSpeed builds a scheduler with the block's params as keyword
 arguments, so a key of another type (warmup_max_lr with WarmupCosineLR, a ratio or total_num_steps with WarmupLR)
-is an error naming the key and the type; last_batch_iteration is accepted with every type and ignored.
+is an error naming the key and the type; last_batch_iteration is accepted with every type and ignored. A
+warmup_min_lr above warmup_max_lr (given, or --learning_rate for "auto") is an error naming both (the warm-up would
+go down); a total_num_steps below warmup_num_steps is a warning, as in DeepSpeed (the run never leaves its warm-up).
 
 Missing keys. With ``args``, a missing key of the table above (except the bucket sizes) takes the same value as
 "auto", so TrainingArguments stay in charge unless the file says otherwise (e.g. gradient_clipping follows
