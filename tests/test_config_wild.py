@@ -205,6 +205,19 @@ def test_loss_scales_at_the_limits_are_accepted():
         resolve({"fp16": {"enabled": True, **fp16}})
 
 
+@pytest.mark.parametrize("raw, shown, near", [
+    ({"fp16 ": {"enabled": True}}, "'fp16 '", "'fp16'"),
+    ({"fp16\x00": {}}, "'fp16\\x00'", "'fp16'"),
+    ({"zero_optimization": {"reduce_bucket_size\u200b": 5}}, "zero_optimization.'reduce_bucket_size\\u200b'",
+     "'reduce_bucket_size'"),
+])
+def test_an_unknown_key_with_invisible_characters_shows_them(raw, shown, near):
+    # printed bare, "fp16 : unknown key at top level (did you mean 'fp16'?)" read as nonsense
+    msg = error(raw)
+    assert msg.startswith(f"<dict>: {shown}: unknown key ") and f"differs from {near} only by spaces or invisible " \
+        "characters" in msg and "\x00" not in msg and "\u200b" not in msg, msg
+
+
 def test_dicts_built_in_python():
     raw = {"zero_optimization": {"stage": np.int64(2), "offload_optimizer": {"device": "cpu"},
                                  "reduce_bucket_size": np.float64(2e8)},

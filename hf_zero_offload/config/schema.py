@@ -250,11 +250,18 @@ def _err(source: str, path: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {path}: {msg}")
 
 
-def _unknown(source: str, path: str, key: str, table: dict[str, Spec]) -> ConfigError:
+def _unknown(source: str, prefix: str, key: str, table: dict[str, Spec]) -> ConfigError:
+    # The key quoted with repr(): a trailing space, a NUL or a zero-width space printed bare made "unknown key fp16
+    # (did you mean 'fp16'?)", which reads as nonsense; the path too, where such a character would print raw.
+    visible = "".join(c for c in key if c.isprintable() and not c.isspace())
     close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    where = "top level" if "." not in path else f"'{path.rsplit('.', 1)[0]}'"
-    return ConfigError(f"{source}: {path}: unknown key at {where}{hint}; supported keys there: "
+    if visible != key and visible in table:
+        hint = f" (it differs from {visible!r} only by spaces or invisible characters)"
+    else:
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    where = "top level" if not prefix else f"'{prefix[:-1]}'"
+    path = prefix + (key if key and key == visible else repr(key))
+    return ConfigError(f"{source}: {path}: unknown key {key!r} at {where}{hint}; supported keys there: "
                        + ", ".join(k for k, s in table.items() if s.kind == "use"))
 
 
@@ -294,7 +301,7 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
         if spec is None and table is ZERO and key.startswith("stage3_"):
             spec = STAGE3_KEY
         if spec is None:
-            raise _unknown(source, path, key, table)
+            raise _unknown(source, prefix, key, table)
         if spec.kind == "unsupported":
             # null is DeepSpeed's "not set" for its optional features (offload_param: null, ...)
             if value is None or (spec.harmless is not None and spec.harmless(value)):
