@@ -218,6 +218,12 @@ def test_an_unknown_key_with_invisible_characters_shows_them(raw, shown, near):
         "characters" in msg and "\x00" not in msg and "\u200b" not in msg, msg
 
 
+def test_a_boolean_is_no_harmless_number_of_an_unsupported_key():
+    # true == 1 in Python: "zero_hpz_partition_size": true passed as the harmless 1, unlike the _eq(1) keys
+    assert "not supported by hf_zero_offload" in error(_with("zero_optimization.zero_hpz_partition_size", True), ARGS)
+    resolve(_with("zero_optimization.zero_hpz_partition_size", 1), ARGS)
+
+
 def test_dicts_built_in_python():
     raw = {"zero_optimization": {"stage": np.int64(2), "offload_optimizer": {"device": "cpu"},
                                  "reduce_bucket_size": np.float64(2e8)},

@@ -20,8 +20,8 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable
 
-from .checks import (BadValue, non_json, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, number,
-                     section, show, stage, static_loss_scale, stage3_value, str_or_null, unsupported, use)
+from .checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, non_json,
+                     number, section, show, stage, stage3_value, static_loss_scale, str_or_null, unsupported, use)
 
 AUTO = "auto"
 
@@ -167,7 +167,7 @@ ZERO = {
     "cpu_offload_params": unsupported("parameter offload needs ZeRO stage 3; only offload_optimizer is "
                                       "implemented"),
     "zero_hpz_partition_size": unsupported("ZeRO++ hierarchical partitioning is not implemented",
-                                           harmless=lambda v: v in (None, 1)),
+                                           harmless=lambda v: v is None or _eq(1)(v)),  # true == 1: not harmless
     "zero_quantized_weights": unsupported("ZeRO++ quantized weights are not implemented"),
     "zero_quantized_nontrainable_weights": unsupported("ZeRO++ quantized weights are not implemented"),
     "zero_quantized_gradients": unsupported("ZeRO++ quantized gradients are not implemented"),
