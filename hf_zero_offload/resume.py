@@ -43,7 +43,28 @@ def write_marker(checkpoint: str, info: dict) -> None:
 def clear_marker(checkpoint: str) -> None:
     """Before ``checkpoint`` is written (again): it reads as incomplete until its new marker. The old
     trainer_state.json goes too, else a marker-less directory holding it would pass for a legacy (whole) one."""
+    if os.path.lexists(checkpoint) and not os.path.isdir(checkpoint):
+        # else "Not a directory: .../hzo_complete.json", naming our marker rather than the file in the way
+        raise NotADirectoryError(_in_the_way(checkpoint))
     remove_durably(checkpoint, (MARKER, TRAINER_STATE))
+
+
+def _in_the_way(path: str) -> str:
+    return (f"{path} is a file, not a directory: the Trainer saves (and rotates) its checkpoint-N folders there; "
+            "move or rename it")
+
+
+def output_dir_problem(output_dir: str, training: bool = True) -> str | None:
+    """What keeps a run from writing ``output_dir`` (None: nothing), before any model work: a file where the
+    directory belongs (os.makedirs said only "[Errno 17] File exists"), or, for training, a file named like a
+    checkpoint (found only at that save, after the steps since the last one were lost)."""
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        return f"--output_dir {output_dir} is a file, not a directory"
+    if not training or not os.path.isdir(output_dir):
+        return None
+    in_the_way = sorted((p for p in (os.path.join(output_dir, n) for n in os.listdir(output_dir))
+                         if _step(p) is not None and not os.path.isdir(p)), key=_step)
+    return _in_the_way(in_the_way[0]) if in_the_way else None
 
 
 def read_marker(checkpoint: str) -> dict | None:

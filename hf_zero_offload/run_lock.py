@@ -105,7 +105,10 @@ class RunLock:
                 os.close(fd)  # drops the flock
 
     def acquire(self) -> str | None:
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if os.path.lexists(directory) and not os.path.isdir(directory):  # makedirs: only "[Errno 17] File exists"
+            raise RunLockError(f"output_dir {directory} is a file, not a directory")
+        os.makedirs(directory, exist_ok=True)
         me = _me()
         warning = None
         for _ in range(3):  # a racing taker may remove the file between our reads

@@ -88,3 +88,36 @@ def test_goes_with_the_trainers_cosine_schedules():
     for kind in ("constant_with_warmup", "constant", "polynomial", "cosine_with_restarts"):
         msg = errmsg(raw, dataclasses.replace(ARGS, lr_scheduler_type=kind))
         assert f"scheduler.type='WarmupCosineLR' vs --lr_scheduler_type {kind}" in msg
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR"])
+def test_a_warmup_min_lr_above_the_max_is_refused_naming_both(kind):
+    # it warmed down: step 1 ran at warmup_min_lr, 100x --learning_rate, without a word
+    params = {"warmup_min_lr": 1e-2, "warmup_max_lr": "auto", "total_num_steps": "auto"}
+    if kind == "WarmupLR":
+        del params["total_num_steps"]
+    msg = errmsg({"scheduler": {"type": kind, "params": params}}, dataclasses.replace(ARGS, learning_rate=1e-4))
+    assert msg == ("<dict>: scheduler.params.warmup_min_lr: 0.01 is above scheduler.params.warmup_max_lr 0.0001 (from "
+                   "--learning_rate): the warm-up would go down; lower warmup_min_lr (0 is DeepSpeed's default)")
+    params.update(warmup_max_lr=1e-3, **({"total_num_steps": 20} if kind == "WarmupDecayLR" else {}))
+    assert "warmup_max_lr 0.001: the warm-up" in errmsg({"scheduler": {"type": kind, "params": params}})
+    params.update(warmup_min_lr=1e-3)  # equal: a constant LR
+    cfg = resolve({"scheduler": {"type": kind, "params": params}}, dataclasses.replace(ARGS, learning_rate=1e-3))
+    assert cfg.scheduler.warmup_min_lr == cfg.scheduler.warmup_max_lr == 1e-3
+
+
+@pytest.mark.parametrize("block", [
+    {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1000, "total_num_steps": 10}},
+    {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 11, "total_num_steps": 10}},
+])
+def test_a_warmup_longer_than_the_run_is_warned_about(block, caplog):
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        resolve({"scheduler": block})
+    warmup, total = block["params"]["warmup_num_steps"], block["params"]["total_num_steps"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"<dict>: scheduler.params.total_num_steps {total} is less than warmup_num_steps {warmup}: {block['type']} "
+        "warms up for the whole run (it never reaches its peak LR nor decays)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        resolve({"scheduler": {"type": block["type"], "params": {"warmup_num_steps": 10, "total_num_steps": 10}}})
+    assert not caplog.records

@@ -151,6 +151,79 @@ def test_wrong_types_name_the_key(path, value):
     assert msg.startswith(f"<dict>: {path}: ") and ("expected" in msg or "not supported" in msg), msg
 
 
+def _leaves(table=schema.TOP, prefix=""):
+    for key, spec in table.items():
+        if spec.children is not None:
+            yield from _leaves(spec.children, f"{prefix}{key}.")
+        yield f"{prefix}{key}"  # a section too: an integer where an object belongs
+
+
+@pytest.mark.parametrize("value", [10**400, -10**400], ids=["huge", "-huge"])
+@pytest.mark.parametrize("path", list(_leaves()) + ["zero_optimization.stage3_prefetch_bucket_size"])
+def test_integers_beyond_a_float_name_the_key(path, value):
+    # JSON allows any integer literal: one beyond a float's range raised OverflowError (a traceback) in every
+    # numeric key's check, ignored ones included
+    msg = error(_with(path, value), ARGS)
+    assert msg.startswith(f"<dict>: {path}: ") and "integer of 401 digits" in msg, msg
+
+
+def test_an_integer_longer_than_python_prints_names_the_file_and_key(tmp_path):
+    # past 4300 digits json.loads itself raised, with no key, suggesting sys.set_int_max_str_digits()
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "reduce_bucket_size": -1' + "0" * 5000 + "}}")
+    msg = error(path, source=str(path))
+    assert msg == (f"{path}: zero_optimization.reduce_bucket_size: expected a positive integer, got a negative "
+                   "integer of 5001 digits")
+    path.write_text('{"checkpoint": {"tag": 1' + "0" * 5000 + "}}")  # a free-form object's value is never read
+    assert resolve(path).zero.stage == 0
+
+
+@pytest.mark.parametrize("fp16, path, says", [
+    # 1/1e-300 is inf in the kernel's fp32: NaN weights after one step; at 1e-10 every fp16 gradient underflowed
+    ({"loss_scale": 1e-300}, "fp16.loss_scale", "expected 0 (dynamic) or a static scale in [1, 2**126]"),
+    ({"loss_scale": 1e-10}, "fp16.loss_scale", "below 1 a scale only pushes fp16 gradients into underflow"),
+    ({"loss_scale": 0.5}, "fp16.loss_scale", "got 0.5"),
+    ({"loss_scale": 2.0 ** 127}, "fp16.loss_scale", "[1, 2**126]"),
+    ({"min_loss_scale": 1e-300}, "fp16.min_loss_scale", "expected a number in [2**-126, 2**126]"),
+    # the first overflow set the scale to max(scale / 2, minimum) = the minimum: every later step skipped
+    ({"initial_scale_power": 16, "min_loss_scale": 1e30, "hysteresis": 1}, "fp16.min_loss_scale",
+     "1e+30 is above the initial dynamic scale 65536 = 2**fp16.initial_scale_power (2**16)"),
+    ({"min_loss_scale": 1e5}, "fp16.min_loss_scale", "above the initial dynamic scale 65536"),  # 2**16: the default
+    ({"initial_scale_power": 0, "min_loss_scale": 2}, "fp16.min_loss_scale", "(2**0)"),
+    ({"loss_scale_window": 0}, "fp16.loss_scale_window", "an integer >= 1"),
+    ({"hysteresis": -1}, "fp16.hysteresis", "an integer >= 1"),
+])
+def test_loss_scales_outside_what_fp32_unscales_are_refused(fp16, path, says):
+    msg = error({"fp16": {"enabled": True, **fp16}})
+    assert msg.startswith(f"<dict>: {path}: ") and says in msg, msg
+
+
+def test_loss_scales_at_the_limits_are_accepted():
+    for fp16 in ({"loss_scale": 1}, {"loss_scale": 2.0 ** 126}, {"initial_scale_power": 0},
+                 {"initial_scale_power": 126, "min_loss_scale": 2.0 ** 126}, {"min_loss_scale": 2.0 ** -126},
+                 {"loss_scale": 128, "min_loss_scale": 1e30}):  # a static scale never reaches its minimum
+        resolve({"fp16": {"enabled": True, **fp16}})
+
+
+@pytest.mark.parametrize("raw, shown, near", [
+    ({"fp16 ": {"enabled": True}}, "'fp16 '", "'fp16'"),
+    ({"fp16\x00": {}}, "'fp16\\x00'", "'fp16'"),
+    ({"zero_optimization": {"reduce_bucket_size\u200b": 5}}, "zero_optimization.'reduce_bucket_size\\u200b'",
+     "'reduce_bucket_size'"),
+])
+def test_an_unknown_key_with_invisible_characters_shows_them(raw, shown, near):
+    # printed bare, "fp16 : unknown key at top level (did you mean 'fp16'?)" read as nonsense
+    msg = error(raw)
+    assert msg.startswith(f"<dict>: {shown}: unknown key ") and f"differs from {near} only by spaces or invisible " \
+        "characters" in msg and "\x00" not in msg and "\u200b" not in msg, msg
+
+
+def test_a_boolean_is_no_harmless_number_of_an_unsupported_key():
+    # true == 1 in Python: "zero_hpz_partition_size": true passed as the harmless 1, unlike the _eq(1) keys
+    assert "not supported by hf_zero_offload" in error(_with("zero_optimization.zero_hpz_partition_size", True), ARGS)
+    resolve(_with("zero_optimization.zero_hpz_partition_size", 1), ARGS)
+
+
 def test_dicts_built_in_python():
     raw = {"zero_optimization": {"stage": np.int64(2), "offload_optimizer": {"device": "cpu"},
                                  "reduce_bucket_size": np.float64(2e8)},

@@ -114,6 +114,66 @@ def test_argument_errors_come_before_any_model_work(tmp_path, synth_dir, monkeyp
     assert not out.exists() or not os.listdir(out)  # no tokenizer written
 
 
+def _tree(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_run_refused_by_the_lock_writes_nothing_into_the_live_runs_output_dir(tmp_path, synth_dir, monkeypatch):
+    """The tokenizer went into output_dir before the Trainer took the run lock: a second run on a live output_dir
+    (--overwrite_output_dir, another --tokenizer_vocab_size) overwrote the first run's tokenizer files, then was
+    refused. The lock is now taken before anything is written."""
+    import socket
+
+    import psutil
+
+    from hf_zero_offload.run_lock import LOCK_NAME, RunLockError
+
+    _no_model_work(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text('{"the first run": 1}')
+    (out / "spiece.model").write_bytes(b"first")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (out / LOCK_NAME).write_text(json.dumps({"pid": live.pid, "host": socket.gethostname(), "started": "then",
+                                                 "process_start": psutil.Process(live.pid).create_time()}))
+        before = _tree(out)
+        for extra in ([], ["--zero_offload", "zero2-offload"]):
+            with pytest.raises(RunLockError, match=rf"another run \(pid {live.pid}"):
+                finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train",
+                                                                      "--overwrite_output_dir",
+                                                                      "--tokenizer_vocab_size", "128", *extra])
+            assert _tree(out) == before
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_files_where_directories_belong_are_named_before_any_model_work(tmp_path, synth_dir, monkeypatch):
+    """--output_dir naming a file was "[Errno 17] File exists"; a checkpoint-N that is a file was "Not a directory:
+    .../checkpoint-2/hzo_complete.json", at that save, after the steps since the last one were lost."""
+    from hf_zero_offload import resume
+    from hf_zero_offload.run_lock import RunLock, RunLockError
+
+    _no_model_work(monkeypatch)
+    afile = tmp_path / "afile"
+    afile.write_text("hi")
+    with pytest.raises(ValueError, match=rf"^--output_dir {afile} is a file, not a directory$"):
+        finetune_trainer.main(_common_args(synth_dir, afile) + ["--config_name", TINY, "--do_train"])
+    with pytest.raises(RunLockError, match=rf"^output_dir {afile} is a file, not a directory$"):  # a Trainer's lock
+        RunLock(str(afile)).acquire()
+    out = tmp_path / "out"
+    (out / "checkpoint-10").mkdir(parents=True)
+    (out / "checkpoint-2").write_text("x")
+    with pytest.raises(ValueError, match=rf"^{out / 'checkpoint-2'} is a file, not a directory: the Trainer saves"):
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train",
+                                                              "--overwrite_output_dir", "--zero_offload",
+                                                              "zero2-offload"])
+    with pytest.raises(NotADirectoryError, match=rf"^{out / 'checkpoint-2'} is a file"):  # the save itself
+        resume.clear_marker(str(out / "checkpoint-2"))
+    assert sorted(os.listdir(out)) == ["checkpoint-10", "checkpoint-2"]
+
+
 @pytest.mark.parametrize("finished", [False, True], ids=["running", "finished"])
 def test_a_resume_target_that_is_no_checkpoint_is_refused_before_any_model_work(tmp_path, synth_dir, monkeypatch,
                                                                                 finished):

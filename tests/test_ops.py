@@ -296,6 +296,9 @@ def test_grad_widening_edge_cases(simd, grad_dtype):
     ("param_out is param", "param and param_out share memory"),
     ("negative grad_scale", "grad_scale must be a number >= 0, got -1.0"),
     ("grad_scale str", "grad_scale must be a number >= 0, got '1'"),
+    # 1 / a static loss scale of 1e-39: inf once cast to the kernel's float, NaN params from zero gradients
+    ("grad_scale 1e39", r"grad_scale must be finite in fp32 \(at most 3.40282e\+38\), got 1e\+39"),
+    ("grad_scale inf", r"grad_scale must be finite in fp32 \(at most 3.40282e\+38\), got inf"),
     ("step 2**63", r"step must be in \[1, 2\*\*63\)"),
     ("num_threads 2**40", r"num_threads must be a positive int \(< 2\*\*31\), got 1099511627776"),
     ("num_threads True", r"num_threads must be a positive int \(< 2\*\*31\), got True"),
@@ -318,6 +321,8 @@ def test_adam_step_refuses_aliased_arrays_and_out_of_range_scalars(case, message
         kw["grad_scale"] = -1.0
     elif case == "grad_scale str":
         kw["grad_scale"] = "1"
+    elif case.startswith("grad_scale "):
+        kw["grad_scale"] = float(case.split()[1])
     elif case == "step 2**63":
         kw["step"] = 2**63
     else:

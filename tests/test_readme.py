@@ -50,3 +50,16 @@ def test_architecture_names_every_module():
                      if not p.name.startswith("_") and f"{p.name} " not in text and f"{p.name}:" not in text
                      and f"{p.name})" not in text and f"{p.name}," not in text)
     assert not missing, f"docs/ARCHITECTURE.md does not name {missing}"
+
+
+def test_what_the_readme_says_an_overflow_step_logs_and_sigterm_does():
+    """The README promised `inf` for every skipped overflow step; a NaN gradient (a loss times a static scale
+    that overflows) logs nan, as clip_grad_norm_ does. SIGTERM got no word while Ctrl-C's hint was documented."""
+    from hf_zero_offload.engine.loss_scaler import LossScaler, decide_step
+
+    flat = " ".join(README.split())
+    for sumsq, shown in ((float("inf"), "`inf` on a skipped overflow step"), (float("nan"), "or `nan` where a gradient "
+                                                                                           "is NaN")):
+        result, grad_scale = decide_step(LossScaler.from_fp16(enabled=True, loss_scale=128), sumsq, 1.0)
+        assert result.skipped and grad_scale is None and str(result.grad_norm) == shown.split("`")[1] and shown in flat
+    assert "ends it at once with exit 143 and no message" in flat

@@ -54,6 +54,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
 
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, resume  # noqa: E402
+from hf_zero_offload.run_lock import RunLock, take_job_lock  # noqa: E402
 from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
 import seq2seq_utils as su  # noqa: E402
@@ -103,6 +104,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     check_local_paths(model_args)
     if bool(data_args.data_dir) == bool(data_args.dataset_name):
         raise ValueError("give exactly one of --data_dir (legacy layout) or --dataset_name")
+    problem = resume.output_dir_problem(training_args.output_dir, training=training_args.do_train)
+    if problem:
+        raise ValueError(problem)
     if (training_args.do_train and os.path.isdir(training_args.output_dir) and os.listdir(training_args.output_dir)
             and not data_args.overwrite_output_dir and not training_args.resume_from_checkpoint):
         raise ValueError(f"Output directory ({training_args.output_dir}) already exists and is not empty. "
@@ -152,6 +156,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         texts["test"] = _load_texts(model_args, data_args, "test", data_args.n_test)
 
     saved_tokenizer = resumed_from and os.path.isfile(os.path.join(resumed_from, "tokenizer.json"))
+    if train_tokenizer_here and not saved_tokenizer and training_args.output_dir:
+        # The tokenizer is written into output_dir before the Trainer exists, and the Trainer takes the run lock:
+        # a second run on a live output_dir overwrote the first run's tokenizer files, then was refused. The lock
+        # first (the Trainer's is the same, re-entered; a job's rank 0 takes it and tells the other ranks).
+        take_job_lock(RunLock(training_args.output_dir), training_args.process_index, training_args.world_size)
     if train_tokenizer_here and saved_tokenizer:
         # The tokenizer the resumed model was trained with (every checkpoint saves it): one trained again on this
         # run's text (another --n_train, other data) gave other ids to the embedding rows the model had learned.

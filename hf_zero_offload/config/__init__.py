@@ -41,7 +41,9 @@ optimizer's: optimizer.params.lr or --learning_rate) times a ratio, warmup_min_r
 cosine down to cos_min_ratio. The two ratios are numbers in [0, 1] (above 1 the "min" would be a maximum: refused)
 and take no "auto" (transformers fills neither). DeepSpeed builds a scheduler with the block's params as keyword
 arguments, so a key of another type (warmup_max_lr with WarmupCosineLR, a ratio or total_num_steps with WarmupLR)
-is an error naming the key and the type; last_batch_iteration is accepted with every type and ignored.
+is an error naming the key and the type; last_batch_iteration is accepted with every type and ignored. A
+warmup_min_lr above warmup_max_lr (given, or --learning_rate for "auto") is an error naming both (the warm-up would
+go down); a total_num_steps below warmup_num_steps is a warning, as in DeepSpeed (the run never leaves its warm-up).
 
 Missing keys. With ``args``, a missing key of the table above (except the bucket sizes) takes the same value as
 "auto", so TrainingArguments stay in charge unless the file says otherwise (e.g. gradient_clipping follows
@@ -87,13 +89,21 @@ is an error naming where it belongs (not ignored with the switched-off section).
 
 Layout: :mod:`.training` holds the frozen dataclasses (and :class:`ArgsView`), :mod:`.loader` reads and validates a
 file (:func:`check`, :func:`load_config`), :mod:`.resolver` turns a validated dict into a :class:`TrainingConfig`,
-:mod:`.schema` holds the key tables and their walker, :mod:`.checks` the value checks those tables use.
+:mod:`.schema` holds the key tables and their walker, :mod:`.checks` the value checks those tables use, :mod:`.rules`
+the rules across keys (and :func:`validate`, which applies both).
+
+fp16 loss scaling: the engine unscales by 1/scale in fp32, so every scale and its reciprocal must be normal fp32
+numbers: ``loss_scale`` is 0 (dynamic) or a static scale in [1, 2**126] (below 1 a static scale only pushes fp16
+gradients into underflow: refused; 1 is no scaling), ``initial_scale_power`` in [0, 126], ``min_loss_scale`` in
+[2**-126, 2**126] and, for a dynamic scale, at most 2**initial_scale_power (above it the first overflow raised the
+scale to the "minimum"). An integer beyond a float's range (JSON allows any length) is refused naming the key.
 """
 from __future__ import annotations
 
 from .loader import Checked, check, load_config
 from .resolver import resolve
-from .schema import AUTO, ConfigError, validate
+from .rules import validate
+from .schema import AUTO, ConfigError
 from .training import (DEFAULT_BUCKET_SIZE, ArgsView, DPUConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                        TrainingConfig, ZeroConfig)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import sys
 from typing import Any, Callable, NamedTuple
 
 
@@ -43,7 +44,40 @@ class Spec(NamedTuple):
 
 def _is_num(v: Any) -> bool:
     # numbers.Real, not (int, float): a dict built in Python may hold numpy scalars (np.float32 is no float)
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond a float's range (JSON allows 10**400): no key takes one, and every
+        return False       # check that calls this then names the key instead of a traceback from float()
+
+
+def huge_int(v: Any) -> bool:
+    """An int no float holds (what a JSON integer literal of 309+ digits parses to)."""
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) > sys.float_info.max
+
+
+def _digits(n: int) -> int:
+    # str(n) fails beyond sys.get_int_max_str_digits() (4300 by default): count from the logarithm, then correct it
+    n = abs(n)
+    d = int(math.log10(n)) + 1
+    return d + 1 if n >= 10 ** d else d - 1 if n < 10 ** (d - 1) else d
+
+
+def show(value: Any) -> str:
+    """A value as the user wrote it in JSON ("true" as a string shows its quotes, None shows as null); an
+    integer too large for a float as its number of digits (printing 400 or 5000 of them helps nobody, and
+    beyond 4300 Python refuses to)."""
+    if huge_int(value):
+        return ("a negative" if value < 0 else "an") + f" integer of {_digits(value)} digits"
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # numpy scalars from a dict built in Python; a huge int inside a list
+        try:
+            text = repr(value)
+        except ValueError:
+            return json_type(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def non_json(v: Any, where: str = "") -> tuple[str, str] | None:
@@ -106,6 +140,17 @@ def number(lo: float | None = None, hi: float | None = None, what: str = "a numb
         return float(v)
 
     return check
+
+
+def static_loss_scale(v: Any) -> float:
+    """fp16.loss_scale: 0 (dynamic) or a static scale. The engine unscales by ``1/scale`` in fp32: a scale below
+    2**-126 made that inf and every weight NaN after the first step (0 * inf), silently. Below 1 a static scale
+    scales the gradients down, the opposite of what loss scaling is for: at 1e-10 every fp16 gradient underflowed
+    to 0 and nothing trained, silently; refused as the slip it almost surely is (1 is "no scaling")."""
+    if _is_num(v) and (v == 0 or 1 <= v <= 2.0 ** 126):
+        return float(v)
+    raise BadValue("0 (dynamic) or a static scale in [1, 2**126] (below 1 a scale only pushes fp16 gradients into "
+                   "underflow; 1 is no scaling)")
 
 
 def choice(*options: str, unsupported: dict[str, str] | None = None, casefold: bool = False,

@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 # the module, not its names: presets raises ConfigError from .schema, so presets and this package import
 # each other, and binding the module lets either be imported first (resolve_config is looked up at call time)
 from .. import presets
-from .schema import ConfigError, validate
+from .rules import validate
+from .schema import ConfigError
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -20,6 +21,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
             raise ValueError(f"duplicate key {k!r}")
         out[k] = v
     return out
+
+
+def _parse_int(text: str) -> int:
+    """json's integer parsing, except past Python's limit on integer strings (4300 digits by default), where
+    int() raises a ValueError with no key in it that suggests sys.set_int_max_str_digits() to a config's author.
+    Such a number stands in as 10**(digits-1), same sign and number of digits: every numeric key refuses an int
+    beyond a float's range (naming the key and the digit count), and free-form objects (checkpoint, timers) are
+    never read."""
+    try:
+        return int(text)
+    except ValueError:
+        digits = len(text.lstrip("-"))
+        return (-1 if text.startswith("-") else 1) * 10 ** (digits - 1)
 
 
 def _json_hint(text: str, e: json.JSONDecodeError) -> str:
@@ -53,7 +67,7 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
         raise ConfigError(f"{source}: not a UTF-8 text file (byte {e.start} is 0x{data[e.start]:02x}); "
                           "a ds_config is JSON saved as UTF-8") from None
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates), source
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int), source
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {_json_hint(text, e)}") from None
     except RecursionError:

@@ -140,6 +140,22 @@ class _Resolver:
         hi = self.take(p + "warmup_max_lr", a and a.learning_rate, "--learning_rate", 1e-3)
         return SchedulerConfig(**common, warmup_min_lr=float(lo), warmup_max_lr=float(hi))
 
+    def check_schedule(self, s: SchedulerConfig) -> None:
+        """Rules across the resolved scheduler values (a value may come from the arguments)."""
+        p = "scheduler.params."
+        if s.type != "WarmupCosineLR" and s.warmup_min_lr > s.warmup_max_lr:
+            # it warmed down: step 1 ran at warmup_min_lr (100x --learning_rate in the report that found it), the
+            # only LR key compared with nothing; the ratios of WarmupCosineLR are refused above 1 alike
+            given = self.get(p + "warmup_max_lr") not in (AUTO, _MISSING)
+            raise ConfigError(f"{self.source}: {p}warmup_min_lr: {s.warmup_min_lr:g} is above {p}warmup_max_lr "
+                              f"{s.warmup_max_lr:g}" + ("" if given else " (from --learning_rate)") + ": the "
+                              "warm-up would go down; lower warmup_min_lr (0 is DeepSpeed's default)")
+        if s.total_num_steps is not None and s.warmup_num_steps > s.total_num_steps:
+            # DeepSpeed's WarmupDecayLR warns too: the run ends inside the warm-up, never at the peak LR, never decaying
+            logger.warning("%s: %stotal_num_steps %d is less than warmup_num_steps %d: %s warms up for the whole "
+                           "run (it never reaches its peak LR nor decays)", self.source, p, s.total_num_steps,
+                           s.warmup_num_steps, s.type)
+
     def zero(self) -> ZeroConfig:
         z = self.cfg.get("zero_optimization", {})
         off = z.get("offload_optimizer", {})
@@ -187,6 +203,8 @@ class _Resolver:
                               "or to the TrainingArguments values): " + "; ".join(self.mismatches))
         if fp16 and bf16:
             raise ConfigError(f"{self.source}: fp16.enabled and bf16.enabled: cannot both be true")
+        if scheduler is not None:
+            self.check_schedule(scheduler)
         f = cfg.get("fp16", {})
         fp16_cfg = FP16Config(fp16, float(f.get("loss_scale", 0.0)), f.get("initial_scale_power", 16),
                               f.get("loss_scale_window", 1000), f.get("hysteresis", 2),

@@ -18,11 +18,10 @@ Stdlib only: no torch, no transformers.
 from __future__ import annotations
 
 import difflib
-import json
 from typing import Any, Callable
 
-from .checks import (BadValue, json_type, non_json, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, number,
-                     section, stage, stage3_value, str_or_null, unsupported, use)
+from .checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, non_json,
+                     number, section, show, stage, stage3_value, static_loss_scale, str_or_null, unsupported, use)
 
 AUTO = "auto"
 
@@ -59,12 +58,14 @@ STAGE3_KEY = Spec("ignore", stage3_value, True)
 
 FP16 = {
     "enabled": use(boolean, auto=True),
-    "loss_scale": use(number(0, what="a number >= 0 (0 = dynamic)")),
-    # 2**1023 is the largest power of two a float holds (the scale is a float)
-    "initial_scale_power": use(integer(0, "an integer in [0, 1023]", hi=1023)),
+    "loss_scale": use(static_loss_scale),
+    # the kernel unscales by 1/scale in fp32: above 2**126 that is no normal fp32 number (and below 2**-126 it is inf)
+    "initial_scale_power": use(integer(0, "an integer in [0, 126] (2**126: 1/scale stays a normal fp32 number)",
+                                       hi=126)),
     "loss_scale_window": use(integer(1, "an integer >= 1")),
     "hysteresis": use(integer(1, "an integer >= 1")),
-    "min_loss_scale": use(number(0, what="a number > 0", lo_open=True)),
+    "min_loss_scale": use(number(2.0 ** -126, 2.0 ** 126, hi_open=False, what="a number in [2**-126, 2**126] (the "
+                                 "scale and 1/scale must be normal fp32 numbers)")),
     "consecutive_hysteresis": unsupported("the loss scaler keeps plain hysteresis; set it to false"),
     "auto_cast": unsupported("inputs are not cast by the engine; the Trainer's --fp16 autocast handles it"),
     "fp16_master_weights_and_grads": unsupported("master weights are always fp32 on the host"),
@@ -166,7 +167,7 @@ ZERO = {
     "cpu_offload_params": unsupported("parameter offload needs ZeRO stage 3; only offload_optimizer is "
                                       "implemented"),
     "zero_hpz_partition_size": unsupported("ZeRO++ hierarchical partitioning is not implemented",
-                                           harmless=lambda v: v in (None, 1)),
+                                           harmless=lambda v: v is None or _eq(1)(v)),  # true == 1: not harmless
     "zero_quantized_weights": unsupported("ZeRO++ quantized weights are not implemented"),
     "zero_quantized_nontrainable_weights": unsupported("ZeRO++ quantized weights are not implemented"),
     "zero_quantized_gradients": unsupported("ZeRO++ quantized gradients are not implemented"),
@@ -242,23 +243,25 @@ TOP = {
 _FIRST = ("stage", "type", "device", "enabled")  # checked first so their messages win
 
 
-def _show(value: Any) -> str:
-    """A value as the user wrote it in JSON ("true" as a string shows its quotes, None shows as null)."""
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):  # numpy scalars from a dict built in Python
-        return repr(value)
+_show = show
 
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {path}: {msg}")
 
 
-def _unknown(source: str, path: str, key: str, table: dict[str, Spec]) -> ConfigError:
+def _unknown(source: str, prefix: str, key: str, table: dict[str, Spec]) -> ConfigError:
+    # The key quoted with repr(): a trailing space, a NUL or a zero-width space printed bare made "unknown key fp16
+    # (did you mean 'fp16'?)", which reads as nonsense; the path too, where such a character would print raw.
+    visible = "".join(c for c in key if c.isprintable() and not c.isspace())
     close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    where = "top level" if "." not in path else f"'{path.rsplit('.', 1)[0]}'"
-    return ConfigError(f"{source}: {path}: unknown key at {where}{hint}; supported keys there: "
+    if visible != key and visible in table:
+        hint = f" (it differs from {visible!r} only by spaces or invisible characters)"
+    else:
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    where = "top level" if not prefix else f"'{prefix[:-1]}'"
+    path = prefix + (key if key and key == visible else repr(key))
+    return ConfigError(f"{source}: {path}: unknown key {key!r} at {where}{hint}; supported keys there: "
                        + ", ".join(k for k, s in table.items() if s.kind == "use"))
 
 
@@ -287,11 +290,6 @@ def _expected(spec: Spec) -> str:
     return ""
 
 
-# Our extensions of offload_optimizer, placed under DeepSpeed's offload_param: with its "device" "none" (or none
-# given) offload_param is switched off and used to be ignored whole, so the moments silently stayed fp32.
-_OUR_OFFLOAD_KEYS = ("state_dtype", "cpu_threads")
-
-
 def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored: list | None = None) -> dict:
     out: dict[str, Any] = {}
     for key in sorted(node, key=lambda k: k not in _FIRST):
@@ -303,7 +301,7 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
         if spec is None and table is ZERO and key.startswith("stage3_"):
             spec = STAGE3_KEY
         if spec is None:
-            raise _unknown(source, path, key, table)
+            raise _unknown(source, prefix, key, table)
         if spec.kind == "unsupported":
             # null is DeepSpeed's "not set" for its optional features (offload_param: null, ...)
             if value is None or (spec.harmless is not None and spec.harmless(value)):
@@ -337,50 +335,3 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
         if ignored is not None and (spec.kind == "ignore" or path in NO_EFFECT):
             ignored.append(path)
     return out
-
-
-def validate(raw: Any, source: str, ignored: list | None = None) -> dict:
-    """Check ``raw`` against the tables; return a normalised copy (ignored keys dropped, "auto" kept).
-    ``ignored``: receives the paths of the keys given that have no effect (for the start log)."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the top level must be a JSON object ({{...}}), got {json_type(raw)}")
-    cfg = _walk(raw, TOP, "", source, ignored)
-    param = (raw.get("zero_optimization") or {}).get("offload_param")
-    for key in _OUR_OFFLOAD_KEYS if isinstance(param, dict) else ():
-        if key in param:
-            raise _err(source, f"zero_optimization.offload_param.{key}", "belongs under zero_optimization."
-                       "offload_optimizer (offload_param is DeepSpeed's stage-3 parameter offload)")
-    if "bf16" in cfg and "bfloat16" in cfg:
-        raise _err(source, "bfloat16", 'legacy spelling of "bf16"; give only one of them')
-    if "bfloat16" in cfg:
-        cfg["bf16"] = cfg.pop("bfloat16")
-    if cfg.get("fp16", {}).get("enabled") is True and cfg.get("bf16", {}).get("enabled") is True:
-        raise _err(source, "bf16.enabled", "fp16 and bf16 cannot both be enabled")
-    for name in ("optimizer", "scheduler"):
-        if name in cfg and "type" not in cfg[name]:
-            raise _err(source, f"{name}.type", "required when the '" + name + "' block is given")
-    sched = cfg.get("scheduler", {})
-    for key in sched.get("params", {}):
-        if key not in SCHEDULER_PARAMS[sched["type"]]:
-            users = " and ".join(t for t, keys in SCHEDULER_PARAMS.items() if key in keys)
-            raise _err(source, f"scheduler.params.{key}", f"not a parameter of {sched['type']} (only used by "
-                       f"{users}); remove it")
-    zero = cfg.get("zero_optimization", {})
-    off = zero.get("offload_optimizer", {})
-    if "cpu_offload" in zero and "device" in off and zero["cpu_offload"] != (off["device"] == "cpu"):
-        raise _err(source, "zero_optimization.cpu_offload",
-                   f"contradicts offload_optimizer.device={off['device']!r}; drop the legacy key")
-    if ("cpu_offload_use_pin_memory" in zero and "pin_memory" in off
-            and zero["cpu_offload_use_pin_memory"] != off["pin_memory"]):
-        raise _err(source, "zero_optimization.cpu_offload_use_pin_memory",
-                   "contradicts offload_optimizer.pin_memory; drop the legacy key")
-    offload = zero.get("cpu_offload", False) or off.get("device") == "cpu"
-    if offload and zero.get("stage", 0) == 0:
-        raise _err(source, "zero_optimization.stage", "optimizer offload needs ZeRO stage 1 or 2, got 0")
-    if off.get("state_dtype", "fp32") != "fp32" and not offload:
-        raise _err(source, "zero_optimization.offload_optimizer.state_dtype",
-                   'compact moments are for the CPU step: they need "device": "cpu" (on the device use "fp32")')
-    if zero.get("delayed_param_update", {}).get("enabled") and not offload:
-        raise _err(source, "zero_optimization.delayed_param_update.enabled",
-                   'the delayed parameter update needs "offload_optimizer": {"device": "cpu"}')
-    return cfg

@@ -11,6 +11,8 @@ from .. import _C
 from ._args import _DTYPE_CODE, _HALF_OR_FLOAT, _check, _threads
 from .moments import _STATE_CODE, _state_kind, check_blocks
 
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+
 
 def adam_step(
     param: torch.Tensor,
@@ -75,6 +77,9 @@ def adam_step(
     if not (type(grad_scale) is float or (isinstance(grad_scale, numbers.Real) and not isinstance(grad_scale, bool))
             ) or grad_scale < 0.0:
         raise ValueError(f"grad_scale must be a number >= 0, got {grad_scale!r}")
+    if grad_scale > _FLT_MAX:  # the kernel's float: 1e39 (1 / a static loss scale of 1e-39) became inf there, and a
+        # zero gradient times inf NaN in every param, silently; inf itself is no scale the engines ever pass
+        raise ValueError(f"grad_scale must be finite in fp32 (at most {_FLT_MAX:g}), got {grad_scale!r}")
     check_separate(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param_out=param_out,
                    exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)
     if kind == "int8":
