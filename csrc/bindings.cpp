@@ -65,9 +65,10 @@ PYBIND11_MODULE(_C, m) {
     hzo::accumulate(ptr<float>(acc), ptr<const void>(grad), d, static_cast<float>(scale), overwrite, n, nthreads);
   });
   m.def("quantize", [](uintptr_t x, uintptr_t codes, uintptr_t scales, bool is_sq, size_t n, int nthreads,
-                       long sr_step, uint64_t round_index) {
+                       long sr_step, uint64_t round_index, bool given_scales) {
     py::gil_scoped_release release;
-    hzo::quantize(ptr<const float>(x), ptr<void>(codes), ptr<float>(scales), is_sq, n, nthreads, sr_step, round_index);
+    hzo::quantize(ptr<const float>(x), ptr<void>(codes), ptr<float>(scales), is_sq, n, nthreads, sr_step, round_index,
+                  given_scales);
   });
   m.def("dequantize", [](uintptr_t codes, uintptr_t scales, uintptr_t out, bool is_sq, size_t n, int nthreads) {
     py::gil_scoped_release release;

@@ -116,15 +116,15 @@ void accumulate(float* acc, const void* grad, DType dt, float scale, bool overwr
 // Conversions run the scalar helpers of quant.h: the same functions the kernels' results are
 // defined by, so a checkpoint converted here equals what a step would have stored.
 void quantize(const float* x, void* codes, float* scales, bool is_sq, size_t n, int nthreads, long sr_step,
-              uint64_t round_index) {
+              uint64_t round_index, bool given_scales) {
   const uint32_t seed = round_seed_of(sr_step);
   parallel_ranges(n, kQBlock, nthreads, [&](size_t b, size_t e) {
     for (size_t s = b; s < e; s += kQBlock) {
       const size_t len = std::min(e, s + kQBlock) - s;
       if (is_sq) q_block_v(x + s, len, static_cast<uint8_t*>(codes) + s, scales + s / kQBlock,
-                           sr_step > 0 ? &seed : nullptr, round_index + s);
+                           sr_step > 0 ? &seed : nullptr, round_index + s, given_scales);
       else q_block_m(x + s, len, static_cast<int8_t*>(codes) + s, scales + s / kQBlock, sr_step > 0 ? &seed : nullptr,
-                     round_index + s);
+                     round_index + s, given_scales);
     }
   });
 }

@@ -22,8 +22,9 @@ void accumulate(float* acc, const void* grad, DType dt, float scale, bool overwr
 // scales has ceil(n / kQBlock) entries.
 // sr_step > 0: stochastic rounding as the kernel's step sr_step stores it, element i keyed by
 // round_index + i (each moment with its own bits); otherwise to nearest (one-off conversions).
+// given_scales: scales holds each block's scale (>= its absmax: the caller checks), else receives it.
 void quantize(const float* x, void* codes, float* scales, bool is_sq, size_t n, int nthreads, long sr_step = 0,
-              uint64_t round_index = 0);
+              uint64_t round_index = 0, bool given_scales = false);
 void dequantize(const void* codes, const float* scales, float* out, bool is_sq, size_t n, int nthreads);
 size_t quant_block();
 // The largest code magnitude a step writes (1.0, where every value clamps): exp_avg_sq's (is_sq) or exp_avg's.

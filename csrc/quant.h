@@ -133,8 +133,10 @@ inline uint8_t q_v_sr(float x, float inv, uint32_t r20) {
 // Running max that never takes a NaN (the comparison is false), so any order gives the same value.
 inline float max_step(float acc, float x) { return x > acc ? x : acc; }
 
-// The block's scale: its absmax.
-inline float q_scale(const float* x, size_t len) {
+// The block's scale: its absmax, or with ``given`` the scale already in *scale (the caller's, >= the
+// absmax: the engine keeps a block's scale, times a power of two, while part of it gets no gradient).
+inline float q_scale(const float* x, size_t len, const float* scale, bool given) {
+  if (given) return *scale;
   float mx = 0.0f;
   for (size_t i = 0; i < len; ++i) mx = max_step(mx, std::fabs(x[i]));
   return mx;
@@ -144,8 +146,8 @@ inline float q_scale(const float* x, size_t len) {
 // nearest; with one (a step's round_seed), stochastically, element i taking q8_round_bits(index + i,
 // q8_seed_m(seed)).
 inline void q_block_m(const float* x, size_t len, int8_t* codes, float* scale, const uint32_t* seed = nullptr,
-                      uint64_t index = 0) {
-  const float mx = q_scale(x, len);
+                      uint64_t index = 0, bool given = false) {
+  const float mx = q_scale(x, len, scale, given);
   const float inv = q_inverse(mx);
   const uint32_t seed_m = seed ? q8_seed_m(*seed) : 0;
   for (size_t i = 0; i < len; ++i) codes[i] = seed ? q_m_sr(x[i], inv, q8_round_bits(index + i, seed_m)) : q_m(x[i], inv);
@@ -154,8 +156,8 @@ inline void q_block_m(const float* x, size_t len, int8_t* codes, float* scale, c
 // exp_avg_sq: to nearest without a seed; with one (a step's round_seed), stochastically, element i
 // taking q8_round_bits(index + i, seed).
 inline void q_block_v(const float* x, size_t len, uint8_t* codes, float* scale, const uint32_t* seed = nullptr,
-                      uint64_t index = 0) {
-  const float mx = q_scale(x, len);
+                      uint64_t index = 0, bool given = false) {
+  const float mx = q_scale(x, len, scale, given);
   const float inv = q_inverse(mx);
   for (size_t i = 0; i < len; ++i) {
     codes[i] = seed ? q_v_sr(x[i], inv, q8_round_bits(index + i, *seed)) : q_v(x[i], inv);

@@ -8,6 +8,8 @@ every block it touches decoded, updated on the run's elements only, and encoded 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 import _quant_ref as ref
@@ -67,8 +69,27 @@ class FlatReference(torch.optim.Optimizer):
         if "exp_avg_scale" in st:
             m, v = m.clone(), v.clone()
             m[x0 - s:x1 - s], v[x0 - s:x1 - s] = part["exp_avg"], part["exp_avg_sq"]
-            st["exp_avg"][s:e], st["exp_avg_scale"][s // Q] = ref.quantize(m, "exp_avg", kw["step"], s)
-            st["exp_avg_sq"][s:e], st["exp_avg_sq_scale"][s // Q] = ref.quantize(v, "exp_avg_sq", kw["step"], s)
+            for name, x in (("exp_avg", m), ("exp_avg_sq", v)):
+                if x0 == s and x1 == e:  # a whole block: the kernel's, on its absmax
+                    st[name][s:e], st[name + "_scale"][s // Q] = ref.quantize(x, name, kw["step"], s)
+                    continue
+                # a block shared with params not stepped here: its old scale times the power of two that
+                # takes it into [absmax, 2 absmax) (so theirs keep their values); the stepped part
+                # stochastic, the rest to nearest
+                old, top = float(st[name + "_scale"][s // Q]), float(x.abs().max())
+                scale, tiny = None, torch.finfo(torch.float32).tiny
+                others = torch.cat([x[:x0 - s], x[x1 - s:]])
+                if others.any() and tiny <= old < math.inf and tiny <= top < math.inf:
+                    scale = old
+                    while scale < top:
+                        scale *= 2
+                    while scale / 2 >= top:
+                        scale /= 2
+                    if not tiny <= float(torch.tensor(scale)) < math.inf:
+                        scale = None
+                codes, sc = ref.quantize(x, name, scale=scale)
+                codes[x0 - s:x1 - s] = ref.quantize(x, name, kw["step"], s, scale=scale)[0][x0 - s:x1 - s]
+                st[name][s:e], st[name + "_scale"][s // Q] = codes, sc
         else:
             st["exp_avg"][s:e], st["exp_avg_sq"][s:e] = part["exp_avg"], part["exp_avg_sq"]
 

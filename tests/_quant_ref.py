@@ -73,15 +73,16 @@ def stochastic_mag(n: torch.Tensor, moment: str, r20: torch.Tensor) -> torch.Ten
     return torch.where(top, len(table) - 1, torch.where(up, hi, lo))
 
 
-def quantize(x: torch.Tensor, moment: str, step: int | None = None,
-             round_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, moment: str, step: int | None = None, round_index: int = 0,
+             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and block scales of fp32 ``x``; with ``step``, the codes' magnitudes are rounded
-    stochastically with ``q8_random_bits(step, round_index, n, moment)`` (what a step stores)."""
+    stochastically with ``q8_random_bits(step, round_index, n, moment)`` (what a step stores). ``scale``:
+    one block's given scale instead of its absmax."""
     n = x.numel()
     nb = -(-n // BLOCK)
     a = torch.zeros(nb * BLOCK)
     a[:n] = x.abs()
-    absmax = a.view(nb, BLOCK).amax(dim=1)
+    absmax = a.view(nb, BLOCK).amax(dim=1) if scale is None else torch.tensor([scale], dtype=torch.float32)
     # |x| times the block's fp32 reciprocal (0 for a max below the smallest normal fp32), each
     # product rounded once
     inv = torch.where(absmax >= torch.finfo(torch.float32).tiny, (1.0 / absmax.double()).float(), 0.0)

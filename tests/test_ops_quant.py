@@ -428,3 +428,30 @@ def test_states_of_code_map_1_decode_with_it():
     assert not torch.equal(m, m2)
     with pytest.raises(ValueError, match="int8 moments with code map 3"):
         ops.state_to_fp32(st, 3)
+
+
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+def test_quantize_on_given_scales(moment):
+    """The engine encodes a block shared with params it did not step on a scale it keeps (the old one times a
+    power of two): the codes are the reference's on that scale, a code's value times 2^k codes exactly, and a
+    scale under the block's largest |x| (values would clamp) or a non-finite one is refused. On 4x the scale a
+    code's value moves by the shift c alone (decode subtracts it once per scale, csrc/quant.h): at most 2c times
+    the new scale, the floor of the code range, not a code step (1/16 of the value) above it."""
+    x = _wide(300, seed=3).abs()
+    if moment == "exp_avg":
+        x[::2] = -x[::2]
+    big = torch.tensor([x[:256].abs().max() * 1.5, x[256:].abs().max() * 3])
+    codes, scales = ops.quantize_blockwise(x, moment, scales=big)
+    assert torch.equal(scales, big) and torch.equal(codes, torch.cat(
+        [ref.quantize(x[:256], moment, scale=float(big[0]))[0], ref.quantize(x[256:], moment, scale=float(big[1]))[0]]))
+    values = ops.dequantize_blockwise(*ops.quantize_blockwise(x, moment))
+    _, s0 = ops.quantize_blockwise(values, moment)
+    twice, _ = ops.quantize_blockwise(values, moment, scales=s0 * 4)
+    c, per = 2.0 ** (1 - ref.BIAS[moment]), s0.repeat_interleave(256)[:300]
+    moved = (ops.dequantize_blockwise(twice, s0 * 4) - values).abs()
+    assert (moved <= 2 * c * 4 * per).all()
+    above = values.abs() > 0.1 * per
+    assert (moved[above] / values[above].abs() < 2e-3).all()
+    for bad in (torch.tensor([x[:256].abs().max() * 0.5, 1e30]), torch.tensor([float("inf"), 1e30])):
+        with pytest.raises(ValueError, match="scales: each must be finite and >= its block's largest"):
+            ops.quantize_blockwise(x, moment, scales=bad)

@@ -44,6 +44,13 @@ def _poke(path, offset, data: bytes):
         f.write(data)
 
 
+def _flip(path, offset, mask: int):
+    with open(path, "rb") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+    _poke(path, offset, bytes([byte ^ mask]))
+
+
 @pytest.mark.parametrize("where", ["exp_avg-0xff", "master-bitflip", "header", "trailer"])
 def test_a_damaged_byte_is_caught_and_names_the_file(tmp_path, where):
     model, opt, path = _saved(tmp_path)
@@ -51,17 +58,13 @@ def test_a_damaged_byte_is_caught_and_names_the_file(tmp_path, where):
     if where == "exp_avg-0xff":
         _poke(path, base + entries["exp_avg"]["offset"] + 40, b"\xff" * 4)
     elif where == "master-bitflip":
-        at = base + entries["master"]["offset"] + 123
-        with open(path, "rb") as f:
-            f.seek(at)
-            byte = f.read(1)[0]
-        _poke(path, at, bytes([byte ^ 0x01]))
+        _flip(path, base + entries["master"]["offset"] + 123, 0x01)
     elif where == "header":
         raw = open(path, "rb").read(base)
         i = raw.index(b'"global_steps": 3')
         _poke(path, i + len(b'"global_steps": '), b"4")  # still valid JSON: only the checksum can tell
-    else:
-        _poke(path, os.path.getsize(path) - 20, b"\x00")
+    else:  # flipped, not overwritten: the trailer holds the save's random id, so a byte written 0 was 0 1 in 256 runs
+        _flip(path, os.path.getsize(path) - 20, 0xFF)
     with pytest.raises(checkpoint.StateFileError, match="earlier checkpoint") as e:
         _fresh(model).load_checkpoint(str(tmp_path))
     assert path in str(e.value)

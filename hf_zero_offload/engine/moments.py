@@ -17,6 +17,8 @@ bf16 moments and int8's exp_avg_sq are stored with stochastic rounding keyed by 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import ops
@@ -92,6 +94,37 @@ class Moments:
         block = cut(self.state, s, min(s + Q, self.length))
         m, v = ops.state_to_fp32(block)
         ops.adam_step(master, grad, m[x0 - s:x1 - s], v[x0 - s:x1 - s], param_out=out, compact_math=True, **kw)
-        # re-encoded as the kernel would store this block at this step (both moments' random bits)
-        for k, t in ops.state_from_fp32(m, v, "int8", step=kw["step"], round_index=self.origin + s).items():
-            block[k].copy_(t)
+        # [x0, x1) encoded as a step stores it (its random bits), the block's other elements (no gradient
+        # this step, or another run's) to nearest, on the block's old scale times the power of two that
+        # takes it into [absmax, 2 absmax): a code times 2^k is a code, so those elements keep their values
+        # exactly (but where a growing scale pushes them under the code range's floor). Re-encoded on the
+        # new absmax, a param that got no gradient random-walked with each rescale (exp_avg 5x off after
+        # 200 steps). The scale follows the values down as well as up: a stale large one would flush them.
+        # Where the other elements are all zero (a shard's padding after the last param, moments not yet
+        # stepped) the block takes its absmax, as the kernel would step it whole: 1 and N ranks agree.
+        others = torch.ones(len(m), dtype=torch.bool)
+        others[x0 - s:x1 - s] = False
+        for name, x in (("exp_avg", m), ("exp_avg_sq", v)):
+            scale = None
+            if x[others].any():
+                scale = self._kept_scale(float(block[name + "_scale"][0]), float(x.abs().max()))
+            codes, scales = ops.quantize_blockwise(x, name, scales=scale)  # others to nearest
+            codes[x0 - s:x1 - s] = ops.quantize_blockwise(x, name, step=kw["step"], round_index=self.origin + s,
+                                                          scales=scale)[0][x0 - s:x1 - s]
+            block[name].copy_(codes)
+            block[name + "_scale"].copy_(scales)
+
+    @staticmethod
+    def _kept_scale(old: float, absmax: float) -> torch.Tensor | None:
+        """``old`` * 2^k (fp32) for the least integer k with ``absmax`` <= it, or None (the block takes its
+        absmax) where that does not exist: no old scale, a zero absmax, or a non-finite or denormal one."""
+        tiny = torch.finfo(torch.float32).tiny
+        if not (tiny <= old < math.inf and tiny <= absmax < math.inf):
+            return None
+        k = math.floor(math.log2(absmax / old))  # then fix the last step exactly: log2 rounds
+        while math.ldexp(old, k) < absmax:
+            k += 1
+        while math.ldexp(old, k - 1) >= absmax:
+            k -= 1
+        scale = torch.tensor([math.ldexp(old, k)])  # exact in fp32 while it stays normal and finite
+        return scale if tiny <= float(scale[0]) < math.inf and float(scale[0]) == math.ldexp(old, k) else None

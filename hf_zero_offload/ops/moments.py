@@ -150,11 +150,13 @@ def state_slice(state: dict[str, torch.Tensor], start: int, end: int) -> dict[st
 
 
 def quantize_blockwise(x: torch.Tensor, moment: str, *, step: int | None = None, round_index: int = 0,
-                       num_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       scales: torch.Tensor | None = None, num_threads: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x`` -> (codes, scales) exactly as the int8 kernel stores them. ``moment``:
     "exp_avg" (int8 signed code) or "exp_avg_sq" (uint8 code of |x|): to nearest without ``step`` (a
     one-off conversion), else stochastically rounded as the kernel's step ``step`` stores it, element i
-    keyed by ``round_index + i`` (each moment with its own random bits)."""
+    keyed by ``round_index + i`` (each moment with its own random bits). ``scales``: each block's scale
+    instead of its absmax (finite, >= the absmax; returned as given)."""
     if moment not in _MOMENTS:
         raise ValueError(f"moment must be 'exp_avg' or 'exp_avg_sq'; got {moment!r}")
     x = _read_only(x)
@@ -163,10 +165,20 @@ def quantize_blockwise(x: torch.Tensor, moment: str, *, step: int | None = None,
     if step is not None and step < 1:
         raise ValueError(f"step must be >= 1 (the 1-based step count); got {step}")
     codes = torch.empty(x.numel(), dtype=torch.uint8 if sq else torch.int8)
-    scales = torch.empty(_num_scales(x.numel()))
+    given = scales is not None
+    if given:
+        _check("scales", scales, (torch.float32,), _num_scales(x.numel()), f"one per {QUANT_BLOCK} of {x.numel()}",
+               written=False)
+        pad = torch.zeros(_num_scales(x.numel()) * QUANT_BLOCK)
+        pad[:x.numel()] = x.reshape(-1).abs()
+        if not (torch.isfinite(scales).all() and (scales >= pad.view(-1, QUANT_BLOCK).amax(1)).all()):
+            raise ValueError("scales: each must be finite and >= its block's largest |x|")
+        scales = scales.clone()
+    else:
+        scales = torch.empty(_num_scales(x.numel()))
     if x.numel():
         _C.quantize(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), sq, x.numel(), _threads(num_threads),
-                    int(step or 0), int(round_index) % 2**64)
+                    int(step or 0), int(round_index) % 2**64, given)
     return codes, scales
 
 
