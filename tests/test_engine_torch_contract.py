@@ -254,3 +254,37 @@ def test_an_fp16_overflow_reports_the_norm_grad_norm_gave():
     norm = opt.grad_norm()
     opt.step()
     assert opt.last.skipped and norm != norm and opt.last.grad_norm != opt.last.grad_norm
+
+
+@pytest.mark.parametrize("kind", ["offload", "sharded2"])
+def test_a_step_without_a_backward_applies_nothing_and_says_so_once(kind, caplog):
+    """The engines take gradients during backward and each step consumes them (as DeepSpeed's do): a
+    second step() with no backward in between applied nothing and said nothing, where a torch optimizer
+    without zero_grad() applies the same .grad again. It is said now, once per engine. Between steps with
+    a backward each, no zero_grad() is needed: each step sees its own backward's gradients only."""
+    import logging
+
+    torch.manual_seed(0)
+    model, ref = nn.Linear(4, 3), None
+    ref = copy.deepcopy(model)
+    opt = engine(kind, model.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=opt.param_groups[0]["weight_decay"],
+                                foreach=False)
+    x = torch.randn(5, 4)
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        for _ in range(2):
+            model(x).square().sum().backward()  # no zero_grad() anywhere
+            opt.step()
+            ref_opt.zero_grad()
+            ref(x).square().sum().backward()
+            ref_opt.step()
+        assert not caplog.records
+        after = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters()))
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    said = [r.getMessage() for r in caplog.records if "no gradient since the last step" in r.getMessage()]
+    assert len(said) == 1 and "no .grad is kept" in said[0], said
+    opt.close()

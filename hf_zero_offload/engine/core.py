@@ -76,6 +76,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         self.needs_publish = False   # DPU: the masters are one step ahead of the device parameters
         # ... because of a step of this engine (not a loaded state that was saved so): what a close or a drop loses
         self._step_unpublished = False
+        self._said_empty_step = False  # step() without any gradient is said once (step)
         self.last = StepResult(False, 0.0, self.scaler.scale)
         self._worker = self.streams.executor("hzo-dpu") if options.dpu else None
         self._pending: Future | None = None
@@ -188,6 +189,12 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         self._adopt_written_params()
         sumsq, received = self._prepare()
         self._prepared = None
+        if not any(received) and not self._said_empty_step:
+            self._said_empty_step = True  # once: a loop that steps without backward does it every time
+            logger.warning("hf_zero_offload: %s.step() with no gradient since the last step: nothing to apply. The "
+                           "engine takes the gradients during backward and each step consumes them (as DeepSpeed's "
+                           "does): unlike a torch optimizer without zero_grad(), no .grad is kept to apply again or "
+                           "to add the next backward to", type(self).__name__)
         self._last_received = received
         self.global_steps += 1
         self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor)
