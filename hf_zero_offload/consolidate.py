@@ -64,6 +64,29 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
     return out
 
 
+def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
+    """For a refused resume: the first params that differ between the saved ``param_names.json`` and this
+    model's slots (``slot_names``), as text to append to the refusal ("" without a readable file)."""
+    try:
+        saved = _read_json(os.path.join(state_dir, NAMES_FILE))
+        saved = [a[0] for a in saved]
+    except (OSError, ValueError, TypeError, IndexError, KeyError):
+        return ""
+    now = [a[0] for a in slot_names]
+
+    def first(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    added, gone = [n for n in now if n not in set(saved)], [n for n in saved if n not in set(now)]
+    parts = ([f"trainable now, not in the checkpoint: {first(added)}"] if added else []) + \
+        ([f"trainable in the checkpoint, not now: {first(gone)}"] if gone else [])
+    if not parts:  # the same names: another order, or other shapes
+        i = next((i for i, (a, b) in enumerate(zip(saved, now)) if a != b), None)
+        parts = [f"the same params in another order (slot {i}: {saved[i]} saved, {now[i]} now)" if i is not None
+                 else "the same params, with other shapes"]
+    return f" ({'; '.join(parts)}; from {os.path.join(state_dir, NAMES_FILE)})"
+
+
 def _read_json(path: str):
     """The JSON in ``path``; a damaged file is a ValueError that names it (json's own message does not)."""
     with open(path, encoding="utf-8") as f:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .config import TrainingConfig
+from .config import ConfigError, TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
 from .launch_checks import LaunchError, launch_count
 
@@ -55,17 +55,68 @@ def training_dtype(cfg: TrainingConfig) -> torch.dtype:
     return torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16 else torch.float32
 
 
-def build_engine(param_groups: list[dict], cfg: TrainingConfig, args):
+def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_decide: bool = False):
     """The engine for this config and world size (the optimizer the Trainer will drive). ``args``: the
-    TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, world_size, sharded_ddp are read)."""
+    TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, world_size, sharded_ddp are read).
+    ``groups_decide``: the groups carry their own lr, betas, eps and weight decay (``groups_from_optimizer``),
+    which the config's "optimizer" block does not replace."""
     opt = cfg.optimizer
     hyper = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, adamw_mode=opt.adam_w_mode) if opt else dict(
         lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, adamw_mode=True)
-    if opt is not None:  # the config's weight decay replaces the Trainer's for the decayed group
+    if opt is not None and not groups_decide:  # the config's weight decay replaces the Trainer's for the decayed group
         param_groups = [{**g, "weight_decay": opt.weight_decay if g["weight_decay"] else 0.0} for g in param_groups]
     options, shard = engine_options(cfg)
     return factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
                                 param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
+
+
+# torch.optim.Adam/AdamW group keys that choose an implementation, not the math: the engine runs its own kernels
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable")
+# ... and those that change the math, which the engine's kernels do not run
+_UNSUPPORTED_KEYS = {"amsgrad": "the engine keeps no max(exp_avg_sq) state", "maximize": "the engine descends the "
+                     "gradient", "differentiable": "autograd does not record the engine's step"}
+
+
+def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
+    """The param groups of the torch.optim.AdamW / Adam that ``where`` (a user's ``create_optimizer``) built, as
+    the engine's groups: each group's params (frozen ones left out: AdamW never steps them), lr, betas, eps,
+    weight decay and Adam/AdamW mode, and its other keys (a name, a layer index). Anything whose result the
+    engine cannot reproduce is refused by name: another optimizer class (a subclass may change step()),
+    amsgrad/maximize/differentiable, a state already stepped, a trainable param left out of every group (the
+    plain Trainer's clipping and logged grad norm count it; the engine's norm would not)."""
+    cls = type(opt)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if cls not in (torch.optim.AdamW, torch.optim.Adam):
+        raise ConfigError(f"{where} returned a {name}: with zero_offload the optimizer is hf_zero_offload's Adam/AdamW "
+                          "engine, which takes over the param groups (lr, betas, eps, weight_decay per group) of a "
+                          "torch.optim.AdamW or torch.optim.Adam only; return one of those there, or train without "
+                          "zero_offload")
+    if opt.state:
+        raise ConfigError(f"{where} returned a {name} that has already stepped: the engine starts from zero moments; "
+                          "return a new optimizer there")
+    groups = []
+    for i, g in enumerate(opt.param_groups):
+        bad = [f"{k}={g[k]!r} ({why})" for k, why in _UNSUPPORTED_KEYS.items() if g.get(k)]
+        if bad:
+            raise ConfigError(f"{where} returned a {name} with {', '.join(bad)} in param group {i}: the zero_offload "
+                              "engine cannot run that; remove the option there, or train without zero_offload")
+        params = [p for p in g["params"] if p.requires_grad]
+        if not params:  # the engine holds no empty group (nothing to step in it)
+            continue
+        rest = {k: v for k, v in g.items() if k not in (*_IMPLEMENTATION_KEYS, *_UNSUPPORTED_KEYS, "params",
+                                                        "decoupled_weight_decay")}
+        # torch.optim.Adam(decoupled_weight_decay=True) is AdamW; AdamW always is
+        adamw = bool(g.get("decoupled_weight_decay", cls is torch.optim.AdamW))
+        groups.append({**rest, "params": params, "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
+                       "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]), "adamw_mode": adamw})
+    taken = {id(p) for g in groups for p in g["params"]}
+    left = [n for n, p in named_params if p.requires_grad and id(p) not in taken]
+    if left:
+        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        raise ConfigError(f"{where} left {len(left)} trainable parameter(s) out of its param groups ({shown}): the "
+                          "plain Trainer clips them and counts them in grad_norm, the zero_offload engine would "
+                          "not; freeze them (requires_grad_(False)) or put them in a group")
+    return groups
 
 
 def _bytes(n: int) -> str:

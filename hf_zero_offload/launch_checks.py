@@ -125,6 +125,18 @@ def cpu_has_native_bf16() -> bool | None:
     return any(" avx512_bf16" in line or " amx_bf16" in line for line in flags)
 
 
+def warn_upcast(model, dtype: torch.dtype) -> None:
+    """A 16-bit model cast up to the training dtype: twice the weights' memory, for a run that may have loaded
+    bf16 to save it (the plain Trainer keeps the model as given)."""
+    given = {p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype.itemsize < dtype.itemsize}
+    for d in sorted(given, key=str):
+        flag = "--bf16 (bf16=True)" if d == torch.bfloat16 else "--fp16 (fp16=True)"
+        logger.warning("hf_zero_offload: the model's %s parameters were cast to %s, the training dtype of this run "
+                       "(every parameter and buffer: twice the weights' memory, and save_model writes %s); to keep "
+                       "the model in %s, pass %s", str(d).replace("torch.", ""), str(dtype).replace("torch.", ""),
+                       str(dtype).replace("torch.", ""), str(d).replace("torch.", ""), flag)
+
+
 def warn_bf16_on_cpu(args, bf16: bool) -> None:
     if bf16 and (getattr(args, "use_cpu", False) or not torch.cuda.is_available()) and cpu_has_native_bf16() is False:
         logger.warning("hf_zero_offload: --bf16 on a CPU without AVX512-BF16 or AMX: torch emulates bf16 matmuls "

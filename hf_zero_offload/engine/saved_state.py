@@ -127,13 +127,37 @@ class SavedState:
                              "load_checkpoint to change the world size")
         state_dir.check_tensors(state, self.hi - self.lo, where)
         codes = self._saved_codes(state, where)
+        # Accelerate's device placement (a plain Trainer given an engine) loads the engine's own state_dict() back
+        # at every train(): publishing those masters wrote the engine's stale values over weights loaded into the
+        # model since (the checkpoint's, at a resume: with DPU, the first resumed step ran on them). Masters that
+        # the load leaves as they are publish nothing; a param written since keeps its value and is taken at the
+        # next step, as any write is. (Agreed by every rank: the publish is a collective.)
+        same = not self._ranks_that_failed(not self._same_masters(state))
         self._load_failed = where
         self._apply_meta(state)
         # the state holds this very slice (checked above): ``lo`` is its start
         self._load_tensors(state, codes, lambda lo, dst: [dst[k].copy_(state[k].reshape(-1)[:dst[k].numel()])
                                                            for k in dst], where=where)
-        self._finish_load(state)
+        if same:
+            self._sync_mirror()
+        else:
+            self._finish_load(state)
         self._load_failed = None
+
+    def _same_masters(self, state: dict) -> bool:
+        self._wait_worker()
+        n = self.hi - self.lo
+        saved = state["master"].reshape(-1)[:n]
+        return saved.dtype == self.master.dtype and torch.equal(saved.to(self.master.device), self.master[:n])
+
+    def drop_delayed_step(self) -> int:
+        """The model was given other weights (the Trainer loaded its best checkpoint) while a delayed step (DPU)
+        was in flight: its publish, at the next step or ``flush()``, would overwrite them. The step is dropped
+        and the masters take the model's weights (``adopt_changed_params``; the moments stay, as a torch
+        optimizer's do). Returns how many params of this slice were taken."""
+        self._wait_worker()
+        self.needs_publish, self._uploaded, self._step_unpublished = False, None, False
+        return self.adopt_changed_params()
 
     def _check_saved(self, meta: dict, where: str) -> None:
         state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),

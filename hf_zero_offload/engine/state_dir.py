@@ -208,13 +208,17 @@ def _check_partition(ranges, world_size, numel, where: str) -> None:
                          f"{reprlib.repr(world_size)} consecutive ranks' ranges; resume from an earlier checkpoint")
 
 
+class LayoutMismatch(ValueError):
+    """A state of another set (or order, or shapes) of trainable params than this model's."""
+
+
 def check_model(meta: dict, numel: int, slots: list) -> None:
     if meta.get("format") not in STATE_FORMATS:
         raise ValueError(f"not an hf_zero_offload optimizer state (format={meta.get('format')!r})")
     if meta.get("numel") != numel or meta.get("slots") != slots:
         saved = meta.get("slots")
         params = sum(map(len, saved)) if isinstance(saved, list) and all(isinstance(g, list) for g in saved) else "?"
-        raise ValueError(f"optimizer state does not match this model: saved {meta.get('numel')} trainable elements "
+        raise LayoutMismatch(f"optimizer state does not match this model: saved {meta.get('numel')} trainable elements "
                          f"in {params} params, this model has {numel} in {sum(map(len, slots))}")
 
 

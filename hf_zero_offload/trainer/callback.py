@@ -13,10 +13,12 @@ from .mixin import STATE_DIR, adopt_changed_params, logger
 class ZeroOffloadCallback(TrainerCallback):
     """For users who keep their own Trainer and pass an engine as ``optimizers=(engine, scheduler)``.
 
-    What the callback does: logs the engine's gradient norm and loss scale, and finishes a pending
-    delayed parameter update at the end of training. What it cannot do without the mixin: scale the
-    loss (so fp16 is not supported: use bf16 or fp32), stop the Trainer's own clipping (which sees no
-    gradients: clip with the engine's ``max_grad_norm`` instead), hold the LR schedule on skipped
+    What the callback does: logs the engine's gradient norm (as ``grad_norm``, which the Trainer's own
+    clipping, finding no gradients, logged as 0.0) and loss scale, refuses a ``--max_grad_norm`` other
+    than the engine's ``OffloadOptions.max_grad_norm`` (the engine clips; the Trainer's clipping sees no
+    gradients), and finishes a pending delayed parameter update at the end of training (with
+    ``load_best_model_at_end``: drops it, as the best weights are loaded). What it cannot do without the
+    mixin: scale the loss (so fp16 is not supported: use bf16 or fp32), hold the LR schedule on skipped
     steps, or save the optimizer state per rank: the Trainer saves ``state_dict()`` into one
     ``optimizer.pt`` from rank 0, and a sharded engine's holds only that rank's slice, so an engine of
     several ranks is refused at ``train()`` (use ZeroOffloadTrainer / ZeroOffloadMixin).
@@ -33,6 +35,14 @@ class ZeroOffloadCallback(TrainerCallback):
         if engine is not None and logs is not None and "loss" in logs:
             logs["zero_grad_norm"] = engine.last.grad_norm
             logs["loss_scale"] = engine.loss_scale
+            if "grad_norm" in logs:
+                # the Trainer's clip_grad_norm_ found no .grad (the engine took them): 0.0; the engine's is the norm.
+                # The history entry is a copy made before on_log: it gets the same values
+                logs["grad_norm"] = engine.last.grad_norm
+                last = state.log_history[-1] if state.log_history else None
+                if last is not None and last.get("step") == state.global_step and last.get("loss") == logs["loss"]:
+                    last.update(grad_norm=logs["grad_norm"], zero_grad_norm=logs["grad_norm"],
+                                loss_scale=logs["loss_scale"])
 
     def on_train_begin(self, args, state, control, **kwargs):
         engine = self._engine(kwargs)
@@ -41,6 +51,12 @@ class ZeroOffloadCallback(TrainerCallback):
                              "Trainer saves one optimizer.pt from rank 0, which holds only rank 0's slice (the other "
                              "ranks' state would be lost at every checkpoint); use ZeroOffloadTrainer or "
                              "ZeroOffloadMixin, which save every rank's state")
+        clip = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
+        if engine is not None and clip != engine.options.max_grad_norm:
+            raise ValueError(f"ZeroOffloadCallback: TrainingArguments.max_grad_norm={clip:g} but the engine's "
+                             f"OffloadOptions.max_grad_norm={engine.options.max_grad_norm:g}: the engine takes the "
+                             "gradients during backward, so the Trainer's clipping finds none and the engine's value "
+                             "is the one that runs; set both to the same value (0: no clipping)")
         if engine is not None:  # what the mixin does at every train(): no window left part way, no stale masters
             engine.zero_grad(set_to_none=True)
             adopt_changed_params(engine)
@@ -57,5 +73,13 @@ class ZeroOffloadCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         engine = self._engine(kwargs)
-        if engine is not None:
+        if engine is None:
+            return
+        if args.load_best_model_at_end and state.best_model_checkpoint and \
+                os.path.isdir(state.best_model_checkpoint):
+            # The Trainer has loaded the best checkpoint's weights: a flush would publish the last delayed step
+            # (DPU) over them. Dropped instead, and the masters take the loaded weights (the moments stay, as a
+            # torch optimizer's do): the model and a later train() go on from the best weights.
+            engine.drop_delayed_step()
+        else:
             engine.flush()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -12,15 +13,16 @@ from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 from .. import presets, resume
-from ..consolidate import write_param_names
+from ..consolidate import names_difference, write_param_names
 from ..args_view import args_view, early_view
-from ..config import TrainingConfig, check, resolve
+from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
 from ..engine.checkpoint import atomic_path, fsync_tree
+from ..engine.state_dir import LayoutMismatch
 from ..accelerator_patch import patch_accelerator
-from ..engine_setup import build_engine, start_line, training_dtype
+from ..engine_setup import build_engine, groups_from_optimizer, start_line, training_dtype
 from ..launch_checks import (check_arguments, check_trainable, check_world_size, refuse_user_optimizer,
-                             warn_bf16_on_cpu, warn_fp16_on_cpu)
+                             warn_bf16_on_cpu, warn_fp16_on_cpu, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 
@@ -97,17 +99,64 @@ class ZeroOffloadMixin:
         view = args_view(self.args, fp16=fp16, bf16=bf16, max_steps=max_steps, model=self.model)
         return resolve(self._zo_raw, view)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("create_optimizer")
+        if own is None or getattr(own, "_zo_takes_over", False):
+            return
+
+        # transformers' documented way to change the optimizer is to override create_optimizer: the torch optimizer
+        # it builds is never fed gradients here (train() failed deep in torch), so the engine takes over its groups
+        @functools.wraps(own)
+        def create_optimizer(self, *args, **kwargs):
+            return self._zo_take_over(own(self, *args, **kwargs), f"{cls.__qualname__}.create_optimizer")
+
+        create_optimizer._zo_takes_over = True
+        cls.create_optimizer = create_optimizer
+
+    def _zo_base_create_optimizer(self) -> str | None:
+        """``Base.create_optimizer`` of a user's class below the mixin (``class T(ZeroOffloadMixin, Base)``), if any."""
+        mro = type(self).__mro__
+        for c in mro[mro.index(ZeroOffloadMixin) + 1:]:
+            if c.__module__.split(".")[0] == "transformers":
+                return None
+            if "create_optimizer" in c.__dict__:
+                return f"{c.__qualname__}.create_optimizer"
+        return None
+
+    def _zo_take_over(self, built, where: str):
+        """After a user's ``create_optimizer``: the engine in place of the torch optimizer it built."""
+        if self._zo_raw is None:
+            return built
+        opt = self.optimizer if self.optimizer is not None else built
+        if opt is None or isinstance(getattr(opt, "optimizer", opt), AdamCore):  # it called ours (super())
+            return opt
+        self.optimizer = None
+        return self._zo_build(self.model, groups_from_optimizer(opt, where, self.model.named_parameters()), where)
+
     def create_optimizer(self, model=None):
         if self._zo_raw is None or self.optimizer is not None:
             return super().create_optimizer(model) if self._zo_raw is None else self.optimizer
         model = self.model if model is None else model
-        self.zero_config = cfg = self._zo_resolve()
+        base = self._zo_base_create_optimizer()
+        if base is not None:  # its groups (a layer-wise LR, ...) are what the user asked for: the engine runs them
+            built = super().create_optimizer(model)
+            built, self.optimizer = (self.optimizer if self.optimizer is not None else built), None
+            return self._zo_build(model, groups_from_optimizer(built, base, model.named_parameters()), base)
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-        self.optimizer = build_engine(groups, cfg, self.args)
+        return self._zo_build(model, [g for g in groups if g["params"]], None)
+
+    def _zo_build(self, model, groups: list[dict], where: str | None):
+        """The engine over ``groups`` (``where``: the user's create_optimizer they come from, whose per-group
+        values the engine keeps), and the model in the training dtype."""
+        self.zero_config = cfg = self._zo_resolve()
+        if where is not None:
+            self._zo_check_user_groups(cfg, groups, where)
+        warn_upcast(model, training_dtype(cfg))  # before the engine casts the trainable params
+        self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         logger.info(start_line(cfg, self.zero_engine, self.args.world_size, self.args.device))
@@ -119,9 +168,28 @@ class ZeroOffloadMixin:
                        "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
         return self.optimizer
 
+    def _zo_check_user_groups(self, cfg, groups: list[dict], where: str) -> None:
+        block = (self._zo_raw.cfg.get("optimizer") or {}).get("params") or {}
+        explicit = sorted(k for k, v in block.items() if v != "auto")
+        if explicit:  # two sources for the same values: which one runs would be a guess
+            raise ConfigError(f"{cfg.source}: the \"optimizer\" block sets {', '.join(explicit)} and {where} builds "
+                              "its own param groups with their own values: set them in one place (\"auto\" in the "
+                              "block, or leave the groups to the mixin)")
+        if cfg.scheduler is not None and cfg.scheduler.type in ("WarmupLR", "WarmupDecayLR") and \
+                len({g["lr"] for g in groups}) > 1:
+            logger.warning("hf_zero_offload: %s gives its param groups different learning rates, and %s's "
+                           "scheduler %s sets one LR for every group (as in DeepSpeed): the groups' LRs are replaced; "
+                           "WarmupCosineLR or --lr_scheduler_type scale each group's own", where, cfg.source,
+                           cfg.scheduler.type)
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self._zo_raw is None:
             return super().create_scheduler(num_training_steps, optimizer)
+        if self.zero_engine is None:  # create_optimizer_and_scheduler overridden, self.optimizer set by hand...
+            raise ConfigError(f"{type(self).__name__}: with zero_offload the optimizer must be built by "
+                              "create_optimizer (the mixin's, or an override returning a torch.optim.AdamW/Adam, "
+                              f"whose groups the engine takes over); the Trainer holds a "
+                              f"{type(getattr(self.optimizer, 'optimizer', self.optimizer)).__name__} instead")
         if self.lr_scheduler is None:
             cfg = self.zero_config
             if cfg is not None and cfg.scheduler is not None:
@@ -171,6 +239,7 @@ class ZeroOffloadMixin:
         elif engine is not None:  # a second train(): the engine of the first one goes on
             check_trainable(engine.slot_params(), self.model.named_parameters())
             adopt_changed_params(engine)
+            self._zo_update_clipping(engine)
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
@@ -190,6 +259,17 @@ class ZeroOffloadMixin:
             if self._zo_lock is not None:
                 self._zo_lock.release()
         return out
+
+    def _zo_update_clipping(self, engine) -> None:
+        # the plain Trainer reads --max_grad_norm at every step: a value changed since the engine was built applies
+        # (resolved again: a ds_config's own "gradient_clipping" still wins over the argument)
+        clip = self._zo_resolve().gradient_clipping
+        if clip != engine.options.max_grad_norm:
+            logger.info("hf_zero_offload: gradient clipping %g -> %g for this train()", engine.options.max_grad_norm,
+                        clip)
+            engine.options = dataclasses.replace(engine.options, max_grad_norm=clip)
+            if self.zero_config is not None:
+                self.zero_config = dataclasses.replace(self.zero_config, gradient_clipping=clip)
 
     def _inner_training_loop(self, *args, **kwargs):
         if self.zero_engine is not None:
@@ -281,7 +361,10 @@ class ZeroOffloadMixin:
         try:
             if before is not None:  # first: a damaged file is refused before the engine's state is touched
                 resume.load_scheduler(self.lr_scheduler, sched)
-            self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
+            try:
+                self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
+            except LayoutMismatch as e:  # the totals alone may read the same: name the params that differ
+                raise LayoutMismatch(f"{e}{names_difference(state_dir, self._zo_slot_names())}") from None
         except BaseException:
             if before is not None:  # a refused file or state leaves the schedule as it was
                 self.lr_scheduler.load_state_dict(before)
