@@ -254,3 +254,15 @@ def test_resume_with_another_trainable_set_names_the_params(tmp_path):
                                          r"encoder\.final_layer_norm\.weight; trainable in the checkpoint, not now: "
                                          r"decoder\.final_layer_norm\.weight; from .*param_names\.json\)"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+
+
+def test_a_checkpoint_name_taken_by_a_file_is_named_before_training(tmp_path):
+    """A file named checkpoint-2 in output_dir was met at that save ("Not a directory"), after the steps since
+    the start were lost; finetune_trainer.py names it before any model work, and now the Trainer's train() too."""
+    args = _args(tmp_path, "out", zero_offload=OFFLOAD, save_strategy="steps", save_steps=2)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoint-2").write_text("x")
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=ToyDataset())
+    with pytest.raises(ValueError, match="checkpoint-2 is a file, not a directory"):
+        trainer.train()
+    assert trainer.state.global_step == 0

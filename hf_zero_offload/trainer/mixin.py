@@ -243,6 +243,9 @@ class ZeroOffloadMixin:
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
+        problem = resume.output_dir_problem(self.args.output_dir) if self.args.output_dir else None
+        if problem:  # a checkpoint-N file met at its save lost the steps since the last one
+            raise ValueError(problem)
         self._zo_take_lock(self.args)
         if self._zo_lock is not None and self._zo_lock.held:
             for path in resume.remove_stale_temp_files(self.args.output_dir):
