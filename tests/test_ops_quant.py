@@ -327,52 +327,44 @@ def test_cpu_adam_refuses_a_state_dict_with_negative_scales():
     assert len(fresh.state) == 0  # nothing loaded
 
 
-def test_int8_exp_avg_sq_follows_a_falling_gradient():
-    """beta2 = 0.999 moves v by 0.1% of (g^2 - v) per step, far under half a code step (3-6%): to
-    nearest, the codes of a block whose absmax holds froze, and v stopped following its own
-    gradient. Stochastic rounding keeps the stored v unbiased. Eight blocks, each with its element 0
-    the constant max, the others' gradient falling from 0.3 to 0.1 at step 200: the mean of the
-    kernel's stored v (each element's is noisy, ~30% std, so 2040 of them: ~0.7% for the mean) against
-    the exact recursion, and the same recursion with to-nearest codes (the reference's quantize
-    without step)."""
-    n, b2 = 8 * 256, 0.999
-    g_hi, g_lo = torch.full((n,), 0.3), torch.full((n,), 0.1)
+def _follow(moment: str, hi: float, lo: float, switch: int, steps: int, beta: float, tol: float, every: int):
+    """Eight blocks, each with its element 0 the constant max 1.0, the others' gradient ``hi`` until step
+    ``switch``, then ``lo``: every ``every`` steps the mean of the kernel's stored moment over those 2040
+    elements is within ``tol`` of the exact recursion's; returns the same mean for to-nearest codes (the
+    reference's quantize without step) over the exact one, at the end."""
+    n, sq = 8 * 256, moment == "exp_avg_sq"
+    g_hi, g_lo = torch.full((n,), hi), torch.full((n,), lo)
     g_hi[::256] = g_lo[::256] = 1.0
     rest = torch.arange(n) % 256 != 0
     st, p = ops.make_state(n, "int8"), torch.zeros(n)
     exact, nearest = torch.zeros(n, dtype=torch.float64), torch.zeros(n)
-    for t in range(1, 801):
-        g = g_hi if t <= 200 else g_lo
-        ops.adam_step(p, g, **st, step=t, lr=0.0, beta2=b2)
-        exact = b2 * exact + (1 - b2) * g.double() ** 2
-        nearest = ref.dequantize(*ref.quantize(b2 * nearest + (1 - b2) * g * g, "exp_avg_sq"))
-        if t % 100 == 0:
-            stored = ops.dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_scale"])
-            assert abs(stored[rest].double().mean() / exact[rest].mean() - 1) < 0.03, t
-    assert nearest[rest].double().mean() / exact[rest].mean() > 3  # what the test guards against
+    for t in range(1, steps + 1):
+        g = g_hi if t <= switch else g_lo
+        ops.adam_step(p, g, **st, step=t, lr=0.0, **({"beta2": beta} if sq else {"beta1": beta}))
+        x = g * g if sq else g
+        exact = beta * exact + (1 - beta) * x.double()
+        nearest = ref.dequantize(*ref.quantize(beta * nearest + (1 - beta) * x, moment))
+        if t % every == 0:
+            stored = ops.dequantize_blockwise(st[moment], st[moment + "_scale"])
+            assert abs(stored[rest].double().mean() / exact[rest].mean() - 1) < tol, t
+    return float(nearest[rest].double().mean() / exact[rest].mean())
+
+
+def test_int8_exp_avg_sq_follows_a_falling_gradient():
+    """beta2 = 0.999 moves v by 0.1% of (g^2 - v) per step, far under half a code step (3-6%): to
+    nearest, the codes of a block whose absmax holds froze, and v stopped following its own
+    gradient. Stochastic rounding keeps the stored v unbiased. The gradient falls from 0.3 to 0.1 at
+    step 200; each element's stored v is noisy (~30% std), so the mean of 2040 of them: ~0.7%."""
+    assert _follow("exp_avg_sq", 0.3, 0.1, 200, 800, 0.999, 0.03, 100) > 3  # what the test guards against
 
 
 def test_int8_exp_avg_follows_a_gradient_that_moves_little():
     """beta1 = 0.9 moves m by 10% of (g - m) per step: under half a code step (3-6%) once g is near m,
     as in full-batch training, where to-nearest codes froze m. A small MLP, full batch, 100 steps,
     ended 16-23% above fp32 AdamW's loss (3 seeds) with m to nearest, 1.1-1.5% below it with m
-    stochastic (a plain-torch emulation of the codes). Here: each block's element 0 a constant 1.0 (its
-    absmax), the others' gradient 0.3 for 60 steps then 0.26: to nearest m stays on 0.3's code (0.3125)
-    for good; the kernel's stored m follows the exact recursion, on average over 2040 elements."""
-    n = 8 * 256
-    g_hi, g_lo = torch.full((n,), 0.3), torch.full((n,), 0.26)
-    g_hi[::256] = g_lo[::256] = 1.0
-    rest = torch.arange(n) % 256 != 0
-    st, p = ops.make_state(n, "int8"), torch.zeros(n)
-    exact, nearest = torch.zeros(n, dtype=torch.float64), torch.zeros(n)
-    for t in range(1, 161):
-        g = g_hi if t <= 60 else g_lo
-        ops.adam_step(p, g, **st, step=t, lr=0.0, beta1=0.9)
-        exact = 0.9 * exact + 0.1 * g.double()
-        nearest = ref.dequantize(*ref.quantize(0.9 * nearest + 0.1 * g, "exp_avg"))
-    stored = ops.dequantize_blockwise(st["exp_avg"], st["exp_avg_scale"])
-    assert abs(stored[rest].double().mean() / exact[rest].mean() - 1) < 0.01
-    assert nearest[rest].double().mean() / exact[rest].mean() > 1.15  # what the test guards against
+    stochastic (a plain-torch emulation of the codes). The gradient goes 0.3 -> 0.26 at step 60: to
+    nearest m stays on 0.3's code (0.3125) for good; the kernel's stored m follows the exact recursion."""
+    assert _follow("exp_avg", 0.3, 0.26, 60, 160, 0.9, 0.01, 160) > 1.15  # what the test guards against
 
 
 @pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
