@@ -7,6 +7,8 @@ Accelerate's own.
 """
 from __future__ import annotations
 
+import types
+
 
 def patch_accelerator(accelerator, engine_of) -> None:
     """``engine_of()``: the engine once it exists (None before ``create_optimizer``)."""
@@ -34,7 +36,7 @@ def patch_accelerator(accelerator, engine_of) -> None:
         wrapped = prepare_optimizer(optimizer, device_placement=False)
         step = wrapped.step
 
-        def step_reporting_skips(*a, **kw):
+        def step_reporting_skips(_self, *a, **kw):
             out = step(*a, **kw)
             # An fp16 overflow step is skipped by the engine. Accelerate's step_was_skipped (read by
             # the Trainer before it steps the LR schedule) reports its own GradScaler's skips from
@@ -44,7 +46,8 @@ def patch_accelerator(accelerator, engine_of) -> None:
             wrapped._is_overflow = bool(engine is not None and engine.last.skipped)
             return out
 
-        wrapped.step = step_reporting_skips
+        # a bound method, as torch's LR schedulers expect of optimizer.step (they wrap step.__func__)
+        wrapped.step = types.MethodType(step_reporting_skips, wrapped)
         return wrapped
 
     accelerator.prepare_optimizer = prepare_in_place

@@ -100,16 +100,22 @@ def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
         if bad:
             raise ConfigError(f"{where} returned a {name} with {', '.join(bad)} in param group {i}: the zero_offload "
                               "engine cannot run that; remove the option there, or train without zero_offload")
+        # a group with no trainable param stays, empty: the LR log (group 0) and a per-group LambdaLR count groups
         params = [p for p in g["params"] if p.requires_grad]
-        if not params:  # the engine holds no empty group (nothing to step in it)
-            continue
         rest = {k: v for k, v in g.items() if k not in (*_IMPLEMENTATION_KEYS, *_UNSUPPORTED_KEYS, "params",
                                                         "decoupled_weight_decay")}
         # torch.optim.Adam(decoupled_weight_decay=True) is AdamW; AdamW always is
         adamw = bool(g.get("decoupled_weight_decay", cls is torch.optim.AdamW))
         groups.append({**rest, "params": params, "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
                        "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]), "adamw_mode": adamw})
+    named_params = list(named_params)
     taken = {id(p) for g in groups for p in g["params"]}
+    outside = [tuple(p.shape) for g in groups for p in g["params"] if id(p) not in {id(q) for _, q in named_params}]
+    if outside:
+        raise ConfigError(f"{where} put {len(outside)} parameter(s) that are not the model's in its param groups "
+                          f"(shapes {', '.join(map(str, outside[:5]))}): the plain Trainer counts and clips only the "
+                          "model's, and the engine saves its state by the model's parameter names; make them part of "
+                          "the model (an nn.Parameter attribute of a module) or train without zero_offload")
     left = [n for n, p in named_params if p.requires_grad and id(p) not in taken]
     if left:
         shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
 from _t5 import OFFLOAD, ToyDataset, logged, tiny_t5
 from hf_zero_offload import (ZeroOffloadCallback, ZeroOffloadMixin, ZeroOffloadSeq2SeqTrainer,
@@ -266,3 +266,96 @@ def test_a_checkpoint_name_taken_by_a_file_is_named_before_training(tmp_path):
     with pytest.raises(ValueError, match="checkpoint-2 is a file, not a directory"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+class KwargsBase(Trainer):  # a base that forwards everything: the argument names are hidden from the mixin
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+class KwargsMixedIn(ZeroOffloadMixin, KwargsBase):
+    pass
+
+
+def test_optimizer_cls_and_kwargs_through_a_kwargs_base_is_refused(tmp_path):
+    """Passed through a base's (*args, **kwargs) __init__ (or set after __init__), optimizer_cls_and_kwargs was not
+    seen: the run trained with the engine's AdamW instead of the user's SGD (lr 0.01 logged instead of 0.5)."""
+    kw = dict(optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.5}))
+    with pytest.raises(ConfigError, match="optimizer_cls_and_kwargs"):
+        KwargsMixedIn(model=tiny_t5(), args=_args(tmp_path, "a", zero_offload=OFFLOAD), train_dataset=ToyDataset(),
+                      **kw)
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "b", zero_offload=OFFLOAD),
+                                        train_dataset=ToyDataset())
+    trainer.optimizer_cls_and_kwargs = kw["optimizer_cls_and_kwargs"]
+    with pytest.raises(ConfigError, match="optimizer_cls_and_kwargs"):
+        trainer.train()
+
+
+def _constant_lambda(self, num_training_steps, optimizer=None):  # a user's own schedule on self.optimizer
+    if self.lr_scheduler is None:
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambda i: 0.5 ** i)
+        self._created_lr_scheduler = True
+    return self.lr_scheduler
+
+
+def test_a_users_create_scheduler_on_the_engine_runs_as_on_torch_adamw(tmp_path):
+    """A torch LR scheduler built on the Trainer's optimizer (create_scheduler overridden above the mixin) died in
+    torch: 'function' object has no attribute '__func__' (the patched step was a plain function, not a method)."""
+    ref_model, model = tiny_t5(), tiny_t5()
+    ref = type("Ref", (Seq2SeqTrainer,), {"create_scheduler": _constant_lambda})(
+        model=ref_model, args=_args(tmp_path, "r", cls=Seq2SeqTrainingArguments), train_dataset=ToyDataset())
+    ref.train()
+    ours = type("Ours", (ZeroOffloadSeq2SeqTrainer,), {"create_scheduler": _constant_lambda})(
+        model=model, args=_args(tmp_path, "o", zero_offload=OFFLOAD, max_grad_norm=1.0), train_dataset=ToyDataset())
+    ours.train()
+    _assert_same(ref_model, ref, model, ours)
+
+
+def _with_groups(groups_of):
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(groups_of(self), lr=self.args.learning_rate, weight_decay=0.0)
+        return self.optimizer
+    return create_optimizer
+
+
+def test_user_groups_keep_their_indices_and_hold_only_the_models_params(tmp_path):
+    """A group with no trainable param (all frozen) was dropped: the groups after it moved up one, so the logged
+    learning_rate (group 0's) was another group's (0.001 for 5.0) and a per-group LambdaLR counted one group too few.
+    A param that is not the model's (a loss temperature held by the Trainer) was counted and clipped by the engine
+    (grad_norm 8.29 for 4.35), then the first save died with a KeyError: now refused by name."""
+    def frozen_first(self):
+        named = list(self.model.named_parameters())
+        for n, p in named:
+            p.requires_grad_(not n.startswith("shared."))
+        return [{"params": [p for n, p in named if n.startswith("shared.")], "lr": 5.0},
+                {"params": [p for n, p in named if not n.startswith("shared.")]}]
+
+    ref_model, model = tiny_t5(), tiny_t5()
+    ref = type("Ref", (Seq2SeqTrainer,), {"create_optimizer": _with_groups(frozen_first)})(
+        model=ref_model, args=_args(tmp_path, "r", cls=Seq2SeqTrainingArguments), train_dataset=ToyDataset())
+    ref.train()
+    ours = type("Ours", (ZeroOffloadSeq2SeqTrainer,), {"create_optimizer": _with_groups(frozen_first)})(
+        model=model, args=_args(tmp_path, "o", zero_offload=OFFLOAD, max_grad_norm=1.0), train_dataset=ToyDataset())
+    ours.train()
+    assert len(ours.zero_engine.param_groups) == 2
+    _assert_same(ref_model, ref, model, ours, atol=2e-6)  # the logged learning_rate included; fp32 rounding
+
+    temperature = torch.nn.Parameter(torch.ones(()))
+    outside = type("Outside", (ZeroOffloadSeq2SeqTrainer,), {"create_optimizer": _with_groups(
+        lambda self: [{"params": list(self.model.parameters()) + [temperature]}])})(
+        model=tiny_t5(), args=_args(tmp_path, "x", zero_offload=OFFLOAD, max_grad_norm=1.0), train_dataset=ToyDataset())
+    with pytest.raises(ConfigError, match=r"1 parameter\(s\) that are not the model's"):
+        outside.train()
+
+
+def test_the_callback_refuses_a_one_process_engine_on_several_ranks():
+    """A plain Trainer on 2 ranks with ZeroOffloadCallback and OffloadAdam: the engine's hooks took each gradient
+    before DDP averaged it, so each rank stepped on its own (replicas 0.0497 apart after a few steps, no word)."""
+    from types import SimpleNamespace
+
+    engine = OffloadAdam(tiny_t5().parameters(), lr=1e-2, options=OffloadOptions(pin_memory=False))
+    args = SimpleNamespace(world_size=2, max_grad_norm=0.0, resume_from_checkpoint=None, output_dir="unused")
+    with pytest.raises(ValueError, match="one-process engine and this job has 2 ranks"):
+        ZeroOffloadCallback().on_train_begin(args, SimpleNamespace(global_step=0), None, optimizer=engine)
+    engine.close()

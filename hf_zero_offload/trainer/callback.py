@@ -51,6 +51,12 @@ class ZeroOffloadCallback(TrainerCallback):
                              "Trainer saves one optimizer.pt from rank 0, which holds only rank 0's slice (the other "
                              "ranks' state would be lost at every checkpoint); use ZeroOffloadTrainer or "
                              "ZeroOffloadMixin, which save every rank's state")
+        ranks = int(getattr(args, "world_size", 1) or 1)
+        if engine is not None and getattr(engine, "world_size", 1) == 1 and ranks > 1:
+            raise ValueError(f"ZeroOffloadCallback: {type(engine).__name__} is a one-process engine and this job has "
+                             f"{ranks} ranks: it takes each gradient during backward, before DDP averages it, so every "
+                             "rank would step on its own gradient and the replicas drift apart; use "
+                             "ZeroOffloadTrainer or ZeroOffloadMixin with --sharded_ddp")
         clip = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
         if engine is not None and clip != engine.options.max_grad_norm:
             raise ValueError(f"ZeroOffloadCallback: TrainingArguments.max_grad_norm={clip:g} but the engine's "

@@ -72,6 +72,9 @@ class ZeroOffloadMixin:
             warn_fp16_on_cpu(targs, bool(targs.fp16))
             warn_bf16_on_cpu(targs, bool(targs.bf16))
         if self._zo_raw is not None:
+            # what __init__ kept, however it was passed (a base class's own (*args, **kwargs) hides the names)
+            refuse_user_optimizer(getattr(self, "optimizer", None), getattr(self, "lr_scheduler", None),
+                                  getattr(self, "optimizer_cls_and_kwargs", None))
             patch_accelerator(self.accelerator, lambda: self.zero_engine)
 
     def _zo_refuse_user_optimizer(self, args, kwargs) -> None:
@@ -152,6 +155,7 @@ class ZeroOffloadMixin:
     def _zo_build(self, model, groups: list[dict], where: str | None):
         """The engine over ``groups`` (``where``: the user's create_optimizer they come from, whose per-group
         values the engine keeps), and the model in the training dtype."""
+        refuse_user_optimizer(None, None, getattr(self, "optimizer_cls_and_kwargs", None))  # set after __init__
         self.zero_config = cfg = self._zo_resolve()
         if where is not None:
             self._zo_check_user_groups(cfg, groups, where)
