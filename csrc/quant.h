@@ -58,8 +58,10 @@
 //   A stored value is code_value * scale (one fp32 multiply). Zero is a code (exact zeros stay zero:
 //   unused embedding rows, masked params); a v flushed to zero in a block with a 1e10x larger
 //   outlier gets an update bounded by its own m, whose code range flushes at the same scale.
-// - Non-finite moments: the scale becomes inf/nan and the block decodes to inf/nan, so a bad step
-//   stays visible (the fp32 param was already updated with the unrounded values in the same pass).
+// - Non-finite moments: an inf makes the scale inf and the whole block decodes to inf/NaN at the next
+//   step, so a bad step stays visible (the fp32 param was already updated with the unrounded values in
+//   the same pass). A NaN is not: the block max skips it and it stores as the top code (q_mag_r clamps
+//   NaN), finite, while its own param is NaN already (torch keeps the NaN moment; nothing else differs).
 #pragma once
 #include <algorithm>
 #include <cmath>

@@ -8,11 +8,11 @@ size, and checkpoints re-cut across world sizes without touching a block twice.
 A run of parameters (one kernel call) starts and ends wherever its parameters do, so its first and
 last block may be shared with the neighbouring run. Such a block is updated by decoding it to fp32,
 applying the fp32 kernel with the compact kinds' math (``compact_math``) to this run's elements only,
-and re-encoding the whole block (the untouched elements go through decode/encode, which is what the
-fused kernel does to every element it touches anyway). Runs are visited in the same order at every
+and re-encoding the whole block: this run's elements as a step stores them, the others to nearest on the block's
+old scale times a power of two, so a param without a gradient keeps its moments (``_shared_block``). Runs are visited in the same order at every
 world size, so the result does not depend on it.
 
-bf16 moments and int8's exp_avg_sq are stored with stochastic rounding keyed by the element's index in the flat layout
+bf16 and int8 moments (both of them) are stored with stochastic rounding keyed by the element's index in the flat layout
 (``origin`` + offset in the slice), so the same element rounds the same way at any world size.
 """
 from __future__ import annotations
