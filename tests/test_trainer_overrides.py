@@ -359,3 +359,15 @@ def test_the_callback_refuses_a_one_process_engine_on_several_ranks():
     with pytest.raises(ValueError, match="one-process engine and this job has 2 ranks"):
         ZeroOffloadCallback().on_train_begin(args, SimpleNamespace(global_step=0), None, optimizer=engine)
     engine.close()
+
+
+def test_the_callback_refuses_fp16():
+    """The callback's docstring said fp16 is not supported (the loss scaling is the mixin's), but nothing refused it:
+    Accelerate's GradScaler would scale the loss and find no gradient to unscale (the engine took them)."""
+    from types import SimpleNamespace
+
+    engine = OffloadAdam(tiny_t5().parameters(), lr=1e-2, options=OffloadOptions(pin_memory=False))
+    args = SimpleNamespace(world_size=1, fp16=True, max_grad_norm=0.0, resume_from_checkpoint=None, output_dir="x")
+    with pytest.raises(ValueError, match="--fp16 needs the engine's loss scaling"):
+        ZeroOffloadCallback().on_train_begin(args, SimpleNamespace(global_step=0), None, optimizer=engine)
+    engine.close()

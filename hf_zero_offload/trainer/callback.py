@@ -51,6 +51,11 @@ class ZeroOffloadCallback(TrainerCallback):
                              "Trainer saves one optimizer.pt from rank 0, which holds only rank 0's slice (the other "
                              "ranks' state would be lost at every checkpoint); use ZeroOffloadTrainer or "
                              "ZeroOffloadMixin, which save every rank's state")
+        if engine is not None and getattr(args, "fp16", False):
+            raise ValueError("ZeroOffloadCallback: --fp16 needs the engine's loss scaling, which only ZeroOffloadTrainer "
+                             "/ ZeroOffloadMixin drive (here Accelerate's GradScaler would scale the loss and find no "
+                             "gradients to unscale: the engine took them, 65536x too large); use --bf16 or fp32, or "
+                             "ZeroOffloadTrainer")
         ranks = int(getattr(args, "world_size", 1) or 1)
         if engine is not None and getattr(engine, "world_size", 1) == 1 and ranks > 1:
             raise ValueError(f"ZeroOffloadCallback: {type(engine).__name__} is a one-process engine and this job has "
