@@ -77,7 +77,8 @@ def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
     def first(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
-    added, gone = [n for n in now if n not in set(saved)], [n for n in saved if n not in set(now)]
+    saved_set, now_set = set(saved), set(now)
+    added, gone = [n for n in now if n not in saved_set], [n for n in saved if n not in now_set]
     parts = ([f"trainable now, not in the checkpoint: {first(added)}"] if added else []) + \
         ([f"trainable in the checkpoint, not now: {first(gone)}"] if gone else [])
     if not parts:  # the same names: another order, or other shapes

@@ -2,6 +2,7 @@
 size, and the one line the Trainer logs at its start. No transformers here (the Trainer passes its values)."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -10,7 +11,10 @@ import torch.distributed as dist
 from . import ops
 from .config import ConfigError, TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
+from .engine.group_flags import IMPLEMENTATION_FLAGS, MATH_FLAGS
 from .launch_checks import LaunchError, launch_count
+
+logger = logging.getLogger("hf_zero_offload")
 
 
 def step_threads(explicit: int | None) -> int:
@@ -70,13 +74,6 @@ def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_dec
                                 param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
 
 
-# torch.optim.Adam/AdamW group keys that choose an implementation, not the math: the engine runs its own kernels
-_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable")
-# ... and those that change the math, which the engine's kernels do not run
-_UNSUPPORTED_KEYS = {"amsgrad": "the engine keeps no max(exp_avg_sq) state", "maximize": "the engine descends the "
-                     "gradient", "differentiable": "autograd does not record the engine's step"}
-
-
 def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
     """The param groups of the torch.optim.AdamW / Adam that ``where`` (a user's ``create_optimizer``) built, as
     the engine's groups: each group's params (frozen ones left out: AdamW never steps them), lr, betas, eps,
@@ -96,21 +93,22 @@ def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
                           "return a new optimizer there")
     groups = []
     for i, g in enumerate(opt.param_groups):
-        bad = [f"{k}={g[k]!r} ({why})" for k, why in _UNSUPPORTED_KEYS.items() if g.get(k)]
+        bad = [f"{k}={g[k]!r} ({why})" for k, why in MATH_FLAGS.items() if g.get(k)]
         if bad:
             raise ConfigError(f"{where} returned a {name} with {', '.join(bad)} in param group {i}: the zero_offload "
                               "engine cannot run that; remove the option there, or train without zero_offload")
         # a group with no trainable param stays, empty: the LR log (group 0) and a per-group LambdaLR count groups
         params = [p for p in g["params"] if p.requires_grad]
-        rest = {k: v for k, v in g.items() if k not in (*_IMPLEMENTATION_KEYS, *_UNSUPPORTED_KEYS, "params",
+        # implementation flags (foreach, fused, capturable) choose how torch runs the math: the engine runs its own
+        rest = {k: v for k, v in g.items() if k not in (*IMPLEMENTATION_FLAGS, *MATH_FLAGS, "params",
                                                         "decoupled_weight_decay")}
         # torch.optim.Adam(decoupled_weight_decay=True) is AdamW; AdamW always is
         adamw = bool(g.get("decoupled_weight_decay", cls is torch.optim.AdamW))
         groups.append({**rest, "params": params, "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
                        "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]), "adamw_mode": adamw})
     named_params = list(named_params)
-    taken = {id(p) for g in groups for p in g["params"]}
-    outside = [tuple(p.shape) for g in groups for p in g["params"] if id(p) not in {id(q) for _, q in named_params}]
+    taken, models = {id(p) for g in groups for p in g["params"]}, {id(q) for _, q in named_params}
+    outside = [tuple(p.shape) for g in groups for p in g["params"] if id(p) not in models]
     if outside:
         raise ConfigError(f"{where} put {len(outside)} parameter(s) that are not the model's in its param groups "
                           f"(shapes {', '.join(map(str, outside[:5]))}): the plain Trainer counts and clips only the "
@@ -123,6 +121,24 @@ def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
                           "plain Trainer clips them and counts them in grad_norm, the zero_offload engine would "
                           "not; freeze them (requires_grad_(False)) or put them in a group")
     return groups
+
+
+def check_user_groups(cfg: TrainingConfig, raw: dict, groups: list[dict], where: str) -> None:
+    """The groups of ``where`` (``groups_from_optimizer``) against the ds_config (``raw``: as the user wrote it,
+    resolved into ``cfg``): its "optimizer" block may not set the values the groups carry, and a scheduler that sets
+    one LR for every group is said to replace theirs."""
+    block = (raw.get("optimizer") or {}).get("params") or {}
+    explicit = sorted(k for k, v in block.items() if v != "auto")
+    if explicit:  # two sources for the same values: which one runs would be a guess
+        raise ConfigError(f"{cfg.source}: the \"optimizer\" block sets {', '.join(explicit)} and {where} builds "
+                          "its own param groups with their own values: set them in one place (\"auto\" in the "
+                          "block, or leave the groups to the mixin)")
+    if cfg.scheduler is not None and cfg.scheduler.type in ("WarmupLR", "WarmupDecayLR") and \
+            len({g["lr"] for g in groups}) > 1:
+        logger.warning("hf_zero_offload: %s gives its param groups different learning rates, and %s's "
+                       "scheduler %s sets one LR for every group (as in DeepSpeed): the groups' LRs are replaced; "
+                       "WarmupCosineLR or --lr_scheduler_type scale each group's own", where, cfg.source,
+                       cfg.scheduler.type)
 
 
 def _bytes(n: int) -> str:

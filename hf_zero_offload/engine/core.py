@@ -28,23 +28,13 @@ import torch
 
 from .. import ops
 from .grad_hooks import ParamOwner
+from .group_flags import check_group_flags
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
 from .runs import Run, flat_layout, make_runs, training_dtype
 from .saved_state import SavedState, logger
 from .streams import Streams, make_streams
-
-
-# torch.optim.Adam/AdamW flags the engine does not implement: refused when truthy (see _check_group_flags)
-_REFUSED_FLAGS = {
-    "amsgrad": "the kernels keep no max(exp_avg_sq) state; use torch.optim.AdamW(amsgrad=True)",
-    "maximize": "the engine descends the gradient; negate the loss instead",
-    "capturable": "it is for CUDA graphs, which the engine's host step cannot be captured in",
-    "differentiable": "autograd does not record the engine's step",
-    "foreach": "the engine always runs its own fused kernels; leave foreach None or False",
-    "fused": "the engine always runs its own fused kernels; leave fused None or False",
-}
 
 
 class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
@@ -230,28 +220,10 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
     def _check_hyper(self) -> None:
         for i, g in enumerate(self.param_groups):
             try:
-                self._check_group_flags(g)
+                check_group_flags(g, self.options.state_dtype)
                 ops.check_hyperparameters(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__} param group {i}: {e}") from None
-
-    def _check_group_flags(self, g: dict) -> None:
-        """torch.optim's Adam/AdamW flags a group may carry (copied from another optimizer's groups, or
-        set by hand): the step reads only lr, betas, eps, weight_decay and adamw_mode, so a flag that
-        changes the math (or a per-group state_dtype) used to be dropped without a word."""
-        if not isinstance(g["adamw_mode"], bool):  # "false" would be true
-            raise ValueError(f"adamw_mode must be a bool, got {g['adamw_mode']!r}")
-        for key, why in _REFUSED_FLAGS.items():
-            if g.get(key) not in (None, False):
-                raise ValueError(f"{key}={g[key]!r} is not supported: {why}")
-        dwd = g.get("decoupled_weight_decay")
-        if dwd is not None and bool(dwd) != g["adamw_mode"]:
-            raise ValueError(f"decoupled_weight_decay={dwd!r} contradicts adamw_mode={g['adamw_mode']!r}: the "
-                             "engine's weight decay is decoupled (AdamW) exactly when adamw_mode is True")
-        sd = g.get("state_dtype")
-        if sd is not None and sd != self.options.state_dtype:
-            raise ValueError(f"state_dtype={sd!r} differs from OffloadOptions.state_dtype="
-                             f"{self.options.state_dtype!r}: the engine stores every group's moments one way")
 
     def _arrivals(self):
         """A value that changes when a gradient reaches the engine (``_prepare``'s cache key)."""

@@ -20,7 +20,7 @@ from ..engine.core import AdamCore
 from ..engine.checkpoint import atomic_path, fsync_tree
 from ..engine.state_dir import LayoutMismatch
 from ..accelerator_patch import patch_accelerator
-from ..engine_setup import build_engine, groups_from_optimizer, start_line, training_dtype
+from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
 from ..launch_checks import (check_arguments, check_trainable, check_world_size, refuse_user_optimizer,
                              warn_bf16_on_cpu, warn_fp16_on_cpu, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
@@ -158,7 +158,7 @@ class ZeroOffloadMixin:
         refuse_user_optimizer(None, None, getattr(self, "optimizer_cls_and_kwargs", None))  # set after __init__
         self.zero_config = cfg = self._zo_resolve()
         if where is not None:
-            self._zo_check_user_groups(cfg, groups, where)
+            check_user_groups(cfg, self._zo_raw.cfg, groups, where)
         warn_upcast(model, training_dtype(cfg))  # before the engine casts the trainable params
         self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
@@ -171,20 +171,6 @@ class ZeroOffloadMixin:
             logger.log(level, "hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config.schema."
                        "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
         return self.optimizer
-
-    def _zo_check_user_groups(self, cfg, groups: list[dict], where: str) -> None:
-        block = (self._zo_raw.cfg.get("optimizer") or {}).get("params") or {}
-        explicit = sorted(k for k, v in block.items() if v != "auto")
-        if explicit:  # two sources for the same values: which one runs would be a guess
-            raise ConfigError(f"{cfg.source}: the \"optimizer\" block sets {', '.join(explicit)} and {where} builds "
-                              "its own param groups with their own values: set them in one place (\"auto\" in the "
-                              "block, or leave the groups to the mixin)")
-        if cfg.scheduler is not None and cfg.scheduler.type in ("WarmupLR", "WarmupDecayLR") and \
-                len({g["lr"] for g in groups}) > 1:
-            logger.warning("hf_zero_offload: %s gives its param groups different learning rates, and %s's "
-                           "scheduler %s sets one LR for every group (as in DeepSpeed): the groups' LRs are replaced; "
-                           "WarmupCosineLR or --lr_scheduler_type scale each group's own", where, cfg.source,
-                           cfg.scheduler.type)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self._zo_raw is None:

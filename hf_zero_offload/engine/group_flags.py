@@ -1,0 +1,40 @@
+"""What a param group may carry: torch.optim's Adam/AdamW flags, which the engines refuse by name.
+
+The step reads only lr, betas, eps, weight_decay and adamw_mode, so a flag that changes the math (or a
+per-group state_dtype) copied from another optimizer's groups, or set by hand, used to be dropped without a
+word. The engines check every group at each step (``AdamCore``); a user's ``create_optimizer`` whose torch
+optimizer the Trainer integration takes over is checked against the same tables (``engine_setup``).
+"""
+from __future__ import annotations
+
+# flags that change the math, which the kernels do not run
+MATH_FLAGS = {
+    "amsgrad": "the engine keeps no max(exp_avg_sq) state",
+    "maximize": "the engine descends the gradient",
+    "differentiable": "autograd does not record the engine's step",
+}
+# flags that choose an implementation: the engine always runs its own kernels
+IMPLEMENTATION_FLAGS = {
+    "capturable": "it is for CUDA graphs, which the engine's host step cannot be captured in",
+    "foreach": "the engine always runs its own fused kernels; leave foreach None or False",
+    "fused": "the engine always runs its own fused kernels; leave fused None or False",
+}
+_ADVICE = {"amsgrad": "; use torch.optim.AdamW(amsgrad=True)", "maximize": "; negate the loss instead"}
+
+
+def check_group_flags(g: dict, state_dtype: str) -> None:
+    """A ValueError naming the first flag of group ``g`` the engine (moments stored as ``state_dtype``) cannot
+    honour."""
+    if not isinstance(g["adamw_mode"], bool):  # "false" would be true
+        raise ValueError(f"adamw_mode must be a bool, got {g['adamw_mode']!r}")
+    for key, why in {**MATH_FLAGS, **IMPLEMENTATION_FLAGS}.items():
+        if g.get(key) not in (None, False):
+            raise ValueError(f"{key}={g[key]!r} is not supported: {why}{_ADVICE.get(key, '')}")
+    dwd = g.get("decoupled_weight_decay")
+    if dwd is not None and bool(dwd) != g["adamw_mode"]:
+        raise ValueError(f"decoupled_weight_decay={dwd!r} contradicts adamw_mode={g['adamw_mode']!r}: the "
+                         "engine's weight decay is decoupled (AdamW) exactly when adamw_mode is True")
+    sd = g.get("state_dtype")
+    if sd is not None and sd != state_dtype:
+        raise ValueError(f"state_dtype={sd!r} differs from OffloadOptions.state_dtype={state_dtype!r}: the engine "
+                         "stores every group's moments one way")
