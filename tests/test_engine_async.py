@@ -11,6 +11,7 @@ Here:
 from __future__ import annotations
 
 import os
+import weakref
 
 # cuBLAS is deterministic on one stream only with a fixed workspace; set before CUDA initialises.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -68,8 +69,22 @@ def _force_synchronous(opt: OffloadAdam) -> None:
     pipe._flush = _after(pipe._flush, sync)
     pipe._retire = _after(pipe._retire, sync)
     opt.uploader._copy = _after(opt.uploader._copy, sync)
-    for p, _, _ in opt.uploader.slots:
-        p.register_post_accumulate_grad_hook(lambda _p: sync())  # runs after the engine's own hook
+    # after the engine's own gradient hook: a hook of ours registered after it would be refused (it would run
+    # once the gradient is gone), so the hooks call this object's method instead (held weakly: kept on opt)
+    hooks = pipe.hooks
+    hooks.detach()
+    opt._synced_on_grad = _Then(pipe._on_grad, sync)
+    hooks._on_grad = weakref.WeakMethod(opt._synced_on_grad.on_grad)
+    hooks.attach()
+
+
+class _Then:
+    def __init__(self, fn, then):
+        self.fn, self.then = fn, then
+
+    def on_grad(self, p):
+        self.fn(p)
+        self.then()
 
 
 def _train_wide(mode: Mode, opts: dict, synchronous: bool, *, steps=3):

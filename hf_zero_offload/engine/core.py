@@ -58,7 +58,7 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         for g in self._slots:
             self._groups.append(list(range(first, first + len(g))))
             first += len(g)
-        self.param_dtype = training_dtype(param_dtype, options.fp16_enabled, self._flat[0][0])
+        self.param_dtype = training_dtype(param_dtype, options.fp16_enabled, [p for p, _, _ in self._flat])
         # ``streams``: injected by tests (streams.SimStreams); by default the device's own.
         self.streams = streams if streams is not None else make_streams(self.device)
         self._param_steps = torch.zeros(len(self._flat), dtype=torch.int64)  # AdamW's per-param step

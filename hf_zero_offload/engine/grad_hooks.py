@@ -62,8 +62,12 @@ class GradHooks:
 
     def __init__(self, params, on_grad):
         self._params = list(params)
+        # the sizes the engine's flat layout was built for: a param resized since would be copied into a slot of
+        # another size (torch's "The size of tensor a (2048) must match the size of tensor b (2304)")
+        self._numel = {id(p): p.numel() for p in self._params}
         self._on_grad = weakref.WeakMethod(on_grad)
         self._handles: list = []
+        self._ids: dict = {}  # id(param) -> our hook's key in its _post_accumulate_grad_hooks
         # the finalizer holds the handles, not this object: it runs when the owner of ``on_grad`` goes
         weakref.finalize(on_grad.__self__, _remove, self._handles)
         self.attach()
@@ -71,19 +75,57 @@ class GradHooks:
     def attach(self) -> None:
         if self._handles:
             return
-        target = self._on_grad
+        target, numel, ids = self._on_grad, self._numel, self._ids
 
         def hook(p):
             f = target()
             if f is not None:  # its engine is gone: the gradient stays in .grad, as without hooks
                 check_dense(p)
+                _check_size(p, numel[id(p)])
+                _check_last(p, ids[id(p)])
                 f(p)
 
-        # a param frozen since the engine was built gets no gradient (torch refuses a hook on it)
-        self._handles.extend(p.register_post_accumulate_grad_hook(hook) for p in self._params if p.requires_grad)
+        for p in self._params:
+            # A param frozen now may be unfrozen during the run (a callback unfreezing layers): it needs its hook
+            # then. torch refuses a hook on a tensor that does not require grad, but keeps one across a
+            # requires_grad toggle, so the hook is registered with the flag set for the moment.
+            frozen = not p.requires_grad
+            if frozen:
+                p.requires_grad_(True)
+            try:
+                handle = p.register_post_accumulate_grad_hook(hook)
+            finally:
+                if frozen:
+                    p.requires_grad_(False)
+            self._handles.append(handle)
+            ids[id(p)] = handle.id
 
     def detach(self) -> None:
         _remove(self._handles)
+
+
+def _check_size(p: torch.Tensor, numel: int) -> None:
+    if p.numel() != numel:
+        raise ValueError(size_changed(p, numel))
+
+
+def size_changed(p: torch.Tensor, numel: int) -> str:
+    return (f"a param of {numel} elements when the engine was built is now {tuple(p.shape)} ({p.numel()} elements): "
+            "the engine's flat layout is fixed when it is built (resize_token_embeddings, or p.data = t of another "
+            "size, after building it?): change the model first, then build the engine (the Trainer)")
+
+
+def _check_last(p: torch.Tensor, key: int) -> None:
+    """torch runs a param's post-accumulate-grad hooks in the order they were registered. One registered after the
+    engine's ran after the gradient had left ``.grad``: it found None (an AttributeError in the user's code) or,
+    guarded by ``if p.grad is not None``, its edit was lost without a word. Refused here, by name."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    if hooks and next(reversed(hooks)) != key:
+        raise RuntimeError(
+            f"a post-accumulate-grad hook was registered on a {tuple(p.shape)} param after the engine's: it would run "
+            "after the engine took the gradient out of .grad (it would find None, and an edit would be lost). "
+            "Register it before building the engine (with the Trainer: before train()), or edit the gradient in "
+            "a Tensor.register_hook hook, which runs before it is accumulated")
 
 
 class ParamOwner:

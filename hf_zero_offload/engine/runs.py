@@ -39,14 +39,23 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
     return slots, offset, device
 
 
-def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, first: torch.nn.Parameter) -> torch.dtype:
-    """The dtype the device params train in: as asked, else fp16 with loss scaling, else the params' own."""
+def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, params: list) -> torch.dtype:
+    """The dtype the device params train in: as asked, else fp16 with loss scaling, else the params' own (one
+    dtype: the engine casts every trainable param to the training dtype, and taking the first param's cast the
+    others without a word, e.g. a model's fp32 LayerNorms beside bf16 Linears)."""
+    first = params[0]
     dtype = param_dtype or (torch.float16 if fp16_on else first.dtype)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"the parameters train in float32, bfloat16 or float16; got {dtype} (the first trainable "
                          f"param, shape {tuple(first.shape)}, or param_dtype): cast the model or pass param_dtype")
     if fp16_on and dtype != torch.float16:
         raise ValueError(f"fp16 loss scaling needs param_dtype float16, got {dtype}")
+    if param_dtype is None and not fp16_on:
+        other = next((p for p in params if p.dtype != dtype), None)
+        if other is not None:
+            raise ValueError(f"the trainable params have several dtypes ({dtype}: the first, shape "
+                             f"{tuple(first.shape)}; {other.dtype}: shape {tuple(other.shape)}, ...) and every one "
+                             "trains in one dtype: pass param_dtype= (they are cast to it) or cast the model first")
     return dtype
 
 

@@ -24,6 +24,7 @@ from .. import ops
 from ..ops.moments import check_code_range
 from . import state_dir
 from .checkpoint import StateFileError
+from .grad_hooks import size_changed
 from .moments import SCALES, Q
 from .runs import FlatIndex
 
@@ -223,6 +224,9 @@ class SavedState:
         marks = self._param_marks
         if marks is None or all(m == (p._version, p.data_ptr()) for m, (p, _, _) in zip(marks, self._flat)):
             return
+        for p, _, numel in self._flat:
+            if p.numel() != numel:
+                raise ValueError(size_changed(p, numel))
         self._wait_worker()
         if self.needs_publish:
             logger.warning("hf_zero_offload: parameters were written while a delayed step (DPU) was in flight; "
