@@ -199,8 +199,25 @@ def check_arguments(args, scheduler_block: str | None = None) -> None:
         problems.append("--save_only_model with --load_best_model_at_end: the best checkpoint would hold no "
                         "optimizer state (fp32 master weights) to load with the model, as with DeepSpeed; drop one "
                         "of the two")
+    nodes = _node_count()
+    if getattr(args, "save_on_each_node", False) and nodes > 1:
+        # each node's copy of a checkpoint held only its own ranks' shards (and node 1's no meta.json or weights),
+        # was marked complete all the same, and every resume from it failed
+        problems.append(f"--save_on_each_node on {nodes} nodes: a checkpoint is one directory holding every rank's "
+                        "optimizer shard (rank<r>_of_<W>.hzo), so each node's copy would hold only its own ranks' "
+                        "files and no resume could read it; put output_dir on a file system all nodes share and drop "
+                        "--save_on_each_node")
     if problems:
         raise ConfigError("Not supported with zero_offload / sharded_ddp: " + "; ".join(problems))
+
+
+def _node_count() -> int:
+    """Nodes of a torchrun launch: WORLD_SIZE over LOCAL_WORLD_SIZE (1 when either is unset)."""
+    try:
+        world, local = launch_count(os.environ, "WORLD_SIZE"), launch_count(os.environ, "LOCAL_WORLD_SIZE")
+    except LaunchError:  # not a count: check_launch_env names it
+        return 1
+    return -(-world // local) if world and local else 1
 
 
 def check_trainable(engine_params, named_params) -> None:

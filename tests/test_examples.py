@@ -6,6 +6,7 @@ The real en-ro sample is used when present (HZO_WMT_EN_RO or /work/shared/data/w
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from _examples import CONFIGS, EX, ROOT, TINY, WMT_EN_RO, write_synth
 from _examples import common_args as _common_args
+from _procs import run_together
 import synthetic_data  # noqa: E402  (on sys.path through _examples)
 
 pytest.importorskip("transformers")
@@ -297,6 +299,33 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
     assert metrics["train_loss"] == metrics["train_loss"] and "val_bleu" in metrics  # finite, evaluated
 
 
+
+def test_two_nodes_on_one_file_system_train_with_rank_0s_tokenizer(tmp_path, synth_dir):
+    """Two torchrun launches (--nnodes=2, one process each) sharing output_dir, which holds an older run's tokenizer:
+    main_process_first is node-local by default, so node 1 loaded the old tokenizer before rank 0 had trained the
+    new one (313 ids against 317), and the ranks tokenized the data differently without a word."""
+    import socket
+
+    from train_tokenizer import train_t5_tokenizer
+
+    out = tmp_path / "out"
+    src = open(os.path.join(synth_dir, "train.source")).read().splitlines()[:20]
+    stale = len(train_t5_tokenizer(src, 200, save_dir=str(out)))
+    with socket.socket() as s:  # (a port taken between here and torchrun's bind fails the launch, loudly)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = _common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", "--max_steps", "1", "--sharded_ddp",
+                                           "--zero_offload", "zero2-offload", "--overwrite_output_dir"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX])}
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--master_addr",
+            "127.0.0.1", "--master_port", str(port)]
+    runs = run_together([node + [f"--node_rank={n}", os.path.join(EX, "finetune_trainer.py"), *argv] for n in (0, 1)],
+                        timeout=600, cwd=ROOT, env=env)
+    sizes = []
+    for r in runs:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        sizes += [int(m) for m in re.findall(r"tokenizer: (\d+) ids", r.stdout + r.stderr)]
+    assert len(sizes) == 2 and sizes[0] == sizes[1] != stale, sizes
 
 def test_a_resume_takes_the_tokenizer_of_its_checkpoint(tmp_path, synth_dir):
     """Random initialisation trains a tokenizer on the training text; a resume (here with another --n_train)

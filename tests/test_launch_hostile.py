@@ -181,3 +181,27 @@ def test_gpu_only_keys_on_a_cpu_run_are_named_and_change_no_number(tmp_path, cap
     with pytest.raises(ValueError, match="NVMe offload .*not implemented"):
         ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=ZeroOffloadSeq2SeqTrainingArguments(
             output_dir=str(tmp_path / "nvme"), use_cpu=True, report_to=[], zero_offload=gpu_keys))
+
+
+@pytest.mark.parametrize("world, local, refused", [("4", "2", True), ("2", "1", True), ("2", "2", False),
+                                                   (None, None, False)])
+def test_save_on_each_node_is_refused_on_several_nodes(monkeypatch, world, local, refused):
+    """Each node's copy of a checkpoint held only its own ranks' optimizer shards (node 1's no meta.json and no
+    weights), was marked complete all the same, and every resume from it failed ("Can't find a valid
+    checkpoint"); consolidate blamed an interrupted save. On one node the flag changes nothing and is accepted."""
+    from hf_zero_offload.config import ConfigError
+    from hf_zero_offload.launch_checks import check_arguments
+
+    for name, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    args = SimpleNamespace(max_grad_norm=1.0, optim="adamw_torch", save_on_each_node=True)
+    if refused:
+        nodes = int(world) // int(local)
+        with pytest.raises(ConfigError, match=rf"--save_on_each_node on {nodes} nodes: a checkpoint is one directory "
+                                              r"holding every rank's optimizer shard.*a file system all nodes share"):
+            check_arguments(args)
+    else:
+        check_arguments(args)

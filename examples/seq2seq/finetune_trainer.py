@@ -135,8 +135,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     logger.warning(
-        "process rank %s, device %s, n_gpu %s, distributed %s, fp16 %s, bf16 %s, zero_offload %s, sharded_ddp %s",
-        training_args.local_process_index, training_args.device, training_args.n_gpu,
+        "process rank %s (local %s), device %s, n_gpu %s, distributed %s, fp16 %s, bf16 %s, zero_offload %s, "
+        "sharded_ddp %s", training_args.process_index, training_args.local_process_index, training_args.device, training_args.n_gpu,
         training_args.parallel_mode.value == "distributed", training_args.fp16, training_args.bf16,
         training_args.zero_offload, training_args.sharded_ddp,
     )
@@ -175,9 +175,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         src, tgt = texts["train"]
         logger.info("training a SentencePiece unigram tokenizer (vocab <= %d) on %d training pairs",
                     vocab_size, len(src))
-        # Rank 0 trains and saves; the other ranks then load its files (one tokenizer for all ranks).
-        with training_args.main_process_first(desc="tokenizer training"):
-            if training_args.process_index == 0:
+        # Rank 0 trains and saves; the other ranks then load its files (one tokenizer for all ranks), on every node:
+        # main_process_first's default (local=True) let node 1 load before rank 0 had written (an older run's
+        # tokenizer, or none). With save_on_each_node (no shared file system) each node's first process trains.
+        local = training_args.save_on_each_node
+        with training_args.main_process_first(local=local, desc="tokenizer training"):
+            if (training_args.local_process_index if local else training_args.process_index) == 0:
                 tokenizer = train_t5_tokenizer([prefix + s for s in src] + list(tgt), vocab_size,
                                                save_dir=training_args.output_dir)
             else:

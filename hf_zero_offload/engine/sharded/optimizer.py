@@ -71,6 +71,7 @@ from ..core import AdamCore
 from ..options import OffloadOptions
 from ..streams import Streams
 from ..upload import ParamUploader
+from .agree import check_ranks_agree
 from .layout import Partition
 from .plan import make_plan
 from .reduce import GradReducer
@@ -110,6 +111,9 @@ class ShardedAdam(AdamCore):
             raise ValueError("a process_group was given but torch.distributed is not initialised")
         if stage == 0 and self.world_size > 1:
             raise ValueError(f"stage 0 (no partitioning) runs on one process, not {self.world_size}; use stage 1 or 2")
+        # before anything that may refuse on one rank only, and before the first collective that could mismatch
+        check_ranks_agree(self._setup_description(reduce_scatter, device_adam, allgather_bucket_numel), process_group,
+                          self.world_size)
         self._divisor = self.world_size  # the store holds the sum over ranks: grad_scale also averages
         # The simulator (``streams``) covers the offload upload path; reductions stay synchronous
         # (gloo) there.
@@ -155,6 +159,23 @@ class ShardedAdam(AdamCore):
         self.reducer.bind(r["grad_buckets"], self.store, r.get("grad_staging"))
 
     # -- construction ----------------------------------------------------------------------------
+    def _setup_description(self, reduce_scatter: bool, device_adam: str, allgather_bucket_numel: int) -> dict:
+        """What every rank must agree on (``agree.check_ranks_agree``). CPU threads, tiles, pinning and the scatter
+        thread are each rank's own: they change neither the collectives nor the bits."""
+        o = self.options
+        d = {"stage": self.stage, "offload": self.offload, "reduce_scatter": reduce_scatter, "device_adam": device_adam,
+             "allgather_bucket_numel": allgather_bucket_numel, "param_dtype": str(self.param_dtype),
+             "state_dtype": o.state_dtype, "gradient_accumulation_steps": o.gradient_accumulation_steps,
+             "max_grad_norm": o.max_grad_norm, "bucket_numel": o.bucket_numel, "dpu": o.dpu,
+             "dpu_warmup_steps": o.dpu_warmup_steps, "fp16 loss scaling": repr(self.scaler),
+             "param groups": len(self._slots)}
+        for i, (g, slots) in enumerate(zip(self.param_groups, self._slots)):
+            d[f"group {i} param shapes"] = tuple(tuple(p.shape) for p, _, _ in slots)
+            d.update({f"group {i} {k}": float(g[k]) for k in ("lr", "eps", "weight_decay")})
+            d[f"group {i} betas"] = tuple(float(b) for b in g["betas"])
+            d[f"group {i} adamw_mode"] = bool(g["adamw_mode"])
+        return d
+
     def _allocate(self, cuda: bool) -> dict:
         host = {k: v for k, v in self.plan.regions.items() if v[2] == "host"}
         self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda) if host else None

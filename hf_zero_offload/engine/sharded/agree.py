@@ -1,0 +1,53 @@
+"""Every rank must build the same ShardedAdam: the same params in the same groups, the same hyperparameters and
+the options that decide the collectives and the math.
+
+Ranks started differently (another ds_config or command line on one node, a model with one param more or one
+frozen, a tokenizer of another size) used to train on without a word where the collectives happened to line up
+(replicas that matched neither rank's configuration: fp32 moments on one rank and int8 on the other, each rank's
+own learning rate or clipping on its own shard), or failed deep in gloo ("Received data size doesn't match
+expected size", "Connection reset by peer"), or hung (a rank with more backward passes per step). One small
+all-gather at construction compares what each rank built, and every rank raises the same error naming what
+differs and on which ranks.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+_SHOWN = 6  # differences named in the message
+
+
+def check_ranks_agree(setup: dict, process_group, world_size: int) -> None:
+    """``setup``: this rank's description (key -> a value that compares with ``==`` and prints). Raises ValueError
+    on every rank when any rank's differs from rank 0's."""
+    if world_size == 1:
+        return
+    every: list = [None] * world_size
+    dist.all_gather_object(every, setup, group=process_group)
+    diffs = []
+    for key, first in every[0].items():
+        others: dict = {}
+        for rank, theirs in enumerate(every[1:], start=1):
+            value = theirs.get(key)
+            if value != first:
+                others.setdefault(repr(value), (value, []))[1].append(rank)
+        for value, ranks in others.values():
+            diffs.append(_describe(key, first, value, ranks))
+    extra = sorted({k for s in every[1:] for k in s} - set(every[0]))
+    diffs += [f"{k}: absent on rank 0" for k in extra]
+    if diffs:
+        shown = "; ".join(diffs[:_SHOWN]) + (f"; and {len(diffs) - _SHOWN} more" if len(diffs) > _SHOWN else "")
+        raise ValueError(f"the {world_size} ranks built different ShardedAdam engines: {shown}. Every rank must "
+                         "build the same one (the same ds_config, command line and model on every node)")
+
+
+def _describe(key: str, first, value, ranks: list) -> str:
+    where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    if isinstance(first, tuple) and isinstance(value, tuple) and key.endswith(" param shapes"):
+        group = key[:-len(" param shapes")]
+        j = next((j for j, (a, b) in enumerate(zip(first, value)) if a != b), min(len(first), len(value)))
+        mine, theirs = (first[j] if j < len(first) else "none"), (value[j] if j < len(value) else "none")
+        if len(first) == len(value):
+            return f"{group} param {j}: {mine} on rank 0, {theirs} on {where}"
+        return (f"{group}: {len(first)} params on rank 0, {len(value)} on {where} (the first that differs: param {j}, "
+                f"{mine} against {theirs})")
+    return f"{key}: {first!r} on rank 0, {value!r} on {where}"

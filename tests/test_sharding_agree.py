@@ -1,0 +1,67 @@
+"""Ranks that build different ShardedAdam engines (another ds_config, command line or model on one node) are refused
+at construction, on every rank, with one message naming what differs. They used to train on silently where the
+collectives happened to line up (fp32 moments on one rank and int8 on the other; each rank's own learning rate,
+clipping or accumulation on its own shard), fail deep in gloo ("Received data size doesn't match expected size"),
+or hang (a rank with more backward passes per step)."""
+from __future__ import annotations
+
+import torch
+
+from _dist import run_distributed
+from _models import TinyNet, batches, loss_fn, param_groups
+from hf_zero_offload.engine import OffloadOptions, ShardedAdam
+
+# case: (what rank 1 changes, the message's part naming it)
+CASES = {
+    "state_dtype": ("fp32 moments on rank 0, int8 on rank 1", "state_dtype: 'fp32' on rank 0, 'int8' on rank 1"),
+    "lr": ("its own --learning_rate", "group 0 lr: 0.01 on rank 0, 0.03 on rank 1"),
+    "max_grad_norm": ("its own clipping", "max_grad_norm: 1.0 on rank 0, 0.01 on rank 1"),
+    "gas": ("more backward passes per step", "gradient_accumulation_steps: 1 on rank 0, 2 on rank 1"),
+    "extra_param": ("a model with one param more",
+                    "group 1: 5 params on rank 0, 6 on rank 1 (the first that differs: param 0, (48,) against (3,))"),
+    "vocab": ("an embedding of another size (its own tokenizer)", "group 0 param 0: (50, 24) on rank 0, (64, 24) on "
+              "rank 1"),
+    "stage": ("stage 1 against stage 2", "stage: 2 on rank 0, 1 on rank 1"),
+}
+
+
+def _build(rank, case):
+    torch.manual_seed(0)
+    model = TinyNet(vocab=64 if case == "vocab" and rank == 1 else 50)
+    if case == "extra_param" and rank == 1:
+        model.extra = torch.nn.Parameter(torch.zeros(3))
+    differs = rank == 1
+    opts = dict(num_threads=1, state_dtype="int8" if case == "state_dtype" and differs else "fp32",
+                max_grad_norm=(0.01 if differs else 1.0) if case == "max_grad_norm" else 0.0,
+                gradient_accumulation_steps=2 if case == "gas" and differs else 1)
+    return model, ShardedAdam(param_groups(model, 0.01), lr=0.03 if case == "lr" and differs else 0.01,
+                              stage=1 if case == "stage" and differs else 2, offload=True,
+                              options=OffloadOptions(**opts))
+
+
+def _each_case(rank, world_size):
+    out = {}
+    for case in [*CASES, "same"]:
+        try:
+            model, engine = _build(rank, case)
+        except ValueError as e:
+            out[case] = str(e)
+            continue
+        ids, labels, use_branch = batches(1)[0]
+        loss_fn(model, ids, labels, use_branch).backward()
+        engine.step()  # the control trains
+        engine.close()
+        out[case] = None
+    return out
+
+
+def test_ranks_that_build_different_engines_are_refused_on_every_rank_by_name():
+    results = run_distributed(_each_case, world_size=2)
+    assert results[0]["same"] is None and results[1]["same"] is None
+    for case, (why, named) in CASES.items():
+        assert results[0][case] == results[1][case], case  # the same message on both ranks
+        message = results[0][case]
+        assert message is not None, f"{case}: {why} was not refused"
+        assert message.startswith("the 2 ranks built different ShardedAdam engines: "), message
+        assert named in message, (case, message)
+        assert "the same ds_config, command line and model on every node" in message
