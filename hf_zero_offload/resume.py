@@ -351,16 +351,20 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
     return str(requested), state, notes
 
 
-def nothing_left_message(checkpoint: str, max_steps: int) -> str | None:
-    """The warning for a resume whose checkpoint already reached ``max_steps`` (transformers then trains 0 steps
-    and exits as if it had): often a checkpoint an earlier run left in output_dir (``--overwrite_output_dir``
-    removes none), which ``true`` takes as the highest-numbered complete one. None when steps are left."""
+def nothing_left_message(checkpoint: str, max_steps: int, chosen: bool = True) -> str | None:
+    """The warning for a resume whose checkpoint already reached ``max_steps``: often a checkpoint an earlier run
+    left in output_dir (``--overwrite_output_dir`` removes none), which ``true`` takes as the highest-numbered
+    complete one (``chosen``: the checkpoint was picked that way, not named). transformers' loop compares the step
+    with max_steps only after a step, so where the epoch has batches left it trains one step past max_steps and
+    saves it (checkpoint-4 of a 4-step run resumed: step 5, checkpoint-5). None when steps are left."""
     step = _step(checkpoint)
     if max_steps is None or max_steps <= 0 or step is None or step < max_steps:
         return None
-    return (f"hf_zero_offload: {checkpoint} is at step {step} and max_steps is {max_steps}: nothing is left to train. "
-            "A checkpoint of an earlier run in this output_dir? (--resume_from_checkpoint true takes the "
-            "highest-numbered complete one; --overwrite_output_dir removes none)")
+    earlier = (" A checkpoint of an earlier run in this output_dir? (--resume_from_checkpoint true takes the "
+               "highest-numbered complete one; --overwrite_output_dir removes none)") if chosen else ""
+    return (f"hf_zero_offload: {checkpoint} is at step {step} and max_steps is {max_steps}: nothing left to train, "
+            f"but transformers' Trainer checks max_steps after each step, so it may still train one step past it "
+            f"(step {step + 1}) and save it.{earlier} Raise --max_steps to train on")
 
 
 def remove_stale_temp_files(output_dir: str) -> list[str]:

@@ -18,6 +18,9 @@ from typing import Callable, Sequence
 DEBUG_ENV = "HF_ZERO_OFFLOAD_DEBUG"
 USER_ERRORS = (ValueError, OSError, ImportError)
 EXIT_USAGE = 2
+# the optional packages, by the pyproject extra that installs them
+_EXTRA_OF = {"transformers": "trainer", "accelerate": "trainer", "safetensors": "trainer", "sentencepiece": "examples",
+             "sacrebleu": "examples", "matplotlib": "examples", "google": "examples"}
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
@@ -60,6 +63,10 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
             raise
         # one line, whatever the library wrote (transformers' offline error spans two)
         message = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+        extra = _EXTRA_OF.get((getattr(e, "name", None) or "").split(".")[0])
+        if isinstance(e, ModuleNotFoundError) and extra:  # it said only "No module named 'transformers'"
+            message += (f": an optional dependency of hf_zero_offload; install it with the [{extra}] extra (pip "
+                        f"install '<the checkout>[{extra}]'), or use the checkout's .venv (make install)")
         hint = f" (traceback: --debug or {DEBUG_ENV}=1)"
         print(f"{prog}: error: {message}{hint}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None

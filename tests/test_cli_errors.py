@@ -85,6 +85,21 @@ def test_a_library_message_over_several_lines_is_printed_on_one(capsys, error):
     assert err.startswith("finetune_trainer.py: error: ") and all(w in err for w in str(error).split())
 
 
+@pytest.mark.parametrize("module, extra", [("transformers", "trainer"), ("sentencepiece", "examples"),
+                                           ("transformers.models.t5", "trainer"), ("numpy_not_ours", None)])
+def test_a_missing_optional_package_names_the_extra_that_installs_it(capsys, module, extra):
+    """`pip install <checkout>` without an extra, then `hf-zero-offload estimate`: it printed only "error: No module
+    named 'transformers'"."""
+    def fail():
+        raise ModuleNotFoundError(f"No module named '{module}'", name=module)
+
+    with pytest.raises(SystemExit):
+        usage.run_reporting("hf-zero-offload", fail, debug=False)
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"No module named '{module}'" in err
+    assert (f"install it with the [{extra}] extra (pip install '<the checkout>[{extra}]')" in err) == bool(extra), err
+
+
 def test_installed_command_exits_2_without_traceback():
     cmd = [sys.executable, "-m", "hf_zero_offload.cli", "estimate", "--model", TINY, "--gpu-mem-gib", "nan"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

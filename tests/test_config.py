@@ -211,7 +211,10 @@ def test_legacy_spellings_and_offload_rules():
     assert z.offload and not z.pin_memory
     assert "cpu_offload" in errmsg(zero2(cpu_offload=False, offload_optimizer={"device": "cpu"}))
     assert not resolve(zero2(offload_optimizer={"device": "none"})).zero.offload
-    assert "stage 1 or 2" in errmsg({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    # a missing stage was reported as "got 0" (the README's extensions snippet pasted alone)
+    assert ("optimizer offload needs ZeRO stage 1 or 2, and the key is missing (DeepSpeed's default is 0): add "
+            '"stage": 2') in errmsg({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert "stage 1 or 2, got 0" in errmsg({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
     dpu = zero2(delayed_param_update={"enabled": True, "warmup_steps": 10})
     assert "offload" in errmsg(dpu)
     dpu["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}

@@ -42,7 +42,7 @@ def test_explicit_values_and_deepspeeds_defaults():
 def test_auto_follows_the_arguments():
     cfg = resolve(cosine(total_num_steps="auto", warmup_num_steps="auto"), ARGS)
     assert (cfg.scheduler.total_num_steps, cfg.scheduler.warmup_num_steps) == (20, 3)
-    # missing keys follow the arguments too; --warmup_steps 0 is 1 (DeepSpeed rejects 0), as for WarmupLR
+    # missing keys follow the arguments too; --warmup_steps 0 is 1 (as for WarmupLR)
     cfg = resolve(cosine(), dataclasses.replace(ARGS, warmup_steps=0))
     assert (cfg.scheduler.total_num_steps, cfg.scheduler.warmup_num_steps) == (20, 1)
     assert "total_num_steps=50 vs the number of training steps 20" in errmsg(cosine(total_num_steps=50), ARGS)
@@ -121,3 +121,20 @@ def test_a_warmup_longer_than_the_run_is_warned_about(block, caplog):
     with caplog.at_level("WARNING", logger="hf_zero_offload"):
         resolve({"scheduler": {"type": block["type"], "params": {"warmup_num_steps": 10, "total_num_steps": 10}}})
     assert not caplog.records
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_a_warmup_of_0_loads_as_the_readme_says(kind):
+    """The README says a warmup_num_steps of 0 or 1 stays 1 (DeepSpeed takes 0 and makes it 2), but 0 was refused as
+    "expected an integer >= 1"; and a config's 500 was said to contradict "--warmup_steps 1", a value the user never
+    gave (the default is 0: the message showed the max(1, .) it becomes)."""
+    block = {"scheduler": {"type": kind, "params": {"warmup_num_steps": 0,
+                                                    **({} if kind == "WarmupLR" else {"total_num_steps": 20})}}}
+    for args in (None, dataclasses.replace(ARGS, warmup_steps=0), dataclasses.replace(ARGS, warmup_steps=1)):
+        assert resolve(block, args).scheduler.warmup_num_steps == 0
+    assert "warmup_num_steps=0 vs --warmup_steps 3" in errmsg(block, ARGS)
+    block["scheduler"]["params"]["warmup_num_steps"] = 500
+    message = errmsg(block, dataclasses.replace(ARGS, warmup_steps=0))
+    assert "warmup_num_steps=500 vs --warmup_steps 0" in message and "--warmup_steps 1" not in message
+    block["scheduler"]["params"]["warmup_num_steps"] = -1
+    assert "expected an integer >= 0, got -1" in errmsg(block)

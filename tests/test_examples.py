@@ -300,6 +300,23 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
 
 
 
+def test_torchrun_on_cpu_without_use_cpu_names_the_flag_before_anything_is_written(tmp_path, synth_dir):
+    """Each process saw one process; the second then met the first one's run lock ("another run ... is training in
+    this output_dir") and torchrun printed a traceback: the flag that fixes it was never named."""
+    out = tmp_path / "out"
+    argv = [a for a in _common_args(synth_dir, out) if a != "--use_cpu"]
+    argv += ["--config_name", TINY, "--do_train", "--sharded_ddp", "--zero_offload", "zero2-offload"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX]), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(EX, "finetune_trainer.py"), *argv],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode != 0
+    assert "WORLD_SIZE=2 (torchrun) but the Trainer sees 1 process" in r.stderr and "--use_cpu" in r.stderr, \
+        r.stderr[-3000:]
+    assert "hzo-run.lock" not in r.stderr and "another run" not in r.stderr
+    assert not out.exists() or not os.listdir(out)
+
+
 def test_two_nodes_on_one_file_system_train_with_rank_0s_tokenizer(tmp_path, synth_dir):
     """Two torchrun launches (--nnodes=2, one process each) sharing output_dir, which holds an older run's tokenizer:
     main_process_first is node-local by default, so node 1 loaded the old tokenizer before rank 0 had trained the

@@ -93,17 +93,24 @@ def test_resume_true_as_the_command_line_writes_it(full, tmp_path, caplog, word)
     assert [r.levelno for r in said] == [logging.INFO] and said[0].getMessage().endswith("checkpoint-2")
 
 
+@pytest.mark.parametrize("named", [False, True])
 @pytest.mark.parametrize("max_steps, warned", [(4, True), (2, True), (6, False)])
-def test_a_resume_with_nothing_left_to_train_says_so(full, tmp_path, caplog, max_steps, warned):
+def test_a_resume_with_nothing_left_to_train_says_what_happens(full, tmp_path, caplog, max_steps, warned, named):
     """After --overwrite_output_dir, --resume_from_checkpoint true took an earlier run's checkpoint-25 for a 6-step
-    run, trained 0 steps and exited 0 without a word (transformers does the same)."""
+    run without a word. The warning then said "nothing is left to train" while transformers trained one step past
+    max_steps and saved it (step 5, checkpoint-5): it now says so, and names an earlier run only where "true" chose
+    the checkpoint."""
     out = _copy(full, tmp_path)
     _, trainer = _trainer(out, seed=1, max_steps=max_steps)
-    trainer.train(resume_from_checkpoint=True)
-    said = [r for r in caplog.records if "nothing is left to train" in r.getMessage()]
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-4") if named else True)
+    said = [r for r in caplog.records if "nothing left to train" in r.getMessage()]
     assert [r.levelno for r in said] == ([logging.WARNING] if warned else []), said
     if warned:
-        assert "checkpoint-4 is at step 4" in said[0].getMessage()
+        message = said[0].getMessage()
+        assert "checkpoint-4 is at step 4" in message
+        assert trainer.state.global_step == 5 and (out / "checkpoint-5").is_dir()  # what the warning says may happen
+        assert "one step past it (step 5) and save it" in message
+        assert ("A checkpoint of an earlier run" in message) != named
 
 
 def test_an_incomplete_checkpoint_is_refused_naming_the_intact_one(full, tmp_path):

@@ -54,6 +54,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
 
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, resume  # noqa: E402
+from hf_zero_offload.launch_checks import check_world_size  # noqa: E402
 from hf_zero_offload.run_lock import RunLock, take_job_lock  # noqa: E402
 from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
@@ -99,6 +100,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     _RUN["output_dir"] = training_args.output_dir
 
     # ---- checks and setup ---------------------------------------------------------------------------------------
+    # torchrun on CPUs without --use_cpu: each process sees one, and the second one met the first one's run lock
+    # ("another run is training in this output_dir") instead of the flag that fixes it
+    check_world_size(training_args)
     if not (model_args.model_name_or_path or model_args.config_name):
         raise ValueError("give --model_name_or_path (pretrained) or --config_name (random initialisation)")
     check_local_paths(model_args)

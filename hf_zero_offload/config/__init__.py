@@ -21,7 +21,7 @@ optimizer.params.lr / betas / eps              learning_rate / [adam_beta1, adam
 optimizer.params.weight_decay                  weight_decay
 scheduler.params.warmup_min_lr *               0
 scheduler.params.warmup_max_lr                 learning_rate
-scheduler.params.warmup_num_steps              max(1, warmup_steps)  (DeepSpeed rejects 0)
+scheduler.params.warmup_num_steps              max(1, warmup_steps)  (0 and 1 both mean 1; DeepSpeed makes them 2)
 scheduler.params.total_num_steps               max_steps (error when unknown; WarmupDecayLR/WarmupCosineLR)
 fp16.enabled / bf16.enabled                    fp16 / bf16
 zero_optimization.reduce_bucket_size           hidden_size * hidden_size (error when hidden_size is unknown)

@@ -120,7 +120,11 @@ class _Resolver:
             return None
         a, p, kind = self.args, "scheduler.params.", sched["type"]
         params = sched.get("params", {})
-        n = self.take(p + "warmup_num_steps", a and max(1, a.warmup_steps), "--warmup_steps", 1000)
+        # 0 and 1 are the same warm-up (the schedulers take max(1, n)): compared as such, and the message shows the
+        # user's --warmup_steps, not the 1 it became (a config's 500 was said to contradict "--warmup_steps 1")
+        n = self.take(p + "warmup_num_steps", a and max(1, a.warmup_steps), "--warmup_steps", 1000, match=False)
+        if a is not None and not isinstance(n, str) and max(1, n) != max(1, a.warmup_steps):
+            self.mismatches.append(f"{p}warmup_num_steps={_show(n)} vs --warmup_steps {_show(a.warmup_steps)}")
         if a is not None and a.lr_scheduler_type not in SCHEDULE_OF[kind]:
             # the block replaces the Trainer's schedule (as under DeepSpeed): an explicit other one would be dropped
             self.mismatches.append(f"scheduler.type={kind!r} vs --lr_scheduler_type {a.lr_scheduler_type} "

@@ -60,7 +60,8 @@ def validate(raw: Any, source: str, ignored: list | None = None) -> dict:
                    "contradicts offload_optimizer.pin_memory; drop the legacy key")
     offload = zero.get("cpu_offload", False) or off.get("device") == "cpu"
     if offload and zero.get("stage", 0) == 0:
-        raise _err(source, "zero_optimization.stage", "optimizer offload needs ZeRO stage 1 or 2, got 0")
+        given = "got 0" if "stage" in zero else "and the key is missing (DeepSpeed's default is 0)"
+        raise _err(source, "zero_optimization.stage", f'optimizer offload needs ZeRO stage 1 or 2, {given}: add "stage": 2')
     if off.get("state_dtype", "fp32") != "fp32" and not offload:
         raise _err(source, "zero_optimization.offload_optimizer.state_dtype",
                    'compact moments are for the CPU step: they need "device": "cpu" (on the device use "fp32")')

@@ -108,7 +108,7 @@ SCHEDULER = {
     "params": section({
         "warmup_min_lr": use(number(0, what="a number >= 0"), auto=True),
         "warmup_max_lr": use(number(0, what="a number >= 0"), auto=True),
-        "warmup_num_steps": use(integer(1, "an integer >= 1"), auto=True),
+        "warmup_num_steps": use(integer(0, "an integer >= 0"), auto=True),  # 0: as 1 (max(1, n), schedulers.py)
         "warmup_type": use(choice("log", "linear")),
         "total_num_steps": use(integer(1, "an integer >= 1"), auto=True),
         "warmup_min_ratio": _RATIO,  # no "auto": transformers fills neither ratio, DeepSpeed would get the string

@@ -275,7 +275,8 @@ class ZeroOffloadMixin:
         path, self._zo_resume, notes = resume.target(target, self.args.output_dir)
         for level, note in notes:
             logger.log(level, note)
-        done = resume.nothing_left_message(path, self.args.max_steps)
+        named = isinstance(target, str) and os.path.abspath(target) == os.path.abspath(path)
+        done = resume.nothing_left_message(path, self.args.max_steps, chosen=not named)
         if done is not None:
             logger.warning(done)
         return path
