@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from .engine import checkpoint
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
-from .resume import MARKER, recorded_save_id
+from .resume import MARKER, changed_files, recorded_save_id
 
 NAMES_FILE = "param_names.json"
 
@@ -150,6 +150,10 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise NotADirectoryError(f"output {output_dir} is a file, not a folder: give a folder (it is created "
                                  "when missing)")
+    changed = changed_files(checkpoint_dir)  # a truncated weight file failed in safetensors' header parser
+    if changed:
+        raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
+                         "wrote); consolidate an earlier checkpoint")
     masters = full_masters(state_dir_of(checkpoint_dir), recorded_save_id(checkpoint_dir))
     weight_files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
     if not weight_files:

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from . import manifest
 from .config import ConfigError
 from .engine.checkpoint import atomic_open, read_header, remove_durably, remove_stale_temporaries
 
@@ -36,8 +37,11 @@ class DamagedFile(ValueError):
 
 
 def write_marker(checkpoint: str, info: dict) -> None:
+    """Declares ``checkpoint`` complete, recording what it holds (``manifest``: a resume compares it first)."""
+    files = manifest.build(checkpoint, skip=(MARKER,))
     with atomic_open(os.path.join(checkpoint, MARKER), "w") as f:
-        json.dump({"complete": True, "written": time.strftime("%Y-%m-%d %H:%M:%S"), **info}, f, indent=1)
+        json.dump({"complete": True, "written": time.strftime("%Y-%m-%d %H:%M:%S"), **info, "files": files}, f,
+                  indent=1)
 
 
 def clear_marker(checkpoint: str) -> None:
@@ -95,9 +99,21 @@ def marker_problem(checkpoint: str) -> str | None:
     return None
 
 
-def _not_marked(checkpoint: str) -> str:
+def changed_files(checkpoint: str) -> list[str]:
+    """How a marked checkpoint differs from what its save wrote (``manifest``); [] when it does not, or unmarked."""
+    marker = read_marker(checkpoint)
+    return manifest.problems(checkpoint, marker.get("files")) if marker is not None else []
+
+
+def _not_whole(checkpoint: str) -> str:
+    """Why ``checkpoint`` is not whole: "incomplete (what: why)" or "damaged (what: why)"."""
+    changed = changed_files(checkpoint)
+    if changed:
+        shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
+        return f"damaged ({shown}: it no longer holds what its save wrote)"
     problem = marker_problem(checkpoint)
-    return f"{problem}, nothing else proves it whole" if problem else f"no {MARKER}"
+    what = f"{problem}, nothing else proves it whole" if problem else f"no {MARKER}"
+    return f"incomplete ({what}: {_WHY})"
 
 
 _WHY = "its writer may have stopped before finishing it, e.g. killed during the save"
@@ -106,6 +122,13 @@ _WHY = "its writer may have stopped before finishing it, e.g. killed during the 
 def _step(path: str) -> int | None:
     m = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
     return int(m.group(1)) if m else None
+
+
+def recorded_step(checkpoint: str) -> int | None:
+    """The step its marker records (the folder's name when there is none): a checkpoint-3 renamed checkpoint-6 was
+    said to be at step 6, and to leave nothing to train in a 6-step run."""
+    step = (read_marker(checkpoint) or {}).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else _step(checkpoint)
 
 
 def checkpoints(folder: str) -> list[str]:
@@ -119,7 +142,7 @@ def checkpoints(folder: str) -> list[str]:
 def status(checkpoint: str) -> str:
     """"complete" (marker), "legacy" (no marker, written before markers existed) or "incomplete"."""
     if read_marker(checkpoint) is not None:
-        return "complete"
+        return "incomplete" if changed_files(checkpoint) else "complete"
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return "incomplete"
     step = _step(checkpoint)
@@ -195,8 +218,7 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
     fallback = newest_whole(os.path.dirname(os.path.normpath(checkpoint)), below=step)
     hint = (f"the newest complete checkpoint is {fallback}: resume from it" if fallback else
             "no complete checkpoint was found beside it")
-    raise IncompleteCheckpoint(
-        f"{checkpoint} is incomplete ({_not_marked(checkpoint)}: {_WHY}); {hint}")
+    raise IncompleteCheckpoint(f"{checkpoint} is {_not_whole(checkpoint)}; {hint}")
 
 
 def _check_trainer_state(checkpoint: str) -> None:
@@ -248,7 +270,7 @@ def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
 
 def describe(checkpoint: str, state: str, engine: dict | None, now: dict) -> str:
     """The one line a resume logs: what was restored, saved vs now."""
-    step = _step(checkpoint)
+    step = recorded_step(checkpoint)
     problem = marker_problem(checkpoint)
     how = ("complete" if state == "complete" else f"{problem}, accepted as is" if problem else
            "written before completion markers, accepted as is")
@@ -303,7 +325,7 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
     saved = saved_learning_rate(checkpoint)
     was = f"the saved run was at lr={saved:.6g}" if saved is not None else "the saved LR is unknown"
     return (f"hf_zero_offload: {checkpoint} has no {scheduler_name}: the learning-rate schedule restarts from its "
-            f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {_step(checkpoint)})")
+            f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {recorded_step(checkpoint)})")
 
 
 def load_scheduler(scheduler, path: str) -> None:
@@ -336,7 +358,7 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
         word, requested = requested, True
     if requested is True:
         requested, skipped = choose(output_dir)
-        notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: incomplete ({_not_marked(c)}: {_WHY}); "
+        notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: {_not_whole(c)}; "
                                     f"resuming from {requested}") for c in skipped]
         if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
             notes.append((logging.INFO, f"hf_zero_offload: --resume_from_checkpoint {word}: the newest complete "
@@ -357,7 +379,7 @@ def nothing_left_message(checkpoint: str, max_steps: int, chosen: bool = True) -
     complete one (``chosen``: the checkpoint was picked that way, not named). transformers' loop compares the step
     with max_steps only after a step, so where the epoch has batches left it trains one step past max_steps and
     saves it (checkpoint-4 of a 4-step run resumed: step 5, checkpoint-5). None when steps are left."""
-    step = _step(checkpoint)
+    step = recorded_step(checkpoint)
     if max_steps is None or max_steps <= 0 or step is None or step < max_steps:
         return None
     earlier = (" A checkpoint of an earlier run in this output_dir? (--resume_from_checkpoint true takes the "

@@ -149,24 +149,34 @@ def test_a_path_that_is_no_checkpoint_says_what_it_is(full, tmp_path, what, matc
     assert trainer.state.global_step == 0
 
 
-@pytest.mark.parametrize("how", ["copied folder", "linked file"])
+@pytest.mark.parametrize("how", ["copied folder", "linked file", "copied folder, marker without manifest"])
 def test_an_optimizer_state_of_another_checkpoint_is_refused(full, tmp_path, how):
     """checkpoint-4 with checkpoint-2's zero_offload/ (copied, or its rank file a link) resumed as "step 4,
     complete", restored the step-2 masters over the step-4 weights, and consolidate wrote them as step 4's."""
     out = _copy(full, tmp_path)
     four, two = out / "checkpoint-4" / "zero_offload", out / "checkpoint-2" / "zero_offload"
-    if how == "copied folder":
+    if how.startswith("copied folder"):
         shutil.rmtree(four)
         shutil.copytree(two, four)
     else:
         (four / "rank0_of_1.hzo").unlink()
         (four / "rank0_of_1.hzo").symlink_to(two / "rank0_of_1.hzo")
+    # the marker's file sizes see it first (the step-2 state is another size); the save ids are the check left for
+    # a state of the same size, and for markers written before they recorded the files
+    by_size = "without manifest" not in how
+    if not by_size:
+        _without_manifest(out / "checkpoint-4")
     _, trainer = _trainer(out / "x", seed=1)
-    with pytest.raises(ValueError, match=r"checkpoint-4/zero_offload holds the optimizer state of another save .*the "
-                                         r"state after 2 steps\) than the one recorded for it"):
+    with pytest.raises(ValueError, match=r"checkpoint-4 is damaged \(zero_offload/rank0_of_1.hzo has \d+ bytes where "
+                                         r"its save wrote \d+ \(truncated or replaced\).*newest complete checkpoint "
+                                         r"is .*checkpoint-2" if by_size else
+                       r"checkpoint-4/zero_offload holds the optimizer state of another save .*the state after 2 "
+                       r"steps\) than the one recorded for it"):
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
-    assert trainer.zero_engine.global_steps == 0 and trainer.zero_engine._load_failed is None  # nothing loaded
-    with pytest.raises(ValueError, match=r"another save .*completion marker records"):
+    engine = trainer.zero_engine  # (None: refused before the engine was built)
+    assert engine is None or (engine.global_steps == 0 and engine._load_failed is None)  # nothing loaded
+    with pytest.raises(ValueError, match=r"checkpoint-4 is damaged: zero_offload/rank0_of_1.hzo has" if by_size else
+                       r"another save .*completion marker records"):
         consolidate(str(out / "checkpoint-4"), str(tmp_path / "fp32"))
     assert not (tmp_path / "fp32").exists()
     # the pristine checkpoints load (their ids match), whichever engine saved them
@@ -175,15 +185,27 @@ def test_an_optimizer_state_of_another_checkpoint_is_refused(full, tmp_path, how
     assert _same(model, full[1])
 
 
+def _without_manifest(checkpoint) -> None:
+    """The marker as written before it recorded the checkpoint's files: the checks of each file's own loader."""
+    marker = json.loads((checkpoint / resume.MARKER).read_text())
+    del marker["files"]
+    (checkpoint / resume.MARKER).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "older-marker"])
 @pytest.mark.parametrize("content", [b'{"global_step": 4, "log_hi', b"[4]"], ids=["cut-short", "a-list"])
-def test_a_damaged_trainer_state_is_named_before_anything_loads(full, tmp_path, content):
+def test_a_damaged_trainer_state_is_named_before_anything_loads(full, tmp_path, content, manifest):
     """transformers failed on it after the model and the optimizer state were loaded, with json's error alone."""
     out = _copy(full, tmp_path)
     (out / "checkpoint-4" / resume.TRAINER_STATE).write_bytes(content)
+    if not manifest:
+        _without_manifest(out / "checkpoint-4")
     _, trainer = _trainer(out / "x", seed=1)
-    with pytest.raises(resume.DamagedFile, match=r"checkpoint-4/trainer_state.json (cannot be read|is damaged).*"
-                                                 r"earlier checkpoint"):
+    with pytest.raises(ValueError, match=r"checkpoint-4 is damaged \(trainer_state.json has \d+ bytes.*resume from it"
+                       if manifest else r"checkpoint-4/trainer_state.json (cannot be read|is damaged).*earlier "
+                                        r"checkpoint") as err:
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert isinstance(err.value, resume.IncompleteCheckpoint if manifest else resume.DamagedFile)
     assert trainer.state.global_step == 0
 
 
@@ -253,8 +275,9 @@ def test_resume_with_more_steps_follows_this_runs_auto_schedule(tmp_path, kind):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "older-marker"])
 @pytest.mark.parametrize("damage", ["truncated", "not-a-schedule"])
-def test_a_damaged_scheduler_file_is_named_before_the_engine_state_is_loaded(full, tmp_path, damage):
+def test_a_damaged_scheduler_file_is_named_before_the_engine_state_is_loaded(full, tmp_path, damage, manifest):
     """It was loaded after the engine's state, failing with torch's error naming no file (or a raw KeyError)."""
     out = _copy(full, tmp_path)
     sched = out / "checkpoint-2" / "scheduler.pt"
@@ -263,12 +286,16 @@ def test_a_damaged_scheduler_file_is_named_before_the_engine_state_is_loaded(ful
             f.truncate(40)
     else:
         torch.save({"last_epoch": "x"}, sched)
+    if not manifest:
+        _without_manifest(out / "checkpoint-2")
     _, trainer = _trainer(out, seed=1)
-    with pytest.raises(ValueError, match=r"checkpoint-2/scheduler.pt cannot be loaded \(.*\); resume from an "
-                                          r"earlier checkpoint") as err:
+    with pytest.raises(ValueError, match=r"checkpoint-2 is damaged \(scheduler.pt (has \d+ bytes|is not the file)"
+                       if manifest else r"checkpoint-2/scheduler.pt cannot be loaded \(.*\); resume from an "
+                                        r"earlier checkpoint") as err:
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
-    assert isinstance(err.value, resume.DamagedFile)
-    assert trainer.zero_engine.global_steps == 0  # the engine's state was not loaded
+    assert isinstance(err.value, resume.IncompleteCheckpoint if manifest else resume.DamagedFile)
+    engine = trainer.zero_engine
+    assert engine is None or engine.global_steps == 0  # the engine's state was not loaded
 
 
 @pytest.mark.parametrize("marker, said", [
@@ -379,3 +406,75 @@ def test_stale_lock_is_taken_over_and_foreign_host_is_an_error(tmp_path, caplog)
     finally:
         alive.kill()
         alive.wait()
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("rng deleted", r"rng_state.pth is missing"),
+    ("trainer state of step 4", r"trainer_state.json (has \d+ bytes where its save wrote \d+|is not the file its save)"),
+    ("scheduler of step 4", r"scheduler.pt is not the file its save wrote \(damaged, or copied from another save\)"),
+    ("rng truncated", r"rng_state.pth has 100 bytes where its save wrote"),
+    ("weights truncated", r"model.safetensors has 100 bytes where its save wrote \d+ \(truncated or replaced\)"),
+    ("optimizer shard deleted", r"zero_offload/rank0_of_1.hzo is missing"),
+    ("param names deleted", r"zero_offload/param_names.json is missing"),
+])
+def test_a_checkpoint_that_no_longer_holds_what_its_save_wrote_is_refused_naming_the_file(full, tmp_path, caplog,
+                                                                                        damage, named):
+    """The marker proved the save finished, not that the folder still held what it wrote. An outside probe: a
+    deleted rng_state.pth resumed as "complete" (transformers logs its absence at INFO) and the run went elsewhere
+    (loss 4.000 instead of 3.933 at the next step); trainer_state.json, scheduler.pt or rng_state.pth of step 6 in
+    checkpoint-3 resumed silently (the schedule 3 steps ahead, 6 updates in a run "at step 9"); a truncated weight
+    file failed in safetensors' header parser; a deleted shard named no earlier checkpoint; a deleted
+    param_names.json showed only at consolidate. Each is now named from the marker's record of the files, before
+    anything loads; resume_from_checkpoint=True skips the checkpoint and resumes the one before, bit for bit."""
+    out = _copy(full, tmp_path)
+    two, four = out / "checkpoint-2", out / "checkpoint-4"
+    (target, source) = {"rng deleted": ("rng_state.pth", None), "trainer state of step 4": ("trainer_state.json", four),
+                        "scheduler of step 4": ("scheduler.pt", four), "rng truncated": ("rng_state.pth", None),
+                        "weights truncated": ("model.safetensors", None),
+                        "optimizer shard deleted": ("zero_offload/rank0_of_1.hzo", None),
+                        "param names deleted": ("zero_offload/param_names.json", None)}[damage]
+    for c in (two, four):  # the same damage in both: the explicit path and the fallback are both refused
+        if c is four and source is four:
+            continue
+        path = c / target
+        if source is not None:
+            shutil.copy(source / target, path)
+        elif damage in ("weights truncated", "rng truncated"):
+            with open(path, "r+b") as f:
+                f.truncate(100)
+        else:
+            path.unlink()
+    _, trainer = _trainer(out / "x", seed=1)
+    with pytest.raises(resume.IncompleteCheckpoint, match=rf"checkpoint-2 is damaged \({named}.*it no longer holds "
+                                                          r"what its save wrote\)"):
+        trainer.train(resume_from_checkpoint=str(two))
+    assert trainer.state.global_step == 0
+    if source is four:  # checkpoint-4 is whole: a resume of it from "true" is unaffected
+        return
+    with pytest.raises(ValueError, match=r"checkpoint-2 is damaged:"):
+        consolidate(str(two), str(tmp_path / "fp32"))
+
+
+def test_true_skips_a_damaged_checkpoint_for_the_one_before_it(full, tmp_path, caplog):
+    out = _copy(full, tmp_path)
+    (out / "checkpoint-4" / "rng_state.pth").unlink()
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=True)
+    assert _same(model, full[1])  # from checkpoint-2, bit for bit
+    said = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(said) == 1 and "checkpoint-4: damaged (rng_state.pth is missing" in said[0], said
+
+
+def test_a_renamed_checkpoint_is_described_by_the_step_its_marker_records(full, tmp_path, caplog):
+    """checkpoint-2 renamed checkpoint-4 was said to be at step 4, and to leave nothing to train in a 4-step run
+    (transformers, reading trainer_state.json, trained steps 3 and 4 as it should)."""
+    out = _copy(full, tmp_path)
+    shutil.rmtree(out / "checkpoint-4")
+    (out / "checkpoint-2").rename(out / "checkpoint-4")
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert _same(model, full[1])
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "nothing left to train" in m]
+    assert any("checkpoint-4 (step 2, complete)" in m for m in messages), messages
