@@ -34,6 +34,7 @@ from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscal
 from .options import OffloadOptions
 from .runs import Run, flat_layout, make_runs, training_dtype
 from .saved_state import SavedState, logger
+from .step_guard import DeferredSigint
 from .streams import Streams, make_streams
 
 
@@ -188,6 +189,18 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         self._last_received = received
         self.global_steps += 1
         self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor)
+        with DeferredSigint():  # Ctrl-C from here lands after the state is whole (step_guard.py)
+            try:
+                self._update(grad_scale)
+            except BaseException as e:
+                # some params hold this step's update and some do not: step and save refuse until a load
+                self._step_failed = (self._step_failed  # (a delayed step's failure, raised here, names itself)
+                                     or f"step {self.global_steps} stopped part way ({type(e).__name__}: {e})")
+                raise
+        return loss
+
+    def _update(self, grad_scale: float | None) -> None:
+        """``step()``'s part that writes the state: the publish of a delayed step, the step counts, Adam."""
         # DPU: the delayed step in flight finishes and its parameters are published, whatever comes
         # next (an overflow step is synchronous, a delayed step must not overwrite staging in use;
         # sharded, the publish is a collective every rank issues here: the overflow flag is global)
@@ -196,8 +209,8 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
         if grad_scale is None:  # fp16 overflow: skipped, masters and step counts untouched
             self._begin_window()
             self._mark_params()
-            return loss
-        runs = make_runs(self._groups, self._flat, received, self._param_steps.tolist())
+            return
+        runs = make_runs(self._groups, self._flat, self._last_received, self._param_steps.tolist())
         for run in runs:
             self._param_steps[run.slots] += 1
         hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after
@@ -215,7 +228,6 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
             self._after_update()
             self._begin_window()
         self._mark_params()  # the params as this step (or the publish of the last one) left them
-        return loss
 
     def _check_hyper(self) -> None:
         for i, g in enumerate(self.param_groups):
@@ -329,8 +341,13 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
 
     def _wait_worker(self) -> None:
         if self._pending is not None:
-            self._uploaded = self._pending.result()  # re-raises a failure of the worker here
-            self._pending = None
+            pending, self._pending = self._pending, None  # a failure is raised once, then refused by name
+            try:
+                self._uploaded = pending.result()  # re-raises a failure of the worker here
+            except BaseException as e:
+                self._step_failed = f"the delayed (DPU) step stopped part way ({type(e).__name__}: {e})"
+                self.needs_publish = self._step_unpublished = False  # its masters are a mix: not published
+                raise
 
     def flush(self) -> None:
         """Finish an in-flight DPU step and publish its parameters (end of training, before
@@ -372,7 +389,11 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
                            "weights of one step before the masters; call flush() before close()", type(self).__name__)
         self._done_why = "closed"
         self.detach_hooks()
-        self._wait_worker()
+        try:
+            self._wait_worker()
+        except Exception as e:  # noqa: BLE001 - no reason to keep the worker and the arena: said, not raised
+            logger.warning("hf_zero_offload: %s closed; its delayed (DPU) step had failed (%s: %s)",
+                           type(self).__name__, type(e).__name__, e)
         self.streams.synchronize()  # no copy may still read the arena we unpin
         if self._worker is not None:
             self._worker.shutdown()

@@ -52,6 +52,7 @@ def _json_value(v, where: str):
 
 class SavedState:
     _load_failed: str | None = None  # what a load that failed after its first write was loading
+    _step_failed: str | None = None  # a step (or delayed step) that stopped part way: AdamCore.step, _wait_worker
 
     def _slot_meta(self) -> list:
         return [[[off, n, list(p.shape)] for p, off, n in g] for g in self._slots]
@@ -143,7 +144,7 @@ class SavedState:
             self._sync_mirror()
         else:
             self._finish_load(state)
-        self._load_failed = None
+        self._load_failed = self._step_failed = None
 
     def _same_masters(self, state: dict) -> bool:
         self._wait_worker()
@@ -172,6 +173,9 @@ class SavedState:
         if self._load_failed is not None:
             raise RuntimeError(f"loading the {self._load_failed} failed part way, so this optimizer holds part of "
                                "it: load a state that loads (or start afresh) before stepping or saving")
+        if self._step_failed is not None:
+            raise RuntimeError(f"{self._step_failed}, so some params hold its update and some do not: load a state "
+                               "(a checkpoint: resume from it) or build a new engine before stepping or saving")
 
     def load_state_meta(self, meta: dict) -> None:
         """The small state (hyper-parameters, step counts, loss scaler), after checking it all."""
@@ -299,7 +303,7 @@ class SavedState:
                                  "error names the file); this rank loaded its part, but the ranks no longer hold "
                                  "one state: resume from an earlier checkpoint")
         self._finish_load(meta)
-        self._load_failed = None
+        self._load_failed = self._step_failed = None
         self.restored = state_dir.summary(meta, files)
         return self.restored
 
