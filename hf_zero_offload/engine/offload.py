@@ -49,16 +49,20 @@ class OffloadAdam(AdamCore):
             delayed_param_update=options.dpu, bucket_numel=options.bucket_numel, tile_numel=options.tile_numel,
             max_param_numel=max(n for _, _, n in self._flat), cuda=self.streams.async_copies,
             state_dtype=options.state_dtype)
-        self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda)
+        bucket_n = self.plan.regions["grad_buckets"][0] // 2
+        on_host = self.device.type == "cpu"
+        self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda,
+                               also=2 * bucket_n * self.param_dtype.itemsize if on_host else 0)
         r = self.arena.regions
         self._bind_state(r, 0, self.numel)
         self.param_staging = r["param_staging"]
         # DPU: the full-size staging is published whole, so it mirrors every master
         self.mirror = self.param_staging if options.dpu else None
+        # every allocation before the params are taken: a build that fails for memory leaves the engine that holds
+        # them training (it was replaced, and refused to step)
+        buckets = torch.empty(2, bucket_n, dtype=self.param_dtype, device=self.device)
         self._take_params()
         self._init_masters(FlatIndex(self._flat))
-        bucket_n = self.plan.regions["grad_buckets"][0] // 2
-        buckets = torch.empty(2, bucket_n, dtype=self.param_dtype, device=self.device)
         staging = r["grad_staging"].view(2, bucket_n) if "grad_staging" in r else None
         self.pipeline = GradPipeline(self._flat, streams=self.streams, buckets=buckets, staging=staging,
                                      scatter_thread=options.scatter_thread, num_threads=options.num_threads)

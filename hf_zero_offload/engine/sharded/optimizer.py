@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from ... import ops
 from ..buffers import HostArena, HostPlan
+from ..memory_limits import check_host_ram
 from ..core import AdamCore
 from ..options import OffloadOptions
 from ..streams import Streams
@@ -178,7 +179,14 @@ class ShardedAdam(AdamCore):
 
     def _allocate(self, cuda: bool) -> dict:
         host = {k: v for k, v in self.plan.regions.items() if v[2] == "host"}
-        self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda) if host else None
+        # on a CPU run the "device" regions are host RAM too: checked with the arena
+        beside = sum(n * dt.itemsize for n, dt, where in self.plan.regions.values()
+                     if where == "device") if self.device.type == "cpu" else 0
+        if host:
+            self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda, also=beside)
+        else:
+            self.arena = None
+            check_host_ram(beside)
         r = dict(self.arena.regions) if self.arena else {}
         for k, (n, dt, where) in self.plan.regions.items():
             if where == "device":
