@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: hardware line, timing, plain-text tables, JSON output."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -149,13 +150,34 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column], fi
     print(format_table(rows, columns), file=file or sys.stdout)
 
 
+_JSON_OUT = None  # the real stdout while ``json_stdout`` sends everything else to stderr
+
+
+@contextlib.contextmanager
+def json_stdout(argv: Sequence[str] | None = None):
+    """With ``--json -`` stdout carries the JSON alone, so a program can parse it: the hardware line, the table and
+    the progress lines go to stderr (three benchmarks printed their table before the JSON)."""
+    global _JSON_OUT
+    argv = sys.argv[1:] if argv is None else list(argv)
+    wanted = "--json=-" in argv or any(a == "--json" and argv[i + 1:i + 2] == ["-"] for i, a in enumerate(argv))
+    if not wanted:
+        yield
+        return
+    _JSON_OUT = sys.stdout
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _JSON_OUT = None
+
+
 def write_json(path_or_stdout: str | os.PathLike | None, payload: Any) -> None:
     """Write ``payload`` as JSON to a file (parent folders created) or to stdout when given '-'."""
     if path_or_stdout is None:
         return
     text = json.dumps(payload, indent=2, default=str)
     if str(path_or_stdout) == "-":
-        print(text)
+        print(text, file=_JSON_OUT or sys.stdout)
         return
     path = os.fspath(path_or_stdout)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -142,3 +142,24 @@ def test_kernel_benchmark_runs_and_its_json_names_the_simd_override():
         assert {row["name"] for row in out["rows"]} >= {"ours fp32", "ours mixed", "ours int8-state", "stream bound"}
         # every round's time is kept, so a run's spread (the host's drift) can be read back later
         assert all(len(row["times_ms"]) == 1 and row["times_ms"][0] > 0 for row in out["rows"])
+
+
+def test_json_on_stdout_is_the_json_alone(capsys):
+    """`--json -` ("or '-' for stdout"): three benchmarks printed their table before the JSON, so stdout did not
+    parse. Every benchmark that takes --json runs its main under json_stdout."""
+    import json
+
+    from benchmarks._common import json_stdout, write_json
+
+    with json_stdout(["--rounds", "1", "--json", "-"]):
+        print("row  ms/step")
+        write_json("-", {"rows": [1]})
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"rows": [1]} and "ms/step" in err
+    with json_stdout(["--json", "out.json"]):
+        print("table")
+    assert capsys.readouterr().out == "table\n"
+    for path in ROOT.glob("benchmarks/**/*.py"):
+        text = path.read_text()
+        if '"--json"' in text and "for stdout" in text:
+            assert "json_stdout()" in text or "sys.stderr if" in text, path

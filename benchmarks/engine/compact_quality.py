@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import torch  # noqa: E402
 
-from benchmarks._common import (NOT_HERE, hardware, hardware_line, load_example, model_config, print_table,  # noqa: E402
-                               target_line, verdict, write_json)
+from benchmarks._common import (NOT_HERE, hardware, hardware_line, json_stdout, load_example,  # noqa: E402
+                               model_config, print_table, target_line, verdict, write_json)
 
 synthetic_data = load_example("synthetic_data")
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
@@ -351,4 +351,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout():
+        code = main()
+    sys.exit(code)

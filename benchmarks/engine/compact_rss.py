@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import psutil  # noqa: E402
 
-from benchmarks._common import (hardware, hardware_line, load_example, model_config, print_table,  # noqa: E402
-                               write_json)
+from benchmarks._common import (hardware, hardware_line, json_stdout, load_example, model_config,  # noqa: E402
+                               print_table, write_json)
 
 synthetic_data = load_example("synthetic_data")
 
@@ -92,4 +92,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout():
+        code = main()
+    sys.exit(code)

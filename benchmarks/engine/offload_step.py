@@ -39,8 +39,8 @@ import traceback
 
 import torch
 
-from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, print_table, target_line,  # noqa: E402
-                                verdict, write_json)
+from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, json_stdout, print_table,  # noqa: E402
+                                target_line, verdict, write_json)
 from benchmarks.engine.rows import DTYPES, ROWS, Ctx, Skip  # noqa: E402
 
 TARGETS = {"offload_ratio": 1.3, "dpu_ratio": 1.1, "host_bpp": 18.0, "device_state_bpp": 2.0, "pcie_bpp_16bit": 4}
@@ -188,4 +188,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout():
+        code = main()
+    sys.exit(code)

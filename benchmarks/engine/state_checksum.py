@@ -11,7 +11,6 @@ the checksum's share. Median of ``--repeat`` runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -20,6 +19,7 @@ import zlib
 
 import torch
 
+from benchmarks._common import json_stdout, write_json
 from hf_zero_offload.engine import checkpoint
 
 
@@ -65,14 +65,9 @@ def main() -> None:
     print(f"{'checksum':<12} {'save s':>8} {'load s':>8} {'save GB/s':>10} {'load GB/s':>10}")
     for r in rows:
         print(f"{r['checksum']:<12} {r['save_s']:8.2f} {r['load_s']:8.2f} {r['save_gbps']:10.2f} {r['load_gbps']:10.2f}")
-    if a.json:
-        text = json.dumps({"crc32_gbps": crc_rate, "rows": rows}, indent=1)
-        if a.json == "-":
-            print(text)
-        else:
-            with open(a.json, "w") as f:
-                f.write(text)
+    write_json(a.json, {"crc32_gbps": crc_rate, "rows": rows})
 
 
 if __name__ == "__main__":
-    main()
+    with json_stdout():
+        main()

@@ -74,4 +74,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks._common import json_stdout
+
+    with json_stdout():
+        main()

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from hf_zero_offload import planner  # noqa: E402
 from hf_zero_offload.planner import measure, trace  # noqa: E402
 
-from benchmarks._common import hardware, hardware_line, model_config, print_table, write_json  # noqa: E402
+from benchmarks._common import hardware, hardware_line, json_stdout, model_config, print_table, write_json  # noqa: E402
 
 MiB = 2 ** 20
 KEEP = {"fp32": True, "half": False, "amp": True}  # the gradient policy of the rows that train in each mode
@@ -201,4 +201,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout():
+        code = main()
+    sys.exit(code)
