@@ -140,3 +140,25 @@ def test_a_failed_delayed_step_is_raised_once_then_refused_by_name_and_close_fre
     assert opt.global_steps == steps  # refused steps are not counted
     opt.close()  # no error: the worker stops and the arena goes
     assert not [t for t in threading.enumerate() if t.name.startswith("hzo-dpu")]
+
+
+def test_a_scripts_own_sigint_handler_gets_the_signal_after_the_step_and_an_ignored_one_stays_ignored(monkeypatch):
+    """A training script's graceful-stop handler (a flag) is called once the step is whole; SIG_IGN is left alone
+    (a second Ctrl-C must not raise KeyboardInterrupt where the script ignores SIGINT)."""
+    seen = []
+    _, _, model, opt = _pair()
+    old = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(opt.global_steps))
+    try:
+        _on_call(monkeypatch, 2, lambda: signal.raise_signal(signal.SIGINT))
+        _backward(model, 0)
+        opt.step()  # no exception: the script's handler took it, after the step
+        assert seen == [1]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _on_call(monkeypatch, 2, lambda: [signal.raise_signal(signal.SIGINT) for _ in range(2)])
+        opt.zero_grad()
+        _backward(model, 1)
+        opt.step()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and opt.global_steps == 2
+    finally:
+        signal.signal(signal.SIGINT, old)
+    opt.close()

@@ -8,8 +8,8 @@ SIGINT is held and delivered (to the handler that was there, so Python's Keyboar
 has finished; a second one interrupts at once, for a step stuck in a collective whose peer is gone. Any exception
 that does escape the block is the caller's to record (``AdamCore`` refuses to step or save after it).
 
-Only the main thread can set signal handlers, and only a handler installed from Python can be put back: elsewhere
-the block runs as it is.
+Only the main thread can set signal handlers, and only a handler installed from Python is held back (SIG_IGN and
+SIG_DFL are left as they are): elsewhere the block runs as it is.
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ class DeferredSigint:
         self._pending = False
 
     def __enter__(self) -> "DeferredSigint":
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
+        # a Python handler only (Python's KeyboardInterrupt, or the script's own): SIG_IGN stays ignored, SIG_DFL
+        # (the process ends at once) is the process's choice, and a handler set outside Python cannot be put back
+        if threading.current_thread() is threading.main_thread() and callable(signal.getsignal(signal.SIGINT)):
             self._old = signal.signal(signal.SIGINT, self._held)
         return self
 
