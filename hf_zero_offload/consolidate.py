@@ -142,6 +142,14 @@ def _check_output(output_dir: str, written: list[str]) -> None:
                          "remove them or give an empty folder")
 
 
+def _read_here(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    if rel.startswith("zero_offload/"):
+        return True
+    return "/" not in rel and (name.endswith((".safetensors", ".model")) or (
+        name.endswith(".json") and not name.startswith(("trainer_state", "optimizer"))))
+
+
 def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     """Everything is read and checked before the first write; each file is written atomically."""
     if os.path.realpath(output_dir) == os.path.realpath(checkpoint_dir):
@@ -150,7 +158,10 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise NotADirectoryError(f"output {output_dir} is a file, not a folder: give a folder (it is created "
                                  "when missing)")
-    changed = changed_files(checkpoint_dir)  # a truncated weight file failed in safetensors' header parser
+    # a truncated weight file failed in safetensors' header parser; only the files consolidate reads count (the
+    # optimizer state, the weights, the model's JSON and tokenizer files): a trainer state or RNG file of another
+    # step changes nothing here
+    changed = changed_files(checkpoint_dir, read=_read_here)
     if changed:
         raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
                          "wrote); consolidate an earlier checkpoint")

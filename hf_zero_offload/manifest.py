@@ -40,14 +40,20 @@ def build(checkpoint: str, skip: tuple[str, ...] = ()) -> dict:
     return out
 
 
-def problems(checkpoint: str, recorded) -> list[str]:
+# what transformers' resume never reads (it is written for reference): another run's copy there changes nothing
+NOT_READ_BY_RESUME = ("training_args.bin",)
+
+
+def problems(checkpoint: str, recorded, read=None) -> list[str]:
     """What differs from ``recorded`` (``build``'s dict; anything else, as in markers written before manifests:
-    nothing to compare), one phrase per file."""
+    nothing to compare), one phrase per file. ``read(rel)``: whether the operation reads the file (default: all but
+    ``NOT_READ_BY_RESUME``); a file it does not read cannot change what it does, and is not held against it."""
     if not isinstance(recorded, dict):
         return []
+    read = read or (lambda rel: rel not in NOT_READ_BY_RESUME)
     found = []
     for rel, want in sorted(recorded.items()):
-        if not isinstance(want, dict):
+        if not isinstance(want, dict) or not read(rel):
             continue
         path = os.path.join(checkpoint, *rel.split("/"))
         if not os.path.isfile(path):

@@ -162,3 +162,24 @@ def test_a_scripts_own_sigint_handler_gets_the_signal_after_the_step_and_an_igno
     finally:
         signal.signal(signal.SIGINT, old)
     opt.close()
+
+
+def test_ctrl_c_while_the_step_is_decided_counts_no_step(monkeypatch):
+    """The step count and the loss scaler moved before the guarded part: a Ctrl-C there counted a step never taken
+    (with DPU the delayed mode then began a step early, and the params left the uninterrupted run's)."""
+    from hf_zero_offload.engine import core
+
+    _, _, model, opt = _pair()
+    real = core.decide_step
+
+    def decide(*args, **kwargs):
+        out = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(core, "decide_step", decide)
+    _backward(model, 0)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert opt.global_steps == 1 and opt._step_failed is None  # the step it counted was taken, whole
+    opt.close()

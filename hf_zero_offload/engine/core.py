@@ -187,10 +187,12 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
                            "does): unlike a torch optimizer without zero_grad(), no .grad is kept to apply again or "
                            "to add the next backward to", type(self).__name__)
         self._last_received = received
-        self.global_steps += 1
-        self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor)
         with DeferredSigint():  # Ctrl-C from here lands after the state is whole (step_guard.py)
             try:
+                # the count and the loss scaler move with the update: a Ctrl-C between them counted a step never
+                # taken (with DPU the delayed mode then began one step early)
+                self.global_steps += 1
+                self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor)
                 self._update(grad_scale)
             except BaseException as e:
                 # some params hold this step's update and some do not: step and save refuse until a load
