@@ -33,6 +33,18 @@ def _backward(model, k):
     loss_fn(model, ids, labels, use_branch).backward()
 
 
+def _train_on_and_compare(ref_model, ref, model, opt, batch_indices) -> None:
+    """Both optimizers on the same batches, then the engine's params against torch AdamW's."""
+    for k in batch_indices:
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            _backward(m, k)
+            o.step()
+    opt.close()
+    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=n)
+
+
 def _on_call(monkeypatch, n, action):
     """ops.adam_step runs ``action`` before its n-th call (counted from now), then as usual."""
     real, calls = ops.adam_step, [0]
@@ -62,14 +74,7 @@ def test_ctrl_c_inside_the_adam_pass_lands_after_the_step(monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
     _backward(ref_model, 2)
     ref.step()
-    for k in range(3, 5):  # and training goes on from a whole step 3
-        for m, o in ((ref_model, ref), (model, opt)):
-            o.zero_grad()
-            _backward(m, k)
-            o.step()
-    opt.close()
-    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=n)
+    _train_on_and_compare(ref_model, ref, model, opt, range(3, 5))  # from a whole step 3
 
 
 def test_a_second_ctrl_c_interrupts_at_once(monkeypatch):
@@ -108,14 +113,7 @@ def test_a_step_that_failed_part_way_refuses_step_and_save_until_a_load(monkeypa
     _backward(ref_model, 0)
     ref.step()
     ref.zero_grad()
-    for k in (1, 2):
-        for m, o in ((ref_model, ref), (model, opt)):
-            o.zero_grad()
-            _backward(m, k)
-            o.step()
-    opt.close()
-    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=n)
+    _train_on_and_compare(ref_model, ref, model, opt, (1, 2))
 
 
 def test_a_failed_delayed_step_is_raised_once_then_refused_by_name_and_close_frees_the_worker(monkeypatch, caplog):
