@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from .engine import checkpoint
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
-from .resume import MARKER, changed_files, recorded_save_id
+from .marker import MARKER, changed_files, recorded_save_id
 
 NAMES_FILE = "param_names.json"
 
@@ -142,12 +142,17 @@ def _check_output(output_dir: str, written: list[str]) -> None:
                          "remove them or give an empty folder")
 
 
+def _model_side_file(name: str) -> bool:
+    """A file of the checkpoint's folder that consolidate copies beside the weights: the model's JSON and
+    tokenizer files, not the checkpoint's own (trainer state, optimizer, marker)."""
+    return (name.endswith((".json", ".model")) and not name.startswith(("trainer_state", "optimizer"))
+            and name != MARKER)
+
+
 def _read_here(rel: str) -> bool:
-    name = rel.rsplit("/", 1)[-1]
-    if rel.startswith("zero_offload/"):
-        return True
-    return "/" not in rel and (name.endswith((".safetensors", ".model")) or (
-        name.endswith(".json") and not name.startswith(("trainer_state", "optimizer"))))
+    """What consolidate reads, by path in the checkpoint: its optimizer state, the weights, the side files."""
+    return rel.startswith("zero_offload/") or ("/" not in rel and (rel.endswith(".safetensors")
+                                                                   or _model_side_file(rel)))
 
 
 def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
@@ -190,7 +195,7 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     for extra in sorted(glob.glob(os.path.join(checkpoint_dir, "*.json"))
                         + glob.glob(os.path.join(checkpoint_dir, "*.model"))):
         name = os.path.basename(extra)
-        if name.startswith(("trainer_state", "optimizer")) or name == MARKER:  # the checkpoint's, not the model's
+        if not _model_side_file(name):  # the checkpoint's, not the model's
             continue
         content = None
         if name == "config.json" or name.endswith(".index.json"):

@@ -1,5 +1,5 @@
 """What a checkpoint held when its save finished: every file's size, and the SHA-256 of each small one, recorded in
-its completion marker (``resume.write_marker``) and compared before a resume loads anything.
+its completion marker (``marker.write_marker``) and compared before a resume loads anything.
 
 The marker proved a save finished, but not that the folder still held what it wrote. Found by an outside probe:
 - a checkpoint mixing files of two saves was resumed without a word: ``trainer_state.json`` of step 6 in

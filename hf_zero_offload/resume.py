@@ -1,4 +1,5 @@
-"""Checkpoint completeness: the marker written last into ``checkpoint-N/`` and the choice of where to resume.
+"""Checkpoint completeness and the choice of where to resume (the marker written last into ``checkpoint-N/`` is
+``marker``'s).
 
 transformers writes ``checkpoint-N/`` piece by piece (model, optimizer state, scheduler, RNG, trainer state) and
 ``get_last_checkpoint`` picks the highest N whether or not the writer lived to finish it. The Trainer
@@ -15,15 +16,15 @@ import json
 import logging
 import os
 import re
-import time
 
 import torch
 
-from . import manifest
 from .config import ConfigError
-from .engine.checkpoint import atomic_open, read_header, remove_durably, remove_stale_temporaries
+from .engine.checkpoint import read_header, remove_durably, remove_stale_temporaries
+# the marker itself (resume.MARKER, resume.read_marker, ... stay importable from here)
+from .marker import (MARKER, changed_files, marker_problem, read_marker, recorded_save_id,  # noqa: F401
+                     write_marker)
 
-MARKER = "hzo_complete.json"
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -34,14 +35,6 @@ class IncompleteCheckpoint(ConfigError):
 
 class DamagedFile(ValueError):
     """A file of a checkpoint that is there but cannot be loaded; the message names it."""
-
-
-def write_marker(checkpoint: str, info: dict) -> None:
-    """Declares ``checkpoint`` complete, recording what it holds (``manifest``: a resume compares it first)."""
-    files = manifest.build(checkpoint, skip=(MARKER,))
-    with atomic_open(os.path.join(checkpoint, MARKER), "w") as f:
-        json.dump({"complete": True, "written": time.strftime("%Y-%m-%d %H:%M:%S"), **info, "files": files}, f,
-                  indent=1)
 
 
 def clear_marker(checkpoint: str) -> None:
@@ -69,41 +62,6 @@ def output_dir_problem(output_dir: str, training: bool = True) -> str | None:
     in_the_way = sorted((p for p in (os.path.join(output_dir, n) for n in os.listdir(output_dir))
                          if _step(p) is not None and not os.path.isdir(p)), key=_step)
     return _in_the_way(in_the_way[0]) if in_the_way else None
-
-
-def read_marker(checkpoint: str) -> dict | None:
-    try:
-        with open(os.path.join(checkpoint, MARKER), encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):  # missing, or unreadable: not a proof of completeness either way
-        return None
-    return marker if isinstance(marker, dict) and marker.get("complete") is True else None
-
-
-def marker_problem(checkpoint: str) -> str | None:
-    """What is wrong with a marker that is there (None: whole, or absent): said as such, not as a missing one."""
-    path = os.path.join(checkpoint, MARKER)
-    if not os.path.lexists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"its {MARKER} cannot be read ({type(e).__name__}: {e})"
-    if not isinstance(marker, dict):
-        return f"its {MARKER} is damaged (a JSON {type(marker).__name__}, not an object)"
-    if marker.get("complete") is not True:
-        return f"its {MARKER} is damaged (\"complete\" is {marker.get('complete')!r}, not true)"
-    if marker.get("engine") is not None and not isinstance(marker["engine"], dict):
-        return f"its {MARKER} is damaged (\"engine\" is a {type(marker['engine']).__name__}, not an object)"
-    return None
-
-
-def changed_files(checkpoint: str, read=None) -> list[str]:
-    """How a marked checkpoint differs from what its save wrote (``manifest``; ``read``: the files the operation
-    reads, default a resume's); [] when it does not, or unmarked."""
-    marker = read_marker(checkpoint)
-    return manifest.problems(checkpoint, marker.get("files"), read) if marker is not None else []
 
 
 def _not_whole(checkpoint: str) -> str:
@@ -397,11 +355,3 @@ def remove_stale_temp_files(output_dir: str) -> list[str]:
     for root, _, _ in os.walk(output_dir):
         removed += remove_stale_temporaries(root)
     return removed
-
-
-def recorded_save_id(checkpoint: str) -> str | None:
-    """The save id of the optimizer state the checkpoint's marker records (None: no marker, or one written before
-    save ids): the state under ``zero_offload/`` must be that save's, not one copied or linked from elsewhere."""
-    engine = (read_marker(checkpoint) or {}).get("engine")
-    save_id = engine.get("save_id") if isinstance(engine, dict) else None
-    return save_id if isinstance(save_id, str) else None

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 import torch
 
 from .. import ops
+from .delayed import DelayedUpdate
 from .grad_hooks import ParamOwner
 from .group_flags import check_group_flags
 from .moments import Moments, Q
@@ -38,7 +39,7 @@ from .step_guard import DeferredSigint
 from .streams import Streams, make_streams
 
 
-class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
+class AdamCore(SavedState, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
     _grads_from_backward = True   # gradients come from backward hooks, not from .grad at step()
     offload: bool = True          # optimizer state and step on the CPU
@@ -335,31 +336,6 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
                           beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], adamw=h["adamw_mode"],
                           grad_scale=grad_scale, num_threads=self.options.num_threads)
 
-    def _publish(self) -> None:
-        """DPU: the masters computed on the worker reach the device parameters."""
-        if self.needs_publish:
-            self._publish_params()
-            self.needs_publish = self._step_unpublished = False
-
-    def _wait_worker(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None  # a failure is raised once, then refused by name
-            try:
-                self._uploaded = pending.result()  # re-raises a failure of the worker here
-            except BaseException as e:
-                self._step_failed = f"the delayed (DPU) step stopped part way ({type(e).__name__}: {e})"
-                self.needs_publish = self._step_unpublished = False  # its masters are a mix: not published
-                raise
-
-    def flush(self) -> None:
-        """Finish an in-flight DPU step and publish its parameters (end of training, before
-        evaluation or a final save; sharded, every rank calls it)."""
-        self._wait_worker()
-        self._publish()
-        if self.uploader is not None:
-            self.uploader.wait_all()
-        self._mark_params()
-
     def slot_params(self) -> list[list[torch.nn.Parameter]]:
         """Trainable params per group, in flat-layout order (names for checkpoints come from these)."""
         return [[p for p, _, _ in g] for g in self._slots]
@@ -370,16 +346,6 @@ class AdamCore(SavedState, ParamOwner, LossScaled, torch.optim.Optimizer):
 
     def _barrier(self) -> None:
         """All ranks reach this point (one process: nothing to wait for)."""
-
-    def __del__(self):
-        # an engine used directly, dropped with a delayed step pending: that step never reaches the model
-        try:
-            # (a loaded state that leads the model, as load_best_model_at_end leaves one, is as it was saved)
-            if getattr(self, "_step_unpublished", False) and getattr(self, "_done_why", None) is None:
-                logger.warning("hf_zero_offload: %s dropped with a delayed (DPU) step not published: the model keeps "
-                               "the weights of one step before; call flush() when done", type(self).__name__)
-        except Exception:  # interpreter shutdown: logging may be gone
-            pass
 
     def close(self) -> None:
         """Hooks removed, helper threads stopped (a delayed step not flushed before is dropped); the engine

@@ -50,9 +50,9 @@ class OffloadAdam(AdamCore):
             max_param_numel=max(n for _, _, n in self._flat), cuda=self.streams.async_copies,
             state_dtype=options.state_dtype)
         bucket_n = self.plan.regions["grad_buckets"][0] // 2
-        on_host = self.device.type == "cpu"
+        # on a CPU run the plan's "device" regions (the gradient buckets) are host RAM too: checked with the arena
         self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda,
-                               also=2 * bucket_n * self.param_dtype.itemsize if on_host else 0)
+                               also=self.plan.device_bytes if self.device.type == "cpu" else 0)
         r = self.arena.regions
         self._bind_state(r, 0, self.numel)
         self.param_staging = r["param_staging"]

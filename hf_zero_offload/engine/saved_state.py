@@ -152,15 +152,6 @@ class SavedState:
         saved = state["master"].reshape(-1)[:n]
         return saved.dtype == self.master.dtype and torch.equal(saved.to(self.master.device), self.master[:n])
 
-    def drop_delayed_step(self) -> int:
-        """The model was given other weights (the Trainer loaded its best checkpoint) while a delayed step (DPU)
-        was in flight: its publish, at the next step or ``flush()``, would overwrite them. The step is dropped
-        and the masters take the model's weights (``adopt_changed_params``; the moments stay, as a torch
-        optimizer's do). Returns how many params of this slice were taken."""
-        self._wait_worker()
-        self.needs_publish, self._uploaded, self._step_unpublished = False, None, False
-        return self.adopt_changed_params()
-
     def _check_saved(self, meta: dict, where: str) -> None:
         state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
                              steps=self._param_steps.numel())

@@ -180,8 +180,7 @@ class ShardedAdam(AdamCore):
     def _allocate(self, cuda: bool) -> dict:
         host = {k: v for k, v in self.plan.regions.items() if v[2] == "host"}
         # on a CPU run the "device" regions are host RAM too: checked with the arena
-        beside = sum(n * dt.itemsize for n, dt, where in self.plan.regions.values()
-                     if where == "device") if self.device.type == "cpu" else 0
+        beside = self.plan.device_bytes if self.device.type == "cpu" else 0
         if host:
             self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda, also=beside)
         else:

@@ -1,0 +1,56 @@
+"""The delayed parameter update's side of ``AdamCore`` (a mixin, as ``SavedState`` and ``ParamOwner`` are): the step
+on the worker thread is waited for, its masters are published to the device parameters, and what a flush, a drop
+or a model given other weights does to a step still in flight. Its methods read the core's fields (``_pending``,
+``needs_publish``, ``_step_unpublished``, ``_publish_params``, ``uploader``) as their own.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("hf_zero_offload")
+
+
+class DelayedUpdate:
+    def _publish(self) -> None:
+        """DPU: the masters computed on the worker reach the device parameters."""
+        if self.needs_publish:
+            self._publish_params()
+            self.needs_publish = self._step_unpublished = False
+
+    def _wait_worker(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None  # a failure is raised once, then refused by name
+            try:
+                self._uploaded = pending.result()  # re-raises a failure of the worker here
+            except BaseException as e:
+                self._step_failed = f"the delayed (DPU) step stopped part way ({type(e).__name__}: {e})"
+                self.needs_publish = self._step_unpublished = False  # its masters are a mix: not published
+                raise
+
+    def flush(self) -> None:
+        """Finish an in-flight DPU step and publish its parameters (end of training, before
+        evaluation or a final save; sharded, every rank calls it)."""
+        self._wait_worker()
+        self._publish()
+        if self.uploader is not None:
+            self.uploader.wait_all()
+        self._mark_params()
+
+    def drop_delayed_step(self) -> int:
+        """The model was given other weights (the Trainer loaded its best checkpoint) while a delayed step (DPU)
+        was in flight: its publish, at the next step or ``flush()``, would overwrite them. The step is dropped
+        and the masters take the model's weights (``adopt_changed_params``; the moments stay, as a torch
+        optimizer's do). Returns how many params of this slice were taken."""
+        self._wait_worker()
+        self.needs_publish, self._uploaded, self._step_unpublished = False, None, False
+        return self.adopt_changed_params()
+
+    def __del__(self):
+        # an engine used directly, dropped with a delayed step pending: that step never reaches the model
+        try:
+            # (a loaded state that leads the model, as load_best_model_at_end leaves one, is as it was saved)
+            if getattr(self, "_step_unpublished", False) and getattr(self, "_done_why", None) is None:
+                logger.warning("hf_zero_offload: %s dropped with a delayed (DPU) step not published: the model keeps "
+                               "the weights of one step before; call flush() when done", type(self).__name__)
+        except Exception:  # interpreter shutdown: logging may be gone
+            pass
