@@ -53,6 +53,14 @@ def run_steps(model: nn.Module, opt, data) -> None:
         opt.zero_grad()
 
 
+def write_some_params(model: TinyNet) -> list[nn.Parameter]:
+    """A user's writes between two steps (in place under no_grad, and load_state_dict); returns the params written."""
+    with torch.no_grad():
+        model.body[0].weight.fill_(0.5)
+    model.norm.load_state_dict({"weight": torch.full_like(model.norm.weight, 2.0), "bias": model.norm.bias * 0 + 0.1})
+    return [model.body[0].weight, model.norm.weight, model.norm.bias]
+
+
 def param_groups(model: nn.Module, weight_decay: float):
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
@@ -60,23 +68,28 @@ def param_groups(model: nn.Module, weight_decay: float):
 
 
 def delayed_update_reference(device_model: nn.Module, data, warmup: int, *, lr: float, weight_decay: float,
-                             forward=None, gas: int = 1, make_opt=None):
+                             forward=None, gas: int = 1, make_opt=None, edit=None):
     """Hand-written delayed parameter update: AdamW (foreach=False) on fp32 masters, the device model's
     params one step behind after ``warmup`` steps. ``forward``: what the loss runs (e.g. a DDP
     wrapper of ``device_model``); micro-batch i of ``gas`` is rows ``i::gas``; ``make_opt``: another
-    optimizer over the param groups instead of AdamW. Returns
-    (device model, master model)."""
+    optimizer over the param groups instead of AdamW; ``edit``: (k, fn), fn(device_model) writes some
+    params after step k and returns them: they keep the written values, which their masters take before
+    step k + 1 or the end (a flush; the in-flight step's update of them is dropped). Returns (device model, master model)."""
     master_model = copy.deepcopy(device_model)
     forward = forward if forward is not None else device_model
     groups = param_groups(master_model, weight_decay)
     ref = make_opt(groups) if make_opt else torch.optim.AdamW(groups, lr=lr, foreach=False)
     pairs = [(d, m) for d, m in zip(device_model.parameters(), master_model.parameters()) if d.requires_grad]
+    written = []
     for k, (ids, labels, use_branch) in enumerate(data, start=1):
         for i in range(gas):
             (loss_fn(forward, ids[i::gas], labels[i::gas], use_branch) / gas).backward()
         for d, m in pairs:
             m.grad, d.grad = d.grad, None
         with torch.no_grad():
+            for d, m in pairs:
+                if any(d is w for w in written):
+                    m.copy_(d)
             if k > warmup:  # publish the masters of step k-1, then step k on the side
                 for d, m in pairs:
                     d.copy_(m)
@@ -85,4 +98,9 @@ def delayed_update_reference(device_model: nn.Module, data, warmup: int, *, lr: 
             if k <= warmup:
                 for d, m in pairs:
                     d.copy_(m)
+            written = edit[1](device_model) if edit is not None and edit[0] == k else []
+    with torch.no_grad():  # after the last step: what the engine's flush() publishes
+        for d, m in pairs:
+            if any(d is w for w in written):
+                m.copy_(d)
     return device_model, master_model

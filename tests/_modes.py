@@ -50,6 +50,11 @@ class Mode:
         for s in self.sims:
             s.run_compute_waits()
 
+    def host_write(self) -> None:
+        """Before a write of the params outside a forward: on a GPU it is queued on the compute stream, after
+        what that stream waits for (the simulator runs those waits at each forward)."""
+        self._compute_runs(None, None)
+
 
 _CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ALL = [

@@ -16,7 +16,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from _models import TinyNet, batches, delayed_update_reference, loss_fn, param_groups  # noqa: E402
+from _models import TinyNet, batches, delayed_update_reference, loss_fn, param_groups, write_some_params  # noqa: E402
 from hf_zero_offload.engine import LossScaler, OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
 
 LR, WD = 1e-2, 0.1
@@ -236,6 +236,34 @@ def test_dpu_follows_the_delayed_schedule(mode, warmup):
     opt.flush()
     mode.sync()
     assert_models_close(ref_master, model, rtol=1e-5, atol=1e-6)  # masters are the latest step
+    opt.close()
+
+
+@pytest.mark.parametrize("at", [2, 5, 8], ids=["warm-up", "in-flight", "last"])
+def test_dpu_params_written_between_steps_are_what_the_next_step_starts_from(mode, at):
+    """A write while a delayed step was in flight (a Trainer callback's edit) was published over, with a warning
+    to flush() first: the plain Trainer trains on from the written weights (README: a param written between steps
+    is what the next step starts from)."""
+    data = mode.data(batches(8))
+    torch.manual_seed(0)
+    ref_device, ref_master = delayed_update_reference(mode.model(TinyNet()), data, 3, lr=LR, weight_decay=WD,
+                                                      edit=(at, write_some_params))
+    torch.manual_seed(0)
+    model = mode.model(TinyNet())
+    opt = engine(mode, model, dpu=True, dpu_warmup_steps=3)
+    for k, (ids, labels, use_branch) in enumerate(data, start=1):
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+        if k == at:
+            mode.host_write()
+            write_some_params(model)
+    mode.sync()
+    assert_models_close(ref_device, model, rtol=1e-5, atol=1e-6)
+    opt.flush()
+    mode.sync()
+    assert_models_close(ref_master, model, rtol=1e-5, atol=1e-6)
+    assert model.body[0].weight.eq(0.5).all() == (at == 8)
     opt.close()
 
 

@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_distributed
-from _models import TinyNet, delayed_update_reference, loss_fn, param_groups
+from _models import TinyNet, delayed_update_reference, loss_fn, param_groups, write_some_params
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 from hf_zero_offload.engine import ShardedAdam
 from hf_zero_offload.engine.streams import SimStreams
@@ -23,12 +23,12 @@ from test_sharding import GATHER, LR, SMALL, WD, flat_params, rank_data, train
 SIMS = {"cpu": None, "sim-lazy": dict(executor="lazy"), "sim-eager": dict(executor="eager")}
 
 
-def ddp_dpu_reference(data, warmup: int, gas: int = 1):
+def ddp_dpu_reference(data, warmup: int, gas: int = 1, edit=None):
     """(device model, master model) after ``data``: DDP gradients, the delayed update on the masters."""
     torch.manual_seed(0)
     device_model = TinyNet()
     return delayed_update_reference(device_model, data, warmup, lr=LR, weight_decay=WD, gas=gas,
-                                    forward=DDP(device_model, find_unused_parameters=True))
+                                    forward=DDP(device_model, find_unused_parameters=True), edit=edit)
 
 
 def dpu_engine(model, *, stage=2, warmup=2, gas=1, sim=None):
@@ -70,6 +70,40 @@ def test_dpu_follows_the_delayed_schedule_on_two_ranks():
         assert not torch.equal(res["lagging"], res["final"]), key  # the device really was one step behind
         if "bytes_up" in res:
             assert res["bytes_up"] > 0, key  # the simulated GPU upload path ran
+
+
+def _write_job(rank, world):
+    out = {}
+    for stage, sim in [(2, "cpu"), (1, "cpu"), (2, "sim-lazy")]:
+        data = rank_data(rank, 7, False)
+        ref_device, ref_master = ddp_dpu_reference(data, 2, edit=(4, write_some_params))
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = dpu_engine(model, stage=stage, warmup=2, sim=SIMS[sim])
+        for k, (ids, labels, use_branch) in enumerate(data, start=1):
+            loss_fn(model, ids, labels, use_branch).backward()
+            opt.step()
+            opt.zero_grad()
+            if k == 4:
+                if sim != "cpu":
+                    opt.streams.run_compute_waits()  # a GPU queues the write after the compute stream's waits
+                write_some_params(model)
+        lagging = flat_params(model)
+        opt.flush()
+        out[f"s{stage}-{sim}"] = dict(lagging=lagging, ref_lagging=flat_params(ref_device), final=flat_params(model),
+                                      ref_final=flat_params(ref_master))
+        opt.close()
+    return out
+
+
+def test_params_written_while_a_delayed_step_is_in_flight_are_what_the_next_step_starts_from():
+    """Each rank's publish wrote over them (with a warning to flush() first); now they are kept and every rank's
+    shard of masters takes them, against DDP + AdamW with the write made on the device model."""
+    r0, r1 = run_distributed(_write_job)
+    for key, res in r0.items():
+        assert torch.equal(res["final"], r1[key]["final"]), key
+        torch.testing.assert_close(res["lagging"], res["ref_lagging"], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(res["final"], res["ref_final"], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def _overflow_job(rank, world):

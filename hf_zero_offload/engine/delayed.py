@@ -7,15 +7,35 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 logger = logging.getLogger("hf_zero_offload")
 
 
 class DelayedUpdate:
     def _publish(self) -> None:
-        """DPU: the masters computed on the worker reach the device parameters."""
+        """DPU: the masters computed on the worker reach the device parameters. A param written while the step
+        was in flight (a callback's edit, ``load_state_dict``) keeps the written values, as a torch optimizer's
+        next step starts from a write: its values go back over the publish and its masters take them, so the
+        in-flight step's update of that param is dropped (its moments stay)."""
         if self.needs_publish:
+            written = [(p, p.detach().to("cpu", copy=True)) for p in self._written_params()]
             self._publish_params()
             self.needs_publish = self._step_unpublished = False
+            if written:
+                self._keep_written(written)
+
+    @torch.no_grad()
+    def _keep_written(self, written: list) -> None:
+        if self.uploader is not None:
+            self.uploader.wait_all()  # the publish's copies have read the staging before the masters' sync rewrites it
+        for p, values in written:
+            # on the current stream, which the publish's copies were queued before (ParamUploader.finish, _gather)
+            p.data.copy_(values)
+        n = self.adopt_changed_params()
+        logger.info("hf_zero_offload: %d parameter(s) written while a delayed step (DPU) was in flight keep the "
+                    "written values (that step's update of them is dropped; flush() before a write applies it first)",
+                    n)
 
     def _wait_worker(self) -> None:
         if self._pending is not None:

@@ -216,19 +216,26 @@ class SavedState:
         (the stale master was published over it). A look at each param's version counter and storage (no pass
         over the values unless one moved). A write through ``p.data.<op>_()`` moves neither: call
         ``adopt_changed_params()`` after such a write."""
-        marks = self._param_marks
-        if marks is None or all(m == (p._version, p.data_ptr()) for m, (p, _, _) in zip(marks, self._flat)):
+        if not self._written_params():
             return
-        for p, _, numel in self._flat:
-            if p.numel() != numel:
-                raise ValueError(size_changed(p, numel))
         self._wait_worker()
         if self.needs_publish:
-            logger.warning("hf_zero_offload: parameters were written while a delayed step (DPU) was in flight; "
-                           "that step's publish now overwrites them: call flush() before writing parameters")
-        elif n := self.adopt_changed_params():
+            return  # a delayed step is in flight: its publish, in this step, keeps the written values (_publish)
+        if n := self.adopt_changed_params():
             logger.info("hf_zero_offload: %d parameter(s) written since the last step; the step starts from them", n)
         self._mark_params()
+
+    def _written_params(self) -> list[torch.nn.Parameter]:
+        """The params whose version counter or storage moved since this engine last set them (refused by name
+        when one was resized: its masters and moments are laid out for the old size)."""
+        marks = self._param_marks
+        if marks is None:
+            return []
+        written = [p for m, (p, _, _) in zip(marks, self._flat) if m != (p._version, p.data_ptr())]
+        for p, _, numel in self._flat if written else ():
+            if p.numel() != numel:
+                raise ValueError(size_changed(p, numel))
+        return written
 
     @torch.no_grad()
     def adopt_changed_params(self) -> int:
