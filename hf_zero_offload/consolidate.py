@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from .engine import checkpoint
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
-from .marker import MARKER, changed_files, recorded_save_id
+from .marker import MARKER, changed_files, read_marker, recorded_save_id
 
 NAMES_FILE = "param_names.json"
 
@@ -118,6 +118,11 @@ def state_dir_of(checkpoint_dir: str) -> str:
         raise FileNotFoundError(f"{checkpoint_dir} is a run folder, not a checkpoint: pass one of the checkpoint "
                                 f"folders inside it ({', '.join(inside)}), e.g. "
                                 f"{os.path.join(checkpoint_dir, inside[-1])}")
+    marker = read_marker(checkpoint_dir)
+    if marker is not None and "engine" in marker and marker["engine"] is None:  # our save, without the state
+        raise FileNotFoundError(f"{checkpoint_dir}: no zero_offload/ optimizer state here: this checkpoint was saved "
+                                "without one (--save_only_model), so it holds no fp32 masters to consolidate; its "
+                                "model weights are the folder itself (from_pretrained loads them)")
     raise FileNotFoundError(f"{checkpoint_dir}: no zero_offload/ optimizer state here (consolidate reads a "
                             "checkpoint-N folder of a run trained with --zero_offload or --sharded_ddp)")
 

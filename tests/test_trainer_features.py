@@ -10,6 +10,7 @@ from _t5 import OFFLOAD, ToyDataset, tiny_t5
 from _t5 import logged as _logged
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer
 from hf_zero_offload.config import ConfigError
+from hf_zero_offload.consolidate import consolidate
 
 COMMON = dict(per_device_train_batch_size=4, max_steps=6, use_cpu=True, report_to=[], logging_steps=1,
               save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2, weight_decay=0.0)
@@ -216,6 +217,9 @@ def test_resuming_a_save_only_model_checkpoint_names_it(tmp_path):
                                         train_dataset=ToyDataset())
     with pytest.raises(FileNotFoundError, match=r"holds the model only .*--save_only_model.*from_pretrained"):
         trainer.train(resume_from_checkpoint=True)
+    # consolidate said the run was not trained with --zero_offload
+    with pytest.raises(FileNotFoundError, match=r"saved without one \(--save_only_model\).*from_pretrained"):
+        consolidate(str(tmp_path / "s" / "checkpoint-2"), str(tmp_path / "out"))
 
 
 class _WithDecoderInputs(ToyDataset):

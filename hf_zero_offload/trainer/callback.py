@@ -7,6 +7,7 @@ import os
 from transformers import TrainerCallback
 
 from .. import resume
+from .last_step import publish_for_final_save, run_ends
 from .mixin import STATE_DIR, adopt_changed_params, logger
 
 
@@ -16,8 +17,9 @@ class ZeroOffloadCallback(TrainerCallback):
     What the callback does: logs the engine's gradient norm (as ``grad_norm``, which the Trainer's own
     clipping, finding no gradients, logged as 0.0) and loss scale, refuses a ``--max_grad_norm`` other
     than the engine's ``OffloadOptions.max_grad_norm`` (the engine clips; the Trainer's clipping sees no
-    gradients), and finishes a pending delayed parameter update at the end of training (with
-    ``load_best_model_at_end``: drops it, as the best weights are loaded). What it cannot do without the
+    gradients), and finishes a pending delayed parameter update at the end of training, at the last epoch's
+    end so that every callback's ``on_train_end`` sees the last step (with ``load_best_model_at_end``: drops it,
+    as the best weights are loaded). What it cannot do without the
     mixin: scale the loss (so fp16 is not supported: use bf16 or fp32), hold the LR schedule on skipped
     steps, or save the optimizer state per rank: the Trainer saves ``state_dict()`` into one
     ``optimizer.pt`` from rank 0, and a sharded engine's holds only that rank's slice, so an engine of
@@ -81,6 +83,18 @@ class ZeroOffloadCallback(TrainerCallback):
                                                    "ZeroOffloadTrainer / ZeroOffloadMixin")
             if message:
                 logger.warning(message)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        engine = self._engine(kwargs)
+        if engine is not None and publish_for_final_save(args, state, control):
+            engine.flush()  # DPU: a final --save_only_model checkpoint holds the last step (last_step.py)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        # DPU: the last step reaches the model before the on_train_end of callbacks listed before this one
+        # (report_to's integrations always are); with load_best_model_at_end the best weights stay instead
+        engine = self._engine(kwargs)
+        if engine is not None and run_ends(state, control) and not args.load_best_model_at_end:
+            engine.flush()
 
     def on_train_end(self, args, state, control, **kwargs):
         engine = self._engine(kwargs)

@@ -8,16 +8,13 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 from transformers import Seq2SeqTrainer, Trainer
-from transformers.trainer_utils import rotate_checkpoints
 
 from .. import presets, resume
-from ..consolidate import names_difference, write_param_names
+from ..consolidate import names_difference
 from ..args_view import args_view, early_view
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
-from ..engine.checkpoint import atomic_path, fsync_tree
 from ..engine.state_dir import LayoutMismatch
 from ..accelerator_patch import patch_accelerator
 from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
@@ -25,13 +22,13 @@ from ..launch_checks import (check_arguments, check_trainable, check_world_size,
                              warn_bf16_on_cpu, warn_fp16_on_cpu, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
+from .last_step import PublishBeforeTrainEnd
+from .saving import SCHEDULER_NAME as _SCHEDULER_NAME, STATE_DIR, CheckpointSaving
 
 logger = logging.getLogger("hf_zero_offload")
-STATE_DIR = "zero_offload"
-_SCHEDULER_NAME = "scheduler.pt"
 
 
-class ZeroOffloadMixin:
+class ZeroOffloadMixin(CheckpointSaving):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
@@ -240,18 +237,42 @@ class ZeroOffloadMixin:
         if self._zo_lock is not None and self._zo_lock.held:
             for path in resume.remove_stale_temp_files(self.args.output_dir):
                 logger.warning("hf_zero_offload: removed %s, left by a writer that was stopped mid-save", path)
+        first = PublishBeforeTrainEnd(self)
+        self.callback_handler.callbacks.insert(0, first)
         try:
             if engine is not None:  # refused, naming why, when another engine has taken the model since
                 engine.attach_hooks()
             out = super().train(resume_from_checkpoint, *args, **kwargs)
-            if self.zero_engine is not None and not self._zo_best:
-                self.zero_engine.flush()  # DPU: the last step's parameters reach the model
+            self._zo_publish_last()  # (done already unless training stopped before on_train_end)
+        except BaseException:
+            self._zo_publish_after_failure()
+            raise
         finally:
+            self.callback_handler.callbacks.remove(first)
             if self.zero_engine is not None:  # between runs the model is plain torch: a manual backward, a plain
                 self.zero_engine.detach_hooks()  # optimizer or another Trainer find their .grad (the hooks took it)
             if self._zo_lock is not None:
                 self._zo_lock.release()
         return out
+
+    def _zo_publish_last(self) -> None:
+        """DPU: the last step's parameters reach the model (last_step.py says when); not over the best weights
+        that load_best_model_at_end loaded."""
+        if self.zero_engine is not None and not self._zo_best:
+            self.zero_engine.flush()
+
+    def _zo_publish_after_failure(self) -> None:
+        """A callback's error or a Ctrl-C out of train(): the model takes the last whole step, so a save_model() or
+        evaluate() after it sees what the masters hold. One process only: sharded, the publish is a collective that
+        ranks which did not fail would never join."""
+        engine = self.zero_engine
+        if engine is None or not engine.needs_publish or self._zo_best or self.args.world_size > 1:
+            return
+        try:
+            engine.flush()
+        except Exception as e:  # noqa: BLE001 - the error that stopped training is the one raised
+            logger.warning("hf_zero_offload: the last delayed (DPU) step could not be published (%s: %s)",
+                           type(e).__name__, e)
 
     def _zo_update_clipping(self, engine) -> None:
         # the plain Trainer reads --max_grad_norm at every step: a value changed since the engine was built applies
@@ -280,59 +301,6 @@ class ZeroOffloadMixin:
         if done is not None:
             logger.warning(done)
         return path
-
-    def _save_checkpoint(self, model, trial) -> None:
-        # transformers rotates old checkpoints at the end of its save: here that waits until this one is
-        # marked complete, so a kill during the save never leaves only incomplete checkpoints behind.
-        limit = self.args.save_total_limit
-        run_dir = self._get_output_dir(trial=trial)
-        output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-        distributed = self.args.world_size > 1 and dist.is_available() and dist.is_initialized()
-        if self.args.should_save:
-            # checkpoint-N written again (a restarted run, a second train()): its old marker would declare the
-            # mix of new and old files complete should this save stop part way
-            resume.clear_marker(output_dir)
-        if distributed:
-            dist.barrier()  # no rank writes into checkpoint-N before its old marker is gone
-        self.args.save_total_limit = None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
-        if distributed:
-            dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
-        if self.args.should_save:
-            fsync_tree(output_dir)  # transformers writes without fsync: on disk before the marker says complete
-            saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
-            resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
-                                             "engine": self._zo_engine_info() if saved else None})
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
-                               best_model_checkpoint=self.state.best_model_checkpoint)
-
-    def _zo_engine_info(self) -> dict | None:
-        eng = self.zero_engine
-        if eng is None:
-            return None
-        return {"format": eng.state_meta().get("format"), "world_size": self.args.world_size,
-                "stage": getattr(eng, "stage", "-"), "offload": getattr(eng, "offload", True),
-                "dpu": eng.options.dpu, "dtype": str(eng.param_dtype).replace("torch.", ""),
-                "save_id": eng.last_save_id}
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self._zo_raw is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        state_dir = os.path.join(output_dir, STATE_DIR)
-        self.zero_engine.save_checkpoint(state_dir)
-        if self.args.should_save:
-            write_param_names(state_dir, self._zo_slot_names())
-            with atomic_path(os.path.join(output_dir, _SCHEDULER_NAME)) as tmp:
-                torch.save(self.lr_scheduler.state_dict(), tmp)
-
-    def _zo_slot_names(self) -> list[list[str]]:
-        aliases: dict[int, list[str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        return [aliases[id(p)] for g in self.zero_engine.slot_params() for p in g]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -1,0 +1,76 @@
+"""``CheckpointSaving``: the save half of ``ZeroOffloadMixin`` (a mixin of the same Trainer, as the engines'
+``SavedState`` is of theirs): each rank's optimizer state under ``checkpoint-N/zero_offload/``, the LR schedule, the
+param names, and the completion marker written last (its rotation of old checkpoints waits for it). Its methods read
+the Trainer's fields (``args``, ``state``, ``zero_engine``, ``_zo_raw``) as their own."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from transformers.trainer_utils import rotate_checkpoints
+
+from .. import resume
+from ..consolidate import write_param_names
+from ..engine.checkpoint import atomic_path, fsync_tree
+from .last_step import publish_for_final_save
+
+STATE_DIR = "zero_offload"
+SCHEDULER_NAME = "scheduler.pt"
+
+
+class CheckpointSaving:
+    def _save_checkpoint(self, model, trial) -> None:
+        # transformers rotates old checkpoints at the end of its save: here that waits until this one is
+        # marked complete, so a kill during the save never leaves only incomplete checkpoints behind.
+        limit = self.args.save_total_limit
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        distributed = self.args.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if publish_for_final_save(self.args, self.state, self.control):  # (a stop a callback asked for, too)
+            self._zo_publish_last()
+        if self.args.should_save:
+            # checkpoint-N written again (a restarted run, a second train()): its old marker would declare the
+            # mix of new and old files complete should this save stop part way
+            resume.clear_marker(output_dir)
+        if distributed:
+            dist.barrier()  # no rank writes into checkpoint-N before its old marker is gone
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if distributed:
+            dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
+        if self.args.should_save:
+            fsync_tree(output_dir)  # transformers writes without fsync: on disk before the marker says complete
+            saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
+            resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
+                                             "engine": self._zo_engine_info() if saved else None})
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
+                               best_model_checkpoint=self.state.best_model_checkpoint)
+
+    def _zo_engine_info(self) -> dict | None:
+        eng = self.zero_engine
+        if eng is None:
+            return None
+        return {"format": eng.state_meta().get("format"), "world_size": self.args.world_size,
+                "stage": getattr(eng, "stage", "-"), "offload": getattr(eng, "offload", True),
+                "dpu": eng.options.dpu, "dtype": str(eng.param_dtype).replace("torch.", ""),
+                "save_id": eng.last_save_id}
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._zo_raw is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        state_dir = os.path.join(output_dir, STATE_DIR)
+        self.zero_engine.save_checkpoint(state_dir)
+        if self.args.should_save:
+            write_param_names(state_dir, self._zo_slot_names())
+            with atomic_path(os.path.join(output_dir, SCHEDULER_NAME)) as tmp:
+                torch.save(self.lr_scheduler.state_dict(), tmp)
+
+    def _zo_slot_names(self) -> list[list[str]]:
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        return [aliases[id(p)] for g in self.zero_engine.slot_params() for p in g]
