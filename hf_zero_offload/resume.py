@@ -287,15 +287,46 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
             f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {recorded_step(checkpoint)})")
 
 
-def load_scheduler(scheduler, path: str) -> None:
+def load_scheduler(scheduler, path: str) -> str | None:
     """``path`` (scheduler.pt) into the LR schedule; the Trainer calls it before the engine's state is loaded (it was
     read after: a damaged file failed with torch's error naming no file, the engine already overwritten), and
-    restores the schedule it had should either load fail. A file that does not load is an error naming it."""
+    restores the schedule it had should either load fail. A file that does not load is an error naming it.
+    Returns a warning to log when a schedule of another kind saved it (its step is carried over)."""
     try:
-        scheduler.load_state_dict(torch.load(path, weights_only=True))
+        saved = torch.load(path, weights_only=True)
+        try:
+            scheduler.load_state_dict(saved)
+        except Exception:
+            position = _position_of(saved, scheduler)
+            if position is None:
+                raise
+            # A schedule of another kind saved it (a ds_config "scheduler" block, then none, or the reverse; the
+            # plateau schedulers): as transformers goes from one --lr_scheduler_type to another, this run's
+            # schedule goes on from the saved step (it was refused as a damaged file)
+            scheduler.load_state_dict(position)
+            return (f"hf_zero_offload: {path} was saved by another kind of LR schedule than this run's "
+                    f"{type(scheduler).__name__}: this run's schedule goes on from step {position['last_epoch']} (the "
+                    "first step resumed runs at the saved rate)")
     except Exception as e:
         raise DamagedFile(f"{path} cannot be loaded ({type(e).__name__}: {e}); resume from an earlier checkpoint, or "
                           "remove the file to restart the learning-rate schedule from its first step") from e
+    return None
+
+
+def _position_of(saved, scheduler) -> dict | None:
+    """``scheduler``'s own state at the step ``saved`` (a torch LR scheduler's state) records, or None when
+    ``saved`` records no step."""
+    step = saved.get("last_epoch") if isinstance(saved, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    count = saved.get("_step_count", step + 1)
+    groups = len(getattr(scheduler, "optimizer").param_groups)
+    last = saved.get("_last_lr")
+    position = {**scheduler.state_dict(), "last_epoch": step,
+                "_step_count": count if isinstance(count, int) and not isinstance(count, bool) else step + 1}
+    if isinstance(last, list) and len(last) == groups:
+        position["_last_lr"] = last  # the rate the optimizer's state holds, which the first resumed step runs at
+    return position
 
 
 def no_resume_word(value):

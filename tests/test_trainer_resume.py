@@ -27,10 +27,11 @@ COMMON = dict(per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_t
               save_steps=2)
 
 
-def _trainer(out, seed=0, **kw):
+def _trainer(out, seed=0, eval_dataset=None, **kw):
     model = tiny_t5(seed)
     targs = ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(out), **{**COMMON, "zero_offload": OFFLOAD, **kw})
-    return model, ZeroOffloadSeq2SeqTrainer(model=model, args=targs, train_dataset=ToyDataset())
+    return model, ZeroOffloadSeq2SeqTrainer(model=model, args=targs, train_dataset=ToyDataset(),
+                                            eval_dataset=eval_dataset)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +274,33 @@ def test_resume_with_more_steps_follows_this_runs_auto_schedule(tmp_path, kind):
     assert [h["learning_rate"] for h in resumed.state.log_history if "learning_rate" in h] == lrs  # step 1 restored
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+_WARMUP_LR = {**OFFLOAD, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+
+
+@pytest.mark.parametrize("saved, now", [(dict(zero_offload=_WARMUP_LR), dict(lr_scheduler_type="linear")),
+                                        (dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps",
+                                              eval_steps=1, eval_dataset=ToyDataset(4, seed=1)),
+                                         dict(zero_offload=_WARMUP_LR))],
+                         ids=["block->linear", "plateau->block"])
+def test_a_checkpoint_of_another_kind_of_schedule_goes_on_from_its_step(tmp_path, saved, now, caplog):
+    """The README tells users of the shipped configs to drop the "scheduler" block for a decaying schedule: a resume
+    that did so was refused as a damaged scheduler.pt (and "resume from an earlier checkpoint" failed alike). As
+    transformers goes from one --lr_scheduler_type to another, the new schedule now goes on from the saved step:
+    its rates from the second resumed step on are those of an uninterrupted run of it."""
+    kw = dict(warmup_steps=2, save_steps=1, learning_rate=1e-2)
+    _trainer(tmp_path / "a", max_steps=3, **kw, **saved)[1].train()
+    _, resumed = _trainer(tmp_path / "b", seed=1, max_steps=6, **kw, **now)
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert any("was saved by another kind of LR schedule" in r.getMessage() for r in caplog.records)
+    _, straight = _trainer(tmp_path / "c", max_steps=6, **kw, **now)
+    straight.train()
+    def lrs(t):
+        return {h["step"]: h["learning_rate"] for h in t.state.log_history if "learning_rate" in h}
+    got, want = lrs(resumed), lrs(straight)
+    assert [got[k] for k in (4, 5, 6)] == [want[k] for k in (4, 5, 6)]
 
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "older-marker"])

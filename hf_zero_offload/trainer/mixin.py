@@ -322,7 +322,8 @@ class ZeroOffloadMixin(CheckpointSaving):
         before = self.lr_scheduler.state_dict() if os.path.isfile(sched) else None
         try:
             if before is not None:  # first: a damaged file is refused before the engine's state is touched
-                resume.load_scheduler(self.lr_scheduler, sched)
+                if note := resume.load_scheduler(self.lr_scheduler, sched):
+                    logger.warning(note)
             try:
                 self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
             except LayoutMismatch as e:  # the totals alone may read the same: name the params that differ
