@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -193,8 +194,11 @@ def check_arguments(args, scheduler_block: str | None = None) -> None:
                         "block's params instead, or drop the block to keep --lr_scheduler_type")
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in ADAMW_OPTIMS:
+        # the names this transformers knows (adamw_hf and adamw_apex_fused are gone from 5.x)
+        known = {str(getattr(o, "value", o)) for o in type(args.optim)} if isinstance(args.optim, Enum) else None
+        accepted = [o for o in ADAMW_OPTIMS if known is None or o in known]
         problems.append(f"--optim {optim}: the zero_offload engine is Adam/AdamW only (accepted: "
-                        f"{', '.join(ADAMW_OPTIMS)}); drop --optim or use a plain Trainer for {optim}")
+                        f"{', '.join(accepted)}); drop --optim or use a plain Trainer for {optim}")
     if getattr(args, "save_only_model", False) and getattr(args, "load_best_model_at_end", False):
         problems.append("--save_only_model with --load_best_model_at_end: the best checkpoint would hold no "
                         "optimizer state (fp32 master weights) to load with the model, as with DeepSpeed; drop one "

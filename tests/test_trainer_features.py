@@ -127,6 +127,14 @@ def test_init_check_leaves_unknown_step_counts_to_train_start(tmp_path):
     trainer.train()
     assert trainer.zero_config.scheduler.total_num_steps == trainer.state.max_steps == 8
     assert trainer.zero_config.scheduler.warmup_num_steps == 4
+    # transformers' public create_optimizer_and_scheduler(n) before train(): the schedule takes n (building the
+    # optimizer resolved the whole config, and "auto" total_num_steps failed although n was given)
+    early = ZeroOffloadSeq2SeqTrainer(
+        model=tiny_t5(), args=ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / "c"), zero_offload=cfg,
+                                                                  **kw),
+        train_dataset=ToyDataset())
+    early.create_optimizer_and_scheduler(num_training_steps=6)
+    assert early.lr_scheduler.total == 6 and early.zero_config.scheduler.warmup_num_steps == 3
     # a model_init Trainer has no model at __init__: the "auto" bucket size waits for it
     ZeroOffloadSeq2SeqTrainer(model_init=lambda *_: tiny_t5(), args=_args(tmp_path, "mi", zero_offload={
         "zero_optimization": {**OFFLOAD["zero_optimization"], "reduce_bucket_size": "auto"}}))
@@ -171,7 +179,9 @@ def test_load_best_model_at_end_loads_our_state_of_the_best_checkpoint(tmp_path,
 
 
 @pytest.mark.parametrize("extra, match", [
-    (dict(optim="sgd"), r"--optim sgd: the zero_offload engine is Adam/AdamW only"),
+    # only the names this transformers accepts (adamw_hf and adamw_apex_fused were listed: 5.x refuses both)
+    (dict(optim="sgd"), r"--optim sgd: the zero_offload engine is Adam/AdamW only \(accepted: adamw_torch, "
+                        r"adamw_torch_fused, adamw_torch_xla, adamw_torch_npu_fused\)"),
     (dict(optim="adafactor"), r"--optim adafactor"),
     (dict(save_only_model=True, load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"),
      r"--save_only_model with --load_best_model_at_end"),
@@ -257,6 +267,47 @@ def test_trainer_features_equal_the_plain_trainer(tmp_path, kw, model_fn, data):
         assert _logged(ours, key) == pytest.approx(_logged(ref, key), rel=1e-5), key
     assert len(_logged(ours, "loss")) == ours.state.global_step == ref.state.global_step == (
         3 if "num_train_epochs" in kw else kw.get("max_steps", 6))
+
+
+def _only(kind):
+    def make():
+        model = tiny_t5()
+        for n, p in model.named_parameters():  # T5's no-decay params: the layer norms and the relative attention bias
+            p.requires_grad_(("layer_norm" in n or "bias" in n) == (kind == "no-decay"))
+        return model
+    return make
+
+
+class _PerGroupSchedule:
+    def create_scheduler(self, num_training_steps, optimizer=None):
+        if self.lr_scheduler is None:  # one factor per group of the Trainer's layout: decay, no-decay
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, [lambda s: 1.0, lambda s: 0.3])
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+
+@pytest.mark.parametrize("kind", ["decay", "no-decay"], ids=["frozen-norms", "bitfit-style"])
+def test_an_empty_param_group_is_kept_as_the_plain_trainer_keeps_it(tmp_path, kind):
+    """The engine dropped the empty group: a per-group LambdaLR failed ("Expected 1 lr_lambdas, but got 2") and
+    param_groups[0] named the other group."""
+    kw = dict(weight_decay=0.1, max_steps=4, save_strategy="steps", save_steps=2)
+    ref_model, ours_model = _only(kind)(), _only(kind)()
+    ref = type("Ref", (_PerGroupSchedule, Seq2SeqTrainer), {})(
+        model=ref_model, args=_args(tmp_path, "ref", optim="adamw_torch", **kw), train_dataset=ToyDataset())
+    ref.train()
+    ours_cls = type("Ours", (_PerGroupSchedule, ZeroOffloadSeq2SeqTrainer), {})
+    ours = ours_cls(model=ours_model, args=_args(tmp_path, "ours", zero_offload=OFFLOAD, **kw),
+                    train_dataset=ToyDataset())
+    ours.train()
+    assert [len(g["params"]) for g in ours.optimizer.param_groups] == [len(g["params"]) for g in ref.optimizer.param_groups]
+    for (name, a), b in zip(ref_model.named_parameters(), ours_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    resumed_model = _only(kind)()
+    resumed = ours_cls(model=resumed_model, args=_args(tmp_path, "resumed", zero_offload=OFFLOAD, **kw),
+                       train_dataset=ToyDataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    for a, b in zip(ours_model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
 
 
 class SharedLayerNet(torch.nn.Module):

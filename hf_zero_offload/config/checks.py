@@ -166,6 +166,9 @@ def choice(*options: str, unsupported: dict[str, str] | None = None, casefold: b
             return table[key]
         if isinstance(key, str) and key in others:
             raise UnsupportedValue(others[key])
+        near = [o for o in options if isinstance(v, str) and o.lower() == v.lower()]
+        if near:  # a slip of case, not an unsupported name
+            raise BadValue(f"{near[0]!r} (case-sensitive, as DeepSpeed reads it)")
         if isinstance(key, str) and other is not None:
             raise UnsupportedValue(other)
         raise BadValue("one of " + ", ".join(repr(o) for o in options))

@@ -96,6 +96,8 @@ class ZeroOffloadMixin(CheckpointSaving):
     def _zo_resolve(self, max_steps: int | None = None) -> TrainingConfig:
         max_steps = max_steps or getattr(getattr(self, "state", None), "max_steps", 0) or None
         fp16, bf16 = self._zo_precision
+        if max_steps is None:  # create_optimizer() before train(), epochs: create_scheduler resolves the schedule
+            return resolve(self._zo_raw, early_view(self.args, self._zo_raw.cfg, fp16, bf16, self.model))
         view = args_view(self.args, fp16=fp16, bf16=bf16, max_steps=max_steps, model=self.model)
         return resolve(self._zo_raw, view)
 
@@ -147,7 +149,9 @@ class ZeroOffloadMixin(CheckpointSaving):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-        return self._zo_build(model, [g for g in groups if g["params"]], None)
+        # an empty group stays, as the plain Trainer keeps it (LoRA-style frozen norms, BitFit): a per-group LambdaLR
+        # and a callback's param_groups[i] count on both
+        return self._zo_build(model, groups if any(g["params"] for g in groups) else [], None)
 
     def _zo_build(self, model, groups: list[dict], where: str | None):
         """The engine over ``groups`` (``where``: the user's create_optimizer they come from, whose per-group
