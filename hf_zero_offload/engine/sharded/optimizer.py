@@ -201,8 +201,11 @@ class ShardedAdam(AdamCore):
             return
         unique = list({id(p): p for g in self.param_groups for p in g["params"]}.values())
         chunk: list[torch.Tensor] = []
+        size = 0  # the chunk's elements, kept as it grows (summed again per param: quadratic in the param count)
 
         def send():
+            nonlocal size
+            size = 0
             flat = torch.cat([p.detach().reshape(-1) for p in chunk])
             dist.broadcast(flat, group=self.process_group, group_src=0)
             o = 0
@@ -212,10 +215,10 @@ class ShardedAdam(AdamCore):
             chunk.clear()
 
         for p in unique:
-            if chunk and (p.dtype != chunk[0].dtype or p.device != chunk[0].device
-                          or sum(q.numel() for q in chunk) + p.numel() > cap):
+            if chunk and (p.dtype != chunk[0].dtype or p.device != chunk[0].device or size + p.numel() > cap):
                 send()
             chunk.append(p)
+            size += p.numel()
         send()
 
     # -- what differs from the core --------------------------------------------------------------
