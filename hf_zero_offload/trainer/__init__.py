@@ -20,7 +20,9 @@ resume only from complete ones (``True``: the newest complete one), and log what
 (see :mod:`hf_zero_offload.resume`).
 
 ``args``: the TrainingArguments with ``zero_offload``/``sharded_ddp``; ``mixin``: ``ZeroOffloadMixin`` and the two
-Trainers; ``callback``: ``ZeroOffloadCallback``, for a plain Trainer given an engine.
+Trainers; ``saving``: its checkpoint saves (``CheckpointSaving``, a mixin of the same Trainer); ``last_step``: with
+the delayed parameter update, the last step published before the end of training is read; ``callback``:
+``ZeroOffloadCallback``, for a plain Trainer given an engine.
 """
 from __future__ import annotations
 
