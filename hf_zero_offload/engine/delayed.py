@@ -9,6 +9,8 @@ import logging
 
 import torch
 
+from .runs import FlatIndex
+
 logger = logging.getLogger("hf_zero_offload")
 
 
@@ -32,10 +34,26 @@ class DelayedUpdate:
         for p, values in written:
             # on the current stream, which the publish's copies were queued before (ParamUploader.finish, _gather)
             p.data.copy_(values)
-        n = self.adopt_changed_params()
+        self._masters_take([p for p, _ in written])
+        self._sync_mirror()  # a param without a gradient next step is published from the mirror: not the stale value
         logger.info("hf_zero_offload: %d parameter(s) written while a delayed step (DPU) was in flight keep the "
                     "written values (that step's update of them is dropped; flush() before a write applies it first)",
-                    n)
+                    len(written))
+
+    @torch.no_grad()
+    def _masters_take(self, params: list) -> None:
+        """This slice's masters of ``params`` take the params' values."""
+        ids, lo = {id(p) for p in params}, self.lo
+        for p, off, a, b in FlatIndex(self._flat).pieces(lo, self.hi) if ids else ():
+            if id(p) in ids:
+                self.master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
+
+    def _masters_with_writes(self) -> None:
+        """Before the state is saved with a delayed step in flight: the params written since keep their values at
+        its publish (``_publish``), so the saved masters hold them too, and a resume goes on as this run does (the
+        mirror stays: the publish restores and syncs it)."""
+        if self.needs_publish:
+            self._masters_take(self._written_params())
 
     def _wait_worker(self) -> None:
         if self._pending is not None:

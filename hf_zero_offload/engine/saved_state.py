@@ -79,6 +79,7 @@ class SavedState:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Views of this slice's state (no copy, no padding): the checkpoint writer streams them."""
         self._wait_worker()
+        self._masters_with_writes()
         n = self.hi - self.lo
         return {"master": self.master[:n], **self.moments.tensors(n)}
 
