@@ -287,17 +287,26 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
             f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {recorded_step(checkpoint)})")
 
 
-def load_scheduler(scheduler, path: str) -> str | None:
+class OtherSchedule(ValueError):
+    """A scheduler.pt of another kind of LR schedule, which this run's cannot take its step from."""
+
+
+def load_scheduler(scheduler, path: str, step: int | None = None) -> str | None:
     """``path`` (scheduler.pt) into the LR schedule; the Trainer calls it before the engine's state is loaded (it was
     read after: a damaged file failed with torch's error naming no file, the engine already overwritten), and
     restores the schedule it had should either load fail. A file that does not load is an error naming it.
-    Returns a warning to log when a schedule of another kind saved it (its step is carried over)."""
+    Returns a warning to log when a schedule of another kind saved it (its step is carried over; ``step``: the
+    checkpoint's global step, which a plateau scheduler's own count of evaluations is not)."""
     try:
         saved = torch.load(path, weights_only=True)
         try:
             scheduler.load_state_dict(saved)
-        except Exception:
-            position = _position_of(saved, scheduler)
+        except Exception as e:
+            position = _position_of(saved, scheduler, step)
+            if position is None and isinstance(saved, dict) and type(saved.get("last_epoch")) is int:
+                raise OtherSchedule(f"{path} holds the state of another kind of LR schedule, whose step this run's "
+                                 f"{type(scheduler).__name__} cannot take ({type(e).__name__}: {e}); resume with the "
+                                 "schedule that saved it") from None
             if position is None:
                 raise
             # A schedule of another kind saved it (a ds_config "scheduler" block, then none, or the reverse; the
@@ -307,19 +316,26 @@ def load_scheduler(scheduler, path: str) -> str | None:
             return (f"hf_zero_offload: {path} was saved by another kind of LR schedule than this run's "
                     f"{type(scheduler).__name__}: this run's schedule goes on from step {position['last_epoch']} (the "
                     "first step resumed runs at the saved rate)")
+    except OtherSchedule:
+        raise
     except Exception as e:
         raise DamagedFile(f"{path} cannot be loaded ({type(e).__name__}: {e}); resume from an earlier checkpoint, or "
                           "remove the file to restart the learning-rate schedule from its first step") from e
     return None
 
 
-def _position_of(saved, scheduler) -> dict | None:
+def _position_of(saved, scheduler, global_step: int | None) -> dict | None:
     """``scheduler``'s own state at the step ``saved`` (a torch LR scheduler's state) records, or None when
-    ``saved`` records no step."""
-    step = saved.get("last_epoch") if isinstance(saved, dict) else None
+    ``saved`` records no step or ``scheduler`` is made of others (SequentialLR, ChainedScheduler: the step of each
+    inner one is not the saved state's to say)."""
+    if not isinstance(saved, dict) or "_schedulers" in scheduler.state_dict():
+        return None
+    # ReduceLROnPlateau (and transformers' GreedyLR) step once per evaluation: their count is not the step's
+    per_evaluation = "num_bad_epochs" in saved or "cooldown_counter" in saved
+    step = global_step if per_evaluation else saved.get("last_epoch")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return None
-    count = saved.get("_step_count", step + 1)
+    count = step + 1 if per_evaluation else saved.get("_step_count", step + 1)
     groups = len(getattr(scheduler, "optimizer").param_groups)
     last = saved.get("_last_lr")
     position = {**scheduler.state_dict(), "last_epoch": step,

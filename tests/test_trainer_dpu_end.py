@@ -54,21 +54,26 @@ def test_on_train_end_callbacks_see_the_last_step(tmp_path, path):
 
 
 class _StopAt(TrainerCallback):
-    def __init__(self, step):
+    def __init__(self, step, event="on_step_end"):
         self.step = step
+        setattr(self, event, self._stop)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def _stop(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True
 
 
-@pytest.mark.parametrize("path, stop", [("mixin", None), ("mixin", 3), ("callback", None)],
-                         ids=["mixin-max_steps", "mixin-stopped", "callback-max_steps"])
-def test_a_final_save_only_model_checkpoint_holds_the_last_step(tmp_path, path, stop):
+@pytest.mark.parametrize("path, stop, event", [("mixin", None, None), ("mixin", 3, "on_step_end"),
+                                               ("mixin", 3, "on_log"), ("callback", None, None),
+                                               ("callback", 3, "on_step_end"), ("callback", 3, "on_log")],
+                         ids=["mixin-max_steps", "mixin-stopped", "mixin-stopped-in-on_log", "callback-max_steps",
+                              "callback-stopped", "callback-stopped-in-on_log"])
+def test_a_final_save_only_model_checkpoint_holds_the_last_step(tmp_path, path, stop, event):
     """It held the model one step behind (the last step lived only in the masters, which it does not save): a
-    from_pretrained of the last checkpoint lost a step without a word."""
-    model, trainer = _trainer(tmp_path, path, [_StopAt(stop)] if stop else [], save_strategy="steps", save_steps=1,
-                              save_only_model=True)
+    from_pretrained of the last checkpoint lost a step without a word. ZeroOffloadCallback sees a stop set by the
+    callbacks listed before it (README), here in their on_step_end or on_log."""
+    model, trainer = _trainer(tmp_path, path, [_StopAt(stop, event)] if stop else [], save_strategy="steps",
+                              save_steps=1, save_only_model=True)
     trainer.train()
     last = stop or COMMON["max_steps"]
     saved = load_file(str(tmp_path / f"checkpoint-{last}" / "model.safetensors"))

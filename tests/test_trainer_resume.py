@@ -277,12 +277,15 @@ def test_resume_with_more_steps_follows_this_runs_auto_schedule(tmp_path, kind):
 
 
 _WARMUP_LR = {**OFFLOAD, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+_DECAY = {**OFFLOAD, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto",
+                                                                     "total_num_steps": "auto"}}}
 
 
 @pytest.mark.parametrize("saved, now", [(dict(zero_offload=_WARMUP_LR), dict(lr_scheduler_type="linear")),
+                                        # a plateau scheduler counts evaluations (1 by step 2), not steps
                                         (dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps",
-                                              eval_steps=1, eval_dataset=ToyDataset(4, seed=1)),
-                                         dict(zero_offload=_WARMUP_LR))],
+                                              eval_steps=2, eval_dataset=ToyDataset(4, seed=1)),
+                                         dict(zero_offload=_DECAY))],
                          ids=["block->linear", "plateau->block"])
 def test_a_checkpoint_of_another_kind_of_schedule_goes_on_from_its_step(tmp_path, saved, now, caplog):
     """The README tells users of the shipped configs to drop the "scheduler" block for a decaying schedule: a resume
@@ -301,6 +304,20 @@ def test_a_checkpoint_of_another_kind_of_schedule_goes_on_from_its_step(tmp_path
         return {h["step"]: h["learning_rate"] for h in t.state.log_history if "learning_rate" in h}
     got, want = lrs(resumed), lrs(straight)
     assert [got[k] for k in (4, 5, 6)] == [want[k] for k in (4, 5, 6)]
+
+
+def test_a_schedule_made_of_others_does_not_take_another_kinds_step(tmp_path):
+    """A user's SequentialLR took the step as its own outer count and left its inner schedules at their start."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    saved = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
+    for _ in range(6):
+        saved.step()
+    torch.save(saved.state_dict(), tmp_path / "scheduler.pt")
+    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4)
+    mine = torch.optim.lr_scheduler.SequentialLR(opt, [warm, torch.optim.lr_scheduler.CosineAnnealingLR(opt, 6)], [4])
+    with pytest.raises(resume.OtherSchedule, match=r"another kind of LR schedule, whose step this run's SequentialLR "
+                                                   r"cannot take .*resume with the schedule that saved it"):
+        resume.load_scheduler(mine, str(tmp_path / "scheduler.pt"), 6)
 
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "older-marker"])

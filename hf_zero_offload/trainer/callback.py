@@ -19,7 +19,8 @@ class ZeroOffloadCallback(TrainerCallback):
     than the engine's ``OffloadOptions.max_grad_norm`` (the engine clips; the Trainer's clipping sees no
     gradients), and finishes a pending delayed parameter update at the end of training, at the last epoch's
     end so that every callback's ``on_train_end`` sees the last step (with ``load_best_model_at_end``: drops it,
-    as the best weights are loaded). What it cannot do without the
+    as the best weights are loaded), and before a final ``--save_only_model`` save once it sees the stop (list it
+    after callbacks that stop training). What it cannot do without the
     mixin: scale the loss (so fp16 is not supported: use bf16 or fp32), hold the LR schedule on skipped
     steps, or save the optimizer state per rank: the Trainer saves ``state_dict()`` into one
     ``optimizer.pt`` from rank 0, and a sharded engine's holds only that rank's slice, so an engine of
@@ -33,6 +34,7 @@ class ZeroOffloadCallback(TrainerCallback):
         return opt if hasattr(opt, "grad_norm") and hasattr(opt, "flush") else None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        self._before_final_save(args, state, control, kwargs)
         engine = self._engine(kwargs)
         if engine is not None and logs is not None and "loss" in logs:
             logs["zero_grad_norm"] = engine.last.grad_norm
@@ -85,9 +87,17 @@ class ZeroOffloadCallback(TrainerCallback):
                 logger.warning(message)
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._before_final_save(args, state, control, kwargs)
+
+    def _before_final_save(self, args, state, control, kwargs) -> None:
+        """DPU: a final --save_only_model checkpoint holds the last step (last_step.py). Looked at in each event
+        before the save: a stop is seen once the callback that sets it has run (list this one after those)."""
         engine = self._engine(kwargs)
         if engine is not None and publish_for_final_save(args, state, control):
-            engine.flush()  # DPU: a final --save_only_model checkpoint holds the last step (last_step.py)
+            engine.flush()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._before_final_save(args, state, control, kwargs)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         # DPU: the last step reaches the model before the on_train_end of callbacks listed before this one

@@ -326,7 +326,7 @@ class ZeroOffloadMixin(CheckpointSaving):
         before = self.lr_scheduler.state_dict() if os.path.isfile(sched) else None
         try:
             if before is not None:  # first: a damaged file is refused before the engine's state is touched
-                if note := resume.load_scheduler(self.lr_scheduler, sched):
+                if note := resume.load_scheduler(self.lr_scheduler, sched, resume.recorded_step(checkpoint)):
                     logger.warning(note)
             try:
                 self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
