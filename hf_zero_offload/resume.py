@@ -295,33 +295,44 @@ def load_scheduler(scheduler, path: str, step: int | None = None) -> str | None:
     """``path`` (scheduler.pt) into the LR schedule; the Trainer calls it before the engine's state is loaded (it was
     read after: a damaged file failed with torch's error naming no file, the engine already overwritten), and
     restores the schedule it had should either load fail. A file that does not load is an error naming it.
-    Returns a warning to log when a schedule of another kind saved it (its step is carried over; ``step``: the
-    checkpoint's global step, which a plateau scheduler's own count of evaluations is not)."""
+    Returns a warning to log when a schedule of another kind, or of another number of param groups, saved it (its
+    step is carried over; ``step``: the checkpoint's global step, which a plateau scheduler's own count of
+    evaluations is not)."""
     try:
         saved = torch.load(path, weights_only=True)
+        groups = len(scheduler.optimizer.param_groups)
+        rates = saved.get("base_lrs") if isinstance(saved, dict) else None
+        if isinstance(rates, list) and len(rates) != groups:
+            # the Trainer's empty param group was dropped until session 19: torch's schedulers loaded the old list
+            # of rates and failed at the first step (a strict zip); this run's own rates go on from the saved step
+            why = f"for {len(rates)} param group(s), and this run has {groups}"
+            return _carry_position(scheduler, saved, step, path, why, None)
         try:
             scheduler.load_state_dict(saved)
         except Exception as e:
-            position = _position_of(saved, scheduler, step)
-            if position is None and isinstance(saved, dict) and type(saved.get("last_epoch")) is int:
-                raise OtherSchedule(f"{path} holds the state of another kind of LR schedule, whose step this run's "
-                                 f"{type(scheduler).__name__} cannot take ({type(e).__name__}: {e}); resume with the "
-                                 "schedule that saved it") from None
-            if position is None:
-                raise
             # A schedule of another kind saved it (a ds_config "scheduler" block, then none, or the reverse; the
             # plateau schedulers): as transformers goes from one --lr_scheduler_type to another, this run's
             # schedule goes on from the saved step (it was refused as a damaged file)
-            scheduler.load_state_dict(position)
-            return (f"hf_zero_offload: {path} was saved by another kind of LR schedule than this run's "
-                    f"{type(scheduler).__name__}: this run's schedule goes on from step {position['last_epoch']} (the "
-                    "first step resumed runs at the saved rate)")
+            return _carry_position(scheduler, saved, step, path, "by another kind of LR schedule", e)
     except OtherSchedule:
         raise
     except Exception as e:
         raise DamagedFile(f"{path} cannot be loaded ({type(e).__name__}: {e}); resume from an earlier checkpoint, or "
                           "remove the file to restart the learning-rate schedule from its first step") from e
     return None
+
+
+def _carry_position(scheduler, saved, step: int | None, path: str, why: str, error: Exception | None) -> str:
+    position = _position_of(saved, scheduler, step)
+    if position is None and isinstance(saved, dict) and type(saved.get("last_epoch")) is int:
+        raise OtherSchedule(f"{path} was saved {why}, and this run's {type(scheduler).__name__} cannot take its step"
+                            f"{f' ({type(error).__name__}: {error})' if error is not None else ''}; resume with the "
+                            "schedule that saved it")
+    if position is None:
+        raise error if error is not None else ValueError("no step recorded")
+    scheduler.load_state_dict(position)
+    return (f"hf_zero_offload: {path} was saved {why}: this run's {type(scheduler).__name__} goes on from step "
+            f"{position['last_epoch']} (the first step resumed runs at the saved rate)")
 
 
 def _position_of(saved, scheduler, global_step: int | None) -> dict | None:

@@ -288,3 +288,39 @@ def test_a_step_without_a_backward_applies_nothing_and_says_so_once(kind, caplog
     said = [r.getMessage() for r in caplog.records if "no gradient since the last step" in r.getMessage()]
     assert len(said) == 1 and "no .grad is kept" in said[0], said
     opt.close()
+
+
+@pytest.mark.parametrize("kind", ["offload", "sharded2"])
+@pytest.mark.parametrize("how", ["save_checkpoint", "state_dict"])
+@pytest.mark.parametrize("saved_with_empty", [False, True], ids=["saved-without", "saved-with"])
+def test_states_load_across_an_empty_param_group(kind, how, saved_with_empty, tmp_path):
+    """The Trainer's empty param group (norms and biases all frozen, or only they train) was dropped until session 19
+    and is kept since: a state saved without it was refused as another model's layout ("the same params, with other
+    shapes"), and the reverse. Loaded now, bit for bit, with the groups' own hyper-parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    weights = [model[0].weight, model[2].weight]
+
+    def groups(with_empty):
+        return [{"params": weights, "weight_decay": 0.1}] + ([{"params": [], "weight_decay": 0.0}] if with_empty else [])
+
+    x = torch.linspace(-1, 1, 6).reshape(2, 3)
+    first = engine(kind, groups(saved_with_empty))
+    for _ in range(2):
+        model(x).pow(2).sum().backward()
+        first.step()
+        first.zero_grad()
+    if how == "save_checkpoint":
+        first.save_checkpoint(str(tmp_path / "state"))
+    else:
+        state = first.state_dict()
+    second = engine(kind, groups(not saved_with_empty))
+    if how == "save_checkpoint":
+        second.load_checkpoint(str(tmp_path / "state"))
+    else:
+        second.load_state_dict(state)
+    assert torch.equal(second.master, first.master) and second.global_steps == 2
+    assert second.param_groups[0]["weight_decay"] == 0.1
+    first.close()
+    model(x).pow(2).sum().backward()
+    second.step()

@@ -297,13 +297,30 @@ def test_a_checkpoint_of_another_kind_of_schedule_goes_on_from_its_step(tmp_path
     _, resumed = _trainer(tmp_path / "b", seed=1, max_steps=6, **kw, **now)
     with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    assert any("was saved by another kind of LR schedule" in r.getMessage() for r in caplog.records)
+    assert any("was saved by another kind of LR schedule: this run's" in r.getMessage() for r in caplog.records)
     _, straight = _trainer(tmp_path / "c", max_steps=6, **kw, **now)
     straight.train()
     def lrs(t):
         return {h["step"]: h["learning_rate"] for h in t.state.log_history if "learning_rate" in h}
     got, want = lrs(resumed), lrs(straight)
     assert [got[k] for k in (4, 5, 6)] == [want[k] for k in (4, 5, 6)]
+
+
+def test_a_schedule_saved_for_fewer_param_groups_goes_on_from_its_step(tmp_path):
+    """A scheduler.pt of one group (the Trainer's empty group was dropped until session 19) loaded into a run of two:
+    torch took the saved list of rates and the first step failed in a strict zip."""
+    one = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    saved = torch.optim.lr_scheduler.LambdaLR(one, lambda s: 1.0 - s / 10)
+    for _ in range(3):
+        saved.step()
+    torch.save(saved.state_dict(), tmp_path / "scheduler.pt")
+    two = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": []}], lr=1e-2)
+    mine = torch.optim.lr_scheduler.LambdaLR(two, lambda s: 1.0 - s / 10)
+    note = resume.load_scheduler(mine, str(tmp_path / "scheduler.pt"), 3)
+    assert "saved for 1 param group(s), and this run has 2" in note and "goes on from step 3" in note
+    mine.step()
+    saved.step()
+    assert mine.get_last_lr() == saved.get_last_lr() * 2
 
 
 def test_a_schedule_made_of_others_does_not_take_another_kinds_step(tmp_path):
@@ -315,8 +332,8 @@ def test_a_schedule_made_of_others_does_not_take_another_kinds_step(tmp_path):
     torch.save(saved.state_dict(), tmp_path / "scheduler.pt")
     warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4)
     mine = torch.optim.lr_scheduler.SequentialLR(opt, [warm, torch.optim.lr_scheduler.CosineAnnealingLR(opt, 6)], [4])
-    with pytest.raises(resume.OtherSchedule, match=r"another kind of LR schedule, whose step this run's SequentialLR "
-                                                   r"cannot take .*resume with the schedule that saved it"):
+    with pytest.raises(resume.OtherSchedule, match=r"saved by another kind of LR schedule, and this run's SequentialLR "
+                                                   r"cannot take its step .*resume with the schedule that saved it"):
         resume.load_scheduler(mine, str(tmp_path / "scheduler.pt"), 6)
 
 

@@ -123,7 +123,7 @@ class SavedState:
         if not isinstance(state, dict):
             raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() returns, "
                             f"got {type(state).__name__}")
-        self._check_saved(state, where)
+        state = self._check_saved(state, where)
         if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
             raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
                              f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
@@ -153,13 +153,16 @@ class SavedState:
         saved = state["master"].reshape(-1)[:n]
         return saved.dtype == self.master.dtype and torch.equal(saved.to(self.master.device), self.master[:n])
 
-    def _check_saved(self, meta: dict, where: str) -> None:
+    def _check_saved(self, meta: dict, where: str) -> dict:
+        """``meta`` checked (refused by name), and returned as this engine's groups hold it."""
+        meta = state_dir.with_empty_groups(meta, self._slot_meta(), self.param_groups)
         state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
                              steps=self._param_steps.numel())
         try:
             self.scaler.check_state_dict(meta.get("loss_scaler"))
         except ValueError as e:
             raise StateFileError(f"{where}: {e}") from None
+        return meta
 
     def _check_intact(self) -> None:
         if self._load_failed is not None:
@@ -171,7 +174,7 @@ class SavedState:
 
     def load_state_meta(self, meta: dict) -> None:
         """The small state (hyper-parameters, step counts, loss scaler), after checking it all."""
-        self._check_saved(meta, "state meta")
+        meta = self._check_saved(meta, "state meta")
         self._apply_meta(meta)
 
     def _apply_meta(self, meta: dict) -> None:
@@ -314,7 +317,7 @@ class SavedState:
         """This rank's part of the checkpoint into the state (no collective); (the saved meta, files)."""
         srcs, meta = state_dir.sources(directory)
         state_dir.check_save_id(meta, expected_save_id, directory)
-        self._check_saved(meta, directory)
+        meta = self._check_saved(meta, directory)
         codes = self._saved_codes(meta, directory)
         state_dir.check_sources(srcs, meta.get("state_dtype", "fp32"), self.lo, self.hi)
         # the tensors stream into the arena (no second copy of the state): from here a damaged file

@@ -212,6 +212,21 @@ class LayoutMismatch(ValueError):
     """A state of another set (or order, or shapes) of trainable params than this model's."""
 
 
+def with_empty_groups(meta: dict, slots: list, groups: list[dict]) -> dict:
+    """``meta`` as this engine's groups (``slots``, ``groups``) hold it, when the two differ only by empty param
+    groups: states saved before the Trainer's empty group was kept (it was dropped until session 19: a model whose
+    norms and biases are all frozen, or only they train) load into an engine that has it (and the reverse). The
+    saved groups are this engine's non-empty ones, in order; an empty one keeps this engine's values."""
+    saved_slots, saved_groups = meta.get("slots"), meta.get("param_groups")
+    if (not isinstance(saved_slots, list) or not isinstance(saved_groups, list) or saved_slots == slots
+            or len(saved_slots) != len(saved_groups) or [g for g in saved_slots if g] != [g for g in slots if g]):
+        return meta
+    kept = iter([g for s, g in zip(saved_slots, saved_groups) if s])
+    return {**meta, "slots": slots,
+            "param_groups": [next(kept) if s else {k: v for k, v in g.items() if k != "params"}
+                             for s, g in zip(slots, groups)]}
+
+
 def check_model(meta: dict, numel: int, slots: list) -> None:
     if meta.get("format") not in STATE_FORMATS:
         raise ValueError(f"not an hf_zero_offload optimizer state (format={meta.get('format')!r})")
