@@ -154,6 +154,7 @@ def start_line(cfg: TrainingConfig, eng, world_size: int, device) -> str:
             f"dtype={str(training_dtype(cfg)).replace('torch.', '')} engine={type(eng).__name__} "
             f"stage={getattr(eng, 'stage', '-')} offload={getattr(eng, 'offload', True)} "
             f"dpu={cfg.zero.delayed_param_update.enabled} "
+            f"lr_schedule={cfg.scheduler.type if cfg.scheduler is not None else 'trainer'} "
             f"moments={getattr(getattr(eng, 'moments', None), 'state_dtype', '-')} simd={ops.simd_level()} "
             f"threads={torch.get_num_threads()} step_threads={getattr(getattr(eng, 'options', None), 'num_threads', '-')} "
             f"host_reserved={_bytes(getattr(arena, 'nbytes', 0))} "

@@ -35,6 +35,50 @@ def test_legacy_flags_are_mapped():
     assert args.sortish_sampler and model_args.freeze_embeds and args.zero_offload.endswith("ds_config_1gpu.json")
 
 
+@pytest.mark.parametrize("form", ["space", "equals"])
+def test_legacy_scheduler_value_names_are_mapped(form):
+    """v4.2's --lr_scheduler took constant_w_warmup and cosine_w_restarts, which transformers renamed."""
+    for old, new in (("constant_w_warmup", "constant_with_warmup"), ("cosine_w_restarts", "cosine_with_restarts")):
+        flag = ["--lr_scheduler", old] if form == "space" else [f"--lr_scheduler={old}"]
+        _, _, args = finetune_trainer.parse_args(["--config_name", TINY, "--data_dir", "x", "--output_dir", "o",
+                                                  "--use_cpu", *flag])
+        assert str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == new
+
+
+@pytest.mark.parametrize("extra,match", [
+    # each failed after training: at generation (ZeroDivisionError, a negative dimension) or the test split
+    (["--eval_beams", "0"], r"--eval_beams 0: generation needs at least 1 beam"),
+    (["--generation_num_beams", "-1"], r"--generation_num_beams -1: generation needs at least 1 beam"),
+    (["--n_test", "0", "--do_predict"], r"--n_test 0: the number of test examples to use, > 0 \(-1: all\)"),
+    (["--n_val", "-2"], r"--n_val -2"),
+    (["--label_smoothing", "0.1", "--label_smoothing_factor", "0.3"], r"--label_smoothing 0.1 and "
+                                                                       r"--label_smoothing_factor 0.3: .*give one"),
+    # v4.2's model-config flags: T5's config has no dropout (v4.2 asserted the same)
+    (["--dropout", "0.2"], r"--dropout: T5Config has no dropout \(T5's is dropout_rate"),
+    (["--attention_dropout", "1.5"], r"--attention_dropout 1.5: a probability in \[0, 1\)"),
+])
+def test_values_the_run_cannot_use_are_refused_before_any_model_work(tmp_path, synth_dir, monkeypatch, extra, match):
+    _no_model_work(monkeypatch)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=match):
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", *extra])
+    assert not out.exists() or not os.listdir(out)
+
+
+def test_legacy_model_config_flags_set_the_config(tmp_path):
+    """--dropout & co. were unknown arguments; v4.2 set them on the model config where it has the attribute."""
+    from transformers import BartConfig
+
+    config = BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, vocab_size=64)
+    model_args, data_args, args = finetune_trainer.parse_args([
+        "--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path / "o"), "--use_cpu", "--dropout", "0.2",
+        "--attention_dropout", "0.1", "--encoder_layerdrop", "0.05", "--decoder_layerdrop", "0.0"])
+    finetune_trainer.check_values(model_args, data_args, args, config)
+    assert (config.dropout, config.attention_dropout, config.encoder_layerdrop, config.decoder_layerdrop) == (
+        0.2, 0.1, 0.05, 0.0)
+
+
 def test_freeze_embeds_and_encoder():
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
     import seq2seq_utils as su

@@ -48,6 +48,14 @@ def test_start_line_is_info_with_ranks_backend_device_and_dtype(tmp_path, caplog
     (start,) = [r for r in caplog.records if "ranks=" in r.getMessage() and "backend=" in r.getMessage()]
     assert start.levelno == logging.INFO
     assert "ranks=1 backend=none device=cpu dtype=bfloat16 engine=OffloadAdam" in start.getMessage()
+    # the schedule that runs: a "scheduler" block replaces the Trainer's (the shipped configs' WarmupLR stays flat
+    # after its warm-up, which a user of the blog's command saw nowhere)
+    assert " lr_schedule=trainer " in start.getMessage()
+    caplog.clear()
+    args = _args(tmp_path)
+    args.zero_offload = "zero2-offload"
+    ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=ToyDataset()).train()
+    assert any(" lr_schedule=WarmupLR " in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("native_bf16", [True, False, None], ids=["bf16-cpu", "other-cpu", "unknown"])

@@ -60,7 +60,8 @@ from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
 import seq2seq_utils as su  # noqa: E402
 from seq2seq_args import (  # noqa: E402,F401
-    DataTrainingArguments, ModelArguments, check_local_paths, check_resume_target, check_zero_config, parse_args,
+    DataTrainingArguments, ModelArguments, check_local_paths, check_resume_target, check_values, check_zero_config,
+    parse_args,
     repo_config_hint)
 from train_tokenizer import train_t5_tokenizer  # noqa: E402
 
@@ -115,12 +116,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
             and not data_args.overwrite_output_dir and not training_args.resume_from_checkpoint):
         raise ValueError(f"Output directory ({training_args.output_dir}) already exists and is not empty. "
                          "Use --overwrite_output_dir to overcome.")
-    if data_args.label_smoothing is not None:
-        training_args.label_smoothing_factor = data_args.label_smoothing
     if training_args.generation_max_length is None:
         training_args.generation_max_length = data_args.val_max_target_length
-    if training_args.generation_num_beams is None and data_args.eval_beams is not None:
-        training_args.generation_num_beams = data_args.eval_beams
 
     # the model's config file only (no weights), for the ds_config's "auto" bucket size: the whole config is
     # checked before any tokenizer, model or plan work
@@ -129,6 +126,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         config = AutoConfig.from_pretrained(name, cache_dir=model_args.cache_dir)
     except OSError as e:  # a Hub id without the network: say which offline file builds the same architecture
         raise OSError(f"{e}{repo_config_hint(name)}") from e
+    check_values(model_args, data_args, training_args, config)
     check_zero_config(training_args, config)
     resumed_from = check_resume_target(training_args)
 

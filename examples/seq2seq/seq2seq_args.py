@@ -44,6 +44,11 @@ class ModelArguments:
     )
     freeze_encoder: bool = field(default=False, metadata={"help": "Whether to freeze the encoder."})
     freeze_embeds: bool = field(default=False, metadata={"help": "Whether to freeze the embeddings."})
+    # v4.2 had these four in its Seq2SeqTrainingArguments: set on the model config, where it has the attribute
+    dropout: Optional[float] = field(default=None, metadata={"help": "Legacy: the model config's dropout."})
+    attention_dropout: Optional[float] = field(default=None, metadata={"help": "Legacy: config.attention_dropout."})
+    encoder_layerdrop: Optional[float] = field(default=None, metadata={"help": "Legacy: config.encoder_layerdrop."})
+    decoder_layerdrop: Optional[float] = field(default=None, metadata={"help": "Legacy: config.decoder_layerdrop."})
     tokenizer_vocab_size: Optional[int] = field(
         default=None,
         metadata={"help": "(new) Size of a tokenizer trained here, sentinels included; default: the config's "
@@ -194,6 +199,46 @@ def check_zero_config(training_args, config) -> None:
     cfg = resolve(checked, early_view(training_args, checked.cfg, training_args.fp16, training_args.bf16,
                                       types.SimpleNamespace(config=config)))
     check_arguments(training_args, cfg.scheduler.type if cfg.scheduler is not None else None)
+
+
+LEGACY_CONFIG_FLAGS = ("dropout", "attention_dropout", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def check_values(model_args, data_args, training_args, config) -> None:
+    """Values the parser takes but the run cannot use, refused by name before any model work (they failed after
+    training, at generation or at the test split); then the legacy flags mapped: --label_smoothing, --eval_beams,
+    and the four that set the model config."""
+    problems = []
+    for flag, beams in (("--eval_beams", data_args.eval_beams), ("--generation_num_beams",
+                                                                 training_args.generation_num_beams)):
+        if beams is not None and beams < 1:
+            problems.append(f"{flag} {beams}: generation needs at least 1 beam")
+    for split in ("train", "val", "test"):
+        n = getattr(data_args, f"n_{split}")
+        if n == 0 or n < -1:
+            problems.append(f"--n_{split} {n}: the number of {split} examples to use, > 0 (-1: all)")
+    given = training_args.label_smoothing_factor
+    if data_args.label_smoothing is not None and given not in (0.0, data_args.label_smoothing):
+        problems.append(f"--label_smoothing {data_args.label_smoothing} and --label_smoothing_factor {given}: the "
+                        "first is the legacy spelling of the second; give one")
+    for name in LEGACY_CONFIG_FLAGS:
+        value = getattr(model_args, name)
+        if value is None:
+            continue
+        if not 0.0 <= value < 1.0:
+            problems.append(f"--{name} {value}: a probability in [0, 1)")
+        elif not hasattr(config, name):  # as v4.2 refused it (an assert), by name
+            hint = " (T5's is dropout_rate: set it in the config file)" if hasattr(config, "dropout_rate") else ""
+            problems.append(f"--{name}: {type(config).__name__} has no {name}{hint}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    if data_args.label_smoothing is not None:
+        training_args.label_smoothing_factor = data_args.label_smoothing
+    if training_args.generation_num_beams is None and data_args.eval_beams is not None:
+        training_args.generation_num_beams = data_args.eval_beams
+    for name in LEGACY_CONFIG_FLAGS:
+        if getattr(model_args, name) is not None:
+            setattr(config, name, getattr(model_args, name))
 
 
 def check_resume_target(training_args) -> Optional[str]:

@@ -40,12 +40,21 @@ QUIET_FLAG_RENAMES = {
 }
 
 
+# v4.2's --lr_scheduler values that transformers renamed
+LEGACY_SCHEDULER_NAMES = {"constant_w_warmup": "constant_with_warmup", "cosine_w_restarts": "cosine_with_restarts"}
+
+
 def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
-    """Map the v4.2 flag spellings onto today's names (``--flag value`` and ``--flag=value`` forms)."""
+    """Map the v4.2 flag spellings onto today's names (``--flag value`` and ``--flag=value`` forms), and the legacy
+    --lr_scheduler's value names."""
     out: List[str] = []
     for arg in argv:
         name, eq, value = arg.partition("=")
-        if name in LEGACY_FLAG_RENAMES:
+        if out and out[-1] == "--lr_scheduler_type" and arg in LEGACY_SCHEDULER_NAMES:
+            out.append(LEGACY_SCHEDULER_NAMES[arg])
+        elif name == "--lr_scheduler" and value in LEGACY_SCHEDULER_NAMES:
+            out.append(f"--lr_scheduler_type={LEGACY_SCHEDULER_NAMES[value]}")
+        elif name in LEGACY_FLAG_RENAMES:
             new = LEGACY_FLAG_RENAMES[name]
             logger.warning("legacy flag %s is spelled %s in transformers 5.x; mapped", name, new)
             out.append(new + eq + value)
