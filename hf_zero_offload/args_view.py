@@ -9,7 +9,7 @@ import dataclasses
 from .config import ArgsView
 
 
-def _hidden_size(model) -> int | None:
+def hidden_size_of(model) -> int | None:
     """The width "auto" bucket sizes scale with, found where transformers' DeepSpeed integration finds it: the
     config's hidden size (or its other names), else the largest of ``hidden_sizes`` (ConvNext, ResNet: no single
     width), else the text model's (Llava and other multimodal configs nest it in ``text_config``)."""
@@ -38,7 +38,7 @@ def args_view(args, *, fp16: bool, bf16: bool, max_steps: int | None, model=None
         max_grad_norm=args.max_grad_norm or 0.0, learning_rate=args.learning_rate, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, weight_decay=args.weight_decay,
         warmup_steps=int(warmup), max_steps=max_steps, fp16=fp16, bf16=bf16,
-        hidden_size=_hidden_size(model) if model is not None else None,
+        hidden_size=hidden_size_of(model) if model is not None else None,
         lr_scheduler_type=str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)))
 
 

@@ -94,8 +94,10 @@ def test_estimate_other_architectures_count_like_the_real_model(tmp_path, capsys
     n = sum(p.numel() for p in real.parameters())
     assert data["params"] == n
     row = data["configs"][0]
-    d = _engine_defaults()
-    engine = _engine_plan(n, EngineSettings(d["bucket_numel"], d["tile_numel"],
+    from hf_zero_offload.args_view import hidden_size_of
+
+    d = _engine_defaults()  # the buckets of a ds_config's "auto" reduce_bucket_size, estimate's default
+    engine = _engine_plan(n, EngineSettings(hidden_size_of(real) ** 2, d["tile_numel"],
                                             max_param_numel=max(p.numel() for p in real.parameters())), dpu=False)
     assert row["host_bytes"] == engine.host_bytes and row["max_batch_size"] >= 1
 

@@ -120,11 +120,11 @@ def test_auto_bucket_sizes_find_the_width_where_transformers_finds_it():
 
     from transformers import ConvNextConfig, GPT2Config, LlamaConfig, LlavaConfig, PretrainedConfig, T5Config
 
-    from hf_zero_offload.args_view import _hidden_size
+    from hf_zero_offload.args_view import hidden_size_of
     llava = LlavaConfig(text_config=LlamaConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=2))
     for cfg, width in ((ConvNextConfig(hidden_sizes=[8, 16, 40, 24]), 40), (llava, 48), (T5Config(d_model=32), 32),
                        (GPT2Config(n_embd=24), 24), (PretrainedConfig(), None)):
-        assert _hidden_size(SimpleNamespace(config=cfg)) == width, type(cfg).__name__
+        assert hidden_size_of(SimpleNamespace(config=cfg)) == width, type(cfg).__name__
 
 
 def test_mismatches_are_listed_together():

@@ -44,10 +44,15 @@ def _args(tmp_path, **kw):
 
 def test_start_line_is_info_with_ranks_backend_device_and_dtype(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="hf_zero_offload")
-    ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, bf16=True), train_dataset=ToyDataset()).train()
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, bf16=True), train_dataset=ToyDataset())
+    trainer.train()
     (start,) = [r for r in caplog.records if "ranks=" in r.getMessage() and "backend=" in r.getMessage()]
     assert start.levelno == logging.INFO
     assert "ranks=1 backend=none device=cpu dtype=bfloat16 engine=OffloadAdam" in start.getMessage()
+    # on a CPU run the gradient buckets are host memory too (the line gave the arena alone)
+    engine = trainer.zero_engine
+    from hf_zero_offload.engine_setup import _bytes
+    assert f" host_reserved={_bytes(engine.arena.nbytes + engine.plan.device_bytes)} " in start.getMessage()
     # the schedule that runs: a "scheduler" block replaces the Trainer's (the shipped configs' WarmupLR stays flat
     # after its warm-up, which a user of the blog's command saw nowhere)
     assert " lr_schedule=trainer " in start.getMessage()

@@ -253,7 +253,10 @@ def test_t5_3b_estimate_is_fast_small_and_sane(t5_3b_cli):
         assert (c["host_bytes"] > 0) == ("offload" in c["name"])
     rows = {c["name"]: c for c in data["configs"]}
     off = rows["zero2_offload"]
-    buckets = 2 * min(OffloadOptions().bucket_numel, n) * 2
+    # estimate's default: "auto" buckets, hidden_size**2 (the shipped configs'), at least the largest param (the
+    # shared embedding)
+    buckets = 2 * max(T5_3B["d_model"] ** 2, T5_3B["vocab_size"] * T5_3B["d_model"]) * 2
+    assert data["inputs"]["bucket_numel"] == T5_3B["d_model"] ** 2
     assert off["device_bytes_model_states"] == 2 * n + buckets       # 2 B/param + the two fp16 buckets
     assert 12 * n < off["host_bytes"] <= 18 * n                      # masters + moments + grad store + staging
     assert rows["zero2_offload_dpu"]["host_bytes"] > off["host_bytes"]

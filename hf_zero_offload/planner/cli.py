@@ -21,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="padded source length; default 128")
     parser.add_argument("--tgt-len", type=int, default=128, help="padded target length (seq2seq); default 128")
     parser.add_argument("--batch-size", type=int, default=None, help="also report the memory at this batch size")
-    parser.add_argument("--bucket-numel", type=int, default=None, help="gradient bucket size (engine default)")
+    parser.add_argument("--bucket-numel", type=_bucket, default="auto",
+                        help="gradient bucket size in elements, or auto (default): hidden_size**2, what the shipped "
+                             "configs' \"auto\" reduce_bucket_size gives (a ds_config without the key: 500000000)")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
                         help="micro-batches per step (the gradient store is fp32 above 1); default 1")
     parser.add_argument("--gradient-checkpointing", action="store_true",
@@ -30,6 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                         help="Adam moments of the offload rows (offload_optimizer.state_dtype; default fp32)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _bucket(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of elements or auto, got {value!r}") from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..args_view import hidden_size_of
+from ..config.training import DEFAULT_BUCKET_SIZE
 from ..engine.buffers import plan_host_memory
 from ..ops import STATE_DTYPES
 from ..engine.options import OffloadOptions
@@ -291,12 +293,16 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
          state_dtype: str = "fp32", progress=None) -> Plan:
     """Plan every configuration for the model (a config JSON path, a model directory, a dict, a
     ``PretrainedConfig`` or a model with ``.config``) on ``gpus`` GPUs of ``gpu_mem_gib`` each.
+    ``bucket_numel``: the gradient bucket size, ``"auto"`` (hidden_size**2, what a ds_config's "auto"
+    reduce_bucket_size resolves to) or None (the engine's own default, 200M elements).
     ``cuda=False`` plans the engine as it allocates on a CPU-only machine (no separate bucket staging).
     ``run_dtype`` (``"fp32"``/``"fp16"``/``"bf16"``): what the calling run trains in, shown in the header.
     ``state_dtype``: the Adam moments of the offload rows (offload_optimizer.state_dtype). ``progress``: called
     with one line before the trace, the long part, once every input has been checked."""
     inputs = {k: v for k, v in locals().items() if k not in ("model_config_or_path", "progress")}
     t0 = time.perf_counter()
+    auto_bucket = bucket_numel == "auto"  # as a ds_config's "auto" reduce_bucket_size resolves (every shipped one)
+    bucket_numel = None if auto_bucket else bucket_numel
     _check_inputs(gpus=gpus, gpu_mem_gib=gpu_mem_gib, dtype=dtype, seq_len=seq_len, tgt_len=tgt_len,
                   batch_size=batch_size, bucket_numel=bucket_numel, tile_numel=tile_numel,
                   gradient_accumulation_steps=gradient_accumulation_steps, configs=configs,
@@ -308,6 +314,10 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     _check_positions(config, model, seq_len, tgt_len, _model_name(src))
     n, max_numel = trace.count_params(model)
     defaults = _engine_defaults()
+    if auto_bucket:
+        hidden = hidden_size_of(model)
+        bucket_numel = hidden * hidden if hidden else DEFAULT_BUCKET_SIZE
+        inputs["bucket_numel"] = bucket_numel
     settings = EngineSettings(bucket_numel or defaults["bucket_numel"], tile_numel or defaults["tile_numel"],
                               gradient_accumulation_steps, max_numel, cuda, _HALF_DTYPES[dtype],
                               tuple(p.numel() for p in model.parameters() if p.requires_grad))

@@ -7,6 +7,13 @@ from . import trace
 from .plan import GiB, SAFETY_BYTES, SAFETY_FRACTION, Plan, device_budget, plan
 
 
+def _bucket(p: Plan) -> int:
+    from ..engine.options import OffloadOptions
+
+    # as plan_host_memory sizes them: a param is never split across buckets
+    return max(min(p.inputs.get("bucket_numel") or OffloadOptions().bucket_numel, p.params), p.max_param_numel, 1)
+
+
 def format_plan(p: Plan) -> str:
     g = lambda x: f"{x / GiB:.2f}"  # noqa: E731
     head = ["configuration", "device states GiB", "host GiB", "act/sample GiB", "act const GiB", "max batch",
@@ -30,7 +37,8 @@ def format_plan(p: Plan) -> str:
     run = f"this run trains in {p.run_dtype}; " if p.run_dtype else ""
     out = [
         f"model: {p.model}",
-        f"params: {p.params:,} ({p.params / 1e9:.3f} B; tied weights counted once)",
+        f"params: {p.params:,} ({p.params / 1e9:.3f} B; tied weights counted once); gradient buckets of "
+        f"{_bucket(p):,} elements (one-process offload rows)",
         f"{where}; {run}16-bit rows in {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
         f"{'gradient checkpointing; ' if p.gradient_checkpointing else ''}"
         f"budget {budget / GiB:.2f} GiB = card - {SAFETY_FRACTION:.0%} - {SAFETY_BYTES / GiB:g} GiB "
