@@ -211,6 +211,30 @@ def loss_of(model, batch):
     return model(**batch).loss  # the outputs (logits) die here, as in Trainer.compute_loss
 
 
+@contextlib.contextmanager
+def _fused_attention_on_meta():
+    """``scaled_dot_product_attention`` on meta tensors takes its math path (no fused kernel is registered for the
+    meta device), which creates the seq x seq attention scores that a real step never holds: on the CPU the fused
+    flash kernel runs, on a GPU flash or memory-efficient attention, each keeping only the output and a logsumexp.
+    Traced through the CPU flash kernel's meta function instead (a Llama-shaped model at seq 2048 traced 8.5x its
+    real CPU step). With dropout the math path stays (the CPU kernel runs none)."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "meta" or dropout_p:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        # (grouped-query attention too: the kernel reads the shared key/value heads as they are)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
 def trace_step(model, batch: dict, *, autocast_dtype: torch.dtype | None = None, fake_mode=None) -> Trace:
     """One forward + backward of ``model`` on ``batch`` under ``LiveBytes`` (works on meta, fake and
     real tensors). Gradients are freed by a hook as soon as they are final and booked in ``kept``."""
@@ -229,7 +253,7 @@ def trace_step(model, batch: dict, *, autocast_dtype: torch.dtype | None = None,
     device_type = "cpu"
     amp = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     try:
-        with fake_mode or contextlib.nullcontext(), tracker:
+        with fake_mode or contextlib.nullcontext(), tracker, _fused_attention_on_meta():
             with amp:
                 loss = loss_of(model, batch)
             loss.backward()
