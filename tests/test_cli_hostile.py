@@ -67,6 +67,11 @@ def test_estimate_a_folder_without_config_json_says_so(tmp_path, capsys):
     _one_line_error(capsys, ["estimate", "--model", str(tmp_path)], str(tmp_path), "no config.json")
 
 
+def test_estimate_a_device_file_given_as_the_model(capsys):
+    """/dev/null was taken for a Hub id ("Repo id must be in the form 'repo_name' or 'namespace/repo_name'")."""
+    _one_line_error(capsys, ["estimate", "--model", "/dev/null"], "/dev/null: not a regular file")
+
+
 def test_estimate_a_ds_config_given_as_the_model(capsys):
     _one_line_error(capsys, ["estimate", "--model", str(ROOT / "configs" / "ds_config.json")], "model_type")
 

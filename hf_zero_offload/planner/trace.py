@@ -147,6 +147,8 @@ def load_config(model_config_or_path):
         # transformers would say "Should have a `model_type` key in its config.json", of a file that is not there
         raise FileNotFoundError(f"{path}: a folder with no config.json in it (pass a model folder holding "
                                 "config.json, or a config JSON file)")
+    if not os.path.isdir(path) and not os.path.isfile(path):  # /dev/null, a pipe: transformers took it for a Hub id
+        raise ValueError(f"{path}: not a regular file (pass a config JSON file or a model folder)")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 -- a value of the wrong type is huggingface_hub's own exception class
