@@ -17,13 +17,13 @@ import logging
 import os
 import re
 
-import torch
 
 from .config import ConfigError
 from .engine.checkpoint import read_header, remove_durably, remove_stale_temporaries
 # the marker itself (resume.MARKER, resume.read_marker, ... stay importable from here)
 from .marker import (MARKER, changed_files, marker_problem, read_marker, recorded_save_id,  # noqa: F401
                      write_marker)
+from .scheduler_resume import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -31,10 +31,6 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 class IncompleteCheckpoint(ConfigError):
     """A checkpoint that was not written to the end; the message names the newest whole one, if any."""
-
-
-class DamagedFile(ValueError):
-    """A file of a checkpoint that is there but cannot be loaded; the message names it."""
 
 
 def clear_marker(checkpoint: str) -> None:
@@ -285,75 +281,6 @@ def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name
     was = f"the saved run was at lr={saved:.6g}" if saved is not None else "the saved LR is unknown"
     return (f"hf_zero_offload: {checkpoint} has no {scheduler_name}: the learning-rate schedule restarts from its "
             f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {recorded_step(checkpoint)})")
-
-
-class OtherSchedule(ValueError):
-    """A scheduler.pt of another kind of LR schedule, which this run's cannot take its step from."""
-
-
-def load_scheduler(scheduler, path: str, step: int | None = None) -> str | None:
-    """``path`` (scheduler.pt) into the LR schedule; the Trainer calls it before the engine's state is loaded (it was
-    read after: a damaged file failed with torch's error naming no file, the engine already overwritten), and
-    restores the schedule it had should either load fail. A file that does not load is an error naming it.
-    Returns a warning to log when a schedule of another kind, or of another number of param groups, saved it (its
-    step is carried over; ``step``: the checkpoint's global step, which a plateau scheduler's own count of
-    evaluations is not)."""
-    try:
-        saved = torch.load(path, weights_only=True)
-        groups = len(scheduler.optimizer.param_groups)
-        rates = saved.get("base_lrs") if isinstance(saved, dict) else None
-        if isinstance(rates, list) and len(rates) != groups:
-            # the Trainer's empty param group was dropped until session 19: torch's schedulers loaded the old list
-            # of rates and failed at the first step (a strict zip); this run's own rates go on from the saved step
-            why = f"for {len(rates)} param group(s), and this run has {groups}"
-            return _carry_position(scheduler, saved, step, path, why, None)
-        try:
-            scheduler.load_state_dict(saved)
-        except Exception as e:
-            # A schedule of another kind saved it (a ds_config "scheduler" block, then none, or the reverse; the
-            # plateau schedulers): as transformers goes from one --lr_scheduler_type to another, this run's
-            # schedule goes on from the saved step (it was refused as a damaged file)
-            return _carry_position(scheduler, saved, step, path, "by another kind of LR schedule", e)
-    except OtherSchedule:
-        raise
-    except Exception as e:
-        raise DamagedFile(f"{path} cannot be loaded ({type(e).__name__}: {e}); resume from an earlier checkpoint, or "
-                          "remove the file to restart the learning-rate schedule from its first step") from e
-    return None
-
-
-def _carry_position(scheduler, saved, step: int | None, path: str, why: str, error: Exception | None) -> str:
-    position = _position_of(saved, scheduler, step)
-    if position is None and isinstance(saved, dict) and type(saved.get("last_epoch")) is int:
-        raise OtherSchedule(f"{path} was saved {why}, and this run's {type(scheduler).__name__} cannot take its step"
-                            f"{f' ({type(error).__name__}: {error})' if error is not None else ''}; resume with the "
-                            "schedule that saved it")
-    if position is None:
-        raise error if error is not None else ValueError("no step recorded")
-    scheduler.load_state_dict(position)
-    return (f"hf_zero_offload: {path} was saved {why}: this run's {type(scheduler).__name__} goes on from step "
-            f"{position['last_epoch']} (the first step resumed runs at the saved rate)")
-
-
-def _position_of(saved, scheduler, global_step: int | None) -> dict | None:
-    """``scheduler``'s own state at the step ``saved`` (a torch LR scheduler's state) records, or None when
-    ``saved`` records no step or ``scheduler`` is made of others (SequentialLR, ChainedScheduler: the step of each
-    inner one is not the saved state's to say)."""
-    if not isinstance(saved, dict) or "_schedulers" in scheduler.state_dict():
-        return None
-    # ReduceLROnPlateau (and transformers' GreedyLR) step once per evaluation: their count is not the step's
-    per_evaluation = "num_bad_epochs" in saved or "cooldown_counter" in saved
-    step = global_step if per_evaluation else saved.get("last_epoch")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return None
-    count = step + 1 if per_evaluation else saved.get("_step_count", step + 1)
-    groups = len(getattr(scheduler, "optimizer").param_groups)
-    last = saved.get("_last_lr")
-    position = {**scheduler.state_dict(), "last_epoch": step,
-                "_step_count": count if isinstance(count, int) and not isinstance(count, bool) else step + 1}
-    if isinstance(last, list) and len(last) == groups:
-        position["_last_lr"] = last  # the rate the optimizer's state holds, which the first resumed step runs at
-    return position
 
 
 def no_resume_word(value):
