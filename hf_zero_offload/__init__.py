@@ -5,8 +5,20 @@ import transformers) load on first access.
 """
 from __future__ import annotations
 
-from . import ops
-from .cpu_adam import CPUAdam
+import importlib.util as _util
+import os as _os
+
+try:
+    from . import _C  # noqa: F401 (the compiled kernels; the typed wrapper is ops)
+except ImportError as _e:  # said "partially initialized module ... (most likely due to a circular import)"
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    raise ImportError(
+        f"hf_zero_offload's compiled kernels (_C) are not built in {_here}: build them there (make install, or pip "
+        "install -e . in that checkout); when hf_zero_offload is also installed elsewhere, this source tree hides it "
+        f"(it comes first on sys.path: run from another directory) [{type(_e).__name__}: {_e}]") from None
+
+from . import ops  # noqa: E402
+from .cpu_adam import CPUAdam  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -19,12 +31,20 @@ _TRAINER_NAMES = {
     "ZeroOffloadMixin",
 }
 
-__all__ = ["ops", "CPUAdam", "__version__", *sorted(_TRAINER_NAMES)]
+# ``from hf_zero_offload import *`` without transformers (no [trainer] extra) gives the engines' names alone
+__all__ = ["ops", "CPUAdam", "__version__",
+           *(sorted(_TRAINER_NAMES) if _util.find_spec("transformers") is not None else [])]
 
 
 def __getattr__(name: str):
     if name in _TRAINER_NAMES:
-        from . import trainer
-
+        try:
+            from . import trainer
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] != "transformers":
+                raise
+            raise ModuleNotFoundError(f"hf_zero_offload.{name} needs transformers, an optional dependency: install "
+                                      "it with the [trainer] extra (pip install 'hf_zero_offload[trainer]')",
+                                      name=e.name) from None
         return getattr(trainer, name)
     raise AttributeError(f"module 'hf_zero_offload' has no attribute {name!r}")

@@ -264,3 +264,42 @@ def test_ctrl_c_under_torchrun_is_one_line_per_node(capsys, monkeypatch, local_r
     assert e.value.code == EXIT_INTERRUPTED
     err = capsys.readouterr().err
     assert (err == "prog: interrupted; go on from X\n") if printed else err == "", err
+
+
+def test_a_source_tree_without_its_kernels_says_so(tmp_path):
+    """From a clone's root, an unbuilt tree hides an installed hf_zero_offload: the error blamed a circular import
+    ("cannot import name '_C' from partially initialized module")."""
+    import shutil
+
+    pkg = tmp_path / "hf_zero_offload"
+    pkg.mkdir()
+    shutil.copy(Path(__file__).resolve().parent.parent / "hf_zero_offload" / "__init__.py", pkg / "__init__.py")
+    r = subprocess.run([sys.executable, "-S", "-c", "import hf_zero_offload"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"compiled kernels (_C) are not built in {pkg}" in r.stderr and "this source tree hides it" in r.stderr
+
+
+def test_star_import_and_trainer_names_without_transformers():
+    """Without the [trainer] extra, `from hf_zero_offload import *` failed on transformers, and a Trainer name gave
+    the bare "No module named 'transformers'"."""
+    code = """
+import importlib.util, sys
+class NoTransformers:  # an environment without transformers
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'transformers':
+            raise ModuleNotFoundError("No module named 'transformers'", name='transformers')
+sys.meta_path.insert(0, NoTransformers())
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == 'transformers' else find_spec(name, *a)
+from hf_zero_offload import *
+assert 'CPUAdam' in dir() and 'ZeroOffloadTrainer' not in dir()
+import hf_zero_offload
+try:
+    hf_zero_offload.ZeroOffloadTrainer
+except ModuleNotFoundError as e:
+    print(e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "needs transformers, an optional dependency: install it with the [trainer] extra" in r.stdout
