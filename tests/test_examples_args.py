@@ -65,6 +65,18 @@ def test_values_the_run_cannot_use_are_refused_before_any_model_work(tmp_path, s
     assert not out.exists() or not os.listdir(out)
 
 
+def test_a_bad_simd_level_is_named_before_any_model_work(tmp_path, synth_dir, monkeypatch):
+    """HF_ZERO_OFFLOAD_SIMD=avx512 on a CPU without it was refused at the engine's first kernel call, after the
+    tokenizer, the model and the memory plan (16-39 s for t5-3b)."""
+    from hf_zero_offload.ops import simd
+
+    _no_model_work(monkeypatch)
+    monkeypatch.setattr(simd, "_env_error", ValueError("HF_ZERO_OFFLOAD_SIMD='avx512': not on this CPU"))
+    with pytest.raises(ValueError, match="HF_ZERO_OFFLOAD_SIMD='avx512'"):
+        finetune_trainer.main(_common_args(synth_dir, tmp_path / "out") + ["--config_name", TINY, "--do_train",
+                                                                           "--zero_offload", "zero2-offload"])
+
+
 def test_legacy_model_config_flags_set_the_config(tmp_path):
     """--dropout & co. were unknown arguments; v4.2 set them on the model config where it has the attribute."""
     from transformers import BartConfig

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from transformers import HfArgumentParser
 
-from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, resume
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ops, resume
 from hf_zero_offload.args_view import early_view
 from hf_zero_offload.config import check, resolve
 from hf_zero_offload.launch_checks import check_arguments
@@ -208,6 +208,8 @@ def check_values(model_args, data_args, training_args, config) -> None:
     """Values the parser takes but the run cannot use, refused by name before any model work (they failed after
     training, at generation or at the test split); then the legacy flags mapped: --label_smoothing, --eval_beams,
     and the four that set the model config."""
+    if training_args.zero_offload is not None or training_args.sharded_ddp:
+        ops.simd_level()  # a bad HF_ZERO_OFFLOAD_SIMD, named now rather than at the engine's first kernel call
     problems = []
     for flag, beams in (("--eval_beams", data_args.eval_beams), ("--generation_num_beams",
                                                                  training_args.generation_num_beams)):
