@@ -7,6 +7,10 @@ from . import trace
 from .plan import GiB, SAFETY_BYTES, SAFETY_FRACTION, Plan, device_budget, plan
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"  # a tiny model read "0.000 B"
+
+
 def _bucket(p: Plan) -> int:
     from ..engine.options import OffloadOptions
 
@@ -37,7 +41,7 @@ def format_plan(p: Plan) -> str:
     run = f"this run trains in {p.run_dtype}; " if p.run_dtype else ""
     out = [
         f"model: {p.model}",
-        f"params: {p.params:,} ({p.params / 1e9:.3f} B; tied weights counted once); gradient buckets of "
+        f"params: {p.params:,} ({_count(p.params)}; tied weights counted once); gradient buckets of "
         f"{_bucket(p):,} elements (one-process offload rows)",
         f"{where}; {run}16-bit rows in {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
         f"{'gradient checkpointing; ' if p.gradient_checkpointing else ''}"
