@@ -305,7 +305,7 @@ def test_unsupported_features(raw, path, hint):
     (zero2(overlap_comm="yes"), "zero_optimization.overlap_comm", "true or false"),
     (zero2(offload_optimizer={"device": "gpu"}), "zero_optimization.offload_optimizer.device", "'cpu', 'none'"),
     # a slip of case was "not supported by hf_zero_offload: remove the 'scheduler' block"
-    ({"scheduler": {"type": "warmupdecaylr"}}, "scheduler.type", "'WarmupDecayLR' (case-sensitive"),
+    ({"scheduler": {"type": "warmupdecaylr"}}, "scheduler.type", "(did you mean 'WarmupDecayLR'? names are case-"),
     ({"fp16": {"enabled": 1}}, "fp16.enabled", "true or false"),
     ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, "optimizer.params.lr", "a number"),
     ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "optimizer.params.betas", "two numbers"),

@@ -168,7 +168,8 @@ def choice(*options: str, unsupported: dict[str, str] | None = None, casefold: b
             raise UnsupportedValue(others[key])
         near = [o for o in options if isinstance(v, str) and o.lower() == v.lower()]
         if near:  # a slip of case, not an unsupported name
-            raise BadValue(f"{near[0]!r} (case-sensitive, as DeepSpeed reads it)")
+            raise BadValue("one of " + ", ".join(repr(o) for o in options) +
+                           f" (did you mean {near[0]!r}? names are case-sensitive, as DeepSpeed reads them)")
         if isinstance(key, str) and other is not None:
             raise UnsupportedValue(other)
         raise BadValue("one of " + ", ".join(repr(o) for o in options))
