@@ -74,6 +74,8 @@ def _position_of(saved, scheduler, global_step: int | None) -> dict | None:
     last = saved.get("_last_lr")
     position = {**scheduler.state_dict(), "last_epoch": step,
                 "_step_count": count if isinstance(count, int) and not isinstance(count, bool) else step + 1}
+    if isinstance(last, list) and last and len(last) != groups and all(x == last[0] for x in last):
+        last = [last[0]] * groups  # another number of groups (an empty one kept), all at one rate: that rate
     if isinstance(last, list) and len(last) == groups:
         position["_last_lr"] = last  # the rate the optimizer's state holds, which the first resumed step runs at
     return position

@@ -72,6 +72,17 @@ def test_estimate_a_device_file_given_as_the_model(capsys):
     _one_line_error(capsys, ["estimate", "--model", "/dev/null"], "/dev/null: not a regular file")
 
 
+def test_estimate_auto_buckets_of_a_model_without_a_hidden_size(tmp_path, capsys):
+    """--bucket-numel auto planned 500M-element buckets for a model the Trainer refuses ("auto" needs a hidden size)."""
+    from transformers import BertConfig, EncoderDecoderConfig
+
+    small = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    cfg = EncoderDecoderConfig.from_encoder_decoder_configs(BertConfig(**small), BertConfig(**small))
+    cfg.decoder_start_token_id, cfg.pad_token_id = 0, 0
+    cfg.save_pretrained(tmp_path)
+    _one_line_error(capsys, ["estimate", "--model", str(tmp_path), *SMALL], "--bucket-numel auto", "no hidden size")
+
+
 def test_estimate_a_ds_config_given_as_the_model(capsys):
     _one_line_error(capsys, ["estimate", "--model", str(ROOT / "configs" / "ds_config.json")], "model_type")
 

@@ -324,3 +324,18 @@ def test_states_load_across_an_empty_param_group(kind, how, saved_with_empty, tm
     first.close()
     model(x).pow(2).sum().backward()
     second.step()
+
+
+def test_the_same_params_in_other_groups_are_refused_naming_the_groups(tmp_path):
+    """It read "saved 26 trainable elements in 4 params, this model has 26 in 4": the same count, no word of groups."""
+    from hf_zero_offload.engine.state_dir import GroupingMismatch
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    ps = list(model.parameters())
+    first = engine("offload", [{"params": ps[:2]}, {"params": ps[2:]}])
+    first.save_checkpoint(str(tmp_path / "state"))
+    first.close()
+    second = engine("offload", [{"params": ps[:1]}, {"params": ps[1:]}])
+    with pytest.raises(GroupingMismatch, match=r"the same params, in 2 group\(s\) of \[2, 2\] params when saved and "
+                                               r"2 of \[1, 3\] here"):
+        second.load_checkpoint(str(tmp_path / "state"))

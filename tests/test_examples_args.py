@@ -36,10 +36,11 @@ def test_legacy_flags_are_mapped():
 
 
 @pytest.mark.parametrize("form", ["space", "equals"])
-def test_legacy_scheduler_value_names_are_mapped(form):
+@pytest.mark.parametrize("name", ["--lr_scheduler", "--lr_scheduler_type"])
+def test_legacy_scheduler_value_names_are_mapped(form, name):
     """v4.2's --lr_scheduler took constant_w_warmup and cosine_w_restarts, which transformers renamed."""
     for old, new in (("constant_w_warmup", "constant_with_warmup"), ("cosine_w_restarts", "cosine_with_restarts")):
-        flag = ["--lr_scheduler", old] if form == "space" else [f"--lr_scheduler={old}"]
+        flag = [name, old] if form == "space" else [f"{name}={old}"]
         _, _, args = finetune_trainer.parse_args(["--config_name", TINY, "--data_dir", "x", "--output_dir", "o",
                                                   "--use_cpu", *flag])
         assert str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == new
@@ -51,6 +52,7 @@ def test_legacy_scheduler_value_names_are_mapped(form):
     (["--generation_num_beams", "-1"], r"--generation_num_beams -1: generation needs at least 1 beam"),
     (["--n_test", "0", "--do_predict"], r"--n_test 0: the number of test examples to use, > 0 \(-1: all\)"),
     (["--n_val", "-2"], r"--n_val -2"),
+    (["--eval_beams", "4", "--generation_num_beams", "2"], r"--eval_beams 4 and --generation_num_beams 2: .*give one"),
     (["--label_smoothing", "0.1", "--label_smoothing_factor", "0.3"], r"--label_smoothing 0.1 and "
                                                                        r"--label_smoothing_factor 0.3: .*give one"),
     # v4.2's model-config flags: T5's config has no dropout (v4.2 asserted the same)
@@ -89,6 +91,17 @@ def test_legacy_model_config_flags_set_the_config(tmp_path):
     finetune_trainer.check_values(model_args, data_args, args, config)
     assert (config.dropout, config.attention_dropout, config.encoder_layerdrop, config.decoder_layerdrop) == (
         0.2, 0.1, 0.05, 0.0)
+
+
+def test_a_json_arguments_file_maps_the_legacy_keys(tmp_path):
+    """The script's one-.json-argument form skipped the mapping: "Some keys are not used by the HfArgumentParser"."""
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"config_name": TINY, "data_dir": "x", "output_dir": str(tmp_path / "o"),
+                                "use_cpu": True, "lr_scheduler": "cosine_w_restarts", "evaluation_strategy": "no",
+                                "adam_eps": 1e-7, "label_smoothing": 0.1}))
+    _, data_args, args = finetune_trainer.parse_args([str(path)])
+    assert str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "cosine_with_restarts"
+    assert args.adam_epsilon == 1e-7 and data_args.label_smoothing == 0.1
 
 
 def test_freeze_embeds_and_encoder():

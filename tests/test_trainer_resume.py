@@ -318,6 +318,7 @@ def test_a_schedule_saved_for_fewer_param_groups_goes_on_from_its_step(tmp_path)
     mine = torch.optim.lr_scheduler.LambdaLR(two, lambda s: 1.0 - s / 10)
     note = resume.load_scheduler(mine, str(tmp_path / "scheduler.pt"), 3)
     assert "saved for 1 param group(s), and this run has 2" in note and "goes on from step 3" in note
+    assert mine.get_last_lr() == saved.get_last_lr() * 2  # what the Trainer logs at the first resumed step
     mine.step()
     saved.step()
     assert mine.get_last_lr() == saved.get_last_lr() * 2

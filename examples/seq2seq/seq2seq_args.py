@@ -2,6 +2,7 @@
 the checks that run before any tokenizer, model or plan work."""
 
 import difflib
+import json
 import os
 import sys
 import types
@@ -166,8 +167,9 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.error = one_line
     argv = list(sys.argv[1:] if argv is None else argv)
     _refuse_deepspeed_without_package(argv)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    if len(argv) == 1 and argv[0].endswith(".json"):  # the legacy spellings are mapped here too
+        with open(os.path.abspath(argv[0]), encoding="utf-8") as f:
+            return parser.parse_dict(su.rewrite_legacy_keys(json.load(f)))
     *parsed, unknown = parser.parse_args_into_dataclasses(args=su.rewrite_legacy_argv(argv),
                                                           return_remaining_strings=True)
     if unknown:
@@ -219,6 +221,10 @@ def check_values(model_args, data_args, training_args, config) -> None:
         n = getattr(data_args, f"n_{split}")
         if n == 0 or n < -1:
             problems.append(f"--n_{split} {n}: the number of {split} examples to use, > 0 (-1: all)")
+    beams = training_args.generation_num_beams
+    if data_args.eval_beams is not None and beams is not None and beams != data_args.eval_beams:
+        problems.append(f"--eval_beams {data_args.eval_beams} and --generation_num_beams {beams}: the first is the "
+                        "legacy spelling of the second; give one")
     given = training_args.label_smoothing_factor
     if data_args.label_smoothing is not None and given not in (0.0, data_args.label_smoothing):
         problems.append(f"--label_smoothing {data_args.label_smoothing} and --label_smoothing_factor {given}: the "

@@ -52,7 +52,7 @@ def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
         name, eq, value = arg.partition("=")
         if out and out[-1] == "--lr_scheduler_type" and arg in LEGACY_SCHEDULER_NAMES:
             out.append(LEGACY_SCHEDULER_NAMES[arg])
-        elif name == "--lr_scheduler" and value in LEGACY_SCHEDULER_NAMES:
+        elif name in ("--lr_scheduler", "--lr_scheduler_type") and value in LEGACY_SCHEDULER_NAMES:
             out.append(f"--lr_scheduler_type={LEGACY_SCHEDULER_NAMES[value]}")
         elif name in LEGACY_FLAG_RENAMES:
             new = LEGACY_FLAG_RENAMES[name]
@@ -64,6 +64,22 @@ def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
             out += ["--optim", "adafactor"]
         else:
             out.append(arg)
+    return out
+
+
+def rewrite_legacy_keys(args: dict) -> dict:
+    """The same mapping for a JSON arguments file: keys are the flags without their dashes."""
+    renames = {k[2:]: v[2:] for k, v in {**LEGACY_FLAG_RENAMES, **QUIET_FLAG_RENAMES}.items()}
+    out = {}
+    for key, value in args.items():
+        new = renames.get(key, key)
+        if new != key and key not in {k[2:] for k in QUIET_FLAG_RENAMES}:
+            logger.warning("legacy key %s is spelled %s in transformers 5.x; mapped", key, new)
+        if new == "lr_scheduler_type" and value in LEGACY_SCHEDULER_NAMES:
+            value = LEGACY_SCHEDULER_NAMES[value]
+        if key == "adafactor" and value is True:
+            new, value = "optim", "adafactor"
+        out[new] = value
     return out
 
 

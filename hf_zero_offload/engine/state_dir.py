@@ -212,6 +212,10 @@ class LayoutMismatch(ValueError):
     """A state of another set (or order, or shapes) of trainable params than this model's."""
 
 
+class GroupingMismatch(LayoutMismatch):
+    """A state of the same params in the same order, split into other param groups."""
+
+
 def with_empty_groups(meta: dict, slots: list, groups: list[dict]) -> dict:
     """``meta`` as this engine's groups (``slots``, ``groups``) hold it, when the two differ only by empty param
     groups: states saved before the Trainer's empty group was kept (it was dropped until session 19: a model whose
@@ -232,7 +236,13 @@ def check_model(meta: dict, numel: int, slots: list) -> None:
         raise ValueError(f"not an hf_zero_offload optimizer state (format={meta.get('format')!r})")
     if meta.get("numel") != numel or meta.get("slots") != slots:
         saved = meta.get("slots")
-        params = sum(map(len, saved)) if isinstance(saved, list) and all(isinstance(g, list) for g in saved) else "?"
+        grouped = isinstance(saved, list) and all(isinstance(g, list) for g in saved)
+        params = sum(map(len, saved)) if grouped else "?"
+        if grouped and [s for g in saved for s in g] == [s for g in slots for s in g]:
+            raise GroupingMismatch(f"optimizer state does not match this model's param groups: the same params, in "
+                                 f"{len(saved)} group(s) of {[len(g) for g in saved]} params when saved and "
+                                 f"{len(slots)} of {[len(g) for g in slots]} here (another weight-decay split, or a "
+                                 "create_optimizer of another grouping): group them as the run that saved it did")
         raise LayoutMismatch(f"optimizer state does not match this model: saved {meta.get('numel')} trainable elements "
                          f"in {params} params, this model has {numel} in {sum(map(len, slots))}")
 

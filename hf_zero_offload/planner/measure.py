@@ -19,7 +19,8 @@ def _status_bytes(key: str) -> int:
     raise KeyError(key)
 
 
-def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ckpt: bool = False) -> list[int]:
+def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ckpt: bool = False,
+                        padded: bool = False) -> list[int]:
     import gc
 
     torch.set_num_threads(1)
@@ -28,7 +29,7 @@ def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ck
         torch.manual_seed(0)
         model = build_model(config, dtype=half_dtype if mode == "half" else torch.float32, device="cpu",
                             gradient_checkpointing=ckpt)
-        batch = dummy_batch(config, batch_size, seq_len, tgt_len, "cpu")
+        batch = dummy_batch(config, batch_size, seq_len, tgt_len, "cpu", padded=padded)
         amp = (lambda: torch.autocast("cpu", dtype=half_dtype)) if mode == "amp" else contextlib.nullcontext
         if not keep_grads:
             for p in model.parameters():
@@ -54,7 +55,8 @@ def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ck
 
 
 def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16, seq_len: int = 128,
-                      tgt_len: int = 128, timeout: float = 600, gradient_checkpointing: bool = False) -> list[int]:
+                      tgt_len: int = 128, timeout: float = 600, gradient_checkpointing: bool = False,
+                      padded: bool = False) -> list[int]:
     """Peak extra resident memory (bytes) of one real forward + backward on the CPU per job
     ``(mode, batch_size, keep_grads)`` (Linux only), each on a fresh model, one process for all.
 
@@ -73,7 +75,7 @@ def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16,
         cfg.to_json_file(path)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
         args = json.dumps([path, [list(j) for j in jobs], str(half_dtype).split(".")[-1], seq_len, tgt_len,
-                           gradient_checkpointing])
+                           gradient_checkpointing, padded])
         res = subprocess.run([sys.executable, "-m", "hf_zero_offload.planner.measure", args], env=env,
                              capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
@@ -85,5 +87,5 @@ if __name__ == "__main__":
     import json
     import sys
 
-    _path, _jobs, _dt, _seq, _tgt, _ckpt = json.loads(sys.argv[1])
-    print(json.dumps(_measure_in_process(load_config(_path), _jobs, getattr(torch, _dt), _seq, _tgt, _ckpt)))
+    _path, _jobs, _dt, _seq, _tgt, _ckpt, _padded = json.loads(sys.argv[1])
+    print(json.dumps(_measure_in_process(load_config(_path), _jobs, getattr(torch, _dt), _seq, _tgt, _ckpt, _padded)))

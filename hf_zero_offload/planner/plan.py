@@ -10,7 +10,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..args_view import hidden_size_of
-from ..config.training import DEFAULT_BUCKET_SIZE
 from ..engine.buffers import plan_host_memory
 from ..ops import STATE_DTYPES
 from ..engine.options import OffloadOptions
@@ -316,7 +315,10 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     defaults = _engine_defaults()
     if auto_bucket:
         hidden = hidden_size_of(model)
-        bucket_numel = hidden * hidden if hidden else DEFAULT_BUCKET_SIZE
+        if not hidden:  # as the Trainer refuses "auto" there
+            raise ValueError(f"--bucket-numel auto: {_model_name(src)} has no hidden size (hidden_size, d_model, "
+                             "n_embd) to square, as a ds_config's \"auto\" reduce_bucket_size would; give a number")
+        bucket_numel = hidden * hidden
         inputs["bucket_numel"] = bucket_numel
     settings = EngineSettings(bucket_numel or defaults["bucket_numel"], tile_numel or defaults["tile_numel"],
                               gradient_accumulation_steps, max_numel, cuda, _HALF_DTYPES[dtype],

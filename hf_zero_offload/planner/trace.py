@@ -199,9 +199,13 @@ def to_fake(model, fake_mode, dtype: torch.dtype | None = None):
     return model
 
 
-def dummy_batch(config, batch_size: int, seq_len: int, tgt_len: int, device="meta") -> dict:
+def dummy_batch(config, batch_size: int, seq_len: int, tgt_len: int, device="meta", padded: bool = False) -> dict:
+    """``padded``: one padding position, as most training batches have (an SDPA model then builds its attention
+    mask, which it skips for a batch without padding; on meta it cannot tell, and always builds it)."""
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if padded:
+        batch["attention_mask"][0, -1] = 0
     if getattr(config, "is_encoder_decoder", False):
         batch["labels"] = torch.zeros(batch_size, tgt_len, dtype=torch.long, device=device)
     else:
@@ -227,6 +231,8 @@ def _fused_attention_on_meta():
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
         # (grouped-query attention too: the kernel reads the shared key/value heads as they are)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask.to(query.dtype)  # the kernel keeps a copy in the query's dtype for backward
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 

@@ -15,7 +15,7 @@ from ..consolidate import names_difference
 from ..args_view import args_view, early_view
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
-from ..engine.state_dir import LayoutMismatch
+from ..engine.state_dir import GroupingMismatch, LayoutMismatch
 from ..accelerator_patch import patch_accelerator
 from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
 from ..launch_checks import (check_arguments, check_trainable, check_world_size, refuse_user_optimizer,
@@ -330,6 +330,8 @@ class ZeroOffloadMixin(CheckpointSaving):
                     logger.warning(note)
             try:
                 self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
+            except GroupingMismatch:
+                raise  # (it names the groups: the params are the same)
             except LayoutMismatch as e:  # the totals alone may read the same: name the params that differ
                 raise LayoutMismatch(f"{e}{names_difference(state_dir, self._zo_slot_names())}") from None
         except BaseException:
