@@ -70,7 +70,7 @@ def _position_of(saved, scheduler, global_step: int | None) -> dict | None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return None
     count = step + 1 if per_evaluation else saved.get("_step_count", step + 1)
-    groups = len(getattr(scheduler, "optimizer").param_groups)
+    groups = len(scheduler.optimizer.param_groups)
     last = saved.get("_last_lr")
     position = {**scheduler.state_dict(), "last_epoch": step,
                 "_step_count": count if isinstance(count, int) and not isinstance(count, bool) else step + 1}

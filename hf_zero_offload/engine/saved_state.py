@@ -220,11 +220,10 @@ class SavedState:
         (the stale master was published over it). A look at each param's version counter and storage (no pass
         over the values unless one moved). A write through ``p.data.<op>_()`` moves neither: call
         ``adopt_changed_params()`` after such a write."""
+        if self.needs_publish:
+            return  # a delayed step is in flight: its publish, in this step, looks for writes and keeps them (_publish)
         if not self._written_params():
             return
-        self._wait_worker()
-        if self.needs_publish:
-            return  # a delayed step is in flight: its publish, in this step, keeps the written values (_publish)
         if n := self.adopt_changed_params():
             logger.info("hf_zero_offload: %d parameter(s) written since the last step; the step starts from them", n)
         self._mark_params()
