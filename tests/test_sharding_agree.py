@@ -65,3 +65,37 @@ def test_ranks_that_build_different_engines_are_refused_on_every_rank_by_name():
         assert message.startswith("the 2 ranks built different ShardedAdam engines: "), message
         assert named in message, (case, message)
         assert "the same ds_config, command line and model on every node" in message
+
+
+def _load_refused_on_one_rank(rank, world_size):
+    model, engine = _build(rank, "same")
+    for ids, labels, use_branch in batches(2):
+        loss_fn(model, ids, labels, use_branch).backward()
+        engine.step()
+        engine.zero_grad()
+    own = engine.state_dict()
+    theirs = [own]
+    torch.distributed.broadcast_object_list(theirs, src=0)  # rank 1 is handed rank 0's state: refused there
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        engine.load_state_dict(theirs[0])
+        error = None
+    except ValueError as e:
+        error = str(e)
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    engine.load_state_dict(own)  # every rank still loads a good state, and trains on (both join the collectives)
+    ids, labels, use_branch = batches(1, seed=5)[0]
+    loss_fn(model, ids, labels, use_branch).backward()
+    engine.step()
+    engine.close()
+    return error, unchanged, [p.detach() for p in model.parameters()]
+
+
+def test_a_state_dict_refused_on_one_rank_is_refused_on_every_rank():
+    """Each rank loads its own dict: one refused on rank 1 only left rank 0 waiting in the load's collective until
+    the process group's timeout, which then failed in gloo without the cause. Now every rank raises at once."""
+    (e0, same0, p0), (e1, same1, p1) = run_distributed(_load_refused_on_one_rank, world_size=2, collective_timeout=20)
+    assert e1.startswith("this state is rank 0 of 2; this engine is rank 1 of 2"), e1
+    assert e0 == "load_state_dict: refused on rank(s) [1] (their error says why); no rank loaded", e0
+    assert same0 and same1
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))

@@ -119,22 +119,29 @@ class SavedState:
             hook(self)
 
     def _load_state_dict(self, state: dict) -> None:
-        where = "state dict"
-        if not isinstance(state, dict):
-            raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() returns, "
-                            f"got {type(state).__name__}")
-        state = self._check_saved(state, where)
-        if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
-            raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
-                             f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
-                             "load_checkpoint to change the world size")
-        state_dir.check_tensors(state, self.hi - self.lo, where)
-        codes = self._saved_codes(state, where)
-        # Accelerate's device placement (a plain Trainer given an engine) loads the engine's own state_dict() back
-        # at every train(): publishing those masters wrote the engine's stale values over weights loaded into the
-        # model since (the checkpoint's, at a resume: with DPU, the first resumed step ran on them). Masters that
-        # the load leaves as they are publish nothing; a param written since keeps its value and is taken at the
-        # next step, as any write is. (Agreed by every rank: the publish is a collective.)
+        where, error = "state dict", None
+        try:
+            if not isinstance(state, dict):
+                raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() "
+                                f"returns, got {type(state).__name__}")
+            state = self._check_saved(state, where)
+            if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
+                raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
+                                 f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
+                                 "load_checkpoint to change the world size")
+            state_dir.check_tensors(state, self.hi - self.lo, where)
+            codes = self._saved_codes(state, where)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
+            error = e
+        # a refusal on one rank only left its peers in the collective below until the timeout: all hear of it
+        failed = self._ranks_that_failed(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(f"load_state_dict: refused on rank(s) {failed} (their error says why); no rank loaded")
+        # Accelerate (a plain Trainer given an engine) loads the engine's own state_dict() back at every train():
+        # publishing those masters wrote stale values over weights loaded since (a resume's). Unchanged masters
+        # publish nothing; a param written since is taken at the next step. (Agreed: the publish is a collective.)
         same = not self._ranks_that_failed(not self._same_masters(state))
         self._load_failed = where
         self._apply_meta(state)
