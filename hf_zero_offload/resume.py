@@ -196,7 +196,9 @@ def choose(folder: str) -> tuple[str, list[str]]:
     found = checkpoints(folder)
     chosen = newest_whole(folder)
     if chosen is None:
-        raise IncompleteCheckpoint(f"resume_from_checkpoint=True: no complete checkpoint in {folder}"
+        # transformers' own words first: scripts (and its test suite) match them
+        raise IncompleteCheckpoint(f"No valid checkpoint found in output directory ({folder}): "
+                                   "resume_from_checkpoint=True found no complete checkpoint there"
                                    + (f" (incomplete: {', '.join(os.path.basename(c) for c in found)})"
                                       if found else ""))
     return chosen, [c for c in found if _step(c) > _step(chosen)]
