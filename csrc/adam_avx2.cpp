@@ -29,17 +29,26 @@ inline __m256 load_g(const void* g, size_t i) {
   }
 }
 
-// f32 -> bf16, round to nearest even with the integer trick, NaN -> quiet NaN (same as f32_to_bf16).
-inline __m128i to_bf16(__m256 x) {
+// f32 -> bf16, round to nearest even with the integer trick, NaN -> quiet NaN (same as f32_to_bf16),
+// each lane's bf16 in the low half of its 32 bits.
+inline __m256i to_bf16_lanes(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i hi = _mm256_srli_epi32(u, 16);
   // The unordered self-compare is true exactly for NaNs, f32_to_bf16's (u & 0x7fffffff) > 0x7f800000.
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+}
+inline __m128i to_bf16(__m256 x) {
+  const __m256i r = to_bf16_lanes(x);
   // values are <= 0xffff, so the unsigned saturation of packus never triggers
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+// Two vectors at once: one pack and one permute for 16 values instead of an extract and a pack per 8
+// (the pack works within 128-bit lanes: quarters r0.lo, r1.lo, r0.hi, r1.hi, put back in order).
+inline __m256i to_bf16_x2(__m256 x0, __m256 x1) {
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(to_bf16_lanes(x0), to_bf16_lanes(x1)), 0xd8);
 }
 
 // Out: -1 none, else the DType of param_out.
@@ -183,6 +192,10 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
 // again: llvm-mca 14 (znver3), bf16 grad and param out, pass 2 went 64.1 -> 49.6 cycles per 32
 // params (pass 1 13.7 -> 14.0 per 8), and single-threaded in cache (adam_micro) 1.50 -> 1.34 ns/param.
 // With the param in pass 1 instead (adam_avx512.cpp's order) it counted 26.7 + 19.2 / 4 and ran 1.57.
+// Session 20: pass 1 runs over spans of 64 elements with their prefetches at once (no test per vector:
+// 13.8 -> 12.8 cycles per 8), pass 2 packs a bf16 param out two vectors at a time and the encoders
+// clamp once per 32 codes (quant_avx2.h): 53.1 -> 47.1 cycles per 32. (The figures above came from
+// adam_micro with malloc's arrays, 16 bytes past a page: every other 32-byte load split two lines.)
 template <DType G, int Out, bool L2, bool NT>
 void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
   const Consts c(a, true);
@@ -199,9 +212,8 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
     const size_t e = std::min(end, b + kQBlock), k = b / kQBlock, nv = (e - b) / W * W;
     const __m256 ms = _mm256_set1_ps(a.exp_avg_scale[k]), vs = _mm256_set1_ps(a.exp_avg_sq_scale[k]);
     __m256 mmax = _mm256_setzero_ps(), vmax = _mm256_setzero_ps();
-    for (size_t j = 0; j < nv; j += W) {
+    auto moments = [&](size_t j) {
       const size_t i = b + j;
-      q8_prefetch<W, G == DType::F32 ? 4 : 2>(params, grad, mc, vc, i);
       const __m256 g = _mm256_mul_ps(load_g<G>(grad, i), c.scale);
       __m256 m, v;
       const __m256 sq = moments_vec<L2, true>(c, g, L2 ? _mm256_loadu_ps(params + i) : g,
@@ -212,23 +224,44 @@ void adam_q8_range(const AdamArgs& a, size_t begin, size_t end) {
       _mm256_store_ps(vb + j, v);
       mmax = _mm256_max_ps(_mm256_and_ps(m, abs_mask()), mmax);
       vmax = _mm256_max_ps(v, vmax);  // v >= 0 or NaN here: |v| is v (see q_v_x4)
+    };
+    size_t j1 = 0;
+    for (; j1 + kQSpan <= nv; j1 += kQSpan) {  // the span's prefetches at once, no per-vector tests
+      q8_prefetch_span<G == DType::F32 ? 4 : 2>(params, grad, mc, vc, b + j1);
+#pragma GCC unroll 8
+      for (size_t q = 0; q < kQSpan; q += W) moments(j1 + q);
     }
+    for (; j1 < nv; j1 += W) moments(j1);  // a partial block's last vectors
     float mx = hmax(mmax), vx = hmax(vmax);
     q_update_tail(a, b, b + nv, e, mb, vb, mx, vx);  // the partial block's tail: the whole scalar update
     const float minv = q_inverse(mx), vinv = q_inverse(vx);
     const __m256 mdv = _mm256_set1_ps(minv), vdv = _mm256_set1_ps(vinv);
     // the moments' random bits: lane l of the vector at j has index round_index + b + j + l
     __m256i weyl = weyl_of(a.round_index + b);
-    auto param = [&](size_t j) {
+    auto new_param = [&](size_t j) {
       const size_t i = b + j;
       const __m256 p = param_vec<true>(c, _mm256_loadu_ps(params + i), _mm256_load_ps(mb + j),
                                        _mm256_load_ps(sb + j));
       _mm256_storeu_ps(params + i, p);
-      store_o<Out, NT>(out, i, p);
+      return p;
+    };
+    auto param = [&](size_t j) { store_o<Out, NT>(out, b + j, new_param(j)); };
+    // Two vectors: a bf16 param out as one 32-byte store (pick_nt checks 32-byte alignment for it).
+    auto param_x2 = [&](size_t j) {
+      if constexpr (Out == static_cast<int>(DType::BF16)) {
+        const __m256 p0 = new_param(j), p1 = new_param(j + W);
+        __m256i* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + b + j);
+        if constexpr (NT) _mm256_stream_si256(dst, to_bf16_x2(p0, p1));
+        else _mm256_storeu_si256(dst, to_bf16_x2(p0, p1));
+      } else {
+        param(j);
+        param(j + W);
+      }
     };
     size_t j = 0;
     for (; j + 4 * W <= nv; j += 4 * W) {
-      for (size_t q = 0; q < 4 * W; q += W) param(j + q);
+      param_x2(j);
+      param_x2(j + 2 * W);
       q_m_x4(mb + j, mdv, weyl, seed_m, mc + b + j);  // before q_v_x4 moves weyl on
       q_v_x4(vb + j, vdv, weyl, seed, vc + b + j);
     }
@@ -261,8 +294,10 @@ AdamFn pick_l2(const AdamArgs& a) {
 
 template <DType G, int Out>
 AdamFn pick_nt(const AdamArgs& a, size_t begin) {
-  // Every vector store lands on a multiple of its own width when the first one does.
-  const size_t bytes = (Out == static_cast<int>(DType::F32) ? 4 : 2) * W;
+  // Every vector store lands on a multiple of its own width when the first one does. The int8 loop
+  // stores a bf16 param out two vectors at a time (32 bytes, from block starts: multiples of 512 bytes).
+  const size_t bytes = a.state == StateKind::Q8 && Out == static_cast<int>(DType::BF16)
+                           ? 32 : (Out == static_cast<int>(DType::F32) ? 4 : 2) * W;
   const bool aligned = (reinterpret_cast<uintptr_t>(a.param_out) + begin * (bytes / W)) % bytes == 0;
   return aligned ? pick_l2<G, Out, true>(a) : pick_l2<G, Out, false>(a);
 }

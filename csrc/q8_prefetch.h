@@ -38,5 +38,18 @@ __attribute__((always_inline)) inline void q8_prefetch(const float* params, cons
   }
 }
 
+// The same lines for a span of kQSpan elements (one line of each code array) in one go: a loop over
+// spans then needs no test per vector.
+constexpr size_t kQSpan = 64;
+template <size_t GSize>
+__attribute__((always_inline)) inline void q8_prefetch_span(const float* params, const void* grad, const int8_t* mc,
+                                                            const uint8_t* vc, size_t i) {
+  const size_t ahead = i + kQPrefetch;
+  for (size_t l = 0; l < kQSpan * 4; l += 64) prefetch_line(params, ahead * 4 + l);
+  for (size_t l = 0; l < kQSpan * GSize; l += 64) prefetch_line(grad, ahead * GSize + l);
+  prefetch_line(mc, ahead);
+  prefetch_line(vc, ahead);
+}
+
 }  // namespace
 }  // namespace hzo

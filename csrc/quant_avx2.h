@@ -83,17 +83,34 @@ inline __m256i unshuffle_x4(__m256i w) {
   return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// The x4 encoders clamp after packing, once per 32 codes rather than once per 8: the unclamped
+// magnitude (bits(n + c) + r - bits(c)) >> 20 is below 2^12 (n >= 0 or NaN, so no wrap), the packs to
+// 16 and then 8 bits saturate it at 255 (as unsigned), and one byte min then gives q_mag_r's
+// min(mag, kMaxMag). exp_avg takes bits(c) off after the first pack (16 codes per subtraction): bits(c)
+// has 20 low zero bits, so (bits(n + c) + r) >> 20 is the magnitude plus bits(c) >> 20, which cannot wrap: |m|
+// times the reciprocal is a positive NaN at worst, or inf * 0's default NaN (0xffc00000, an inf in a
+// block whose scale is then inf), both far enough under 2^32 - 2^20. exp_avg_sq (no |v|, see q_v_x4)
+// subtracts it before the shift, where any negative NaN's bits plus r could wrap.
+template <int EB>
+inline __m256i q_min_bytes(__m256i codes) {
+  return _mm256_min_epu8(codes, _mm256_set1_epi8(static_cast<char>(QFormat<EB>::kMaxMag)));
+}
+
 // weyl: as round_hi20's, for the first of the 32 elements (a copy: q_v_x4 moves the caller's on).
 inline void q_m_x4(const float* x, __m256 inv, __m256i weyl, __m256i seed_m, int8_t* dst) {
   const __m256 x0 = _mm256_load_ps(x), x1 = _mm256_load_ps(x + W), x2 = _mm256_load_ps(x + 2 * W),
                x3 = _mm256_load_ps(x + 3 * W);
   const __m256i r0 = round_hi20(weyl, seed_m), r1 = round_hi20(weyl, seed_m), r2 = round_hi20(weyl, seed_m),
                 r3 = round_hi20(weyl, seed_m);  // in order: one declaration's initializers run in sequence
-  auto mag = [&](__m256 v, __m256i r) {
-    return q_mag_r_vec<16>(_mm256_mul_ps(_mm256_and_ps(v, abs_mask()), inv), r);
+  const __m256 c = _mm256_castsi256_ps(_mm256_set1_epi32(QM::kShiftBits));
+  auto top = [&](__m256 v, __m256i r) {  // the magnitude plus bits(c) >> 20, unclamped
+    const __m256i u = _mm256_castps_si256(_mm256_add_ps(_mm256_mul_ps(_mm256_and_ps(v, abs_mask()), inv), c));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, r), 20);
   };
-  const __m256i m = _mm256_packus_epi16(_mm256_packus_epi32(mag(x0, r0), mag(x1, r1)),
-                                        _mm256_packus_epi32(mag(x2, r2), mag(x3, r3)));
+  const __m256i base = _mm256_set1_epi16(static_cast<short>(QM::kShiftBits >> 20));
+  auto mag16 = [&](__m256i a, __m256i b) { return _mm256_sub_epi16(_mm256_packus_epi32(a, b), base); };
+  const __m256i m = q_min_bytes<16>(_mm256_packus_epi16(mag16(top(x0, r0), top(x1, r1)),
+                                                        mag16(top(x2, r2), top(x3, r3))));
   auto bits = [](__m256 v) { return _mm256_castps_si256(v); };
   const __m256i s =
       _mm256_packs_epi16(_mm256_packs_epi32(bits(x0), bits(x1)), _mm256_packs_epi32(bits(x2), bits(x3)));
@@ -109,10 +126,14 @@ inline void q_v_x4(const float* x, __m256 inv, __m256i& weyl, __m256i seed, uint
   // one declaration: its initializers run in order, so vector q takes the indices of elements 8q..8q+7
   const __m256i r0 = round_hi20(weyl, seed), r1 = round_hi20(weyl, seed), r2 = round_hi20(weyl, seed),
                 r3 = round_hi20(weyl, seed);
-  auto mag = [&](const float* p, __m256i r) { return q_mag_r_vec<32>(_mm256_mul_ps(_mm256_load_ps(p), inv), r); };
-  const __m256i c = _mm256_packus_epi16(_mm256_packus_epi32(mag(x, r0), mag(x + W, r1)),
-                                        _mm256_packus_epi32(mag(x + 2 * W, r2), mag(x + 3 * W, r3)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(c));
+  const __m256i c = _mm256_set1_epi32(QV::kShiftBits);
+  auto mag = [&](const float* p, __m256i r) {  // unclamped
+    const __m256i u = _mm256_castps_si256(_mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(p), inv), _mm256_castsi256_ps(c)));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_sub_epi32(r, c)), 20);
+  };
+  const __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(mag(x, r0), mag(x + W, r1)),
+                                            _mm256_packus_epi32(mag(x + 2 * W, r2), mag(x + 3 * W, r3)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), unshuffle_x4(q_min_bytes<32>(codes)));
 }
 
 // The block's absmax from the lanes' maxima: the lanes are +0 or positive and never NaN (max_ps(x, acc)

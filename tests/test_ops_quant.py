@@ -127,6 +127,31 @@ def test_compact_step_with_small_beta1_matches_reference(simd, kind, beta1):
         assert torch.equal(p, p_ref), step
 
 
+@pytest.mark.parametrize("offset", [0, 1, 8, 16])
+def test_int8_param_out_at_any_alignment(offset):
+    """A bf16 param out at an element offset: 32-byte aligned (the AVX2 int8 loop streams it two vectors
+    at a time), 16-byte (stored plainly there) or unaligned; every level equals the reference."""
+    n = 3 * 256 + 40  # full blocks and a partial one
+    gen = torch.Generator().manual_seed(offset)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(torch.bfloat16)
+    st0 = _state(n, "int8", seed=offset + 3)
+    p_ref, st_ref = p0.clone(), _clone(st0)
+    for step in (1, 2):
+        ref.adam_step(p_ref, g, st_ref, step=step, adamw=True, **HP)
+    for level in LEVELS:
+        ops.set_simd_level(level)
+        p, st = p0.clone(), _clone(st0)
+        base = torch.empty(n + 16, dtype=torch.bfloat16)
+        assert base.data_ptr() % 32 == 0
+        out = base[offset:offset + n]
+        for step in (1, 2):
+            ops.adam_step(p, g, st["exp_avg"], st["exp_avg_sq"], step=step, param_out=out,
+                          exp_avg_scale=st["exp_avg_scale"], exp_avg_sq_scale=st["exp_avg_sq_scale"], **HP)
+        assert torch.equal(p, p_ref) and torch.equal(out, p_ref.to(torch.bfloat16)), level
+        for k in st:
+            assert torch.equal(st[k], st_ref[k]), (level, k)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_compact_bit_identical_across_levels_and_threads(kind):
     n = 2**20 + 300  # several threads' worth, a partial last block

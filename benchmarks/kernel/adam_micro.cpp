@@ -25,10 +25,29 @@ using namespace hzo;
 
 namespace {
 
+// 64-byte aligned arrays, as the engine's (torch's CPU allocator, pinned buffers): the kernels stream
+// param_out with non-temporal stores only where it is aligned, so malloc's alignment (16 bytes, or 16
+// past a page for large arrays) timed another store path than the engine takes.
+template <class T>
+struct Aligned {
+  using value_type = T;
+  Aligned() = default;
+  template <class U>
+  Aligned(const Aligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)); }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <class U>
+  bool operator==(const Aligned<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const Aligned<U>&) const { return false; }
+};
+template <class T>
+using Vec = std::vector<T, Aligned<T>>;
+
 struct State {
-  std::vector<float> p, ms, vs;
-  std::vector<uint16_t> g, out;
-  std::vector<uint8_t> m, v;
+  Vec<float> p, ms, vs;
+  Vec<uint16_t> g, out;
+  Vec<uint8_t> m, v;
 };
 
 uint16_t bf16_of(float f) {
@@ -82,7 +101,7 @@ AdamArgs args_for(State& t, StateKind s, long step) {
 
 // Bit patterns, not values (NaN != NaN).
 template <class T>
-bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
+bool same_bits(const Vec<T>& x, const Vec<T>& y) {
   return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0;
 }
 bool same(const State& x, const State& y) {
