@@ -224,15 +224,18 @@ def _node_count() -> int:
     return -(-world // local) if world and local else 1
 
 
-def check_trainable(engine_params, named_params) -> None:
+def check_trainable(engine_params, named_params, during_training: bool = False) -> None:
     """At ``train()``: parameters made trainable after the engine was built (``requires_grad_(True)`` between two
     ``train()`` calls) have no slot in it: their gradients would be computed and dropped at every step, and left out
-    of the logged grad_norm. Parameters frozen since then are fine (no gradient: skipped, as AdamW skips them)."""
+    of the logged grad_norm. Parameters frozen since then are fine (no gradient: skipped, as AdamW skips them).
+    ``during_training``: at an optimizer step (``trainer/trainable_watch.py``), for one unfrozen by a callback."""
     known = {id(p) for group in engine_params for p in group}
     new = [n for n, p in named_params if p.requires_grad and id(p) not in known]
     if new:
         shown = ", ".join(new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+        fix = ("Set requires_grad before creating the Trainer, or create a new Trainer after changing it" if not
+               during_training else "To unfreeze during training, make them trainable before the Trainer is created "
+               "(in a param group whose learning rate a callback raises from 0)")
         raise ConfigError(
             f"{len(new)} parameter(s) became trainable after the zero_offload engine was built ({shown}): the engine "
-            "holds no optimizer state for them and would never update them. Set requires_grad before creating the "
-            "Trainer, or create a new Trainer after changing it")
+            f"holds no optimizer state for them and would never update them. {fix}")

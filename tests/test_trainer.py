@@ -229,3 +229,28 @@ def test_callback_with_a_plain_trainer(tmp_path):
         t.train()
     for a, b in zip(ref_model.parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_callback_refuses_a_param_unfrozen_during_training(tmp_path):
+    """As the mixin: a param made trainable after the engine was built (here by a callback at step 2) has no slot in
+    it; the plain Trainer's clipping would count its gradient, the engine's cannot. Refused at the next step."""
+    from transformers import TrainerCallback
+
+    from hf_zero_offload import ZeroOffloadCallback
+    from hf_zero_offload.config import ConfigError
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    class Unfreeze(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2:
+                model.encoder.final_layer_norm.requires_grad_(True)
+
+    model = tiny_t5()
+    model.encoder.final_layer_norm.requires_grad_(False)
+    engine = OffloadAdam([p for p in model.parameters() if p.requires_grad], lr=1e-3, options=OffloadOptions())
+    trainer = Seq2SeqTrainer(model=model, args=args(tmp_path, "cb", max_grad_norm=0.0, max_steps=4),
+                             train_dataset=ToyDataset(), optimizers=(engine, None),
+                             callbacks=[ZeroOffloadCallback(), Unfreeze()])
+    with pytest.raises(ConfigError, match=r"1 parameter\(s\) became trainable after .*\(encoder.final_layer_norm.weight\)"):
+        trainer.train()
+    assert trainer.state.global_step == 2

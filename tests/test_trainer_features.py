@@ -204,6 +204,27 @@ def test_params_unfrozen_between_two_train_calls_are_refused(tmp_path):
         trainer.train()
 
 
+class _Unfreeze(TrainerCallback):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 2:
+            model.shared.requires_grad_(True)  # gradual unfreezing
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_params_unfrozen_by_a_callback_during_training_are_refused(tmp_path, gas):
+    """The plain Trainer silently never updates such a param (it is in no optimizer group) but counts its gradient in
+    its clipping; the engine cannot: refused at the next optimizer step, naming the param, nothing else changed."""
+    model = tiny_t5()
+    model.shared.requires_grad_(False)
+    trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "c", zero_offload=OFFLOAD, max_steps=5,
+                                                                gradient_accumulation_steps=gas, max_grad_norm=1.0),
+                                        train_dataset=ToyDataset(), callbacks=[_Unfreeze()])
+    with pytest.raises(ConfigError, match=r"1 parameter\(s\) became trainable after .*\(shared.weight\).*To unfreeze "
+                                          r"during training, make them trainable before the Trainer is created"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+
+
 def test_params_frozen_between_two_train_calls_stay_as_they_are(tmp_path):
     """As with the plain Trainer; the engine's hooks, attached again at every train(), were put on a frozen param,
     which torch refuses. Equal to the plain Trainer element by element."""

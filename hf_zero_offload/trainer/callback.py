@@ -9,6 +9,7 @@ from transformers import TrainerCallback
 from .. import resume
 from .last_step import publish_for_final_save, run_ends
 from .mixin import STATE_DIR, adopt_changed_params, logger
+from .trainable_watch import TrainableWatch
 
 
 class ZeroOffloadCallback(TrainerCallback):
@@ -85,6 +86,12 @@ class ZeroOffloadCallback(TrainerCallback):
                                                    "ZeroOffloadTrainer / ZeroOffloadMixin")
             if message:
                 logger.warning(message)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # a param made trainable since the engine was built (a callback's unfreezing): refused, as the mixin does
+        if not hasattr(self, "_watch"):
+            self._watch = TrainableWatch()
+        self._watch.check(self._engine(kwargs), kwargs.get("model"))
 
     def on_step_end(self, args, state, control, **kwargs):
         self._before_final_save(args, state, control, kwargs)

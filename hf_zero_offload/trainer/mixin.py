@@ -23,6 +23,7 @@ from ..launch_checks import (check_arguments, check_trainable, check_world_size,
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 from .last_step import PublishBeforeTrainEnd
+from .trainable_watch import RefuseNewTrainable
 from .saving import SCHEDULER_NAME as _SCHEDULER_NAME, STATE_DIR, CheckpointSaving
 
 logger = logging.getLogger("hf_zero_offload")
@@ -241,8 +242,8 @@ class ZeroOffloadMixin(CheckpointSaving):
         if self._zo_lock is not None and self._zo_lock.held:
             for path in resume.remove_stale_temp_files(self.args.output_dir):
                 logger.warning("hf_zero_offload: removed %s, left by a writer that was stopped mid-save", path)
-        first = PublishBeforeTrainEnd(self)
-        self.callback_handler.callbacks.insert(0, first)
+        first, watch = PublishBeforeTrainEnd(self), RefuseNewTrainable(self)
+        self.callback_handler.callbacks[:0] = [first, watch]
         try:
             if engine is not None:  # refused, naming why, when another engine has taken the model since
                 engine.attach_hooks()
@@ -253,6 +254,7 @@ class ZeroOffloadMixin(CheckpointSaving):
             raise
         finally:
             self.callback_handler.callbacks.remove(first)
+            self.callback_handler.callbacks.remove(watch)
             if self.zero_engine is not None:  # between runs the model is plain torch: a manual backward, a plain
                 self.zero_engine.detach_hooks()  # optimizer or another Trainer find their .grad (the hooks took it)
             if self._zo_lock is not None:
