@@ -181,3 +181,58 @@ def test_ctrl_c_while_the_step_is_decided_counts_no_step(monkeypatch):
         opt.step()
     assert opt.global_steps == 1 and opt._step_failed is None  # the step it counted was taken, whole
     opt.close()
+
+
+@pytest.mark.parametrize("dpu", [False, True])
+def test_fp16_overflow_at_the_minimum_scale_stops_as_deepspeed_does(dpu):
+    """A step that overflows with the dynamic scale at min_loss_scale and the hysteresis spent can only be skipped, and
+    so can every later one (a NaN loss): the run went on skipping with no word. DeepSpeed's DynamicLossScaler raises
+    there; so does the engine, in its words, before anything moves: the step untaken, the state whole."""
+    from hf_zero_offload.engine.loss_scaler import LossScaleAtMinimum
+
+    fp16 = dict(enabled=True, loss_scale=0, initial_scale_power=2, loss_scale_window=1000, hysteresis=1,
+                min_loss_scale=1)
+    _, _, model, opt = _pair(fp16=fp16, dpu=dpu, dpu_warmup_steps=0)
+    model.half()  # frozen params and buffers; the engine cast the trainable ones
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    opt.flush()
+    masters, steps = opt.master.clone(), opt._param_steps.clone()
+    scales = []
+    with pytest.raises(LossScaleAtMinimum, match=r"^Current loss scale already at minimum - cannot decrease scale "
+                                                  r"anymore\. Exiting run\. \(hf_zero_offload: step 4 overflowed"):
+        for _ in range(5):
+            (opt.scale_loss(torch.tensor(float("nan"))) * model.body[0].weight.sum()).backward()
+            opt.step()
+            scales.append(opt.loss_scale)
+            opt.zero_grad()
+    assert scales == [2, 1]  # 4 -> 2 -> 1, then the third overflow at 1 raises
+    assert opt.global_steps == 3 and opt.loss_scale == 1
+    opt.flush()
+    assert torch.equal(opt.master, masters) and torch.equal(opt._param_steps, steps)
+    opt.zero_grad()  # the refused step's gradients dropped: the engine trains on
+    _backward(model, 1)
+    opt.step()
+    assert opt.global_steps == 4 and not opt.last.skipped
+    opt.close()
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(hysteresis=0), "hysteresis must be an integer >= 1, got 0"),
+    (dict(loss_scale_window=0), "loss_scale_window must be an integer >= 1, got 0"),
+    (dict(initial_scale_power=2000), r"initial_scale_power must be an integer in \[0, 126\], got 2000"),
+    (dict(min_loss_scale=0.0), r"min_loss_scale must be a number in \[2\*\*-126, 2\*\*126\], got 0.0"),
+    (dict(min_loss_scale=1e9), r"min_loss_scale must be at most the initial scale"),
+    (dict(loss_scale=0.5), r"loss_scale must be 0 \(dynamic\) or a static scale in \[1, 2\*\*126\], got 0.5"),
+    (dict(hysteresis=True), "hysteresis must be an integer >= 1, got True"),
+])
+def test_fp16_options_without_a_ds_config_are_checked_as_the_ds_config_is(change, named):
+    """The ds_config refuses these by key; OffloadOptions.fp16 took them: a window of 0 failed with a
+    ZeroDivisionError at the third step (then reported as a step stopped part way), hysteresis 0 never lowered the
+    scale, a power of 2000 raised an OverflowError naming nothing."""
+    fp16 = {**dict(enabled=True, loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2,
+                   min_loss_scale=1.0), **change}
+    model = TinyNet()
+    with pytest.raises(ValueError, match=r"OffloadOptions\.fp16\." + named):
+        OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(fp16=fp16))

@@ -22,6 +22,7 @@ updated slice reaches the device synchronously), ``_publish_params()`` (same, fo
 """
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 
 import torch
@@ -188,6 +189,8 @@ class AdamCore(SavedState, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Op
                            "does): unlike a torch optimizer without zero_grad(), no .grad is kept to apply again or "
                            "to add the next backward to", type(self).__name__)
         self._last_received = received
+        # before anything moves: the step stays untaken (DeepSpeed stops the run there: it would skip every step)
+        self.scaler.refuse_overflow_at_minimum(not math.isfinite(sumsq), self.global_steps + 1)
         with DeferredSigint():  # Ctrl-C from here lands after the state is whole (step_guard.py)
             try:
                 # the count and the loss scaler move with the update: a Ctrl-C between them counted a step never

@@ -5,11 +5,44 @@ skipped; the scale is halved only once ``hysteresis`` overflows have been absorb
 budget is refilled each time the scale grows), never below ``min_loss_scale``. After
 ``loss_scale_window`` steps without an overflow, the scale doubles.
 Static (``loss_scale > 0``): the scale never changes; overflow steps are still skipped.
+An overflow with the dynamic scale at ``min_loss_scale`` and the hysteresis spent raises ``LossScaleAtMinimum``,
+as DeepSpeed's ``DynamicLossScaler`` does (its ``raise_error_at_min_scale``, on in ZeRO's optimizers): such a run
+only skipped every later step, with no word (a NaN loss: the gradients overflow at any scale).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+
+class LossScaleAtMinimum(RuntimeError):
+    """An fp16 step overflowed with the dynamic loss scale at its minimum and the hysteresis spent."""
+
+
+def _check_fp16(loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale) -> None:
+    """The ds_config's bounds (config/schema.py ``FP16``), for options built without a ds_config: a window of 0 failed
+    with a ZeroDivisionError at the third step, a hysteresis of 0 never lowered the scale (every step skipped)."""
+    def bad(key, want, value):
+        return ValueError(f"OffloadOptions.fp16.{key} must be {want}, got {value!r}")
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def integer(v, lo, hi=None):
+        return number(v) and float(v).is_integer() and lo <= v and (hi is None or v <= hi)
+
+    if not (number(loss_scale) and (loss_scale == 0 or 1 <= loss_scale <= 2.0 ** 126)):
+        raise bad("loss_scale", "0 (dynamic) or a static scale in [1, 2**126]", loss_scale)
+    if not integer(initial_scale_power, 0, 126):
+        raise bad("initial_scale_power", "an integer in [0, 126]", initial_scale_power)
+    for key, value in (("loss_scale_window", loss_scale_window), ("hysteresis", hysteresis)):
+        if not integer(value, 1):
+            raise bad(key, "an integer >= 1", value)
+    if not (number(min_loss_scale) and 2.0 ** -126 <= min_loss_scale <= 2.0 ** 126):
+        raise bad("min_loss_scale", "a number in [2**-126, 2**126]", min_loss_scale)
+    if loss_scale == 0 and min_loss_scale > 2.0 ** initial_scale_power:
+        raise bad("min_loss_scale", f"at most the initial scale 2**initial_scale_power = {2.0 ** initial_scale_power:g}",
+                  min_loss_scale)
 
 
 @dataclass
@@ -30,6 +63,8 @@ class LossScaler:
                   loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0) -> "LossScaler":
         if not enabled:
             return cls()
+        _check_fp16(loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale)
+        initial_scale_power, loss_scale_window, hysteresis = int(initial_scale_power), int(loss_scale_window), int(hysteresis)
         if loss_scale > 0:
             return cls(scale=float(loss_scale), enabled=True)
         return cls(scale=float(2 ** initial_scale_power), dynamic=True, enabled=True, scale_window=loss_scale_window,
@@ -46,6 +81,17 @@ class LossScaler:
     def scale_loss(self, loss):
         """The loss to call backward on: multiplied by the current scale (unchanged at scale 1)."""
         return loss * self.scale if self.scale != 1.0 else loss
+
+    def refuse_overflow_at_minimum(self, overflow: bool, step: int) -> None:
+        """Before a step's verdict changes anything: an overflow that ``update`` could no longer answer by lowering
+        the scale (DeepSpeed raises there too, in the same words)."""
+        if (overflow and self.enabled and self.dynamic and self.scale <= self.min_scale
+                and (self.hysteresis == 1 or self.cur_hysteresis == 1)):
+            raise LossScaleAtMinimum(
+                "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run. (hf_zero_offload: "
+                f"step {step} overflowed at the minimum fp16 loss scale {self.min_scale:g} with the hysteresis spent: "
+                "its gradients hold inf/NaN at any scale. Look for a NaN loss or inputs, lower fp16.min_loss_scale, "
+                "or train in bf16; nothing of this step was applied)")
 
     def update(self, overflow: bool) -> None:
         """Advance one optimizer step; ``overflow`` says whether its gradients held inf/nan."""
