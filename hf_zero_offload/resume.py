@@ -163,8 +163,8 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
     that names the newest whole checkpoint beside it, and a path that is no checkpoint at all a
     :class:`NotACheckpoint` saying what it is."""
     wrong = _not_a_checkpoint(checkpoint)
-    if wrong is not None:
-        raise NotACheckpoint(wrong)
+    if wrong is not None:  # transformers' own words first: scripts (and its test suite) match them
+        raise NotACheckpoint(f"Can't find a valid checkpoint at {checkpoint}. {wrong}")
     state = status(checkpoint)
     if state != "incomplete":
         _check_trainer_state(checkpoint)

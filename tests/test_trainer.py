@@ -254,3 +254,28 @@ def test_callback_refuses_a_param_unfrozen_during_training(tmp_path):
     with pytest.raises(ConfigError, match=r"1 parameter\(s\) became trainable after .*\(encoder.final_layer_norm.weight\)"):
         trainer.train()
     assert trainer.state.global_step == 2
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_callback_with_an_engine_over_some_trainable_params(tmp_path, clip):
+    """An engine its user built over some of the trainable params: the others are not updated, as with a plain
+    Trainer whose AdamW holds the same subset. Without clipping that is the same run; with clipping the plain Trainer's
+    norm counts their gradients and the engine's cannot: refused, saying so (not 'became trainable': they were)."""
+    from hf_zero_offload import ZeroOffloadCallback
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    model = tiny_t5()
+    left_out = model.encoder.final_layer_norm.weight
+    engine = OffloadAdam([p for p in model.parameters() if p is not left_out], lr=1e-3,
+                         options=OffloadOptions(max_grad_norm=clip))
+    before = left_out.detach().clone()
+    trainer = Seq2SeqTrainer(model=model, args=args(tmp_path, "sub", max_grad_norm=clip, max_steps=3),
+                             train_dataset=ToyDataset(), optimizers=(engine, None), callbacks=[ZeroOffloadCallback()])
+    if clip:
+        with pytest.raises(ConfigError, match=r"1 trainable parameter\(s\) the engine does not hold got gradients "
+                                              r"\(encoder.final_layer_norm.weight\): with --max_grad_norm"):
+            trainer.train()
+        assert trainer.state.global_step == 0
+    else:
+        trainer.train()
+        assert trainer.state.global_step == 3 and torch.equal(left_out, before)

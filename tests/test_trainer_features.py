@@ -205,24 +205,42 @@ def test_params_unfrozen_between_two_train_calls_are_refused(tmp_path):
 
 
 class _Unfreeze(TrainerCallback):
+    def __init__(self, hook, at):
+        self.hook, self.at = hook, at
+
+    def _maybe(self, state, model):
+        if state.global_step == self.at:
+            if self.hook == "swap":  # a submodule swapped in: its params were never seen by the engine
+                model.encoder.final_layer_norm = type(model.encoder.final_layer_norm)(model.config.d_model)
+            else:
+                model.shared.requires_grad_(True)  # gradual unfreezing
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step == 2:
-            model.shared.requires_grad_(True)  # gradual unfreezing
+        if self.hook in ("on_step_end", "swap"):
+            self._maybe(state, model)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.hook == "on_step_begin":
+            self._maybe(state, model)
 
 
-@pytest.mark.parametrize("gas", [1, 2])
-def test_params_unfrozen_by_a_callback_during_training_are_refused(tmp_path, gas):
+@pytest.mark.parametrize("hook, gas, at, name", [
+    ("on_step_end", 1, 2, "shared.weight"), ("on_step_end", 2, 2, "shared.weight"),
+    ("on_step_begin", 1, 4, "shared.weight"),  # after the watch's own on_step_begin, at the last step
+    ("swap", 1, 2, "encoder.final_layer_norm.weight"),
+])
+def test_params_unfrozen_by_a_callback_during_training_are_refused(tmp_path, hook, gas, at, name):
     """The plain Trainer silently never updates such a param (it is in no optimizer group) but counts its gradient in
-    its clipping; the engine cannot: refused at the next optimizer step, naming the param, nothing else changed."""
+    its clipping; the engine cannot: refused at that very optimizer step, naming the param, before it runs."""
     model = tiny_t5()
     model.shared.requires_grad_(False)
     trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "c", zero_offload=OFFLOAD, max_steps=5,
                                                                 gradient_accumulation_steps=gas, max_grad_norm=1.0),
-                                        train_dataset=ToyDataset(), callbacks=[_Unfreeze()])
-    with pytest.raises(ConfigError, match=r"1 parameter\(s\) became trainable after .*\(shared.weight\).*To unfreeze "
+                                        train_dataset=ToyDataset(), callbacks=[_Unfreeze(hook, at)])
+    with pytest.raises(ConfigError, match=rf"1 parameter\(s\) became trainable after .*\({name}\).*To unfreeze "
                                           r"during training, make them trainable before the Trainer is created"):
         trainer.train()
-    assert trainer.state.global_step == 2
+    assert trainer.state.global_step == at
 
 
 def test_params_frozen_between_two_train_calls_stay_as_they_are(tmp_path):

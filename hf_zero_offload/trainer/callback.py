@@ -76,6 +76,9 @@ class ZeroOffloadCallback(TrainerCallback):
         if engine is not None:  # what the mixin does at every train(): no window left part way, no stale masters
             engine.zero_grad(set_to_none=True)
             adopt_changed_params(engine)
+        model = kwargs.get("model")
+        if engine is not None and model is not None:  # the params its builder left out of it, as they are now
+            self._watch = TrainableWatch(frozenset(id(p) for p in TrainableWatch.outside(engine, model)))
         # A plain Trainer never loads zero_offload/: say so when it resumed a checkpoint that holds it.
         if state.global_step == 0:
             return
@@ -87,11 +90,12 @@ class ZeroOffloadCallback(TrainerCallback):
             if message:
                 logger.warning(message)
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        # a param made trainable since the engine was built (a callback's unfreezing): refused, as the mixin does
-        if not hasattr(self, "_watch"):
-            self._watch = TrainableWatch()
-        self._watch.check(self._engine(kwargs), kwargs.get("model"))
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # a param made trainable since the run began (a callback's unfreezing): refused, as the mixin does; one left
+        # out of the engine by its builder stays allowed, unless clipping would count its gradient (trainable_watch)
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.check(self._engine(kwargs), kwargs.get("model"), float(args.max_grad_norm or 0.0) > 0)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._before_final_save(args, state, control, kwargs)
