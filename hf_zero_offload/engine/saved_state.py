@@ -1,12 +1,11 @@
-"""``SavedState``: the state half of ``AdamCore`` (core.py), the part that leaves and re-enters the
-process: ``state_meta``/``state_tensors``/``state_dict``, checkpoints (``state_dir``, one file format
-for every engine and world size) and the loads of both.
+"""``SavedState``: the state half of ``AdamCore`` (core.py), the part that leaves and re-enters the process:
+``state_meta``/``state_tensors``/``state_dict``, checkpoints (``state_dir``, one file format for every engine and
+world size) and the loads of both.
 
-A load checks everything it can before its first write (``state_dir.check_meta`` /
-``check_tensors``, the loss scaler's values, the int8 code map), so a refused state leaves the
-optimizer as it was. A checkpoint's tensors then stream straight into the arena (no second copy of
-the state); should a chunk fail its checksum part way, ``_load_failed`` stays set and ``step``,
-``state_meta`` (hence every save) refuse until a load succeeds.
+A load checks everything it can before its first write (``state_dir.check_meta`` / ``check_tensors``, the loss
+scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A checkpoint's tensors then
+stream straight into the arena (no second copy of the state); should a chunk fail its checksum part way,
+``_load_failed`` stays set and ``step``, ``state_meta`` (hence every save) refuse until a load succeeds.
 
 A mixin of the same object, not a helper of another: its methods read the core's fields (``lo``,
 ``hi``, ``master``, ``moments``, ``param_groups``, ``_param_steps``, ``scaler``...) as its own.
@@ -119,24 +118,22 @@ class SavedState:
             hook(self)
 
     def _load_state_dict(self, state: dict) -> None:
-        where, error = "state dict", None
-        try:
+        where = "state dict"
+
+        def checked() -> tuple[dict, int]:
             if not isinstance(state, dict):
                 raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() "
                                 f"returns, got {type(state).__name__}")
-            state = self._check_saved(state, where)
-            if state.get("shard_start", 0) != self.lo or state.get("shard_end", state.get("numel")) != self.hi:
-                raise ValueError(f"this state is rank {state.get('rank', 0)} of {state.get('world_size', 1)}; this "
+            meta = self._check_saved(state, where)
+            if meta.get("shard_start", 0) != self.lo or meta.get("shard_end", meta.get("numel")) != self.hi:
+                raise ValueError(f"this state is rank {meta.get('rank', 0)} of {meta.get('world_size', 1)}; this "
                                  f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
                                  "load_checkpoint to change the world size")
-            state_dir.check_tensors(state, self.hi - self.lo, where)
-            codes = self._saved_codes(state, where)
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
-            error = e
+            state_dir.check_tensors(meta, self.hi - self.lo, where)
+            return meta, self._saved_codes(meta, where)
+
         # a refusal on one rank only left its peers in the collective below until the timeout: all hear of it
-        failed = self._ranks_that_failed(error is not None)
-        if error is not None:
-            raise error
+        (state, codes), failed = self._on_every_rank(checked)
         if failed:
             raise ValueError(f"load_state_dict: refused on rank(s) {failed} (their error says why); no rank loaded")
         # Accelerate (a plain Trainer given an engine) loads the engine's own state_dict() back at every train():
@@ -253,8 +250,8 @@ class SavedState:
         ``load_state_dict`` between two ``train()`` calls), found by comparing this slice of the model with its
         masters rounded as the kernel rounds them: their masters take the model's values (the moments stay, as
         CPUAdam and torch.optim keep theirs). Without this the next step published the stale masters over them,
-        without a word. Returns how many parameters of this slice changed. A DPU state whose masters are
-        meant to lead the model by one step (``needs_publish``) is left as it is."""
+        without a word. Returns how many params of this slice changed. A DPU state leading the model by one step
+        (``needs_publish``) is left as it is."""
         self._wait_worker()
         if self.needs_publish:
             return 0
@@ -292,19 +289,10 @@ class SavedState:
         the checkpoint's completion marker); a state of another save (a zero_offload/ copied or linked from
         another checkpoint) is refused before the first write.
 
-        Every rank calls it; all of them succeed or all raise. A failure only one rank can see (a damaged
-        chunk of the file only it reads) used to leave its peers loaded and training on, to wait for the
-        failed rank in their next collective (gloo: "connection closed by peer"; NCCL: a hang until the
-        timeout): now each rank says which ranks failed, and keeps its own mix refused (``_load_failed``)."""
-        error, meta, files = None, None, 0
-        try:
-            meta, files = self._read_checkpoint(directory, expected_save_id)
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
-            error = e
+        Every rank calls it; all succeed or all raise (``_on_every_rank``): a failure one rank alone sees (a
+        damaged chunk only it reads) left its peers training on, to wait for it in their next collective."""
         # the agreement comes before _finish_load, whose publish is a collective a failed rank never joins
-        failed = self._ranks_that_failed(error is not None)
-        if error is not None:
-            raise error
+        (meta, files), failed = self._on_every_rank(lambda: self._read_checkpoint(directory, expected_save_id))
         if failed:
             self._load_failed = f"checkpoint {directory} (rank(s) {failed} failed to load their part)"
             raise StateFileError(f"loading the optimizer state in {directory} failed on rank(s) {failed} (their "
@@ -314,6 +302,19 @@ class SavedState:
         self._load_failed = self._step_failed = None
         self.restored = state_dir.summary(meta, files)
         return self.restored
+
+    def _on_every_rank(self, work):
+        """(``work()``, the ranks whose ``work`` raised), once every rank has said whether its own did (a collective
+        for sharded engines: a rank that raised alone left its peers in their next one until the timeout)."""
+        error, result = None, None
+        try:
+            result = work()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
+            error = e
+        failed = self._ranks_that_failed(error is not None)
+        if error is not None:
+            raise error
+        return result, failed
 
     def _ranks_that_failed(self, failed: bool) -> list[int]:
         """The ranks whose load failed (one process: this one, if it did). A collective for sharded engines."""
