@@ -106,10 +106,9 @@ class SavedState:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size).
-        Every field and tensor is checked before the first write: a refused state changes nothing.
-        torch.optim's load_state_dict hooks run as in torch: the pre hooks see (and may replace) the dict
-        before the checks, the post hooks the optimizer as loaded."""
+        """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size). All is checked
+        before the first write: a refused state changes nothing (on any rank). torch.optim's hooks run as in torch:
+        the pre hooks see (and may replace) the dict, the post hooks the optimizer as loaded."""
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state)
             state = state if result is None else result
