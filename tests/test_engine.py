@@ -7,6 +7,7 @@ one (``-m cuda``); see tests/_modes.py.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 
@@ -264,6 +265,32 @@ def test_dpu_params_written_between_steps_are_what_the_next_step_starts_from(mod
     mode.sync()
     assert_models_close(ref_master, model, rtol=1e-5, atol=1e-6)
     assert model.body[0].weight.eq(0.5).all() == (at == 8)
+    opt.close()
+
+
+def test_dpu_a_param_written_during_every_delayed_step_is_warned_about(caplog):
+    """Each write keeps its values over the delayed step's update (above), so a param written during every delayed
+    step (nn.Embedding(max_norm=...) renormalises its weight at each forward) no longer trains: an INFO line per step
+    was all; a warning names its shape after three in a row, once. A write at every other step does not warn."""
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(num_threads=1, dpu=True,
+                                                                            dpu_warmup_steps=0))
+    every, other = model.body[0].weight, model.body[2].weight
+    for k, (ids, labels, use_branch) in enumerate(batches(7), start=1):
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            every.mul_(1.0)  # a write that changes nothing, at every step
+            if k % 2:
+                other.mul_(1.0)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "in place" in r.getMessage()]
+    assert warned == [f"hf_zero_offload: a parameter of shape {tuple(every.shape)} was written in place during each "
+                      "of the last 3 delayed steps (DPU): each write keeps its values and drops that step's update, "
+                      "so it no longer trains. Find what writes it at every step (nn.Embedding(max_norm=...) "
+                      "renormalises its weight at each forward), or turn delayed_param_update off"]
     opt.close()
 
 

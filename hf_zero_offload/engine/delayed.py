@@ -15,6 +15,8 @@ logger = logging.getLogger("hf_zero_offload")
 
 
 class DelayedUpdate:
+    _write_streaks: dict = {}  # id(param) -> how many publishes in a row found it written (replaced, never mutated)
+
     def _publish(self) -> None:
         """DPU: the masters computed on the worker reach the device parameters. A param written while the step
         was in flight (a callback's edit, ``load_state_dict``) keeps the written values, as a torch optimizer's
@@ -22,6 +24,7 @@ class DelayedUpdate:
         in-flight step's update of that param is dropped (its moments stay)."""
         if self.needs_publish:
             written = [(p, p.detach().to("cpu", copy=True)) for p in self._written_params()]
+            self._note_writes(written)
             self._publish_params()
             self.needs_publish = self._step_unpublished = False
             if written:
@@ -39,6 +42,19 @@ class DelayedUpdate:
         logger.info("hf_zero_offload: %d parameter(s) written while a delayed step (DPU) was in flight keep the "
                     "written values (that step's update of them is dropped; flush() before a write applies it first)",
                     len(written))
+
+    def _note_writes(self, written: list) -> None:
+        """A param written during every delayed step (an in-place renormalisation at each forward) never trains: said
+        once, as a warning, after three publishes in a row (``_keep_written``'s INFO line is hidden by default)."""
+        last = self._write_streaks
+        self._write_streaks = streaks = {id(p): last.get(id(p), 0) + 1 for p, _ in written}
+        for p, _ in written:
+            if streaks[id(p)] == 3:
+                logger.warning("hf_zero_offload: a parameter of shape %s was written in place during each of the "
+                               "last 3 delayed steps (DPU): each write keeps its values and drops that step's update, "
+                               "so it no longer trains. Find what writes it at every step (nn.Embedding(max_norm=...) "
+                               "renormalises its weight at each forward), or turn delayed_param_update off",
+                               tuple(p.shape))
 
     @torch.no_grad()
     def _masters_take(self, params: list) -> None:
