@@ -138,6 +138,20 @@ def warn_upcast(model, dtype: torch.dtype) -> None:
                        str(dtype).replace("torch.", ""), str(d).replace("torch.", ""), flag)
 
 
+def warn_keep_fp32(model, dtype: torch.dtype) -> None:
+    """Modules a transformers model keeps in fp32 when loaded in 16-bit (``_keep_in_fp32_modules``: T5's ``wo`` for
+    fp16; ``_keep_in_fp32_modules_strict``: e.g. DeepSeek-V3's router, which it requires) train in the one training
+    dtype here, as under DeepSpeed: said at INFO, and as a warning for the strict ones (an outside probe: nothing said)."""
+    if dtype == torch.float32:
+        return
+    for attr, level in (("_keep_in_fp32_modules", logging.INFO), ("_keep_in_fp32_modules_strict", logging.WARNING)):
+        names = [n for n in (getattr(model, attr, None) or []) if any(n in m for m, _ in model.named_modules())]
+        if names:
+            logger.log(level, "hf_zero_offload: %s keeps %s in fp32 (%s); the engine trains every parameter in %s, "
+                       "as DeepSpeed does, so those run in %s too", type(model).__name__, ", ".join(sorted(names)),
+                       attr, str(dtype).replace("torch.", ""), str(dtype).replace("torch.", ""))
+
+
 def warn_bf16_on_cpu(args, bf16: bool) -> None:
     if bf16 and (getattr(args, "use_cpu", False) or not torch.cuda.is_available()) and cpu_has_native_bf16() is False:
         logger.warning("hf_zero_offload: --bf16 on a CPU without AVX512-BF16 or AMX: torch emulates bf16 matmuls "

@@ -478,3 +478,20 @@ def test_an_embedding_with_max_norm_is_refused_with_dpu(tmp_path, dpu):
     else:
         trainer.train()
         assert trainer.state.global_step == 2
+
+
+def test_modules_a_model_keeps_in_fp32_are_named_when_trained_in_16_bit(tmp_path, caplog):
+    """A model's _keep_in_fp32_modules (T5's wo) and _keep_in_fp32_modules_strict (a router it requires in fp32) train
+    in the one training dtype, as under DeepSpeed; the strict ones were cast without a word."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    model = tiny_t5()
+    model._keep_in_fp32_modules_strict = ["lm_head"]
+    trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "k", zero_offload=OFFLOAD, max_steps=1,
+                                                                bf16=True), train_dataset=ToyDataset())
+    trainer.train()
+    said = {r.levelno: r.getMessage() for r in caplog.records if "keeps" in r.getMessage()}
+    assert said[logging.INFO].startswith("hf_zero_offload: T5ForConditionalGeneration keeps wo in fp32 "
+                                         "(_keep_in_fp32_modules); the engine trains every parameter in bfloat16")
+    assert "keeps lm_head in fp32 (_keep_in_fp32_modules_strict)" in said[logging.WARNING]

@@ -19,7 +19,7 @@ from ..engine.state_dir import GroupingMismatch, LayoutMismatch
 from ..accelerator_patch import patch_accelerator
 from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
 from ..launch_checks import (check_arguments, check_dpu_writers, check_trainable, check_world_size,
-                             refuse_user_optimizer, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_upcast)
+                             refuse_user_optimizer, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 from .last_step import PublishBeforeTrainEnd
@@ -162,6 +162,7 @@ class ZeroOffloadMixin(CheckpointSaving):
         if where is not None:
             check_user_groups(cfg, self._zo_raw.cfg, groups, where)
         warn_upcast(model, training_dtype(cfg))  # before the engine casts the trainable params
+        warn_keep_fp32(model, training_dtype(cfg))
         check_dpu_writers(model, cfg.zero.delayed_param_update.enabled)
         self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
