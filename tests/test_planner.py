@@ -303,9 +303,22 @@ def test_cli_table_in_process(capsys, tmp_path):
                      "16", "--batch-size", "4", "--configs", "baseline,zero2_offload"]) == 0
     text = capsys.readouterr().out
     assert "params: 230,400" in text
+    assert f"model: {path} (planned as T5ForConditionalGeneration)" in text  # the class a config becomes
     assert "baseline" in text and "zero2_offload" in text and "max batch" in text and "fits" in text
     lines = [ln for ln in text.splitlines() if ln.startswith(("configuration", "baseline", "zero2_offload"))]
     assert len({len(ln) for ln in lines}) == 1  # aligned
+
+
+def test_cli_refuses_a_model_without_a_language_model_head_in_one_line(capsys, tmp_path):
+    """A ViT config gave transformers' own error, which lists ~200 config classes (3.4 KB)."""
+    path = tmp_path / "vit.json"
+    path.write_text(json.dumps({"model_type": "vit", "hidden_size": 32, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "intermediate_size": 64}))
+    assert cli.main(["estimate", "--model", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert ("estimate plans text models with a language-model head (AutoModelForCausalLM); a ViTConfig (model_type "
+            "'vit') has none (vision, audio and classification models are not planned)") in err
+    assert len(err) < 600
 
 
 def test_consolidate_subcommand_dispatches_lazily():

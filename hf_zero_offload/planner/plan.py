@@ -188,6 +188,7 @@ class Plan:
     cuda: bool = True                  # planned as the engines allocate with CUDA present
     run_dtype: str | None = None       # what the run that asked for the plan trains in, when one did
     inputs: dict = field(default_factory=dict)  # the arguments of plan(), echoed by --json
+    model_class: str = ""              # the transformers class planned (a BERT config: BertLMHeadModel)
 
     def to_json(self) -> dict:
         return {"inputs": self.inputs, "params": self.params, "configs": [asdict(r) for r in self.rows]}
@@ -353,4 +354,4 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     inputs["model"] = _model_name(src)
     return Plan(_model_name(src), n, max_numel, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, rows,
                 time.perf_counter() - t0, all(p.aligned for p in profiles.values()), gradient_checkpointing,
-                cuda, run_dtype, inputs)
+                cuda, run_dtype, inputs, type(model).__name__)

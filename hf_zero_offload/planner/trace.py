@@ -165,6 +165,10 @@ def build_model(config, *, dtype: torch.dtype = torch.float32, device="meta", gr
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     cls = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    if type(config) not in cls._model_mapping:  # transformers' own error listed ~200 config classes (3.4 KB)
+        raise ValueError(f"estimate plans text models with a language-model head ({cls.__name__}); a "
+                         f"{type(config).__name__} (model_type {getattr(config, 'model_type', '?')!r}) has none "
+                         "(vision, audio and classification models are not planned)")
     with torch.device(device):
         model = cls.from_config(config, dtype=dtype)
     if gradient_checkpointing:
