@@ -141,7 +141,7 @@ def warn_upcast(model, dtype: torch.dtype) -> None:
 def warn_keep_fp32(model, dtype: torch.dtype) -> None:
     """Modules a transformers model keeps in fp32 when loaded in 16-bit (``_keep_in_fp32_modules``: T5's ``wo`` for
     fp16; ``_keep_in_fp32_modules_strict``: e.g. DeepSeek-V3's router, which it requires) train in the one training
-    dtype here, as under DeepSpeed: said at INFO, and as a warning for the strict ones (an outside probe: nothing said)."""
+    dtype here, as under DeepSpeed: said at INFO, a warning for the strict ones (an outside probe: nothing was said)."""
     if dtype == torch.float32:
         return
     for attr, level in (("_keep_in_fp32_modules", logging.INFO), ("_keep_in_fp32_modules_strict", logging.WARNING)):

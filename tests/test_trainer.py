@@ -251,7 +251,8 @@ def test_callback_refuses_a_param_unfrozen_during_training(tmp_path):
     trainer = Seq2SeqTrainer(model=model, args=args(tmp_path, "cb", max_grad_norm=0.0, max_steps=4),
                              train_dataset=ToyDataset(), optimizers=(engine, None),
                              callbacks=[ZeroOffloadCallback(), Unfreeze()])
-    with pytest.raises(ConfigError, match=r"1 parameter\(s\) became trainable after .*\(encoder.final_layer_norm.weight\)"):
+    with pytest.raises(ConfigError,
+                       match=r"1 parameter\(s\) became trainable after .*\(encoder.final_layer_norm.weight\)"):
         trainer.train()
     assert trainer.state.global_step == 2
 

@@ -41,8 +41,8 @@ def _check_fp16(loss_scale, initial_scale_power, loss_scale_window, hysteresis, 
     if not (number(min_loss_scale) and 2.0 ** -126 <= min_loss_scale <= 2.0 ** 126):
         raise bad("min_loss_scale", "a number in [2**-126, 2**126]", min_loss_scale)
     if loss_scale == 0 and min_loss_scale > 2.0 ** initial_scale_power:
-        raise bad("min_loss_scale", f"at most the initial scale 2**initial_scale_power = {2.0 ** initial_scale_power:g}",
-                  min_loss_scale)
+        initial = 2.0 ** initial_scale_power
+        raise bad("min_loss_scale", f"at most the initial scale 2**initial_scale_power = {initial:g}", min_loss_scale)
 
 
 @dataclass
@@ -64,7 +64,8 @@ class LossScaler:
         if not enabled:
             return cls()
         _check_fp16(loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale)
-        initial_scale_power, loss_scale_window, hysteresis = int(initial_scale_power), int(loss_scale_window), int(hysteresis)
+        initial_scale_power, loss_scale_window = int(initial_scale_power), int(loss_scale_window)
+        hysteresis = int(hysteresis)
         if loss_scale > 0:
             return cls(scale=float(loss_scale), enabled=True)
         return cls(scale=float(2 ** initial_scale_power), dynamic=True, enabled=True, scale_window=loss_scale_window,

@@ -1,8 +1,8 @@
 """Parameters made trainable while ``train()`` runs (a callback's gradual unfreezing, a submodule swapped in) have no
-slot in the engine: they are refused at the next optimizer step, as ``train()`` refuses one made trainable between
-two runs (``launch_checks.check_trainable``). The plain Trainer drops their update silently (they are in no optimizer
-group) but its ``clip_grad_norm_`` counts their gradients, which the engine's norm cannot: with clipping the two runs
-trained apart, with no word from either (an outside probe: 5.2e-5 apart after 12 steps).
+slot in the engine: they are refused at the optimizer step they would join, as ``train()`` refuses one made trainable
+between two runs (``launch_checks.check_trainable``). The plain Trainer drops their update silently (they are in no
+optimizer group) but its ``clip_grad_norm_`` counts their gradients, which the engine's norm cannot: with clipping the
+two runs trained apart, with no word from either (an outside probe: 5.2e-5 apart after 12 steps).
 
 The check runs at ``on_pre_optimizer_step``, after the step's backward passes and before the engine's step, over the
 model's params as they are then: an unfreeze in any callback's ``on_step_begin`` or a module swapped in mid-run is
