@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -16,6 +17,19 @@ if os.environ.get("HZO_TEST_EXTENSION"):
 from _kernels import LEVELS
 from _modes import ALL, make_mode
 from hf_zero_offload import ops
+
+
+@pytest.fixture(autouse=True, scope="session")
+def sigint_delivered():
+    """The Ctrl-C tests need SIGINT to reach Python: a suite started in the background (``make test &``, nohup) has
+    it ignored, which Python then leaves ignored, and so do the example scripts the tests run as children (an
+    ignored signal stays ignored across exec). Python's own handler for the session; children get the default."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(autouse=True)
