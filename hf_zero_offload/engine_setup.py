@@ -12,7 +12,7 @@ from . import ops
 from .config import ConfigError, TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
 from .engine.group_flags import IMPLEMENTATION_FLAGS, MATH_FLAGS
-from .launch_checks import LaunchError, launch_count
+from .launch_checks import LaunchError, first_names, launch_count
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -116,10 +116,9 @@ def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
                           "the model (an nn.Parameter attribute of a module) or train without zero_offload")
     left = [n for n, p in named_params if p.requires_grad and id(p) not in taken]
     if left:
-        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
-        raise ConfigError(f"{where} left {len(left)} trainable parameter(s) out of its param groups ({shown}): the "
-                          "plain Trainer clips them and counts them in grad_norm, the zero_offload engine would "
-                          "not; freeze them (requires_grad_(False)) or put them in a group")
+        raise ConfigError(f"{where} left {len(left)} trainable parameter(s) out of its param groups "
+                          f"({first_names(left)}): the plain Trainer clips them and counts them in grad_norm, the "
+                          "zero_offload engine would not; freeze them (requires_grad_(False)) or put them in a group")
     return groups
 
 

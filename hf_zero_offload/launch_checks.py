@@ -238,6 +238,11 @@ def _node_count() -> int:
     return -(-world // local) if world and local else 1
 
 
+def first_names(names: list) -> str:
+    """The first five of ``names`` for an error message, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def check_dpu_writers(model, dpu: bool) -> None:
     """With the delayed parameter update a param written while a delayed step is in flight keeps the written values and
     that step's update of it is dropped (engine/delayed.py). ``nn.Embedding(max_norm=...)`` renormalises the rows it
@@ -262,10 +267,9 @@ def check_trainable(engine_params, named_params, during_training: bool = False) 
     known = {id(p) for group in engine_params for p in group}
     new = [n for n, p in named_params if p.requires_grad and id(p) not in known]
     if new:
-        shown = ", ".join(new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
         fix = ("Set requires_grad before creating the Trainer, or create a new Trainer after changing it" if not
                during_training else "To unfreeze during training, make them trainable before the Trainer is created "
                "(in a param group whose learning rate a callback raises from 0)")
         raise ConfigError(
-            f"{len(new)} parameter(s) became trainable after the zero_offload engine was built ({shown}): the engine "
-            f"holds no optimizer state for them and would never update them. {fix}")
+            f"{len(new)} parameter(s) became trainable after the zero_offload engine was built ({first_names(new)}): "
+            f"the engine holds no optimizer state for them and would never update them. {fix}")

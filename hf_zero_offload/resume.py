@@ -17,7 +17,6 @@ import logging
 import os
 import re
 
-
 from .config import ConfigError
 from .engine.checkpoint import read_header, remove_durably, remove_stale_temporaries
 # the marker itself (resume.MARKER, resume.read_marker, ... stay importable from here)

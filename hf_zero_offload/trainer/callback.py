@@ -78,7 +78,8 @@ class ZeroOffloadCallback(TrainerCallback):
             adopt_changed_params(engine)
         model = kwargs.get("model")
         if engine is not None and model is not None:  # the params its builder left out of it, as they are now
-            self._watch = TrainableWatch(frozenset(id(p) for p in TrainableWatch.outside(engine, model)))
+            self._watch = TrainableWatch()
+            self._watch.left_out = frozenset(id(p) for p in self._watch.outside(engine, model))
         # A plain Trainer never loads zero_offload/: say so when it resumed a checkpoint that holds it.
         if state.global_step == 0:
             return

@@ -15,7 +15,7 @@ import weakref
 from transformers import TrainerCallback
 
 from ..config import ConfigError
-from ..launch_checks import check_trainable
+from ..launch_checks import check_trainable, first_names
 
 
 class TrainableWatch:
@@ -24,10 +24,13 @@ class TrainableWatch:
 
     def __init__(self, left_out: frozenset = frozenset()):
         self.left_out = left_out
+        self._known = (None, frozenset())  # (the engine, the ids of the params it holds): fixed for an engine
 
-    @staticmethod
-    def outside(engine, model) -> list:
-        known = {id(p) for group in engine.slot_params() for p in group}
+    def outside(self, engine, model) -> list:
+        """The model's trainable params, as they are now, that ``engine`` does not hold."""
+        if self._known[0] is not engine:
+            self._known = (engine, frozenset(id(p) for group in engine.slot_params() for p in group))
+        known = self._known[1]
         return [p for p in model.parameters() if p.requires_grad and id(p) not in known]
 
     def check(self, engine, model, clipping: bool) -> None:
@@ -38,15 +41,14 @@ class TrainableWatch:
         if any(id(p) not in self.left_out for p in outside):  # raises, naming them
             kept = [p for p in outside if id(p) in self.left_out]
             check_trainable(engine.slot_params() + [kept], model.named_parameters(), during_training=True)
-        with_grad = {id(p) for p in outside if p.grad is not None}
-        if clipping and with_grad:
+        with_grad = {id(p) for p in outside if p.grad is not None} if clipping else ()
+        if with_grad:
             names = [n for n, p in model.named_parameters() if id(p) in with_grad]
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             raise ConfigError(
-                f"{len(names)} trainable parameter(s) the engine does not hold got gradients ({shown}): with "
-                "--max_grad_norm the engine clips by its own params' norm, while a plain Trainer's clipping counts "
-                "theirs too, so the two would train apart. Build the engine over every trainable parameter, freeze "
-                "the others, or train without clipping")
+                f"{len(names)} trainable parameter(s) the engine does not hold got gradients ({first_names(names)}): "
+                "with --max_grad_norm the engine clips by its own params' norm, while a plain Trainer's clipping "
+                "counts theirs too, so the two would train apart. Build the engine over every trainable parameter, "
+                "freeze the others, or train without clipping")
 
 
 class RefuseNewTrainable(TrainerCallback):
