@@ -64,15 +64,44 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
     return out
 
 
+def _plain(name: str) -> str:
+    """A param name without the prefixes wrappers add (torch.compile's ``_orig_mod.``, DDP's ``module.``)."""
+    return name.replace("_orig_mod.", "").removeprefix("module.")
+
+
+def _saved_names(state_dir: str) -> list[list[str]] | None:
+    """The saved ``param_names.json`` (a list of alias lists), or None when absent, unreadable or malformed."""
+    try:
+        saved = _read_json(os.path.join(state_dir, NAMES_FILE))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(saved, list) and all(isinstance(a, list) and a and all(isinstance(n, str) for n in a)
+                                         for a in saved)
+    return saved if ok else None
+
+
+def names_mismatch(state_dir: str, slot_names: list[list[str]]) -> str:
+    """"" when the saved ``param_names.json`` names this model's slots (``slot_names``) in the same order (any
+    alias of each slot, wrappers' prefixes ignored), cannot be read (a checkpoint from before the file) or names
+    another number of slots (the engine's own layout check refuses that, with :func:`names_difference`); else
+    the difference, as :func:`names_difference` words it. The engine matches its state to the params by position
+    and writes the saved masters into them: the same shapes in another order would take another param's weights."""
+    saved = _saved_names(state_dir)
+    if saved is None or len(saved) != len(slot_names):  # another count: the engine's layout check refuses it
+        return ""
+    if all({_plain(n) for n in a} & {_plain(n) for n in b} for a, b in zip(saved, slot_names)):
+        return ""
+    return names_difference(state_dir, slot_names)
+
+
 def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
     """For a refused resume: the first params that differ between the saved ``param_names.json`` and this
     model's slots (``slot_names``), as text to append to the refusal ("" without a readable file)."""
-    try:
-        saved = _read_json(os.path.join(state_dir, NAMES_FILE))
-        saved = [a[0] for a in saved]
-    except (OSError, ValueError, TypeError, IndexError, KeyError):
+    saved = _saved_names(state_dir)
+    if saved is None:
         return ""
-    now = [a[0] for a in slot_names]
+    saved = [_plain(a[0]) for a in saved]
+    now = [_plain(a[0]) for a in slot_names]
 
     def first(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

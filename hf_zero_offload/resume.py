@@ -60,11 +60,17 @@ def output_dir_problem(output_dir: str, training: bool = True) -> str | None:
 
 
 def _not_whole(checkpoint: str) -> str:
-    """Why ``checkpoint`` is not whole: "incomplete (what: why)" or "damaged (what: why)"."""
+    """Why ``checkpoint`` is not whole: "incomplete (what: why)" or "damaged (what: why)"; or, for a complete
+    checkpoint of a plain (or DeepSpeed) Trainer among ours, what it is ("written without --zero_offload ...")."""
     changed = changed_files(checkpoint)
     if changed:
         shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
         return f"damaged ({shown}: it no longer holds what its save wrote)"
+    foreign = foreign_state(checkpoint)
+    if foreign is not None and read_marker(checkpoint) is None and os.path.isfile(os.path.join(checkpoint,
+                                                                                               TRAINER_STATE)):
+        return (f"written without --zero_offload ({foreign}), an optimizer state hf_zero_offload cannot take over "
+                "(the steps after the checkpoint chosen are trained again)")
     problem = marker_problem(checkpoint)
     what = f"{problem}, nothing else proves it whole" if problem else f"no {MARKER}"
     return f"incomplete ({what}: {_WHY})"
@@ -256,14 +262,39 @@ def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | No
             "Pass the same --zero_offload config to continue the run as it was")
 
 
+def foreign_state(checkpoint: str) -> str | None:
+    """What optimizer state of another tool ``checkpoint`` holds, in words ("DeepSpeed's global_step3/",
+    "optimizer.pt"), or None: DeepSpeed's ZeRO state (a ``global_stepN`` folder, or its ``latest`` file) or a torch
+    optimizer's (optimizer.pt/.bin: a plain Trainer's, or a ZeroOffloadCallback run's engine state_dict)."""
+    held = set(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else set()
+    steps = sorted(n for n in held if re.match(r"^global_step\d+$", n) and os.path.isdir(os.path.join(checkpoint, n)))
+    if steps or "latest" in held and "zero_to_fp32.py" in held:
+        return f"DeepSpeed's {steps[-1] + '/' if steps else 'latest'}"
+    found = [n for n in ("optimizer.pt", "optimizer.bin") if n in held]
+    return found[0] if found else None
+
+
+FRESH_START = ("To start a new run from these weights, load the model from the checkpoint (from_pretrained, or "
+                "--model_name_or_path) and train without resume_from_checkpoint: Adam's moments and the LR schedule "
+                "then start afresh")
+
+
 def missing_state_message(checkpoint: str, state_dir: str) -> str:
     """Why a checkpoint without ``state_dir/`` cannot be resumed with zero_offload, and what to do instead."""
-    if not any(os.path.isfile(os.path.join(checkpoint, n)) for n in ("optimizer.pt", "optimizer.bin", "scheduler.pt")):
+    foreign = foreign_state(checkpoint)
+    if foreign is not None and foreign.startswith("DeepSpeed"):
+        return (f"{checkpoint} was saved by DeepSpeed ({foreign} holds its ZeRO optimizer state, in DeepSpeed's own "
+                f"format, which hf_zero_offload does not read; no {state_dir}/). {FRESH_START}")
+    if foreign is not None:
+        return (f"{checkpoint} has no {state_dir}/ optimizer state: it was saved without --zero_offload ({foreign} "
+                "holds a torch optimizer's state: a plain Trainer's, or the engine's state_dict in a run with "
+                "ZeroOffloadCallback, which that callback's Trainer resumes). hf_zero_offload's Trainer resumes only "
+                f"its own {state_dir}/. {FRESH_START}")
+    if not os.path.isfile(os.path.join(checkpoint, "scheduler.pt")):
         return (f"{checkpoint} holds the model only (no {state_dir}/, optimizer or scheduler state: saved with "
                 "--save_only_model?): resuming with zero_offload needs the optimizer state (fp32 master weights, Adam "
-                "moments). To start a new run from these weights, load the model from the checkpoint "
-                "(from_pretrained) and train without resume_from_checkpoint")
-    return f"{checkpoint} has no {state_dir}/ optimizer state (was it saved without --zero_offload?)"
+                f"moments). {FRESH_START}")
+    return f"{checkpoint} has no {state_dir}/ optimizer state (was it saved without --zero_offload?). {FRESH_START}"
 
 
 def saved_learning_rate(checkpoint: str) -> float | None:

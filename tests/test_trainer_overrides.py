@@ -250,7 +250,7 @@ def test_resume_with_another_trainable_set_names_the_params(tmp_path):
                               args=_args(tmp_path, "run", max_steps=2, **kw)).train()
     trainer = ZeroOffloadSeq2SeqTrainer(model=frozen("decoder.final_layer_norm"), train_dataset=ToyDataset(),
                                         args=_args(tmp_path, "run", max_steps=4, **kw))
-    with pytest.raises(ValueError, match=r"this model has 43424 in 46 \(trainable now, not in the checkpoint: "
+    with pytest.raises(ValueError, match=r"\(trainable now, not in the checkpoint: "
                                          r"encoder\.final_layer_norm\.weight; trainable in the checkpoint, not now: "
                                          r"decoder\.final_layer_norm\.weight; from .*param_names\.json\)"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))

@@ -11,7 +11,7 @@ import torch
 from transformers import Seq2SeqTrainer, Trainer
 
 from .. import presets, resume
-from ..consolidate import names_difference
+from ..consolidate import names_difference, names_mismatch
 from ..args_view import args_view, early_view
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
@@ -326,6 +326,11 @@ class ZeroOffloadMixin(CheckpointSaving):
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+        if moved := names_mismatch(state_dir, self._zo_slot_names()):  # before anything is loaded
+            raise LayoutMismatch(f"{state_dir} was saved for other trainable params than this model's, or the same "
+                                 "in another order: the engine matches its state to the params by position and "
+                                 f"would write the saved weights into other params{moved}. Resume with the model "
+                                 f"and trainable params of that run. {resume.FRESH_START}")
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
         before = self.lr_scheduler.state_dict() if os.path.isfile(sched) else None
         try:

@@ -4,6 +4,7 @@ param names, and the completion marker written last (its rotation of old checkpo
 the Trainer's fields (``args``, ``state``, ``zero_engine``, ``_zo_raw``) as their own."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -12,8 +13,10 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from .. import resume
 from ..consolidate import write_param_names
-from ..engine.checkpoint import atomic_path, fsync_tree
+from ..engine.checkpoint import atomic_path, fsync_tree, remove_durably
 from .last_step import publish_for_final_save
+
+logger = logging.getLogger(__name__)
 
 STATE_DIR = "zero_offload"
 SCHEDULER_NAME = "scheduler.pt"
@@ -65,6 +68,13 @@ class CheckpointSaving:
         state_dir = os.path.join(output_dir, STATE_DIR)
         self.zero_engine.save_checkpoint(state_dir)
         if self.args.should_save:
+            # checkpoint-N of an earlier run without --zero_offload in this output_dir: its optimizer.pt would stay
+            # beside our state, recorded by our marker, and a plain Trainer's resume would load its moments
+            stale = [n for n in ("optimizer.pt", "optimizer.bin") if os.path.isfile(os.path.join(output_dir, n))]
+            if stale:
+                remove_durably(output_dir, stale)
+                logger.info("hf_zero_offload: removed %s from %s, left by an earlier run without --zero_offload "
+                            "(this checkpoint's optimizer state is %s/)", " and ".join(stale), output_dir, STATE_DIR)
             write_param_names(state_dir, self._zo_slot_names())
             with atomic_path(os.path.join(output_dir, SCHEDULER_NAME)) as tmp:
                 torch.save(self.lr_scheduler.state_dict(), tmp)

@@ -1,0 +1,107 @@
+"""Checkpoints moved between tools and models: a state whose params come in another order, a plain Trainer's or
+DeepSpeed's checkpoint handed to our resume, and a plain run's optimizer.pt left in a checkpoint-N we write again."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+
+from _t5 import OFFLOAD
+from hf_zero_offload import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
+
+
+class _Cfg(PretrainedConfig):
+    model_type = "hzo_two_linears"
+
+
+class _AB(PreTrainedModel):
+    """Two same-shaped layers: their order (and which one trains) can change while every shape stays."""
+    config_class = _Cfg
+
+    def __init__(self, config, order="ab"):
+        super().__init__(config)
+        for name in order:
+            setattr(self, name, nn.Linear(8, 8))
+        self.post_init()
+
+    def forward(self, x, y):
+        out = self.b(torch.tanh(self.a(x)))
+        return {"loss": ((out - y) ** 2).mean(), "logits": out}
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return [{"x": torch.randn(8, generator=g), "y": torch.randn(8, generator=g)} for _ in range(16)]
+
+
+def _train(out, zero, max_steps, order="ab", frozen=None, resume=None):
+    torch.manual_seed(0)
+    model = _AB(_Cfg(), order)
+    if frozen:
+        getattr(model, frozen).requires_grad_(False)
+    kw = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps",
+              save_steps=2, report_to="none", use_cpu=True, learning_rate=1e-2, disable_tqdm=True)
+    if zero:
+        trainer = ZeroOffloadTrainer(model=model, args=ZeroOffloadTrainingArguments(zero_offload=OFFLOAD, **kw),
+                                     train_dataset=_data())
+    else:
+        trainer = Trainer(model=model, args=TrainingArguments(**kw), train_dataset=_data())
+    trainer.train(resume_from_checkpoint=resume)
+    return model
+
+
+@pytest.mark.parametrize("order, frozen, named", [
+    ("ba", None, r"the same params in another order \(slot 0: a\.weight saved, b\.weight now\)"),
+    ("ab", "a", r"trainable now, not in the checkpoint: b\.weight, b\.bias; trainable in the checkpoint, not now: "
+                r"a\.weight, a\.bias"),
+], ids=["modules registered in another order", "the other layer trains"])
+def test_same_shapes_under_other_names_are_refused_before_any_weight_moves(tmp_path, order, frozen, named):
+    """The engine matches its state to the params by position and writes the saved masters into them: with the same
+    shapes in another order, layer a took layer b's trained weights (0.011 from b's, 0.095 from its own), silently."""
+    _train(tmp_path / "run", True, 2, frozen="b" if frozen else None)
+    with pytest.raises(ValueError, match=r"was saved for other trainable params than this model's, or the same in "
+                                         r"another order: the engine matches its state to the params by position.*"
+                                         + named):
+        _train(tmp_path / "again", True, 4, order=order, frozen=frozen, resume=str(tmp_path / "run" / "checkpoint-2"))
+
+
+def test_a_plain_runs_optimizer_pt_is_not_left_in_our_checkpoint(tmp_path, caplog):
+    """checkpoint-2 of a plain run, written again by ours in the same output_dir, kept that run's optimizer.pt
+    (recorded by our marker), which a plain Trainer's resume then loaded onto our weights."""
+    _train(tmp_path, False, 2)
+    with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+        _train(tmp_path, True, 2)
+    ckpt = tmp_path / "checkpoint-2"
+    assert not (ckpt / "optimizer.pt").exists() and (ckpt / "zero_offload").is_dir()
+    assert "optimizer.pt" not in (ckpt / "hzo_complete.json").read_text()
+    assert any("removed optimizer.pt" in r.getMessage() and "without --zero_offload" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_newer_plain_checkpoint_is_named_for_what_it_is(tmp_path, caplog):
+    """It was skipped as 'incomplete ... killed during the save'."""
+    _train(tmp_path, True, 2)
+    _train(tmp_path, False, 4, resume=str(tmp_path / "checkpoint-2"))
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        _train(tmp_path, True, 6, resume=True)
+    (msg,) = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert "checkpoint-4: written without --zero_offload (optimizer.pt)" in msg and "checkpoint-2" in msg
+    assert "killed" not in msg
+
+
+def test_a_plain_or_deepspeed_checkpoint_is_refused_with_the_way_forward(tmp_path):
+    _train(tmp_path, False, 2)
+    ckpt = tmp_path / "checkpoint-2"
+    with pytest.raises(FileNotFoundError, match=r"saved without --zero_offload \(optimizer\.pt holds a torch "
+                                                r"optimizer's state.*train without resume_from_checkpoint"):
+        _train(tmp_path / "ours", True, 4, resume=str(ckpt))
+    os.rename(ckpt / "optimizer.pt", tmp_path / "moved.pt")  # laid out as transformers + DeepSpeed save it
+    (ckpt / "global_step2").mkdir()
+    (ckpt / "latest").write_text("global_step2")
+    with pytest.raises(FileNotFoundError, match=r"was saved by DeepSpeed \(DeepSpeed's global_step2/ holds its ZeRO "
+                                                r"optimizer state.*train without resume_from_checkpoint"):
+        _train(tmp_path / "ours", True, 4, resume=str(ckpt))
