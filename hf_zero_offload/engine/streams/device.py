@@ -9,6 +9,7 @@ wait shows up as wrong numbers.
 from __future__ import annotations
 
 import contextlib
+import os
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
@@ -84,5 +85,23 @@ class Streams:
         # A new thread's current CUDA device is 0: the helper of rank r (torchrun, cuda:r) records its
         # events and queues its copies on this engine's device.
         init = (lambda: torch.cuda.set_device(self.device)) if self.cuda else None
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
+        return ForkSafeExecutor(lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init))
+
+
+class ForkSafeExecutor(Executor):
+    """An executor whose worker thread a fork()ed child gets anew: after a fork the child has no threads but the
+    parent's, and a ThreadPoolExecutor built before it still counts its worker, so a child's submit (a trial runner
+    training on in a forked process) waited forever. The child makes its own executor at its first submit."""
+
+    def __init__(self, make):
+        self._make, self._pid, self._inner = make, os.getpid(), make()
+
+    def submit(self, fn, /, *args, **kwargs):
+        if os.getpid() != self._pid:  # forked: the parent's executor has no thread here (abandoned, never joined)
+            self._pid, self._inner = os.getpid(), self._make()
+        return self._inner.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if os.getpid() == self._pid:  # a child does not wait for a worker it does not have
+            self._inner.shutdown(wait=wait, cancel_futures=cancel_futures)
 
