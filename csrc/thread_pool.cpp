@@ -151,8 +151,16 @@ void run_threads(int nthreads, void (*fn)(void*, int), void* ctx) {
   if (g_use_pool && pool().try_run(nthreads, with_csr, &w)) return;
   std::vector<std::thread> spawned;
   spawned.reserve(nthreads - 1);
-  for (int t = 1; t < nthreads; ++t) spawned.emplace_back(with_csr, &w, t);
+  int t = 1;
+  try {
+    for (; t < nthreads; ++t) spawned.emplace_back(with_csr, &w, t);
+  } catch (const std::system_error&) {
+    // No more threads to be had (a process thread limit, address space): the parts left run here, in order.
+    // A part's result does not depend on the thread that runs it, and the threads made must be joined (a
+    // joinable std::thread destroyed by the unwinding called std::terminate).
+  }
   with_csr(&w, 0);
+  for (int u = t; u < nthreads; ++u) with_csr(&w, u);
   for (auto& th : spawned) th.join();
 }
 

@@ -341,3 +341,37 @@ def test_set_simd_level_takes_any_case_and_names_a_non_string():
             ops.set_simd_level(None)
     finally:
         ops.set_simd_level(before)
+
+
+_NO_THREADS = r"""
+import resource, sys, torch
+from hf_zero_offload import ops
+n = 2**20
+gen = torch.Generator().manual_seed(5)
+p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+ref = p0.clone()
+ops.adam_step(ref, g, torch.zeros(n), torch.zeros(n), step=1, lr=1e-3, num_threads=1)
+p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+with open("/proc/self/status") as f:
+    vm = int(next(line.split()[1] for line in f if line.startswith("VmSize")))
+# room for a dozen 8 MiB thread stacks, not 63
+resource.setrlimit(resource.RLIMIT_AS, (vm * 1024 + 100 * 2**20, resource.RLIM_INFINITY))
+if sys.argv[1] == "busy":  # the pool taken by another call: the short-lived threads run out
+    from hf_zero_offload import _C
+    _C.set_thread_pool(False)
+ops.adam_step(p, g, m, v, step=1, lr=1e-3, num_threads=64)
+print("equal" if torch.equal(p, ref) else "differ")
+"""
+
+
+@pytest.mark.parametrize("path", ["pool", "busy"])
+def test_a_step_with_fewer_threads_than_asked_still_steps_the_whole_range(path):
+    """More threads asked than the process can make (a thread limit, an address space cap): the pool's or the
+    short-lived threads' creation failed; the short-lived ones then aborted the process (std::terminate: a
+    joinable thread destroyed by the unwinding) or raised "Resource temporarily unavailable", naming nothing.
+    The parts left now run on the calling thread, bit-identical (a part's result does not depend on its thread)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NO_THREADS, path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "equal", (done.returncode, done.stdout, done.stderr[-2000:])
