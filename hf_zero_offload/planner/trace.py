@@ -227,11 +227,12 @@ def _fused_attention_on_meta():
     meta device), which creates the seq x seq attention scores that a real step never holds: on the CPU the fused
     flash kernel runs, on a GPU flash or memory-efficient attention, each keeping only the output and a logsumexp.
     Traced through the CPU flash kernel's meta function instead (a Llama-shaped model at seq 2048 traced 8.5x its
-    real CPU step). With dropout the math path stays (the CPU kernel runs none)."""
+    real CPU step). With dropout the math path stays (the CPU kernel runs none), and with a mask that needs a gradient
+    (T5's learned position bias): the fused kernels take none, so a real step runs the math path too."""
     original = torch.nn.functional.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if query.device.type != "meta" or dropout_p:
+        if query.device.type != "meta" or dropout_p or (attn_mask is not None and attn_mask.requires_grad):
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
         # (grouped-query attention too: the kernel reads the shared key/value heads as they are)
