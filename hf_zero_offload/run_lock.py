@@ -60,8 +60,10 @@ class RunLock:
     """``acquire()`` returns a warning to log (a stale lock taken over) or None; ``release()`` is idempotent."""
 
     def __init__(self, directory: str):
-        self.path = os.path.join(directory, LOCK_NAME)
+        # absolute: a relative output_dir and a chdir before release() would unlink (or miss) another file
+        self.path = os.path.join(os.path.abspath(directory), LOCK_NAME)
         self.held = False
+        self.owned = False  # this object created (or took over) the file; False: another lock of this process did
 
     def _read(self) -> dict | None:
         try:
@@ -111,8 +113,10 @@ class RunLock:
         os.makedirs(directory, exist_ok=True)
         me = _me()
         warning = None
+        mine = False
         for _ in range(3):  # a racing taker may remove the file between our reads
             if self._create(me):
+                mine = True
                 break
             with self._takeover_guard():
                 owner = self._read()
@@ -134,12 +138,13 @@ class RunLock:
                 # replace, not delete + create: a process creating the lock anew (O_EXCL) sees a file throughout
                 with atomic_open(self.path, "w") as f:
                     json.dump(me, f)
+                mine = True
         else:
             raise RunLockError(f"{self.path}: could not take the run lock (it keeps changing owner)")
         if not _same_process(self._read() or {}, me):
             raise RunLockError(f"{self.path}: another run took the output_dir at the same moment")
         if not self.held:
-            self.held = True
+            self.held, self.owned = True, mine
             atexit.register(self.release)
         return warning
 
@@ -149,7 +154,7 @@ class RunLock:
         self.held = False
         atexit.unregister(self.release)
         owner = self._read()
-        if owner is not None and _same_process(owner, _me()):
+        if self.owned and owner is not None and _same_process(owner, _me()):
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

@@ -362,3 +362,12 @@ def test_cuda_gradient_memory_is_bounded_by_the_buckets():
     assert all(p.grad is None for p in model.parameters())
     torch.cuda.synchronize()  # the last tile uploads read the pinned arena that close() unregisters
     opt.close()
+
+
+@pytest.mark.parametrize("value, simulated", [("1", True), ("yes", True), ("", False), ("0", False),
+                                              ("false", False), ("No", False), (" 0 ", False)])
+def test_the_simulator_switch_reads_off_as_the_debug_switch_does(monkeypatch, value, simulated):
+    """HF_ZERO_OFFLOAD_SIMULATE_STREAMS=false (or no) turned the simulator on."""
+    from hf_zero_offload.engine.streams import SIMULATE_ENV, SimStreams, make_streams
+    monkeypatch.setenv(SIMULATE_ENV, value)
+    assert isinstance(make_streams(torch.device("cpu")), SimStreams) is simulated

@@ -452,6 +452,52 @@ def test_a_second_live_run_is_an_error_before_any_work(tmp_path):
         other.wait()
 
 
+def test_the_lock_is_held_while_train_runs_only(tmp_path, monkeypatch):
+    """It was taken in __init__ and released at the end of train() or at exit: a Trainer built for evaluate(), dropped,
+    or whose __init__ failed kept any other process off its output_dir until the notebook's kernel exited; and with a
+    relative output_dir and a chdir before train() the lock stayed in the first directory."""
+    from transformers import TrainerCallback
+
+    def build(out, **kw):
+        return ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=ToyDataset(), args=(
+            ZeroOffloadSeq2SeqTrainingArguments(output_dir=out, **{**COMMON, "zero_offload": OFFLOAD, **kw})))
+
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(os.path.exists(os.path.join(os.path.abspath(args.output_dir), LOCK_NAME)))
+
+    monkeypatch.chdir(tmp_path)
+    trainer = build("run", max_steps=1)
+    assert not (tmp_path / "run" / LOCK_NAME).exists()  # built: nothing held
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the outputs go to elsewhere/run now, and so does the lock
+    trainer.add_callback(Look())
+    trainer.train()
+    assert seen == [True] and not (tmp_path / "elsewhere" / "run" / LOCK_NAME).exists()
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(ToyDataset())
+
+    with pytest.raises(ValueError):  # refused in transformers' __init__, after ours took the lock
+        ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=Stream(), args=(
+            ZeroOffloadSeq2SeqTrainingArguments(output_dir="failed", **{**COMMON, "zero_offload": OFFLOAD,
+                                                                      "max_steps": -1})))
+    assert not (tmp_path / "elsewhere" / "failed" / LOCK_NAME).exists()
+
+
+def test_a_second_lock_of_the_same_process_leaves_the_first_ones_file(tmp_path):
+    first, second = RunLock(str(tmp_path)), RunLock(str(tmp_path))
+    first.acquire()
+    second.acquire()  # re-entrant: another Trainer of the same script
+    second.release()
+    assert (tmp_path / LOCK_NAME).exists()
+    first.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
 def test_stale_lock_is_taken_over_and_foreign_host_is_an_error(tmp_path, caplog):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     _foreign_lock(tmp_path / "stale", dead)

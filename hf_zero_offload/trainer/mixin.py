@@ -64,6 +64,8 @@ class ZeroOffloadMixin(CheckpointSaving):
                 super().__init__(*args, **kwargs)
             finally:
                 targs.fp16, targs.bf16, targs.mixed_precision = saved
+                if self._zo_lock is not None:  # taken above to refuse a live run before any work; held in train()
+                    self._zo_lock.release()  # only: a Trainer built for evaluate() or dropped kept other runs out
         else:
             super().__init__(*args, **kwargs)
         if targs is not None:
@@ -85,8 +87,10 @@ class ZeroOffloadMixin(CheckpointSaving):
 
     def _zo_take_lock(self, targs) -> None:
         if targs.output_dir:
-            self._zo_lock = take_job_lock(self._zo_lock or RunLock(targs.output_dir), targs.process_index,
-                                          targs.world_size)
+            lock = self._zo_lock
+            if lock is None or not lock.held:  # a relative output_dir is where it points now (after any chdir)
+                lock = RunLock(targs.output_dir)
+            self._zo_lock = take_job_lock(lock, targs.process_index, targs.world_size)
 
     @property
     def zero_engine(self):

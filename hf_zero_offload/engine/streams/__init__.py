@@ -18,6 +18,7 @@ __all__ = ["SIMULATE_ENV", "SimStreams", "Streams", "make_streams"]
 
 def make_streams(device: torch.device) -> Streams:
     """Streams for ``device``; on a CPU device the simulator when ``HF_ZERO_OFFLOAD_SIMULATE_STREAMS=1``."""
-    if device.type == "cpu" and os.environ.get(SIMULATE_ENV, "0") not in ("", "0"):
+    # the words HF_ZERO_OFFLOAD_DEBUG takes for off ("false" turned the simulator on)
+    if device.type == "cpu" and os.environ.get(SIMULATE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
         return SimStreams()
     return Streams(device)
