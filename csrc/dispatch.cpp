@@ -56,20 +56,22 @@ void set_level(const std::string& level) {
 
 std::string current_level() { return g_table.name; }
 
-// An int8 scale is its block's absmax: >= 0, or NaN/inf after a non-finite step. A negative one was not
-// written by this kernel, and the vector kernels rely on it (they skip |v| for exp_avg_sq), so it is
-// refused before anything is written. Here rather than in Python: a torch reduction over the scales
+// An int8 scale is its block's absmax: >= 0, or inf after a non-finite step, never NaN (the block max skips a
+// NaN). A negative or NaN one was not written by this kernel (a NaN spread to its whole block at the next
+// step), and the vector kernels rely on it (they skip |v| for exp_avg_sq), so it is refused before anything
+// is written. Here rather than in Python: a torch reduction over the scales
 // (parallel from 32K of them) would leave torch's OpenMP workers spinning on the cores this step's
 // threads then need (a 50M-param step measured 28.8 ms with that check before it, 20.5 ms without).
 static void check_q8_scales(const AdamArgs& a, size_t n) {
   const size_t nb = (n + kQBlock - 1) / kQBlock;
   for (const auto& [name, s] : {std::pair<const char*, const float*>{"exp_avg_scale", a.exp_avg_scale},
                                 {"exp_avg_sq_scale", a.exp_avg_sq_scale}}) {
-    bool negative = false;
-    for (size_t k = 0; k < nb; ++k) negative |= s[k] < 0.0f;  // false for NaN, as torch's t < 0
-    if (negative)
-      throw std::invalid_argument(std::string(name) + " has negative entries: a scale is its block's absmax (>= 0), "
-                                  "so this int8 state was not written by hf_zero_offload (or is damaged)");
+    bool bad = false;
+    for (size_t k = 0; k < nb; ++k) bad |= !(s[k] >= 0.0f);  // negative or NaN
+    if (bad)
+      throw std::invalid_argument(std::string(name) + " has negative or NaN entries: a scale is its block's absmax "
+                                  "(>= 0, never NaN), so this int8 state was not written by hf_zero_offload (or is "
+                                  "damaged)");
   }
 }
 

@@ -291,20 +291,42 @@ def test_config_key_reaches_the_engine_options():
         config.resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
 
 
-def test_int8_state_with_negative_scales_is_refused_on_load(tmp_path):
-    """A checkpoint (valid checksum) whose int8 scales are negative was not written by us: the load
-    names the directory and stops; a state dict likewise."""
+@pytest.mark.parametrize("key", ["master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"])
+@pytest.mark.parametrize("target", ["int8", "fp32"])
+def test_a_state_tensor_longer_than_its_header_says_is_refused(tmp_path, key, target):
+    """One element too many in a checksum-valid file loaded without a word (one too few was refused): every
+    tensor's length is now checked to equal what the header's numel implies."""
+    from hf_zero_offload.engine import state_dir
     torch.manual_seed(0)
     model = TinyNet()
     opt = engine(None, model, "int8")
     train(model, opt, batches(2))
-    opt.moments.state["exp_avg_sq_scale"][0] = -1.0
+    tensors = {k: v.clone() for k, v in opt.state_tensors().items()}
+    tensors[key] = torch.cat([tensors[key], tensors[key][:1]])
+    state_dir.save(str(tmp_path), 0, 1, opt.state_meta(), tensors, barrier=None, partition=None)
+    other = engine(None, copy.deepcopy(model), target)
+    with pytest.raises(ValueError, match=rf"rank0_of_1\.hzo: {key} is \w+, \d+ bytes, expected"):
+        other.load_checkpoint(str(tmp_path))
+    for o in (opt, other):
+        o.close()
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")], ids=["negative", "nan"])
+def test_int8_state_with_negative_scales_is_refused_on_load(tmp_path, bad):
+    """A checkpoint (valid checksum) whose int8 scales are negative or NaN was not written by us (the block max
+    skips a NaN; a NaN scale loaded turned its block's 256 params NaN at the next step): the load names the
+    directory and stops; a state dict likewise."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = engine(None, model, "int8")
+    train(model, opt, batches(2))
+    opt.moments.state["exp_avg_sq_scale"][0] = bad
     opt.save_checkpoint(str(tmp_path))
     bad = opt.state_dict()
     other = engine(None, copy.deepcopy(model), "int8")
-    with pytest.raises(ValueError, match=f"{tmp_path}/rank0_of_1.hzo: exp_avg_sq_scale has negative entries"):
+    with pytest.raises(ValueError, match=f"{tmp_path}/rank0_of_1.hzo: exp_avg_sq_scale has negative or NaN entries"):
         other.load_checkpoint(str(tmp_path))
-    with pytest.raises(ValueError, match="state dict: exp_avg_sq_scale has negative entries"):
+    with pytest.raises(ValueError, match="state dict: exp_avg_sq_scale has negative or NaN entries"):
         other.load_state_dict(bad)
     for o in (opt, other):
         o.close()

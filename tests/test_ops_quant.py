@@ -321,22 +321,24 @@ def test_compact_math_flag():
                       compact_math=True)
 
 
-def test_negative_scales_are_refused_before_any_write():
-    """A scale is its block's absmax; the vector kernels rely on it being >= 0 (NaN allowed: a
-    non-finite step), so a negative one is refused by ops, and nothing is written."""
+@pytest.mark.parametrize("bad", [-1.0, float("nan")], ids=["negative", "nan"])
+def test_negative_scales_are_refused_before_any_write(bad):
+    """A scale is its block's absmax; the vector kernels rely on it being >= 0, and the kernel never writes a NaN
+    one (the block max skips a NaN; inf it may), so either is refused by ops, and nothing is written."""
     args = _args()
-    args["exp_avg_sq_scale"][1] = -1.0
+    args["exp_avg_sq_scale"][1] = bad
     p, g = args.pop("param"), args.pop("grad")
     p0 = p.clone()
-    with pytest.raises(ValueError, match="exp_avg_sq_scale has negative entries"):
+    with pytest.raises(ValueError, match="exp_avg_sq_scale has negative or NaN entries"):
         ops.adam_step(p, g + 1, args.pop("exp_avg"), args.pop("exp_avg_sq"), step=1, lr=1e-3, **args)
     assert torch.equal(p, p0)
     st = ops.make_state(512, "int8")
-    st["exp_avg_scale"][0] = float("nan")  # allowed
+    st["exp_avg_scale"][0] = float("inf")  # allowed: a block that met an inf
     ops.adam_step(torch.zeros(512), torch.ones(512), **st, step=1, lr=1e-3)
 
 
-def test_cpu_adam_refuses_a_state_dict_with_negative_scales():
+@pytest.mark.parametrize("bad", [-0.5, float("nan")], ids=["negative", "nan"])
+def test_cpu_adam_refuses_a_state_dict_with_negative_scales(bad):
     from hf_zero_offload.cpu_adam import CPUAdam
 
     p = torch.nn.Parameter(torch.randn(600))
@@ -345,9 +347,9 @@ def test_cpu_adam_refuses_a_state_dict_with_negative_scales():
     opt.step()
     sd = opt.state_dict()
     sd["state"][0]["exp_avg_scale"] = sd["state"][0]["exp_avg_scale"].clone()
-    sd["state"][0]["exp_avg_scale"][2] = -0.5
+    sd["state"][0]["exp_avg_scale"][2] = bad
     fresh = CPUAdam([torch.nn.Parameter(p.detach().clone())], lr=1e-3, state_dtype="int8")
-    with pytest.raises(ValueError, match="exp_avg_scale has negative entries"):
+    with pytest.raises(ValueError, match="exp_avg_scale has negative or NaN entries"):
         fresh.load_state_dict(sd)
     assert len(fresh.state) == 0  # nothing loaded
 

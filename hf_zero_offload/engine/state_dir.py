@@ -320,7 +320,7 @@ def check_sources(srcs: list[tuple[str, int, int]], saved: str, lo: int, hi: int
         entries = checkpoint.read_header(path)[1]
         for key, (count, dtype) in {"master": (b0 - a0, torch.float32), **moment_regions(b0 - a0, saved)}.items():
             e, name = entries.get(key), str(dtype).replace("torch.", "")
-            if e is None or e.get("dtype") != name or e.get("nbytes", 0) < count * dtype.itemsize:
+            if e is None or e.get("dtype") != name or e.get("nbytes", 0) != count * dtype.itemsize:
                 got = "missing" if e is None else f"{e.get('dtype')}, {e.get('nbytes')} bytes"
                 raise StateFileError(f"{path}: {key} is {got}, expected {name}, {count * dtype.itemsize} bytes (the "
                                      f"{saved} state of elements [{a0}, {b0})): this file was not written by "

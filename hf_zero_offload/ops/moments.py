@@ -70,15 +70,16 @@ def check_blocks(**pairs) -> None:
 
 
 def check_scales(exp_avg_scale: torch.Tensor, exp_avg_sq_scale: torch.Tensor) -> None:
-    """int8 scales are their blocks' absmax: >= 0 (NaN or inf after a non-finite step). A negative
-    one was not written by this kernel; the vector kernels rely on it (they skip |v| for
-    exp_avg_sq, which the kernel only ever computes >= 0), so it is refused before any write. For loads;
+    """int8 scales are their blocks' absmax: >= 0 (inf after a non-finite step; never NaN: the block max
+    skips a NaN). A negative or NaN one was not written by this kernel (a NaN scale turned its whole block
+    of params NaN at the next step); the vector kernels rely on it (they skip |v| for exp_avg_sq, which the
+    kernel only ever computes >= 0), so it is refused before any write. For loads;
     ``adam_step`` has the same check in C++ (a torch reduction there would leave torch's OpenMP workers
     spinning on the cores the step's threads need)."""
     for name, t in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
-        if bool((t < 0).any()):
-            raise ValueError(f"{name} has negative entries: a scale is its block's absmax (>= 0), so this "
-                             "int8 state was not written by hf_zero_offload (or is damaged)")
+        if bool(((t < 0) | t.isnan()).any()):
+            raise ValueError(f"{name} has negative or NaN entries: a scale is its block's absmax (>= 0, never NaN), "
+                             "so this int8 state was not written by hf_zero_offload (or is damaged)")
 
 
 #: The largest code magnitude the kernel writes (csrc/quant.h, QFormat::kMaxMag: 1.0's code, where
