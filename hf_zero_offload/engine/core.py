@@ -73,8 +73,6 @@ class AdamCore(SavedState, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Op
         self.last = StepResult(False, 0.0, self.scaler.scale)
         self._worker = self.streams.executor("hzo-dpu") if options.dpu else None
         self._pending: Future | None = None
-        if self._worker is not None:
-            self._watch_fork()
         self._uploaded = None        # DPU: event of the worker's last upload (None: nothing to wait for)
         self._prepared = None        # this step's (sumsq, received), computed once
         self._prepared_at = None     # _arrivals() when it was: a gradient after that makes it stale

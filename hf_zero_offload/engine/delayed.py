@@ -6,25 +6,13 @@ or a model given other weights does to a step still in flight. Its methods read 
 from __future__ import annotations
 
 import logging
-import os
-import weakref
 
 import torch
 
 from .runs import FlatIndex
+from .streams.device import outcome
 
 logger = logging.getLogger("hf_zero_offload")
-
-_WITH_WORKER: weakref.WeakSet = weakref.WeakSet()  # engines with a DPU worker, for _after_fork_in_child
-
-
-def _after_fork_in_child() -> None:
-    for engine in list(_WITH_WORKER):
-        engine._forked_during_step()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class DelayedUpdate:
@@ -84,25 +72,12 @@ class DelayedUpdate:
         if self.needs_publish:
             self._masters_take(self._written_params())
 
-    def _watch_fork(self) -> None:
-        """A process forked while this engine's delayed step runs: the child must not wait for it (its worker thread
-        is the parent's) nor step on from masters it left part way (``_forked_during_step``)."""
-        _WITH_WORKER.add(self)
-
-    def _forked_during_step(self) -> None:
-        pending = self._pending
-        if pending is not None and not pending.done():
-            self._pending, self._uploaded = None, None
-            self.needs_publish = self._step_unpublished = False
-            self._step_failed = ("this process was forked while a delayed (DPU) step ran on its parent's worker "
-                                 "thread, which the child does not have: the child's masters are part way through "
-                                 "that step")
-
     def _wait_worker(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None  # a failure is raised once, then refused by name
             try:
-                self._uploaded = pending.result()  # re-raises a failure of the worker here
+                # re-raises a failure of the worker here; in a child forked while the step ran, ForkedMidTask
+                self._uploaded = outcome(pending)
             except BaseException as e:
                 self._step_failed = f"the delayed (DPU) step stopped part way ({type(e).__name__}: {e})"
                 self.needs_publish = self._step_unpublished = False  # its masters are a mix: not published

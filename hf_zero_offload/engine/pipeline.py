@@ -15,6 +15,7 @@ import torch
 from .buffers import write_grad
 from .grad_hooks import GradHooks
 from .streams import Streams
+from .streams.device import outcome
 
 _SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thread
 
@@ -104,7 +105,7 @@ class GradPipeline:
     def _wait(self, slot: int) -> None:
         fut, self._futures[slot] = self._futures[slot], None
         if fut is not None:
-            fut.result()  # re-raises a failed scatter here
+            outcome(fut)  # re-raises a failed scatter here (and one cut by a fork: streams.device.outcome)
 
     def _retire(self, slot: int, pending: list) -> None:
         if not pending:

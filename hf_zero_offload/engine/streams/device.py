@@ -88,10 +88,16 @@ class Streams:
         return ForkSafeExecutor(lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init))
 
 
+class ForkedMidTask(RuntimeError):
+    """A helper thread's task was running when this process was forked from its parent: the child has no such
+    thread, and what the task wrote is part way."""
+
+
 class ForkSafeExecutor(Executor):
     """An executor whose worker thread a fork()ed child gets anew: after a fork the child has no threads but the
     parent's, and a ThreadPoolExecutor built before it still counts its worker, so a child's submit (a trial runner
-    training on in a forked process) waited forever. The child makes its own executor at its first submit."""
+    training on in a forked process) waited forever. The child makes its own executor at its first submit; a
+    future submitted before the fork is read with :func:`outcome`."""
 
     def __init__(self, make):
         self._make, self._pid, self._inner = make, os.getpid(), make()
@@ -99,9 +105,25 @@ class ForkSafeExecutor(Executor):
     def submit(self, fn, /, *args, **kwargs):
         if os.getpid() != self._pid:  # forked: the parent's executor has no thread here (abandoned, never joined)
             self._pid, self._inner = os.getpid(), self._make()
-        return self._inner.submit(fn, *args, **kwargs)
+        future = self._inner.submit(fn, *args, **kwargs)
+        future.hzo_pid = self._pid
+        return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         if os.getpid() == self._pid:  # a child does not wait for a worker it does not have
             self._inner.shutdown(wait=wait, cancel_futures=cancel_futures)
 
+
+
+def outcome(future):
+    """``future.result()``; in a process forked after the submit, the outcome the parent's thread had reached at
+    the fork, read without the future's lock (that thread may have held it then, and the child's copy of the lock
+    would stay taken): its result, its exception, or :class:`ForkedMidTask` when it was still running."""
+    if getattr(future, "hzo_pid", None) in (None, os.getpid()):
+        return future.result()
+    if future._state != "FINISHED":  # noqa: SLF001 - a plain read: no lock in a forked child
+        raise ForkedMidTask("this process was forked while the task ran on its parent's helper thread, which the "
+                            "child does not have")
+    if future._exception is not None:  # noqa: SLF001
+        raise future._exception  # noqa: SLF001
+    return future._result  # noqa: SLF001
