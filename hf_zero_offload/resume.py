@@ -63,10 +63,13 @@ def _not_whole(checkpoint: str) -> str:
     """Why ``checkpoint`` is not whole: "incomplete (what: why)" or "damaged (what: why)"; or, for a complete
     checkpoint of a plain (or DeepSpeed) Trainer among ours, what it is ("written without --zero_offload ...")."""
     changed = changed_files(checkpoint)
+    foreign = foreign_state(checkpoint)
+    if changed and foreign is not None and foreign not in (read_marker(checkpoint) or {}).get("files", {}):
+        return (f"saved again by a run without --zero_offload ({foreign}, which our save did not write, beside our "
+                "state of an earlier step: the model and trainer state are that run's now)")
     if changed:
         shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
         return f"damaged ({shown}: it no longer holds what its save wrote)"
-    foreign = foreign_state(checkpoint)
     if foreign is not None and read_marker(checkpoint) is None and os.path.isfile(os.path.join(checkpoint,
                                                                                                TRAINER_STATE)):
         return (f"written without --zero_offload ({foreign}), an optimizer state hf_zero_offload cannot take over "

@@ -38,13 +38,13 @@ def _data():
     return [{"x": torch.randn(8, generator=g), "y": torch.randn(8, generator=g)} for _ in range(16)]
 
 
-def _train(out, zero, max_steps, order="ab", frozen=None, resume=None):
+def _train(out, zero, max_steps, order="ab", frozen=None, resume=None, **extra):
     torch.manual_seed(0)
     model = _AB(_Cfg(), order)
     if frozen:
         getattr(model, frozen).requires_grad_(False)
     kw = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps",
-              save_steps=2, report_to="none", use_cpu=True, learning_rate=1e-2, disable_tqdm=True)
+              save_steps=2, report_to="none", use_cpu=True, learning_rate=1e-2, disable_tqdm=True, **extra)
     if zero:
         trainer = ZeroOffloadTrainer(model=model, args=ZeroOffloadTrainingArguments(zero_offload=OFFLOAD, **kw),
                                      train_dataset=_data())
@@ -78,7 +78,7 @@ def test_a_plain_runs_optimizer_pt_is_not_left_in_our_checkpoint(tmp_path, caplo
     ckpt = tmp_path / "checkpoint-2"
     assert not (ckpt / "optimizer.pt").exists() and (ckpt / "zero_offload").is_dir()
     assert "optimizer.pt" not in (ckpt / "hzo_complete.json").read_text()
-    assert any("removed optimizer.pt" in r.getMessage() and "without --zero_offload" in r.getMessage()
+    assert any("removed optimizer.pt" in r.getMessage() and "an earlier save of that checkpoint" in r.getMessage()
                for r in caplog.records)
 
 
@@ -105,3 +105,33 @@ def test_a_plain_or_deepspeed_checkpoint_is_refused_with_the_way_forward(tmp_pat
     with pytest.raises(FileNotFoundError, match=r"was saved by DeepSpeed \(DeepSpeed's global_step2/ holds its ZeRO "
                                                 r"optimizer state.*train without resume_from_checkpoint"):
         _train(tmp_path / "ours", True, 4, resume=str(ckpt))
+
+
+@pytest.mark.parametrize("save_only_model", [False, True], ids=["full save", "save_only_model"])
+def test_another_tools_optimizer_state_goes_when_we_save_that_checkpoint_again(tmp_path, caplog, save_only_model):
+    """A plain run's optimizer.pt (with --save_only_model its scheduler.pt too) and DeepSpeed's ZeRO state stayed
+    in a checkpoint-N we saved again, recorded by our marker: a plain or DeepSpeed resume loaded that run's state."""
+    _train(tmp_path, False, 2)
+    ckpt = tmp_path / "checkpoint-2"
+    (ckpt / "global_step2").mkdir()
+    (ckpt / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    (ckpt / "latest").write_text("global_step2")
+    (ckpt / "zero_to_fp32.py").write_text("# DeepSpeed's")
+    with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+        _train(tmp_path, True, 2, save_only_model=save_only_model)
+    held = set(os.listdir(ckpt))
+    assert not held & {"optimizer.pt", "global_step2", "latest", "zero_to_fp32.py"}, held
+    assert ("scheduler.pt" in held) is not save_only_model and ("zero_offload" in held) is not save_only_model
+    marker = (ckpt / "hzo_complete.json").read_text()
+    assert "optimizer.pt" not in marker and "global_step2" not in marker
+    assert any("removed" in r.getMessage() and "optimizer.pt" in r.getMessage() for r in caplog.records)
+
+
+def test_a_plain_run_saved_over_ours_is_named_for_what_it_is(tmp_path):
+    """Our marker and zero_offload/ stay beside the plain run's files: it read as 'damaged'."""
+    _train(tmp_path, True, 2)
+    _train(tmp_path / "x", False, 1)  # (another output_dir: its lock is its own)
+    _train(tmp_path, False, 2)  # the plain run writes checkpoint-2 again
+    with pytest.raises(ValueError, match=r"checkpoint-2 is saved again by a run without --zero_offload "
+                                         r"\(optimizer\.pt, which our save did not write"):
+        _train(tmp_path / "ours", True, 4, resume=str(tmp_path / "checkpoint-2"))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from .. import resume
 from ..consolidate import write_param_names
-from ..engine.checkpoint import atomic_path, fsync_tree, remove_durably
+from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
 from .last_step import publish_for_final_save
 
 logger = logging.getLogger(__name__)
@@ -46,12 +48,39 @@ class CheckpointSaving:
         if distributed:
             dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
         if self.args.should_save:
+            if self._zo_raw is not None:
+                self._zo_remove_foreign(output_dir)
             fsync_tree(output_dir)  # transformers writes without fsync: on disk before the marker says complete
             saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
             resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
                                              "engine": self._zo_engine_info() if saved else None})
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
                                best_model_checkpoint=self.state.best_model_checkpoint)
+
+    def _zo_remove_foreign(self, output_dir: str) -> None:
+        """checkpoint-N saved again over another run's save of it (a run without --zero_offload, or DeepSpeed, in
+        this output_dir): what this save does not overwrite would stay, recorded by our marker, and a plain or
+        DeepSpeed resume would load that run's optimizer state onto these weights. So its optimizer state goes
+        (optimizer.pt/.bin; DeepSpeed's global_stepN/, latest, zero_to_fp32.py), and with --save_only_model, which
+        writes no optimizer state or schedule, an earlier save's scheduler.pt and zero_offload/ too."""
+        held = set(os.listdir(output_dir))
+        files = {"optimizer.pt", "optimizer.bin"}
+        dirs = {n for n in held if re.match(r"^global_step\d+$", n)}
+        if dirs or {"latest", "zero_to_fp32.py"} <= held:
+            files |= {"latest", "zero_to_fp32.py"}
+        if self.args.save_only_model:
+            files.add(SCHEDULER_NAME)
+            dirs.add(STATE_DIR)
+        files = sorted(n for n in files & held if os.path.isfile(os.path.join(output_dir, n)))
+        dirs = sorted(n for n in dirs & held if os.path.isdir(os.path.join(output_dir, n)))
+        if not files and not dirs:
+            return
+        for d in dirs:
+            shutil.rmtree(os.path.join(output_dir, d))
+        remove_durably(output_dir, files)
+        fsync_dir(output_dir)
+        logger.info("hf_zero_offload: removed %s from %s, left there by an earlier save of that checkpoint (another "
+                    "run, or another tool)", ", ".join(files + [d + "/" for d in dirs]), output_dir)
 
     def _zo_engine_info(self) -> dict | None:
         eng = self.zero_engine
@@ -68,13 +97,6 @@ class CheckpointSaving:
         state_dir = os.path.join(output_dir, STATE_DIR)
         self.zero_engine.save_checkpoint(state_dir)
         if self.args.should_save:
-            # checkpoint-N of an earlier run without --zero_offload in this output_dir: its optimizer.pt would stay
-            # beside our state, recorded by our marker, and a plain Trainer's resume would load its moments
-            stale = [n for n in ("optimizer.pt", "optimizer.bin") if os.path.isfile(os.path.join(output_dir, n))]
-            if stale:
-                remove_durably(output_dir, stale)
-                logger.info("hf_zero_offload: removed %s from %s, left by an earlier run without --zero_offload "
-                            "(this checkpoint's optimizer state is %s/)", " and ".join(stale), output_dir, STATE_DIR)
             write_param_names(state_dir, self._zo_slot_names())
             with atomic_path(os.path.join(output_dir, SCHEDULER_NAME)) as tmp:
                 torch.save(self.lr_scheduler.state_dict(), tmp)
