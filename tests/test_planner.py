@@ -338,6 +338,20 @@ def test_cli_refuses_a_model_without_a_language_model_head_in_one_line(capsys, t
     assert len(err) < 600
 
 
+def test_cli_names_an_op_the_meta_device_cannot_run_not_the_config(capsys, tmp_path):
+    """A mixture of experts routes tokens with torch.nonzero, which has no meta form: the error asked "are the lengths
+    too long, or is a key of the config missing or wrong?" at --seq-len 16."""
+    path = tmp_path / "switch.json"
+    path.write_text(json.dumps({"model_type": "switch_transformers", "d_model": 32, "d_ff": 64, "num_layers": 2,
+                                "num_heads": 2, "d_kv": 16, "num_experts": 2, "vocab_size": 256,
+                                "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1,
+                                "decoder_start_token_id": 0}))
+    assert cli.main(["estimate", "--model", str(path), "--seq-len", "16", "--tgt-len", "16"]) != 0
+    err = capsys.readouterr().err
+    assert "which the meta device cannot run without weights: estimate cannot plan it" in err
+    assert "is a key of the config missing" not in err
+
+
 def test_consolidate_subcommand_dispatches_lazily():
     args = cli.build_parser().parse_args(["consolidate", "ckpt", "out"])
     assert args.func is cli._consolidate and (args.checkpoint_dir, args.output_dir) == ("ckpt", "out")
