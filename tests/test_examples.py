@@ -14,6 +14,7 @@ import time
 import pytest
 
 from _examples import CONFIGS, EX, ROOT, TINY, WMT_EN_RO, write_synth
+from hf_zero_offload.engine import OffloadOptions
 from _examples import common_args as _common_args
 from _procs import run_together
 import synthetic_data  # noqa: E402  (on sys.path through _examples)
@@ -159,7 +160,7 @@ def _check_output_dir(out, metrics):
 
 
 @pytest.mark.parametrize("offload", [False, True, "zero2-offload-int8"], ids=["plain", "zero_offload", "int8"])
-def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys):
+def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys, monkeypatch):
     caplog.set_level(logging.INFO, logger="hf_zero_offload")  # the start line is INFO
     out = tmp_path / "out"
     argv = _common_args(synth_dir, out) + [
@@ -171,6 +172,10 @@ def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys
     else:  # legacy extras on the plain run
         argv += ["--sortish_sampler", "--label_smoothing", "0.1", "--freeze_embeds"]
     smoothing = [] if offload else ["--label_smoothing", "0.1"]  # the eval loss depends on it
+    import hf_zero_offload.engine_setup as engine_setup
+    built = []  # the gradient bucket the run's engine takes, which the memory plan printed at start must show
+    monkeypatch.setattr(engine_setup, "OffloadOptions",
+                        lambda **kw: built.append(kw.get("bucket_numel")) or OffloadOptions(**kw))
     metrics = finetune_trainer.main(argv)
     _check_output_dir(str(out), metrics)
     assert metrics["train_n_objs"] == 48 and metrics["val_n_objs"] == 12
@@ -181,7 +186,14 @@ def test_finetune_t5_tiny_synthetic(tmp_path, synth_dir, offload, caplog, capsys
         # our own shipped config's DeepSpeed-only keys are no reason for a WARNING
         levels = {r.levelname for r in caplog.records if "accepted, no effect here" in r.getMessage()}
         assert levels == {"INFO"}, levels
-    assert ("gradient checkpointing; budget" in capsys.readouterr().out) == bool(offload)
+    printed = capsys.readouterr().out
+    assert ("gradient checkpointing; budget" in printed) == bool(offload)
+    if offload:  # the plan printed the planner's default (200M elements, cut to the model's size) while the run's
+        # engine took the config's "auto" (hidden_size**2, at least the largest param)
+        (bucket,) = re.findall(r"gradient buckets of ([\d,]+) elements", printed)
+        from transformers import AutoModelForSeq2SeqLM
+        sizes = [p.numel() for p in AutoModelForSeq2SeqLM.from_pretrained(str(out)).parameters()]
+        assert built and int(bucket.replace(",", "")) == max(min(built[0], sum(sizes)), max(sizes)), (bucket, built)
 
     # the saved directory is a complete model + tokenizer: evaluate from it (no tokenizer training this time)
     out2 = tmp_path / "reload"

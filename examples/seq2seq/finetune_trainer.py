@@ -244,6 +244,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                 )
                 if cuda:
                     plan_kwargs["gpu_mem_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+                # the run's own buckets and moments (the shipped configs' "auto" buckets: hidden_size**2), not the
+                # planner's defaults
+                from hf_zero_offload.config import check as read_ds_config
+                from hf_zero_offload.config.training import DEFAULT_BUCKET_SIZE
+                zero = (read_ds_config(training_args.zero_offload).cfg.get("zero_optimization", {})
+                        if training_args.zero_offload is not None else {})
+                bucket = zero.get("reduce_bucket_size", DEFAULT_BUCKET_SIZE)
+                plan_kwargs["bucket_numel"] = bucket if bucket == "auto" else int(bucket)
+                plan_kwargs["state_dtype"] = zero.get("offload_optimizer", {}).get("state_dtype", "fp32")
                 print_plan(model, **plan_kwargs)
             except Exception as e:  # noqa: BLE001
                 logger.warning("hf_zero_offload.planner.print_plan failed (training goes on): %s", e)
