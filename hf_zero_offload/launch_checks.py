@@ -154,9 +154,9 @@ def warn_keep_fp32(model, dtype: torch.dtype) -> None:
 
 def warn_bf16_on_cpu(args, bf16: bool) -> None:
     if bf16 and (getattr(args, "use_cpu", False) or not torch.cuda.is_available()) and cpu_has_native_bf16() is False:
-        logger.warning("hf_zero_offload: --bf16 on a CPU without AVX512-BF16 or AMX: torch emulates bf16 matmuls "
-                       "there (one t5-small step measured > 20x slower than in fp32 on an AVX2 Zen 3); drop --bf16 "
-                       "to train in fp32 on this CPU")
+        logger.warning("hf_zero_offload: --bf16 (bf16=True) on a CPU without AVX512-BF16 or AMX: torch emulates "
+                       "bf16 matmuls there (one t5-small step measured > 20x slower than in fp32 on an AVX2 Zen 3); "
+                       "drop --bf16 (bf16=True) to train in fp32 on this CPU")
 
 
 def refuse_user_optimizer(optimizer, scheduler, optimizer_cls_and_kwargs) -> None:
