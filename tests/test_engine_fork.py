@@ -32,6 +32,7 @@ def _step(model, engine, x):
 
 
 def _child_run(model, engine, xs, queue):
+    torch.set_num_threads(1)  # as DataLoader workers do: a child's OpenMP region after the parent's can hang (libgomp)
     try:
         for x in xs:
             _step(model, engine, x)
@@ -47,6 +48,7 @@ def _child_run(model, engine, xs, queue):
 
 
 def _child_step(model, engine, xs, queue):  # the step of a backward the parent ran
+    torch.set_num_threads(1)
     try:
         engine.step()
         queue.put("stepped")
@@ -79,6 +81,7 @@ def test_a_forked_child_trains_on_as_the_parent_does():
     engine.flush()
     for a, b in zip(got, model.parameters()):
         assert torch.equal(torch.from_numpy(a), b.detach())
+    engine.close()
 
 
 def test_a_fork_during_a_delayed_step_leaves_a_child_that_refuses_by_name():
@@ -102,6 +105,7 @@ def test_a_fork_during_a_delayed_step_leaves_a_child_that_refuses_by_name():
     for x in xs[2:4]:  # the parent's step went on
         _step(model, engine, x)
     engine.flush()
+    engine.close()
 
 
 def test_a_fork_during_a_gradient_scatter_leaves_a_child_that_refuses():
@@ -126,3 +130,4 @@ def test_a_fork_during_a_gradient_scatter_leaves_a_child_that_refuses():
         release.set()
     assert got.startswith("ForkedMidTask: this process was forked while the task ran"), got
     engine.step()  # the parent's goes on
+    engine.close()
