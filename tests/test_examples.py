@@ -329,6 +329,7 @@ def test_torchrun_on_cpu_without_use_cpu_names_the_flag_before_anything_is_writt
     assert not out.exists() or not os.listdir(out)
 
 
+@pytest.mark.slow  # (18 s: make test-all)
 def test_two_nodes_on_one_file_system_train_with_rank_0s_tokenizer(tmp_path, synth_dir):
     """Two torchrun launches (--nnodes=2, one process each) sharing output_dir, which holds an older run's tokenizer:
     main_process_first is node-local by default, so node 1 loaded the old tokenizer before rank 0 had trained the
