@@ -253,7 +253,7 @@ def check_dpu_writers(model, dpu: bool) -> None:
     found = [n for n, m in model.named_modules()
              if isinstance(m, torch.nn.Embedding) and m.max_norm is not None and m.weight.requires_grad]
     if found:
-        raise ConfigError(f"delayed_param_update with nn.Embedding(max_norm=...) ({', '.join(found[:5])}): the "
+        raise ConfigError(f"delayed_param_update with nn.Embedding(max_norm=...) ({first_names(found)}): the "
                           "embedding renormalises its weight in place at every forward, a write that keeps its values "
                           "over each delayed step's update, so it would never train; turn delayed_param_update off, "
                           "set max_norm=None, or freeze the embedding")

@@ -62,16 +62,15 @@ def output_dir_problem(output_dir: str, training: bool = True) -> str | None:
 def _not_whole(checkpoint: str) -> str:
     """Why ``checkpoint`` is not whole: "incomplete (what: why)" or "damaged (what: why)"; or, for a complete
     checkpoint of a plain (or DeepSpeed) Trainer among ours, what it is ("written without --zero_offload ...")."""
-    changed = changed_files(checkpoint)
+    changed, marker = changed_files(checkpoint), read_marker(checkpoint)
     foreign = foreign_state(checkpoint)
-    if changed and foreign is not None and foreign not in (read_marker(checkpoint) or {}).get("files", {}):
+    if changed and foreign is not None and foreign not in (marker or {}).get("files", {}):
         return (f"saved again by a run without --zero_offload ({foreign}, which our save did not write, beside our "
                 "state of an earlier step: the model and trainer state are that run's now)")
     if changed:
         shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
         return f"damaged ({shown}: it no longer holds what its save wrote)"
-    if foreign is not None and read_marker(checkpoint) is None and os.path.isfile(os.path.join(checkpoint,
-                                                                                               TRAINER_STATE)):
+    if foreign is not None and marker is None and os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return (f"written without --zero_offload ({foreign}), an optimizer state hf_zero_offload cannot take over "
                 "(the steps after the checkpoint chosen are trained again)")
     problem = marker_problem(checkpoint)
@@ -265,15 +264,27 @@ def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | No
             "Pass the same --zero_offload config to continue the run as it was")
 
 
+TORCH_OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")  # what transformers saves a torch optimizer's state in
+_DEEPSPEED_STEP = re.compile(r"^global_step\d+$")
+
+
+def deepspeed_state(checkpoint: str) -> tuple[list[str], list[str]]:
+    """DeepSpeed's ZeRO state in ``checkpoint``: its ``global_stepN`` folders (sorted) and, beside them (or together,
+    without them), its ``latest`` and ``zero_to_fp32.py`` files; both lists empty when there is none."""
+    held = set(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else set()
+    steps = sorted(n for n in held if _DEEPSPEED_STEP.match(n) and os.path.isdir(os.path.join(checkpoint, n)))
+    files = [n for n in ("latest", "zero_to_fp32.py") if n in held and os.path.isfile(os.path.join(checkpoint, n))]
+    return (steps, files) if steps or len(files) == 2 else ([], [])
+
+
 def foreign_state(checkpoint: str) -> str | None:
     """What optimizer state of another tool ``checkpoint`` holds, in words ("DeepSpeed's global_step3/",
-    "optimizer.pt"), or None: DeepSpeed's ZeRO state (a ``global_stepN`` folder, or its ``latest`` file) or a torch
-    optimizer's (optimizer.pt/.bin: a plain Trainer's, or a ZeroOffloadCallback run's engine state_dict)."""
-    held = set(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else set()
-    steps = sorted(n for n in held if re.match(r"^global_step\d+$", n) and os.path.isdir(os.path.join(checkpoint, n)))
-    if steps or "latest" in held and "zero_to_fp32.py" in held:
+    "optimizer.pt"), or None: DeepSpeed's ZeRO state (``deepspeed_state``) or a torch optimizer's (optimizer.pt/.bin:
+    a plain Trainer's, or a ZeroOffloadCallback run's engine state_dict)."""
+    steps, files = deepspeed_state(checkpoint)
+    if steps or files:
         return f"DeepSpeed's {steps[-1] + '/' if steps else 'latest'}"
-    found = [n for n in ("optimizer.pt", "optimizer.bin") if n in held]
+    found = [n for n in TORCH_OPTIMIZER_FILES if os.path.isfile(os.path.join(checkpoint, n))]
     return found[0] if found else None
 
 

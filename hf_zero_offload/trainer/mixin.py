@@ -317,7 +317,7 @@ class ZeroOffloadMixin(CheckpointSaving):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        has_optimizer = any(os.path.isfile(os.path.join(checkpoint, n)) for n in ("optimizer.pt", "optimizer.bin"))
+        has_optimizer = any(os.path.isfile(os.path.join(checkpoint, n)) for n in resume.TORCH_OPTIMIZER_FILES)
         if self._zo_raw is None:
             dropped = None if has_optimizer else resume.dropped_state_message(checkpoint, STATE_DIR,
                                                                               "no --zero_offload")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 
 import torch
@@ -63,16 +62,13 @@ class CheckpointSaving:
         DeepSpeed resume would load that run's optimizer state onto these weights. So its optimizer state goes
         (optimizer.pt/.bin; DeepSpeed's global_stepN/, latest, zero_to_fp32.py), and with --save_only_model, which
         writes no optimizer state or schedule, an earlier save's scheduler.pt and zero_offload/ too."""
-        held = set(os.listdir(output_dir))
-        files = {"optimizer.pt", "optimizer.bin"}
-        dirs = {n for n in held if re.match(r"^global_step\d+$", n)}
-        if dirs or {"latest", "zero_to_fp32.py"} <= held:
-            files |= {"latest", "zero_to_fp32.py"}
+        dirs, files = resume.deepspeed_state(output_dir)
+        files += resume.TORCH_OPTIMIZER_FILES
         if self.args.save_only_model:
-            files.add(SCHEDULER_NAME)
-            dirs.add(STATE_DIR)
-        files = sorted(n for n in files & held if os.path.isfile(os.path.join(output_dir, n)))
-        dirs = sorted(n for n in dirs & held if os.path.isdir(os.path.join(output_dir, n)))
+            files.append(SCHEDULER_NAME)
+            dirs.append(STATE_DIR)
+        files = sorted(n for n in files if os.path.isfile(os.path.join(output_dir, n)))
+        dirs = sorted(n for n in dirs if os.path.isdir(os.path.join(output_dir, n)))
         if not files and not dirs:
             return
         for d in dirs:

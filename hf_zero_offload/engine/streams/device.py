@@ -114,7 +114,6 @@ class ForkSafeExecutor(Executor):
             self._inner.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-
 def outcome(future):
     """``future.result()``; in a process forked after the submit, the outcome the parent's thread had reached at
     the fork, read without the future's lock (that thread may have held it then, and the child's copy of the lock
