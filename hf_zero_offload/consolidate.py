@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .engine import checkpoint
+from .engine.param_names import plain_name
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
 from .marker import MARKER, changed_files, read_marker, recorded_save_id
 
@@ -64,11 +65,6 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
     return out
 
 
-def _plain(name: str) -> str:
-    """A param name without the prefixes wrappers add (torch.compile's ``_orig_mod.``, DDP's ``module.``)."""
-    return name.replace("_orig_mod.", "").removeprefix("module.")
-
-
 def _saved_names(state_dir: str) -> list[list[str]] | None:
     """The saved ``param_names.json`` (a list of alias lists), or None when absent, unreadable or malformed."""
     try:
@@ -89,7 +85,7 @@ def names_mismatch(state_dir: str, slot_names: list[list[str]]) -> str:
     saved = _saved_names(state_dir)
     if saved is None or len(saved) != len(slot_names):  # another count: the engine's layout check refuses it
         return ""
-    if all({_plain(n) for n in a} & {_plain(n) for n in b} for a, b in zip(saved, slot_names)):
+    if all({plain_name(n) for n in a} & {plain_name(n) for n in b} for a, b in zip(saved, slot_names)):
         return ""
     return names_difference(state_dir, slot_names)
 
@@ -100,8 +96,8 @@ def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
     saved = _saved_names(state_dir)
     if saved is None:
         return ""
-    saved = [_plain(a[0]) for a in saved]
-    now = [_plain(a[0]) for a in slot_names]
+    saved = [plain_name(a[0]) for a in saved]
+    now = [plain_name(a[0]) for a in slot_names]
 
     def first(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

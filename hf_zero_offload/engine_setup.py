@@ -12,6 +12,7 @@ from . import ops
 from .config import ConfigError, TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
 from .engine.group_flags import IMPLEMENTATION_FLAGS, MATH_FLAGS
+from .engine import param_names
 from .launch_checks import LaunchError, first_names, launch_count
 
 logger = logging.getLogger("hf_zero_offload")
@@ -99,9 +100,11 @@ def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
                               "engine cannot run that; remove the option there, or train without zero_offload")
         # a group with no trainable param stays, empty: the LR log (group 0) and a per-group LambdaLR count groups
         params = [p for p in g["params"] if p.requires_grad]
-        # implementation flags (foreach, fused, capturable) choose how torch runs the math: the engine runs its own
+        # implementation flags (foreach, fused, capturable) choose how torch runs the math: the engine runs its own;
+        # param_names (an optimizer built from named_parameters()) would name the frozen params left out too: the
+        # model's names of the params kept are set below
         rest = {k: v for k, v in g.items() if k not in (*IMPLEMENTATION_FLAGS, *MATH_FLAGS, "params",
-                                                        "decoupled_weight_decay")}
+                                                        "decoupled_weight_decay", param_names.KEY)}
         # torch.optim.Adam(decoupled_weight_decay=True) is AdamW; AdamW always is
         adamw = bool(g.get("decoupled_weight_decay", cls is torch.optim.AdamW))
         groups.append({**rest, "params": params, "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
@@ -114,6 +117,8 @@ def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
                           f"(shapes {', '.join(map(str, outside[:5]))}): the plain Trainer counts and clips only the "
                           "model's, and the engine saves its state by the model's parameter names; make them part of "
                           "the model (an nn.Parameter attribute of a module) or train without zero_offload")
+    for g in groups:  # the engine keeps the names, and a load compares them (engine/param_names.py)
+        g[param_names.KEY] = param_names.names_of(g["params"], named_params)
     left = [n for n, p in named_params if p.requires_grad and id(p) not in taken]
     if left:
         raise ConfigError(f"{where} left {len(left)} trainable parameter(s) out of its param groups "

@@ -135,3 +135,53 @@ def test_a_plain_run_saved_over_ours_is_named_for_what_it_is(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint-2 is saved again by a run without --zero_offload "
                                          r"\(optimizer\.pt, which our save did not write"):
         _train(tmp_path / "ours", True, 4, resume=str(tmp_path / "checkpoint-2"))
+
+
+def _callback_run(out, max_steps, order="ab", resume=None):
+    """A plain Trainer given an engine built from named params (ZeroOffloadCallback): its optimizer.pt is the
+    engine's state_dict(), with the names."""
+    from hf_zero_offload import ZeroOffloadCallback
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    torch.manual_seed(0)
+    model = _AB(_Cfg(), order)
+    engine = OffloadAdam(model.named_parameters(), lr=1e-2, options=OffloadOptions())
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps,
+                             save_strategy="steps", save_steps=2, report_to="none", use_cpu=True, disable_tqdm=True,
+                             max_grad_norm=0.0)
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), callbacks=[ZeroOffloadCallback()],
+                      optimizers=(engine, torch.optim.lr_scheduler.LambdaLR(engine, lambda _: 1.0)))
+    trainer.train(resume_from_checkpoint=resume)
+    return model
+
+
+def test_an_engine_of_named_params_refuses_a_state_of_other_names_through_a_plain_trainer(tmp_path):
+    """ZeroOffloadCallback's optimizer.pt is loaded by the plain Trainer through the engine's load_state_dict, which
+    matched by position and wrote the saved masters into the swapped layers (the README's limitation until now)."""
+    _callback_run(tmp_path / "run", 2)
+    with pytest.raises(ValueError, match=r"saved for other params than this engine's, of the same shapes: param "
+                                         r"group 0 holds 'a\.weight' where this engine has 'b\.weight'"):
+        _callback_run(tmp_path / "again", 4, order="ba", resume=str(tmp_path / "run" / "checkpoint-2"))
+    _callback_run(tmp_path / "same", 4, resume=str(tmp_path / "run" / "checkpoint-2"))  # the same model goes on
+
+
+class _Named(ZeroOffloadTrainer):
+    def create_optimizer(self, model=None):  # a user's optimizer of named params, a frozen layer among them
+        self.optimizer = torch.optim.AdamW(self.model.named_parameters(), lr=1e-2)
+        return self.optimizer
+
+
+@pytest.mark.parametrize("user_optimizer", [False, True], ids=["the mixin's groups", "a user's named AdamW"])
+def test_the_mixins_engine_names_its_trainable_params(tmp_path, user_optimizer):
+    torch.manual_seed(0)
+    model = _AB(_Cfg())
+    model.a.requires_grad_(False)
+    cls = _Named if user_optimizer else ZeroOffloadTrainer
+    trainer = cls(model=model, args=ZeroOffloadTrainingArguments(
+        output_dir=str(tmp_path), zero_offload=OFFLOAD, per_device_train_batch_size=4, max_steps=1, report_to="none",
+        use_cpu=True, disable_tqdm=True, save_strategy="no"), train_dataset=_data())
+    trainer.train()
+    groups = trainer.zero_engine.param_groups
+    # the frozen layer's names left out with its params (AdamW built from named_parameters() names them too)
+    assert [n for g in groups for n in g["param_names"]] == ["b.weight", "b.bias"]
+    assert all(len(g["param_names"]) == len(g["params"]) for g in groups)

@@ -2,13 +2,13 @@
 ``state_meta``/``state_tensors``/``state_dict``, checkpoints (``state_dir``, one file format for every engine and
 world size) and the loads of both.
 
-A load checks everything it can before its first write (``state_dir.check_meta`` / ``check_tensors``, the loss
-scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A checkpoint's tensors then
+A load checks everything it can before its first write (``state_dir.check_meta`` / ``check_tensors``, the params'
+names, the loss scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A checkpoint's tensors then
 stream straight into the arena (no second copy of the state); should a chunk fail its checksum part way,
 ``_load_failed`` stays set and ``step``, ``state_meta`` (hence every save) refuse until a load succeeds.
 
-A mixin of the same object, not a helper of another: its methods read the core's fields (``lo``,
-``hi``, ``master``, ``moments``, ``param_groups``, ``_param_steps``, ``scaler``...) as its own.
+A mixin of the same object, not a helper of another: its methods read the core's fields (``lo``, ``hi``, ``master``,
+``moments``, ``param_groups``, ``_param_steps``, ``scaler``...) as its own.
 """
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ import torch
 
 from .. import ops
 from ..ops.moments import check_code_range
-from . import state_dir
+from . import param_names, state_dir
 from .checkpoint import StateFileError
 from .grad_hooks import size_changed
 from .moments import SCALES, Q
 from .runs import FlatIndex
 
 STATE_FORMAT = "hf_zero_offload.state/2"
+_OWN_KEYS = ("params", param_names.KEY)  # a group's keys a load keeps (its params, and their names)
 logger = logging.getLogger("hf_zero_offload")
 
 
@@ -161,6 +162,7 @@ class SavedState:
         meta = state_dir.with_empty_groups(meta, self._slot_meta(), self.param_groups)
         state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
                              steps=self._param_steps.numel())
+        param_names.check_names(meta["param_groups"], self.param_groups, where)
         try:
             self.scaler.check_state_dict(meta.get("loss_scaler"))
         except ValueError as e:
@@ -185,8 +187,8 @@ class SavedState:
         self._wait_worker()
         self._prepared = None
         for group, saved in zip(self.param_groups, meta["param_groups"]):
-            # never "params" (torch.optim's state dicts list param ids there): the engine's own params stay
-            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+            # never "params" (torch.optim's state dicts list param ids there) nor their names: the engine's own stay
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k not in _OWN_KEYS})
         self._param_steps.copy_(torch.tensor(meta["param_steps"], dtype=torch.int64))
         saved = meta["loss_scaler"]
         if (saved.get("enabled"), saved.get("dynamic")) != (self.scaler.enabled, self.scaler.dynamic):

@@ -152,8 +152,10 @@ class ZeroOffloadMixin(CheckpointSaving):
             return self._zo_build(model, groups_from_optimizer(built, base, model.named_parameters()), base)
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        # the engine keeps the names (torch.optim's param_names; an empty group's too), and a load compares them
+        split = [[(n, p) for n, p in named if n in decay], [(n, p) for n, p in named if n not in decay]]
+        groups = [{"params": [p for _, p in s], "param_names": [n for n, _ in s], "weight_decay": wd}
+                  for s, wd in zip(split, (self.args.weight_decay, 0.0))]
         # an empty group stays, as the plain Trainer keeps it (LoRA-style frozen norms, BitFit): a per-group LambdaLR
         # and a callback's param_groups[i] count on both
         return self._zo_build(model, groups if any(g["params"] for g in groups) else [], None)
