@@ -87,15 +87,17 @@ def names_mismatch(state_dir: str, slot_names: list[list[str]]) -> str:
         return ""
     if all({plain_name(n) for n in a} & {plain_name(n) for n in b} for a, b in zip(saved, slot_names)):
         return ""
-    return names_difference(state_dir, slot_names)
+    return _difference(state_dir, saved, slot_names)
 
 
 def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
     """For a refused resume: the first params that differ between the saved ``param_names.json`` and this
     model's slots (``slot_names``), as text to append to the refusal ("" without a readable file)."""
     saved = _saved_names(state_dir)
-    if saved is None:
-        return ""
+    return "" if saved is None else _difference(state_dir, saved, slot_names)
+
+
+def _difference(state_dir: str, saved: list[list[str]], slot_names: list[list[str]]) -> str:
     saved = [plain_name(a[0]) for a in saved]
     now = [plain_name(a[0]) for a in slot_names]
 
