@@ -123,18 +123,18 @@ def test_kernel_benchmark_runs_and_its_json_names_the_simd_override():
     """The kernel benchmark end to end at a toy size, with and without HF_ZERO_OFFLOAD_SIMD (the JSON's command
     must reproduce the run, so an override of the kernels' instruction set is part of it)."""
     import json
-    import subprocess
     import sys
 
+    from _procs import run_together
     from hf_zero_offload import ops
 
-    for level in ("", "scalar"):
-        env = {k: v for k, v in os.environ.items() if k != "HF_ZERO_OFFLOAD_SIMD"}
-        if level:
-            env["HF_ZERO_OFFLOAD_SIMD"] = level
-        r = subprocess.run([sys.executable, "-m", "benchmarks.kernel.adam_step", "--numel", "70000", "--rounds", "1",
-                            "--pause", "0", "--skip", "deepspeed", "torchao", "--json", "-"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
+    levels = ("", "scalar")
+    env = {k: v for k, v in os.environ.items() if k != "HF_ZERO_OFFLOAD_SIMD"}
+    argv = [sys.executable, "-m", "benchmarks.kernel.adam_step", "--numel", "70000", "--rounds", "1", "--pause", "0",
+            "--skip", "deepspeed", "torchao", "--json", "-"]
+    runs = run_together([argv] * len(levels), cwd=ROOT, timeout=300,
+                        per_child=[{"env": {**env, **({"HF_ZERO_OFFLOAD_SIMD": lv} if lv else {})}} for lv in levels])
+    for level, r in zip(levels, runs):
         assert r.returncode == 0, r.stderr[-2000:]
         out = json.loads(r.stdout)
         assert out["command"].startswith(f"HF_ZERO_OFFLOAD_SIMD={level} " if level else "python"), out["command"]
