@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .engine import checkpoint
-from .engine.param_names import plain_name
+from .engine.param_names import plain_names
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
 from .marker import MARKER, changed_files, read_marker, recorded_save_id
 
@@ -85,7 +85,7 @@ def names_mismatch(state_dir: str, slot_names: list[list[str]]) -> str:
     saved = _saved_names(state_dir)
     if saved is None or len(saved) != len(slot_names):  # another count: the engine's layout check refuses it
         return ""
-    if all({plain_name(n) for n in a} & {plain_name(n) for n in b} for a, b in zip(saved, slot_names)):
+    if all(a & b for a, b in zip(_plain_slots(saved), _plain_slots(slot_names))):
         return ""
     return _difference(state_dir, saved, slot_names)
 
@@ -97,9 +97,15 @@ def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
     return "" if saved is None else _difference(state_dir, saved, slot_names)
 
 
+def _plain_slots(slots: list[list[str]]) -> list[set[str]]:
+    """Each slot's aliases without the wrappers' prefixes (the rule applied to all the names of one side at once)."""
+    flat = iter(plain_names([n for aliases in slots for n in aliases]))
+    return [{next(flat) for _ in aliases} for aliases in slots]
+
+
 def _difference(state_dir: str, saved: list[list[str]], slot_names: list[list[str]]) -> str:
-    saved = [plain_name(a[0]) for a in saved]
-    now = [plain_name(a[0]) for a in slot_names]
+    saved = plain_names([a[0] for a in saved])
+    now = plain_names([a[0] for a in slot_names])
 
     def first(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -75,7 +75,7 @@ def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_dec
                                 param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
 
 
-def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
+def groups_from_optimizer(opt, where: str, model) -> list[dict]:
     """The param groups of the torch.optim.AdamW / Adam that ``where`` (a user's ``create_optimizer``) built, as
     the engine's groups: each group's params (frozen ones left out: AdamW never steps them), lr, betas, eps,
     weight decay and Adam/AdamW mode, and its other keys (a name, a layer index). Anything whose result the
@@ -109,7 +109,7 @@ def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
         adamw = bool(g.get("decoupled_weight_decay", cls is torch.optim.AdamW))
         groups.append({**rest, "params": params, "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
                        "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]), "adamw_mode": adamw})
-    named_params = list(named_params)
+    named_params = list(model.named_parameters(remove_duplicate=False))  # every alias of a tied param
     taken, models = {id(p) for g in groups for p in g["params"]}, {id(q) for _, q in named_params}
     outside = [tuple(p.shape) for g in groups for p in g["params"] if id(p) not in models]
     if outside:
@@ -119,7 +119,7 @@ def groups_from_optimizer(opt, where: str, named_params) -> list[dict]:
                           "the model (an nn.Parameter attribute of a module) or train without zero_offload")
     for g in groups:  # the engine keeps the names, and a load compares them (engine/param_names.py)
         g[param_names.KEY] = param_names.names_of(g["params"], named_params)
-    left = [n for n, p in named_params if p.requires_grad and id(p) not in taken]
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in taken]
     if left:
         raise ConfigError(f"{where} left {len(left)} trainable parameter(s) out of its param groups "
                           f"({first_names(left)}): the plain Trainer clips them and counts them in grad_norm, the "

@@ -159,8 +159,8 @@ def test_an_engine_of_named_params_refuses_a_state_of_other_names_through_a_plai
     """ZeroOffloadCallback's optimizer.pt is loaded by the plain Trainer through the engine's load_state_dict, which
     matched by position and wrote the saved masters into the swapped layers (the README's limitation until now)."""
     _callback_run(tmp_path / "run", 2)
-    with pytest.raises(ValueError, match=r"saved for other params than this engine's, of the same shapes: param "
-                                         r"group 0 holds 'a\.weight' where this engine has 'b\.weight'"):
+    with pytest.raises(ValueError, match=r"saved for other params than this engine's, of the same shapes: "
+                                         r"trainable param 0 is 'a\.weight' in the state and 'b\.weight' here"):
         _callback_run(tmp_path / "again", 4, order="ba", resume=str(tmp_path / "run" / "checkpoint-2"))
     _callback_run(tmp_path / "same", 4, resume=str(tmp_path / "run" / "checkpoint-2"))  # the same model goes on
 
@@ -185,3 +185,44 @@ def test_the_mixins_engine_names_its_trainable_params(tmp_path, user_optimizer):
     # the frozen layer's names left out with its params (AdamW built from named_parameters() names them too)
     assert [n for g in groups for n in g["param_names"]] == ["b.weight", "b.bias"]
     assert all(len(g["param_names"]) == len(g["params"]) for g in groups)
+
+
+class _TiedCfg(PretrainedConfig):
+    model_type = "hzo_tied_two_orders"
+
+
+class _Tied(PreTrainedModel):
+    """An output head tied to the embedding, the two registered in either order: named_parameters() then names the
+    shared weight by whichever comes first."""
+    config_class = _TiedCfg
+    _tied_weights_keys = {"head.weight": "emb.weight"}
+
+    def __init__(self, config, order="eh"):
+        super().__init__(config)
+        for c in order:
+            setattr(self, {"e": "emb", "h": "head"}[c], nn.Embedding(16, 8) if c == "e" else nn.Linear(8, 16, False))
+        self.mid = nn.Linear(8, 8)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.mid(self.emb(x))))
+        return {"loss": nn.functional.cross_entropy(logits.view(-1, 16), y.view(-1)), "logits": logits}
+
+
+def test_a_tied_weight_named_first_by_its_other_alias_resumes(tmp_path):
+    """The mixin's names check takes any alias of a tied param; the engine's compared the first names and refused a
+    resume whose modules were registered in the other order (the same params, the same flat order)."""
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randint(0, 16, (4,), generator=g), "y": torch.randint(0, 16, (4,), generator=g)}
+            for _ in range(16)]
+    weights = []
+    for out, order, steps, resume in (("run", "eh", 2, None), ("he", "he", 4, "run"), ("eh", "eh", 4, "run")):
+        torch.manual_seed(0)
+        model = _Tied(_TiedCfg(), order)
+        args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path / out), zero_offload=OFFLOAD, max_steps=steps,
+                                            per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
+                                            report_to="none", use_cpu=True, learning_rate=1e-2, disable_tqdm=True)
+        ZeroOffloadTrainer(model=model, args=args, train_dataset=data).train(
+            resume_from_checkpoint=str(tmp_path / resume / "checkpoint-2") if resume else None)
+        weights.append((model.emb.weight.detach().clone(), model.mid.weight.detach().clone()))
+    assert all(torch.equal(a, b) for a, b in zip(weights[1], weights[2]))  # either order goes on alike

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 import torch
 
 from .. import ops
+from . import param_names
 from .delayed import DelayedUpdate
 from .grad_hooks import ParamOwner
 from .group_flags import check_group_flags
@@ -51,6 +52,7 @@ class AdamCore(SavedState, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Op
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(params, defaults)
         self._layout_fixed = True  # from here on add_param_group refuses (see there)
+        param_names.check_given(self.param_groups, type(self).__name__)  # a load compares them (param_names.py)
         self.options = options
         self._check_hyper()
         self.scaler = LossScaler.from_options(options.fp16)

@@ -1,56 +1,100 @@
 """Parameter names in an engine's param groups, and the check a load makes with them.
 
 An engine built from ``model.named_parameters()`` (or groups of ``(name, param)`` pairs, or a ``"param_names"`` list
-per group: torch.optim's convention since torch 2.6) keeps each group's names in ``param_groups[i]["param_names"]``;
-``state_dict``, ``save_checkpoint`` and the Trainer mixin's checkpoints carry them. The engines match a state to the
-params by position and also write its fp32 masters into the params, so a state loaded into params of the same
-shapes in another order (a refactor that registers two layers the other way round, another layer made trainable)
-handed each param another one's trained weights, silently. With names on both sides, a load compares them before
-anything is written and refuses by name; a state or an engine without names (plain ``parameters()``, a state saved
-before the names were kept) is loaded by position, as torch's optimizers load.
+per group: torch.optim's convention since torch 2.6) keeps each group's names in ``param_groups[i]["param_names"]``,
+and its states (``state_dict``, ``save_checkpoint``) carry the names of the params that own state (``slot_names``:
+the trainable ones, in the flat order; a group's ``param_names`` also names its frozen params). The engines match a
+state to the params by position and also write its fp32 masters into the params, so a state loaded into params of
+the same shapes in another order (a refactor that registers two layers the other way round, the other of two
+same-shaped layers made trainable) handed each param another one's trained weights, silently. With names on both
+sides, a load compares them before anything is written and refuses by name; a state or an engine without names
+(plain ``parameters()``, a state saved before the names were kept) is loaded by position, as torch's optimizers load.
+A frozen param added, removed or renamed owns no state and is no difference; nor are the prefixes wrappers add.
 """
 from __future__ import annotations
 
 from .checkpoint import StateFileError
 from .state_dir import LayoutMismatch
 
-KEY = "param_names"  # torch.optim's key
+KEY = "param_names"  # torch.optim's key, in a param group
+META_KEY = "slot_names"  # in a saved state: per param that owns state, its name
+# wrappers' segments (torch.compile, activation checkpointing, FSDP): a state saved by the wrapped model loads into
+# the bare one and the reverse
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 class NameMismatch(LayoutMismatch):
     """A state saved for params of other names (in order) than this engine's, the shapes alike."""
 
 
-def plain_name(name: str) -> str:
-    """A param name without the prefixes wrappers add (torch.compile's ``_orig_mod.``, DDP's ``module.``), so that
-    a state saved by a wrapped model loads into the bare one and the reverse."""
-    return name.replace("_orig_mod.", "").removeprefix("module.")
+def plain_names(names: list[str]) -> list[str]:
+    """``names`` without the segments wrappers add, and without DDP's leading ``module.`` where every name has it
+    (a model's own submodule called ``module`` keeps its name)."""
+    out = []
+    for name in names:
+        for w in _WRAPPERS:
+            name = name.replace(w, "")
+        out.append(name)
+    while out and all(n.startswith("module.") for n in out):
+        out = [n[len("module."):] for n in out]
+    return out
 
 
-def check_names(saved_groups: list[dict], groups: list[dict], where: str) -> None:
-    """Refuse a saved state whose groups name their params otherwise than this engine's ``groups`` do (in order,
-    wrappers' prefixes ignored). Called after the layout check (the same number of params per group)."""
-    for i, (saved, mine) in enumerate(zip(saved_groups, groups)):
-        theirs, ours = saved.get(KEY), mine.get(KEY)
-        if theirs is None or ours is None:
+def check_given(groups: list[dict], who: str) -> None:
+    """The names a user gave, refused by name at construction where a load could not compare them: each group's
+    a list of strings, one per param (torch checks neither), no name twice."""
+    seen = set()
+    for i, g in enumerate(groups):
+        names = g.get(KEY)
+        if names is None:
             continue
-        if not (isinstance(theirs, list) and len(theirs) == len(ours) and all(isinstance(n, str) for n in theirs)):
-            raise StateFileError(f"{where}: param_groups[{i}].{KEY} must be a list of {len(ours)} names, got "
-                                 f"{str(theirs)[:200]}; this state was not written by hf_zero_offload (or is damaged)")
-        differ = [(a, b) for a, b in zip(theirs, ours) if plain_name(a) != plain_name(b)]
-        if differ:
-            (a, b), more = differ[0], len(differ) - 1
-            raise NameMismatch(
-                f"{where}: the state was saved for other params than this engine's, of the same shapes: param "
-                f"group {i} holds {a!r} where this engine has {b!r}{f' (and {more} more differ)' if more else ''}; "
-                "loaded by position, each param would take another one's saved weights and moments. Load it into "
-                "an engine built on the model that saved it, with the same trainable params in the same order")
+        if not (isinstance(names, (list, tuple)) and len(names) == len(g["params"])
+                and all(isinstance(n, str) for n in names)):
+            raise ValueError(f"{who}: param group {i}'s {KEY} must be one name (a str) per param "
+                             f"({len(g['params'])}), got {str(names)[:200]}")
+        twice = [n for n in names if n in seen or seen.add(n)]
+        if twice:
+            raise ValueError(f"{who}: the param name {twice[0]!r} is given twice ({KEY}): a load could not tell "
+                             "its params apart; give each param its own name (model.named_parameters())")
+
+
+def slot_names(groups: list[dict], slots: list[list[tuple]]) -> list[str] | None:
+    """The names of the params that own state (``slots``: the engine's per group ``(param, offset, numel)``), in the
+    flat order; None when the groups carry no names."""
+    if not groups or any(KEY not in g for g in groups):
+        return None
+    out = []
+    for g, group_slots in zip(groups, slots):
+        by_id = {id(p): n for p, n in zip(g["params"], g[KEY])}
+        out += [by_id[id(p)] for p, _, _ in group_slots]
+    return out
+
+
+def check_names(meta: dict, groups: list[dict], slots: list[list[tuple]], where: str) -> None:
+    """Refuse a saved state whose params that own state are named otherwise than this engine's, in order (wrappers'
+    prefixes ignored). Called after the layout check (the same params by count and shape)."""
+    theirs, ours = meta.get(META_KEY), slot_names(groups, slots)
+    if theirs is None or ours is None:
+        return
+    if not (isinstance(theirs, list) and len(theirs) == len(ours) and all(isinstance(n, str) for n in theirs)):
+        raise StateFileError(f"{where}: {META_KEY} must be a list of {len(ours)} names, got {str(theirs)[:200]}; "
+                             "this state was not written by hf_zero_offload (or is damaged)")
+    a, b = plain_names(theirs), plain_names(ours)
+    differ = [k for k, (x, y) in enumerate(zip(a, b)) if x != y]
+    if differ:
+        k = differ[0]
+        more = f" (and {len(differ) - 1} more differ)" if len(differ) > 1 else ""
+        raise NameMismatch(
+            f"{where}: the state was saved for other params than this engine's, of the same shapes: trainable param "
+            f"{k} is {theirs[k]!r} in the state and {ours[k]!r} here{more}; loaded by position, each param would "
+            "take another one's saved weights and moments. Load it into an engine built on the model that saved it, "
+            "with the same trainable params in the same order")
 
 
 def names_of(params: list, named) -> list[str]:
-    """The model's name (its first, as ``named_parameters()`` gives it) of each param in ``params``; ``named``:
-    the model's ``named_parameters()``."""
-    by_id = {}
+    """A name of each param in ``params`` that does not depend on the order the model registers tied modules in: the
+    smallest of its names in ``named`` (``model.named_parameters(remove_duplicate=False)``: every alias)."""
+    aliases: dict[int, str] = {}
     for name, p in named:
-        by_id.setdefault(id(p), name)
-    return [by_id[id(p)] for p in params]
+        aliases[id(p)] = min(aliases.get(id(p), name), name)
+    return [aliases[id(p)] for p in params]

@@ -13,9 +13,7 @@ A mixin of the same object, not a helper of another: its methods read the core's
 from __future__ import annotations
 
 import logging
-import numbers
 import os
-import reprlib
 
 import torch
 
@@ -30,24 +28,6 @@ from .runs import FlatIndex
 STATE_FORMAT = "hf_zero_offload.state/2"
 _OWN_KEYS = ("params", param_names.KEY)  # a group's keys a load keeps (its params, and their names)
 logger = logging.getLogger("hf_zero_offload")
-
-
-def _json_value(v, where: str):
-    """A param group's value as the state's JSON header holds it. A step takes numbers of any kind (numpy
-    scalars from a scheduler's lambda, one-element tensors), which json.dumps refused only once the save had
-    begun: they are written as Python numbers; what JSON cannot hold is refused by name before any write."""
-    if v is None or isinstance(v, (bool, str, int, float)):
-        return int(v) if type(v) is not bool and isinstance(v, int) else v
-    if isinstance(v, numbers.Integral):
-        return int(v)
-    if isinstance(v, numbers.Real):
-        return float(v)
-    if torch.is_tensor(v) and v.numel() == 1 and not v.is_complex():
-        return v.item()
-    if isinstance(v, (list, tuple)) or (torch.is_tensor(v) and v.dim() == 1):
-        return [_json_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
-    raise TypeError(f"{where} is {reprlib.repr(v)} ({type(v).__name__}): an optimizer checkpoint holds a param "
-                    "group's values as numbers, strings or lists of them; remove or convert that key before saving")
 
 
 class SavedState:
@@ -67,9 +47,11 @@ class SavedState:
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
             "state_dtype": self.moments.state_dtype,
             **({"int8_codes": ops.INT8_CODES} if self.moments.state_dtype == "int8" else {}),
-            "param_groups": [{k: _json_value(v, f"param_groups[{i}].{k}") for k, v in g.items() if k != "params"}
+            "param_groups": [{k: state_dir.json_value(v, f"param_groups[{i}].{k}") for k, v in g.items() if k != "params"}
                              for i, g in enumerate(self.param_groups)],
             "slots": self._slot_meta(),
+            **({param_names.META_KEY: names} if (names := param_names.slot_names(self.param_groups, self._slots))
+               else {}),
             "param_steps": self._param_steps.tolist(),
             "loss_scaler": self.scaler.state_dict(),
             "global_steps": self.global_steps,
@@ -162,7 +144,7 @@ class SavedState:
         meta = state_dir.with_empty_groups(meta, self._slot_meta(), self.param_groups)
         state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
                              steps=self._param_steps.numel())
-        param_names.check_names(meta["param_groups"], self.param_groups, where)
+        param_names.check_names(meta, self.param_groups, self._slots, where)
         try:
             self.scaler.check_state_dict(meta.get("loss_scaler"))
         except ValueError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import reprlib
 
@@ -206,6 +207,24 @@ def _check_partition(ranges, world_size, numel, where: str) -> None:
     if not ok:
         raise ValueError(f"{where} is damaged: its partition {reprlib.repr(ranges)} does not cut [0, {numel}) into "
                          f"{reprlib.repr(world_size)} consecutive ranks' ranges; resume from an earlier checkpoint")
+
+
+def json_value(v, where: str):
+    """A param group's value as the state's JSON header holds it. A step takes numbers of any kind (numpy
+    scalars from a scheduler's lambda, one-element tensors), which json.dumps refused only once the save had
+    begun: they are written as Python numbers; what JSON cannot hold is refused by name before any write."""
+    if v is None or isinstance(v, (bool, str, int, float)):
+        return int(v) if type(v) is not bool and isinstance(v, int) else v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    if torch.is_tensor(v) and v.numel() == 1 and not v.is_complex():
+        return v.item()
+    if isinstance(v, (list, tuple)) or (torch.is_tensor(v) and v.dim() == 1):
+        return [json_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    raise TypeError(f"{where} is {reprlib.repr(v)} ({type(v).__name__}): an optimizer checkpoint holds a param "
+                    "group's values as numbers, strings or lists of them; remove or convert that key before saving")
 
 
 class LayoutMismatch(ValueError):

@@ -15,6 +15,7 @@ from ..consolidate import names_difference, names_mismatch
 from ..args_view import args_view, early_view
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
+from ..engine.param_names import names_of
 from ..engine.state_dir import GroupingMismatch, LayoutMismatch
 from ..accelerator_patch import patch_accelerator
 from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
@@ -139,7 +140,7 @@ class ZeroOffloadMixin(CheckpointSaving):
         if opt is None or isinstance(getattr(opt, "optimizer", opt), AdamCore):  # it called ours (super())
             return opt
         self.optimizer = None
-        return self._zo_build(self.model, groups_from_optimizer(opt, where, self.model.named_parameters()), where)
+        return self._zo_build(self.model, groups_from_optimizer(opt, where, self.model), where)
 
     def create_optimizer(self, model=None):
         if self._zo_raw is None or self.optimizer is not None:
@@ -149,13 +150,13 @@ class ZeroOffloadMixin(CheckpointSaving):
         if base is not None:  # its groups (a layer-wise LR, ...) are what the user asked for: the engine runs them
             built = super().create_optimizer(model)
             built, self.optimizer = (self.optimizer if self.optimizer is not None else built), None
-            return self._zo_build(model, groups_from_optimizer(built, base, model.named_parameters()), base)
+            return self._zo_build(model, groups_from_optimizer(built, base, model), base)
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # the engine keeps the names (torch.optim's param_names; an empty group's too), and a load compares them
-        split = [[(n, p) for n, p in named if n in decay], [(n, p) for n, p in named if n not in decay]]
-        groups = [{"params": [p for _, p in s], "param_names": [n for n, _ in s], "weight_decay": wd}
-                  for s, wd in zip(split, (self.args.weight_decay, 0.0))]
+        split = [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
+        groups = [{"params": ps, "param_names": names_of(ps, model.named_parameters(remove_duplicate=False)),
+                   "weight_decay": wd} for ps, wd in zip(split, (self.args.weight_decay, 0.0))]
         # an empty group stays, as the plain Trainer keeps it (LoRA-style frozen norms, BitFit): a per-group LambdaLR
         # and a callback's param_groups[i] count on both
         return self._zo_build(model, groups if any(g["params"] for g in groups) else [], None)
