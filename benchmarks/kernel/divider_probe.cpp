@@ -57,7 +57,9 @@ int main() {
   const double clock_ns = ns_per_iter([](long n) {
     long x = 1;
     const long y = 3;
-    for (long i = 0; i < n; ++i) asm volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0" : "+r"(x) : "r"(y));
+    for (long i = 0; i < n; ++i) {
+      asm volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0" : "+r"(x) : "r"(y));
+    }
   }, 20000000) / 12;
   std::printf("clock: %.3f ns per cycle (%.2f GHz, four dependent imul)\n", clock_ns, 1 / clock_ns);
   const long n = 1 << 20;

@@ -3,9 +3,10 @@
 world size) and the loads of both.
 
 A load checks everything it can before its first write (``state_dir.check_meta`` / ``check_tensors``, the params'
-names, the loss scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A checkpoint's tensors then
-stream straight into the arena (no second copy of the state); should a chunk fail its checksum part way,
-``_load_failed`` stays set and ``step``, ``state_meta`` (hence every save) refuse until a load succeeds.
+names, the loss scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A
+checkpoint's tensors then stream straight into the arena (no second copy of the state); should a chunk fail its
+checksum part way, ``_load_failed`` stays set and ``step``, ``state_meta`` (hence every save) refuse until a load
+succeeds.
 
 A mixin of the same object, not a helper of another: its methods read the core's fields (``lo``, ``hi``, ``master``,
 ``moments``, ``param_groups``, ``_param_steps``, ``scaler``...) as its own.
@@ -47,8 +48,8 @@ class SavedState:
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
             "state_dtype": self.moments.state_dtype,
             **({"int8_codes": ops.INT8_CODES} if self.moments.state_dtype == "int8" else {}),
-            "param_groups": [{k: state_dir.json_value(v, f"param_groups[{i}].{k}") for k, v in g.items() if k != "params"}
-                             for i, g in enumerate(self.param_groups)],
+            "param_groups": [{k: state_dir.json_value(v, f"param_groups[{i}].{k}") for k, v in g.items()
+                              if k != "params"} for i, g in enumerate(self.param_groups)],
             "slots": self._slot_meta(),
             **({param_names.META_KEY: names} if (names := param_names.slot_names(self.param_groups, self._slots))
                else {}),
