@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .engine import checkpoint
-from .engine.param_names import plain_names
+from .engine.param_names import unwrapped
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
 from .marker import MARKER, changed_files, read_marker, recorded_save_id
 
@@ -76,15 +76,16 @@ def _saved_names(state_dir: str) -> list[list[str]] | None:
     return saved if ok else None
 
 
-def names_mismatch(state_dir: str, slot_names: list[list[str]]) -> str:
-    """"" when the saved ``param_names.json`` names this model's slots (``slot_names``) in the same order (any
-    alias of each slot, wrappers' prefixes ignored), cannot be read (a checkpoint from before the file) or names
-    another number of slots (the engine's own layout check refuses that, with :func:`names_difference`); else
-    the difference, as :func:`names_difference` words it. The engine matches its state to the params by position
-    and writes the saved masters into them: the same shapes in another order would take another param's weights."""
+def names_mismatch(state_dir: str, slot_names: list[list[str]]) -> str | None:
+    """The saved ``param_names.json`` against this model's slots (``slot_names``, every alias of each): "" when it
+    names them in the same order (any alias of each slot, wrappers' segments ignored); the difference, as
+    :func:`names_difference` words it, when not; None when it cannot say: absent or unreadable (a checkpoint from
+    before the file), or naming another number of slots (the engine's own layout check refuses that). The engine
+    matches its state to the params by position and writes the saved masters into them: the same shapes in another
+    order would take another param's weights."""
     saved = _saved_names(state_dir)
-    if saved is None or len(saved) != len(slot_names):  # another count: the engine's layout check refuses it
-        return ""
+    if saved is None or len(saved) != len(slot_names):
+        return None
     if all(a & b for a, b in zip(_plain_slots(saved), _plain_slots(slot_names))):
         return ""
     return _difference(state_dir, saved, slot_names)
@@ -98,14 +99,15 @@ def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
 
 
 def _plain_slots(slots: list[list[str]]) -> list[set[str]]:
-    """Each slot's aliases without the wrappers' prefixes (the rule applied to all the names of one side at once)."""
-    flat = iter(plain_names([n for aliases in slots for n in aliases]))
-    return [{next(flat) for _ in aliases} for aliases in slots]
+    """Each slot's aliases without the segments wrappers add (torch.compile's). Never DDP's ``module.``: the Trainer
+    holds its model unwrapped, and this file names only the trainable params, which cannot tell DDP's prefix from a
+    submodule called ``module`` (one of them trainable in place of a same-shaped layer ``a`` beside it swapped them)."""
+    return [{unwrapped(n) for n in aliases} for aliases in slots]
 
 
 def _difference(state_dir: str, saved: list[list[str]], slot_names: list[list[str]]) -> str:
-    saved = plain_names([a[0] for a in saved])
-    now = plain_names([a[0] for a in slot_names])
+    saved = [unwrapped(a[0]) for a in saved]
+    now = [unwrapped(a[0]) for a in slot_names]
 
     def first(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -236,3 +236,48 @@ def _two_rank_job(rank, world_size, directory):
 def test_two_ranks_both_refuse_and_neither_waits(tmp_path):
     out = run_distributed(_two_rank_job, str(tmp_path / "ckpt"))
     assert all("trainable param 0 is 'a.weight' in the state and 'b.weight' here" in r for r in out), out
+
+
+class Beside(nn.Module):
+    """A submodule called ``module`` holding a layer ``a``, beside a same-shaped layer ``a``."""
+
+    def __init__(self, trainable: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.module = nn.Module()
+        self.module.a = nn.Linear(6, 6)
+        self.a = nn.Linear(6, 6)
+        for n, p in self.named_parameters():
+            p.requires_grad_(n.startswith(trainable + "."))
+
+    def forward(self, x):
+        return self.a(torch.tanh(self.module.a(x)))
+
+
+def test_ddps_prefix_is_judged_over_every_name_the_groups_give():
+    """Only module.a trained when saved, only a when loaded: judged over the trainable names alone, 'module.a.weight'
+    lost its 'module.' and matched 'a.weight', and a took module.a's trained weights."""
+    saver = Beside("module.a")
+    opt = OffloadAdam(saver.named_parameters(), lr=0.01, options=OffloadOptions(**SMALL))
+    _train(saver, opt)
+    assert opt.state_dict()["slot_names"] == ["module.a.weight", "module.a.bias"]
+    other = Beside("a")
+    with pytest.raises(NameMismatch, match=r"'module.a.weight' in the state and 'a.weight' here"):
+        OffloadAdam(other.named_parameters(), lr=0.01, options=OffloadOptions(**SMALL)).load_state_dict(
+            opt.state_dict())
+
+
+def test_a_state_saved_before_slot_names_is_compared_by_its_groups_names_where_they_map_one_for_one():
+    saver = Two()
+    opt = _engine("offload", saver)
+    _train(saver, opt)
+    state = opt.state_dict()
+    del state["slot_names"]  # as the engines saved it before: torch's param_names in the groups only
+    with pytest.raises(NameMismatch, match=r"'a.weight' in the state and 'b.weight' here"):
+        _engine("offload", Two(swapped=True)).load_state_dict(state)
+    _engine("offload", Two()).load_state_dict(state)
+    frozen = _frozen(Two(), "a")  # its groups also name a frozen param: which names own state cannot be told
+    fopt = _engine("offload", frozen)
+    fstate = fopt.state_dict()
+    del fstate["slot_names"]
+    _engine("offload", _frozen(Two(swapped=True), "a")).load_state_dict(fstate)  # by position, as before

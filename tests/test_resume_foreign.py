@@ -195,14 +195,17 @@ class _Tied(PreTrainedModel):
     """An output head tied to the embedding, the two registered in either order: named_parameters() then names the
     shared weight by whichever comes first."""
     config_class = _TiedCfg
-    _tied_weights_keys = {"head.weight": "emb.weight"}
+    _tied_weights_keys = {"head.weight": "emb.weight", "aux.weight": "emb.weight"}
 
     def __init__(self, config, order="eh"):
         super().__init__(config)
-        for c in order:
-            setattr(self, {"e": "emb", "h": "head"}[c], nn.Embedding(16, 8) if c == "e" else nn.Linear(8, 16, False))
+        for c in order:  # "a": a third alias, aux, whose name sorts before the others
+            setattr(self, {"e": "emb", "h": "head", "a": "aux"}[c],
+                    nn.Embedding(16, 8) if c == "e" else nn.Linear(8, 16, False))
         self.mid = nn.Linear(8, 8)
         self.head.weight = self.emb.weight
+        if "a" in order:
+            self.aux.weight = self.emb.weight
 
     def forward(self, x, y):
         logits = self.head(torch.tanh(self.mid(self.emb(x))))
@@ -210,13 +213,15 @@ class _Tied(PreTrainedModel):
 
 
 def test_a_tied_weight_named_first_by_its_other_alias_resumes(tmp_path):
-    """The mixin's names check takes any alias of a tied param; the engine's compared the first names and refused a
-    resume whose modules were registered in the other order (the same params, the same flat order)."""
+    """The mixin's names check takes any alias of a tied param; the engine's compared one name per param and refused
+    a resume whose modules were registered in the other order, or with an alias added that sorts first (the same
+    params, the same flat order)."""
     g = torch.Generator().manual_seed(0)
     data = [{"x": torch.randint(0, 16, (4,), generator=g), "y": torch.randint(0, 16, (4,), generator=g)}
             for _ in range(16)]
     weights = []
-    for out, order, steps, resume in (("run", "eh", 2, None), ("he", "he", 4, "run"), ("eh", "eh", 4, "run")):
+    runs = (("run", "eh", 2, None), ("he", "he", 4, "run"), ("eh", "eh", 4, "run"), ("eha", "eha", 4, "run"))
+    for out, order, steps, resume in runs:
         torch.manual_seed(0)
         model = _Tied(_TiedCfg(), order)
         args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path / out), zero_offload=OFFLOAD, max_steps=steps,
@@ -225,4 +230,39 @@ def test_a_tied_weight_named_first_by_its_other_alias_resumes(tmp_path):
         ZeroOffloadTrainer(model=model, args=args, train_dataset=data).train(
             resume_from_checkpoint=str(tmp_path / resume / "checkpoint-2") if resume else None)
         weights.append((model.emb.weight.detach().clone(), model.mid.weight.detach().clone()))
-    assert all(torch.equal(a, b) for a, b in zip(weights[1], weights[2]))  # either order goes on alike
+    for other in (weights[1], weights[3]):  # either order, and with the alias added, go on alike
+        assert all(torch.equal(a, b) for a, b in zip(other, weights[2]))
+
+
+class _Beside(PreTrainedModel):
+    """A submodule called ``module`` holding a layer ``a``, beside a same-shaped layer ``a``."""
+    config_class = _Cfg
+
+    def __init__(self, config, trainable):
+        super().__init__(config)
+        self.module = nn.Module()
+        self.module.a = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 8)
+        self.post_init()
+        for n, p in self.named_parameters():
+            p.requires_grad_(n.startswith(trainable + "."))
+
+    def forward(self, x, y):
+        out = self.a(torch.tanh(self.module.a(x)))
+        return {"loss": ((out - y) ** 2).mean(), "logits": out}
+
+
+def test_a_submodule_called_module_keeps_its_name_in_the_resume_check(tmp_path):
+    """Saved with module.a trainable, resumed with the layer a beside it trainable: the check took 'module.' for
+    DDP's prefix and a took module.a's trained weights."""
+    for out, trainable, resume in (("run", "module.a", None), ("again", "a", "run")):
+        torch.manual_seed(0)
+        trainer = ZeroOffloadTrainer(model=_Beside(_Cfg(), trainable), args=ZeroOffloadTrainingArguments(
+            output_dir=str(tmp_path / out), zero_offload=OFFLOAD, per_device_train_batch_size=4, max_steps=2,
+            save_strategy="steps", save_steps=2, report_to="none", use_cpu=True, disable_tqdm=True),
+            train_dataset=_data())
+        if resume is None:
+            trainer.train()
+            continue
+        with pytest.raises(ValueError, match=r"trainable now, not in the checkpoint: a\.weight, a\.bias"):
+            trainer.train(resume_from_checkpoint=str(tmp_path / resume / "checkpoint-2"))

@@ -27,16 +27,21 @@ class NameMismatch(LayoutMismatch):
     """A state saved for params of other names (in order) than this engine's, the shapes alike."""
 
 
-def plain_names(names: list[str]) -> list[str]:
-    """``names`` without the segments wrappers add, and without DDP's leading ``module.`` where every name has it
-    (a model's own submodule called ``module`` keeps its name)."""
-    out = []
-    for name in names:
-        for w in _WRAPPERS:
-            name = name.replace(w, "")
-        out.append(name)
-    while out and all(n.startswith("module.") for n in out):
-        out = [n[len("module."):] for n in out]
+def unwrapped(name: str) -> str:
+    """``name`` without the segments wrappers add (torch.compile, activation checkpointing, FSDP)."""
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def plain_names(names: list[str], all_names: list[str] | None = None) -> list[str]:
+    """``names`` without the segments wrappers add, and without DDP's leading ``module.`` where every one of
+    ``all_names`` (default ``names``: give all the model's names where known, frozen ones too) has it: a model's own
+    submodule called ``module`` keeps its name."""
+    out = [unwrapped(n) for n in names]
+    whole = out if all_names is None else [unwrapped(n) for n in all_names]
+    while whole and all(n.startswith("module.") for n in whole):
+        out, whole = [n[len("module."):] for n in out], [n[len("module."):] for n in whole]
     return out
 
 
@@ -58,29 +63,40 @@ def check_given(groups: list[dict], who: str) -> None:
                              "its params apart; give each param its own name (model.named_parameters())")
 
 
-def slot_names(groups: list[dict], slots: list[list[tuple]]) -> list[str] | None:
-    """The names of the params that own state (``slots``: the engine's per group ``(param, offset, numel)``), in the
-    flat order; None when the groups carry no names."""
-    if not groups or any(KEY not in g for g in groups):
+def slot_names(groups: list[dict], slots: list) -> list[str] | None:
+    """The names of the params that own state, in the flat order, without wrappers' prefixes (DDP's judged over every
+    name the groups give, frozen params' too); None when the groups carry no names. ``slots``: per group, the
+    engine's ``(param, offset, numel)`` or a saved state's ``[offset, numel, shape]`` (``groups``' names then map
+    to them one for one, or None: a group that named a frozen param cannot say which names own state)."""
+    if not groups or any(not isinstance(g.get(KEY), list) for g in groups):
         return None
     out = []
     for g, group_slots in zip(groups, slots):
-        by_id = {id(p): n for p, n in zip(g["params"], g[KEY])}
-        out += [by_id[id(p)] for p, _, _ in group_slots]
-    return out
+        if "params" in g:  # this engine's own groups
+            by_id = {id(p): n for p, n in zip(g["params"], g[KEY])}
+            out += [by_id[id(s[0])] for s in group_slots]
+        elif len(g[KEY]) == len(group_slots):
+            out += g[KEY]
+        else:
+            return None
+    return plain_names(out, [n for g in groups for n in g[KEY]])
 
 
-def check_names(meta: dict, groups: list[dict], slots: list[list[tuple]], where: str) -> None:
+def check_names(meta: dict, groups: list[dict], slots: list, where: str) -> None:
     """Refuse a saved state whose params that own state are named otherwise than this engine's, in order (wrappers'
-    prefixes ignored). Called after the layout check (the same params by count and shape)."""
-    theirs, ours = meta.get(META_KEY), slot_names(groups, slots)
+    prefixes ignored). Called after the layout check (the same params by count and shape). A state saved before
+    ``slot_names`` was kept is compared by its groups' ``param_names`` where they name only params with state."""
+    ours = slot_names(groups, slots)
+    theirs = meta.get(META_KEY)
+    if theirs is None and isinstance(meta.get("param_groups"), list) and isinstance(meta.get("slots"), list):
+        theirs = slot_names(meta["param_groups"], meta["slots"])
     if theirs is None or ours is None:
         return
     if not (isinstance(theirs, list) and len(theirs) == len(ours) and all(isinstance(n, str) for n in theirs)):
         raise StateFileError(f"{where}: {META_KEY} must be a list of {len(ours)} names, got {str(theirs)[:200]}; "
                              "this state was not written by hf_zero_offload (or is damaged)")
-    a, b = plain_names(theirs), plain_names(ours)
-    differ = [k for k, (x, y) in enumerate(zip(a, b)) if x != y]
+    theirs = [unwrapped(n) for n in theirs]
+    differ = [k for k, (x, y) in enumerate(zip(theirs, ours)) if x != y]
     if differ:
         k = differ[0]
         more = f" (and {len(differ) - 1} more differ)" if len(differ) > 1 else ""

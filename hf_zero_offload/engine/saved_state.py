@@ -140,12 +140,14 @@ class SavedState:
         saved = state["master"].reshape(-1)[:n]
         return saved.dtype == self.master.dtype and torch.equal(saved.to(self.master.device), self.master[:n])
 
-    def _check_saved(self, meta: dict, where: str) -> dict:
-        """``meta`` checked (refused by name), and returned as this engine's groups hold it."""
+    def _check_saved(self, meta: dict, where: str, names: bool = True) -> dict:
+        """``meta`` checked (refused by name), and returned as this engine's groups hold it. ``names``: compare the
+        params' names too (``param_names.check_names``)."""
         meta = state_dir.with_empty_groups(meta, self._slot_meta(), self.param_groups)
         state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
                              steps=self._param_steps.numel())
-        param_names.check_names(meta, self.param_groups, self._slots, where)
+        if names:
+            param_names.check_names(meta, self.param_groups, self._slots, where)
         try:
             self.scaler.check_state_dict(meta.get("loss_scaler"))
         except ValueError as e:
@@ -266,17 +268,21 @@ class SavedState:
         """A random token, the same on every rank (one process: its own)."""
         return os.urandom(8).hex()
 
-    def load_checkpoint(self, directory: str, expected_save_id: str | None = None) -> dict:
+    def load_checkpoint(self, directory: str, expected_save_id: str | None = None, *,
+                        names_checked: bool = False) -> dict:
         """Load a checkpoint of any engine and world size: this slice's part of every saved file,
         straight into the arena. Returns what was restored (format, world size saved, stage, ...).
         ``expected_save_id``: what ``save_checkpoint`` returned for this directory (the Trainer records it in
         the checkpoint's completion marker); a state of another save (a zero_offload/ copied or linked from
-        another checkpoint) is refused before the first write.
+        another checkpoint) is refused before the first write. ``names_checked``: the caller compared every alias
+        of each param already (the Trainer's resume, ``param_names.json``), so the engine's own comparison by one
+        name per param (a tied param's may differ: an alias added) is skipped.
 
         Every rank calls it; all succeed or all raise (``_on_every_rank``): a failure one rank alone sees (a
         damaged chunk only it reads) left its peers training on, to wait for it in their next collective."""
         # the agreement comes before _finish_load, whose publish is a collective a failed rank never joins
-        (meta, files), failed = self._on_every_rank(lambda: self._read_checkpoint(directory, expected_save_id))
+        (meta, files), failed = self._on_every_rank(lambda: self._read_checkpoint(directory, expected_save_id,
+                                                                                 names_checked))
         if failed:
             self._load_failed = f"checkpoint {directory} (rank(s) {failed} failed to load their part)"
             raise StateFileError(f"loading the optimizer state in {directory} failed on rank(s) {failed} (their "
@@ -304,11 +310,12 @@ class SavedState:
         """The ranks whose load failed (one process: this one, if it did). A collective for sharded engines."""
         return [self.rank] if failed else []
 
-    def _read_checkpoint(self, directory: str, expected_save_id: str | None) -> tuple[dict, int]:
+    def _read_checkpoint(self, directory: str, expected_save_id: str | None,
+                         names_checked: bool) -> tuple[dict, int]:
         """This rank's part of the checkpoint into the state (no collective); (the saved meta, files)."""
         srcs, meta = state_dir.sources(directory)
         state_dir.check_save_id(meta, expected_save_id, directory)
-        meta = self._check_saved(meta, directory)
+        meta = self._check_saved(meta, directory, names=not names_checked)
         codes = self._saved_codes(meta, directory)
         state_dir.check_sources(srcs, meta.get("state_dtype", "fp32"), self.lo, self.hi)
         # the tensors stream into the arena (no second copy of the state): from here a damaged file

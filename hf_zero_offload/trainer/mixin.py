@@ -333,7 +333,7 @@ class ZeroOffloadMixin(CheckpointSaving):
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
-        if moved := names_mismatch(state_dir, self._zo_slot_names()):  # before anything is loaded
+        if moved := names_mismatch(state_dir, self._zo_slot_names()):  # before anything is loaded (None: no file)
             raise LayoutMismatch(f"{state_dir} was saved for other trainable params than this model's, or the same "
                                  "in another order: the engine matches its state to the params by position and "
                                  f"would write the saved weights into other params{moved}. Resume with the model "
@@ -345,7 +345,10 @@ class ZeroOffloadMixin(CheckpointSaving):
                 if note := resume.load_scheduler(self.lr_scheduler, sched, resume.recorded_step(checkpoint)):
                     logger.warning(note)
             try:
-                self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint))
+                # names compared above with every alias: the engine's check by one name each could refuse a tied
+                # param whose names changed (an alias added)
+                self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint),
+                                                 names_checked=moved == "")
             except GroupingMismatch:
                 raise  # (it names the groups: the params are the same)
             except LayoutMismatch as e:  # the totals alone may read the same: name the params that differ
