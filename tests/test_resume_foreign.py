@@ -266,3 +266,22 @@ def test_a_submodule_called_module_keeps_its_name_in_the_resume_check(tmp_path):
             continue
         with pytest.raises(ValueError, match=r"trainable now, not in the checkpoint: a\.weight, a\.bias"):
             trainer.train(resume_from_checkpoint=str(tmp_path / resume / "checkpoint-2"))
+
+
+def test_the_callback_says_once_that_an_engine_of_unnamed_params_loads_by_position(tmp_path, caplog):
+    from hf_zero_offload import ZeroOffloadCallback
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    for named in (False, True):
+        torch.manual_seed(0)
+        model = _AB(_Cfg())
+        engine = OffloadAdam(model.named_parameters() if named else model.parameters(), options=OffloadOptions())
+        args = TrainingArguments(output_dir=str(tmp_path / str(named)), per_device_train_batch_size=4, max_steps=1,
+                                 report_to="none", use_cpu=True, disable_tqdm=True, max_grad_norm=0.0,
+                                 save_strategy="no")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+            Trainer(model=model, args=args, train_dataset=_data(), callbacks=[ZeroOffloadCallback()],
+                    optimizers=(engine, torch.optim.lr_scheduler.LambdaLR(engine, lambda _: 1.0))).train()
+        said = [r for r in caplog.records if "built from unnamed params" in r.getMessage()]
+        assert len(said) == (0 if named else 1), [r.getMessage() for r in said]

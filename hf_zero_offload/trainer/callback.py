@@ -7,6 +7,7 @@ import os
 from transformers import TrainerCallback
 
 from .. import resume
+from ..engine.param_names import KEY
 from .last_step import publish_for_final_save, run_ends
 from .mixin import STATE_DIR, adopt_changed_params, logger
 from .trainable_watch import TrainableWatch
@@ -76,6 +77,11 @@ class ZeroOffloadCallback(TrainerCallback):
         if engine is not None:  # what the mixin does at every train(): no window left part way, no stale masters
             engine.zero_grad(set_to_none=True)
             adopt_changed_params(engine)
+            if state.is_world_process_zero and any(KEY not in g for g in engine.param_groups):
+                logger.info("ZeroOffloadCallback: %s was built from unnamed params, so its optimizer.pt loads by "
+                            "position at a resume (same-shaped params in another order would take each other's "
+                            "saved weights); build it from model.named_parameters() and a resume compares the "
+                            "names first", type(engine).__name__)
         model = kwargs.get("model")
         if engine is not None and model is not None:  # the params its builder left out of it, as they are now
             self._watch = TrainableWatch()
