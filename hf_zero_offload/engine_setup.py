@@ -117,8 +117,9 @@ def groups_from_optimizer(opt, where: str, model) -> list[dict]:
                           f"(shapes {', '.join(map(str, outside[:5]))}): the plain Trainer counts and clips only the "
                           "model's, and the engine saves its state by the model's parameter names; make them part of "
                           "the model (an nn.Parameter attribute of a module) or train without zero_offload")
+    names = param_names.smallest_names(named_params)
     for g in groups:  # the engine keeps the names, and a load compares them (engine/param_names.py)
-        g[param_names.KEY] = param_names.names_of(g["params"], named_params)
+        g[param_names.KEY] = [names[id(p)] for p in g["params"]]
     left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in taken]
     if left:
         raise ConfigError(f"{where} left {len(left)} trainable parameter(s) out of its param groups "

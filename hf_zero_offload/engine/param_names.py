@@ -107,10 +107,10 @@ def check_names(meta: dict, groups: list[dict], slots: list, where: str) -> None
             "with the same trainable params in the same order")
 
 
-def names_of(params: list, named) -> list[str]:
-    """A name of each param in ``params`` that does not depend on the order the model registers tied modules in: the
+def smallest_names(named) -> dict[int, str]:
+    """Per param (by ``id``), a name that does not depend on the order the model registers tied modules in: the
     smallest of its names in ``named`` (``model.named_parameters(remove_duplicate=False)``: every alias)."""
-    aliases: dict[int, str] = {}
+    names: dict[int, str] = {}
     for name, p in named:
-        aliases[id(p)] = min(aliases.get(id(p), name), name)
-    return [aliases[id(p)] for p in params]
+        names[id(p)] = min(names.get(id(p), name), name)
+    return names

@@ -15,7 +15,7 @@ from ..consolidate import names_difference, names_mismatch
 from ..args_view import args_view, early_view
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
-from ..engine.param_names import names_of
+from ..engine.param_names import smallest_names
 from ..engine.state_dir import GroupingMismatch, LayoutMismatch
 from ..accelerator_patch import patch_accelerator
 from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
@@ -155,8 +155,9 @@ class ZeroOffloadMixin(CheckpointSaving):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # the engine keeps the names (torch.optim's param_names; an empty group's too), and a load compares them
         split = [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
-        groups = [{"params": ps, "param_names": names_of(ps, model.named_parameters(remove_duplicate=False)),
-                   "weight_decay": wd} for ps, wd in zip(split, (self.args.weight_decay, 0.0))]
+        names = smallest_names(model.named_parameters(remove_duplicate=False))
+        groups = [{"params": ps, "param_names": [names[id(p)] for p in ps], "weight_decay": wd}
+                  for ps, wd in zip(split, (self.args.weight_decay, 0.0))]
         # an empty group stays, as the plain Trainer keeps it (LoRA-style frozen norms, BitFit): a per-group LambdaLR
         # and a callback's param_groups[i] count on both
         return self._zo_build(model, groups if any(g["params"] for g in groups) else [], None)
