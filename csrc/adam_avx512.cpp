@@ -213,14 +213,9 @@ inline void q8_encode(const AdamArgs& a, size_t b, size_t e, const float* mb, co
   // the moments' random bits: lane l of the vector at j has index round_index + b + j + l
   __m512i weyl = weyl_of(a.round_index + b);
   size_t j = 0;
-  for (; j + 4 * W <= e - b; j += 4 * W) {  // 64 codes per store (store_m_codes)
-    __m512i cm[4], cv[4];
-    for (int k = 0; k < 4; ++k) {  // exp_avg's bits at weyl, then exp_avg_sq's, which moves weyl on
-      cm[k] = q_m_code(_mm512_load_ps(mb + j + k * W), mdv, round_at(weyl, seed_m));
-      cv[k] = q_v_code(_mm512_load_ps(vb + j + k * W), vdv, round_hi20(weyl, seed));
-    }
-    store_m_codes(cm, mc + b + j);
-    store_v_codes(cv, vc + b + j);
+  for (; j + 4 * W <= e - b; j += 4 * W) {  // 64 codes per store
+    q_m_x4(mb + j, mdv, weyl, seed_m, mc + b + j);  // exp_avg's bits at weyl's 64 indices,
+    q_v_x4(vb + j, vdv, weyl, seed, vc + b + j);    // then exp_avg_sq's, which moves weyl on
   }
   for (; j + W <= e - b; j += W) {
     q_m_vec(_mm512_load_ps(mb + j), mdv, round_at(weyl, seed_m), mc + b + j);

@@ -18,7 +18,8 @@ inline __m512 dq_mag_vec(__m512i mag) {
 inline __m512 dq_m_vec(const int8_t* p) {
   const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512i x = _mm512_castps_si512(dq_mag_vec<16>(_mm512_abs_epi32(c)));
-  return _mm512_castsi512_ps(_mm512_xor_si512(x, _mm512_and_si512(c, _mm512_set1_epi32(INT32_MIN))));
+  // x ^ (c & sign bit) in one ternary-logic operation (0x78 is a ^ (b & c) over the truth-table bytes F0, CC, AA)
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(x, c, _mm512_set1_epi32(INT32_MIN), 0x78));
 }
 
 inline __m512 dq_v_vec(const uint8_t* p) {
@@ -75,19 +76,53 @@ inline void q_v_vec(__m512 x, __m512 inv, __m512i r20, uint8_t* dst) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q_v_code(x, inv, r20)));  // c <= 248
 }
 
-// Four vectors of codes (|c| <= 120 signed, c <= 248 unsigned: no pack saturates) as 64 bytes in lane order. The
-// packs work within 128-bit lanes, leaving vector k's lanes 4L..4L+3 at dword 4L + k; one permute puts them at
-// 4k + L. Four operations for 64 codes where four vpmovdb take eight on Intel cores (two each, on port 5).
+// Four vectors of codes as 64 bytes in lane order. The packs work within 128-bit lanes, leaving vector k's lanes
+// 4L..4L+3 at dword 4L + k; one permute puts them at 4k + L.
 inline __m512i in_order(__m512i packed) {
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), packed);
 }
-inline void store_m_codes(const __m512i c[4], int8_t* dst) {
-  const __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
-  _mm512_storeu_si512(dst, in_order(b));
+
+// The x4 encoders (quant_avx2.h's q_m_x4 / q_v_x4, the same reasoning) clamp once per 64 codes, after packing:
+// the unclamped magnitude is below 2^12 (n >= 0 or a NaN, so no wrap), the packs to 16 and then 8 bits saturate
+// it at 255 (as unsigned), and one byte min gives q_mag_r's min(mag, kMaxMag). exp_avg adds r without taking
+// bits(c) off first ((bits(n + c) + r) >> 20 is the magnitude plus bits(c) >> 20: bits(c) has 20 low zero bits)
+// and takes bits(c) >> 20 off after the first pack, 32 codes per subtraction; |m| times the reciprocal is a
+// positive NaN at worst, or inf * 0's default NaN (0xffc00000), both far under 2^32 - 2^20. exp_avg_sq (no |v|:
+// see q_v_code) subtracts it before the shift, where a negative NaN's bits plus r could wrap. exp_avg's signs:
+// x's fp32 bits packed with signed saturation keep their sign bit, so the byte mask of those signs picks exactly
+// the lanes q_m negates (a -0 included, whose magnitude code is 0). Per 64 codes: 4 packs, a subtraction per 32,
+// one min, a mask and a masked negation, one permute, where per-vector clamps and sign fixes took 8 more.
+// weyl and seeds: as q8_encode's, the first of the 64 elements at weyl; weyl moves on by 64 (in q_v_x4).
+inline void q_m_x4(const float* x, __m512 inv, __m512i weyl, __m512i seed_m, int8_t* dst) {
+  const __m512i c = _mm512_set1_epi32(QM::kShiftBits);
+  const __m512i step = _mm512_set1_epi32(static_cast<int>(16u * 0x9e3779b1u));
+  __m512 xs[4];
+  __m512i top[4];
+  for (int k = 0; k < 4; ++k, weyl = _mm512_add_epi32(weyl, step)) {
+    xs[k] = _mm512_load_ps(x + k * 16);
+    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(abs_ps(xs[k]), inv), _mm512_castsi512_ps(c)));
+    top[k] = _mm512_srli_epi32(_mm512_add_epi32(u, round_at(weyl, seed_m)), 20);
+  }
+  const __m512i base = _mm512_set1_epi16(static_cast<short>(QM::kShiftBits >> 20));
+  const __m512i lo = _mm512_sub_epi16(_mm512_packus_epi32(top[0], top[1]), base);
+  const __m512i hi = _mm512_sub_epi16(_mm512_packus_epi32(top[2], top[3]), base);
+  const __m512i mag = _mm512_min_epu8(_mm512_packus_epi16(lo, hi), _mm512_set1_epi8(static_cast<char>(QM::kMaxMag)));
+  auto bits = [](__m512 v) { return _mm512_castps_si512(v); };
+  const __m512i s = _mm512_packs_epi16(_mm512_packs_epi32(bits(xs[0]), bits(xs[1])),
+                                       _mm512_packs_epi32(bits(xs[2]), bits(xs[3])));
+  const __m512i codes = _mm512_mask_sub_epi8(mag, _mm512_movepi8_mask(s), _mm512_setzero_si512(), mag);
+  _mm512_storeu_si512(dst, in_order(codes));
 }
-inline void store_v_codes(const __m512i c[4], uint8_t* dst) {
-  const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
-  _mm512_storeu_si512(dst, in_order(b));
+inline void q_v_x4(const float* x, __m512 inv, __m512i& weyl, __m512i seed, uint8_t* dst) {
+  const __m512i c = _mm512_set1_epi32(QV::kShiftBits);
+  __m512i mag[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(x + k * 16), inv),
+                                                        _mm512_castsi512_ps(c)));
+    mag[k] = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_sub_epi32(round_hi20(weyl, seed), c)), 20);
+  }
+  const __m512i codes = _mm512_packus_epi16(_mm512_packus_epi32(mag[0], mag[1]), _mm512_packus_epi32(mag[2], mag[3]));
+  _mm512_storeu_si512(dst, in_order(_mm512_min_epu8(codes, _mm512_set1_epi8(static_cast<char>(QV::kMaxMag)))));
 }
 
 // The block's absmax from the lanes' maxima: the lanes are >= 0 and never NaN (max_ps(x, acc) keeps
