@@ -73,8 +73,9 @@ class CheckpointSaving:
             return
         for d in dirs:
             shutil.rmtree(os.path.join(output_dir, d))
-        remove_durably(output_dir, files)
-        fsync_dir(output_dir)
+        remove_durably(output_dir, files)  # syncs the directory when it removed a file
+        if dirs and not files:
+            fsync_dir(output_dir)
         logger.info("hf_zero_offload: removed %s from %s, left there by an earlier save of that checkpoint (another "
                     "run, or another tool)", ", ".join(files + [d + "/" for d in dirs]), output_dir)
 
