@@ -305,9 +305,9 @@ template <DType G, int Out>
 AdamFn pick_nt(const AdamArgs& a, size_t begin) {
   // Every vector store lands on a multiple of its own width when the first one does. The int8 loop
   // stores a bf16 param out two vectors at a time (32 bytes, from block starts: multiples of 512 bytes).
-  const size_t bytes = a.state == StateKind::Q8 && Out == static_cast<int>(DType::BF16)
-                           ? 32 : (Out == static_cast<int>(DType::F32) ? 4 : 2) * W;
-  const bool aligned = (reinterpret_cast<uintptr_t>(a.param_out) + begin * (bytes / W)) % bytes == 0;
+  const size_t elem = Out == static_cast<int>(DType::F32) ? 4 : 2;
+  const size_t bytes = a.state == StateKind::Q8 && Out == static_cast<int>(DType::BF16) ? 32 : elem * W;
+  const bool aligned = (reinterpret_cast<uintptr_t>(a.param_out) + begin * elem) % bytes == 0;
   return aligned ? pick_l2<G, Out, true>(a) : pick_l2<G, Out, false>(a);
 }
 

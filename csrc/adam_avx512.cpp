@@ -38,7 +38,8 @@ inline __m512 load_g(const void* g, size_t i) {
 // The NaN fix-up runs only for a vector with a NaN lane (adam_avx2.cpp's to_bf16_lanes says why): in cache on an
 // Emerald Rapids core (session 23, alternated builds) bf16 moments 0.792 -> 0.755-0.762 ns/param, int8 0.879-0.882
 // -> 0.866-0.869.
-inline __m256i to_bf16(__m512 x) {
+// Each lane's bf16 in the low half of its 32 bits.
+inline __m512i to_bf16_lanes(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i hi = _mm512_srli_epi32(u, 16);
   // The unordered self-compare is true exactly for NaNs, f32_to_bf16's (u & 0x7fffffff) > 0x7f800000.
@@ -46,7 +47,17 @@ inline __m256i to_bf16(__m512 x) {
   const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   if (__builtin_expect(nan != 0, 0)) r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-  return _mm512_cvtepi32_epi16(r);  // values are <= 0xffff: truncation is exact
+  return r;
+}
+inline __m256i to_bf16(__m512 x) {
+  return _mm512_cvtepi32_epi16(to_bf16_lanes(x));  // values are <= 0xffff: truncation is exact
+}
+// Two vectors at once: one pack and one permute for 32 values where two vpmovdw take four port-5 uops on Intel
+// cores. The pack works within 128-bit lanes (quadwords r0.q0, r1.q0, r0.q1, r1.q1, ...), the permute puts them
+// back in order; values are <= 0xffff, so the unsigned saturation never triggers.
+inline __m512i to_bf16_x2(__m512 x0, __m512 x1) {
+  return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                  _mm512_packus_epi32(to_bf16_lanes(x0), to_bf16_lanes(x1)));
 }
 
 // Out: -1 none, else the DType of param_out.
@@ -188,20 +199,29 @@ inline void q8_update(const AdamArgs& a, const Consts& c, size_t b, size_t e, fl
   const size_t k = b / kQBlock;
   const __m512 ms = _mm512_set1_ps(a.exp_avg_scale[k]), vs = _mm512_set1_ps(a.exp_avg_sq_scale[k]);
   __m512 mmax = _mm512_setzero_ps(), vmax = _mm512_setzero_ps();
-  size_t i = b;
-  for (; i + W <= e; i += W) {
+  auto update = [&](size_t i) {  // the param (returned, for param out), the moments and their maxima
     q8_prefetch<W, gsize>(params, grad, mc, vc, i);
     const __m512 g = _mm512_mul_ps(load_g<G>(grad, i), c.scale);
     __m512 m, v;
     const __m512 p = adam_vec<L2, true>(c, g, _mm512_loadu_ps(params + i), _mm512_mul_ps(dq_m_vec(mc + i), ms),
                                         _mm512_mul_ps(dq_v_vec(vc + i), vs), m, v);
     _mm512_storeu_ps(params + i, p);
-    store_o<Out, NT>(out, i, p);
     _mm512_store_ps(mb + (i - b), m);
     _mm512_store_ps(vb + (i - b), v);
     mmax = _mm512_max_ps(abs_ps(m), mmax);
     vmax = _mm512_max_ps(v, vmax);  // v >= 0 or NaN here: |v| is v (see q_v_vec)
+    return p;
+  };
+  size_t i = b;
+  if constexpr (Out == static_cast<int>(DType::BF16)) {  // a bf16 param out 64 bytes at a time (pick_nt)
+    for (; i + 2 * W <= e; i += 2 * W) {
+      const __m512 p0 = update(i), p1 = update(i + W);
+      __m512i* dst = reinterpret_cast<__m512i*>(static_cast<uint16_t*>(out) + i);
+      if constexpr (NT) _mm512_stream_si512(dst, to_bf16_x2(p0, p1));
+      else _mm512_storeu_si512(dst, to_bf16_x2(p0, p1));
+    }
   }
+  for (; i + W <= e; i += W) store_o<Out, NT>(out, i, update(i));
   mx = hmax(mmax), vx = hmax(vmax);
   q_update_tail(a, b, i, e, mb, vb, mx, vx);
 }
@@ -272,9 +292,11 @@ AdamFn pick_l2(const AdamArgs& a) {
 
 template <DType G, int Out>
 AdamFn pick_nt(const AdamArgs& a, size_t begin) {
-  // Every vector store lands on a multiple of its own width when the first one does.
-  const size_t bytes = (Out == static_cast<int>(DType::F32) ? 4 : 2) * W;
-  const bool aligned = (reinterpret_cast<uintptr_t>(a.param_out) + begin * (bytes / W)) % bytes == 0;
+  // Every vector store lands on a multiple of its own width when the first one does. The int8 loop stores a bf16
+  // param out two vectors at a time (64 bytes, from block starts: multiples of 512 bytes).
+  const size_t elem = Out == static_cast<int>(DType::F32) ? 4 : 2;
+  const size_t bytes = a.state == StateKind::Q8 && Out == static_cast<int>(DType::BF16) ? 64 : elem * W;
+  const bool aligned = (reinterpret_cast<uintptr_t>(a.param_out) + begin * elem) % bytes == 0;
   return aligned ? pick_l2<G, Out, true>(a) : pick_l2<G, Out, false>(a);
 }
 

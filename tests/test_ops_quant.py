@@ -175,10 +175,11 @@ def test_compact_step_with_small_beta1_matches_reference(simd, kind, beta1):
         assert torch.equal(p, p_ref), step
 
 
-@pytest.mark.parametrize("offset", [0, 1, 8, 16])
+@pytest.mark.parametrize("offset", [0, 1, 8, 16, 32])
 def test_int8_param_out_at_any_alignment(offset):
-    """A bf16 param out at an element offset: 32-byte aligned (the AVX2 int8 loop streams it two vectors
-    at a time), 16-byte (stored plainly there) or unaligned; every level equals the reference."""
+    """A bf16 param out at an element offset: 64-byte aligned (the AVX512 int8 loop streams it two vectors at a
+    time), 32-byte (so does the AVX2 loop; AVX512 stores it plainly), 16-byte or unaligned; every level equals
+    the reference."""
     n = 3 * 256 + 40  # full blocks and a partial one
     gen = torch.Generator().manual_seed(offset)
     p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(torch.bfloat16)
@@ -189,8 +190,8 @@ def test_int8_param_out_at_any_alignment(offset):
     for level in LEVELS:
         ops.set_simd_level(level)
         p, st = p0.clone(), _clone(st0)
-        base = torch.empty(n + 16, dtype=torch.bfloat16)
-        assert base.data_ptr() % 32 == 0
+        base = torch.empty(n + 32, dtype=torch.bfloat16)
+        assert base.data_ptr() % 64 == 0
         out = base[offset:offset + n]
         for step in (1, 2):
             ops.adam_step(p, g, st["exp_avg"], st["exp_avg_sq"], step=step, param_out=out,
