@@ -16,7 +16,7 @@ import reprlib
 import torch
 
 from . import ops
-from .ops.moments import check_code_range
+from .ops.moments import check_code_range, check_second_moment
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 EXACT_KEYS = MOMENT_KEYS + ("master",)
@@ -103,6 +103,8 @@ def check_saved_state(st, p: torch.Tensor, pid) -> None:
             ops.check_int8_codes(st.get("int8_codes", 1))
             for k in ("exp_avg", "exp_avg_sq"):
                 check_code_range(CODE_KEYS[k], flat[k])
+        else:  # a negative one (torch's AdamW takes it) turns its param NaN at the next step
+            check_second_moment("exp_avg_sq", flat["exp_avg_sq"])
     except (TypeError, ValueError) as e:
         raise type(e)(f"{where}: {e}") from None
     master = st.get("master")

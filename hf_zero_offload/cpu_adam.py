@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from typing import Iterable
 
 import torch
 
 from . import adam_state_dict as sdict, ops
 from .adam_state_dict import MOMENT_KEYS as _MOMENT_KEYS
+
+logger = logging.getLogger("hf_zero_offload")
 
 # torch.optim's flags that choose how its step runs, not what it computes: a loaded group's are
 # replaced by this optimizer's (None/False: anything else is refused by _check_group)
@@ -67,6 +70,7 @@ class CPUAdam(torch.optim.Optimizer):
         ops.check_state_dtype(state_dtype)
         self.num_threads = num_threads
         self._versions = {}  # 16-bit param -> (version counter, storage) after our last write (_prepare_state)
+        self._converted = set()  # (saved moments, state_dtype) conversions logged (_prepare_state)
         ops.check_num_threads(num_threads)  # the kernels' check, now rather than at the first step
         self._state_dtype = state_dtype
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
@@ -114,6 +118,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("num_threads", None)  # unpickled from a version that did not save it
         self.__dict__.setdefault("_versions", {})
+        self.__dict__.setdefault("_converted", set())
         for group in self.param_groups:
             group.setdefault("adamw_mode", bool(group.get("decoupled_weight_decay", True)))
             group.setdefault("state_dtype", getattr(self, "_state_dtype", "fp32"))
@@ -199,7 +204,12 @@ class CPUAdam(torch.optim.Optimizer):
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state.update(_shaped(ops.make_state(p.numel(), state_dtype), p))
-        elif _dtype_of(state, p.numel()) != state_dtype or _codes_of(state) != ops.INT8_CODES:
+        elif (saved := _dtype_of(state, p.numel())) != state_dtype or _codes_of(state) != ops.INT8_CODES:
+            what = f"{saved} (code map {_codes_of(state)})" if saved == "int8" else saved
+            if (what, state_dtype) not in self._converted:  # one line per conversion, not per param (as the engines)
+                self._converted.add((what, state_dtype))
+                logger.info("hf_zero_offload: optimizer moments saved as %s converted to state_dtype=%s", what,
+                            state_dtype)
             m, v = ops.state_to_fp32(_flat(state), _codes_of(state))
             for k in _MOMENT_KEYS + ("int8_codes",):
                 state.pop(k, None)

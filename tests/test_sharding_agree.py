@@ -95,7 +95,8 @@ def test_a_state_dict_refused_on_one_rank_is_refused_on_every_rank():
     """Each rank loads its own dict: one refused on rank 1 only left rank 0 waiting in the load's collective until
     the process group's timeout, which then failed in gloo without the cause. Now every rank raises at once."""
     (e0, same0, p0), (e1, same1, p1) = run_distributed(_load_refused_on_one_rank, world_size=2, collective_timeout=20)
-    assert e1.startswith("this state is rank 0 of 2; this engine is rank 1 of 2"), e1
+    assert e1.startswith("this state (rank 0 of 2, fp32) holds elements [0, "), e1
+    assert "this engine (rank 1 of 2, fp32) holds [" in e1, e1
     assert e0 == "load_state_dict: refused on rank(s) [1] (their error says why); no rank loaded", e0
     assert same0 and same1
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))

@@ -108,10 +108,13 @@ class SavedState:
                 raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() "
                                 f"returns, got {type(state).__name__}")
             meta = self._check_saved(state, where)
-            if meta.get("shard_start", 0) != self.lo or meta.get("shard_end", meta.get("numel")) != self.hi:
-                raise ValueError(f"this state is rank {meta.get('rank', 0)} of {meta.get('world_size', 1)}; this "
-                                 f"engine is rank {self.rank} of {self.world_size}: use save_checkpoint/"
-                                 "load_checkpoint to change the world size")
+            lo, hi = meta.get("shard_start", 0), meta.get("shard_end", meta.get("numel"))
+            if (lo, hi) != (self.lo, self.hi):  # int8 shards are cut on 256-element blocks, fp32/bf16 ones are not
+                raise ValueError(f"this state (rank {meta.get('rank', 0)} of {meta.get('world_size', 1)}, "
+                                 f"{meta.get('state_dtype', 'fp32')}) holds elements [{lo}, {hi}); this engine (rank "
+                                 f"{self.rank} of {self.world_size}, {self.moments.state_dtype}) holds [{self.lo}, "
+                                 f"{self.hi}): use save_checkpoint/load_checkpoint, which re-cut a state for another "
+                                 "world size or state_dtype")
             state_dir.check_tensors(meta, self.hi - self.lo, where)
             return meta, self._saved_codes(meta, where)
 
@@ -258,6 +261,9 @@ class SavedState:
         """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``). Returns the save's id, a
         token every file of this save holds (and ``meta.json``): a load refuses a directory whose files
         disagree on it, and one whose id is not the ``expected_save_id`` its caller recorded for it."""
+        if any(self._window_received()):  # as torch.optim's state holds no .grad: said, not silent
+            logger.warning("hf_zero_offload: save_checkpoint between two steps: the gradients this rank took since "
+                           "the last step() are not saved; a resume starts that accumulation window afresh")
         meta = {**self.state_meta(), "save_id": self._shared_token()}
         state_dir.save(directory, self.rank, self.world_size, meta, self.state_tensors(),
                        barrier=self._barrier, partition=self._partition_ranges())
@@ -352,6 +358,8 @@ class SavedState:
             # (codes of a conversion are this process's own encoding: no file to blame)
             self._check_int8(self.moments.state, where, self.lo,
                              files if saved == "int8" and codes == ops.INT8_CODES else None)
+        elif saved != "int8":  # (streamed, so checked once loaded, as int8 codes are; decoded codes are >= 0)
+            state_dir.check_second_moments(self.moments.tensors(self.hi - self.lo)["exp_avg_sq"], where)
 
     @staticmethod
     def _check_int8(state: dict, where: str, first: int = 0, files: list | None = None) -> None:

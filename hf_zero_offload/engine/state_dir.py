@@ -25,6 +25,7 @@ import reprlib
 import torch
 
 from .. import ops
+from ..ops.moments import check_code_range, check_second_moment
 from . import checkpoint
 from .checkpoint import StateFileError
 from .moments import Q, SCALES, moment_regions
@@ -315,11 +316,24 @@ def check_tensors(state: dict, n: int, where: str) -> None:
             raise StateFileError(f"{where}: {key} is {str(t.dtype)[6:]}, expected {str(dtype)[6:]} ({saved} state)")
         if t.numel() < count:
             raise StateFileError(f"{where}: {key} has {t.numel()} elements, expected {count} ({n} in this slice)")
-    if saved == "int8":
-        try:
-            ops.check_scales(*(state[k].reshape(-1)[:want[k][0]] for k in SCALES))
-        except ValueError as e:
-            raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
+    # the values the kernels rely on, here before anything is written (a checkpoint's: once streamed in)
+    flat = {k: state[k].reshape(-1)[:count] for k, (count, _) in want.items()}
+    if saved != "int8":
+        return check_second_moments(flat["exp_avg_sq"], where)
+    try:
+        ops.check_scales(*(flat[k] for k in SCALES))
+        for k in ("exp_avg", "exp_avg_sq"):
+            check_code_range(f"{k} codes", flat[k])
+    except ValueError as e:
+        raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
+
+
+def check_second_moments(exp_avg_sq: torch.Tensor, where: str) -> None:
+    """fp32/bf16 ``exp_avg_sq`` of a load is >= 0 (``check_second_moment``), refused as ``where``'s error."""
+    try:
+        check_second_moment("exp_avg_sq", exp_avg_sq)
+    except ValueError as e:
+        raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
 
 
 def check_sources(srcs: list[tuple[str, int, int]], saved: str, lo: int, hi: int) -> None:
@@ -336,6 +350,10 @@ def check_sources(srcs: list[tuple[str, int, int]], saved: str, lo: int, hi: int
         a, b = max(lo, a0), min(hi, b0)
         if b <= a:
             continue
+        if saved == "int8" and a0 % Q:  # a slice's scales are read per block of the flat index (``read_range``)
+            raise StateFileError(f"{path}: its int8 state starts at element {a0}, not on a {Q}-element block: the "
+                                 "engines cut int8 states on blocks, so this file was not written by hf_zero_offload "
+                                 "(or its partition is damaged); use an earlier checkpoint")
         entries = checkpoint.read_header(path)[1]
         for key, (count, dtype) in {"master": (b0 - a0, torch.float32), **moment_regions(b0 - a0, saved)}.items():
             e, name = entries.get(key), str(dtype).replace("torch.", "")

@@ -1,0 +1,205 @@
+"""Loads check the values the kernels rely on, and refuse before they write where they can.
+
+An outside probe (session 23) found: an in-memory state dict with an int8 code the kernel never writes
+overwrote the optimizer before it was refused; a checksum-valid fp32/bf16 state with a negative exp_avg_sq
+loaded without a word (its param NaN at the next step); an int8 checkpoint whose shard starts off a
+256-element block loaded another block's scales at 2 ranks and failed part way at 1; a sharded state dict
+of another state_dtype was refused as "use ... to change the world size" at the same world size; a
+save between two steps dropped the window's gradients without a word; CPUAdam converted state dtypes
+without the log line the engines write.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from _models import TinyNet, batches, loss_fn, param_groups
+from hf_zero_offload import CPUAdam
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, state_dir
+from hf_zero_offload.engine.checkpoint import StateFileError
+
+LR, WD = 1e-2, 0.1
+SMALL = dict(bucket_numel=1000, tile_numel=300)
+
+
+def engine(model, state_dtype):
+    return OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL, state_dtype=state_dtype))
+
+
+def train(model, opt, data):
+    for ids, labels, use_branch in data:
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(opt, model):
+    return {k: v.clone() for k, v in opt.state_tensors().items()}, [p.detach().clone() for p in model.parameters()]
+
+
+def assert_unchanged(opt, model, before):
+    tensors, params = before
+    for k, v in opt.state_tensors().items():
+        assert torch.equal(v, tensors[k]), k
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q)
+
+
+def trained(state_dtype, steps=2):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = engine(model, state_dtype)
+    train(model, opt, batches(steps))
+    return model, opt
+
+
+@pytest.mark.parametrize("target", ["int8", "bf16"])
+@pytest.mark.parametrize("key,code", [("exp_avg", -128), ("exp_avg", 121), ("exp_avg_sq", 249)])
+def test_a_state_dict_with_codes_the_kernel_never_writes_changes_nothing(target, key, code):
+    model, opt = trained("int8")
+    sd = opt.state_dict()
+    sd[key][5] = code
+    sd["master"] += 1.0  # a load that wrote before refusing would move the masters
+    other_model = copy.deepcopy(model)
+    other = engine(other_model, target)
+    train(other_model, other, batches(1))
+    before = snapshot(other, other_model)
+    with pytest.raises(StateFileError, match=f"state dict: {key} codes has code {code}, outside"):
+        other.load_state_dict(sd)
+    assert_unchanged(other, other_model, before)
+    train(other_model, other, batches(1))  # not left half-loaded: it steps
+    for o in (opt, other):
+        o.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_a_negative_exp_avg_sq_is_refused(tmp_path, state_dtype):
+    """A state dict: before any write. A checkpoint (valid checksums): once streamed in, as int8 codes are, with
+    step and save refused until a load succeeds."""
+    model, opt = trained(state_dtype)
+    opt.moments.state["exp_avg_sq"][3] = -1.0
+    sd = opt.state_dict()
+    opt.save_checkpoint(str(tmp_path))
+    other_model = copy.deepcopy(model)
+    other = engine(other_model, state_dtype)
+    before = snapshot(other, other_model)
+    with pytest.raises(StateFileError, match=r"state dict: exp_avg_sq has a negative entry \(-1.0 at element 3\)"):
+        other.load_state_dict(sd)
+    assert_unchanged(other, other_model, before)
+    with pytest.raises(StateFileError, match=f"{tmp_path}: exp_avg_sq has a negative entry"):
+        other.load_checkpoint(str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed part way"):
+        train(other_model, other, batches(1))
+    for o in (opt, other):
+        o.close()
+
+
+def _save_misaligned(directory, opt, cut):
+    tensors = {k: v.clone() for k, v in opt.state_tensors().items()}
+    meta = opt.state_meta()
+    numel = meta["numel"]
+    for rank, (a, b) in enumerate([(0, cut), (cut, numel)]):
+        part = {"master": tensors["master"][a:b]}
+        for k in ("exp_avg", "exp_avg_sq"):
+            part[k] = tensors[k][a:b]
+        for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+            part[k] = tensors[k][a // 256:-(-b // 256)]
+        state_dir.save(directory, rank, 2, {**meta, "world_size": 2, "rank": rank, "shard_start": a, "shard_end": b,
+                                            "save_id": "feedfeedfeedfeed"}, part, barrier=lambda: None,
+                       partition=[[0, cut], [cut, numel]])
+
+
+def test_an_int8_checkpoint_cut_off_a_block_is_refused_before_any_write(tmp_path):
+    model, opt = trained("int8")
+    _save_misaligned(str(tmp_path), opt, cut=600)
+    other_model = copy.deepcopy(model)
+    other = engine(other_model, "int8")
+    before = snapshot(other, other_model)
+    with pytest.raises(StateFileError, match=r"rank1_of_2\.hzo: its int8 state starts at element 600, not on a "
+                                             r"256-element block"):
+        other.load_checkpoint(str(tmp_path))
+    assert_unchanged(other, other_model, before)
+    train(other_model, other, batches(1))
+    for o in (opt, other):
+        o.close()
+
+
+def _sharded_state_dict_job(rank, world, saved_dtype, target_dtype):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = ShardedAdam(param_groups(model, WD), lr=LR, stage=2, options=OffloadOptions(**SMALL, state_dtype=saved_dtype))
+    train(model, opt, batches(2))
+    sd = opt.state_dict()
+    other = ShardedAdam(param_groups(copy.deepcopy(model), WD), lr=LR, stage=2,
+                        options=OffloadOptions(**SMALL, state_dtype=target_dtype))
+    try:
+        other.load_state_dict(sd)
+        return "loaded"
+    except ValueError as e:
+        return str(e)
+    finally:
+        for o in (opt, other):
+            o.close()
+
+
+def test_a_sharded_state_dict_of_other_shard_bounds_names_them_and_the_way():
+    """int8 shards are cut on 256-element blocks, fp32/bf16 ones are not: at the same world size a state dict of
+    the other kind covers other elements. The refusal says so (it said "to change the world size")."""
+    msgs = run_distributed(_sharded_state_dict_job, "bf16", "int8")
+    for rank, msg in enumerate(msgs):
+        assert "world size or state_dtype" in msg and "bf16" in msg and "int8" in msg, msg
+        assert f"rank {rank} of 2" in msg, msg
+
+
+def test_a_save_between_two_steps_says_the_windows_gradients_are_not_in_it(tmp_path, caplog):
+    model, opt = trained("int8")
+    ids, labels, branch = batches(1)[0]
+    loss_fn(model, ids, labels, branch).backward()  # half a window: taken by the engine, not yet stepped
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        opt.save_checkpoint(str(tmp_path / "mid"))
+    assert any("gradients this rank took since the last step() are not saved" in r.message for r in caplog.records)
+    opt.step()
+    opt.zero_grad()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        opt.save_checkpoint(str(tmp_path / "clean"))
+    assert not caplog.records
+    opt.close()
+
+
+def test_cpu_adam_says_once_that_it_converted_saved_moments(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 5))
+    opt = CPUAdam(model.parameters(), lr=1e-2, state_dtype="int8")
+    model(torch.randn(4, 40)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    other = CPUAdam(model.parameters(), lr=1e-2, state_dtype="bf16")
+    other.load_state_dict(sd)
+    model(torch.randn(4, 40)).sum().backward()
+    with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+        other.step()
+        other.step()
+    lines = [r.message for r in caplog.records if "converted" in r.message]
+    assert lines == ["hf_zero_offload: optimizer moments saved as int8 (code map 2) converted to state_dtype=bf16"]
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_cpu_adam_refuses_a_negative_exp_avg_sq_when_loaded(state_dtype):
+    """torch's AdamW takes one and steps its param to NaN; CPUAdam checks a state dict before loading it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(30, 3)
+    opt = CPUAdam(model.parameters(), lr=1e-2, state_dtype=state_dtype)
+    model(torch.randn(4, 30)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_sq"].view(-1)[5] = -1.0
+    other = CPUAdam(model.parameters(), lr=1e-2, state_dtype=state_dtype)
+    with pytest.raises(ValueError, match=r"optimizer state of param 0 \(shape \(3, 30\)\): exp_avg_sq has a negative "
+                                         r"entry \(-1.0 at element 5\)"):
+        other.load_state_dict(sd)
+    assert not other.state
