@@ -84,6 +84,11 @@ inline void stream_ps(float* p, simde__m512 a) {
   if (reinterpret_cast<uintptr_t>(p) % 64 != 0) std::abort();  // real hardware faults (#GP)
   std::memcpy(p, &a, sizeof(a));
 }
+// vmovntdq: the same rule (the int8 loop streams a bf16 param out 64 bytes at a time)
+inline void stream_si512(void* p, simde__m512i a) {
+  if (reinterpret_cast<uintptr_t>(p) % 64 != 0) std::abort();  // real hardware faults (#GP)
+  std::memcpy(p, &a, sizeof(a));
+}
 
 }  // namespace hzo_emu
 
@@ -94,3 +99,4 @@ inline void stream_ps(float* p, simde__m512 a) {
 #define _mm512_cvtps_pd(a) hzo_emu::cvtps_pd(a)
 #define _mm512_cvtps_ph(a, r) hzo_emu::cvtps_ph(a, r)
 #define _mm512_stream_ps(p, a) hzo_emu::stream_ps(p, a)
+#define _mm512_stream_si512(p, a) hzo_emu::stream_si512(p, a)
