@@ -29,17 +29,15 @@ inline __m256 load_g(const void* g, size_t i) {
   }
 }
 
-// Whether x or y has a NaN lane: the unordered compare is true exactly for f32_to_bf16's
-// (u & 0x7fffffff) > 0x7f800000.
+// NaN lanes: the unordered compare is true exactly for f32_to_bf16's (u & 0x7fffffff) > 0x7f800000.
 inline __m256i nan_lanes(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 inline bool any_nan(__m256 x, __m256 y) { return _mm256_movemask_ps(_mm256_cmp_ps(x, y, _CMP_UNORD_Q)) != 0; }
 
-// f32 -> bf16, round to nearest even with the integer trick, NaN -> quiet NaN (same as f32_to_bf16),
-// each lane's bf16 in the low half of its 32 bits. The rounding alone gives f32_to_bf16's bits for every
-// lane but a NaN, so the NaN fix-up (a blend: 3 uops on Intel cores, and an or and a shift) runs only for
-// a vector that has a NaN lane, behind a compare and a movemask: nearly no vector does, and the branch is
-// then never taken. adam_micro in cache on an Intel Emerald Rapids core (session 23, alternated builds):
-// bf16 moments 1.255 -> 1.062 ns/param, int8 1.003 -> 0.957, fp32 0.692 -> 0.672 (AVX512: adam_avx512.cpp).
+// f32 -> bf16, round to nearest even with the integer trick, NaN -> quiet NaN (same as f32_to_bf16), each lane's
+// bf16 in the low half of its 32 bits. The rounding alone gives f32_to_bf16's bits for every lane but a NaN, so the
+// NaN fix-up (a blend: 3 uops on Intel cores) runs only for a vector with a NaN lane, behind a compare and a
+// movemask: nearly no vector has one. adam_micro in cache, Emerald Rapids (session 23, alternated builds): bf16
+// moments 1.255 -> 1.062 ns/param, int8 1.003 -> 0.957, fp32 0.692 -> 0.672 (AVX512: adam_avx512.cpp).
 inline __m256i to_bf16_lanes(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i hi = _mm256_srli_epi32(u, 16);

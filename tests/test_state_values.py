@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from _models import TinyNet, batches, loss_fn, param_groups
+from _models import TinyNet, batches, loss_fn, param_groups, run_steps as train
 from hf_zero_offload import CPUAdam
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, state_dir
 from hf_zero_offload.engine.checkpoint import StateFileError
@@ -28,13 +28,6 @@ SMALL = dict(bucket_numel=1000, tile_numel=300)
 
 def engine(model, state_dtype):
     return OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL, state_dtype=state_dtype))
-
-
-def train(model, opt, data):
-    for ids, labels, use_branch in data:
-        loss_fn(model, ids, labels, use_branch).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def snapshot(opt, model):
