@@ -11,6 +11,7 @@ A bad value, a missing file or an unknown name prints one line and exits 2 (``us
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from .usage import run_reporting, take_debug_flag
@@ -60,12 +61,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dash_spellings(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--seq_len`` for ``--seq-len``: the Trainer's flags are spelled with underscores, which a user then types
+    here too (argparse said only "unrecognized arguments"). A flag is rewritten only where the dashed spelling is
+    one of its subcommand's options and the underscored one is not."""
+    command = next((a for a in argv if a in parser.subcommands), None)
+    if command is None:
+        return argv
+    known = set(parser.subcommands[command]._option_string_actions)
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        dashed = "--" + name[2:].replace("_", "-")
+        out.append(dashed + eq + value if name.startswith("--") and name not in known and dashed in known else arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     debug, argv = take_debug_flag(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_dash_spellings(parser, argv))
     if extra:  # argparse would blame the top-level command and print its usage, not the subcommand's
-        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        sub = parser.subcommands[args.command]
+        hints = [f"{x} (did you mean {m[0]}?)" if x.startswith("--") and (
+            m := difflib.get_close_matches(x.partition("=")[0], list(sub._option_string_actions), n=1)) else x
+            for x in extra]
+        sub.error(f"unrecognized arguments: {' '.join(hints)}")
     try:
         return int(run_reporting(f"hf-zero-offload {args.command}", lambda: args.func(args), debug=debug) or 0)
     except SystemExit as e:  # the one-line report of a user error

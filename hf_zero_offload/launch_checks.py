@@ -173,10 +173,35 @@ def refuse_user_optimizer(optimizer, scheduler, optimizer_cls_and_kwargs) -> Non
             "ZeroOffloadCallback.")
 
 
+# transformers 4.x's fairscale ``--sharded_ddp`` values (ShardedDDPOption), gone with fairscale
+LEGACY_SHARDED_DDP = ("simple", "zero_dp_2", "zero_dp_3", "offload", "auto_wrap")
+
+
+_TRUTHY, _FALSY = ("true", "yes", "y", "t", "1"), ("false", "no", "n", "f", "0", "")
+
+
+def legacy_sharded_ddp(value) -> str | None:
+    """The refusal of a transformers 4.x ``--sharded_ddp`` value ("zero_dp_2", "zero_dp_3 offload", ...), or None."""
+    words = value.split() if isinstance(value, str) else []
+    if not words or any(w not in LEGACY_SHARDED_DDP for w in words):
+        return None
+    return (f"--sharded_ddp {value}: transformers 4.x's fairscale values ({', '.join(LEGACY_SHARDED_DDP)}) are gone; "
+            "here --sharded_ddp is a switch (ZeRO-1/2 across the ranks), and the stage and the CPU offload come from "
+            'the ds_config: --sharded_ddp --zero_offload FILE, with "zero_optimization": {"stage": 2, '
+            '"offload_optimizer": {"device": "cpu"}} in FILE (stage 3 is not supported)')
+
+
 def refuse_other_engines(args) -> None:
     """``deepspeed`` or ``fsdp`` next to ``zero_offload``/``sharded_ddp``: two engines would each own the optimizer
     (and DeepSpeed would read the same ds_config). Checked before TrainingArguments' own ``__post_init__``, whose
     first complaint without the deepspeed package would be a missing package, not the real mistake."""
+    if not isinstance(args.sharded_ddp, bool):  # the command line gives a bool; code and JSON files may not
+        word = str(args.sharded_ddp).strip().lower()
+        if word in _TRUTHY + _FALSY and not isinstance(args.sharded_ddp, float):
+            args.sharded_ddp = word in _TRUTHY
+        else:
+            raise ConfigError(legacy_sharded_ddp(args.sharded_ddp) or f"sharded_ddp must be True or False, got "
+                              f"{args.sharded_ddp!r}")
     ours = "--zero_offload" if args.zero_offload is not None else "--sharded_ddp" if args.sharded_ddp else None
     if ours and args.deepspeed:
         raise ConfigError(f"--deepspeed and {ours} both given: they are two engines for the same job (hf_zero_offload "

@@ -43,6 +43,16 @@ def test_estimate_rejects_bad_numbers_and_names(capsys, extra, needle):
         assert "zero2_offload" in line  # the valid rows are listed
 
 
+def test_estimate_takes_the_trainers_underscore_spellings_and_suggests_a_near_flag(capsys):
+    parser = cli.build_parser()
+    argv = ["estimate", "--model", TINY, "--seq_len", "64", "--tgt_len=32", "--state_dtype", "int8", "--json"]
+    assert cli._dash_spellings(parser, argv) == ["estimate", "--model", TINY, "--seq-len", "64", "--tgt-len=32",
+                                                 "--state-dtype", "int8", "--json"]
+    with pytest.raises(SystemExit) as e:  # argparse's own exit, as for any flag it does not know
+        cli.main(["estimate", "--model", TINY, "--seq_lenx", "64"])
+    assert e.value.code == 2 and "--seq_lenx (did you mean --seq-len?)" in capsys.readouterr().err
+
+
 def test_estimate_unknown_model_names_the_repo_config(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     _one_line_error(capsys, ["estimate", "--model", "t5-3b"], "t5-3b", "configs/models/t5-3b.json")

@@ -225,7 +225,7 @@ def test_an_engine_built_on_the_params_of_a_live_one_takes_them_over(kind):
     run_steps(ref, adamw(ref), data[2:])
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-    with pytest.raises(RuntimeError, match=f"{cls.__name__} was replaced by a {cls.__name__} built on the same "
+    with pytest.raises(RuntimeError, match=f"{cls.__name__} was replaced by a new {cls.__name__} built on the same "
                                            "parameters"):
         old.step()
     new.close()

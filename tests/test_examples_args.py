@@ -104,6 +104,37 @@ def test_a_json_arguments_file_maps_the_legacy_keys(tmp_path):
     assert args.adam_epsilon == 1e-7 and data_args.label_smoothing == 0.1
 
 
+@pytest.mark.parametrize("content,match", [
+    (b'{"output_dir": "o",}', r"args.json:1:20: invalid JSON: Expecting property name"),
+    (b'{"model_name_or_path": "caf\xe9"}', r"args.json: not a UTF-8 text file \(byte 27 is 0xe9\)"),
+    (b"[1, 2]", r"args.json: expected one JSON object of flags"),
+])
+def test_a_bad_json_arguments_file_is_named(tmp_path, content, match):
+    path = tmp_path / "args.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        finetune_trainer.parse_args([str(path)])
+    with pytest.raises(ValueError, match="nope.json: cannot read the arguments file"):
+        finetune_trainer.parse_args([str(tmp_path / "nope.json")])
+
+
+@pytest.mark.parametrize("form", [["--sharded_ddp", "zero_dp_2"], ["--sharded_ddp=zero_dp_3 offload"]])
+def test_transformers_4_sharded_ddp_values_say_the_flag_is_a_switch(tmp_path, form):
+    with pytest.raises(ValueError, match="transformers 4.x's fairscale values .* here --sharded_ddp is a switch"):
+        finetune_trainer.parse_args(["--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path), *form])
+
+
+def test_data_files_that_are_not_utf8_are_named_and_a_bom_is_dropped(tmp_path):
+    import seq2seq_utils as su
+
+    (tmp_path / "train.source").write_bytes(b"\xef\xbb\xbfone\ntwo\n")
+    (tmp_path / "train.target").write_bytes(b"unu\ndoi cu \xe2\x80\n")  # cut inside a character
+    with pytest.raises(ValueError, match=r"train.target: not a UTF-8 text file \(line 2: byte 11 is 0xe2\)"):
+        su.read_split(str(tmp_path), "train")
+    (tmp_path / "train.target").write_bytes("unu\ndoi \u0219i\n".encode())
+    assert su.read_split(str(tmp_path), "train") == (["one", "two"], ["unu", "doi \u0219i"])
+
+
 def test_freeze_embeds_and_encoder():
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
     import seq2seq_utils as su

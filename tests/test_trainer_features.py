@@ -389,6 +389,34 @@ def test_start_line_names_sharded_ddp_alone(tmp_path, caplog):
     assert len(start) == 1 and "config=--sharded_ddp (stage 2) " in start[0], start
 
 
+def test_a_ds_config_without_zero_optimization_says_it_offloads_nothing(tmp_path, caplog):
+    """--zero_offload with a ds_config that has no "zero_optimization" section ran ZeRO stage 0 without offload (as
+    DeepSpeed reads it) with only the start line's stage=0 offload=False to say so (outside probe, session 23)."""
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=ToyDataset(),
+                                        args=_args(tmp_path, "s", zero_offload={"gradient_clipping": 1.0}, max_steps=1))
+    with caplog.at_level("INFO", logger="hf_zero_offload"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "zero_optimization" in r.getMessage()]
+    assert len(said) == 1 and "no offload" in said[0], said
+    caplog.clear()
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=ToyDataset(),
+                                        args=_args(tmp_path, "t", zero_offload=OFFLOAD, max_steps=1))
+    with caplog.at_level("INFO", logger="hf_zero_offload"):
+        trainer.train()
+    assert not [r for r in caplog.records if "no \"zero_optimization\" section" in r.getMessage()]
+
+
+@pytest.mark.parametrize("value", ["zero_dp_2", "zero_dp_3 offload", "simple"])
+def test_transformers_4_sharded_ddp_values_are_refused_with_the_way(tmp_path, value):
+    with pytest.raises(ConfigError, match=f"--sharded_ddp {value}: transformers 4.x's fairscale values .* here "
+                                          "--sharded_ddp is a switch"):
+        ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, sharded_ddp=value)
+    with pytest.raises(ConfigError, match="sharded_ddp must be True or False, got 'zero'"):
+        ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, sharded_ddp="zero")
+    assert ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, sharded_ddp="false").sharded_ddp \
+        is False
+
+
 # ---- a training loop left part way: its gradients must not reach the next one ---------------------------------------
 
 class _OOMInBackward:

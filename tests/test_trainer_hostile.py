@@ -292,7 +292,7 @@ def test_a_second_trainer_on_the_same_model_trains_it(tmp_path, first, second):
     assert _logged(t2, "grad_norm") == pytest.approx(_logged(ref, "grad_norm"), rel=1e-5)
     engine = t1.zero_engine
     if second != "plain":
-        with pytest.raises(RuntimeError, match=r"was replaced by a \w+ built on the same parameters \(e.g. another "
+        with pytest.raises(RuntimeError, match=r"was replaced by a new \w+ built on the same parameters \(e.g. another "
                                                r"Trainer on this model\)"):
             t1.train()
     holder = weakref.ref(getattr(engine, "pipeline", None) or engine.reducer)  # holds the gradient store

@@ -88,7 +88,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="toy sizes and 6 training steps (for tests)")
     p.add_argument("--output_root", default=os.path.join(ROOT, "output"),
-                   help="where demo_data/ and demo/ go (default: ./output)")
+                   help="where demo_data/ and demo/ go (demo_smoke_data/ and demo_smoke/ with --smoke; "
+                        "default: ./output)")
     p.add_argument("--model_config", default=os.path.join(ROOT, "configs", "models", "t5-demo.json"))
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even when CUDA is available")
     a = p.parse_args(argv)

@@ -14,7 +14,7 @@ from transformers import HfArgumentParser
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ops, resume
 from hf_zero_offload.args_view import early_view
 from hf_zero_offload.config import check, resolve
-from hf_zero_offload.launch_checks import check_arguments
+from hf_zero_offload.launch_checks import check_arguments, legacy_sharded_ddp
 
 import seq2seq_utils as su
 
@@ -128,6 +128,38 @@ def _refuse_deepspeed_without_package(argv: List[str]) -> None:
                              f"--zero_offload {path} takes the same file (ZeRO-2 + CPU offload without DeepSpeed)")
 
 
+def _read_args_json(path: str) -> dict:
+    """``finetune_trainer.py args.json``: its flags as one JSON object. Each way it can be wrong names the file
+    (Python's own errors named neither the file nor, for bytes that are not UTF-8, the line)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the arguments file: {e.strerror or e}") from None
+    try:
+        args = json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a UTF-8 text file (byte {e.start} is 0x{data[e.start]:02x}); an arguments "
+                         "file is JSON saved as UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{path}: expected one JSON object of flags (without their dashes), got a "
+                         f"{type(args).__name__}")
+    return args
+
+
+def _refuse_legacy_sharded_ddp(argv: List[str]) -> None:
+    """transformers 4.x's ``--sharded_ddp zero_dp_2`` (fairscale's values): argparse's own "Truthy value expected"
+    did not say that the flag is a switch now, nor where the stage and the offload are set."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--sharded_ddp", "--sharded-ddp"):
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if (message := legacy_sharded_ddp(value)) is not None:
+                raise ValueError(message)
+
+
 def _looks_like_a_path(value: str) -> bool:
     """A Hub id is ``name`` or ``namespace/name``; anything with a ``.json`` suffix, a leading ``/``, ``.`` or ``~``,
     or two slashes is a local path (transformers would otherwise report it as a malformed repo id)."""
@@ -167,9 +199,9 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.error = one_line
     argv = list(sys.argv[1:] if argv is None else argv)
     _refuse_deepspeed_without_package(argv)
+    _refuse_legacy_sharded_ddp(argv)
     if len(argv) == 1 and argv[0].endswith(".json"):  # the legacy spellings are mapped here too
-        with open(os.path.abspath(argv[0]), encoding="utf-8") as f:
-            return parser.parse_dict(su.rewrite_legacy_keys(json.load(f)))
+        return parser.parse_dict(su.rewrite_legacy_keys(_read_args_json(argv[0])))
     *parsed, unknown = parser.parse_args_into_dataclasses(args=su.rewrite_legacy_argv(argv),
                                                           return_remaining_strings=True)
     if unknown:

@@ -1,6 +1,7 @@
 """Helpers for ``finetune_trainer.py``: legacy data layout, task prefixes, metrics, freezing, legacy flags."""
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -106,16 +107,34 @@ def task_generation_params(task: str, config) -> Dict:
 # Data: the legacy --data_dir layout (line-aligned {split}.source / {split}.target)
 
 
+def read_lines(path: str) -> List[str]:
+    """The lines of a UTF-8 text file (a byte-order mark, which Windows editors write, dropped). Not UTF-8 (a file
+    saved as Latin-1, or cut inside a character): refused naming the file, the line and the byte, where Python's
+    own error named neither file nor line."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return [line.rstrip("\n") for line in f]
+    except UnicodeDecodeError:
+        with open(path, "rb") as f:
+            data = f.read()
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+        bad = bom
+        try:
+            data[bom:].decode("utf-8")
+        except UnicodeDecodeError as whole:  # its position is the file's (the reader's was within a chunk)
+            bad += whole.start
+        line = data.count(b"\n", 0, bad) + 1
+        raise ValueError(f"{path}: not a UTF-8 text file (line {line}: byte {bad} is 0x{data[bad]:02x}); --data_dir "
+                         "files are line-aligned text saved as UTF-8") from None
+
+
 def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], List[str]]:
     src_path = os.path.join(data_dir, f"{split}.source")
     tgt_path = os.path.join(data_dir, f"{split}.target")
     for path in (src_path, tgt_path):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} not found: --data_dir must hold train|val|test.source/.target")
-    with open(src_path, encoding="utf-8") as f:
-        src = [line.rstrip("\n") for line in f]
-    with open(tgt_path, encoding="utf-8") as f:
-        tgt = [line.rstrip("\n") for line in f]
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
         raise ValueError(f"{split}: {len(src)} source lines but {len(tgt)} target lines in {data_dir}")
     if n_obs is not None and n_obs >= 0:

@@ -155,7 +155,7 @@ class ParamOwner:
             logger.warning("hf_zero_offload: the replaced %s's last delayed step failed (%s)", type(self).__name__, e)
             self._pending = None
         self.detach_hooks()
-        self._done_why = (f"replaced by a {type(by).__name__} built on the same parameters (e.g. another Trainer "
+        self._done_why = (f"replaced by a new {type(by).__name__} built on the same parameters (e.g. another Trainer "
                           "on this model): its masters no longer describe the model")
 
     def _check_open(self) -> None:
