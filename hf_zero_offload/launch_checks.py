@@ -175,8 +175,7 @@ def refuse_user_optimizer(optimizer, scheduler, optimizer_cls_and_kwargs) -> Non
 
 # transformers 4.x's fairscale ``--sharded_ddp`` values (ShardedDDPOption), gone with fairscale
 LEGACY_SHARDED_DDP = ("simple", "zero_dp_2", "zero_dp_3", "offload", "auto_wrap")
-
-
+# the words HfArgumentParser takes for a bool flag (string_to_bool), which code and JSON files may pass as strings
 _TRUTHY, _FALSY = ("true", "yes", "y", "t", "1"), ("false", "no", "n", "f", "0", "")
 
 
@@ -197,7 +196,7 @@ def refuse_other_engines(args) -> None:
     first complaint without the deepspeed package would be a missing package, not the real mistake."""
     if not isinstance(args.sharded_ddp, bool):  # the command line gives a bool; code and JSON files may not
         word = str(args.sharded_ddp).strip().lower()
-        if word in _TRUTHY + _FALSY and not isinstance(args.sharded_ddp, float):
+        if word in _TRUTHY + _FALSY:
             args.sharded_ddp = word in _TRUTHY
         else:
             raise ConfigError(legacy_sharded_ddp(args.sharded_ddp) or f"sharded_ddp must be True or False, got "
