@@ -92,6 +92,8 @@ def test_a_negative_exp_avg_sq_is_refused(tmp_path, state_dtype):
 
 
 def _save_misaligned(directory, opt, cut):
+    """``opt``'s int8 state as a 2-rank checkpoint cut at element ``cut`` (off a block): each file whole and
+    checksummed, the scales those of the blocks each range touches, as a foreign writer would lay them out."""
     tensors = {k: v.clone() for k, v in opt.state_tensors().items()}
     meta = opt.state_meta()
     numel = meta["numel"]
