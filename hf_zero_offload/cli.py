@@ -70,7 +70,9 @@ def _dash_spellings(parser: argparse.ArgumentParser, argv: list[str]) -> list[st
         return argv
     known = set(parser.subcommands[command]._option_string_actions)
     out = []
-    for arg in argv:
+    for i, arg in enumerate(argv):
+        if arg == "--":  # argparse's end of options: what follows is values, as typed
+            return out + argv[i:]
         name, eq, value = arg.partition("=")
         dashed = "--" + name[2:].replace("_", "-")
         out.append(dashed + eq + value if name.startswith("--") and name not in known and dashed in known else arg)

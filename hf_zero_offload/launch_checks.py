@@ -181,6 +181,8 @@ _TRUTHY, _FALSY = ("true", "yes", "y", "t", "1"), ("false", "no", "n", "f", "0",
 
 def legacy_sharded_ddp(value) -> str | None:
     """The refusal of a transformers 4.x ``--sharded_ddp`` value ("zero_dp_2", "zero_dp_3 offload", ...), or None."""
+    if isinstance(value, (list, tuple)) and all(isinstance(w, str) for w in value):  # 4.x's to_dict() wrote a list
+        value = " ".join(value)
     words = value.split() if isinstance(value, str) else []
     if not words or any(w not in LEGACY_SHARDED_DDP for w in words):
         return None
@@ -195,8 +197,8 @@ def refuse_other_engines(args) -> None:
     (and DeepSpeed would read the same ds_config). Checked before TrainingArguments' own ``__post_init__``, whose
     first complaint without the deepspeed package would be a missing package, not the real mistake."""
     if not isinstance(args.sharded_ddp, bool):  # the command line gives a bool; code and JSON files may not
-        word = str(args.sharded_ddp).strip().lower()
-        if word in _TRUTHY + _FALSY:
+        word = "" if args.sharded_ddp is None else str(args.sharded_ddp).strip().lower()
+        if word in _TRUTHY + _FALSY and not isinstance(args.sharded_ddp, (list, tuple)):
             args.sharded_ddp = word in _TRUTHY
         else:
             raise ConfigError(legacy_sharded_ddp(args.sharded_ddp) or f"sharded_ddp must be True or False, got "

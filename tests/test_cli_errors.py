@@ -48,6 +48,7 @@ def test_estimate_takes_the_trainers_underscore_spellings_and_suggests_a_near_fl
     argv = ["estimate", "--model", TINY, "--seq_len", "64", "--tgt_len=32", "--state_dtype", "int8", "--json"]
     assert cli._dash_spellings(parser, argv) == ["estimate", "--model", TINY, "--seq-len", "64", "--tgt-len=32",
                                                  "--state-dtype", "int8", "--json"]
+    assert cli._dash_spellings(parser, ["estimate", "--", "--seq_len"]) == ["estimate", "--", "--seq_len"]
     with pytest.raises(SystemExit) as e:  # argparse's own exit, as for any flag it does not know
         cli.main(["estimate", "--model", TINY, "--seq_lenx", "64"])
     assert e.value.code == 2 and "--seq_lenx (did you mean --seq-len?)" in capsys.readouterr().err

@@ -106,7 +106,9 @@ def test_a_json_arguments_file_maps_the_legacy_keys(tmp_path):
 
 @pytest.mark.parametrize("content,match", [
     (b'{"output_dir": "o",}', r"args.json:1:20: invalid JSON: Expecting property name"),
-    (b'{"model_name_or_path": "caf\xe9"}', r"args.json: not a UTF-8 text file \(byte 27 is 0xe9\)"),
+    (b'{"model_name_or_path": "caf\xe9"}', r"args.json: not a UTF-8 text file \(line 1: byte 27 is 0xe9\)"),
+    (b'\xef\xbb\xbf{\r\n"model_name_or_path": "caf\xe9"}',
+     r"args.json: not a UTF-8 text file \(line 2: byte 32 is 0xe9\)"),
     (b"[1, 2]", r"args.json: expected one JSON object of flags"),
 ])
 def test_a_bad_json_arguments_file_is_named(tmp_path, content, match):
@@ -118,7 +120,8 @@ def test_a_bad_json_arguments_file_is_named(tmp_path, content, match):
         finetune_trainer.parse_args([str(tmp_path / "nope.json")])
 
 
-@pytest.mark.parametrize("form", [["--sharded_ddp", "zero_dp_2"], ["--sharded_ddp=zero_dp_3 offload"]])
+@pytest.mark.parametrize("form", [["--sharded_ddp", "zero_dp_2"], ["--sharded_ddp=zero_dp_3 offload"],
+                                  ["--sharded_dd", "simple"]])
 def test_transformers_4_sharded_ddp_values_say_the_flag_is_a_switch(tmp_path, form):
     with pytest.raises(ValueError, match="transformers 4.x's fairscale values .* here --sharded_ddp is a switch"):
         finetune_trainer.parse_args(["--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path), *form])
@@ -130,6 +133,9 @@ def test_data_files_that_are_not_utf8_are_named_and_a_bom_is_dropped(tmp_path):
     (tmp_path / "train.source").write_bytes(b"\xef\xbb\xbfone\ntwo\n")
     (tmp_path / "train.target").write_bytes(b"unu\ndoi cu \xe2\x80\n")  # cut inside a character
     with pytest.raises(ValueError, match=r"train.target: not a UTF-8 text file \(line 2: byte 11 is 0xe2\)"):
+        su.read_split(str(tmp_path), "train")
+    (tmp_path / "train.target").write_bytes(b"a\rb\r\xe9\r")  # lines end at \r too, as the reader ends them
+    with pytest.raises(ValueError, match=r"train.target: not a UTF-8 text file \(line 3: byte 4 is 0xe9\)"):
         su.read_split(str(tmp_path), "train")
     (tmp_path / "train.target").write_bytes("unu\ndoi \u0219i\n".encode())
     assert su.read_split(str(tmp_path), "train") == (["one", "two"], ["unu", "doi \u0219i"])

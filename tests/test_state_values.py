@@ -91,6 +91,20 @@ def test_a_negative_exp_avg_sq_is_refused(tmp_path, state_dtype):
         o.close()
 
 
+def test_a_negative_exp_avg_sq_is_refused_when_converted_to_int8(tmp_path):
+    """Converted, a negative one encoded as its magnitude and became its block's scale (outside probe, round 2)."""
+    model, opt = trained("fp32")
+    opt.moments.state["exp_avg_sq"][7] = -1.0
+    opt.save_checkpoint(str(tmp_path))
+    other = engine(copy.deepcopy(model), "int8")
+    with pytest.raises(StateFileError, match=f"{tmp_path}: exp_avg_sq has a negative entry"):
+        other.load_checkpoint(str(tmp_path))
+    with pytest.raises(StateFileError, match="state dict: exp_avg_sq has a negative entry"):
+        other.load_state_dict(opt.state_dict())
+    for o in (opt, other):
+        o.close()
+
+
 def _save_misaligned(directory, opt, cut):
     """``opt``'s int8 state as a 2-rank checkpoint cut at element ``cut`` (off a block): each file whole and
     checksummed, the scales those of the blocks each range touches, as a foreign writer would lay them out."""
@@ -119,6 +133,10 @@ def test_an_int8_checkpoint_cut_off_a_block_is_refused_before_any_write(tmp_path
         other.load_checkpoint(str(tmp_path))
     assert_unchanged(other, other_model, before)
     train(other_model, other, batches(1))
+    # a rank whose slice reads only the first file refuses too (else it loaded while its peer refused)
+    srcs, meta = state_dir.sources(str(tmp_path))
+    with pytest.raises(StateFileError, match="rank1_of_2.hzo: its int8 state starts at element 600"):
+        state_dir.check_sources(srcs, "int8", 0, 256)
     for o in (opt, other):
         o.close()
 
@@ -156,7 +174,7 @@ def test_a_save_between_two_steps_says_the_windows_gradients_are_not_in_it(tmp_p
     loss_fn(model, ids, labels, branch).backward()  # half a window: taken by the engine, not yet stepped
     with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
         opt.save_checkpoint(str(tmp_path / "mid"))
-    assert any("gradients this rank took since the last step() are not saved" in r.message for r in caplog.records)
+    assert any("gradients taken since the last step() are not saved" in r.message for r in caplog.records)
     opt.step()
     opt.zero_grad()
     caplog.clear()

@@ -396,14 +396,18 @@ def test_a_ds_config_without_zero_optimization_says_it_offloads_nothing(tmp_path
                                         args=_args(tmp_path, "s", zero_offload={"gradient_clipping": 1.0}, max_steps=1))
     with caplog.at_level("INFO", logger="hf_zero_offload"):
         trainer.train()
-    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "zero_optimization" in r.getMessage()]
-    assert len(said) == 1 and "no offload" in said[0], said
-    caplog.clear()
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=ToyDataset(),
-                                        args=_args(tmp_path, "t", zero_offload=OFFLOAD, max_steps=1))
-    with caplog.at_level("INFO", logger="hf_zero_offload"):
-        trainer.train()
-    assert not [r for r in caplog.records if "no \"zero_optimization\" section" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and "zero_optimization" in r.getMessage()]
+    assert len(said) == 1 and "nothing is offloaded or sharded" in said[0], said
+    for name, cfg, extra, warns in (("e", {"zero_optimization": {}}, {}, True),  # empty: the same stage 0
+                                    ("t", OFFLOAD, {}, False),
+                                    ("u", {"gradient_clipping": 1.0}, {"sharded_ddp": True}, False)):  # stage 2
+        caplog.clear()
+        trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=ToyDataset(),
+                                            args=_args(tmp_path, name, zero_offload=cfg, max_steps=1, **extra))
+        with caplog.at_level("INFO", logger="hf_zero_offload"):
+            trainer.train()
+        assert warns == any("nothing is offloaded or sharded" in r.getMessage() for r in caplog.records), name
 
 
 @pytest.mark.parametrize("value", ["zero_dp_2", "zero_dp_3 offload", "simple"])
@@ -413,8 +417,12 @@ def test_transformers_4_sharded_ddp_values_are_refused_with_the_way(tmp_path, va
         ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, sharded_ddp=value)
     with pytest.raises(ConfigError, match="sharded_ddp must be True or False, got 'zero'"):
         ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, sharded_ddp="zero")
-    assert ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, sharded_ddp="false").sharded_ddp \
-        is False
+    with pytest.raises(ConfigError, match="--sharded_ddp zero_dp_2 offload: transformers 4.x's fairscale values"):
+        ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                            sharded_ddp=["zero_dp_2", "offload"])
+    for given, want in (("false", False), (None, False), ("yes", True)):  # JSON files and code, as argparse takes them
+        assert ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                   sharded_ddp=given).sharded_ddp is want
 
 
 # ---- a training loop left part way: its gradients must not reach the next one ---------------------------------------

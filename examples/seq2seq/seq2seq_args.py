@@ -138,8 +138,9 @@ def _read_args_json(path: str) -> dict:
         raise ValueError(f"{path}: cannot read the arguments file: {e.strerror or e}") from None
     try:
         args = json.loads(data.decode("utf-8-sig"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not a UTF-8 text file (byte {e.start} is 0x{data[e.start]:02x}); an arguments "
+    except UnicodeDecodeError:
+        line, bad = su.first_bad_utf8(data)
+        raise ValueError(f"{path}: not a UTF-8 text file (line {line}: byte {bad} is 0x{data[bad]:02x}); an arguments "
                          "file is JSON saved as UTF-8") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
@@ -151,10 +152,11 @@ def _read_args_json(path: str) -> dict:
 
 def _refuse_legacy_sharded_ddp(argv: List[str]) -> None:
     """transformers 4.x's ``--sharded_ddp zero_dp_2`` (fairscale's values): argparse's own "Truthy value expected"
-    did not say that the flag is a switch now, nor where the stage and the offload are set."""
+    did not say that the flag is a switch now, nor where the stage and the offload are set. (argparse takes an
+    unambiguous prefix of a flag, ``--sharded_dd``, so prefixes are matched too.)"""
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
-        if name in ("--sharded_ddp", "--sharded-ddp"):
+        if len(name) > len("--sh") and any(flag.startswith(name) for flag in ("--sharded_ddp", "--sharded-ddp")):
             value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
             if (message := legacy_sharded_ddp(value)) is not None:
                 raise ValueError(message)

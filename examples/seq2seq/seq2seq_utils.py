@@ -5,6 +5,7 @@ import codecs
 import json
 import logging
 import os
+import re
 import resource
 import sys
 import time
@@ -107,6 +108,18 @@ def task_generation_params(task: str, config) -> Dict:
 # Data: the legacy --data_dir layout (line-aligned {split}.source / {split}.target)
 
 
+def first_bad_utf8(data: bytes) -> Tuple[int, int]:
+    """(line, byte offset) of the first byte of ``data`` that is not UTF-8, counted in the file (a byte-order mark
+    included; lines end at \\n, \\r\\n or \\r, as Python's text reader ends them)."""
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    bad = bom
+    try:
+        data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:  # its position is the file's (a text reader's is within a chunk)
+        bad += e.start
+    return len(re.split(rb"\r\n|\r|\n", data[:bad])), bad
+
+
 def read_lines(path: str) -> List[str]:
     """The lines of a UTF-8 text file (a byte-order mark, which Windows editors write, dropped). Not UTF-8 (a file
     saved as Latin-1, or cut inside a character): refused naming the file, the line and the byte, where Python's
@@ -117,13 +130,7 @@ def read_lines(path: str) -> List[str]:
     except UnicodeDecodeError:
         with open(path, "rb") as f:
             data = f.read()
-        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-        bad = bom
-        try:
-            data[bom:].decode("utf-8")
-        except UnicodeDecodeError as whole:  # its position is the file's (the reader's was within a chunk)
-            bad += whole.start
-        line = data.count(b"\n", 0, bad) + 1
+        line, bad = first_bad_utf8(data)
         raise ValueError(f"{path}: not a UTF-8 text file (line {line}: byte {bad} is 0x{data[bad]:02x}); --data_dir "
                          "files are line-aligned text saved as UTF-8") from None
 

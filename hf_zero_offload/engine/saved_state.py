@@ -113,8 +113,8 @@ class SavedState:
                 raise ValueError(f"this state (rank {meta.get('rank', 0)} of {meta.get('world_size', 1)}, "
                                  f"{meta.get('state_dtype', 'fp32')}) holds elements [{lo}, {hi}); this engine (rank "
                                  f"{self.rank} of {self.world_size}, {self.moments.state_dtype}) holds [{self.lo}, "
-                                 f"{self.hi}): use save_checkpoint/load_checkpoint, which re-cut a state for another "
-                                 "world size or state_dtype")
+                                 f"{self.hi}): load_checkpoint re-cuts a save_checkpoint for any world size or "
+                                 "state_dtype")
             state_dir.check_tensors(meta, self.hi - self.lo, where)
             return meta, self._saved_codes(meta, where)
 
@@ -261,9 +261,9 @@ class SavedState:
         """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``). Returns the save's id, a
         token every file of this save holds (and ``meta.json``): a load refuses a directory whose files
         disagree on it, and one whose id is not the ``expected_save_id`` its caller recorded for it."""
-        if any(self._window_received()):  # as torch.optim's state holds no .grad: said, not silent
-            logger.warning("hf_zero_offload: save_checkpoint between two steps: the gradients this rank took since "
-                           "the last step() are not saved; a resume starts that accumulation window afresh")
+        if any(self._window_received()):  # torch.optim's state holds no .grad either: said, not silent
+            logger.warning("hf_zero_offload: save_checkpoint between two steps: the gradients taken since the last "
+                           "step() are not saved (a resume starts that window afresh)")
         meta = {**self.state_meta(), "save_id": self._shared_token()}
         state_dir.save(directory, self.rank, self.world_size, meta, self.state_tensors(),
                        barrier=self._barrier, partition=self._partition_ranges())
@@ -358,18 +358,16 @@ class SavedState:
             # (codes of a conversion are this process's own encoding: no file to blame)
             self._check_int8(self.moments.state, where, self.lo,
                              files if saved == "int8" and codes == ops.INT8_CODES else None)
-        elif saved != "int8":  # (streamed, so checked once loaded, as int8 codes are; decoded codes are >= 0)
+        elif saved == self.moments.state_dtype:  # streamed, so checked once loaded (conversions: _convert_loaded)
             state_dir.check_second_moments(self.moments.tensors(self.hi - self.lo)["exp_avg_sq"], where)
 
     @staticmethod
     def _check_int8(state: dict, where: str, first: int = 0, files: list | None = None) -> None:
-        """Loaded int8 moments: absmax scales, and codes in the range the kernel writes (a larger code
-        decodes above its block's absmax). The codes can only be read once they are loaded (they stream
-        into the arena, and reading them twice would add a third to a resume's reads), so a refusal here
-        comes after the load's first write: ``_load_failed`` then keeps step and save refused. With
-        ``files`` (a checkpoint's (path, start, end); ``first``: the flat index of the state's element 0)
-        the codes each file gave are checked apart, so the error names the rank file that holds the bad
-        code, not only the directory (the same one pass over the codes)."""
+        """Loaded int8 moments: absmax scales, codes in the range the kernel writes (a larger one decodes above
+        its block's absmax). Read once loaded (they stream into the arena; reading them twice adds a third to a
+        resume's reads), so a refusal comes after the first write: ``_load_failed`` keeps step and save refused.
+        ``files`` (a checkpoint's (path, start, end); ``first``: the flat index of element 0): each file's codes are
+        checked apart, so the error names the rank file that holds the bad code (the same one pass)."""
         n = state["exp_avg"].numel()
         parts = [(where, 0, n)] if files is None else [
             (path, max(a0, first) - first, min(b0, first + n) - first) for path, a0, b0 in files
@@ -393,6 +391,8 @@ class SavedState:
         read(la, tmp)
         if saved == "int8":
             self._check_int8(tmp, where, la, files)
+        else:  # (a negative one would encode as its magnitude, and set its block's scale)
+            state_dir.check_second_moments(tmp["exp_avg_sq"], where)
         m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
         for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
             self.moments.tensors(n)[k].copy_(t)

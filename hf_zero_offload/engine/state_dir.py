@@ -347,13 +347,14 @@ def check_sources(srcs: list[tuple[str, int, int]], saved: str, lo: int, hi: int
     if saved == "int8":  # the blocks the conversion decodes (``_convert_loaded``)
         lo, hi = lo // Q * Q, -(-hi // Q) * Q
     for path, a0, b0 in srcs:
-        a, b = max(lo, a0), min(hi, b0)
-        if b <= a:
-            continue
-        if saved == "int8" and a0 % Q:  # a slice's scales are read per block of the flat index (``read_range``)
+        # every file, not only the ones this slice reads: so every rank refuses, before any rank writes
+        if saved == "int8" and a0 % Q and b0 > a0:  # its scales are read per block of the flat index (``read_range``)
             raise StateFileError(f"{path}: its int8 state starts at element {a0}, not on a {Q}-element block: the "
                                  "engines cut int8 states on blocks, so this file was not written by hf_zero_offload "
                                  "(or its partition is damaged); use an earlier checkpoint")
+        a, b = max(lo, a0), min(hi, b0)
+        if b <= a:
+            continue
         entries = checkpoint.read_header(path)[1]
         for key, (count, dtype) in {"master": (b0 - a0, torch.float32), **moment_regions(b0 - a0, saved)}.items():
             e, name = entries.get(key), str(dtype).replace("torch.", "")

@@ -176,10 +176,11 @@ class ZeroOffloadMixin(CheckpointSaving):
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         logger.info(start_line(cfg, self.zero_engine, self.args.world_size, self.args.device))
-        if "zero_optimization" not in self._zo_raw.cfg and self.args.should_log:  # --zero_offload that offloads nothing
-            logger.warning('hf_zero_offload: %s has no "zero_optimization" section: ZeRO stage 0, no offload, as '
-                           'DeepSpeed reads it; for ZeRO-Offload add "zero_optimization": {"stage": 2, '
-                           '"offload_optimizer": {"device": "cpu"}}', cfg.source)
+        eng = self.zero_engine
+        if getattr(eng, "stage", None) == 0 and not getattr(eng, "offload", True) and self.args.should_log:
+            logger.warning('hf_zero_offload: %s gives ZeRO stage 0 without offload (as DeepSpeed reads a missing or '
+                           'empty "zero_optimization"): nothing is offloaded or sharded; for ZeRO-Offload set '
+                           '"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}', cfg.source)
         if self._zo_raw.no_effect and self.args.should_log:  # once per job, not once per rank
             # A warning for the user's own file; our shipped configs keep those keys so that --deepspeed reads
             # the same file, which is no reason to alarm whoever uses them as they are.
