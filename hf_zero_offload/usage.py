@@ -11,7 +11,9 @@ user's errors too.
 """
 from __future__ import annotations
 
+import codecs
 import os
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -70,3 +72,16 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
         hint = f" (traceback: --debug or {DEBUG_ENV}=1)"
         print(f"{prog}: error: {message}{hint}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
+
+
+def first_bad_utf8(data: bytes) -> tuple[int, int]:
+    """(line, byte offset) of the first byte of a file's ``data`` that is not UTF-8, for the one-line error naming
+    it: counted in the file, a byte-order mark included (a ``utf-8-sig`` decoder's offset is counted after it), lines
+    ending at \\n, \\r\\n or \\r as Python's text reader ends them."""
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    bad = bom
+    try:
+        data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:  # its position is the file's (a text reader's is within a chunk)
+        bad += e.start
+    return len(re.split(rb"\r\n|\r|\n", data[:bad])), bad

@@ -318,6 +318,8 @@ def test_optimizers_other_than_adam(name):
     ('{"zero_optimization": {"stage": 2}, "r\xe9sum\xe9": 1}'.encode("latin-1"), "",
      "not a UTF-8 text file (byte 38 is 0xe9)"),
     ('{"zero_optimization": {"stage": 2}}'.encode("utf-16"), "", "not a UTF-8 text file (byte 0 is 0xff)"),
+    (b'\xef\xbb\xbf' + '{"zero_optimization": {"stage": 2}, "r\xe9sum\xe9": 1}'.encode("latin-1"), "",
+     "not a UTF-8 text file (byte 41 is 0xe9)"),  # counted in the file, its byte-order mark included
     (b"[" * 100_000, "", "nested too deeply"),
     (b"null", "", "the top level must be a JSON object ({...}), got null"),
     (b'["zero2"]', "", "the top level must be a JSON object ({...}), got an array"),

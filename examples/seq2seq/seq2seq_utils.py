@@ -1,11 +1,9 @@
 """Helpers for ``finetune_trainer.py``: legacy data layout, task prefixes, metrics, freezing, legacy flags."""
 from __future__ import annotations
 
-import codecs
 import json
 import logging
 import os
-import re
 import resource
 import sys
 import time
@@ -15,6 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 from transformers import TrainerCallback
+
+from hf_zero_offload.usage import first_bad_utf8
 
 logger = logging.getLogger(__name__)
 
@@ -106,18 +106,6 @@ def task_generation_params(task: str, config) -> Dict:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Data: the legacy --data_dir layout (line-aligned {split}.source / {split}.target)
-
-
-def first_bad_utf8(data: bytes) -> Tuple[int, int]:
-    """(line, byte offset) of the first byte of ``data`` that is not UTF-8, counted in the file (a byte-order mark
-    included; lines end at \\n, \\r\\n or \\r, as Python's text reader ends them)."""
-    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-    bad = bom
-    try:
-        data[bom:].decode("utf-8")
-    except UnicodeDecodeError as e:  # its position is the file's (a text reader's is within a chunk)
-        bad += e.start
-    return len(re.split(rb"\r\n|\r|\n", data[:bad])), bad
 
 
 def read_lines(path: str) -> List[str]:

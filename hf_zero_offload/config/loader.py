@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 # the module, not its names: presets raises ConfigError from .schema, so presets and this package import
 # each other, and binding the module lets either be imported first (resolve_config is looked up at call time)
 from .. import presets
+from ..usage import first_bad_utf8
 from .rules import validate
 from .schema import ConfigError
 
@@ -63,8 +64,9 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
         raise ConfigError(f"{source}: cannot read the ds_config file: {e.strerror or e}{hint}") from None
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) changes no value
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{source}: not a UTF-8 text file (byte {e.start} is 0x{data[e.start]:02x}); "
+    except UnicodeDecodeError:
+        bad = first_bad_utf8(data)[1]  # in the file (the decoder's offset left out a byte-order mark)
+        raise ConfigError(f"{source}: not a UTF-8 text file (byte {bad} is 0x{data[bad]:02x}); "
                           "a ds_config is JSON saved as UTF-8") from None
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int), source
