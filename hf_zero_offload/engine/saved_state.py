@@ -335,8 +335,7 @@ class SavedState:
 
     @staticmethod
     def _saved_codes(meta: dict, where: str) -> int:
-        """The code map of saved int8 moments (``ops.INT8_CODES``; none saved means 1), checked
-        before anything is loaded."""
+        """The code map of saved int8 moments (``ops.INT8_CODES``; none saved means 1), checked before any load."""
         codes = meta.get("int8_codes", 1) if meta.get("state_dtype", "fp32") == "int8" else ops.INT8_CODES
         try:
             ops.check_int8_codes(codes)
@@ -345,19 +344,20 @@ class SavedState:
         return codes
 
     def _load_tensors(self, meta: dict, codes: int, read, where: str, files: list | None = None) -> None:
-        """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``,
-        block-aligned for int8). Moments saved with another ``state_dtype`` (or int8 ones with an
-        earlier code map ``codes``) are converted through fp32 (a one-time copy of the slice's
-        moments), with one log line. ``files``: a checkpoint's (path, start, end), to name in errors."""
+        """``read(lo, dst)`` fills ``dst`` (flat tensors of the saved state dtype from element ``lo``, block-aligned
+        for int8). Moments saved with another ``state_dtype`` (or int8 ones with an earlier code map ``codes``) are
+        converted through fp32 (a one-time copy of the slice's moments), with one log line. ``files``: a
+        checkpoint's (path, start, end), to name in errors; None for a state dict."""
         saved = meta.get("state_dtype", "fp32")
         if saved == self.moments.state_dtype and codes == ops.INT8_CODES:
             read(self.lo, self.state_tensors())
         else:
             self._convert_loaded(saved, codes, read, where, files)
-        if self.moments.state_dtype == "int8":  # the kernels rely on absmax scales (ops.check_scales)
-            # (codes of a conversion are this process's own encoding: no file to blame)
-            self._check_int8(self.moments.state, where, self.lo,
-                             files if saved == "int8" and codes == ops.INT8_CODES else None)
+        if files is None:  # a state dict: its values were checked before the first write (state_dir.check_tensors)
+            return
+        if self.moments.state_dtype == "int8":  # absmax scales, as the kernels rely on (a conversion's: our codes)
+            self._check_int8(self.moments.state, where, self.lo, files if (saved, codes) == ("int8", ops.INT8_CODES)
+                             else None)
         elif saved == self.moments.state_dtype:  # streamed, so checked once loaded (conversions: _convert_loaded)
             state_dir.check_second_moments(self.moments.tensors(self.hi - self.lo)["exp_avg_sq"], where)
 
@@ -391,7 +391,7 @@ class SavedState:
         read(la, tmp)
         if saved == "int8":
             self._check_int8(tmp, where, la, files)
-        else:  # (a negative one would encode as its magnitude, and set its block's scale)
+        elif files is not None:  # (a state dict's: checked already) a negative one would encode as its magnitude
             state_dir.check_second_moments(tmp["exp_avg_sq"], where)
         m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
         for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
