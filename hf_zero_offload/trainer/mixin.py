@@ -24,13 +24,14 @@ from ..launch_checks import (check_arguments, check_dpu_writers, check_trainable
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 from .last_step import PublishBeforeTrainEnd
+from .loss_precision import LossInFp32
 from .trainable_watch import RefuseNewTrainable
 from .saving import SCHEDULER_NAME as _SCHEDULER_NAME, STATE_DIR, CheckpointSaving
 
 logger = logging.getLogger("hf_zero_offload")
 
 
-class ZeroOffloadMixin(CheckpointSaving):
+class ZeroOffloadMixin(CheckpointSaving, LossInFp32):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
@@ -175,6 +176,7 @@ class ZeroOffloadMixin(CheckpointSaving):
         self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
+        self._zo_widen_logits(model, training_dtype(cfg))
         logger.info(start_line(cfg, self.zero_engine, self.args.world_size, self.args.device))
         eng = self.zero_engine
         if getattr(eng, "stage", None) == 0 and not getattr(eng, "offload", True) and self.args.should_log:
