@@ -45,7 +45,8 @@ def args_view(args, *, fp16: bool, bf16: bool, max_steps: int | None, model=None
 def early_view(args, raw: dict, fp16: bool, bf16: bool, model) -> ArgsView:
     """The view at ``__init__``: the step count may not be known yet (epochs, a dataset not measured yet) and
     with ``model_init`` there is no model. What depends on them takes the config's own explicit values (no
-    contradiction possible), or a placeholder for "auto"; both are resolved for real at train start."""
+    contradiction possible), or a placeholder for "auto"; both are resolved for real at train start. A model without
+    a width for "auto" bucket sizes is refused here, before any model work."""
     max_steps = args.max_steps if args.max_steps and args.max_steps > 0 else None
     view = args_view(args, fp16=fp16, bf16=bf16, max_steps=max_steps, model=model)
     params = (raw.get("scheduler") or {}).get("params") or {}
@@ -59,6 +60,6 @@ def early_view(args, raw: dict, fp16: bool, bf16: bool, model) -> ArgsView:
         repl["max_steps"] = explicit("total_num_steps", 1)
         if 0 < args.warmup_steps < 1:  # a warm-up ratio of a step count not known yet
             repl["warmup_steps"] = explicit("warmup_num_steps", 0)
-    if view.hidden_size is None:
+    if view.hidden_size is None and model is None:  # model_init: the model comes at train start
         repl["hidden_size"] = 1
     return dataclasses.replace(view, **repl)

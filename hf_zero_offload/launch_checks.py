@@ -237,8 +237,12 @@ def check_arguments(args, scheduler_block: str | None = None) -> None:
         # the names this transformers knows (adamw_hf and adamw_apex_fused are gone from 5.x)
         known = {str(getattr(o, "value", o)) for o in type(args.optim)} if isinstance(args.optim, Enum) else None
         accepted = [o for o in ADAMW_OPTIMS if known is None or o in known]
+        # 8-bit and paged AdamW: their memory saving is what the offload and its int8 states give
+        compact = ("; for 8-bit optimizer states, the engine's own: \"offload_optimizer\": {\"device\": \"cpu\", "
+                   "\"state_dtype\": \"int8\"} (the shipped zero2-offload-int8)"
+                   if any(w in optim for w in ("8bit", "4bit", "bnb", "paged")) else "")
         problems.append(f"--optim {optim}: the zero_offload engine is Adam/AdamW only (accepted: "
-                        f"{', '.join(accepted)}); drop --optim or use a plain Trainer for {optim}")
+                        f"{', '.join(accepted)}); drop --optim or use a plain Trainer for {optim}{compact}")
     if getattr(args, "save_only_model", False) and getattr(args, "load_best_model_at_end", False):
         problems.append("--save_only_model with --load_best_model_at_end: the best checkpoint would hold no "
                         "optimizer state (fp32 master weights) to load with the model, as with DeepSpeed; drop one "

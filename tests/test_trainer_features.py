@@ -140,6 +140,16 @@ def test_init_check_leaves_unknown_step_counts_to_train_start(tmp_path):
         "zero_optimization": {**OFFLOAD["zero_optimization"], "reduce_bucket_size": "auto"}}))
 
 
+def test_auto_bucket_size_of_a_model_without_a_width_is_refused_at_init(tmp_path):
+    # a custom nn.Module (no config): "auto" reduce_bucket_size failed at train(), after model work, with no way out
+    auto = {"zero_optimization": {**OFFLOAD["zero_optimization"], "reduce_bucket_size": "auto"}}
+    with pytest.raises(ConfigError, match=r'reduce_bucket_size: "auto" needs the model\'s hidden_size \(its config\'s '
+                                          r'hidden_size, d_model or n_embd\), which is unknown here: replace "auto" '
+                                          r"with a value, a number of elements \(DeepSpeed's default: 500000000\)"):
+        ZeroOffloadTrainer(model=FloatRegressor(), args=_args(tmp_path, "w", zero_offload=auto),
+                           train_dataset=FloatData())
+
+
 def test_plain_trainer_subclass_without_zero_offload_is_untouched(tmp_path):
     trainer = ZeroOffloadTrainer(model=tiny_t5(), args=_args(tmp_path, "p", optim="adamw_torch"),
                                  train_dataset=ToyDataset())

@@ -99,8 +99,10 @@ def test_save_total_limit_keeps_whole_checkpoints_with_their_state(tmp_path):
 
 @pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "adamw_torch_4bit", "lion_32bit", "rmsprop", "adamw_anyprecision"])
 def test_other_optimizers_are_refused_by_name(tmp_path, optim):
-    with pytest.raises(ConfigError, match=rf"--optim {optim}: the zero_offload engine is Adam/AdamW only"):
+    with pytest.raises(ConfigError, match=rf"--optim {optim}: the zero_offload engine is Adam/AdamW only") as e:
         _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "o", zero_offload=OFFLOAD, optim=optim)
+    # a low-bit optimizer's user is pointed at the engine's int8 states (the others are not)
+    assert ("zero2-offload-int8" in str(e.value)) == (optim in ("adamw_bnb_8bit", "adamw_torch_4bit"))
 
 
 def test_max_grad_norm_none_is_refused_at_init_naming_it(tmp_path):

@@ -50,14 +50,16 @@ class _Resolver:
             node = node[part]
         return node
 
-    def take(self, path: str, arg: Any, arg_name: str, default: Any, match: bool = True) -> Any:
-        """Explicit value (checked against ``arg``), "auto" / missing -> ``arg`` (missing without args -> default)."""
+    def take(self, path: str, arg: Any, arg_name: str, default: Any, match: bool = True, example: str = "") -> Any:
+        """Explicit value (checked against ``arg``), "auto" / missing -> ``arg`` (missing without args -> default).
+        ``example``: a value to suggest where "auto" cannot be resolved."""
         v = self.get(path)
         if v is AUTO or v == AUTO:
             if self.args is None:
                 self.needs_args.append(path)
             elif arg is None:
-                self.problems.append(f"{path}: \"auto\" needs {arg_name}, which is unknown here")
+                self.problems.append(f"{path}: \"auto\" needs {arg_name}, which is unknown here: replace \"auto\" "
+                                     f"with a value{example}")
             return arg if arg is not None else default
         if v is _MISSING:
             return arg if self.args is not None and arg is not None else default
@@ -167,7 +169,8 @@ class _Resolver:
         if rbs == AUTO:
             hidden = self.args.hidden_size if self.args is not None else None
             rbs = self.take("zero_optimization.reduce_bucket_size", hidden and hidden * hidden,
-                            "the model's hidden_size", DEFAULT_BUCKET_SIZE)
+                            "the model's hidden_size (its config's hidden_size, d_model or n_embd)", DEFAULT_BUCKET_SIZE,
+                            example=f", a number of elements (DeepSpeed's default: {DEFAULT_BUCKET_SIZE})")
         agbs = z.get("allgather_bucket_size", DEFAULT_BUCKET_SIZE)
         dpu = z.get("delayed_param_update", {})
         return ZeroConfig(
