@@ -144,3 +144,12 @@ def test_the_plain_trainer_is_untouched(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path / "p"), bf16=True, **COMMON)
     Trainer(model=model, args=args, train_dataset=ToyDataset()).train()
     assert not model.get_output_embeddings()._forward_hooks
+
+
+def test_the_16bit_loss_is_kept_on_request(tmp_path):
+    # --zero_offload_fp32_logits false: DeepSpeed's 16-bit loss, without the fp32 logits' memory
+    trainer = _t5_trainer(tmp_path, bf16=True, zero_offload_fp32_logits=False)
+    trainer.train()
+    assert not trainer.model.get_output_embeddings()._forward_hooks
+    with torch.no_grad():
+        assert trainer.model(**_batch(ToyDataset(8, seed=1))).loss.dtype == torch.bfloat16

@@ -234,7 +234,7 @@ def check_zero_config(training_args, config) -> None:
         return
     checked = check(training_args.zero_offload)  # a path or a shipped config's name
     cfg = resolve(checked, early_view(training_args, checked.cfg, training_args.fp16, training_args.bf16,
-                                      types.SimpleNamespace(config=config)))
+                                      types.SimpleNamespace(config=config) if config is not None else None))
     check_arguments(training_args, cfg.scheduler.type if cfg.scheduler is not None else None)
 
 

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from ..fp32_logits import widen_logits
 from .trace import build_model, dummy_batch, load_config, loss_of
 
 
@@ -29,6 +30,8 @@ def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ck
         torch.manual_seed(0)
         model = build_model(config, dtype=half_dtype if mode == "half" else torch.float32, device="cpu",
                             gradient_checkpointing=ckpt)
+        if mode == "half":  # the engine's step, as the trace plans it
+            widen_logits(model)
         batch = dummy_batch(config, batch_size, seq_len, tgt_len, "cpu", padded=padded)
         amp = (lambda: torch.autocast("cpu", dtype=half_dtype)) if mode == "amp" else contextlib.nullcontext
         if not keep_grads:

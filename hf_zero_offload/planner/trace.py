@@ -45,6 +45,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..fp32_logits import widen_logits
+
 TRACE_BATCHES = (2, 4)
 
 
@@ -338,11 +340,15 @@ def profile_modes(config, modes=MODES, *, half_dtype: torch.dtype = torch.float1
     one meta model (built once; converted in place fp32 -> 16-bit -> fake fp32 for autocast)."""
     model = model if model is not None else build_model(config)
     out = {}
+    widened = None
     for mode in [m for m in MODES if m in modes]:
         fake_mode, autocast_dtype = None, None
-        if mode == "half":
+        if mode == "half":  # the engine's step: the model cast, its logits widened to fp32 (trainer/loss_precision.py)
             model.to(half_dtype)
+            widened = widen_logits(model)
         elif mode == "amp":
+            if widened is not None:  # the plain Trainer's: autocast alone
+                widened.remove()
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             fake_mode, autocast_dtype = FakeTensorMode(), half_dtype
@@ -356,6 +362,8 @@ def profile_modes(config, modes=MODES, *, half_dtype: torch.dtype = torch.float1
             t.timeline, t.timeline_keep = [], []
         out[mode] = ActivationProfile(mode, a, b, ak, bk, t2.grad_bytes, t2.param_cast_bytes, aligned and aligned_k,
                                       traces)
+    if widened is not None:  # (a caller's model is left as it came)
+        widened.remove()
     return out
 
 

@@ -24,6 +24,13 @@ class _ZeroOffloadFields:
         default=False,
         metadata={"help": "Partition optimizer states and gradients across data-parallel ranks (ZeRO stage 1/2)."},
     )
+    zero_offload_fp32_logits: bool = field(
+        default=True,
+        metadata={"help": "With --bf16/--fp16 and zero_offload/sharded_ddp (the model cast to 16-bit, no autocast): "
+                          "widen the logits to fp32, so that the loss is computed in fp32 as under the plain "
+                          "Trainer's autocast. False keeps DeepSpeed's 16-bit loss and the memory of the fp32 "
+                          "logits (t5-small, batch 8 x 128 tokens: 188 MiB)."},
+    )
 
 
 def _before_post_init(args) -> None:

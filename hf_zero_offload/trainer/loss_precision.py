@@ -19,16 +19,9 @@ import logging
 
 import torch
 
+from ..fp32_logits import HALF, logits_width, output_head, widen_logits
+
 logger = logging.getLogger("hf_zero_offload")
-
-_HALF = (torch.bfloat16, torch.float16)
-
-
-def _logits_in_fp32(module, args, output):
-    """Forward hook of the output embeddings: 16-bit logits widened to fp32 (the backward casts the gradient back)."""
-    if isinstance(output, torch.Tensor) and output.dtype in _HALF:
-        return output.float()
-    return None
 
 
 def _narrowed(x, dtype: torch.dtype, dim: int):
@@ -46,19 +39,11 @@ def _narrowed(x, dtype: torch.dtype, dim: int):
 class LossInFp32:
     def _zo_widen_logits(self, model, dtype: torch.dtype) -> None:
         """Once the model is in ``dtype``: its logits (the output embeddings' output) in fp32, once per module."""
-        if dtype not in _HALF:
+        head = output_head(model) if dtype in HALF and getattr(self.args, "zero_offload_fp32_logits", True) else None
+        if head is None:
             return
-        get = getattr(model, "get_output_embeddings", None)
-        head = get() if callable(get) else None
-        # an embedding table also used as the output projection (F.linear(h, emb.weight)): its forward is the
-        # input lookup, which must stay in the model's dtype
-        if not isinstance(head, torch.nn.Module) or isinstance(head, torch.nn.Embedding):
-            return
-        weight = getattr(head, "weight", None)
-        self._zo_logits_dim = getattr(head, "out_features", None) or (
-            weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None)
-        if _logits_in_fp32 not in head._forward_hooks.values():
-            head.register_forward_hook(_logits_in_fp32)
+        self._zo_logits_dim = logits_width(head)
+        if widen_logits(model) is not None:
             logger.info("hf_zero_offload: the %s model's logits (%s) are widened to fp32, so its loss is computed in "
                         "fp32 (the plain Trainer's autocast does so); evaluation returns them in %s",
                         str(dtype).replace("torch.", ""), type(head).__name__, str(dtype).replace("torch.", ""))
