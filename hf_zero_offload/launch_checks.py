@@ -193,9 +193,10 @@ def legacy_sharded_ddp(value) -> str | None:
 
 
 def refuse_other_engines(args) -> None:
-    """``deepspeed`` or ``fsdp`` next to ``zero_offload``/``sharded_ddp``: two engines would each own the optimizer
-    (and DeepSpeed would read the same ds_config). Checked before TrainingArguments' own ``__post_init__``, whose
-    first complaint without the deepspeed package would be a missing package, not the real mistake."""
+    """``deepspeed`` or ``fsdp`` next to ``zero_offload``/``sharded_ddp`` (as arguments or from accelerate's launcher):
+    two engines would each own the optimizer (and DeepSpeed would read the same ds_config); and the launcher's
+    mixed precision taken as --bf16/--fp16. Checked before TrainingArguments' own ``__post_init__``, whose first
+    complaint without the deepspeed package would be a missing package, not the real mistake."""
     if not isinstance(args.sharded_ddp, bool):  # the command line gives a bool; code and JSON files may not
         word = "" if args.sharded_ddp is None else str(args.sharded_ddp).strip().lower()
         if word in _TRUTHY + _FALSY and not isinstance(args.sharded_ddp, (list, tuple)):
@@ -210,6 +211,34 @@ def refuse_other_engines(args) -> None:
     if ours and args.fsdp:
         raise ConfigError(f"--fsdp and {ours} both given: FSDP and hf_zero_offload's ZeRO-1/2 both shard the "
                           "optimizer state; keep one of them")
+    # accelerate's own engines, turned on by its launcher (both engines were built, then the run failed naming a
+    # create_optimizer override nobody wrote, or on a missing deepspeed package)
+    for var, what, flag in (("ACCELERATE_USE_DEEPSPEED", "accelerate's DeepSpeed", "--use_deepspeed"),
+                            ("ACCELERATE_USE_FSDP", "accelerate's FSDP", "--use_fsdp")):
+        value = os.environ.get(var, "")
+        if ours and value.strip().lower() in _TRUTHY + ("on",):
+            raise ConfigError(f"{var}={value} (accelerate launch {flag}, or an accelerate config whose "
+                              f"distributed_type is {flag[6:].upper()}) and {ours} both given: {what} and "
+                              f"hf_zero_offload are two engines for the same job; launch with torchrun or a plain "
+                              f"`accelerate launch --multi_gpu`, or drop {ours}")
+    _take_launcher_precision(args, ours)
+
+
+def _take_launcher_precision(args, ours: str | None) -> None:
+    """``accelerate launch --mixed_precision bf16|fp16`` (ACCELERATE_MIXED_PRECISION) without --bf16/--fp16: the
+    plain Trainer autocasts then; the engine, which owns the 16-bit model and runs without autocast, takes it as
+    --bf16/--fp16, as transformers hands it to DeepSpeed (it was dropped: the run trained in fp32 without a word)."""
+    value = os.environ.get("ACCELERATE_MIXED_PRECISION", "")
+    mp = value.strip().lower()
+    if not ours or mp in ("", "no") or args.fp16 or args.bf16:
+        return
+    if mp not in ("bf16", "fp16"):
+        raise ConfigError(f"ACCELERATE_MIXED_PRECISION={value} (accelerate launch --mixed_precision) with {ours}: "
+                          "hf_zero_offload trains in fp32, bf16 or fp16; launch with --mixed_precision bf16, fp16 "
+                          "or no")
+    setattr(args, mp, True)
+    logger.info("hf_zero_offload: ACCELERATE_MIXED_PRECISION=%s (accelerate launch --mixed_precision): training in "
+                "%s, as with --%s (the model cast, no autocast)", value, mp, mp)
 
 
 # ``--optim`` values that name plain AdamW (implementations differ, not the math): the engine is that optimizer,

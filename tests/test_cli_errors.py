@@ -214,6 +214,42 @@ def test_zero_offload_arguments_refuse_a_second_engine(tmp_path):
         ZeroOffloadTrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", sharded_ddp=True, use_cpu=True)
 
 
+@pytest.mark.parametrize("var,value,named", [("ACCELERATE_USE_DEEPSPEED", "true", "accelerate launch --use_deepspeed"),
+                                              ("ACCELERATE_USE_DEEPSPEED", "1", "DEEPSPEED"),
+                                              ("ACCELERATE_USE_FSDP", "True", "accelerate launch --use_fsdp")])
+@pytest.mark.parametrize("ours", ["zero_offload", "sharded_ddp"])
+def test_accelerates_own_engines_are_refused_before_transformers_builds_them(tmp_path, monkeypatch, var, value, named,
+                                                                             ours):
+    # accelerate's launcher sets these: both engines were built, then the run failed naming a create_optimizer
+    # override nobody wrote (or, without the deepspeed package, a garbled "No package metadata")
+    pytest.importorskip("transformers")
+    from hf_zero_offload import ZeroOffloadTrainingArguments
+
+    monkeypatch.setenv(var, value)
+    kw = {"zero_offload": "zero2-offload"} if ours == "zero_offload" else {"sharded_ddp": True}
+    with pytest.raises(ConfigError, match=rf"{var}={value} \(.*{named}.*\) and --{ours} both given: .*two engines"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kw)
+    monkeypatch.setenv(var, "false")
+    ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kw)
+
+
+@pytest.mark.parametrize("mp,flags,expect", [("bf16", {}, "bf16"), ("fp16", {}, "fp16"), ("BF16", {}, "bf16"),
+                                             ("no", {}, None), ("fp16", {"bf16": True}, "bf16")])
+def test_accelerates_mixed_precision_is_taken_as_the_flag(tmp_path, monkeypatch, mp, flags, expect):
+    # accelerate launch --mixed_precision bf16 was dropped: the run trained in fp32 without a word
+    pytest.importorskip("transformers")
+    from hf_zero_offload import ZeroOffloadTrainingArguments
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", mp)
+    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, zero_offload="zero2-offload", **flags)
+    assert (args.bf16, args.fp16) == (expect == "bf16", expect == "fp16")
+    plain = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True)  # the plain Trainer's business
+    assert not plain.bf16 and not plain.fp16
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ConfigError, match=r"ACCELERATE_MIXED_PRECISION=fp8 .*with --zero_offload: .*fp32, bf16 or fp16"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, zero_offload="zero2-offload")
+
+
 def _checkpoint_of_a_linear(tmp_path):
     from safetensors.torch import save_file
 
