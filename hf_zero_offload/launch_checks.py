@@ -288,6 +288,26 @@ def check_arguments(args, scheduler_block: str | None = None) -> None:
         raise ConfigError("Not supported with zero_offload / sharded_ddp: " + "; ".join(problems))
 
 
+def check_even_batches(args, train_dataset) -> None:
+    """``--accelerator_config '{"even_batches": false}'`` on several ranks, where the training samples do not fill
+    whole batches on every rank: the ranks then run different numbers of backward passes per epoch and wait in each
+    other's reductions until the process group's timeout (an outside probe: 62 samples on 3 ranks, killed after
+    150 s; DDP under the plain Trainer hangs alike). A dataset of unknown length could do the same."""
+    config = getattr(args, "accelerator_config", None)
+    if args.world_size <= 1 or getattr(config, "even_batches", True) or train_dataset is None:
+        return
+    whole = args.per_device_train_batch_size * args.world_size
+    n = len(train_dataset) if hasattr(train_dataset, "__len__") else None
+    if n is None or n % whole:
+        have = ("a dataset of unknown length" if n is None
+                else f"{n} training samples ({n % whole} over a multiple of {whole})")
+        raise ConfigError(f"accelerator_config even_batches=False on {args.world_size} ranks with {have}: the ranks "
+                          "would run different numbers of backward passes and wait in each other's gradient "
+                          "reductions until the process group's timeout; keep even_batches (the default: the last "
+                          f"batch is filled up from the start) or give a multiple of {whole} samples "
+                          "(per_device_train_batch_size x ranks)")
+
+
 def _node_count() -> int:
     """Nodes of a torchrun launch: WORLD_SIZE over LOCAL_WORLD_SIZE (1 when either is unset)."""
     try:

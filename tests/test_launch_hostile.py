@@ -205,3 +205,26 @@ def test_save_on_each_node_is_refused_on_several_nodes(monkeypatch, world, local
             check_arguments(args)
     else:
         check_arguments(args)
+
+
+def _uneven_batches(rank, world_size, out_dir):
+    out = {}
+    for n in (30, 32):  # 30 samples do not fill batches of 4 on 2 ranks; 32 do
+        args = ZeroOffloadSeq2SeqTrainingArguments(
+            output_dir=f"{out_dir}/n{n}", use_cpu=True, per_device_train_batch_size=4, max_steps=1, report_to=[],
+            save_strategy="no", disable_tqdm=True, zero_offload=OFFLOAD, accelerator_config={"even_batches": False})
+        try:
+            ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=ToyDataset(n))
+            out[n] = "built"
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[n] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_uneven_batches_on_several_ranks_are_refused_before_they_hang(tmp_path):
+    # an outside probe: 62 samples on 3 ranks with even_batches false ran 6/5/5 batches and hung after the last
+    # common step (the plain Trainer's DDP too)
+    for r in run_distributed(_uneven_batches, str(tmp_path), timeout=120):
+        assert r[32] == "built"
+        assert r[30].startswith("ConfigError: accelerator_config even_batches=False on 2 ranks with 30 training samples "
+                                "(6 over a multiple of 8)") and "keep even_batches" in r[30], r[30]

@@ -19,7 +19,7 @@ from ..engine.param_names import smallest_names
 from ..engine.state_dir import GroupingMismatch, LayoutMismatch
 from ..accelerator_patch import patch_accelerator
 from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
-from ..launch_checks import (check_arguments, check_dpu_writers, check_trainable, check_world_size,
+from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_trainable, check_world_size,
                              refuse_user_optimizer, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
@@ -77,6 +77,7 @@ class ZeroOffloadMixin(CheckpointSaving, LossInFp32):
             # what __init__ kept, however it was passed (a base class's own (*args, **kwargs) hides the names)
             refuse_user_optimizer(getattr(self, "optimizer", None), getattr(self, "lr_scheduler", None),
                                   getattr(self, "optimizer_cls_and_kwargs", None))
+            check_even_batches(self.args, getattr(self, "train_dataset", None))
             patch_accelerator(self.accelerator, lambda: self.zero_engine)
 
     def _zo_refuse_user_optimizer(self, args, kwargs) -> None:
@@ -285,9 +286,8 @@ class ZeroOffloadMixin(CheckpointSaving, LossInFp32):
             self.zero_engine.flush()
 
     def _zo_publish_after_failure(self) -> None:
-        """A callback's error or a Ctrl-C out of train(): the model takes the last whole step, so a save_model() or
-        evaluate() after it sees what the masters hold. One process only: sharded, the publish is a collective that
-        ranks which did not fail would never join."""
+        """A callback's error or a Ctrl-C out of train(): the model takes the last whole step (for save_model(),
+        evaluate()). One process only: sharded, the publish is a collective the ranks that did not fail never join."""
         engine = self.zero_engine
         if engine is None or not engine.needs_publish or self._zo_best or self.args.world_size > 1:
             return
