@@ -19,13 +19,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import peft_names
 from .engine import checkpoint
 from .engine.param_names import unwrapped
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
 from .marker import MARKER, changed_files, read_marker, recorded_save_id
 
 NAMES_FILE = "param_names.json"
-PEFT_CONFIG, PEFT_ADAPTER = "adapter_config.json", "default"  # a PEFT adapter checkpoint: its folder's adapter
 
 
 def write_param_names(state_dir: str, slot_names: list[list[str]]) -> None:
@@ -125,22 +125,6 @@ def _difference(state_dir: str, saved: list[list[str]], slot_names: list[list[st
     return f" ({'; '.join(parts)}; from {os.path.join(state_dir, NAMES_FILE)})"
 
 
-def _adapter_names(masters: dict[str, torch.Tensor], checkpoint_dir: str) -> dict[str, torch.Tensor]:
-    """A PEFT adapter checkpoint (``adapter_config.json`` beside ``adapter_model.safetensors``) names its tensors as
-    peft's ``get_peft_model_state_dict`` writes them: the param names without the adapter's name and without
-    ``modules_to_save`` (``...q.lora_A.default.weight`` -> ``...q.lora_A.weight``, ``classifier.modules_to_save.default.
-    weight`` -> ``classifier.weight``); the checkpoint folder holds the adapter named ``default``. The masters by
-    those names (a master whose names map to another master's key would be ambiguous: refused)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in masters.items():
-        key = ".".join(s for s in name.split(".") if s not in (PEFT_ADAPTER, "modules_to_save"))
-        if out.get(key, t) is not t:
-            raise ValueError(f"{checkpoint_dir}: a PEFT adapter checkpoint, whose tensor names leave out the adapter "
-                             f"name: two masters would be written as {key}")
-        out[key] = t
-    return out
-
-
 def _read_json(path: str):
     """The JSON in ``path``; a damaged file is a ValueError that names it (json's own message does not)."""
     with open(path, encoding="utf-8") as f:
@@ -208,7 +192,10 @@ def _model_side_file(name: str) -> bool:
 
 
 def _read_here(rel: str) -> bool:
-    """What consolidate reads, by path in the checkpoint: its optimizer state, the weights, the side files."""
+    """What consolidate reads, by path in the checkpoint: its optimizer state, the weights, the side files (a PEFT
+    adapter's in its subfolder too)."""
+    if rel.count("/") == 1 and not rel.startswith("zero_offload/"):  # peft's files of an adapter not named default
+        return rel.split("/")[1].startswith("adapter_")
     return rel.startswith("zero_offload/") or ("/" not in rel and (rel.endswith(".safetensors")
                                                                    or _model_side_file(rel)))
 
@@ -229,12 +216,12 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
         raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
                          "wrote); consolidate an earlier checkpoint")
     masters = full_masters(state_dir_of(checkpoint_dir), recorded_save_id(checkpoint_dir))
-    weight_files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
+    source, adapter = checkpoint_dir, peft_names.is_adapter_checkpoint(checkpoint_dir)
+    if adapter:  # the trained adapter's folder (a subfolder for one not named "default"), peft's tensor names
+        source, masters = peft_names.adapter_source(checkpoint_dir, masters)
+    weight_files = sorted(glob.glob(os.path.join(glob.escape(source), "*.safetensors")))
     if not weight_files:
-        raise FileNotFoundError(f"no *.safetensors model weights in {checkpoint_dir}")
-    adapter = os.path.isfile(os.path.join(checkpoint_dir, PEFT_CONFIG))
-    if adapter:
-        masters = _adapter_names(masters, checkpoint_dir)
+        raise FileNotFoundError(f"no *.safetensors model weights in {source}")
     used = set()  # the masters (by tensor: tied aliases share one) that replace some tensor of the weight files
     for path in weight_files:  # a master must replace a tensor of its own shape (another model's file?)
         with safe_open(path, framework="pt") as f:
@@ -249,15 +236,15 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     if unused:  # its weights would be written as the checkpoint's 16-bit copy while claiming to be the masters
         raise ValueError(f"{checkpoint_dir}: the optimizer state has masters for {', '.join(unused[:5])}"
                          f"{' ...' if len(unused) > 5 else ''} but no weight file holds a tensor of that name: " + (
-                             f"a PEFT adapter checkpoint holds the weights of its '{PEFT_ADAPTER}' adapter only (other "
-                             "adapters are saved in subfolders; a base param trained beside the adapter is not "
-                             "saved at all), so its masters cannot be written here" if adapter else
+                             "a PEFT adapter checkpoint holds its adapter's weights only (a base param trained "
+                             "beside the adapter is not saved at all), so its masters cannot be written here"
+                             if adapter else
                              "the weights and the state (or zero_offload/param_names.json) are of different models"))
     # the side files are read (and their JSON checked) before the first write too: a damaged config.json must not
     # leave an output folder with weights and no config
     extras = []
-    for extra in sorted(glob.glob(os.path.join(checkpoint_dir, "*.json"))
-                        + glob.glob(os.path.join(checkpoint_dir, "*.model"))):
+    for extra in sorted(glob.glob(os.path.join(glob.escape(source), "*.json"))
+                        + glob.glob(os.path.join(glob.escape(source), "*.model"))):
         name = os.path.basename(extra)
         if not _model_side_file(name):  # the checkpoint's, not the model's
             continue

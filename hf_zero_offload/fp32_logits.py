@@ -35,6 +35,17 @@ def widen_logits(model):
     return head.register_forward_hook(logits_in_fp32)
 
 
+def narrow_logits(model) -> bool:
+    """Take ``logits_in_fp32`` off the model's output head (a reused model, now trained with the 16-bit loss):
+    whether it was there."""
+    head = output_head(model)
+    hooks = head._forward_hooks if head is not None else {}
+    found = [k for k, fn in hooks.items() if fn is logits_in_fp32]
+    for k in found:
+        del hooks[k]
+    return bool(found)
+
+
 def logits_width(head: torch.nn.Module) -> int | None:
     """The head's output size (the last dimension of the logits), when it says."""
     weight = getattr(head, "weight", None)

@@ -19,33 +19,43 @@ from hf_zero_offload.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArgum
 CFG = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 4096}}
 
 
-class _Lora(torch.nn.Module):
-    def __init__(self, base: torch.nn.Linear, r: int = 2):
+class _Magnitude(torch.nn.Module):  # peft's DoraLinearLayer: one param, "weight"
+    def __init__(self, n: int):
         super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+
+
+class _Lora(torch.nn.Module):
+    def __init__(self, base: torch.nn.Linear, name: str, r: int = 2):
+        super().__init__()
+        self.name = name
         self.base_layer = base.requires_grad_(False)
-        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(base.in_features, r, bias=False)})
-        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(r, base.out_features, bias=False)})
+        self.lora_A = torch.nn.ModuleDict({name: torch.nn.Linear(base.in_features, r, bias=False)})
+        self.lora_B = torch.nn.ModuleDict({name: torch.nn.Linear(r, base.out_features, bias=False)})
+        self.lora_magnitude_vector = torch.nn.ModuleDict({name: _Magnitude(base.out_features)})
 
     def forward(self, x):
-        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+        return (self.base_layer(x) + self.lora_B[self.name](self.lora_A[self.name](x))) * \
+            self.lora_magnitude_vector[self.name].weight
 
 
 class _ModulesToSave(torch.nn.Module):
-    def __init__(self, base: torch.nn.Linear):
+    def __init__(self, base: torch.nn.Linear, name: str):
         super().__init__()
+        self.name = name
         self.original_module = base.requires_grad_(False)
-        self.modules_to_save = torch.nn.ModuleDict({"default": copy.deepcopy(base).requires_grad_(True)})
+        self.modules_to_save = torch.nn.ModuleDict({name: copy.deepcopy(base).requires_grad_(True)})
 
     def forward(self, x):
-        return self.modules_to_save["default"](x)
+        return self.modules_to_save[self.name](x)
 
 
 class _Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, name: str):
         super().__init__()
         self.emb = torch.nn.Embedding(32, 16).requires_grad_(False)
-        self.q = _Lora(torch.nn.Linear(16, 16))
-        self.head = _ModulesToSave(torch.nn.Linear(16, 32))
+        self.q = _Lora(torch.nn.Linear(16, 16), name)
+        self.head = _ModulesToSave(torch.nn.Linear(16, 32), name)
 
     def forward(self, input_ids, labels):
         logits = self.head(torch.tanh(self.q(self.emb(input_ids))))
@@ -55,29 +65,34 @@ class _Net(torch.nn.Module):
 class _PeftLike(torch.nn.Module):
     """PeftModel's nesting: ``base_model`` (the tuner) holding ``model``."""
 
-    def __init__(self):
+    def __init__(self, name: str = "default"):
         super().__init__()
         torch.manual_seed(0)
+        self.adapter = name
         self.base_model = torch.nn.Module()
-        self.base_model.model = _Net()
+        self.base_model.model = _Net(name)
 
     def forward(self, input_ids, labels):
         return self.base_model.model(input_ids, labels)
 
 
-def _peft_key(name: str) -> str:  # peft's save: modules_to_save. dropped, then the adapter's name
-    return name.replace("modules_to_save.", "").replace(".default", "")
+def _peft_key(name: str, adapter: str = "default") -> str:
+    """peft's save: modules_to_save. dropped, then the adapter's name, and DoRA's magnitude without .weight."""
+    key = name.replace("modules_to_save.", "").replace(f".{adapter}", "")
+    return key[:-len(".weight")] if key.endswith("lora_magnitude_vector.weight") else key
 
 
 class _SavesAdapters(ZeroOffloadTrainer):
     """A Trainer whose model saves as PeftModel.save_pretrained does: the trainable tensors only, peft's names."""
 
     def _save(self, output_dir=None, state_dict=None):
-        os.makedirs(output_dir, exist_ok=True)
-        tensors = {_peft_key(n): p.detach().clone() for n, p in self.model.named_parameters()
+        name = self.model.adapter
+        folder = output_dir if name == "default" else os.path.join(output_dir, name)  # peft's layout
+        os.makedirs(folder, exist_ok=True)
+        tensors = {_peft_key(n, name): p.detach().clone() for n, p in self.model.named_parameters()
                    if p.requires_grad and (".lora_" in n or ".modules_to_save." in n)}
-        save_file(tensors, os.path.join(output_dir, "adapter_model.safetensors"))
-        with open(os.path.join(output_dir, "adapter_config.json"), "w") as f:
+        save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
             json.dump({"peft_type": "LORA", "r": 2}, f)
 
 
@@ -90,18 +105,22 @@ def _train(tmp_path, model, trainer_cls=_SavesAdapters, **kw) -> str:
     return str(tmp_path / "run" / "checkpoint-3")
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_an_adapter_checkpoint_consolidates_to_its_fp32_masters(tmp_path, bf16):
-    ckpt = _train(tmp_path, _PeftLike(), bf16=bf16)
+@pytest.mark.parametrize("bf16,adapter", [(True, "default"), (False, "default"), (True, "x")])
+def test_an_adapter_checkpoint_consolidates_to_its_fp32_masters(tmp_path, bf16, adapter):
+    # with LoRA, DoRA's magnitude (saved without .weight) and modules_to_save; an adapter not named "default" is
+    # saved in a subfolder of its name (it was "no *.safetensors model weights")
+    ckpt = _train(tmp_path, _PeftLike(adapter), bf16=bf16)
     masters = full_masters(os.path.join(ckpt, "zero_offload"))
-    saved = load_file(os.path.join(ckpt, "adapter_model.safetensors"))
-    assert set(saved) == {_peft_key(n) for n in masters}  # the names differ from the params' ...
-    assert not set(saved) & set(masters)
+    folder = ckpt if adapter == "default" else os.path.join(ckpt, adapter)
+    saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    assert set(saved) == {_peft_key(n, adapter) for n in masters}  # the names differ from the params' ...
+    assert not set(saved) & set(masters) and any(k.endswith("lora_magnitude_vector") for k in saved)
     consolidate(ckpt, str(tmp_path / "out"))
     out = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert set(out) == set(saved)  # ... and the output keeps peft's
     for name, master in masters.items():
-        assert out[_peft_key(name)].dtype == torch.float32 and torch.equal(out[_peft_key(name)], master)
+        key = _peft_key(name, adapter)
+        assert out[key].dtype == torch.float32 and torch.equal(out[key], master)
     if bf16:  # the checkpoint's own copy is the rounded one
         assert any(not torch.equal(saved[k].float(), out[k]) for k in saved)
     assert json.load(open(tmp_path / "out" / "adapter_config.json")) == {"peft_type": "LORA", "r": 2}
@@ -112,20 +131,66 @@ def test_a_master_the_adapter_file_lacks_is_refused_by_name(tmp_path):
     model.base_model.model.q.base_layer.bias.requires_grad_(True)  # trained beside the adapter: peft never saves it
     ckpt = _train(tmp_path, model)
     with pytest.raises(ValueError, match=r"base_model\.model\.q\.base_layer\.bias .*PEFT adapter checkpoint holds "
-                                         r"the weights of its 'default' adapter only"):
+                                         r"its adapter's weights only \(a base param trained beside the adapter"):
         consolidate(ckpt, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
-def test_with_peft_a_lora_checkpoint_consolidates(tmp_path):
+class _Prompted(torch.nn.Module):
+    """Prompt tuning's layout: the prompt embedding is the one trained param, saved as prompt_embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.prompt_encoder = torch.nn.ModuleDict({"default": torch.nn.Module()})
+        self.prompt_encoder["default"].embedding = torch.nn.Embedding(2, 16)
+        self.base_model = torch.nn.Module()
+        self.base_model.model = torch.nn.Linear(16, 32).requires_grad_(False)
+
+    def forward(self, input_ids, labels):
+        h = self.prompt_encoder["default"].embedding.weight.sum(0)
+        logits = self.base_model.model(h).expand(labels.numel(), 32)
+        return {"loss": torch.nn.functional.cross_entropy(logits.float(), labels.view(-1))}
+
+
+class _SavesPrompts(ZeroOffloadTrainer):
+    def _save(self, output_dir=None, state_dict=None):
+        os.makedirs(output_dir, exist_ok=True)
+        save_file({"prompt_embeddings": self.model.prompt_encoder["default"].embedding.weight.detach().clone()},
+                  os.path.join(output_dir, "adapter_model.safetensors"))
+        with open(os.path.join(output_dir, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 2}, f)
+
+
+def test_a_prompt_tuning_checkpoint_consolidates(tmp_path):
+    ckpt = _train(tmp_path, _Prompted(), trainer_cls=_SavesPrompts, bf16=True)
+    consolidate(ckpt, str(tmp_path / "out"))
+    (master,) = full_masters(os.path.join(ckpt, "zero_offload")).values()
+    out = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert list(out) == ["prompt_embeddings"] and torch.equal(out["prompt_embeddings"], master)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "adapter_x", "prompt"])
+def test_with_peft_a_checkpoint_consolidates(tmp_path, kind):
     peft = pytest.importorskip("peft")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    base = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
-    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    if kind == "prompt":
+        cfg = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    else:
+        cfg = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, use_dora=kind == "dora")
+    name = "x" if kind == "adapter_x" else "default"
+    model = peft.get_peft_model(base, cfg, adapter_name=name)
     ckpt = _train(tmp_path, model, trainer_cls=ZeroOffloadTrainer, bf16=True)
     consolidate(ckpt, str(tmp_path / "out"))
     out = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     masters = full_masters(os.path.join(ckpt, "zero_offload"))
-    assert len(out) == len(masters) and all(torch.equal(out[_peft_key(n)], m) for n, m in masters.items())
+    if kind == "prompt":
+        assert torch.equal(out["prompt_embeddings"], next(iter(masters.values())))
+        return
+    assert len(out) == len(masters) and all(torch.equal(out[_peft_key(n, name)], m) for n, m in masters.items())
+    loaded = peft.PeftModel.from_pretrained(GPT2LMHeadModel(base.config), str(tmp_path / "out"), adapter_name=name)
+    got = {n: p for n, p in loaded.named_parameters() if n in masters}
+    assert len(got) == len(masters) and all(torch.equal(p.float(), masters[n]) for n, p in got.items())

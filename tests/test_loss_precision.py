@@ -153,3 +153,17 @@ def test_the_16bit_loss_is_kept_on_request(tmp_path):
     assert not trainer.model.get_output_embeddings()._forward_hooks
     with torch.no_grad():
         assert trainer.model(**_batch(ToyDataset(8, seed=1))).loss.dtype == torch.bfloat16
+
+
+def test_the_switch_holds_for_a_model_an_earlier_trainer_widened(tmp_path):
+    # an outside probe: the first Trainer's hook stayed, so the second one's 16-bit loss was fp32 all the same, and
+    # its evaluation returned fp32 logits
+    first = _t5_trainer(tmp_path, bf16=True)
+    first.train()
+    args = ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / "again"), zero_offload=OFFLOAD, bf16=True,
+                                               zero_offload_fp32_logits=False, **COMMON)
+    second = ZeroOffloadSeq2SeqTrainer(model=first.model, args=args, train_dataset=ToyDataset())
+    second.train()
+    assert not first.model.get_output_embeddings()._forward_hooks
+    with torch.no_grad():
+        assert first.model(**_batch(ToyDataset(8, seed=1))).loss.dtype == torch.bfloat16

@@ -7,11 +7,13 @@ eval loss 6.0 at 9 evaluations in a row, where the plain Trainer's fell from 6.0
 ``load_best_model_at_end`` kept the second checkpoint), and the log-softmax and its gradient round in 16 bits. The
 plain Trainer's autocast runs ``cross_entropy`` in fp32. Here the output embeddings' result (the logits) is widened
 to fp32, so whatever the model computes from them, its loss included, is fp32, as in the models whose
-``loss_function`` widens the logits itself (GPT-2, Llama: for those nothing changes but the dtype of the returned
-logits). ``prediction_step`` returns the logits (fp32 tensors whose last dimension is the head's output size) in
-the training dtype again, as the plain Trainer's autocast and DeepSpeed return them: what ``compute_metrics``
-gathers costs what it did. Other heads (sequence classification:
-``classifier``, ``score``) are not an output embedding, and their loss stays in the training dtype, as with DeepSpeed.
+``loss_function`` widens the logits itself (GPT-2, Llama: for those only the dtype of the returned logits changes;
+a step between the head and the loss, such as Gemma2's logit softcapping, now runs in fp32 too). ``prediction_step``
+returns the logits (fp32 tensors whose last dimension is the head's output size) in the training dtype again, as
+the plain Trainer's autocast and DeepSpeed return them: what ``compute_metrics`` gathers costs what it did. Other
+heads (sequence classification: ``classifier``, ``score``) are not an output embedding, and their loss stays in the
+training dtype, as with DeepSpeed. ``--zero_offload_fp32_logits false`` keeps the 16-bit loss (and takes off a hook
+an earlier Trainer put on the same model).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import logging
 
 import torch
 
-from ..fp32_logits import HALF, logits_width, output_head, widen_logits
+from ..fp32_logits import HALF, logits_width, narrow_logits, output_head, widen_logits
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -39,7 +41,12 @@ def _narrowed(x, dtype: torch.dtype, dim: int):
 class LossInFp32:
     def _zo_widen_logits(self, model, dtype: torch.dtype) -> None:
         """Once the model is in ``dtype``: its logits (the output embeddings' output) in fp32, once per module."""
-        head = output_head(model) if dtype in HALF and getattr(self.args, "zero_offload_fp32_logits", True) else None
+        self._zo_logits_dim = None
+        if not getattr(self.args, "zero_offload_fp32_logits", True) or dtype not in HALF:
+            if narrow_logits(model):  # another Trainer's hook on this model: the switch holds for this run
+                logger.info("hf_zero_offload: the logits' widening to fp32 that an earlier run added is removed")
+            return
+        head = output_head(model)
         if head is None:
             return
         self._zo_logits_dim = logits_width(head)
