@@ -297,7 +297,10 @@ def check_even_batches(args, train_dataset) -> None:
     if args.world_size <= 1 or getattr(config, "even_batches", True) or train_dataset is None:
         return
     whole = args.per_device_train_batch_size * args.world_size
-    n = len(train_dataset) if hasattr(train_dataset, "__len__") else None
+    try:
+        n = len(train_dataset)
+    except TypeError:  # an iterable dataset (one may define __len__ and raise)
+        n = None
     if n is None or n % whole:
         have = ("a dataset of unknown length" if n is None
                 else f"{n} training samples ({n % whole} over a multiple of {whole})")
