@@ -400,3 +400,23 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_to_go_on_from(tmp_path, synth_
     last = err.strip().splitlines()[-1]
     assert last.startswith("finetune_trainer.py: interrupted; the newest complete checkpoint is "), last
     assert "--resume_from_checkpoint true" in last
+
+
+def test_ctrl_c_while_starting_is_one_line_too(tmp_path):
+    """An outside probe: a Ctrl-C while torch and transformers load (seconds) printed a KeyboardInterrupt traceback
+    through their imports. The signal comes 0.3 s after start: the script's guard is set within its first lines, and
+    torch alone takes longer than that to import."""
+    import signal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX])}
+    p = subprocess.Popen([sys.executable, os.path.join(EX, "finetune_trainer.py"), "--output_dir", str(tmp_path / "o")],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "finetune_trainer.py: interrupted while starting; nothing was written"
+    assert not (tmp_path / "o").exists()

@@ -19,7 +19,9 @@ Mistakes in the arguments or the ds_config are found before any tokenizer, model
 
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Dict, List, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,6 +42,22 @@ def shorten_openmp_spin(environ) -> None:
 
 
 shorten_openmp_spin(os.environ)
+
+
+def _interrupted_while_loading(signum, frame):
+    # a Ctrl-C while torch and transformers load printed a traceback through their imports: one line and 130, as
+    # run_reporting says it later (nothing has been written yet; os._exit: a half-imported module has nothing to undo)
+    sys.stderr.write(f"{os.path.basename(__file__)}: interrupted while starting; nothing was written\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+# only where a Ctrl-C would raise KeyboardInterrupt (not where SIGINT is ignored, as for a shell's background job),
+# and from the main thread (the only one that may set a handler)
+_guard_start = (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+if _guard_start:
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -64,6 +82,9 @@ from seq2seq_args import (  # noqa: E402,F401
     parse_args,
     repo_config_hint)
 from train_tokenizer import train_t5_tokenizer  # noqa: E402
+
+if _guard_start:  # loaded: a Ctrl-C is a KeyboardInterrupt again, which run_reporting turns into its line
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 logger = logging.getLogger("finetune_trainer")
 
