@@ -409,8 +409,10 @@ def test_ctrl_c_while_starting_is_one_line_too(tmp_path):
     import signal
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX])}
+    # (SIGINT as a terminal gives it, also where this suite runs as a background job, which ignores SIGINT)
     p = subprocess.Popen([sys.executable, os.path.join(EX, "finetune_trainer.py"), "--output_dir", str(tmp_path / "o")],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         time.sleep(0.3)
         p.send_signal(signal.SIGINT)
