@@ -85,3 +85,10 @@ def first_bad_utf8(data: bytes) -> tuple[int, int]:
     except UnicodeDecodeError as e:  # its position is the file's (a text reader's is within a chunk)
         bad += e.start
     return len(re.split(rb"\r\n|\r|\n", data[:bad])), bad
+
+
+def not_utf8_text(source: str, data: bytes, what: str) -> str:
+    """The one-line error for a file ``source`` whose ``data`` is not UTF-8: its line and byte, then ``what`` the file
+    should be."""
+    line, bad = first_bad_utf8(data)
+    return f"{source}: not a UTF-8 text file (line {line}: byte {bad} is 0x{data[bad]:02x}); {what}"

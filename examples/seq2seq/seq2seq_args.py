@@ -15,7 +15,7 @@ from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ops, resume
 from hf_zero_offload.args_view import early_view
 from hf_zero_offload.config import check, resolve
 from hf_zero_offload.launch_checks import check_arguments, legacy_sharded_ddp
-from hf_zero_offload.usage import first_bad_utf8
+from hf_zero_offload.usage import not_utf8_text
 
 import seq2seq_utils as su
 
@@ -140,9 +140,7 @@ def _read_args_json(path: str) -> dict:
     try:
         args = json.loads(data.decode("utf-8-sig"))
     except UnicodeDecodeError:
-        line, bad = first_bad_utf8(data)
-        raise ValueError(f"{path}: not a UTF-8 text file (line {line}: byte {bad} is 0x{data[bad]:02x}); an arguments "
-                         "file is JSON saved as UTF-8") from None
+        raise ValueError(not_utf8_text(path, data, "an arguments file is JSON saved as UTF-8")) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
     if not isinstance(args, dict):

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import TrainerCallback
 
-from hf_zero_offload.usage import first_bad_utf8
+from hf_zero_offload.usage import not_utf8_text
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +118,7 @@ def read_lines(path: str) -> List[str]:
     except UnicodeDecodeError:
         with open(path, "rb") as f:
             data = f.read()
-        line, bad = first_bad_utf8(data)
-        raise ValueError(f"{path}: not a UTF-8 text file (line {line}: byte {bad} is 0x{data[bad]:02x}); --data_dir "
-                         "files are line-aligned text saved as UTF-8") from None
+        raise ValueError(not_utf8_text(path, data, "--data_dir files are line-aligned text saved as UTF-8")) from None
 
 
 def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], List[str]]:
