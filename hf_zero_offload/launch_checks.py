@@ -192,11 +192,16 @@ def legacy_sharded_ddp(value) -> str | None:
             '"offload_optimizer": {"device": "cpu"}} in FILE (stage 3 is not supported)')
 
 
+def _our_flag(args) -> str | None:
+    """The flag that turns our engine on (``sharded_ddp`` already a bool), to name in an error; None when off."""
+    return "--zero_offload" if args.zero_offload is not None else "--sharded_ddp" if args.sharded_ddp else None
+
+
 def refuse_other_engines(args) -> None:
     """``deepspeed`` or ``fsdp`` next to ``zero_offload``/``sharded_ddp`` (as arguments or from accelerate's launcher):
-    two engines would each own the optimizer (and DeepSpeed would read the same ds_config); and the launcher's
-    mixed precision taken as --bf16/--fp16. Checked before TrainingArguments' own ``__post_init__``, whose first
-    complaint without the deepspeed package would be a missing package, not the real mistake."""
+    two engines would each own the optimizer (and DeepSpeed would read the same ds_config). Checked before
+    TrainingArguments' own ``__post_init__``, whose first complaint without the deepspeed package would be a missing
+    package, not the real mistake."""
     if not isinstance(args.sharded_ddp, bool):  # the command line gives a bool; code and JSON files may not
         word = "" if args.sharded_ddp is None else str(args.sharded_ddp).strip().lower()
         if word in _TRUTHY + _FALSY and not isinstance(args.sharded_ddp, (list, tuple)):
@@ -204,7 +209,7 @@ def refuse_other_engines(args) -> None:
         else:
             raise ConfigError(legacy_sharded_ddp(args.sharded_ddp) or f"sharded_ddp must be True or False, got "
                               f"{args.sharded_ddp!r}")
-    ours = "--zero_offload" if args.zero_offload is not None else "--sharded_ddp" if args.sharded_ddp else None
+    ours = _our_flag(args)
     if ours and args.deepspeed:
         raise ConfigError(f"--deepspeed and {ours} both given: they are two engines for the same job (hf_zero_offload "
                           "reads the same ds_config.json as --deepspeed); keep one of them")
@@ -221,15 +226,15 @@ def refuse_other_engines(args) -> None:
                               f"distributed_type is {flag[6:].upper()}) and {ours} both given: {what} and "
                               f"hf_zero_offload are two engines for the same job; launch with torchrun or a plain "
                               f"`accelerate launch --multi_gpu`, or drop {ours}")
-    _take_launcher_precision(args, ours)
 
 
-def _take_launcher_precision(args, ours: str | None) -> None:
+def take_launcher_precision(args) -> None:
     """``accelerate launch --mixed_precision bf16|fp16`` (ACCELERATE_MIXED_PRECISION) without --bf16/--fp16: the
     plain Trainer autocasts then; the engine, which owns the 16-bit model and runs without autocast, takes it as
     --bf16/--fp16, as transformers hands it to DeepSpeed (it was dropped: the run trained in fp32 without a word)."""
     value = os.environ.get("ACCELERATE_MIXED_PRECISION", "")
     mp = value.strip().lower()
+    ours = _our_flag(args)
     if not ours or mp in ("", "no") or args.fp16 or args.bf16:
         return
     if mp not in ("bf16", "fp16"):

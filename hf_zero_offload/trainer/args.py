@@ -8,7 +8,7 @@ from typing import Optional
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from .. import resume
-from ..launch_checks import check_launch_env, refuse_other_engines
+from ..launch_checks import check_launch_env, refuse_other_engines, take_launcher_precision
 
 
 @dataclass
@@ -34,7 +34,8 @@ class _ZeroOffloadFields:
 
 
 def _before_post_init(args) -> None:
-    refuse_other_engines(args)
+    refuse_other_engines(args)  # (which also reads sharded_ddp's legacy spellings as a bool)
+    take_launcher_precision(args)
     # Before TrainingArguments' __post_init__, which sets up the process group from torchrun's variables (and may
     # hang on an inconsistent set); only when our engine is asked for, as plain runs are transformers' business.
     if args.zero_offload is not None or args.sharded_ddp:
