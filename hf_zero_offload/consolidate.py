@@ -216,9 +216,9 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
         raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
                          "wrote); consolidate an earlier checkpoint")
     masters = full_masters(state_dir_of(checkpoint_dir), recorded_save_id(checkpoint_dir))
-    source, adapter = checkpoint_dir, peft_names.is_adapter_checkpoint(checkpoint_dir)
+    source, adapter = checkpoint_dir, peft_names.adapter_folders(checkpoint_dir)
     if adapter:  # the trained adapter's folder (a subfolder for one not named "default"), peft's tensor names
-        source, masters = peft_names.adapter_source(checkpoint_dir, masters)
+        source, masters = peft_names.adapter_source(checkpoint_dir, adapter, masters)
     weight_files = sorted(glob.glob(os.path.join(glob.escape(source), "*.safetensors")))
     if not weight_files:
         raise FileNotFoundError(f"no *.safetensors model weights in {source}")

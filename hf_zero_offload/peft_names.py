@@ -20,21 +20,18 @@ from safetensors import safe_open
 CONFIG, DEFAULT = "adapter_config.json", "default"
 
 
-def is_adapter_checkpoint(checkpoint_dir: str) -> bool:
-    return os.path.isfile(os.path.join(checkpoint_dir, CONFIG)) or bool(_subfolders(checkpoint_dir))
-
-
-def _subfolders(checkpoint_dir: str) -> dict[str, str]:
-    """Adapter name -> folder, for the adapters saved in subfolders."""
+def adapter_folders(checkpoint_dir: str) -> dict[str, str]:
+    """Adapter name -> the folder peft saved it in: empty for a checkpoint that is not a PEFT adapter's."""
     found = glob.glob(os.path.join(glob.escape(checkpoint_dir), "*", CONFIG))
-    return {os.path.basename(os.path.dirname(p)): os.path.dirname(p) for p in found}
-
-
-def adapter_source(checkpoint_dir: str, masters: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
-    """(the folder of the adapter the masters train, the masters by its file's keys)."""
-    folders = _subfolders(checkpoint_dir)
+    folders = {os.path.basename(os.path.dirname(p)): os.path.dirname(p) for p in found}
     if os.path.isfile(os.path.join(checkpoint_dir, CONFIG)):
         folders[DEFAULT] = checkpoint_dir
+    return folders
+
+
+def adapter_source(checkpoint_dir: str, folders: dict[str, str],
+                   masters: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
+    """(the folder of the adapter the masters train, of ``adapter_folders``; the masters by its file's keys)."""
     segments = {s for name in masters for s in name.split(".")}
     trained = sorted(n for n in folders if n in segments)
     if len(trained) != 1:
