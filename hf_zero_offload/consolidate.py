@@ -93,6 +93,20 @@ def names_mismatch(state_dir: str, slot_names: list[list[str]]) -> str | None:
     return _difference(state_dir, saved, slot_names)
 
 
+def trainable_set_mismatch(state_dir: str, slot_names: list[list[str]]) -> str | None:
+    """Order aside, as :func:`names_mismatch`: for a check before the engine (and so its slot order) exists. The
+    difference when the saved file names other trainable params than ``slot_names``; None when the same ones (any
+    alias of each) or when it cannot say."""
+    saved = _saved_names(state_dir)
+    if saved is None:
+        return None
+    before, now = _plain_slots(saved), _plain_slots(slot_names)
+    every_before, every_now = set().union(*before), set().union(*now)
+    if len(before) == len(now) and all(s & every_now for s in before) and all(s & every_before for s in now):
+        return None
+    return _difference(state_dir, saved, slot_names)
+
+
 def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
     """For a refused resume: the first params that differ between the saved ``param_names.json`` and this
     model's slots (``slot_names``), as text to append to the refusal ("" without a readable file)."""

@@ -38,11 +38,13 @@ def _data():
     return [{"x": torch.randn(8, generator=g), "y": torch.randn(8, generator=g)} for _ in range(16)]
 
 
-def _train(out, zero, max_steps, order="ab", frozen=None, resume=None, **extra):
+def _train(out, zero, max_steps, order="ab", frozen=None, resume=None, seen=None, **extra):
     torch.manual_seed(0)
     model = _AB(_Cfg(), order)
     if frozen:
         getattr(model, frozen).requires_grad_(False)
+    if seen is not None:  # the caller sees the model even when train() raises
+        seen.append(model)
     kw = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps",
               save_steps=2, report_to="none", use_cpu=True, learning_rate=1e-2, disable_tqdm=True, **extra)
     if zero:
@@ -63,10 +65,21 @@ def test_same_shapes_under_other_names_are_refused_before_any_weight_moves(tmp_p
     """The engine matches its state to the params by position and writes the saved masters into them: with the same
     shapes in another order, layer a took layer b's trained weights (0.011 from b's, 0.095 from its own), silently."""
     _train(tmp_path / "run", True, 2, frozen="b" if frozen else None)
+    seen = []
     with pytest.raises(ValueError, match=r"was saved for other trainable params than this model's, or the same in "
                                          r"another order: the engine matches its state to the params by position.*"
                                          + named):
-        _train(tmp_path / "again", True, 4, order=order, frozen=frozen, resume=str(tmp_path / "run" / "checkpoint-2"))
+        _train(tmp_path / "again", True, 4, order=order, frozen=frozen, resume=str(tmp_path / "run" / "checkpoint-2"),
+               seen=seen)
+    if frozen:  # other trainable params are refused before transformers loads the checkpoint's weights into the model
+        _assert_untouched(seen[0], order, frozen)
+
+
+def _assert_untouched(model, order="ab", frozen=None):
+    torch.manual_seed(0)
+    fresh = _AB(_Cfg(), order)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), f"{name} holds the refused checkpoint's weights"
 
 
 def test_a_plain_runs_optimizer_pt_is_not_left_in_our_checkpoint(tmp_path, caplog):
@@ -96,9 +109,11 @@ def test_a_newer_plain_checkpoint_is_named_for_what_it_is(tmp_path, caplog):
 def test_a_plain_or_deepspeed_checkpoint_is_refused_with_the_way_forward(tmp_path):
     _train(tmp_path, False, 2)
     ckpt = tmp_path / "checkpoint-2"
+    seen = []
     with pytest.raises(FileNotFoundError, match=r"saved without --zero_offload \(optimizer\.pt holds a torch "
                                                 r"optimizer's state.*train without resume_from_checkpoint"):
-        _train(tmp_path / "ours", True, 4, resume=str(ckpt))
+        _train(tmp_path / "ours", True, 4, resume=str(ckpt), seen=seen)
+    _assert_untouched(seen[0])  # refused before the plain run's weights reach the model
     os.rename(ckpt / "optimizer.pt", tmp_path / "moved.pt")  # laid out as transformers + DeepSpeed save it
     (ckpt / "global_step2").mkdir()
     (ckpt / "latest").write_text("global_step2")

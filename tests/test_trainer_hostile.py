@@ -67,7 +67,8 @@ def test_checkpoint_of_a_plain_trainer_resumed_with_offload_is_refused_by_name(t
     with pytest.raises(FileNotFoundError, match=r"checkpoint-2 has no zero_offload/ optimizer state: it was saved "
                                                 r"without --zero_offload \(optimizer\.pt holds a torch optimizer's"):
         ours.train(resume_from_checkpoint=str(ckpt))
-    assert ours.state.global_step == 2 and not os.path.exists(tmp_path / "ours" / "checkpoint-4")
+    # refused before the checkpoint's weights (or its step count) reached the model and the Trainer
+    assert ours.state.global_step == 0 and not os.path.exists(tmp_path / "ours" / "checkpoint-4")
 
 
 @pytest.mark.parametrize("saved, now", [("fp32", "int8"), ("int8", "bf16")])

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from .args import ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainingArguments
 from .callback import ZeroOffloadCallback
-from .mixin import STATE_DIR, ZeroOffloadMixin, ZeroOffloadSeq2SeqTrainer, ZeroOffloadTrainer, logger
+from .mixin import ZeroOffloadMixin, ZeroOffloadSeq2SeqTrainer, ZeroOffloadTrainer, logger
+from .saving import STATE_DIR
 
 __all__ = [
     "ZeroOffloadTrainingArguments",

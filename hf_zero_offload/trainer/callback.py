@@ -9,7 +9,8 @@ from transformers import TrainerCallback
 from .. import resume
 from ..engine.param_names import KEY
 from .last_step import publish_for_final_save, run_ends
-from .mixin import STATE_DIR, adopt_changed_params, logger
+from .mixin import adopt_changed_params, logger
+from .saving import STATE_DIR
 from .trainable_watch import TrainableWatch
 
 

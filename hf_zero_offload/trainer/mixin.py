@@ -11,12 +11,10 @@ import torch
 from transformers import Seq2SeqTrainer, Trainer
 
 from .. import presets, resume
-from ..consolidate import names_difference, names_mismatch
 from ..args_view import args_view, early_view
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
 from ..engine.param_names import smallest_names
-from ..engine.state_dir import GroupingMismatch, LayoutMismatch
 from ..accelerator_patch import patch_accelerator
 from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
 from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_trainable, check_world_size,
@@ -26,12 +24,13 @@ from ..schedulers import build_scheduler
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .trainable_watch import RefuseNewTrainable
-from .saving import SCHEDULER_NAME as _SCHEDULER_NAME, STATE_DIR, CheckpointSaving
+from .loading import CheckpointLoading
+from .saving import CheckpointSaving
 
 logger = logging.getLogger("hf_zero_offload")
 
 
-class ZeroOffloadMixin(CheckpointSaving, LossInFp32):
+class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
@@ -324,65 +323,6 @@ class ZeroOffloadMixin(CheckpointSaving, LossInFp32):
         if done is not None:
             logger.warning(done)
         return path
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
-        has_optimizer = any(os.path.isfile(os.path.join(checkpoint, n)) for n in resume.TORCH_OPTIMIZER_FILES)
-        if self._zo_raw is None:
-            dropped = None if has_optimizer else resume.dropped_state_message(checkpoint, STATE_DIR,
-                                                                              "no --zero_offload")
-            if dropped:
-                logger.warning(dropped)
-            elif has_optimizer and not os.path.isfile(os.path.join(checkpoint, _SCHEDULER_NAME)):
-                logger.warning("hf_zero_offload: %s has optimizer.pt but no %s: transformers loads neither, so the "
-                               "optimizer and the LR schedule both restart", checkpoint, _SCHEDULER_NAME)
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        state_dir = os.path.join(checkpoint, STATE_DIR)
-        if not os.path.isdir(state_dir):
-            raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
-        if moved := names_mismatch(state_dir, self._zo_slot_names()):  # before anything is loaded (None: no file)
-            raise LayoutMismatch(f"{state_dir} was saved for other trainable params than this model's, or the same "
-                                 "in another order: the engine matches its state to the params by position and "
-                                 f"would write the saved weights into other params{moved}. Resume with the model "
-                                 f"and trainable params of that run. {resume.FRESH_START}")
-        sched = os.path.join(checkpoint, _SCHEDULER_NAME)
-        before = self.lr_scheduler.state_dict() if os.path.isfile(sched) else None
-        try:
-            if before is not None:  # first: a damaged file is refused before the engine's state is touched
-                if note := resume.load_scheduler(self.lr_scheduler, sched, resume.recorded_step(checkpoint)):
-                    logger.warning(note)
-            try:
-                # names compared above with every alias: the engine's check by one name each could refuse a tied
-                # param whose names changed (an alias added)
-                self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint),
-                                                 names_checked=moved == "")
-            except GroupingMismatch:
-                raise  # (it names the groups: the params are the same)
-            except LayoutMismatch as e:  # the totals alone may read the same: name the params that differ
-                raise LayoutMismatch(f"{e}{names_difference(state_dir, self._zo_slot_names())}") from None
-        except BaseException:
-            if before is not None:  # a refused file or state leaves the schedule as it was
-                self.lr_scheduler.load_state_dict(before)
-            raise
-        if before is None:
-            logger.warning(resume.missing_scheduler_message(checkpoint, self._get_learning_rate(), _SCHEDULER_NAME))
-        state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
-        logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
-                                    {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
-
-    def _load_best_model(self) -> None:
-        engine = self.zero_engine
-        if engine is None:
-            return super()._load_best_model()
-        engine.flush()  # DPU: the step in flight lands first, so nothing overwrites the best weights later
-        super()._load_best_model()
-        # The model holds the best checkpoint's weights: its masters, moments and step counts follow (the masters
-        # are the weights in fp32), so that a save, consolidate or more training goes on from the best state.
-        best = self.state.best_model_checkpoint
-        engine.load_checkpoint(os.path.join(best, STATE_DIR), expected_save_id=resume.recorded_save_id(best))
-        self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step
-
 
 def adopt_changed_params(engine) -> None:
     changed = engine.adopt_changed_params()

@@ -1,0 +1,103 @@
+"""``CheckpointLoading``: the load half of ``ZeroOffloadMixin`` (as ``CheckpointSaving`` is its save half): a resume's
+checks, the engine's state and the LR schedule from ``checkpoint-N/``, and the best checkpoint's state for
+``load_best_model_at_end``. Its methods read the Trainer's fields (``args``, ``state``, ``zero_engine``, ``_zo_raw``)
+as their own."""
+from __future__ import annotations
+
+import logging
+import os
+
+from .. import resume
+from ..consolidate import names_difference, names_mismatch, trainable_set_mismatch
+from ..engine.state_dir import GroupingMismatch, LayoutMismatch, check_save_id, sources
+from .saving import SCHEDULER_NAME, STATE_DIR
+
+logger = logging.getLogger("hf_zero_offload")
+
+
+class CheckpointLoading:
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # transformers loads the model's weights (a PEFT model's adapters) before the engine's state: a checkpoint
+        # the engine would refuse left the model in memory holding its weights. What the files alone can tell is
+        # refused first (the state's param order needs the engine, built later: checked at its load).
+        if self._zo_raw is not None and model is None:
+            self._zo_check_before_weights(resume_from_checkpoint)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _zo_check_before_weights(self, checkpoint: str) -> None:
+        state_dir = os.path.join(checkpoint, STATE_DIR)
+        if not os.path.isdir(state_dir):
+            raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+        _, meta = sources(state_dir)  # every header checked: a damaged or foreign state file is named here
+        check_save_id(meta, resume.recorded_save_id(checkpoint), state_dir)
+        if self.zero_engine is not None:  # a second train(): the engine's slots, in their order
+            self._zo_refuse_other_params(state_dir, names_mismatch(state_dir, self._zo_slot_names()))
+            return
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if p.requires_grad:
+                aliases.setdefault(id(p), []).append(name)
+        self._zo_refuse_other_params(state_dir, trainable_set_mismatch(state_dir, list(aliases.values())))
+
+    @staticmethod
+    def _zo_refuse_other_params(state_dir: str, moved: str | None) -> None:
+        if moved:  # "" or None: the same params, or nothing to compare with
+            raise LayoutMismatch(f"{state_dir} was saved for other trainable params than this model's, or the same "
+                                 "in another order: the engine matches its state to the params by position and "
+                                 f"would write the saved weights into other params{moved}. Resume with the model "
+                                 f"and trainable params of that run. {resume.FRESH_START}")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        has_optimizer = any(os.path.isfile(os.path.join(checkpoint, n)) for n in resume.TORCH_OPTIMIZER_FILES)
+        if self._zo_raw is None:
+            dropped = None if has_optimizer else resume.dropped_state_message(checkpoint, STATE_DIR,
+                                                                              "no --zero_offload")
+            if dropped:
+                logger.warning(dropped)
+            elif has_optimizer and not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+                logger.warning("hf_zero_offload: %s has optimizer.pt but no %s: transformers loads neither, so the "
+                               "optimizer and the LR schedule both restart", checkpoint, SCHEDULER_NAME)
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        state_dir = os.path.join(checkpoint, STATE_DIR)
+        if not os.path.isdir(state_dir):
+            raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+        moved = names_mismatch(state_dir, self._zo_slot_names())  # before anything is loaded (None: no file)
+        self._zo_refuse_other_params(state_dir, moved)
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        before = self.lr_scheduler.state_dict() if os.path.isfile(sched) else None
+        try:
+            if before is not None:  # first: a damaged file is refused before the engine's state is touched
+                if note := resume.load_scheduler(self.lr_scheduler, sched, resume.recorded_step(checkpoint)):
+                    logger.warning(note)
+            try:
+                # names compared above with every alias: the engine's check by one name each could refuse a tied
+                # param whose names changed (an alias added)
+                self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint),
+                                                 names_checked=moved == "")
+            except GroupingMismatch:
+                raise  # (it names the groups: the params are the same)
+            except LayoutMismatch as e:  # the totals alone may read the same: name the params that differ
+                raise LayoutMismatch(f"{e}{names_difference(state_dir, self._zo_slot_names())}") from None
+        except BaseException:
+            if before is not None:  # a refused file or state leaves the schedule as it was
+                self.lr_scheduler.load_state_dict(before)
+            raise
+        if before is None:
+            logger.warning(resume.missing_scheduler_message(checkpoint, self._get_learning_rate(), SCHEDULER_NAME))
+        state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
+        logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
+                                    {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
+
+    def _load_best_model(self) -> None:
+        engine = self.zero_engine
+        if engine is None:
+            return super()._load_best_model()
+        engine.flush()  # DPU: the step in flight lands first, so nothing overwrites the best weights later
+        super()._load_best_model()
+        # The model holds the best checkpoint's weights: its masters, moments and step counts follow (the masters
+        # are the weights in fp32), so that a save, consolidate or more training goes on from the best state.
+        best = self.state.best_model_checkpoint
+        engine.load_checkpoint(os.path.join(best, STATE_DIR), expected_save_id=resume.recorded_save_id(best))
+        self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step
