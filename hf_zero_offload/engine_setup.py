@@ -173,3 +173,16 @@ def start_line(cfg: TrainingConfig, eng, world_size: int, device) -> str:
             f"threads={torch.get_num_threads()} step_threads={getattr(getattr(eng, 'options', None), 'num_threads', '-')} "
             f"host_reserved={_bytes(_host_bytes(eng))} "
             f"pinned={getattr(arena, 'pinned', False)} params={eng.numel} streams={eng.streams.kind}")
+
+
+def accumulation_problem(engine, gas: int) -> str | None:
+    """Why ``engine`` cannot sum ``gas`` micro-batches per step, or None. Its host gradient store was sized when it
+    was built: a 16-bit one holds one micro-batch per step, and summing several there rounds each partial sum to 16
+    bits (a bf16 ulp off an engine built for them after 3 steps, silently); ZeRO-1 reduces ``.grad`` once a step."""
+    store, built = getattr(engine, "store", None), engine.options.gradient_accumulation_steps
+    if gas <= 1 or getattr(engine, "stage", 2) != 2 or store is None or store.dtype == torch.float32:
+        return None
+    return (f"gradient_accumulation_steps {gas} with an engine built for {built} micro-batch(es) per step: its host "
+            f"gradient store holds {str(store.dtype).replace('torch.', '')} gradients and would round each sum of "
+            f"{gas} micro-batches to 16 bits (an engine built for {gas} sums them in fp32)")
+

@@ -228,6 +228,35 @@ def test_max_grad_norm_changed_between_two_train_calls(tmp_path):
     _assert_same(ref_model, ref, model, ours)
 
 
+def test_gradient_accumulation_changed_between_two_train_calls(tmp_path):
+    """fp32: the engine's store sums in fp32 at any accumulation, as the plain Trainer's .grad does."""
+    ref_model, model = tiny_t5(), tiny_t5()
+    ref = Seq2SeqTrainer(model=ref_model, args=_args(tmp_path, "r", Seq2SeqTrainingArguments, optim="adamw_torch",
+                                                     max_steps=2), train_dataset=ToyDataset())
+    ours = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "o", zero_offload=OFFLOAD, max_steps=2),
+                                     train_dataset=ToyDataset())
+    for t in (ref, ours):
+        t.train()
+        t.args.gradient_accumulation_steps = 2
+        t.train()
+    assert ours.zero_engine.options.gradient_accumulation_steps == 2
+    _assert_same(ref_model, ref, model, ours)
+
+
+def test_gradient_accumulation_raised_on_a_16_bit_store_is_refused(tmp_path):
+    """A bf16 engine built for one micro-batch per step summed 4 in its bf16 store: a bf16 ulp off a new engine's
+    weights after 3 steps, without a word."""
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=ToyDataset(),
+                                        args=_args(tmp_path, "o", zero_offload=OFFLOAD, max_steps=2, bf16=True))
+    trainer.train()
+    trainer.args.gradient_accumulation_steps = 4
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps 4 with an engine built for 1 micro-batch"
+                                          r"\(es\) per step: its host gradient store holds bfloat16 gradients.*"
+                                          r"in the first train\(\) of this Trainer\. Build a new Trainer"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # refused before any step
+
+
 def test_a_16_bit_model_cast_up_is_a_warning(tmp_path, caplog):
     model = tiny_t5().bfloat16()
     trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "x", zero_offload=OFFLOAD, max_steps=1),
@@ -371,3 +400,26 @@ def test_the_callback_refuses_fp16():
     with pytest.raises(ValueError, match="--fp16 needs the engine's loss scaling"):
         ZeroOffloadCallback().on_train_begin(args, SimpleNamespace(global_step=0), None, optimizer=engine)
     engine.close()
+
+
+@pytest.mark.parametrize("built, dtype, refused", [(1, torch.bfloat16, True), (4, torch.bfloat16, False),
+                                                   (1, torch.float32, False)])
+def test_the_callback_refuses_accumulation_its_engine_would_sum_in_16_bit(built, dtype, refused):
+    """A plain Trainer with --gradient_accumulation_steps 4 and a bf16 engine built with the default options (one
+    micro-batch per step) summed the micro-batches in its bf16 store."""
+    from types import SimpleNamespace
+
+    engine = OffloadAdam(tiny_t5().to(dtype).parameters(), lr=1e-2,
+                         options=OffloadOptions(pin_memory=False, gradient_accumulation_steps=built))
+    args = SimpleNamespace(world_size=1, fp16=False, max_grad_norm=0.0, resume_from_checkpoint=None, output_dir="x",
+                           gradient_accumulation_steps=4)
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    begin = lambda: ZeroOffloadCallback().on_train_begin(args, state, None, optimizer=engine)  # noqa: E731
+    if refused:
+        with pytest.raises(ValueError, match=r"ZeroOffloadCallback: gradient_accumulation_steps 4 with an engine "
+                                             r"built for 1 .*bfloat16.*OffloadOptions\(gradient_accumulation_steps=4\)"):
+            begin()
+    else:
+        begin()
+    engine.close()
+

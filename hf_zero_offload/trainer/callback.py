@@ -7,6 +7,7 @@ import os
 from transformers import TrainerCallback
 
 from .. import resume
+from ..engine_setup import accumulation_problem
 from ..engine.param_names import KEY
 from .last_step import publish_for_final_save, run_ends
 from .mixin import adopt_changed_params, logger
@@ -58,6 +59,10 @@ class ZeroOffloadCallback(TrainerCallback):
                              "Trainer saves one optimizer.pt from rank 0, which holds only rank 0's slice (the other "
                              "ranks' state would be lost at every checkpoint); use ZeroOffloadTrainer or "
                              "ZeroOffloadMixin, which save every rank's state")
+        gas = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        if engine is not None and (problem := accumulation_problem(engine, gas)):
+            raise ValueError(f"ZeroOffloadCallback: {problem}; build the engine with OffloadOptions("
+                             f"gradient_accumulation_steps={gas})")
         if engine is not None and getattr(args, "fp16", False):
             raise ValueError("ZeroOffloadCallback: --fp16 needs the engine's loss scaling, which only ZeroOffloadTrainer "
                              "/ ZeroOffloadMixin drive (here Accelerate's GradScaler would scale the loss and find no "

@@ -16,7 +16,8 @@ from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
 from ..engine.param_names import smallest_names
 from ..accelerator_patch import patch_accelerator
-from ..engine_setup import build_engine, check_user_groups, groups_from_optimizer, start_line, training_dtype
+from ..engine_setup import (accumulation_problem, build_engine, check_user_groups, groups_from_optimizer,
+                            start_line, training_dtype)
 from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_trainable, check_world_size,
                              refuse_user_optimizer, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
@@ -249,6 +250,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32):
             check_trainable(engine.slot_params(), self.model.named_parameters())
             adopt_changed_params(engine)
             self._zo_update_clipping(engine)
+            self._zo_update_accumulation(engine)
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
@@ -306,6 +308,16 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32):
             engine.options = dataclasses.replace(engine.options, max_grad_norm=clip)
             if self.zero_config is not None:
                 self.zero_config = dataclasses.replace(self.zero_config, gradient_clipping=clip)
+
+    def _zo_update_accumulation(self, engine) -> None:
+        gas, was = self._zo_resolve().gradient_accumulation_steps, engine.options.gradient_accumulation_steps
+        if gas == was:
+            return
+        if problem := accumulation_problem(engine, gas):
+            raise ConfigError(f"{problem}, in the first train() of this Trainer. Build a new Trainer for this train() "
+                              "(the model carries over; load the engine's state_dict() into the new one to keep the "
+                              f"moments), or keep gradient_accumulation_steps={was}")
+        engine.options = dataclasses.replace(engine.options, gradient_accumulation_steps=gas)
 
     def _inner_training_loop(self, *args, **kwargs):
         if self.zero_engine is not None:
