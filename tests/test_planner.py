@@ -388,3 +388,50 @@ def test_print_plan_and_api(capsys):
     assert planner.format_plan(p) == planner.format_plan(p)
     with pytest.raises(FileNotFoundError):
         planner.plan("/nonexistent/config.json")
+
+
+# -- a trainable subset (--trainable) ----------------------------------------------------------------
+def test_trainable_subset_rows_equal_the_engines_allocation_and_count_the_frozen_params():
+    """Freezing the encoder (T5's tied embedding trains: decoder.embed_tokens is one of its names)."""
+    opts = dict(bucket_numel=50_000, tile_numel=4096)
+    p = planner.plan(T5_TINY, dtype="bf16", cuda=False, trainable=r"^decoder\.", configs=["baseline", "zero2_offload"],
+                     **opts)
+    model = trace.build_model(trace.load_config(T5_TINY), device="cpu")
+    frozen = trace.freeze_except(model, r"^decoder\.", "t5-tiny")
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    assert p.params == sum(q.numel() for q in trainable) and p.frozen == frozen > 0
+    assert p.params + p.frozen == sum(q.numel() for q in model.parameters())
+    assert model.shared.weight.requires_grad and not model.encoder.block[0].layer[0].SelfAttention.q.weight.requires_grad
+    rows = {r.name: r for r in p.rows}
+    assert rows["baseline"].device_states["frozen_params_fp32"] == 4 * frozen
+    assert rows["zero2_offload"].device_states["frozen_params_16bit"] == 2 * frozen
+    opt = OffloadAdam(trainable, param_dtype=torch.bfloat16, options=OffloadOptions(**opts))
+    try:
+        assert rows["zero2_offload"].host_bytes == opt.arena.nbytes
+    finally:
+        opt.close()
+    assert f"trainable, {frozen:,} frozen (--trainable '^decoder\\\\.')" in planner.format_plan(p)
+
+
+@pytest.mark.parametrize("regex, match", [("(", r"--trainable '\(' is not a regular expression"),
+                                          ("lora_", r"--trainable 'lora_' matches no parameter of .*shared\.weight")])
+def test_a_trainable_regex_that_selects_nothing_is_refused_by_name(regex, match):
+    with pytest.raises(ValueError, match=match):
+        planner.plan(T5_TINY, trainable=regex, configs=["baseline"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures /proc/self VmHWM")
+def test_trainable_subset_activation_prediction_matches_a_real_cpu_step(tmp_path):
+    """As test_activation_prediction_matches_a_real_cpu_step, the encoder frozen: no weight gradients for it."""
+    path = config_file("t5-tiny", T5_TINY, tmp_path)
+    config = trace.load_config(path)
+    jobs = [("fp32", 8, True), ("half", 8, False)]
+    measured = measure.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16, trainable=r"^decoder\.")
+    model = trace.build_model(config)
+    trace.freeze_except(model, r"^decoder\.", "t5-tiny")
+    profs = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16, model=model)
+    full = trace.profile_modes(config, ("fp32",), half_dtype=torch.bfloat16)
+    assert profs["fp32"].grad_bytes < full["fp32"].grad_bytes
+    for (mode, bs, keep), real in zip(jobs, measured):
+        pred = profs[mode].peak(bs, keep)
+        assert abs(pred - real) <= 0.10 * real, (mode, bs, keep, pred, real)

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=None, help="comma-separated row names (default: all)")
     parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                         help="Adam moments of the offload rows (offload_optimizer.state_dtype; default fp32)")
+    parser.add_argument("--trainable", default=None, metavar="REGEX",
+                        help="only the params whose name matches REGEX (re.search) train; the others are frozen "
+                             "(e.g. 'decoder\\.' or 'bias|layer_norm'); default: all")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -49,6 +52,7 @@ def main(args: argparse.Namespace) -> int:
              gradient_accumulation_steps=args.gradient_accumulation_steps,
              configs=args.configs.split(",") if args.configs else None,
              gradient_checkpointing=args.gradient_checkpointing, state_dtype=args.state_dtype,
+             trainable=args.trainable,
              # the trace takes seconds to minutes (a large model, a loaded machine): say so on stderr, where
              # --json's output is not
              progress=lambda line: print(f"hf-zero-offload estimate: {line}", file=sys.stderr, flush=True))

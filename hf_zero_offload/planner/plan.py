@@ -189,6 +189,7 @@ class Plan:
     run_dtype: str | None = None       # what the run that asked for the plan trains in, when one did
     inputs: dict = field(default_factory=dict)  # the arguments of plan(), echoed by --json
     model_class: str = ""              # the transformers class planned (a BERT config: BertLMHeadModel)
+    frozen: int = 0                    # frozen params (--trainable), on the device in each row's param dtype
 
     def to_json(self) -> dict:
         return {"inputs": self.inputs, "params": self.params, "configs": [asdict(r) for r in self.rows]}
@@ -296,14 +297,16 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
          seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
          tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
          configs: list[str] | None = None, gradient_checkpointing: bool = False, run_dtype: str | None = None,
-         state_dtype: str = "fp32", progress=None) -> Plan:
+         state_dtype: str = "fp32", trainable: str | None = None, progress=None) -> Plan:
     """Plan every configuration for the model (a config JSON path, a model directory, a dict, a
     ``PretrainedConfig`` or a model with ``.config``) on ``gpus`` GPUs of ``gpu_mem_gib`` each.
     ``bucket_numel``: the gradient bucket size, ``"auto"`` (hidden_size**2, what a ds_config's "auto"
     reduce_bucket_size resolves to) or None (the engine's own default, 200M elements).
     ``cuda=False`` plans the engine as it allocates on a CPU-only machine (no separate bucket staging).
     ``run_dtype`` (``"fp32"``/``"fp16"``/``"bf16"``): what the calling run trains in, shown in the header.
-    ``state_dtype``: the Adam moments of the offload rows (offload_optimizer.state_dtype). ``progress``: called
+    ``state_dtype``: the Adam moments of the offload rows (offload_optimizer.state_dtype). ``trainable``: a regular
+    expression; only the params with a name it matches (``re.search``, any alias of a tied one) train, the rest are
+    frozen (no gradient, no optimizer state: on the device in the training dtype). ``progress``: called
     with one line before the trace, the long part, once every input has been checked."""
     inputs = {k: v for k, v in locals().items() if k not in ("model_config_or_path", "progress")}
     t0 = time.perf_counter()
@@ -318,6 +321,7 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     with _model_errors(_model_name(src), "build the model this config describes", "is a key missing or wrong?"):
         model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
     _check_positions(config, model, seq_len, tgt_len, _model_name(src))
+    frozen = 0 if trainable is None else trace.freeze_except(model, trainable, _model_name(src))
     n, max_numel = trace.count_params(model)
     defaults = _engine_defaults()
     if auto_bucket:
@@ -343,6 +347,9 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     for spec in specs:
         prof = profiles[spec.mode]
         dev, host = row_states(spec, n, gpus, settings, prof)
+        if frozen:  # in the row's parameter dtype: the model's (fp32, amp) or the engine's cast of all of it
+            dev[f"frozen_params_{'16bit' if spec.mode == 'half' else 'fp32'}"] = \
+                (HALF if spec.mode == "half" else FP32) * frozen
         states = sum(dev.values())
         # state bytes the trace itself holds at its peak: kept gradients, autocast's weight copies
         in_trace = (prof.grad_bytes if spec.keep_grads else 0) + (prof.param_cast_bytes if spec.mode == "amp" else 0)
@@ -360,4 +367,5 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     inputs["model"] = _model_name(src)
     return Plan(_model_name(src), n, max_numel, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, rows,
                 time.perf_counter() - t0, all(p.aligned for p in profiles.values()), gradient_checkpointing,
-                cuda, run_dtype, inputs, type(model).__name__)
+                cuda, run_dtype, inputs, type(model).__name__, frozen)
+

@@ -41,7 +41,9 @@ def format_plan(p: Plan) -> str:
     run = f"this run trains in {p.run_dtype}; " if p.run_dtype else ""
     out = [
         f"model: {p.model}" + (f" (planned as {p.model_class})" if p.model_class else ""),
-        f"params: {p.params:,} ({_count(p.params)}; tied weights counted once); gradient buckets of "
+        f"params: {p.params:,} ({_count(p.params)}; tied weights counted once)"
+        + (f" trainable, {p.frozen:,} frozen (--trainable {p.inputs.get('trainable')!r})" if p.frozen else "")
+        + "; gradient buckets of "
         f"{_bucket(p):,} elements (one-process offload rows)",
         f"{where}; {run}16-bit rows in {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
         f"{'gradient checkpointing; ' if p.gradient_checkpointing else ''}"

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import weakref
 from dataclasses import dataclass, field
 
@@ -375,3 +376,22 @@ def count_params(model) -> tuple[int, int]:
     """(trainable params, largest trainable param) counting tied params once."""
     ps = [p for p in model.parameters() if p.requires_grad]  # parameters() yields each tensor once
     return sum(p.numel() for p in ps), max((p.numel() for p in ps), default=0)
+
+
+def freeze_except(model, trainable: str, name: str) -> int:
+    """Only the params ``trainable`` matches keep requires_grad (a tied one when any of its names matches);
+    returns the frozen params' element count (tied ones once)."""
+    try:
+        rx = re.compile(trainable)
+    except re.error as e:
+        raise ValueError(f"--trainable {trainable!r} is not a regular expression ({e})") from None
+    aliases: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), (p, []))[1].append(n)
+    for p, names in aliases.values():
+        p.requires_grad_(any(rx.search(n) for n in names))
+    if not any(p.requires_grad for p, _ in aliases.values()):
+        first = ", ".join(names[0] for _, names in list(aliases.values())[:3])
+        raise ValueError(f"--trainable {trainable!r} matches no parameter of {name} (its names look like {first}, "
+                         "...): nothing would train")
+    return sum(p.numel() for p, _ in aliases.values() if not p.requires_grad)
