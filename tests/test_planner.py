@@ -247,7 +247,7 @@ def test_gradient_checkpointing_prediction_matches_a_real_cpu_step(tmp_path):
         assert abs(pred - real) <= 0.10 * real, (mode, bs, pred, real)
         assert ckpt[mode].asymptote(keep)[1] < 0.7 * plain[mode].asymptote(keep)[1], mode
     p = planner.plan(T5_TINY, configs=["zero2_offload"], gradient_checkpointing=True)
-    assert p.gradient_checkpointing and set(p.to_json()) == {"inputs", "params", "configs"}
+    assert p.gradient_checkpointing and set(p.to_json()) == {"inputs", "params", "frozen_params", "configs"}
     assert p.to_json()["inputs"]["gradient_checkpointing"] is True
     assert "gradient checkpointing" in planner.format_plan(p)
 
@@ -401,6 +401,7 @@ def test_trainable_subset_rows_equal_the_engines_allocation_and_count_the_frozen
     trainable = [q for q in model.parameters() if q.requires_grad]
     assert p.params == sum(q.numel() for q in trainable) and p.frozen == frozen > 0
     assert p.params + p.frozen == sum(q.numel() for q in model.parameters())
+    assert p.to_json()["frozen_params"] == frozen and p.to_json()["inputs"]["trainable"] == r"^decoder\."
     assert model.shared.weight.requires_grad and not model.encoder.block[0].layer[0].SelfAttention.q.weight.requires_grad
     rows = {r.name: r for r in p.rows}
     assert rows["baseline"].device_states["frozen_params_fp32"] == 4 * frozen

@@ -192,7 +192,8 @@ class Plan:
     frozen: int = 0                    # frozen params (--trainable), on the device in each row's param dtype
 
     def to_json(self) -> dict:
-        return {"inputs": self.inputs, "params": self.params, "configs": [asdict(r) for r in self.rows]}
+        return {"inputs": self.inputs, "params": self.params, "frozen_params": self.frozen,
+                "configs": [asdict(r) for r in self.rows]}
 
 
 def device_budget(gpu_mem_gib: float) -> int:
