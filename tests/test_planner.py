@@ -436,3 +436,40 @@ def test_trainable_subset_activation_prediction_matches_a_real_cpu_step(tmp_path
     for (mode, bs, keep), real in zip(jobs, measured):
         pred = profs[mode].peak(bs, keep)
         assert abs(pred - real) <= 0.10 * real, (mode, bs, keep, pred, real)
+
+
+def _lora_config(tmp_path) -> str:
+    peft = pytest.importorskip("peft")
+    folder = tmp_path / "adapter"
+    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], task_type="SEQ_2_SEQ_LM").save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_peft_adapter_is_planned_as_its_params_train(tmp_path):
+    """LoRA on q and v: its A/B matrices train, every param of the model is frozen."""
+    folder = _lora_config(tmp_path)
+    p = planner.plan(T5_TINY, dtype="bf16", peft_config=folder, configs=["zero2_offload"])
+    c = T5_TINY
+    inner, layers = c["num_heads"] * c["d_kv"], c["num_layers"] + 2 * c["num_decoder_layers"]  # q, v per attention
+    assert p.params == layers * 2 * 4 * (c["d_model"] + inner) and p.frozen == t5_params(T5_TINY)
+    assert p.rows[0].device_states["frozen_params_16bit"] == 2 * p.frozen
+    assert f"--peft-config {folder!r}" in planner.format_plan(p)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures /proc/self VmHWM")
+def test_a_peft_adapters_activation_prediction_matches_a_real_cpu_step(tmp_path):
+    folder = _lora_config(tmp_path)
+    config = trace.load_config(config_file("t5-tiny", T5_TINY, tmp_path))
+    jobs = [("fp32", 8, True), ("half", 8, False)]
+    measured = measure.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16, peft_config=folder)
+    model = trace.with_adapter(trace.build_model(config), folder)
+    profs = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16, model=model)
+    for (mode, bs, keep), real in zip(jobs, measured):
+        pred = profs[mode].peak(bs, keep)
+        assert abs(pred - real) <= 0.10 * real, (mode, bs, keep, pred, real)
+
+
+def test_a_peft_config_that_is_not_there_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"--peft-config .*nowhere: (no adapter_config\.json there|planning a PEFT "
+                                         r"adapter needs peft)"):
+        planner.plan(T5_TINY, peft_config=str(tmp_path / "nowhere"), configs=["baseline"])

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainable", default=None, metavar="REGEX",
                         help="only the params whose name matches REGEX (re.search) train; the others are frozen "
                              "(e.g. 'decoder\\.' or 'bias|layer_norm'); default: all")
+    parser.add_argument("--peft-config", default=None, metavar="PATH",
+                        help="plan a PEFT adapter (LoRA, ...): its adapter_config.json or the folder holding it; the "
+                             "adapter's params train, the model's are frozen (needs peft)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -52,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
              gradient_accumulation_steps=args.gradient_accumulation_steps,
              configs=args.configs.split(",") if args.configs else None,
              gradient_checkpointing=args.gradient_checkpointing, state_dtype=args.state_dtype,
-             trainable=args.trainable,
+             trainable=args.trainable, peft_config=args.peft_config,
              # the trace takes seconds to minutes (a large model, a loaded machine): say so on stderr, where
              # --json's output is not
              progress=lambda line: print(f"hf-zero-offload estimate: {line}", file=sys.stderr, flush=True))

@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..fp32_logits import widen_logits
-from .trace import build_model, dummy_batch, freeze_except, load_config, loss_of
+from .trace import build_model, dummy_batch, freeze_except, load_config, loss_of, with_adapter
 
 
 def _status_bytes(key: str) -> int:
@@ -21,7 +21,8 @@ def _status_bytes(key: str) -> int:
 
 
 def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ckpt: bool = False,
-                        padded: bool = False, trainable: str | None = None) -> list[int]:
+                        padded: bool = False, trainable: str | None = None, peft_config: str | None = None
+                        ) -> list[int]:
     import gc
 
     torch.set_num_threads(1)
@@ -30,6 +31,8 @@ def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ck
         torch.manual_seed(0)
         model = build_model(config, dtype=half_dtype if mode == "half" else torch.float32, device="cpu",
                             gradient_checkpointing=ckpt)
+        if peft_config is not None:
+            model = with_adapter(model, peft_config)
         if trainable is not None:
             freeze_except(model, trainable, "the measured model")
         if mode == "half":  # the engine's step, as the trace plans it
@@ -61,14 +64,15 @@ def _measure_in_process(config, jobs, half_dtype, seq_len: int, tgt_len: int, ck
 
 def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16, seq_len: int = 128,
                       tgt_len: int = 128, timeout: float = 600, gradient_checkpointing: bool = False,
-                      padded: bool = False, trainable: str | None = None) -> list[int]:
+                      padded: bool = False, trainable: str | None = None, peft_config: str | None = None
+                      ) -> list[int]:
     """Peak extra resident memory (bytes) of one real forward + backward on the CPU per job
     ``(mode, batch_size, keep_grads)`` (Linux only), each on a fresh model, one process for all.
 
     The process runs with ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor above 64 KiB is its own
     mmap that glibc returns to the kernel when freed: the resident-set high-water mark (``VmHWM``,
     reset before the step) minus the RSS before the step is then the step's peak of live tensor
-    memory, measured by the kernel rather than by the planner's own accounting. ``trainable``: as ``plan``'s."""
+    memory, measured by the kernel rather than by the planner's own accounting. ``trainable``, ``peft_config``: as ``plan``'s."""
     import json
     import subprocess
     import sys
@@ -80,7 +84,7 @@ def measure_cpu_steps(config, jobs, *, half_dtype: torch.dtype = torch.bfloat16,
         cfg.to_json_file(path)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
         args = json.dumps([path, [list(j) for j in jobs], str(half_dtype).split(".")[-1], seq_len, tgt_len,
-                           gradient_checkpointing, padded, trainable])
+                           gradient_checkpointing, padded, trainable, peft_config])
         res = subprocess.run([sys.executable, "-m", "hf_zero_offload.planner.measure", args], env=env,
                              capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
@@ -92,6 +96,6 @@ if __name__ == "__main__":
     import json
     import sys
 
-    _path, _jobs, _dt, _seq, _tgt, _ckpt, _padded, _trainable = json.loads(sys.argv[1])
+    _path, _jobs, _dt, _seq, _tgt, _ckpt, _padded, _trainable, _peft = json.loads(sys.argv[1])
     print(json.dumps(_measure_in_process(load_config(_path), _jobs, getattr(torch, _dt), _seq, _tgt, _ckpt, _padded,
-                                         _trainable)))
+                                         _trainable, _peft)))

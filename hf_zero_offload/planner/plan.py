@@ -189,7 +189,7 @@ class Plan:
     run_dtype: str | None = None       # what the run that asked for the plan trains in, when one did
     inputs: dict = field(default_factory=dict)  # the arguments of plan(), echoed by --json
     model_class: str = ""              # the transformers class planned (a BERT config: BertLMHeadModel)
-    frozen: int = 0                    # frozen params (--trainable), on the device in each row's param dtype
+    frozen: int = 0                    # frozen params (--trainable, --peft-config), on the device in the row's dtype
 
     def to_json(self) -> dict:
         return {"inputs": self.inputs, "params": self.params, "frozen_params": self.frozen,
@@ -298,7 +298,8 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
          seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
          tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
          configs: list[str] | None = None, gradient_checkpointing: bool = False, run_dtype: str | None = None,
-         state_dtype: str = "fp32", trainable: str | None = None, progress=None) -> Plan:
+         state_dtype: str = "fp32", trainable: str | None = None, peft_config: str | None = None,
+         progress=None) -> Plan:
     """Plan every configuration for the model (a config JSON path, a model directory, a dict, a
     ``PretrainedConfig`` or a model with ``.config``) on ``gpus`` GPUs of ``gpu_mem_gib`` each.
     ``bucket_numel``: the gradient bucket size, ``"auto"`` (hidden_size**2, what a ds_config's "auto"
@@ -307,7 +308,9 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     ``run_dtype`` (``"fp32"``/``"fp16"``/``"bf16"``): what the calling run trains in, shown in the header.
     ``state_dtype``: the Adam moments of the offload rows (offload_optimizer.state_dtype). ``trainable``: a regular
     expression; only the params with a name it matches (``re.search``, any alias of a tied one) train, the rest are
-    frozen (no gradient, no optimizer state: on the device in the training dtype). ``progress``: called
+    frozen (no gradient, no optimizer state: on the device in the training dtype). ``peft_config``: a PEFT adapter's
+    ``adapter_config.json`` (or its folder): the model with that adapter, its params the trainable ones (needs
+    peft). ``progress``: called
     with one line before the trace, the long part, once every input has been checked."""
     inputs = {k: v for k, v in locals().items() if k not in ("model_config_or_path", "progress")}
     t0 = time.perf_counter()
@@ -322,8 +325,12 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     with _model_errors(_model_name(src), "build the model this config describes", "is a key missing or wrong?"):
         model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
     _check_positions(config, model, seq_len, tgt_len, _model_name(src))
-    frozen = 0 if trainable is None else trace.freeze_except(model, trainable, _model_name(src))
+    if peft_config is not None:
+        model = trace.with_adapter(model, peft_config)
+    if trainable is not None:
+        trace.freeze_except(model, trainable, _model_name(src))
     n, max_numel = trace.count_params(model)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # (tied ones once)
     defaults = _engine_defaults()
     if auto_bucket:
         hidden = hidden_size_of(model)

@@ -18,6 +18,11 @@ def _bucket(p: Plan) -> int:
     return max(min(p.inputs.get("bucket_numel") or OffloadOptions().bucket_numel, p.params), p.max_param_numel, 1)
 
 
+def _subset(p: Plan) -> str:
+    given = [f"--{k.replace('_', '-')} {p.inputs[k]!r}" for k in ("peft_config", "trainable") if p.inputs.get(k)]
+    return ", ".join(given) or "frozen in the model given"
+
+
 def format_plan(p: Plan) -> str:
     g = lambda x: f"{x / GiB:.2f}"  # noqa: E731
     head = ["configuration", "device states GiB", "host GiB", "act/sample GiB", "act const GiB", "max batch",
@@ -42,7 +47,7 @@ def format_plan(p: Plan) -> str:
     out = [
         f"model: {p.model}" + (f" (planned as {p.model_class})" if p.model_class else ""),
         f"params: {p.params:,} ({_count(p.params)}; tied weights counted once)"
-        + (f" trainable, {p.frozen:,} frozen (--trainable {p.inputs.get('trainable')!r})" if p.frozen else "")
+        + (f" trainable, {p.frozen:,} frozen ({_subset(p)})" if p.frozen else "")
         + "; gradient buckets of "
         f"{_bucket(p):,} elements (one-process offload rows)",
         f"{where}; {run}16-bit rows in {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
