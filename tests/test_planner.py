@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_zero_offload import cli, planner
-from hf_zero_offload.planner import measure, trace
+from hf_zero_offload.planner import measure, subset, trace
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -397,7 +397,7 @@ def test_trainable_subset_rows_equal_the_engines_allocation_and_count_the_frozen
     p = planner.plan(T5_TINY, dtype="bf16", cuda=False, trainable=r"^decoder\.", configs=["baseline", "zero2_offload"],
                      **opts)
     model = trace.build_model(trace.load_config(T5_TINY), device="cpu")
-    frozen = trace.freeze_except(model, r"^decoder\.", "t5-tiny")
+    frozen = subset.freeze_except(model, r"^decoder\.", "t5-tiny")
     trainable = [q for q in model.parameters() if q.requires_grad]
     assert p.params == sum(q.numel() for q in trainable) and p.frozen == frozen > 0
     assert p.params + p.frozen == sum(q.numel() for q in model.parameters())
@@ -429,7 +429,7 @@ def test_trainable_subset_activation_prediction_matches_a_real_cpu_step(tmp_path
     jobs = [("fp32", 8, True), ("half", 8, False)]
     measured = measure.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16, trainable=r"^decoder\.")
     model = trace.build_model(config)
-    trace.freeze_except(model, r"^decoder\.", "t5-tiny")
+    subset.freeze_except(model, r"^decoder\.", "t5-tiny")
     profs = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16, model=model)
     full = trace.profile_modes(config, ("fp32",), half_dtype=torch.bfloat16)
     assert profs["fp32"].grad_bytes < full["fp32"].grad_bytes
@@ -462,7 +462,7 @@ def test_a_peft_adapters_activation_prediction_matches_a_real_cpu_step(tmp_path)
     config = trace.load_config(config_file("t5-tiny", T5_TINY, tmp_path))
     jobs = [("fp32", 8, True), ("half", 8, False)]
     measured = measure.measure_cpu_steps(config, jobs, half_dtype=torch.bfloat16, peft_config=folder)
-    model = trace.with_adapter(trace.build_model(config), folder)
+    model = subset.with_adapter(trace.build_model(config), folder)
     profs = trace.profile_modes(config, ("fp32", "half"), half_dtype=torch.bfloat16, model=model)
     for (mode, bs, keep), real in zip(jobs, measured):
         pred = profs[mode].peak(bs, keep)

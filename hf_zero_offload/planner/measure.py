@@ -9,7 +9,8 @@ import os
 import torch
 
 from ..fp32_logits import widen_logits
-from .trace import build_model, dummy_batch, freeze_except, load_config, loss_of, with_adapter
+from .subset import freeze_except, with_adapter
+from .trace import build_model, dummy_batch, load_config, loss_of
 
 
 def _status_bytes(key: str) -> int:

@@ -14,7 +14,7 @@ from ..engine.buffers import plan_host_memory
 from ..ops import STATE_DTYPES
 from ..engine.options import OffloadOptions
 from ..engine.sharded.plan import plan_for
-from . import trace
+from . import subset, trace
 
 GiB = 2 ** 30
 SAFETY_BYTES = GiB // 2
@@ -326,9 +326,9 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
         model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
     _check_positions(config, model, seq_len, tgt_len, _model_name(src))
     if peft_config is not None:
-        model = trace.with_adapter(model, peft_config)
+        model = subset.with_adapter(model, peft_config)
     if trainable is not None:
-        trace.freeze_except(model, trainable, _model_name(src))
+        subset.freeze_except(model, trainable, _model_name(src))
     n, max_numel = trace.count_params(model)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # (tied ones once)
     defaults = _engine_defaults()

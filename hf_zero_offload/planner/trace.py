@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import weakref
 from dataclasses import dataclass, field
 
@@ -376,42 +375,4 @@ def count_params(model) -> tuple[int, int]:
     """(trainable params, largest trainable param) counting tied params once."""
     ps = [p for p in model.parameters() if p.requires_grad]  # parameters() yields each tensor once
     return sum(p.numel() for p in ps), max((p.numel() for p in ps), default=0)
-
-
-def freeze_except(model, trainable: str, name: str) -> int:
-    """Only the params ``trainable`` matches keep requires_grad (a tied one when any of its names matches);
-    returns the frozen params' element count (tied ones once)."""
-    try:
-        rx = re.compile(trainable)
-    except re.error as e:
-        raise ValueError(f"--trainable {trainable!r} is not a regular expression ({e})") from None
-    aliases: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), (p, []))[1].append(n)
-    for p, names in aliases.values():
-        p.requires_grad_(any(rx.search(n) for n in names))
-    if not any(p.requires_grad for p, _ in aliases.values()):
-        first = ", ".join(names[0] for _, names in list(aliases.values())[:3])
-        raise ValueError(f"--trainable {trainable!r} matches no parameter of {name} (its names look like {first}, "
-                         "...): nothing would train")
-    return sum(p.numel() for p, _ in aliases.values() if not p.requires_grad)
-
-
-def with_adapter(model, peft_config: str):
-    """``model`` with the PEFT adapter that ``peft_config`` (an ``adapter_config.json`` or its folder) describes, on
-    the model's device (meta: no weights); its trainable params are the adapter's (and its ``modules_to_save``)."""
-    try:
-        from peft import PeftConfig, get_peft_model
-    except ImportError:
-        raise ValueError(f"--peft-config {peft_config}: planning a PEFT adapter needs peft (pip install peft)") from None
-    folder = os.path.dirname(peft_config) if os.path.isfile(peft_config) else peft_config
-    if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
-        raise ValueError(f"--peft-config {peft_config}: no adapter_config.json there (give the file, or the folder "
-                         "peft's save_pretrained wrote)")
-    try:
-        config = PeftConfig.from_pretrained(folder)
-        return get_peft_model(model, config)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"--peft-config {peft_config}: peft cannot apply it to {type(model).__name__} "
-                         f"({type(e).__name__}: {e})") from None
 
