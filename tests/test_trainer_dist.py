@@ -91,3 +91,54 @@ def test_sharded_dpu_resume_through_the_trainer_is_exact(tmp_path):
     for r in run_distributed(_resume, str(tmp_path), timeout=300):
         assert r["same"]
         assert r["files"] == ["meta.json", "param_names.json", "rank0_of_2.hzo", "rank1_of_2.hzo"]
+
+
+def _train_batchnorm(rank, world_size, mode, out_dir, gas):
+    import torch.nn as nn
+    from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+
+    from hf_zero_offload import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
+
+    class Net(PreTrainedModel):
+        config_class = PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            # (no bias before the norm: its gradient is rounding noise, which Adam scales up to lr-sized steps)
+            self.a, self.bn, self.b = nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.Linear(8, 1)
+            self.post_init()
+
+        def forward(self, x, y):
+            out = self.b(torch.relu(self.bn(self.a(x))))
+            return {"loss": ((out.squeeze(-1) - y) ** 2).mean(), "logits": out}
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(6, generator=g) * (1 + i % 5), "y": torch.randn((), generator=g)} for i in range(48)]
+    torch.manual_seed(0)
+    model = Net(PretrainedConfig())
+    kw = dict(output_dir=f"{out_dir}/{mode}{gas}", per_device_train_batch_size=4, max_steps=4, use_cpu=True,
+              ddp_backend="gloo", report_to=[], save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2,
+              gradient_accumulation_steps=gas)
+    if mode == "ddp":
+        trainer = Trainer(model=model, args=TrainingArguments(optim="adamw_torch", **kw), train_dataset=data)
+    else:
+        trainer = ZeroOffloadTrainer(model=model, train_dataset=data, args=ZeroOffloadTrainingArguments(
+            sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            **kw))
+    trainer.train()
+    return {"buffers": {n: b.clone() for n, b in model.named_buffers()},
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_sharded_ddp_broadcasts_buffers_as_ddp_does(gas, tmp_path):
+    """Rank 1 kept its own BatchNorm statistics (0.19 off DDP's rank 1): DDP sets rank 0's before each synced
+    forward; its evaluate() on 2 ranks gave another loss with equal weights."""
+    ref = run_distributed(_train_batchnorm, "ddp", str(tmp_path), gas, timeout=300)
+    ours = run_distributed(_train_batchnorm, "ours", str(tmp_path), gas, timeout=300)
+    for r in range(2):
+        for name, b in ref[r]["buffers"].items():
+            torch.testing.assert_close(ours[r]["buffers"][name], b, rtol=1e-5, atol=1e-6, msg=f"rank {r} {name}")
+        for a, b in zip(ref[r]["params"], ours[r]["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ours[0]["buffers"]["bn.running_mean"], ours[1]["buffers"]["bn.running_mean"])

@@ -22,6 +22,7 @@ from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batc
                              refuse_user_optimizer, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
+from .buffer_sync import BroadcastBuffers
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .trainable_watch import RefuseNewTrainable
@@ -31,7 +32,7 @@ from .saving import CheckpointSaving
 logger = logging.getLogger("hf_zero_offload")
 
 
-class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32):
+class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, BroadcastBuffers):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
@@ -241,7 +242,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32):
         return super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        self._zo_resume, self._zo_best = None, False
+        self._zo_resume, self._zo_best, self._zo_buffers_stale = None, False, True
         engine = self.zero_engine
         if engine is not None and self.model_init is not None:
             engine.close()  # transformers builds a new model, so a new engine: this one is done
