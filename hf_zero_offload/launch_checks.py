@@ -136,6 +136,13 @@ def warn_upcast(model, dtype: torch.dtype) -> None:
                        "(every parameter and buffer: twice the weights' memory, and save_model writes %s); to keep "
                        "the model in %s, pass %s", str(d).replace("torch.", ""), str(dtype).replace("torch.", ""),
                        str(dtype).replace("torch.", ""), str(d).replace("torch.", ""), flag)
+    # and down: float64 params trained in fp32 (the masters are fp32), where the plain Trainer keeps float64
+    wider = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype.itemsize > dtype.itemsize]
+    if wider:
+        logger.warning("hf_zero_offload: %d parameter(s) wider than %s (%s%s) were cast to it, the training dtype of "
+                       "this run: the engine's masters are fp32 and every parameter trains in one dtype (the plain "
+                       "Trainer keeps them as they are)", len(wider), str(dtype).replace("torch.", ""),
+                       ", ".join(wider[:3]), ", ..." if len(wider) > 3 else "")
 
 
 def warn_keep_fp32(model, dtype: torch.dtype) -> None:

@@ -249,3 +249,65 @@ def test_sparse_gradients_are_refused_by_name(kind):
         emb(torch.tensor([1, 2, 3])).sum().backward()
         opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_complex_param_is_refused_by_name(kind):
+    """Its masters' copy cast it to real, dropping the imaginary part with only torch's UserWarning; a dtype-generic
+    forward then trained another model (0.47 off the plain run after 5 steps)."""
+    lin, w = torch.nn.Linear(3, 3), torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    cls, extra = KINDS[kind]
+    with pytest.raises(TypeError, match=r"parameter w \(shape \(3,\)\) is torch.complex64: the engine trains real "
+                                        r"floating-point params.*torch.view_as_real"):
+        cls([("lin.weight", lin.weight), ("w", w)], lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    assert w.dtype == torch.complex64
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+def test_non_contiguous_params_are_made_contiguous_and_step_like_adamw(kind, layout, caplog):
+    """They were refused from inside train() ("not contiguous; updates are copied into parameters as flat ranges"),
+    unnamed: a ResNet after model.to(memory_format=torch.channels_last) could not train; DDP and AdamW train it."""
+    def model():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 4, 3)
+        if layout == "channels_last":
+            conv = conv.to(memory_format=torch.channels_last)
+        else:
+            conv.weight = torch.nn.Parameter(conv.weight.detach().permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3))
+        assert not conv.weight.is_contiguous()
+        return conv
+
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    ref, ours = model(), model()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    cls, extra = KINDS[kind]
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        opt = cls(list(ours.named_parameters()), lr=1e-2, weight_decay=0.01, options=OffloadOptions(num_threads=1),
+                  **extra)
+    assert "1 trainable param(s) were not contiguous" in caplog.text and "weight (shape (4, 3, 3, 3))" in caplog.text
+    assert ours.weight.is_contiguous()
+    for m, o in ((ref, opt_ref), (ours, opt)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["offload", "zero2"])
+def test_a_param_cast_after_the_engine_was_built_is_named_at_backward(kind):
+    """SwitchTransformers' router casts its classifier to router_dtype (fp32) in forward: a bf16 run failed with
+    "gradient dtype torch.float32 differs from the engine's torch.bfloat16", naming no param."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).bfloat16()
+    cls, extra = KINDS[kind]
+    opt = cls(list(net.named_parameters()), lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    net[1].float()
+    with pytest.raises(TypeError, match=r"the gradient of parameter 1\.(weight|bias) \(shape \((1, 4|1,)\)\) is "
+                                        r"torch.float32, and the engine trains in torch.bfloat16: something cast the "
+                                        r"param after the engine was built.*router_dtype='bfloat16'"):
+        net[1](net[0](torch.randn(2, 4, dtype=torch.bfloat16)).float()).sum().backward()
+    opt.close()

@@ -14,6 +14,7 @@ import torch
 
 from .buffers import write_grad
 from .grad_hooks import GradHooks
+from .runs import grad_dtype_error
 from .streams import Streams
 from .streams.device import outcome
 
@@ -23,8 +24,9 @@ _SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thr
 class GradPipeline:
     def __init__(self, slots: list[tuple[torch.nn.Parameter, int, int]], *, streams: Streams,
                  buckets: torch.Tensor, staging: torch.Tensor | None, scatter_thread: bool | None = None,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, label=lambda p: f"of shape {tuple(p.shape)}"):
         self.streams = streams
+        self._label = label               # how an error names a param (the engine's param_label)
         self.num_threads = num_threads    # the engine's step threads (None: torch's)
         self.buckets = buckets            # [2, bucket_numel] on the device
         self.staging = staging            # [2, bucket_numel] pinned host (async copies) or None (CPU)
@@ -59,8 +61,7 @@ class GradPipeline:
         if g is None:
             return
         if g.dtype != self.buckets.dtype:
-            raise TypeError(f"gradient dtype {g.dtype} differs from the engine's {self.buckets.dtype}; "
-                            "keep every trainable parameter in the training dtype")
+            raise grad_dtype_error(self._label(p), g.dtype, self.buckets.dtype)
         i, offset, numel = self._index[p]
         self.arrivals += 1
         if self._cursor + numel > self.bucket_numel:

@@ -24,8 +24,12 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
                 raise ValueError(f"{who}: a parameter of shape {tuple(p.shape)} is on the meta device (not "
                                  "materialised: init_empty_weights, low_cpu_mem_usage or device_map?); load its "
                                  "weights before building the optimizer")
-            if not p.is_contiguous():
-                raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; updates are copied "
+            if not p.is_floating_point():  # a complex one was cast to real by the masters' copy, silently
+                raise TypeError(f"{who}: parameter {param_label(group, p)} is {p.dtype}: the engine trains real "
+                                "floating-point params (fp32 masters); freeze it (requires_grad=False), or hold it as "
+                                "real numbers (torch.view_as_real) and view it as complex in forward")
+            if not p.is_contiguous():  # (the engine makes them contiguous first: contiguous_params)
+                raise ValueError(f"parameter {param_label(group, p)} is not contiguous; updates are copied "
                                  "into parameters as flat ranges")
             group_slots.append((p, offset, p.numel()))
             offset += p.numel()
@@ -37,6 +41,34 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
     if any(p.device != device for p, _, _ in flat):
         raise ValueError("every trainable parameter must be on the same device")
     return slots, offset, device
+
+
+def param_label(group: dict, p) -> str:
+    """How a message names ``p`` of ``group``: by name where the group keeps names (``param_names``), and shape."""
+    for name, q in zip(group.get("param_names") or (), group["params"]):
+        if q is p:
+            return f"{name} (shape {tuple(p.shape)})"
+    return f"of shape {tuple(p.shape)}"
+
+
+def grad_dtype_error(label: str, got: torch.dtype, want: torch.dtype) -> TypeError:
+    """A gradient in another dtype than the engine's: its param was cast after the engine was built."""
+    return TypeError(f"the gradient of parameter {label} is {got}, and the engine trains in {want}: something cast "
+                     "the param after the engine was built (a module that casts its own weights in forward, e.g. a "
+                     "router kept in float32, as SwitchTransformers' router_dtype does); keep every trainable param "
+                     f"in {want} (router_dtype={str(want).replace('torch.', '')!r}), or freeze it")
+
+
+def contiguous_params(param_groups: list[dict]) -> list[str]:
+    """Makes every trainable param contiguous (channels_last, transposed: updates go into params as flat ranges, as
+    DeepSpeed's flat buffers do; the values and the Parameter objects stay); returns those it changed."""
+    changed = []
+    for group in param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.device.type != "meta" and not p.is_contiguous():
+                changed.append(param_label(group, p))
+                p.data = p.data.contiguous()
+    return changed
 
 
 def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, params: list) -> torch.dtype:

@@ -134,7 +134,8 @@ class ShardedAdam(AdamCore):
         use_rs = W > 1 and reduce_scatter and (FORCE_REDUCE_SCATTER or dist.get_backend(process_group) != "gloo")
         self.reducer = GradReducer(slots=self._flat, partition=part, rank=self.rank, process_group=process_group,
                                    streams=self.streams, param_dtype=self.param_dtype, stage=stage,
-                                   bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs)
+                                   bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs,
+                                   label=self._param_label)
         self._index, self._slot_of = self.reducer.index, self.reducer.slot_of
         self._gchunk = max(1, min(allgather_bucket_numel // W, S))
         tiled = offload and self.streams.async_copies

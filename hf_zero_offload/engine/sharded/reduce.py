@@ -28,7 +28,7 @@ from torch.autograd import Variable
 
 from ..buffers import write_grad
 from ..grad_hooks import GradHooks, check_dense
-from ..runs import FlatIndex
+from ..runs import FlatIndex, grad_dtype_error
 from ..streams import Streams
 from .layout import Partition, make_buckets
 
@@ -52,8 +52,10 @@ def buffer_layout(slots: list, partition: Partition, stage: int, bucket_numel: i
 
 class GradReducer:
     def __init__(self, *, slots: list, partition: Partition, rank: int, process_group, streams: Streams,
-                 param_dtype: torch.dtype, stage: int, bucket_numel: int, num_threads: int | None, use_rs: bool):
+                 param_dtype: torch.dtype, stage: int, bucket_numel: int, num_threads: int | None, use_rs: bool,
+                 label=lambda p: f"of shape {tuple(p.shape)}"):
         self.slots, self.partition, self.rank = slots, partition, rank
+        self._label = label  # how an error names a param (the engine's param_label)
         self.world_size = partition.world_size
         self.process_group, self.streams, self.param_dtype = process_group, streams, param_dtype
         self.stage, self.num_threads, self.use_rs = stage, num_threads, use_rs
@@ -116,8 +118,7 @@ class GradReducer:
         if p.grad is None:
             return
         if p.grad.dtype != self.param_dtype:
-            raise TypeError(f"gradient dtype {p.grad.dtype} differs from the engine's {self.param_dtype}; "
-                            "keep every trainable parameter in the training dtype")
+            raise grad_dtype_error(self._label(p), p.grad.dtype, self.param_dtype)
         i = self.slot_of[id(p)]
         if not self._in_backward:
             self._in_backward = True
