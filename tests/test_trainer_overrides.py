@@ -213,33 +213,21 @@ def test_callback_max_grad_norm(tmp_path):
 
 # ---------------------------------------------------------------- between two train() calls, and messages
 
-def test_max_grad_norm_changed_between_two_train_calls(tmp_path):
-    """The engine kept the first train()'s clipping (0.011 off, grad_norm logs differing)."""
+@pytest.mark.parametrize("field, first, second", [("max_grad_norm", 1.0, 0.3),
+                                                   ("gradient_accumulation_steps", 1, 2)])
+def test_arguments_changed_between_two_train_calls(tmp_path, field, first, second):
+    """The engine kept the first train()'s clipping (0.011 off, grad_norm logs differing). An accumulation raised:
+    an fp32 store sums the micro-batches in fp32 at any count, as the plain Trainer's .grad does."""
     ref_model, model = tiny_t5(), tiny_t5()
     ref = Seq2SeqTrainer(model=ref_model, args=_args(tmp_path, "r", Seq2SeqTrainingArguments, optim="adamw_torch",
-                                                     max_steps=3, max_grad_norm=1.0), train_dataset=ToyDataset())
+                                                     max_steps=3, **{field: first}), train_dataset=ToyDataset())
     ours = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "o", zero_offload=OFFLOAD, max_steps=3,
-                                                             max_grad_norm=1.0), train_dataset=ToyDataset())
+                                                             **{field: first}), train_dataset=ToyDataset())
     for t in (ref, ours):
         t.train()
-        t.args.max_grad_norm = 0.3
+        setattr(t.args, field, second)
         t.train()
-    assert ours.zero_engine.options.max_grad_norm == 0.3
-    _assert_same(ref_model, ref, model, ours)
-
-
-def test_gradient_accumulation_changed_between_two_train_calls(tmp_path):
-    """fp32: the engine's store sums in fp32 at any accumulation, as the plain Trainer's .grad does."""
-    ref_model, model = tiny_t5(), tiny_t5()
-    ref = Seq2SeqTrainer(model=ref_model, args=_args(tmp_path, "r", Seq2SeqTrainingArguments, optim="adamw_torch",
-                                                     max_steps=2), train_dataset=ToyDataset())
-    ours = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "o", zero_offload=OFFLOAD, max_steps=2),
-                                     train_dataset=ToyDataset())
-    for t in (ref, ours):
-        t.train()
-        t.args.gradient_accumulation_steps = 2
-        t.train()
-    assert ours.zero_engine.options.gradient_accumulation_steps == 2
+    assert getattr(ours.zero_engine.options, field) == second
     _assert_same(ref_model, ref, model, ours)
 
 
