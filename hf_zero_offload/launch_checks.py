@@ -136,13 +136,14 @@ def warn_upcast(model, dtype: torch.dtype) -> None:
                        "(every parameter and buffer: twice the weights' memory, and save_model writes %s); to keep "
                        "the model in %s, pass %s", str(d).replace("torch.", ""), str(dtype).replace("torch.", ""),
                        str(dtype).replace("torch.", ""), str(d).replace("torch.", ""), flag)
-    # and down: float64 params trained in fp32 (the masters are fp32), where the plain Trainer keeps float64
-    wider = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype.itemsize > dtype.itemsize]
+    # and down: float64 params (the masters are fp32), where the plain Trainer keeps float64; fp32 params cast to
+    # the 16-bit training dtype are every --bf16/--fp16 run's normal path, not news
+    wider = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype.itemsize > 4]
     if wider:
-        logger.warning("hf_zero_offload: %d parameter(s) wider than %s (%s%s) were cast to it, the training dtype of "
-                       "this run: the engine's masters are fp32 and every parameter trains in one dtype (the plain "
-                       "Trainer keeps them as they are)", len(wider), str(dtype).replace("torch.", ""),
-                       ", ".join(wider[:3]), ", ..." if len(wider) > 3 else "")
+        logger.warning("hf_zero_offload: %d float64 parameter(s) (%s%s) were cast to %s, the training dtype of this "
+                       "run: the engine's masters are fp32 and every parameter trains in one dtype (the plain "
+                       "Trainer keeps them as they are)", len(wider), ", ".join(wider[:3]),
+                       ", ..." if len(wider) > 3 else "", str(dtype).replace("torch.", ""))
 
 
 def warn_keep_fp32(model, dtype: torch.dtype) -> None:

@@ -256,18 +256,26 @@ def test_a_16_bit_model_cast_up_is_a_warning(tmp_path, caplog):
     assert next(model.parameters()).dtype == torch.float32
 
 
-def test_float64_params_cast_down_are_a_warning(tmp_path, caplog):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_float64_params_cast_down_are_a_warning(tmp_path, caplog, bf16):
     """The engine's masters are fp32: a float64 param trained in fp32 where the plain Trainer keeps float64, with
-    no word (the 16-bit cast up was a warning already)."""
+    no word (the 16-bit cast up was a warning already). fp32 params in a --bf16 run are the normal path: no word."""
     model = tiny_t5()
-    model.encoder.final_layer_norm.double()
-    trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "x", zero_offload=OFFLOAD, max_steps=1),
-                                        train_dataset=ToyDataset())
+    trainer = ZeroOffloadSeq2SeqTrainer(model=model, train_dataset=ToyDataset(),
+                                        args=_args(tmp_path, "plain", zero_offload=OFFLOAD, max_steps=1, bf16=bf16))
     with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
         trainer.train()
-    (msg,) = [r.getMessage() for r in caplog.records if "wider than" in r.getMessage()]
-    assert "1 parameter(s) wider than float32 (encoder.final_layer_norm.weight) were cast to it" in msg
-    assert model.encoder.final_layer_norm.weight.dtype == torch.float32
+    assert not [r for r in caplog.records if "were cast to" in r.getMessage()]
+    model = tiny_t5()
+    model.encoder.final_layer_norm.double()
+    trainer = ZeroOffloadSeq2SeqTrainer(model=model, train_dataset=ToyDataset(),
+                                        args=_args(tmp_path, "x", zero_offload=OFFLOAD, max_steps=1, bf16=bf16))
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        trainer.train()
+    (msg,) = [r.getMessage() for r in caplog.records if "float64" in r.getMessage()]
+    dtype = "bfloat16" if bf16 else "float32"
+    assert f"1 float64 parameter(s) (encoder.final_layer_norm.weight) were cast to {dtype}" in msg
+    assert model.encoder.final_layer_norm.weight.dtype == getattr(torch, dtype)
 
 
 def test_resume_with_another_trainable_set_names_the_params(tmp_path):
