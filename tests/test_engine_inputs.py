@@ -297,6 +297,47 @@ def test_non_contiguous_params_are_made_contiguous_and_step_like_adamw(kind, lay
     opt.close()
 
 
+@pytest.mark.parametrize("kind,dpu", [("offload", False), ("offload", True), ("zero2", False)])
+def test_a_param_rebound_non_contiguous_after_the_build_is_made_contiguous_again(kind, dpu, caplog):
+    """model.to(memory_format=torch.channels_last) after the engine was built (a second train(), a callback)
+    crashed in the update's copy into the param ("view size is not compatible with input tensor's size")."""
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    cls, extra = KINDS[kind]
+    runs = []
+    for rebind in (False, True):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 4, 3)
+        opt = cls(list(conv.named_parameters()), lr=1e-2, options=OffloadOptions(num_threads=1, dpu=dpu), **extra)
+        for i in range(4):
+            if rebind and i == 2:
+                conv.to(memory_format=torch.channels_last)
+                assert not conv.weight.is_contiguous()
+            opt.zero_grad()
+            conv(x).square().mean().backward()
+            with caplog.at_level("WARNING", logger="hf_zero_offload"):
+                opt.step()
+        opt.close()
+        runs.append(conv)
+    assert "1 trainable param(s) were not contiguous (channels_last or a transposed view: weight" in caplog.text
+    assert runs[1].weight.is_contiguous()
+    for a, b in zip(*(r.parameters() for r in runs)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["offload", "zero2"])
+@pytest.mark.parametrize("view", ["transposed weight", "slice of a wider tensor"])
+def test_a_non_contiguous_param_sharing_its_storage_is_refused_by_name(kind, view):
+    """A contiguous copy of it untied it from the tensor it views (a tie through .t()), without a word."""
+    base = torch.randn(4, 6)
+    w = torch.nn.Parameter(base.t() if view == "transposed weight" else base[:, :3])
+    lin = torch.nn.Linear(3, 4)
+    cls, extra = KINDS[kind]
+    with pytest.raises(ValueError, match=r"parameter w \(shape \((6, 4|4, 3)\)\) is not contiguous and shares its "
+                                         r"storage with another tensor.*untie"):
+        cls([("lin.weight", lin.weight), ("w", w)], lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    assert not w.is_contiguous() and w.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("kind", ["offload", "zero2"])
 def test_a_param_cast_after_the_engine_was_built_is_named_at_backward(kind):
     """SwitchTransformers' router casts its classifier to router_dtype (fp32) in forward: a bf16 run failed with

@@ -35,7 +35,7 @@ from .group_flags import check_group_flags
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
-from .runs import Run, contiguous_params, flat_layout, make_runs, param_label, training_dtype
+from .runs import Run, make_contiguous, flat_layout, make_runs, param_label, training_dtype
 from .saved_state import SavedState, logger
 from .step_guard import DeferredSigint
 from .streams import Streams, make_streams
@@ -56,10 +56,7 @@ class AdamCore(SavedState, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Op
         self.options = options
         self._check_hyper()
         self.scaler = LossScaler.from_options(options.fp16)
-        if made := contiguous_params(self.param_groups):
-            logger.warning("hf_zero_offload: %d trainable param(s) were not contiguous (channels_last or a transposed "
-                           "view: %s%s) and are now: the engine copies updates into params as flat ranges",
-                           len(made), ", ".join(made[:3]), ", ..." if len(made) > 3 else "")
+        make_contiguous(self.param_groups)
         # per group: (param, flat offset, numel); ``_flat``: all of them in order; ``_groups``: indices
         self._slots, self.numel, self.device = flat_layout(self.param_groups, type(self).__name__)
         self._flat = [s for g in self._slots for s in g]

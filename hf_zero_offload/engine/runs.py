@@ -3,9 +3,12 @@ call); shared by the offload and the sharded engines."""
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("hf_zero_offload")
 
 
 def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], int, torch.device]:
@@ -59,16 +62,40 @@ def grad_dtype_error(label: str, got: torch.dtype, want: torch.dtype) -> TypeErr
                      f"in {want} (router_dtype={str(want).replace('torch.', '')!r}), or freeze it")
 
 
-def contiguous_params(param_groups: list[dict]) -> list[str]:
+def make_contiguous(param_groups: list[dict]) -> None:
     """Makes every trainable param contiguous (channels_last, transposed: updates go into params as flat ranges, as
-    DeepSpeed's flat buffers do; the values and the Parameter objects stay); returns those it changed."""
+    DeepSpeed's flat buffers do; the values and the Parameter objects stay), with a warning naming them; at build,
+    and again when one was rebound non-contiguous after (``model.to(memory_format=...)`` between two steps). One
+    whose storage another tensor shares (a transposed view of a weight: a tie) is refused: a copy would untie it."""
     changed = []
     for group in param_groups:
         for p in group["params"]:
             if p.requires_grad and p.device.type != "meta" and not p.is_contiguous():
+                if _storage_shared(p):
+                    raise ValueError(f"parameter {param_label(group, p)} is not contiguous and shares its storage "
+                                     "with another tensor (a transposed or strided view of another weight?): the "
+                                     "engine copies updates into params as flat ranges, and a contiguous copy would "
+                                     "untie the two; tie them through the module (weight = other.weight) or make it a "
+                                     "parameter of its own (.contiguous())")
                 changed.append(param_label(group, p))
                 p.data = p.data.contiguous()
-    return changed
+    if changed:
+        logger.warning("hf_zero_offload: %d trainable param(s) were not contiguous (channels_last or a transposed "
+                       "view: %s%s) and are now: the engine copies updates into params as flat ranges",
+                       len(changed), ", ".join(changed[:3]), ", ..." if len(changed) > 3 else "")
+
+
+def _storage_shared(p: torch.Tensor) -> bool:
+    """Whether a tensor other than ``p`` holds ``p``'s storage: it spans more than ``p`` does, or more than one
+    tensor refers to it (torch's own count, where this torch has it; a fresh tensor's count is the baseline)."""
+    storage = p.untyped_storage()
+    if storage.nbytes() > p.numel() * p.element_size():
+        return True
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    alone = torch.empty(1)
+    return use_count(storage._cdata) > use_count(alone.untyped_storage()._cdata)
 
 
 def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, params: list) -> torch.dtype:

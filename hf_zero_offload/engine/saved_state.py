@@ -24,7 +24,7 @@ from . import param_names, state_dir
 from .checkpoint import StateFileError
 from .grad_hooks import size_changed
 from .moments import SCALES, Q
-from .runs import FlatIndex
+from .runs import FlatIndex, make_contiguous
 
 STATE_FORMAT = "hf_zero_offload.state/2"
 _OWN_KEYS = ("params", param_names.KEY)  # a group's keys a load keeps (its params, and their names)
@@ -231,6 +231,8 @@ class SavedState:
         for p, _, numel in self._flat if written else ():
             if p.numel() != numel:
                 raise ValueError(size_changed(p, numel))
+        if written:  # one rebound non-contiguous (model.to(memory_format=...)) takes the flat ranges' layout again
+            make_contiguous(self.param_groups)
         return written
 
     @torch.no_grad()
@@ -239,9 +241,9 @@ class SavedState:
         ``load_state_dict`` between two ``train()`` calls), found by comparing this slice of the model with its
         masters rounded as the kernel rounds them: their masters take the model's values (the moments stay, as
         CPUAdam and torch.optim keep theirs). Without this the next step published the stale masters over them,
-        without a word. Returns how many params of this slice changed. A DPU state leading the model by one step
-        (``needs_publish``) is left as it is."""
+        without a word. Returns how many params of this slice changed. A DPU state one step ahead is left as is."""
         self._wait_worker()
+        make_contiguous(self.param_groups)  # a rebind since (model.to(memory_format=...)) left one strided
         if self.needs_publish:
             return 0
         changed, lo = set(), self.lo
@@ -270,14 +272,13 @@ class SavedState:
         self.last_save_id = meta["save_id"]
         return self.last_save_id
 
-    def _shared_token(self) -> str:
-        """A random token, the same on every rank (one process: its own)."""
+    def _shared_token(self) -> str:  # a random token, the same on every rank (one process: its own)
         return os.urandom(8).hex()
 
     def load_checkpoint(self, directory: str, expected_save_id: str | None = None, *,
                         names_checked: bool = False) -> dict:
-        """Load a checkpoint of any engine and world size: this slice's part of every saved file,
-        straight into the arena. Returns what was restored (format, world size saved, stage, ...).
+        """Load a checkpoint of any engine and world size: this slice's part of every saved file, straight into the
+        arena. Returns what was restored (format, world size saved, stage, ...).
         ``expected_save_id``: what ``save_checkpoint`` returned for this directory (the Trainer records it in
         the checkpoint's completion marker); a state of another save (a zero_offload/ copied or linked from
         another checkpoint) is refused before the first write. ``names_checked``: the caller compared every alias
@@ -312,8 +313,7 @@ class SavedState:
             raise error
         return result, failed
 
-    def _ranks_that_failed(self, failed: bool) -> list[int]:
-        """The ranks whose load failed (one process: this one, if it did). A collective for sharded engines."""
+    def _ranks_that_failed(self, failed: bool) -> list[int]:  # (a collective for sharded engines)
         return [self.rank] if failed else []
 
     def _read_checkpoint(self, directory: str, expected_save_id: str | None,
