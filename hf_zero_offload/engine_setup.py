@@ -71,8 +71,17 @@ def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_dec
     if opt is not None and not groups_decide:  # the config's weight decay replaces the Trainer's for the decayed group
         param_groups = [{**g, "weight_decay": opt.weight_decay if g["weight_decay"] else 0.0} for g in param_groups]
     options, shard = engine_options(cfg)
-    return factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
-                                param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
+    engine = factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
+                                  param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
+    gas = options.gradient_accumulation_steps
+    if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1:
+        # stage 1 reduces the full .grad once a step, so torch's autograd sums the micro-batches there, in the param
+        # dtype (as a plain DDP run of a 16-bit model does); stage 2 and the one-process engine sum them in fp32
+        logger.warning("hf_zero_offload: ZeRO stage 1 sums the %d micro-batches of a step in the params' .grad, in %s "
+                       "(as DDP does with a %s model); stage 2 sums them in fp32: use \"stage\": 2 for the fp32 sum",
+                       gas, str(engine.param_dtype).replace("torch.", ""),
+                       str(engine.param_dtype).replace("torch.", ""))
+    return engine
 
 
 def groups_from_optimizer(opt, where: str, model) -> list[dict]:

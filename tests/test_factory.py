@@ -67,3 +67,25 @@ def test_the_engine_package_imports_no_transformers_config_or_planner():
             "'hf_zero_offload.planner', 'hf_zero_offload.trainer'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("stage,dtype,gas,warned", [(1, "bf16", 4, True), (1, "fp16", 2, True), (1, "fp32", 4, False),
+                                                   (1, "bf16", 1, False), (2, "bf16", 4, False)])
+def test_stage1_says_it_sums_16bit_micro_batches_in_grad(caplog, stage, dtype, gas, warned):
+    """Stage 1 reduces the full .grad once a step, so autograd sums the micro-batches there in bf16, where stage 2
+    and the one-process engine sum them in fp32: that was said nowhere."""
+    from types import SimpleNamespace
+    from hf_zero_offload import config
+    from hf_zero_offload.engine_setup import build_engine as build_from_config
+    raw = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+           "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+           "fp16": {"enabled": dtype == "fp16"}}
+    args = SimpleNamespace(learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, world_size=1,
+                           sharded_ddp=True)
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        engine = build_from_config(param_groups(TinyNet(), 0.0), config.resolve(raw), args)
+    said = [r.getMessage() for r in caplog.records if "stage 1 sums" in r.getMessage()]
+    assert engine.stage == stage and len(said) == warned
+    if warned:
+        assert f"ZeRO stage 1 sums the {gas} micro-batches of a step in the params' .grad, in " in said[0]
+    engine.close()
