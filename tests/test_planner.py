@@ -415,6 +415,8 @@ def test_trainable_subset_rows_equal_the_engines_allocation_and_count_the_frozen
 
 
 @pytest.mark.parametrize("regex, match", [("(", r"--trainable '\(' is not a regular expression"),
+                                          ("a{99999999999}", r"--trainable 'a\{99999999999\}' is not a regular exp"),
+                                          ("(" * 2000 + ")" * 2000, r"is not a regular expression Python can compile"),
                                           ("lora_", r"--trainable 'lora_' matches no parameter of .*shared\.weight")])
 def test_a_trainable_regex_that_selects_nothing_is_refused_by_name(regex, match):
     with pytest.raises(ValueError, match=match):

@@ -13,8 +13,8 @@ def freeze_except(model, trainable: str, name: str) -> int:
     returns the frozen params' element count (tied ones once)."""
     try:
         rx = re.compile(trainable)
-    except re.error as e:
-        raise ValueError(f"--trainable {trainable!r} is not a regular expression ({e})") from None
+    except (re.error, OverflowError, RecursionError) as e:  # a{99999999999}: OverflowError; deep nesting: recursion
+        raise ValueError(f"--trainable {trainable!r} is not a regular expression Python can compile ({e})") from None
     aliases: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), (p, []))[1].append(n)
