@@ -112,6 +112,21 @@ def test_max_grad_norm_none_is_refused_at_init_naming_it(tmp_path):
         _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "n", zero_offload=OFFLOAD, max_grad_norm=None)
 
 
+@pytest.mark.parametrize("flag, value, rule", [("gradient_accumulation_steps", 0, "an int >= 1"),
+                                               ("gradient_accumulation_steps", -1, "an int >= 1"),
+                                               ("per_device_train_batch_size", 0, "an int >= 1"),
+                                               ("learning_rate", -1.0, "a finite number >= 0"),
+                                               ("learning_rate", float("nan"), "a finite number >= 0"),
+                                               ("weight_decay", -0.1, "a finite number >= 0"),
+                                               ("adam_beta2", 1.0, r"a number in \[0, 1\)"),
+                                               ("adam_epsilon", -1e-8, "a finite number >= 0")])
+def test_bad_training_argument_values_are_refused_at_init_naming_the_flag(tmp_path, flag, value, rule):
+    """--gradient_accumulation_steps 0 divided by zero inside train(); -1 was named as OffloadOptions' field, a
+    negative learning rate as "OffloadAdam param group 0: lr": neither is what the user wrote."""
+    with pytest.raises(ConfigError, match=rf"--{flag} {value!r}: must be {rule}"):
+        _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "bad", zero_offload=OFFLOAD, **{flag: value})
+
+
 def test_max_grad_norm_zero_equals_the_plain_trainer(tmp_path):
     ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", max_grad_norm=0.0)
     ref.train()

@@ -23,6 +23,10 @@ SCHEDULE_OF = {"WarmupLR": ("linear", "constant_with_warmup"), "WarmupDecayLR": 
                "WarmupCosineLR": ("linear", "cosine", "cosine_with_min_lr", "cosine_warmup_with_min_lr")}
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
@@ -189,14 +193,30 @@ class _Resolver:
             cpu_threads=None if off.get("cpu_threads", AUTO) == AUTO else int(off["cpu_threads"]),
         )
 
+    def check_arguments(self) -> None:
+        """The TrainingArguments values the run takes, named as the user wrote them (the file's own values are checked
+        by the schema): --gradient_accumulation_steps 0 divided by zero after the model work, -1 was named as the
+        engine's OffloadOptions field, --learning_rate -1 as "OffloadAdam param group 0: lr"."""
+        a = self.args
+        if a is None:
+            return
+        count = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1")
+        nonneg = (lambda v: _number(v) and math.isfinite(v) and v >= 0, "a finite number >= 0")
+        beta = (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)")
+        rules = (("gradient_accumulation_steps", count), ("per_device_train_batch_size", count),
+                 ("learning_rate", nonneg), ("weight_decay", nonneg), ("adam_epsilon", nonneg),
+                 ("adam_beta1", beta), ("adam_beta2", beta),
+                 ("max_grad_norm", (nonneg[0], nonneg[1] + " (0 turns clipping off)")))
+        bad = [f"--{name} {getattr(a, name)!r}: must be {what}" for name, (ok, what) in rules
+               if not ok(getattr(a, name))]
+        if bad:
+            raise ConfigError("; ".join(bad))
+
     def run(self) -> TrainingConfig:
         a, cfg = self.args, self.cfg
+        self.check_arguments()
         tbs, micro, gas = self.batch()
         clip = self.take("gradient_clipping", a and a.max_grad_norm, "--max_grad_norm", 1.0)
-        if not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and math.isfinite(clip) and clip >= 0):
-            # the file's own value is checked by the schema: this one came from the arguments; named as the user
-            # wrote it, not as the engine's OffloadOptions.max_grad_norm it would fail in later
-            raise ConfigError(f"--max_grad_norm {clip!r}: must be a finite number >= 0 (0 turns clipping off)")
         fp16 = bool(self.take("fp16.enabled", a and a.fp16, "--fp16", False))
         bf16 = bool(self.take("bf16.enabled", a and a.bf16, "--bf16", False))
         optimizer, scheduler, zero = self.optimizer(), self.scheduler(), self.zero()
