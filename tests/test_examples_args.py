@@ -58,6 +58,13 @@ def test_legacy_scheduler_value_names_are_mapped(form, name):
     # v4.2's model-config flags: T5's config has no dropout (v4.2 asserted the same)
     (["--dropout", "0.2"], r"--dropout: T5Config has no dropout \(T5's is dropout_rate"),
     (["--attention_dropout", "1.5"], r"--attention_dropout 1.5: a probability in \[0, 1\)"),
+    # a ZeroDivisionError inside train() (with or without --zero_offload); lengths of 0 tokenized to nothing
+    (["--gradient_accumulation_steps", "0"], r"--gradient_accumulation_steps 0: the micro-batches of one optimizer"),
+    (["--gradient_accumulation_steps", "-1", "--zero_offload", "zero2-offload"], r"--gradient_accumulation_steps -1"),
+    (["--max_source_length", "0"], r"--max_source_length 0: a length in tokens, >= 1"),
+    (["--val_max_target_length", "-5", "--max_target_length", "0"], r"--max_target_length 0: a length in tokens, "
+                                                                      r">= 1; --val_max_target_length -5"),
+    (["--learning_rate", "-1", "--zero_offload", "zero2-offload"], r"--learning_rate -1.0: must be a finite number"),
 ])
 def test_values_the_run_cannot_use_are_refused_before_any_model_work(tmp_path, synth_dir, monkeypatch, extra, match):
     _no_model_work(monkeypatch)
@@ -139,6 +146,24 @@ def test_data_files_that_are_not_utf8_are_named_and_a_bom_is_dropped(tmp_path):
         su.read_split(str(tmp_path), "train")
     (tmp_path / "train.target").write_bytes("unu\ndoi \u0219i\n".encode())
     assert su.read_split(str(tmp_path), "train") == (["one", "two"], ["unu", "doi \u0219i"])
+
+
+def test_blank_and_empty_data_files_are_refused_by_name(tmp_path):
+    """A blank line trained a pair with an empty side, without a word (v4.2's dataset asserted "empty tgt line for
+    index N"); empty files failed later, in the sampler, naming neither."""
+    import seq2seq_utils as su
+
+    (tmp_path / "train.source").write_text("one\ntwo\nthree\n\n", encoding="utf-8")
+    (tmp_path / "train.target").write_text("unu\n  \ntrei\npatru\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"train.source: 1 blank line\(s\) among the 4 used \(line 4\)"):
+        su.read_split(str(tmp_path), "train")
+    with pytest.raises(ValueError, match=r"train.target: 1 blank line\(s\) among the 2 used \(line 2\)"):
+        su.read_split(str(tmp_path), "train", n_obs=2)
+    assert su.read_split(str(tmp_path), "train", n_obs=1) == (["one"], ["unu"])  # the lines used are checked
+    for name in ("train.source", "train.target"):
+        (tmp_path / name).write_text("", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"train.source and .*train.target hold no lines"):
+        su.read_split(str(tmp_path), "train")
 
 
 def test_freeze_embeds_and_encoder():
@@ -318,10 +343,14 @@ def test_resume_false_means_no_resume_and_keeps_the_output_dir_check(tmp_path, s
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(ValueError, match="already exists and is not empty"):
+    with pytest.raises(ValueError, match="already exists and is not empty. Use --overwrite_output_dir to overcome "
+                                         r"\(it holds no complete checkpoint to go on from"):
         finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", "--zero_offload",
                                                               "zero2-offload", "--resume_from_checkpoint", word])
     assert (out / "keep.txt").read_text() == "x"
+    # a Ctrl-C before the first save left the tokenizer there: the interrupt line names the flag a rerun needs
+    assert finetune_trainer._where_to_go_on().endswith("run the command again with --overwrite_output_dir to start "
+                                                       "afresh")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="--deepspeed is then DeepSpeed's")

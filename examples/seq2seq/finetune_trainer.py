@@ -135,8 +135,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         raise ValueError(problem)
     if (training_args.do_train and os.path.isdir(training_args.output_dir) and os.listdir(training_args.output_dir)
             and not data_args.overwrite_output_dir and not training_args.resume_from_checkpoint):
+        last = resume.newest_whole(training_args.output_dir)
+        go_on = (f"; or go on from its newest checkpoint with --resume_from_checkpoint true ({last})" if last else
+                 " (it holds no complete checkpoint to go on from: a run stopped before its first save starts "
+                 "again so)")
         raise ValueError(f"Output directory ({training_args.output_dir}) already exists and is not empty. "
-                         "Use --overwrite_output_dir to overcome.")
+                         f"Use --overwrite_output_dir to overcome{go_on}.")
     if training_args.generation_max_length is None:
         training_args.generation_max_length = data_args.val_max_target_length
 
@@ -369,7 +373,7 @@ def _where_to_go_on() -> Optional[str]:
         return None
     last = resume.newest_whole(out)
     if last is None:
-        return f"no complete checkpoint in {out}"
+        return f"no complete checkpoint in {out}: run the command again with --overwrite_output_dir to start afresh"
     return f"the newest complete checkpoint is {last}: go on with --resume_from_checkpoint true (or {last})"
 
 

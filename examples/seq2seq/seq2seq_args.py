@@ -254,6 +254,13 @@ def check_values(model_args, data_args, training_args, config) -> None:
         n = getattr(data_args, f"n_{split}")
         if n == 0 or n < -1:
             problems.append(f"--n_{split} {n}: the number of {split} examples to use, > 0 (-1: all)")
+    for name in ("max_source_length", "max_target_length", "val_max_target_length", "test_max_target_length"):
+        n = getattr(data_args, name)
+        if n is not None and n < 1:  # a length of 0 tokenized every example to nothing, found deep in the model
+            problems.append(f"--{name} {n}: a length in tokens, >= 1")
+    if training_args.gradient_accumulation_steps < 1:  # (the plain Trainer divides by it: ZeroDivisionError)
+        problems.append(f"--gradient_accumulation_steps {training_args.gradient_accumulation_steps}: the micro-batches "
+                        "of one optimizer step, >= 1")
     beams = training_args.generation_num_beams
     if data_args.eval_beams is not None and beams is not None and beams != data_args.eval_beams:
         problems.append(f"--eval_beams {data_args.eval_beams} and --generation_num_beams {beams}: the first is the "

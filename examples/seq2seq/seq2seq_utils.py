@@ -132,6 +132,15 @@ def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], L
         raise ValueError(f"{split}: {len(src)} source lines but {len(tgt)} target lines in {data_dir}")
     if n_obs is not None and n_obs >= 0:
         src, tgt = src[:n_obs], tgt[:n_obs]
+    if not src:
+        raise ValueError(f"{src_path} and {tgt_path} hold no lines: the {split} split needs at least one pair")
+    for path, lines in ((src_path, src), (tgt_path, tgt)):
+        # as v4.2's dataset refused them ("empty tgt line for index N"): a blank line trained a pair with nothing
+        blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
+        if blank:
+            raise ValueError(f"{path}: {len(blank)} blank line(s) among the {len(lines)} used (line "
+                             f"{', '.join(map(str, blank[:5]))}{', ...' if len(blank) > 5 else ''}): each line is "
+                             f"one example, aligned with the same line of the other file; remove the pair from both")
     return src, tgt
 
 
