@@ -45,7 +45,9 @@ def preset_path(name: str) -> str:
         raise ConfigError(f"{name}: no such file (in {where})" + (f"; did you mean {near[0]}?" if near else "")
                           + f"; shipped ds_configs: {', '.join(names())} (aliases: {', '.join(sorted(ALIASES))})")
     if stem not in PRESETS:
-        raise ConfigError(f"no shipped ds_config named {name!r}; names: {', '.join(names())} "
+        near = difflib.get_close_matches(stem, [*names(), *ALIASES], n=1)
+        raise ConfigError(f"no shipped ds_config named {name!r}" + (f"; did you mean {near[0]}?" if near else "")
+                          + f"; names: {', '.join(names())} "
                           f"(aliases: {', '.join(sorted(ALIASES))}), or give a path to a JSON file")
     return os.path.join(_DIR, PRESETS[stem][0])
 

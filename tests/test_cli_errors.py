@@ -145,6 +145,8 @@ def test_a_name_or_path_that_does_not_exist(tmp_path, monkeypatch):
     assert presets.resolve_config("ds_config.json") == presets.preset_path("zero2-offload")
     with pytest.raises(ConfigError, match="no shipped ds_config named 'zero3'.*zero2-offload"):
         load_config("zero3")
+    with pytest.raises(ConfigError, match="no shipped ds_config named 'zero2-ofload'; did you mean zero2-offload\\?"):
+        load_config("zero2-ofload")
     with pytest.raises(ConfigError, match="cannot read"):  # a path stays a path: no silent preset
         load_config(str(tmp_path / "zero2-offload"))
     # the clone's relative path run from elsewhere: where it was looked up, and the shipped name to use
