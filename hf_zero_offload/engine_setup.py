@@ -74,7 +74,7 @@ def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_dec
     engine = factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
                                   param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
     gas = options.gradient_accumulation_steps
-    if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1:
+    if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1 and engine.rank == 0:
         # stage 1 reduces the full .grad once a step, so torch's autograd sums the micro-batches there, in the param
         # dtype (as a plain DDP run of a 16-bit model does); stage 2 and the one-process engine sum them in fp32
         logger.warning("hf_zero_offload: ZeRO stage 1 sums the %d micro-batches of a step in the params' .grad, in %s "

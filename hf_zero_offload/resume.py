@@ -150,7 +150,7 @@ def _not_a_checkpoint(path: str) -> str | None:
         use = f"the newest complete one is {whole}" if whole else "none of them is complete"
         return (f"resume_from_checkpoint: {path} is a run folder, not a checkpoint: it holds "
                 f"{', '.join(os.path.basename(c) for c in inside)} ({use}); pass one of them, or "
-                f"resume_from_checkpoint=True with output_dir={path}")
+                f"resume_from_checkpoint=True (--resume_from_checkpoint true) with {path} as output_dir")
     if status(path) != "incomplete":
         return None
     held = set(os.listdir(path))

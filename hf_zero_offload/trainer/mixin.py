@@ -329,6 +329,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
 
     def _zo_resume_target(self, target) -> str:
         path, self._zo_resume, notes = resume.target(target, self.args.output_dir)
+        if not self.args.should_log:  # every rank chooses the same checkpoint: said once per job, not per rank
+            return path
         for level, note in notes:
             logger.log(level, note)
         named = isinstance(target, str) and os.path.abspath(target) == os.path.abspath(path)
