@@ -417,7 +417,7 @@ def test_trainable_subset_rows_equal_the_engines_allocation_and_count_the_frozen
 @pytest.mark.parametrize("regex, match", [("(", r"--trainable '\(' is not a regular expression"),
                                           ("a{99999999999}", r"--trainable 'a\{99999999999\}' is not a regular exp"),
                                           ("(" * 2000 + ")" * 2000, r"is not a regular expression Python can compile"),
-                                          ("lora_", r"--trainable 'lora_' matches no parameter of .*shared\.weight")])
+                                          ("lora_", r"--trainable 'lora_' matches no trainable parameter of .*shared\.weight")])
 def test_a_trainable_regex_that_selects_nothing_is_refused_by_name(regex, match):
     with pytest.raises(ValueError, match=match):
         planner.plan(T5_TINY, trainable=regex, configs=["baseline"])
@@ -456,6 +456,18 @@ def test_a_peft_adapter_is_planned_as_its_params_train(tmp_path):
     assert p.params == layers * 2 * 4 * (c["d_model"] + inner) and p.frozen == t5_params(T5_TINY)
     assert p.rows[0].device_states["frozen_params_16bit"] == 2 * p.frozen
     assert f"--peft-config {folder!r}" in planner.format_plan(p)
+
+
+def test_trainable_narrows_a_peft_adapter_and_never_unfreezes(tmp_path):
+    """--trainable with --peft-config replaced the adapter's choice: '^decoder' trained the base decoder's weights
+    (and the decoder's LoRA matrices) instead of the decoder's LoRA matrices alone."""
+    folder = _lora_config(tmp_path)
+    whole = planner.plan(T5_TINY, dtype="bf16", peft_config=folder, configs=["zero2_offload"])
+    p = planner.plan(T5_TINY, dtype="bf16", peft_config=folder, trainable=r"\.decoder\.", configs=["zero2_offload"])
+    c = T5_TINY
+    inner = c["num_heads"] * c["d_kv"]
+    assert p.params == 2 * c["num_decoder_layers"] * 2 * 4 * (c["d_model"] + inner)  # self + cross attention q, v
+    assert p.params + p.frozen == whole.params + whole.frozen and p.params < whole.params
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures /proc/self VmHWM")

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Adam moments of the offload rows (offload_optimizer.state_dtype; default fp32)")
     parser.add_argument("--trainable", default=None, metavar="REGEX",
                         help="only the params whose name matches REGEX (re.search) train; the others are frozen "
-                             "(e.g. 'decoder\\.' or 'bias|layer_norm'); default: all")
+                             "(e.g. 'decoder\\.' or 'bias|layer_norm'; with --peft-config it narrows the "
+                             "adapter's params); default: all")
     parser.add_argument("--peft-config", default=None, metavar="PATH",
                         help="plan a PEFT adapter (LoRA, ...): its adapter_config.json or the folder holding it; the "
                              "adapter's params train, the model's are frozen (needs peft)")

@@ -9,8 +9,9 @@ import torch
 
 
 def freeze_except(model, trainable: str, name: str) -> int:
-    """Only the params ``trainable`` matches keep requires_grad (a tied one when any of its names matches);
-    returns the frozen params' element count (tied ones once)."""
+    """Only the params ``trainable`` matches keep requires_grad (a tied one when any of its names matches): it
+    narrows what trains already (with ``--peft-config``, the adapter's params: a LoRA on the decoder only), never
+    unfreezes; returns the frozen params' element count (tied ones once)."""
     try:
         rx = re.compile(trainable)
     except (re.error, OverflowError, RecursionError) as e:  # a{99999999999}: OverflowError; deep nesting: recursion
@@ -18,12 +19,13 @@ def freeze_except(model, trainable: str, name: str) -> int:
     aliases: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), (p, []))[1].append(n)
-    for p, names in aliases.values():
+    before = [(p, names) for p, names in aliases.values() if p.requires_grad]
+    for p, names in before:
         p.requires_grad_(any(rx.search(n) for n in names))
-    if not any(p.requires_grad for p, _ in aliases.values()):
-        first = ", ".join(names[0] for _, names in list(aliases.values())[:3])
-        raise ValueError(f"--trainable {trainable!r} matches no parameter of {name} (its names look like {first}, "
-                         "...): nothing would train")
+    if not any(p.requires_grad for p, _ in before):
+        first = ", ".join(names[0] for _, names in before[:3])
+        raise ValueError(f"--trainable {trainable!r} matches no trainable parameter of {name} (their names look like "
+                         f"{first}, ...): nothing would train")
     return sum(p.numel() for p, _ in aliases.values() if not p.requires_grad)
 
 
