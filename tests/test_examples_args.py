@@ -155,15 +155,45 @@ def test_blank_and_empty_data_files_are_refused_by_name(tmp_path):
 
     (tmp_path / "train.source").write_text("one\ntwo\nthree\n\n", encoding="utf-8")
     (tmp_path / "train.target").write_text("unu\n  \ntrei\npatru\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"train.source: 1 blank line\(s\) among the 4 used \(line 4\)"):
+    with pytest.raises(ValueError, match=r"train.source: 1 blank or missing text\(s\) among the 4 used \(line 4\)"):
         su.read_split(str(tmp_path), "train")
-    with pytest.raises(ValueError, match=r"train.target: 1 blank line\(s\) among the 2 used \(line 2\)"):
+    with pytest.raises(ValueError, match=r"train.target: 1 blank or missing text\(s\) among the 2 used \(line 2\)"):
         su.read_split(str(tmp_path), "train", n_obs=2)
     assert su.read_split(str(tmp_path), "train", n_obs=1) == (["one"], ["unu"])  # the lines used are checked
     for name in ("train.source", "train.target"):
         (tmp_path / name).write_text("", encoding="utf-8")
     with pytest.raises(ValueError, match=r"train.source and .*train.target hold no lines"):
         su.read_split(str(tmp_path), "train")
+
+
+@pytest.mark.parametrize("rows, match", [
+    ({"translation": [{"en": "a", "ro": "b"}, {"en": "c", "ro": " "}]},
+     r"wmt16 split 'train' column translation\['ro'\]: 1 blank or missing text\(s\) among the 2 used \(index 1\)"),
+    ({"translation": [{"en": "a", "ro": "b"}, {"ro": "d"}]}, r"column translation\['en'\]: .*\(index 1\)"),
+    ({"document": ["x", None, ""], "summary": ["y", "z", "w"]}, r"column 'document': 2 blank or missing .*index 1, 2"),
+])
+def test_blank_texts_of_a_hub_dataset_are_refused_by_name(monkeypatch, rows, match):
+    """--dataset_name took the same blank texts (and a pair missing a language: a KeyError) as --data_dir did."""
+    import sys
+    import types
+
+    import seq2seq_utils as su
+
+    class Split:
+        column_names = list(rows)
+
+        def select(self, idx):
+            return self
+
+        def __getitem__(self, col):
+            return rows[col]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a, **k: Split()))
+    with pytest.raises(ValueError, match=match):
+        su.load_hf_dataset_split("wmt16", "ro-en", "train", "en_XX", "ro_RO", None)
+    rows = {k: v[:1] for k, v in rows.items()}  # the first pair alone is whole
+    got = su.load_hf_dataset_split("wmt16", "ro-en", "train", "en_XX", "ro_RO", None)
+    assert got == ((["a"], ["b"]) if "translation" in rows else (["x"], ["y"]))
 
 
 def test_freeze_embeds_and_encoder():

@@ -134,14 +134,19 @@ def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], L
         src, tgt = src[:n_obs], tgt[:n_obs]
     if not src:
         raise ValueError(f"{src_path} and {tgt_path} hold no lines: the {split} split needs at least one pair")
-    for path, lines in ((src_path, src), (tgt_path, tgt)):
-        # as v4.2's dataset refused them ("empty tgt line for index N"): a blank line trained a pair with nothing
-        blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
-        if blank:
-            raise ValueError(f"{path}: {len(blank)} blank line(s) among the {len(lines)} used (line "
-                             f"{', '.join(map(str, blank[:5]))}{', ...' if len(blank) > 5 else ''}): each line is "
-                             f"one example, aligned with the same line of the other file; remove the pair from both")
+    check_texts(src_path, src, "line", 1)
+    check_texts(tgt_path, tgt, "line", 1)
     return src, tgt
+
+
+def check_texts(where: str, texts: list, unit: str, first: int) -> None:
+    """Every text of a split's side is a string with something in it: as v4.2's dataset refused them ("empty tgt
+    line for index N"); a blank line trained a pair with nothing on one side, without a word."""
+    blank = [i + first for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+    if blank:
+        raise ValueError(f"{where}: {len(blank)} blank or missing text(s) among the {len(texts)} used ({unit} "
+                         f"{', '.join(map(str, blank[:5]))}{', ...' if len(blank) > 5 else ''}): each is one example, "
+                         "aligned with the same one of the other side; remove the pair from both")
 
 
 def load_hf_dataset_split(dataset_name: str, config_name: Optional[str], split: str, src_lang: Optional[str],
@@ -170,11 +175,16 @@ def load_hf_dataset_split(dataset_name: str, config_name: Optional[str], split: 
             raise ValueError("a translation dataset needs --src_lang and --tgt_lang (e.g. en and ro)")
         s, t = src_lang.split("_")[0], tgt_lang.split("_")[0]
         pairs = ds["translation"]
-        return [p[s] for p in pairs], [p[t] for p in pairs]
-    for a, b in (("source", "target"), ("document", "summary"), ("article", "highlights"), ("text", "summary")):
-        if a in cols and b in cols:
-            return list(ds[a]), list(ds[b])
-    raise ValueError(f"do not know which columns of {dataset_name} are source and target: {cols}")
+        texts = [(f"translation[{lang!r}]", [p.get(lang) for p in pairs]) for lang in (s, t)]
+    else:
+        found = [(a, b) for a, b in (("source", "target"), ("document", "summary"), ("article", "highlights"),
+                                     ("text", "summary")) if a in cols and b in cols]
+        if not found:
+            raise ValueError(f"do not know which columns of {dataset_name} are source and target: {cols}")
+        texts = [(repr(c), list(ds[c])) for c in found[0]]
+    for column, values in texts:
+        check_texts(f"{dataset_name} split {hf_split!r} column {column}", values, "index", 0)
+    return texts[0][1], texts[1][1]
 
 
 class Seq2SeqTextDataset(Dataset):
