@@ -62,6 +62,7 @@ def test_legacy_scheduler_value_names_are_mapped(form, name):
     (["--gradient_accumulation_steps", "0"], r"--gradient_accumulation_steps 0: the micro-batches of one optimizer"),
     (["--gradient_accumulation_steps", "-1", "--zero_offload", "zero2-offload"], r"--gradient_accumulation_steps -1"),
     (["--max_source_length", "0"], r"--max_source_length 0: a length in tokens, >= 1"),
+    (["--generation_max_length", "0"], r"--generation_max_length 0: a length in tokens, >= 1"),
     (["--val_max_target_length", "-5", "--max_target_length", "0"], r"--max_target_length 0: a length in tokens, "
                                                                       r">= 1; --val_max_target_length -5"),
     (["--learning_rate", "-1", "--zero_offload", "zero2-offload"], r"--learning_rate -1.0: must be a finite number"),

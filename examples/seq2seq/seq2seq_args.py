@@ -254,8 +254,11 @@ def check_values(model_args, data_args, training_args, config) -> None:
         n = getattr(data_args, f"n_{split}")
         if n == 0 or n < -1:
             problems.append(f"--n_{split} {n}: the number of {split} examples to use, > 0 (-1: all)")
-    for name in ("max_source_length", "max_target_length", "val_max_target_length", "test_max_target_length"):
-        n = getattr(data_args, name)
+    lengths = {n: getattr(data_args, n) for n in ("max_source_length", "max_target_length", "val_max_target_length",
+                                                   "test_max_target_length")}
+    if training_args.generation_max_length != data_args.val_max_target_length:  # (unset, main took that one)
+        lengths["generation_max_length"] = training_args.generation_max_length
+    for name, n in lengths.items():
         if n is not None and n < 1:  # a length of 0 tokenized every example to nothing, found deep in the model
             problems.append(f"--{name} {n}: a length in tokens, >= 1")
     if training_args.gradient_accumulation_steps < 1:  # (the plain Trainer divides by it: ZeroDivisionError)
