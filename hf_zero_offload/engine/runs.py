@@ -31,7 +31,7 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
                 raise TypeError(f"{who}: parameter {param_label(group, p)} is {p.dtype}: the engine trains real "
                                 "floating-point params (fp32 masters); freeze it (requires_grad=False), or hold it as "
                                 "real numbers (torch.view_as_real) and view it as complex in forward")
-            if not p.is_contiguous():  # (the engine makes them contiguous first: contiguous_params)
+            if not p.is_contiguous():  # (the engine makes them contiguous first: make_contiguous)
                 raise ValueError(f"parameter {param_label(group, p)} is not contiguous; updates are copied "
                                  "into parameters as flat ranges")
             group_slots.append((p, offset, p.numel()))
