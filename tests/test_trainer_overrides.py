@@ -231,6 +231,34 @@ def test_arguments_changed_between_two_train_calls(tmp_path, field, first, secon
     _assert_same(ref_model, ref, model, ours)
 
 
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR"])
+def test_a_learning_rate_changed_between_two_train_calls_is_kept_as_the_plain_trainer_keeps_it(tmp_path, caplog,
+                                                                                                kind):
+    """The plain Trainer keeps its optimizer, and the rebuilt schedule each group's initial_lr: a --learning_rate
+    raised between two train() calls is not taken (nor, without a scheduler block, here). With a WarmupLR block its
+    "auto" warmup_max_lr was resolved again: the second train() ran at 3x the first's LR (0.08 off the weights)."""
+    cfg = {**OFFLOAD, "scheduler": {"type": kind, "params": {"warmup_num_steps": "auto", "warmup_max_lr": "auto"}}}
+    if kind == "WarmupDecayLR":
+        cfg["scheduler"]["params"]["total_num_steps"] = "auto"
+    runs = []
+    for raised in (False, True):
+        model = tiny_t5()
+        trainer = ZeroOffloadSeq2SeqTrainer(model=model, train_dataset=ToyDataset(),
+                                            args=_args(tmp_path, f"o{raised}", zero_offload=cfg, max_steps=3,
+                                                       warmup_steps=2))
+        trainer.train()
+        trainer.args.learning_rate *= 3 if raised else 1
+        with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+            trainer.train()
+        runs.append((model, trainer))
+    (a, ta), (b, tb) = runs
+    assert logged(tb, "learning_rate") == logged(ta, "learning_rate")
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    (msg,) = [r.getMessage() for r in caplog.records if "is not taken" in r.getMessage()]
+    assert "warmup_max_lr 0.03 (the learning rate changed since the first train() of this Trainer?) is not taken" in msg
+
+
 def test_gradient_accumulation_raised_on_a_16_bit_store_is_refused(tmp_path):
     """A bf16 engine built for one micro-batch per step summed 4 in its bf16 store: a bf16 ulp off a new engine's
     weights after 3 steps, without a word."""

@@ -206,8 +206,18 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
             if cfg is not None and cfg.scheduler is not None:
                 # resolved again for this train()'s step count ("auto" total_num_steps / warm-up ratio): a second
                 # train() may run another number of steps, on the engine of the first
-                self.zero_config = cfg = dataclasses.replace(
-                    cfg, scheduler=self._zo_resolve(num_training_steps).scheduler)
+                sched = self._zo_resolve(num_training_steps).scheduler
+                kept = getattr(self, "_zo_peak", None)
+                if kept is not None and kept[0] is self.zero_engine and kept[1] != sched.warmup_max_lr:
+                    # as the plain Trainer: its optimizer kept, the rebuilt schedule keeps each group's initial_lr
+                    # (LambdaLR's setdefault), so --learning_rate changed between two train() calls is not taken
+                    logger.warning("hf_zero_offload: warmup_max_lr %g (the learning rate changed since the first "
+                                   "train() of this Trainer?) is not taken: this train() goes on with the engine of "
+                                   "the first, at its %g, as the plain Trainer keeps its optimizer's; build a new "
+                                   "Trainer for another learning rate", sched.warmup_max_lr, kept[1])
+                    sched = dataclasses.replace(sched, warmup_max_lr=kept[1])
+                self._zo_peak = (self.zero_engine, sched.warmup_max_lr)
+                self.zero_config = cfg = dataclasses.replace(cfg, scheduler=sched)
                 self.lr_scheduler = build_scheduler(self.zero_engine, cfg.scheduler)
                 # as transformers marks the schedule it creates: the next train() builds it again (it was kept,
                 # already at its end, and a second train() with WarmupDecayLR ran at lr 0 without a word)
