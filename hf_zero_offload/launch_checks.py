@@ -112,6 +112,18 @@ def warn_fp16_on_cpu(args, fp16: bool) -> None:
                        "bf16 or fp32); %s", instead)
 
 
+def warn_full_eval_trains(args) -> None:
+    """--bf16_full_eval (--fp16_full_eval) alone: the plain Trainer trains in fp32 and evaluates in 16 bits; here, as
+    under transformers' DeepSpeed integration, the one device model is 16-bit, so training is too (0.06 off the plain
+    run's weights after 4 steps of a tiny T5, with no word but the start line's dtype)."""
+    for half in ("bf16", "fp16"):
+        if getattr(args, f"{half}_full_eval", False) and not getattr(args, half, False):
+            logger.warning("hf_zero_offload: --%s_full_eval without --%s: the model trains in %s too (the engine keeps "
+                           "one model on the device, in one dtype, as transformers' DeepSpeed integration does); drop "
+                           "--%s_full_eval to train and evaluate in fp32, or pass --%s to say so", half, half, half,
+                           half, half)
+
+
 def cpu_has_native_bf16() -> bool | None:
     """AVX512-BF16 or AMX, from Linux's x86 CPU flags: torch's bf16 matmuls run in hardware there and beat fp32; on
     other x86 CPUs torch emulates them. None where the flags are unknown (another OS or architecture)."""

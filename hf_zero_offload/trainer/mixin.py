@@ -19,7 +19,8 @@ from ..accelerator_patch import patch_accelerator
 from ..engine_setup import (accumulation_problem, build_engine, check_user_groups, groups_from_optimizer,
                             start_line, training_dtype)
 from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_trainable, check_world_size,
-                             refuse_user_optimizer, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_keep_fp32, warn_upcast)
+                             refuse_user_optimizer, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_full_eval_trains,
+                             warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 from .buffer_sync import BroadcastBuffers
@@ -71,9 +72,12 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
                     self._zo_lock.release()  # only: a Trainer built for evaluate() or dropped kept other runs out
         else:
             super().__init__(*args, **kwargs)
-        if targs is not None:
-            warn_fp16_on_cpu(targs, bool(targs.fp16))
-            warn_bf16_on_cpu(targs, bool(targs.bf16))
+        if targs is not None:  # the dtype the run trains in (with zero_offload, --fp16_full_eval's too)
+            fp16, bf16 = self._zo_precision if self._zo_raw is not None else (targs.fp16, targs.bf16)
+            warn_fp16_on_cpu(targs, bool(fp16))
+            warn_bf16_on_cpu(targs, bool(bf16))
+            if self._zo_raw is not None:
+                warn_full_eval_trains(targs)
         if self._zo_raw is not None:
             # what __init__ kept, however it was passed (a base class's own (*args, **kwargs) hides the names)
             refuse_user_optimizer(getattr(self, "optimizer", None), getattr(self, "lr_scheduler", None),
