@@ -93,7 +93,7 @@ def test_sharded_dpu_resume_through_the_trainer_is_exact(tmp_path):
         assert r["files"] == ["meta.json", "param_names.json", "rank0_of_2.hzo", "rank1_of_2.hzo"]
 
 
-def _train_batchnorm(rank, world_size, mode, out_dir, gas):
+def _train_batchnorm(rank, world_size, mode, out_dir, gas, per_rank_start=False):
     import torch.nn as nn
     from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 
@@ -114,20 +114,26 @@ def _train_batchnorm(rank, world_size, mode, out_dir, gas):
 
     g = torch.Generator().manual_seed(0)
     data = [{"x": torch.randn(6, generator=g) * (1 + i % 5), "y": torch.randn((), generator=g)} for i in range(48)]
-    torch.manual_seed(0)
+    torch.manual_seed(rank if per_rank_start else 0)
     model = Net(PretrainedConfig())
-    kw = dict(output_dir=f"{out_dir}/{mode}{gas}", per_device_train_batch_size=4, max_steps=4, use_cpu=True,
-              ddp_backend="gloo", report_to=[], save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2,
-              gradient_accumulation_steps=gas)
+    kw = dict(output_dir=f"{out_dir}/{mode}{gas}{per_rank_start}", per_device_train_batch_size=4, max_steps=4,
+              use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
+              learning_rate=1e-2, gradient_accumulation_steps=gas)
+    if per_rank_start:  # each rank's own weights and statistics; a frozen layer; an evaluation before any step
+        model.a.requires_grad_(False)
+        model.bn.running_mean.fill_(rank)
+        kw.update(eval_on_start=True, eval_strategy="steps", eval_steps=2, label_names=["y"])
+    sets = dict(train_dataset=data, eval_dataset=data[:8])
     if mode == "ddp":
-        trainer = Trainer(model=model, args=TrainingArguments(optim="adamw_torch", **kw), train_dataset=data)
+        trainer = Trainer(model=model, args=TrainingArguments(optim="adamw_torch", **kw), **sets)
     else:
-        trainer = ZeroOffloadTrainer(model=model, train_dataset=data, args=ZeroOffloadTrainingArguments(
+        trainer = ZeroOffloadTrainer(model=model, **sets, args=ZeroOffloadTrainingArguments(
             sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
             **kw))
     trainer.train()
     return {"buffers": {n: b.clone() for n, b in model.named_buffers()},
-            "params": [p.detach().clone() for p in model.parameters()]}
+            "params": [p.detach().clone() for p in model.parameters()],
+            "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]}
 
 
 @pytest.mark.parametrize("gas", [1, 2])
@@ -142,3 +148,18 @@ def test_sharded_ddp_broadcasts_buffers_as_ddp_does(gas, tmp_path):
         for a, b in zip(ref[r]["params"], ours[r]["params"]):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert not torch.equal(ours[0]["buffers"]["bn.running_mean"], ours[1]["buffers"]["bn.running_mean"])
+
+
+def test_sharded_ddp_starts_from_rank0s_frozen_params_and_buffers_as_ddp_does(tmp_path):
+    """DDP's wrap sets rank 0's params (frozen ones too) and buffers on every rank; the engine set only the trainable
+    params: ranks that built the model with their own seed kept their own frozen layer (0.9 apart for a whole run,
+    another eval loss per rank), and an eval_on_start used each rank's own statistics (9.9% off DDP's)."""
+    ref = run_distributed(_train_batchnorm, "ddp", str(tmp_path), 1, True, timeout=300)
+    ours = run_distributed(_train_batchnorm, "ours", str(tmp_path), 1, True, timeout=300)
+    assert len(ref[0]["eval_loss"]) == 3
+    for r in range(2):
+        assert ours[r]["eval_loss"] == pytest.approx(ref[r]["eval_loss"], rel=1e-5)
+        for a, b in zip(ref[r]["params"], ours[r]["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours[0]["params"], ours[1]["params"]):
+        assert torch.equal(a, b)

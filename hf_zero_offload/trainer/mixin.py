@@ -181,6 +181,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         check_dpu_writers(model, cfg.zero.delayed_param_update.enabled)
         self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
+        self._zo_broadcast_buffers(model, frozen=True)  # as DDP's wrap: rank 0's frozen params and buffers
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         self._zo_widen_logits(model, training_dtype(cfg))
         logger.info(start_line(cfg, self.zero_engine, self.args.world_size, self.args.device))

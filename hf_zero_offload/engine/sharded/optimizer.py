@@ -44,8 +44,10 @@ full-size, which is what stage 2 exists to avoid) and sums into the shard's fp32
 Params that no rank touched in a step are skipped like ``torch.optim.AdamW`` skips them (their step
 count stays); a param used on some ranks only counts as zero gradient on the others (DDP's
 ``find_unused_parameters`` behaviour). Limits: every rank must run the same number of backward
-passes per step, each touching at least one trainable parameter; only the optimizer's parameters are broadcast from rank 0 (not frozen params left out of the
-param groups, nor module buffers: seed or load those equally). Gradients are summed over ranks in
+passes per step, each touching at least one trainable parameter; only the optimizer's parameters are
+broadcast from rank 0 (not frozen params left out of the param groups, nor module buffers: the
+Trainer's --sharded_ddp sets those, trainer/buffer_sync.py; a loop of your own seeds or loads them
+equally). Gradients are summed over ranks in
 their own dtype, as DDP does (fp16: an overflow of the sum is an overflow like any other).
 
 Launch with torchrun; the engine uses the default process group (or the one given). The caller
@@ -197,7 +199,8 @@ class ShardedAdam(AdamCore):
 
     @torch.no_grad()
     def _broadcast_params(self, cap: int) -> None:
-        """Rank 0's weights (trainable and frozen) to every rank, in coalesced chunks."""
+        """Rank 0's trainable weights to every rank, in coalesced chunks (the Trainer sets the frozen ones and the
+        buffers: trainer/buffer_sync.py)."""
         if self.world_size == 1:
             return
         unique = list({id(p): p for g in self.param_groups for p in g["params"]}.values())
