@@ -317,3 +317,19 @@ def test_a_second_trainer_on_the_same_model_trains_it(tmp_path, first, second):
     del t1, engine
     gc.collect()
     assert holder() is None
+
+
+@pytest.mark.parametrize("cls", ["ZeroOffloadTrainingArguments", "ZeroOffloadSeq2SeqTrainingArguments"])
+def test_output_dir_is_the_first_positional_argument_as_in_transformers(tmp_path, cls):
+    """TrainingArguments(output_dir, ...) (transformers' own tests and many scripts): our fields came first, so the
+    folder was taken as zero_offload (a ds_config file that could not be read), or, beside zero_offload=, a TypeError."""
+    import dataclasses
+
+    import hf_zero_offload
+    from transformers import TrainingArguments
+
+    args_cls = getattr(hf_zero_offload, cls)
+    args = args_cls(str(tmp_path / "out"), zero_offload=OFFLOAD, use_cpu=True, report_to=[])
+    assert args.output_dir == str(tmp_path / "out") and args.zero_offload == OFFLOAD
+    names = [f.name for f in dataclasses.fields(args_cls)]
+    assert names[:len(dataclasses.fields(TrainingArguments))] == [f.name for f in dataclasses.fields(TrainingArguments)]

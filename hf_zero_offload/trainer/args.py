@@ -45,15 +45,18 @@ def _before_post_init(args) -> None:
     args.resume_from_checkpoint = resume.no_resume_word(args.resume_from_checkpoint)
 
 
+# _ZeroOffloadFields first among the bases: a dataclass orders the fields of its bases from the last one in the MRO,
+# so transformers' come first and TrainingArguments("out") stays output_dir (it was taken as zero_offload, a
+# ds_config file "out" that could not be read)
 @dataclass
-class ZeroOffloadTrainingArguments(TrainingArguments, _ZeroOffloadFields):
+class ZeroOffloadTrainingArguments(_ZeroOffloadFields, TrainingArguments):
     def __post_init__(self):
         _before_post_init(self)
         super().__post_init__()
 
 
 @dataclass
-class ZeroOffloadSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, _ZeroOffloadFields):
+class ZeroOffloadSeq2SeqTrainingArguments(_ZeroOffloadFields, Seq2SeqTrainingArguments):
     def __post_init__(self):
         _before_post_init(self)
         super().__post_init__()
