@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from .runs import FlatIndex
+from .runs import FlatIndex, make_contiguous
 from .streams.device import outcome
 
 logger = logging.getLogger("hf_zero_offload")
@@ -24,7 +24,12 @@ class DelayedUpdate:
         next step starts from a write: its values go back over the publish and its masters take them, so the
         in-flight step's update of that param is dropped (its moments stay)."""
         if self.needs_publish:
-            written = [(p, p.detach().to("cpu", copy=True)) for p in self._written_params()]
+            moved = self._written_params()
+            if moved and make_contiguous(self.param_groups):  # rebound (model.to(memory_format=...)): a write too
+                logger.warning("hf_zero_offload: a param rebound non-contiguous while a delayed step (DPU) was in "
+                               "flight counts as written: it keeps its values and that step's update of it is "
+                               "dropped; change the memory format before training, or flush() before it")
+            written = [(p, p.detach().to("cpu", copy=True)) for p in moved]
             self._note_writes(written)
             self._publish_params()
             self.needs_publish = self._step_unpublished = False

@@ -62,10 +62,11 @@ def grad_dtype_error(label: str, got: torch.dtype, want: torch.dtype) -> TypeErr
                      f"in {want} (router_dtype={str(want).replace('torch.', '')!r}), or freeze it")
 
 
-def make_contiguous(param_groups: list[dict]) -> None:
+def make_contiguous(param_groups: list[dict]) -> list[str]:
     """Makes every trainable param contiguous (channels_last, transposed: updates go into params as flat ranges, as
-    DeepSpeed's flat buffers do; the values and the Parameter objects stay), with a warning naming them; at build,
-    and again when one was rebound non-contiguous after (``model.to(memory_format=...)`` between two steps). One
+    DeepSpeed's flat buffers do; the values and the Parameter objects stay), with a warning naming them (returned);
+    at build, and again when one was rebound non-contiguous after (``model.to(memory_format=...)``, between two
+    steps: ``adopt_changed_params``; in a delayed step, a write: ``DelayedUpdate._publish``). One
     whose storage another tensor shares (a transposed view of a weight: a tie) is refused: a copy would untie it."""
     changed = []
     for group in param_groups:
@@ -83,6 +84,7 @@ def make_contiguous(param_groups: list[dict]) -> None:
         logger.warning("hf_zero_offload: %d trainable param(s) were not contiguous (channels_last or a transposed "
                        "view: %s%s) and are now: the engine copies updates into params as flat ranges",
                        len(changed), ", ".join(changed[:3]), ", ..." if len(changed) > 3 else "")
+    return changed
 
 
 def _storage_shared(p: torch.Tensor) -> bool:

@@ -231,8 +231,6 @@ class SavedState:
         for p, _, numel in self._flat if written else ():
             if p.numel() != numel:
                 raise ValueError(size_changed(p, numel))
-        if written:  # one rebound non-contiguous (model.to(memory_format=...)) takes the flat ranges' layout again
-            make_contiguous(self.param_groups)
         return written
 
     @torch.no_grad()
