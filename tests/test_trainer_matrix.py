@@ -27,6 +27,10 @@ Z = {"off2": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
 INT8 = {"device": "cpu", "state_dtype": "int8"}
 Z.update({"off2-int8": {"stage": 2, "offload_optimizer": INT8},
           "off2-int8-dpu": {**Z["off2-dpu"], "offload_optimizer": INT8}})
+# without clipping, which hides it: transformers multiplies the loss by the rank count with
+# average_tokens_across_devices (on by default), and T5 computes its own mean, so its gradients on 2 ranks are twice
+# those on 1 and the saved moments are of another scale (said); per-rank averaging keeps one scale
+Z.update({"off2-noclip": Z["off2"], "off2-noclip-peravg": Z["off2"]})
 
 # name: (saved by (ranks, setup), resumed on (ranks, setup), dtype, expectation)
 CELLS = {
@@ -44,6 +48,8 @@ CELLS = {
     # int8 moments resumed as fp32 ones: converted with one log line; steps 3-4 then run exact AdamW
     # on the decoded moments instead of 8-bit ones, so the weights stay near the int8 run's
     "1to1-int8-to-fp32-moments-fp32": ((1, "off2-int8"), (1, "off2"), "fp32", "converted"),
+    "2to1-offload-fp32-noclip": ((2, "off2-noclip"), (1, "off2-noclip"), "fp32", "rescaled"),
+    "2to1-offload-fp32-noclip-per-rank-mean": ((2, "off2-noclip-peravg"), (1, "off2-noclip-peravg"), "fp32", "close"),
 }
 
 
@@ -55,7 +61,8 @@ def _train(out: str, setup: str, dtype: str, ranks: int, resume_from: str | None
     targs = ZeroOffloadSeq2SeqTrainingArguments(
         output_dir=out, per_device_train_batch_size=4 // ranks, max_steps=4, use_cpu=True, report_to=[],
         logging_steps=1, save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True, learning_rate=3e-3,
-        weight_decay=0.01, max_grad_norm=1.0, warmup_steps=1, bf16=dtype == "bf16",
+        weight_decay=0.01, max_grad_norm=0.0 if "noclip" in setup else 1.0, warmup_steps=1, bf16=dtype == "bf16",
+        average_tokens_across_devices=not setup.endswith("peravg"),
         zero_offload={"zero_optimization": Z[setup]}, **({"ddp_backend": "gloo"} if ranks > 1 else {}))
     trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=targs, train_dataset=ToyDataset())
     trainer.train(resume_from_checkpoint=resume_from)
@@ -98,6 +105,8 @@ def test_resume_matrix(runs, cell, caplog):
     if resumed[0] == 1:  # the one line saying what was restored, saved vs now
         (line,) = [r.getMessage() for r in caplog.records if "hf_zero_offload: resumed" in r.getMessage()]
         assert f"saved by {saved[0]} rank(s), loaded on 1" in line
+    said = [r for r in caplog.records if "gradients 0.5 times those the saved moments hold" in r.getMessage()]
+    assert len(said) == (resumed[0] == 1 and saved[0] == 2 and not resumed[1].endswith("peravg")), cell
     if expect == "converted":
         assert any("optimizer moments saved as int8 (code map 2) converted to state_dtype=fp32" in r.getMessage()
                    for r in caplog.records)
@@ -108,5 +117,7 @@ def test_resume_matrix(runs, cell, caplog):
             assert torch.equal(a, b), f"param {i}: max diff {(a - b).abs().max().item()}"
         elif expect == "converted":  # two steps of lr 3e-3 apart: far under one step's size
             torch.testing.assert_close(b, a, rtol=0, atol=1e-3, msg=f"param {i}")
+        elif expect == "rescaled":  # moments of twice the gradients' scale: under one step of lr 3e-3 (1.2e-3 seen)
+            torch.testing.assert_close(b, a, rtol=0, atol=3e-3, msg=f"param {i}")
         else:
             torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=f"param {i}")

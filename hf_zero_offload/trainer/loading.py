@@ -89,6 +89,17 @@ class CheckpointLoading:
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
         logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
                                     {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
+        saved = (self.zero_engine.restored or {}).get("world_size")
+        if saved not in (None, self.args.world_size) and self.args.should_log and getattr(
+                self, "model_accepts_loss_kwargs", False) and getattr(self.args, "average_tokens_across_devices", 0):
+            # transformers multiplies the loss by the rank count for such models, expecting it divided by the batch's
+            # token count over every rank; a model computing its own mean (T5) has N-times gradients on N ranks
+            logger.warning("hf_zero_offload: this state was saved on %d rank(s) and goes on on %d, with "
+                           "average_tokens_across_devices: transformers multiplies the loss by the rank count, so a "
+                           "model that computes its own mean loss (T5) has gradients %g times those the saved moments "
+                           "hold; the next steps differ from an uninterrupted run (t5-tiny, no clipping: 1.2e-3 after "
+                           "3 steps), as under the plain Trainer; --average_tokens_across_devices false keeps one scale",
+                           saved, self.args.world_size, self.args.world_size / saved)
 
     def _load_best_model(self) -> None:
         engine = self.zero_engine
