@@ -19,8 +19,8 @@ def write_marker(checkpoint: str, info: dict) -> None:
     """Declares ``checkpoint`` complete, recording what it holds (``manifest``: a resume compares it first)."""
     files = manifest.build(checkpoint, skip=(MARKER,))
     with atomic_open(os.path.join(checkpoint, MARKER), "w") as f:
-        json.dump({"complete": True, "written": time.strftime("%Y-%m-%d %H:%M:%S"), **info, "files": files}, f,
-                  indent=1)
+        json.dump({"complete": True, "written": time.strftime("%Y-%m-%d %H:%M:%S"), "written_ns": time.time_ns(),
+                   **info, "files": files}, f, indent=1)
 
 
 def read_marker(checkpoint: str) -> dict | None:

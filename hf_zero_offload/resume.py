@@ -7,8 +7,10 @@ integration writes :data:`MARKER` after every piece and every rank's optimizer s
 so a directory with the marker is whole and one without it may not be.
 
 Directories written before the marker existed hold no marker either. They are accepted, with a warning, when
-they hold ``trainer_state.json`` (transformers' last file) and no older sibling has a marker (an older marked
-sibling proves the writer knew the marker, so this one was cut short). Nothing here imports transformers.
+they hold ``trainer_state.json`` (transformers' last file), their optimizer state carries no save id and no older
+sibling has a marker (a save id or an older marked sibling proves the writer knew the marker, so this one was cut
+short). ``resume_from_checkpoint=True`` refuses a highest step whose marker is older than a lower step's (two runs
+in one output_dir). Nothing here imports transformers.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from .engine.checkpoint import read_header, remove_durably, remove_stale_tempora
 # the marker itself (resume.MARKER, resume.read_marker, ... stay importable from here)
 from .marker import (MARKER, changed_files, marker_problem, read_marker, recorded_save_id,  # noqa: F401
                      write_marker)
+from .foreign_checkpoint import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
+                                 foreign_state, missing_state_message)
 from .scheduler_resume import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
 
 TRAINER_STATE = "trainer_state.json"
@@ -107,10 +111,29 @@ def status(checkpoint: str) -> str:
         return "incomplete" if changed_files(checkpoint) else "complete"
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return "incomplete"
+    # no marker at all (a damaged one is judged below): a run's first checkpoint had no older marker to tell it by,
+    # and 2 ranks killed mid-save (rank 1's RNG file not written yet) resumed as legacy, 0.109 off
+    if not os.path.lexists(os.path.join(checkpoint, MARKER)) and _saved_with_markers(checkpoint):
+        return "incomplete"
     step = _step(checkpoint)
     older = [c for c in checkpoints(os.path.dirname(os.path.normpath(checkpoint)))
              if step is not None and (_step(c) or 0) < step]
     return "incomplete" if any(read_marker(c) is not None for c in older) else "legacy"
+
+
+def _saved_with_markers(checkpoint: str) -> bool:
+    """Whether its optimizer state carries a save id (written since markers exist): then no marker means cut short."""
+    folder = os.path.join(checkpoint, "zero_offload")
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".hzo"))
+    except OSError:
+        return False
+    for name in names:
+        try:
+            return "save_id" in read_header(os.path.join(folder, name))[0]
+        except (OSError, ValueError):  # a file cut short or damaged: the next one may tell
+            continue
+    return False
 
 
 def newest_whole(folder: str, below: int | None = None) -> str | None:
@@ -264,53 +287,6 @@ def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | No
             "Pass the same --zero_offload config to continue the run as it was")
 
 
-TORCH_OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")  # what transformers saves a torch optimizer's state in
-_DEEPSPEED_STEP = re.compile(r"^global_step\d+$")
-
-
-def deepspeed_state(checkpoint: str) -> tuple[list[str], list[str]]:
-    """DeepSpeed's ZeRO state in ``checkpoint``: its ``global_stepN`` folders (sorted) and, beside them (or together,
-    without them), its ``latest`` and ``zero_to_fp32.py`` files; both lists empty when there is none."""
-    held = set(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else set()
-    steps = sorted(n for n in held if _DEEPSPEED_STEP.match(n) and os.path.isdir(os.path.join(checkpoint, n)))
-    files = [n for n in ("latest", "zero_to_fp32.py") if n in held and os.path.isfile(os.path.join(checkpoint, n))]
-    return (steps, files) if steps or len(files) == 2 else ([], [])
-
-
-def foreign_state(checkpoint: str) -> str | None:
-    """What optimizer state of another tool ``checkpoint`` holds, in words ("DeepSpeed's global_step3/",
-    "optimizer.pt"), or None: DeepSpeed's ZeRO state (``deepspeed_state``) or a torch optimizer's (optimizer.pt/.bin:
-    a plain Trainer's, or a ZeroOffloadCallback run's engine state_dict)."""
-    steps, files = deepspeed_state(checkpoint)
-    if steps or files:
-        return f"DeepSpeed's {steps[-1] + '/' if steps else 'latest'}"
-    found = [n for n in TORCH_OPTIMIZER_FILES if os.path.isfile(os.path.join(checkpoint, n))]
-    return found[0] if found else None
-
-
-FRESH_START = ("To start a new run from these weights, load the model from the checkpoint (from_pretrained, or "
-                "--model_name_or_path) and train without resume_from_checkpoint: Adam's moments and the LR schedule "
-                "then start afresh")
-
-
-def missing_state_message(checkpoint: str, state_dir: str) -> str:
-    """Why a checkpoint without ``state_dir/`` cannot be resumed with zero_offload, and what to do instead."""
-    foreign = foreign_state(checkpoint)
-    if foreign is not None and foreign.startswith("DeepSpeed"):
-        return (f"{checkpoint} was saved by DeepSpeed ({foreign} holds its ZeRO optimizer state, in DeepSpeed's own "
-                f"format, which hf_zero_offload does not read; no {state_dir}/). {FRESH_START}")
-    if foreign is not None:
-        return (f"{checkpoint} has no {state_dir}/ optimizer state: it was saved without --zero_offload ({foreign} "
-                "holds a torch optimizer's state: a plain Trainer's, or the engine's state_dict in a run with "
-                "ZeroOffloadCallback, which that callback's Trainer resumes). hf_zero_offload's Trainer resumes only "
-                f"its own {state_dir}/. {FRESH_START}")
-    if not os.path.isfile(os.path.join(checkpoint, "scheduler.pt")):
-        return (f"{checkpoint} holds the model only (no {state_dir}/, optimizer or scheduler state: saved with "
-                "--save_only_model?): resuming with zero_offload needs the optimizer state (fp32 master weights, Adam "
-                f"moments). {FRESH_START}")
-    return f"{checkpoint} has no {state_dir}/ optimizer state (was it saved without --zero_offload?). {FRESH_START}"
-
-
 def saved_learning_rate(checkpoint: str) -> float | None:
     """The last logged learning rate in the checkpoint's trainer_state.json."""
     try:
@@ -348,6 +324,13 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
         word, requested = requested, True
     if requested is True:
         requested, skipped = choose(output_dir)
+        later = _written_after(requested, output_dir)
+        if later:  # the highest step is another run's: a requeued job went on with it, the newer run's steps lost
+            raise ValueError(f"resume_from_checkpoint=True: {requested} has the highest step, but {later[-1]} was "
+                             "written after it: output_dir holds checkpoints of more than one run (--overwrite_output_"
+                             "dir removes nothing; a run resumed from an earlier step saves beside the later ones), "
+                             "and the highest step is the older run's. Pass the checkpoint to go on from "
+                             f"(--resume_from_checkpoint {later[-1]}), or remove the other run's checkpoints")
         notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: {_not_whole(c)}; "
                                     f"resuming from {requested}") for c in skipped]
         if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
@@ -361,6 +344,23 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
         notes.append((logging.WARNING, f"hf_zero_offload: {requested}: {why}; it holds {TRAINER_STATE} (and no older "
                                        "checkpoint beside it a marker), so it is resumed as is"))
     return str(requested), state, notes
+
+
+def _written_after(chosen: str, folder: str) -> list[str]:
+    """Complete checkpoints of a lower step than ``chosen`` whose marker was written after its marker (by the
+    markers' own clocks, which a copy keeps: file times it does not)."""
+    def when(c: str) -> tuple:
+        m = read_marker(c) or {}
+        return m.get("written_ns"), m.get("written")
+
+    t = when(chosen)
+    later = []
+    for c in checkpoints(folder):
+        if _step(c) < _step(chosen) and status(c) == "complete":
+            w = when(c)
+            if any(isinstance(a, type(b)) and b is not None and a > b for a, b in zip(w, t) if a is not None):
+                later.append(c)
+    return later
 
 
 def nothing_left_message(checkpoint: str, max_steps: int, chosen: bool = True) -> str | None:

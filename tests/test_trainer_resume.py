@@ -222,10 +222,22 @@ def test_temp_files_of_killed_writers_are_removed_at_the_next_start(full, tmp_pa
     assert sum("left by a writer that was stopped" in r.getMessage() for r in caplog.records) == 2
 
 
+def _as_before_save_ids(checkpoint) -> None:
+    """The state file as versions before markers and save ids wrote it: its header without the save id."""
+    from hf_zero_offload.engine import checkpoint as ck
+
+    path = str(checkpoint / "zero_offload" / "rank0_of_1.hzo")
+    meta, entries, _ = ck.read_header(path)
+    tensors = {key: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for key, e in entries.items()}
+    ck.read_into(path, tensors)
+    ck.write_state(path, {k: v for k, v in meta.items() if k != "save_id"}, tensors)
+
+
 def test_checkpoints_from_before_the_marker_resume_with_a_warning(full, tmp_path, caplog):
     out = _copy(full, tmp_path)
     for step in (2, 4):
         (out / f"checkpoint-{step}" / resume.MARKER).unlink()
+        _as_before_save_ids(out / f"checkpoint-{step}")
     caplog.set_level(logging.INFO, logger="hf_zero_offload")
     model, trainer = _trainer(out, seed=1)
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
@@ -233,6 +245,44 @@ def test_checkpoints_from_before_the_marker_resume_with_a_warning(full, tmp_path
     text = caplog.text
     assert "has no completion marker" in text and "resumed as is" in text
     assert "written before completion markers" in text
+
+
+def test_a_first_checkpoint_without_its_marker_is_cut_short_not_legacy(full, tmp_path):
+    """A run's first checkpoint has no older one whose marker tells the era: 2 ranks killed mid-save (rank 1's RNG
+    file not yet written, trainer_state.json already) resumed it as "written before completion markers", 0.109 off.
+    A state file with a save id was written since markers exist: without its marker the save was cut short."""
+    out = _copy(full, tmp_path)
+    for step in (2, 4):
+        (out / f"checkpoint-{step}" / resume.MARKER).unlink()
+    assert resume.status(str(out / "checkpoint-2")) == "incomplete"
+    _, trainer = _trainer(out, seed=1)
+    with pytest.raises(resume.IncompleteCheckpoint, match="No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)
+    _as_before_save_ids(out / "checkpoint-2")
+    assert resume.status(str(out / "checkpoint-2")) == "legacy"
+    assert resume.status(str(out / "checkpoint-4")) == "incomplete"
+
+
+def test_resume_true_refuses_a_highest_step_older_than_a_lower_one(full, tmp_path):
+    """After --overwrite_output_dir (which removes nothing) a requeued job's --resume_from_checkpoint true took the
+    earlier run's checkpoint-40 over the new run's newer checkpoint-10, and trained on from it without a word (an
+    outside probe: the new run's steps lost). The markers' own clocks tell (a copy keeps them; file times it does
+    not), and an explicit path stays the user's choice."""
+    out = _copy(full, tmp_path)
+    marker = out / "checkpoint-2" / resume.MARKER
+    m4 = json.loads((out / "checkpoint-4" / resume.MARKER).read_text())
+    os.utime(out / "checkpoint-2" / resume.MARKER)  # a newer file time alone (a copy's) is no sign
+    _, trainer = _trainer(out, seed=1)
+    assert resume.target(True, str(out))[0] == str(out / "checkpoint-4")
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "written_ns": m4["written_ns"] + 1}))
+    with pytest.raises(ValueError, match=r"checkpoint-4 has the highest step, but .*checkpoint-2 was written after "
+                                         r"it: output_dir holds checkpoints of more than one run.*"
+                                         r"--resume_from_checkpoint .*checkpoint-2"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 0
+    model, trainer = _trainer(out, seed=1)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert _same(model, full[1])
 
 
 def test_resume_logs_one_line_of_what_it_restored(full, tmp_path, caplog):
