@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
+import signal
 import sys
 from typing import Callable, Sequence
 
@@ -40,6 +41,10 @@ def take_debug_flag(argv: Sequence[str], *, shared_with_trainer: bool = False) -
     return debug, out
 
 
+def _exit_at_once(signum, frame) -> None:
+    os._exit(EXIT_INTERRUPTED)  # the interrupt was reported and the state is what the last save wrote
+
+
 def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
                   interrupted: Callable[[], str | None] | None = None) -> object:
     """``fn()``; a user error becomes one line on stderr and ``SystemExit(2)`` (unless ``debug``); Ctrl-C one
@@ -56,6 +61,10 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
         # torchrun sends Ctrl-C to every rank: one line per node (its local rank 0), not one per rank
         if os.environ.get("LOCAL_RANK", "0").strip() in ("", "0"):
             print(f"{prog}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        try:  # a second Ctrl-C while Python shuts down landed in an exit hook (torch's): a traceback after the line
+            signal.signal(signal.SIGINT, _exit_at_once)
+        except ValueError:  # not the main thread: signals are not ours to set
+            pass
         raise SystemExit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:  # the reader left (``... --json | head``): not the user's mistake, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not fail again

@@ -308,11 +308,19 @@ def test_ctrl_c_under_torchrun_is_one_line_per_node(capsys, monkeypatch, local_r
     def work():
         raise KeyboardInterrupt
 
+    import signal
+
+    from hf_zero_offload import usage
+
+    installed = {}
+    monkeypatch.setattr(usage.signal, "signal", lambda sig, handler: installed.setdefault(sig, handler))
     with pytest.raises(SystemExit) as e:
         run_reporting("prog", work, debug=False, interrupted=lambda: "go on from X")
     assert e.value.code == EXIT_INTERRUPTED
     err = capsys.readouterr().err
     assert (err == "prog: interrupted; go on from X\n") if printed else err == "", err
+    # a second Ctrl-C during the shutdown exits at once (it printed a traceback from torch's exit hook)
+    assert installed == {signal.SIGINT: usage._exit_at_once}
 
 
 def test_a_source_tree_without_its_kernels_says_so(tmp_path):
