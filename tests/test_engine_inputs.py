@@ -360,3 +360,21 @@ def test_a_param_cast_after_the_engine_was_built_is_named_at_backward(kind):
                                         r"param after the engine was built.*router_dtype='bfloat16'"):
         net[1](net[0](torch.randn(2, 4, dtype=torch.bfloat16)).float()).sum().backward()
     opt.close()
+
+
+@pytest.mark.parametrize("kind", ["offload", "zero2"])
+def test_torch_grad_scaler_is_refused_naming_the_engines_own_scaling(kind):
+    """GradScaler.step failed with torch's "No inf checks were recorded for this optimizer" (the engine had taken and
+    freed every .grad), naming neither the engine nor its own loss scaling."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 1)
+    cls, extra = KINDS[kind]
+    opt = cls(list(lin.named_parameters()), lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    scaler = torch.amp.GradScaler("cpu")
+    before = [p.detach().clone() for p in lin.parameters()]
+    scaler.scale(lin(torch.randn(2, 4)).square().mean()).backward()
+    with pytest.raises(RuntimeError, match=rf"torch.amp.GradScaler with {cls.__name__}: the engine takes each "
+                                           r"gradient during backward.*engine.scale_loss\(loss\)"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, lin.parameters()))
+    opt.close()

@@ -44,6 +44,7 @@ from .streams import Streams, make_streams
 class AdamCore(SavedState, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
     _grads_from_backward = True   # gradients come from backward hooks, not from .grad at step()
+    _step_supports_amp_scaling = True  # GradScaler.step() calls step() directly, which names the problem (above)
     offload: bool = True          # optimizer state and step on the CPU
     world_size, rank = 1, 0
 
@@ -182,6 +183,12 @@ class AdamCore(SavedState, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Op
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step just before this call
+            raise RuntimeError(f"torch.amp.GradScaler with {type(self).__name__}: the engine takes each gradient "
+                               "during backward and frees .grad, so GradScaler's unscale_ and inf checks see none "
+                               "(torch said \"No inf checks were recorded\"); scale the loss with the engine's own "
+                               "scaler instead: OffloadOptions(fp16={\"loss_scale\": 0, ...}), engine.scale_loss(loss)"
+                               ".backward(), engine.step() (it unscales, skips overflow steps and adjusts the scale)")
         self._check_open()
         self._check_intact()
         self._check_hyper()  # before anything moves: a scheduler may have set them since the last step
