@@ -378,3 +378,20 @@ def test_torch_grad_scaler_is_refused_naming_the_engines_own_scaling(kind):
         scaler.step(opt)
     assert all(torch.equal(a, b) for a, b in zip(before, lin.parameters()))
     opt.close()
+
+
+@pytest.mark.parametrize("kind", ["offload", "zero2"])
+def test_a_torch_optimizer_state_dict_is_refused_by_name(kind):
+    """It failed with "not an hf_zero_offload optimizer state (format=None)", not saying what it was."""
+    lin = torch.nn.Linear(3, 2)
+    ref = torch.optim.AdamW(lin.parameters())
+    lin(torch.randn(2, 3)).sum().backward()
+    ref.step()
+    cls, extra = KINDS[kind]
+    opt = cls(list(lin.named_parameters()), lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    with pytest.raises(TypeError, match=rf"{cls.__name__}.load_state_dict: expected the dict its state_dict\(\) "
+                                        r"returns, got a torch optimizer state_dict: its per-param moments"):
+        opt.load_state_dict(ref.state_dict())
+    with pytest.raises(TypeError, match=r"got list"):
+        opt.load_state_dict([])
+    opt.close()

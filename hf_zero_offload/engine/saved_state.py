@@ -104,9 +104,11 @@ class SavedState:
         where = "state dict"
 
         def checked() -> tuple[dict, int]:
-            if not isinstance(state, dict):
-                raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() "
-                                f"returns, got {type(state).__name__}")
+            if not isinstance(state, dict) or ({"state", "param_groups"} <= set(state) and "format" not in state):
+                got = ("a torch optimizer state_dict: its per-param moments do not load into the engine (build it "
+                       "afresh: its masters are taken from the params)") if isinstance(state, dict) else type(state)
+                raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() returns, "
+                                f"got {getattr(got, '__name__', got)}")
             meta = self._check_saved(state, where)
             lo, hi = meta.get("shard_start", 0), meta.get("shard_end", meta.get("numel"))
             if (lo, hi) != (self.lo, self.hi):  # int8 shards are cut on 256-element blocks, fp32/bf16 ones are not
