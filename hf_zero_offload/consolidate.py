@@ -289,7 +289,8 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
                             t = t.clone()                       # copies, as it had (safetensors refuses shared memory)
                         elif t is not None:
                             taken.add(id(t))
-                        tensors[key] = (t if t is not None else f.get_tensor(key)).float().contiguous()
+                        t = t if t is not None else f.get_tensor(key)  # an int buffer (num_batches_tracked) stays
+                        tensors[key] = (t.float() if t.is_floating_point() else t).contiguous()
                 weights.append(stage(dst))
                 save_file(tensors, weights[-1], metadata=metadata or {"format": "pt"})
             for extra, name, content in sorted(extras, key=lambda e: e[1] == "config.json"):

@@ -48,7 +48,7 @@ def adapter_source(checkpoint_dir: str, folders: dict[str, str],
     prompts = [n for n in masters if n.split(".")[0] == "prompt_encoder"]
     out: dict[str, torch.Tensor] = {}
     for n, t in masters.items():
-        key = ".".join(s for s in n.split(".") if s not in (name, "modules_to_save"))
+        key = _saved_key(n, name, keys)
         if n in prompts:
             if len(prompts) != 1 or "prompt_embeddings" not in keys:
                 raise ValueError(f"{folder}: a prompt-learning adapter saves the prompts its encoder computes, not "
@@ -62,3 +62,17 @@ def adapter_source(checkpoint_dir: str, folders: dict[str, str],
                              f"two masters would be written as {key}")
         out[key] = t
     return folder, out
+
+
+def _saved_key(master: str, adapter: str, keys: set) -> str:
+    """The adapter file's key of ``master``: peft drops the adapter's name where it stands before the last segment
+    (``q.lora_A.<adapter>.weight``; ``lm_head.modules_to_save.<adapter>.weight`` loses both), so an adapter named like a
+    module of the path (``model``, ``encoder``) keeps that module; older peft dropped every such segment."""
+    parts = master.split(".")
+    candidates = []
+    if len(parts) >= 2 and parts[-2] == adapter:
+        near = parts[:-2] + parts[-1:]
+        candidates.append(".".join(near[:-2] + near[-1:] if len(near) >= 2 and near[-2] == "modules_to_save" else near))
+    candidates.append(".".join(s for s in parts if s not in (adapter, "modules_to_save")))
+    return next((c for c in candidates if c in keys), candidates[0])
+

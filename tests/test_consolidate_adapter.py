@@ -170,8 +170,11 @@ def test_a_prompt_tuning_checkpoint_consolidates(tmp_path):
     assert list(out) == ["prompt_embeddings"] and torch.equal(out["prompt_embeddings"], master)
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora", "adapter_x", "prompt"])
+@pytest.mark.parametrize("kind", ["lora", "dora", "adapter_x", "prompt", "adapter_model", "adapter_transformer"])
 def test_with_peft_a_checkpoint_consolidates(tmp_path, kind):
+    """adapter_model/adapter_transformer: an adapter named like a module of the path ("base_model.model.",
+    "transformer.") was refused ("a base param trained beside the adapter is not saved"): every segment of that name
+    was dropped from the keys, where peft drops the one before the last."""
     peft = pytest.importorskip("peft")
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -181,7 +184,7 @@ def test_with_peft_a_checkpoint_consolidates(tmp_path, kind):
         cfg = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
     else:
         cfg = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, use_dora=kind == "dora")
-    name = "x" if kind == "adapter_x" else "default"
+    name = kind[len("adapter_"):] if kind.startswith("adapter_") else "default"
     model = peft.get_peft_model(base, cfg, adapter_name=name)
     ckpt = _train(tmp_path, model, trainer_cls=ZeroOffloadTrainer, bf16=True)
     consolidate(ckpt, str(tmp_path / "out"))
@@ -190,7 +193,10 @@ def test_with_peft_a_checkpoint_consolidates(tmp_path, kind):
     if kind == "prompt":
         assert torch.equal(out["prompt_embeddings"], next(iter(masters.values())))
         return
-    assert len(out) == len(masters) and all(torch.equal(out[_peft_key(n, name)], m) for n, m in masters.items())
+    saved = os.path.join(ckpt, *([] if name == "default" else [name]), "adapter_model.safetensors")
+    assert set(out) == set(load_file(saved))  # peft's own keys (another adapter's file: in its own folder)
+    if name in ("default", "x"):
+        assert len(out) == len(masters) and all(torch.equal(out[_peft_key(n, name)], m) for n, m in masters.items())
     loaded = peft.PeftModel.from_pretrained(GPT2LMHeadModel(base.config), str(tmp_path / "out"), adapter_name=name)
     got = {n: p for n, p in loaded.named_parameters() if n in masters}
     assert len(got) == len(masters) and all(torch.equal(p.float(), masters[n]) for n, p in got.items())

@@ -651,3 +651,20 @@ def test_a_renamed_checkpoint_is_described_by_the_step_its_marker_records(full, 
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "nothing left to train" in m]
     assert any("checkpoint-4 (step 2, complete)" in m for m in messages), messages
+
+
+def test_consolidate_keeps_integer_tensors_integer(full, tmp_path):
+    """Every tensor of the model file was written as float32: a BatchNorm's num_batches_tracked (int64) became 6.0
+    (exact only up to 2**24; an outside probe on 2 ranks)."""
+    from safetensors.torch import load_file, save_file
+
+    out = _copy(full, tmp_path)
+    path = out / "checkpoint-4" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["bn.num_batches_tracked"] = torch.tensor(2**24 + 1, dtype=torch.int64)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    _without_manifest(out / "checkpoint-4")  # the model file was changed on purpose
+    consolidate(str(out / "checkpoint-4"), str(tmp_path / "fp32"))
+    got = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    assert got["bn.num_batches_tracked"].dtype == torch.int64 and got["bn.num_batches_tracked"].item() == 2**24 + 1
+    assert all(t.dtype == torch.float32 for k, t in got.items() if k != "bn.num_batches_tracked")
