@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
+from .engine.runs import shares_storage
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -364,6 +365,20 @@ def check_dpu_writers(model, dpu: bool) -> None:
                           "embedding renormalises its weight in place at every forward, a write that keeps its values "
                           "over each delayed step's update, so it would never train; turn delayed_param_update off, "
                           "set max_norm=None, or freeze the embedding")
+
+
+def refuse_view_ties(model) -> None:
+    """A trainable param that is a strided view of another param or buffer of the model (a tie through ``.t()``):
+    the engine makes its params contiguous (copies), which would untie them without a word."""
+    known = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.device.type != "meta" and not p.is_contiguous():
+            other = next((n for n, q in known if shares_storage(p, q)), None)
+            if other is not None:
+                raise ConfigError(f"parameter {name} is not contiguous and shares its storage with {other} (a "
+                                  "transposed or strided view of it?): the engine copies updates into params as flat "
+                                  "ranges, and a contiguous copy would untie the two; tie them through the module "
+                                  "(weight = other.weight) or make it a parameter of its own (.contiguous())")
 
 
 def check_trainable(engine_params, named_params, during_training: bool = False) -> None:

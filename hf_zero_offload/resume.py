@@ -326,11 +326,14 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
         requested, skipped = choose(output_dir)
         later = _written_after(requested, output_dir)
         if later:  # the highest step is another run's: a requeued job went on with it, the newer run's steps lost
+            cut = status(later[-1]) != "complete"
+            go = newest_whole(os.path.dirname(later[-1]), below=_step(later[-1])) if cut else later[-1]
             raise ValueError(f"resume_from_checkpoint=True: {requested} has the highest step, but {later[-1]} was "
-                             "written after it: output_dir holds checkpoints of more than one run (--overwrite_output_"
-                             "dir removes nothing; a run resumed from an earlier step saves beside the later ones), "
-                             "and the highest step is the older run's. Pass the checkpoint to go on from "
-                             f"(--resume_from_checkpoint {later[-1]}), or remove the other run's checkpoints")
+                             f"written after it{' (and cut short)' if cut else ''}: output_dir holds checkpoints of "
+                             "more than one run (--overwrite_output_dir removes nothing; a run resumed from an earlier "
+                             "step saves beside the later ones), and the highest step is the older run's. Pass the "
+                             f"checkpoint to go on from (--resume_from_checkpoint {go or 'PATH'}), or remove the "
+                             "other run's checkpoints")
         notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: {_not_whole(c)}; "
                                     f"resuming from {requested}") for c in skipped]
         if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
@@ -347,19 +350,28 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
 
 
 def _written_after(chosen: str, folder: str) -> list[str]:
-    """Complete checkpoints of a lower step than ``chosen`` whose marker was written after its marker (by the
-    markers' own clocks, which a copy keeps: file times it does not)."""
+    """Checkpoints of a lower step than ``chosen`` written after it: complete ones by the markers' own clocks (which
+    a copy keeps: file times it does not); a cut-short one of a run that knew markers (its files carry a save id: a
+    newer run killed in its save) by its files' times against ``chosen``'s marker file (a checkpoint left part
+    deleted by a rotation is older)."""
     def when(c: str) -> tuple:
         m = read_marker(c) or {}
         return m.get("written_ns"), m.get("written")
 
+    def newest_file(c: str) -> float:
+        return max((os.path.getmtime(os.path.join(d, n)) for d, _, names in os.walk(c) for n in names), default=0.0)
+
     t = when(chosen)
     later = []
     for c in checkpoints(folder):
-        if _step(c) < _step(chosen) and status(c) == "complete":
+        state = status(c) if _step(c) < _step(chosen) else None
+        if state == "complete":
             w = when(c)
             if any(isinstance(a, type(b)) and b is not None and a > b for a, b in zip(w, t) if a is not None):
                 later.append(c)
+        elif state == "incomplete" and t[0] is not None and _saved_with_markers(c) and \
+                newest_file(c) > os.path.getmtime(os.path.join(chosen, MARKER)):
+            later.append(c)
     return later
 
 

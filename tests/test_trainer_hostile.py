@@ -127,6 +127,18 @@ def test_bad_training_argument_values_are_refused_at_init_naming_the_flag(tmp_pa
         _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "bad", zero_offload=OFFLOAD, **{flag: value})
 
 
+def test_numpy_training_argument_values_are_taken_as_the_plain_trainer_takes_them(tmp_path):
+    """A sweep's np.float32 learning rate or np.int64 accumulation count was refused by the value checks (isinstance
+    float/int); the plain Trainer trains with them."""
+    import numpy as np
+
+    _, trainer = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "np", zero_offload=OFFLOAD, adam_beta2=0.0,
+                          learning_rate=np.float32(1e-3), weight_decay=np.float32(0.01),
+                          gradient_accumulation_steps=np.int64(2))
+    trainer.train()
+    assert trainer.zero_config.gradient_accumulation_steps == 2 and trainer.state.global_step > 0
+
+
 def test_max_grad_norm_zero_equals_the_plain_trainer(tmp_path):
     ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", max_grad_norm=0.0)
     ref.train()

@@ -475,3 +475,24 @@ def test_the_callback_refuses_accumulation_its_engine_would_sum_in_16_bit(built,
         begin()
     engine.close()
 
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_trainable_view_of_a_buffer_is_refused_and_a_kept_reference_is_no_tie(tmp_path, caplog, tied):
+    """The engine makes params contiguous (copies): a param that views a buffer (a tie through .t()) was untied
+    without a word; a user's own reference (a state_dict kept aside) had been taken for such a tie and refused."""
+    model = tiny_t5()
+    model.register_buffer("basis", torch.randn(4, 6))
+    model.extra = torch.nn.Linear(4, 6, bias=False)  # (unused in forward: no gradient, which the engine skips)
+    model.extra.weight = torch.nn.Parameter(model.basis.t() if tied else torch.randn(4, 6).t())
+    kept = model.state_dict()  # noqa: F841 - the reference that must not read as a tie
+    trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "x", zero_offload=OFFLOAD, max_steps=1),
+                                        train_dataset=ToyDataset())
+    if tied:
+        with pytest.raises(ConfigError, match=r"parameter extra.weight is not contiguous and shares its storage with "
+                                              r"basis .*untie"):
+            trainer.train()
+        return
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        trainer.train()
+    assert "1 trainable param(s) were not contiguous" in caplog.text and model.extra.weight.is_contiguous()

@@ -283,6 +283,18 @@ def test_resume_true_refuses_a_highest_step_older_than_a_lower_one(full, tmp_pat
     model, trainer = _trainer(out, seed=1)
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
     assert _same(model, full[1])
+    # the newer run killed in its save of checkpoint-2 (no marker, its state files' save id): the same refusal
+    out = _copy(full, tmp_path / "cut")
+    (out / "checkpoint-2" / resume.MARKER).unlink()
+    for f in (out / "checkpoint-2").rglob("*"):  # (file times: the newer run's files are the later ones)
+        os.utime(f, (2e9, 2e9))
+    with pytest.raises(ValueError, match=r"checkpoint-2 was written after it \(and cut short\).*"
+                                         r"--resume_from_checkpoint PATH"):
+        resume.target(True, str(out))
+    # a checkpoint left part deleted by an older rotation (older files) is no sign
+    for f in (out / "checkpoint-2").rglob("*"):
+        os.utime(f, (1e8, 1e8))
+    assert resume.target(True, str(out))[0] == str(out / "checkpoint-4")
 
 
 def test_resume_logs_one_line_of_what_it_restored(full, tmp_path, caplog):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from typing import Any
 
 from .loader import Checked, check
@@ -23,8 +24,8 @@ SCHEDULE_OF = {"WarmupLR": ("linear", "constant_with_warmup"), "WarmupDecayLR": 
                "WarmupCosineLR": ("linear", "cosine", "cosine_with_min_lr", "cosine_warmup_with_min_lr")}
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _number(v: Any) -> bool:  # numpy's too (a sweep's np.float32 learning rate), as the plain Trainer takes them
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)  # (numpy's bool_ is no numbers.Real)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -200,7 +201,7 @@ class _Resolver:
         a = self.args
         if a is None:
             return
-        count = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1")
+        count = (lambda v: isinstance(v, numbers.Integral) and _number(v) and v >= 1, "an int >= 1")
         nonneg = (lambda v: _number(v) and math.isfinite(v) and v >= 0, "a finite number >= 0")
         beta = (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)")
         rules = (("gradient_accumulation_steps", count), ("per_device_train_batch_size", count),

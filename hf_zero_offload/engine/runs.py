@@ -66,18 +66,20 @@ def make_contiguous(param_groups: list[dict]) -> list[str]:
     """Makes every trainable param contiguous (channels_last, transposed: updates go into params as flat ranges, as
     DeepSpeed's flat buffers do; the values and the Parameter objects stay), with a warning naming them (returned);
     at build, and again when one was rebound non-contiguous after (``model.to(memory_format=...)``, between two
-    steps: ``adopt_changed_params``; in a delayed step, a write: ``DelayedUpdate._publish``). One
-    whose storage another tensor shares (a transposed view of a weight: a tie) is refused: a copy would untie it."""
+    steps: ``adopt_changed_params``; in a delayed step, a write: ``DelayedUpdate._publish``). One whose storage
+    another param of the groups views (a tie through ``.t()``) is refused: a copy would untie them (the Trainer
+    checks the model's buffers and other params too: ``launch_checks.refuse_view_ties``)."""
     changed = []
     for group in param_groups:
         for p in group["params"]:
             if p.requires_grad and p.device.type != "meta" and not p.is_contiguous():
-                if _storage_shared(p):
+                other = next(((g, q) for g in param_groups for q in g["params"] if shares_storage(p, q)), None)
+                if other is not None:
                     raise ValueError(f"parameter {param_label(group, p)} is not contiguous and shares its storage "
-                                     "with another tensor (a transposed or strided view of another weight?): the "
-                                     "engine copies updates into params as flat ranges, and a contiguous copy would "
-                                     "untie the two; tie them through the module (weight = other.weight) or make it a "
-                                     "parameter of its own (.contiguous())")
+                                     f"with {param_label(*other)} (a transposed or strided view of it?): the engine "
+                                     "copies updates into params as flat ranges, and a contiguous copy would untie the "
+                                     "two; tie them through the module (weight = other.weight) or make it a parameter "
+                                     "of its own (.contiguous())")
                 changed.append(param_label(group, p))
                 p.data = p.data.contiguous()
     if changed:
@@ -87,17 +89,12 @@ def make_contiguous(param_groups: list[dict]) -> list[str]:
     return changed
 
 
-def _storage_shared(p: torch.Tensor) -> bool:
-    """Whether a tensor other than ``p`` holds ``p``'s storage: it spans more than ``p`` does, or more than one
-    tensor refers to it (torch's own count, where this torch has it; a fresh tensor's count is the baseline)."""
-    storage = p.untyped_storage()
-    if storage.nbytes() > p.numel() * p.element_size():
-        return True
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    alone = torch.empty(1)
-    return use_count(storage._cdata) > use_count(alone.untyped_storage()._cdata)
+def shares_storage(p: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether ``q``, another tensor than ``p``, views ``p``'s storage. Asked of the tensors the caller knows (the
+    groups' params; the model's params and buffers): a user's own reference (a state_dict kept aside) is no tie, and
+    torch's storage use count could not tell the two apart."""
+    ptr = p.untyped_storage().data_ptr()
+    return q is not p and ptr != 0 and q.untyped_storage().data_ptr() == ptr
 
 
 def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, params: list) -> torch.dtype:

@@ -19,8 +19,8 @@ from ..accelerator_patch import patch_accelerator
 from ..engine_setup import (accumulation_problem, build_engine, check_user_groups, groups_from_optimizer,
                             start_line, training_dtype)
 from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_trainable, check_world_size,
-                             refuse_user_optimizer, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_full_eval_trains,
-                             warn_keep_fp32, warn_upcast)
+                             refuse_user_optimizer, refuse_view_ties, warn_bf16_on_cpu, warn_fp16_on_cpu,
+                             warn_full_eval_trains, warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 from .buffer_sync import BroadcastBuffers
@@ -179,6 +179,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         warn_upcast(model, training_dtype(cfg))  # before the engine casts the trainable params
         warn_keep_fp32(model, training_dtype(cfg))
         check_dpu_writers(model, cfg.zero.delayed_param_update.enabled)
+        refuse_view_ties(model)
         self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None)
         model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
         self._zo_broadcast_buffers(model, frozen=True)  # as DDP's wrap: rank 0's frozen params and buffers
