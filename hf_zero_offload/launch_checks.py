@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
-from .engine.runs import shares_storage
+from .engine.runs import shares_storage, view_tie_message
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -375,10 +375,7 @@ def refuse_view_ties(model) -> None:
         if p.requires_grad and p.device.type != "meta" and not p.is_contiguous():
             other = next((n for n, q in known if shares_storage(p, q)), None)
             if other is not None:
-                raise ConfigError(f"parameter {name} is not contiguous and shares its storage with {other} (a "
-                                  "transposed or strided view of it?): the engine copies updates into params as flat "
-                                  "ranges, and a contiguous copy would untie the two; tie them through the module "
-                                  "(weight = other.weight) or make it a parameter of its own (.contiguous())")
+                raise ConfigError(view_tie_message(name, other))
 
 
 def check_trainable(engine_params, named_params, during_training: bool = False) -> None:

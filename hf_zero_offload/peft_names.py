@@ -75,4 +75,3 @@ def _saved_key(master: str, adapter: str, keys: set) -> str:
         candidates.append(".".join(near[:-2] + near[-1:] if len(near) >= 2 and near[-2] == "modules_to_save" else near))
     candidates.append(".".join(s for s in parts if s not in (adapter, "modules_to_save")))
     return next((c for c in candidates if c in keys), candidates[0])
-

@@ -75,11 +75,7 @@ def make_contiguous(param_groups: list[dict]) -> list[str]:
             if p.requires_grad and p.device.type != "meta" and not p.is_contiguous():
                 other = next(((g, q) for g in param_groups for q in g["params"] if shares_storage(p, q)), None)
                 if other is not None:
-                    raise ValueError(f"parameter {param_label(group, p)} is not contiguous and shares its storage "
-                                     f"with {param_label(*other)} (a transposed or strided view of it?): the engine "
-                                     "copies updates into params as flat ranges, and a contiguous copy would untie the "
-                                     "two; tie them through the module (weight = other.weight) or make it a parameter "
-                                     "of its own (.contiguous())")
+                    raise ValueError(view_tie_message(param_label(group, p), param_label(*other)))
                 changed.append(param_label(group, p))
                 p.data = p.data.contiguous()
     if changed:
@@ -87,6 +83,13 @@ def make_contiguous(param_groups: list[dict]) -> list[str]:
                        "view: %s%s) and are now: the engine copies updates into params as flat ranges",
                        len(changed), ", ".join(changed[:3]), ", ..." if len(changed) > 3 else "")
     return changed
+
+
+def view_tie_message(param: str, other: str) -> str:
+    """Why a non-contiguous param that views ``other``'s storage is refused (the engine's check and the Trainer's)."""
+    return (f"parameter {param} is not contiguous and shares its storage with {other} (a transposed or strided view of "
+            "it?): the engine copies updates into params as flat ranges, and a contiguous copy would untie the two; "
+            "tie them through the module (weight = other.weight) or make it a parameter of its own (.contiguous())")
 
 
 def shares_storage(p: torch.Tensor, q: torch.Tensor) -> bool:
