@@ -362,15 +362,14 @@ def _written_after(chosen: str, folder: str) -> list[str]:
         return max((os.path.getmtime(os.path.join(d, n)) for d, _, names in os.walk(c) for n in names), default=0.0)
 
     t = when(chosen)
+    since = os.path.getmtime(os.path.join(chosen, MARKER)) if t[0] is not None else None
     later = []
-    for c in checkpoints(folder):
-        state = status(c) if _step(c) < _step(chosen) else None
-        if state == "complete":
-            w = when(c)
-            if any(isinstance(a, type(b)) and b is not None and a > b for a, b in zip(w, t) if a is not None):
-                later.append(c)
-        elif state == "incomplete" and t[0] is not None and _saved_with_markers(c) and \
-                newest_file(c) > os.path.getmtime(os.path.join(chosen, MARKER)):
+    for c in (c for c in checkpoints(folder) if _step(c) < _step(chosen)):
+        # the cheap reads first (marker clocks, file times): a checkpoint's own check (its manifest) only if they tell
+        newer = any(isinstance(a, type(b)) and b is not None and a > b for a, b in zip(when(c), t) if a is not None)
+        state = status(c) if newer else None
+        if state == "complete" or (since is not None and newest_file(c) > since and _saved_with_markers(c)
+                                   and (state or status(c)) == "incomplete"):
             later.append(c)
     return later
 
