@@ -1,7 +1,7 @@
 """``hf-zero-offload``: a dispatcher of subcommands, each delegating to its own module.
 
     hf-zero-offload estimate --model CONFIG_JSON_OR_MODEL_DIR --gpus N [--gpu-mem-gib 24] [--fp16|--bf16] [--json]
-    hf-zero-offload consolidate CHECKPOINT_DIR OUTPUT_DIR
+    hf-zero-offload consolidate CHECKPOINT_DIR OUTPUT_DIR [--with-optimizer]
     hf-zero-offload configs
 
 ``consolidate``'s module is imported only when it runs, so a problem there never breaks ``estimate``.
@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     con = sub.add_parser("consolidate", help="merge per-rank ZeRO checkpoint shards into one fp32 state dict")
     con.add_argument("checkpoint_dir", help="a Trainer checkpoint-N/ folder holding zero_offload/")
     con.add_argument("output_dir", help="where the consolidated weights are written")
+    con.add_argument("--with-optimizer", action="store_true",
+                     help="also write torch.optim.AdamW's state (optimizer.pt: the fp32 Adam moments) and copy the "
+                          "checkpoint's trainer state, scheduler and RNG files, so that the plain Trainer (no "
+                          "hf_zero_offload) resumes the output as a checkpoint")
     con.set_defaults(func=_consolidate)
 
     cfg = sub.add_parser("configs", help="list the ds_configs shipped with the package (--zero_offload NAME)")

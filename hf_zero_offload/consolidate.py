@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import peft_names
+from . import peft_names, torch_state
 from .engine import checkpoint
 from .engine.param_names import unwrapped
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
@@ -214,8 +214,19 @@ def _read_here(rel: str) -> bool:
                                                                    or _model_side_file(rel)))
 
 
-def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
-    """Everything is read and checked before the first write; each file is written atomically."""
+#: the Trainer's own files of a checkpoint, which ``--with-optimizer`` copies beside ``optimizer.pt`` (rng_state.pth
+#: of one process, rng_state_{rank}.pth of several; scaler.pt of a plain run's GradScaler: never ours)
+TRAINER_FILES = ("trainer_state.json", "scheduler.pt", "training_args.bin", "rng_state.pth")
+
+
+def _trainer_file(name: str) -> bool:
+    return name in TRAINER_FILES or (name.startswith("rng_state_") and name.endswith(".pth"))
+
+
+def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = False) -> list[str]:
+    """Everything is read and checked before the first write; each file is written atomically. ``with_optimizer``:
+    also torch AdamW's state (``optimizer.pt``, ``torch_state``) and the Trainer's own files, so that the output
+    is a checkpoint the plain Trainer resumes."""
     if os.path.realpath(output_dir) == os.path.realpath(checkpoint_dir):
         raise ValueError(f"output {output_dir} is the checkpoint itself: its 16-bit weights would be replaced; "
                          "give another folder")
@@ -225,11 +236,12 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
     # a truncated weight file failed in safetensors' header parser; only the files consolidate reads count (the
     # optimizer state, the weights, the model's JSON and tokenizer files): a trainer state or RNG file of another
     # step changes nothing here
-    changed = changed_files(checkpoint_dir, read=_read_here)
+    changed = changed_files(checkpoint_dir, read=lambda rel: _read_here(rel) or (with_optimizer and _trainer_file(rel)))
     if changed:
         raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
                          "wrote); consolidate an earlier checkpoint")
-    masters = full_masters(state_dir_of(checkpoint_dir), recorded_save_id(checkpoint_dir))
+    state_dir = state_dir_of(checkpoint_dir)
+    masters = full_masters(state_dir, recorded_save_id(checkpoint_dir))
     source, adapter = checkpoint_dir, peft_names.adapter_folders(checkpoint_dir)
     if adapter:  # the trained adapter's folder (a subfolder for one not named "default"), peft's tensor names
         source, masters = peft_names.adapter_source(checkpoint_dir, adapter, masters)
@@ -268,6 +280,14 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
             if not isinstance(content, dict):
                 raise ValueError(f"{extra} is damaged: expected a JSON object, got {type(content).__name__}")
         extras.append((extra, name, content))
+    optimizer, trainer_files = None, []
+    if with_optimizer:  # read (and decoded) before the first write, as the rest
+        if os.path.isdir(output_dir) and os.listdir(output_dir):
+            raise ValueError(f"output {output_dir} is not empty: --with-optimizer writes a checkpoint the plain "
+                             "Trainer resumes, which must hold nothing else; give an empty or new folder")
+        optimizer = torch_state.torch_optimizer_state(state_dir, recorded_save_id(checkpoint_dir))
+        trainer_files = sorted(n for n in os.listdir(checkpoint_dir)
+                               if _trainer_file(n) and os.path.isfile(os.path.join(checkpoint_dir, n)))
     _check_output(output_dir, [os.path.basename(p) for p in weight_files] + [name for _, name, _ in extras])
     # Written as one set (checkpoint.atomic_files), so that a stop part way (Ctrl-C, a full disk, a kill) leaves the
     # output whole or absent: config.json is staged last, so it appears last (from_pretrained needs it). Written
@@ -293,6 +313,11 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
                         tensors[key] = (t.float() if t.is_floating_point() else t).contiguous()
                 weights.append(stage(dst))
                 save_file(tensors, weights[-1], metadata=metadata or {"format": "pt"})
+            if optimizer is not None:
+                torch.save(optimizer, stage(os.path.join(output_dir, "optimizer.pt")))
+                written.append(os.path.join(output_dir, "optimizer.pt"))
+            for name in trainer_files:
+                shutil.copyfile(os.path.join(checkpoint_dir, name), stage(os.path.join(output_dir, name)))
             for extra, name, content in sorted(extras, key=lambda e: e[1] == "config.json"):
                 if name == "config.json":
                     content["dtype"] = content["torch_dtype"] = "float32"
@@ -314,6 +339,13 @@ def consolidate(checkpoint_dir: str, output_dir: str) -> list[str]:
 
 
 def consolidate_main(args) -> int:
-    written = consolidate(args.checkpoint_dir, args.output_dir)
-    print(f"wrote fp32 weights: {', '.join(written)}")
+    with_optimizer = getattr(args, "with_optimizer", False)
+    written = consolidate(args.checkpoint_dir, args.output_dir, with_optimizer)
+    weights = [w for w in written if not w.endswith("optimizer.pt")]
+    print(f"wrote fp32 weights: {', '.join(weights)}")
+    if with_optimizer:
+        print(f"wrote torch.optim.AdamW's state: {os.path.join(args.output_dir, 'optimizer.pt')}, with the "
+              "checkpoint's trainer state, scheduler and RNG files: resume it with the plain Trainer "
+              f"(--resume_from_checkpoint {args.output_dir}, an AdamW --optim, the same param groups and "
+              "--weight_decay), or load optimizer.pt into torch.optim.AdamW")
     return 0

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from torch import nn
+
+from hf_zero_offload.engine import state_dir
+from hf_zero_offload.ops import QUANT_BLOCK as Q
 
 
 class TinyNet(nn.Module):
@@ -104,3 +108,16 @@ def delayed_update_reference(device_model: nn.Module, data, warmup: int, *, lr: 
             if any(d is w for w in written):
                 m.copy_(d)
     return device_model, master_model
+
+
+def save_as_two_ranks(opt, directory) -> None:
+    """``opt``'s state as the 2-rank checkpoint a sharded run with the same flat layout writes (its shards start on
+    an int8 block; int8 scales are cut by block)."""
+    meta, tensors = {**opt.state_meta(), "save_id": os.urandom(8).hex()}, opt.state_tensors()  # as save_checkpoint
+    cut = opt.numel // 2 // Q * Q
+    ranges = [[0, cut], [cut, opt.numel]]
+    for r in (1, 0):  # rank 0 writes meta.json after its file: last
+        a, b = ranges[r]
+        state_dir.save(str(directory), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
+                       {k: v[a // Q:-(-b // Q)] if k.endswith("_scale") else v[a:b] for k, v in tensors.items()},
+                       barrier=lambda: None, partition=ranges)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from _models import TinyNet, batches, param_groups, run_steps
+from _models import TinyNet, batches, param_groups, run_steps, save_as_two_ranks
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, checkpoint, state_dir
 from hf_zero_offload.ops import QUANT_BLOCK as Q
 
@@ -28,19 +28,6 @@ def _engine(model, state_dtype="fp32"):
     return OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL, state_dtype=state_dtype))
 
 
-def _save_as_two_ranks(opt, directory) -> None:
-    """``opt``'s state as the 2-rank checkpoint a sharded run with the same flat layout writes (its shards start on
-    an int8 block; int8 scales are cut by block)."""
-    meta, tensors = {**opt.state_meta(), "save_id": os.urandom(8).hex()}, opt.state_tensors()  # as save_checkpoint
-    cut = opt.numel // 2 // Q * Q
-    ranges = [[0, cut], [cut, opt.numel]]
-    for r in (1, 0):  # rank 0 writes meta.json after its file: last
-        a, b = ranges[r]
-        state_dir.save(str(directory), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
-                       {k: v[a // Q:-(-b // Q)] if k.endswith("_scale") else v[a:b] for k, v in tensors.items()},
-                       barrier=lambda: None, partition=ranges)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(model, its state after 3 steps as 2 rank files, the same run's rank 1 file after 5 steps)."""
@@ -49,16 +36,16 @@ def saved(tmp_path_factory):
     model = TinyNet()
     opt = _engine(model)
     run_steps(model, opt, batches(3))
-    _save_as_two_ranks(opt, root / "step3")
+    save_as_two_ranks(opt, root / "step3")
     state3 = {k: v.clone() for k, v in opt.state_tensors().items()}
     run_steps(model, opt, batches(2, seed=1))
-    _save_as_two_ranks(opt, root / "step5")
+    save_as_two_ranks(opt, root / "step5")
     opt.close()
     torch.manual_seed(1)  # another run of the same model, saved at the same step
     other = TinyNet()
     opt = _engine(other)
     run_steps(other, opt, batches(3, seed=2))
-    _save_as_two_ranks(opt, root / "run2")
+    save_as_two_ranks(opt, root / "run2")
     opt.close()
     return model, root, state3
 
@@ -152,7 +139,7 @@ def test_a_rank_file_missing_or_gaining_bytes_in_its_data_is_refused_before_the_
     model = TinyNet()
     opt = _engine(model, state_dtype)
     run_steps(model, opt, batches(3))
-    _save_as_two_ranks(opt, tmp_path / "ck")
+    save_as_two_ranks(opt, tmp_path / "ck")
     change, says = SPLICES[splice]
     victim = str(tmp_path / "ck" / "rank1_of_2.hzo")
     _splice_exp_avg(victim, change)
@@ -208,7 +195,7 @@ def test_an_int8_code_out_of_range_names_the_rank_file_that_holds_it(tmp_path, r
     model = TinyNet()
     opt = _engine(model, "int8")
     run_steps(model, opt, batches(3))
-    _save_as_two_ranks(opt, tmp_path / "ck")
+    save_as_two_ranks(opt, tmp_path / "ck")
     opt.close()
     path = str(tmp_path / "ck" / f"rank{rank}_of_2.hzo")
     _rewrite(path, path, lambda m: m, change=lambda t: t["exp_avg_sq"].__setitem__(-1, 255))

@@ -1,0 +1,161 @@
+"""Leaving the plugin mid-run: a checkpoint of ours as torch.optim.AdamW's state (``torch_state``) and as a checkpoint
+the plain Trainer resumes (``hf-zero-offload consolidate --with-optimizer``)."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+from _models import TinyNet, batches, param_groups, run_steps, save_as_two_ranks
+from _t5 import ToyDataset, tiny_t5
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments, ops
+from hf_zero_offload.cli import main as cli_main
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+from hf_zero_offload.torch_state import torch_optimizer_state
+
+LR, WD = 1e-2, 0.01
+
+
+def _engine(model, state_dtype):
+    return OffloadAdam(param_groups(model, WD), lr=LR, betas=(0.8, 0.99), eps=1e-7,
+                       options=OffloadOptions(bucket_numel=1200, tile_numel=300, num_threads=1,
+                                              state_dtype=state_dtype))
+
+
+def _no_branch(data):  # the branch takes no gradient: its params never step, and torch keeps no state for them
+    return [(ids, labels, False) for ids, labels, _ in data]
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_the_state_is_torch_adamws_with_each_params_moments_and_steps(tmp_path, state_dtype):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, state_dtype)
+    run_steps(model, opt, _no_branch(batches(2)) + batches(3, seed=1))  # branch: 2 steps of 5 (i % 3 != 2)
+    save_as_two_ranks(opt, tmp_path / "state")  # a slot across the cut, as a 2-rank ZeRO run's files hold it
+    sd = torch_optimizer_state(str(tmp_path / "state"))
+    m, v = ops.state_to_fp32(opt.state_tensors())
+    groups = param_groups(model, WD)
+    params = [p for g in groups for p in g["params"]]
+    n0 = len(groups[0]["params"])  # numbered as torch numbers them: group after group
+    assert [g["params"] for g in sd["param_groups"]] == [list(range(n0)), list(range(n0, len(params)))]
+    slots = [s for g in opt._slots for s in g]
+    for pid, (p, (q, off, n)) in enumerate(zip(params, slots)):
+        assert p is q
+        st = sd["state"][pid]
+        assert st["step"].dtype == torch.float32 and st["step"].item() == (2 if p is model.branch.weight
+                                                                            or p is model.branch.bias else 5)
+        assert torch.equal(st["exp_avg"], m[off:off + n].view(p.shape))  # int8: decoded as the kernel decodes
+        assert torch.equal(st["exp_avg_sq"], v[off:off + n].view(p.shape))
+    for g in sd["param_groups"]:
+        assert g["betas"] == (0.8, 0.99) and g["eps"] == 1e-7 and g["lr"] == LR and g["decoupled_weight_decay"]
+        assert not g["amsgrad"] and not g["maximize"]
+    assert [g["weight_decay"] for g in sd["param_groups"]] == [WD, 0.0]
+    opt.close()
+
+
+def test_torch_adamw_goes_on_from_it_as_the_engine_does(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, "fp32")
+    run_steps(model, opt, _no_branch(batches(3)))
+    save_as_two_ranks(opt, tmp_path / "two")
+    sd = torch_optimizer_state(str(tmp_path / "two"))
+    params = [p for g in param_groups(model, WD) for p in g["params"]]
+    unstepped = {i for i, p in enumerate(params) if p is model.branch.weight or p is model.branch.bias}
+    assert len(unstepped) == 2 and set(sd["state"]) == set(range(len(params))) - unstepped
+    twin = copy.deepcopy(model)  # fp32 params: the masters
+    torch_opt = torch.optim.AdamW(param_groups(twin, WD), lr=LR, foreach=False)
+    torch_opt.load_state_dict(sd)
+    fresh_twin = copy.deepcopy(model)
+    fresh = torch.optim.AdamW(param_groups(fresh_twin, WD), lr=LR, betas=(0.8, 0.99), eps=1e-7, foreach=False)
+    data = batches(4, seed=3)  # the branch's first steps too: torch starts its state then, as the engine counts it
+    run_steps(model, opt, data)
+    run_steps(twin, torch_opt, data)
+    run_steps(fresh_twin, fresh, data)
+    for (name, a), b, c in zip(model.named_parameters(), twin.parameters(), fresh_twin.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-7, msg=name)
+    assert max((a - c).abs().max().item() for a, c in zip(model.parameters(), fresh_twin.parameters())) > 1e-3
+    opt.close()
+
+
+def test_an_early_state_without_steps_is_refused_by_name(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, "fp32")
+    run_steps(model, opt, batches(1))
+    meta = {k: v for k, v in opt.state_meta().items() if k != "param_steps"}
+    from hf_zero_offload.engine import checkpoint
+    os.makedirs(tmp_path / "old")
+    checkpoint.write_state(checkpoint.rank_file(str(tmp_path / "old"), 0, 1), meta, opt.state_tensors())
+    with pytest.raises(ValueError, match=r"early version of hf_zero_offload .*resume it with hf_zero_offload"):
+        torch_optimizer_state(str(tmp_path / "old"))
+    opt.close()
+
+
+COMMON = dict(per_device_train_batch_size=4, max_steps=6, use_cpu=True, report_to=[], logging_steps=1, seed=0,
+              disable_tqdm=True, learning_rate=1e-3, weight_decay=0.01, warmup_steps=2, save_strategy="steps",
+              save_steps=3)
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ours")
+    model = tiny_t5(0)
+    zero = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    args = ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(root / "run"), zero_offload=zero, **COMMON)
+    ZeroOffloadSeq2SeqTrainer(model=model, args=args, train_dataset=ToyDataset()).train()
+    return model, root / "run" / "checkpoint-3"
+
+
+def _plain_resume(output_dir, checkpoint):
+    model = tiny_t5(1)  # another init: everything comes from the checkpoint
+    args = Seq2SeqTrainingArguments(output_dir=str(output_dir), optim="adamw_torch", **COMMON)
+    trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=ToyDataset())
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    return model, trainer
+
+
+def test_the_plain_trainer_resumes_a_checkpoint_converted_with_its_optimizer(ours, tmp_path, capsys):
+    model, ckpt = ours
+    out = tmp_path / "torch"
+    assert cli_main(["consolidate", "--with-optimizer", str(ckpt), str(out)]) == 0
+    assert "resume it with the plain Trainer" in capsys.readouterr().out
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth", "model.safetensors",
+            "config.json"} <= set(os.listdir(out))
+    assert "hzo_complete.json" not in os.listdir(out) and "zero_offload" not in os.listdir(out)
+    resumed, trainer = _plain_resume(tmp_path / "plain", out)
+    assert trainer.state.global_step == 6
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    # without the moments (and so, in transformers, without the schedule) it is another run
+    os.remove(out / "optimizer.pt")
+    restarted, _ = _plain_resume(tmp_path / "plain2", out)
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), restarted.parameters())) > 1e-3
+
+
+def test_with_optimizer_refuses_an_output_that_is_not_empty_and_a_changed_trainer_file(ours, tmp_path):
+    _, ckpt = ours
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert cli_main(["consolidate", "--with-optimizer", str(ckpt), str(out)]) == 2
+    assert os.listdir(out) == ["notes.txt"]
+    copy_dir = tmp_path / "ckpt"
+    os.makedirs(copy_dir)
+    for root, _, files in os.walk(ckpt):
+        for f in files:
+            src = os.path.join(root, f)
+            dst = copy_dir / os.path.relpath(src, ckpt)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(open(src, "rb").read())
+    state = json.loads((copy_dir / "trainer_state.json").read_text())
+    state["global_step"] = 5
+    (copy_dir / "trainer_state.json").write_text(json.dumps(state))
+    assert cli_main(["consolidate", str(copy_dir), str(tmp_path / "weights")]) == 0  # weights alone do not read it
+    assert cli_main(["consolidate", "--with-optimizer", str(copy_dir), str(tmp_path / "all")]) == 2
+    assert not os.path.exists(tmp_path / "all")
