@@ -30,6 +30,13 @@ def foreign_state(checkpoint: str) -> str | None:
     return found[0] if found else None
 
 
+def plain_checkpoint(checkpoint: str) -> bool:
+    """A plain Trainer's checkpoint: torch's optimizer.pt and trainer_state.json, no zero_offload/ and no marker of
+    ours (the Trainer's resume takes its optimizer's state over: ``TorchStateResume``)."""
+    held = set(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else set()
+    return {"optimizer.pt", "trainer_state.json"} <= held and not held & {"zero_offload", "hzo_complete.json"}
+
+
 FRESH_START = ("To start a new run from these weights, load the model from the checkpoint (from_pretrained, or "
                 "--model_name_or_path) and train without resume_from_checkpoint: Adam's moments and the LR schedule "
                 "then start afresh")
@@ -42,10 +49,9 @@ def missing_state_message(checkpoint: str, state_dir: str) -> str:
         return (f"{checkpoint} was saved by DeepSpeed ({foreign} holds its ZeRO optimizer state, in DeepSpeed's own "
                 f"format, which hf_zero_offload does not read; no {state_dir}/). {FRESH_START}")
     if foreign is not None:
-        return (f"{checkpoint} has no {state_dir}/ optimizer state: it was saved without --zero_offload ({foreign} "
-                "holds a torch optimizer's state: a plain Trainer's, or the engine's state_dict in a run with "
-                "ZeroOffloadCallback, which that callback's Trainer resumes). hf_zero_offload's Trainer resumes only "
-                f"its own {state_dir}/. {FRESH_START}")
+        return (f"{checkpoint} has no {state_dir}/ optimizer state, and its {foreign} is not a torch optimizer's "
+                "state_dict (which this Trainer takes over): the engine's own state_dict of a run with "
+                f"ZeroOffloadCallback, which that callback's Trainer resumes. {FRESH_START}")
     if not os.path.isfile(os.path.join(checkpoint, "scheduler.pt")):
         return (f"{checkpoint} holds the model only (no {state_dir}/, optimizer or scheduler state: saved with "
                 "--save_only_model?): resuming with zero_offload needs the optimizer state (fp32 master weights, Adam "

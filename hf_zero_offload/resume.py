@@ -25,7 +25,7 @@ from .engine.checkpoint import read_header, remove_durably, remove_stale_tempora
 from .marker import (MARKER, changed_files, marker_problem, read_marker, recorded_save_id,  # noqa: F401
                      write_marker)
 from .foreign_checkpoint import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
-                                 foreign_state, missing_state_message)
+                                 foreign_state, missing_state_message, plain_checkpoint)
 from .scheduler_resume import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
 
 TRAINER_STATE = "trainer_state.json"
@@ -75,8 +75,8 @@ def _not_whole(checkpoint: str) -> str:
         shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
         return f"damaged ({shown}: it no longer holds what its save wrote)"
     if foreign is not None and marker is None and os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
-        return (f"written without --zero_offload ({foreign}), an optimizer state hf_zero_offload cannot take over "
-                "(the steps after the checkpoint chosen are trained again)")
+        return (f"written without --zero_offload ({foreign}) among checkpoints of ours (the steps after the "
+                "checkpoint chosen are trained again)")
     problem = marker_problem(checkpoint)
     what = f"{problem}, nothing else proves it whole" if problem else f"no {MARKER}"
     return f"incomplete ({what}: {_WHY})"
@@ -260,6 +260,7 @@ def describe(checkpoint: str, state: str, engine: dict | None, now: dict) -> str
     step = recorded_step(checkpoint)
     problem = marker_problem(checkpoint)
     how = ("complete" if state == "complete" else f"{problem}, accepted as is" if problem else
+           "a plain Trainer's, its optimizer.pt taken over" if plain_checkpoint(checkpoint) else
            "written before completion markers, accepted as is")
     parts = [f"hf_zero_offload: resumed {checkpoint} (step {step if step is not None else '?'}, {how})"]
     if state == "complete" and problem:
@@ -340,7 +341,7 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
             notes.append((logging.INFO, f"hf_zero_offload: --resume_from_checkpoint {word}: the newest complete "
                                         f"checkpoint of {output_dir}, {requested}"))
     state, _ = check(str(requested))
-    if state == "legacy":
+    if state == "legacy" and not plain_checkpoint(str(requested)):  # (a plain Trainer's: said once its state loads)
         problem = marker_problem(str(requested))
         why = (f"{problem}" if problem else f"has no completion marker {MARKER} (written before markers existed, or "
                "by another Trainer)")

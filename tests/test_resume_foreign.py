@@ -106,20 +106,29 @@ def test_a_newer_plain_checkpoint_is_named_for_what_it_is(tmp_path, caplog):
     assert "killed" not in msg
 
 
-def test_a_plain_or_deepspeed_checkpoint_is_refused_with_the_way_forward(tmp_path):
-    _train(tmp_path, False, 2)
-    ckpt = tmp_path / "checkpoint-2"
-    seen = []
-    with pytest.raises(FileNotFoundError, match=r"saved without --zero_offload \(optimizer\.pt holds a torch "
-                                                r"optimizer's state.*train without resume_from_checkpoint"):
-        _train(tmp_path / "ours", True, 4, resume=str(ckpt), seen=seen)
-    _assert_untouched(seen[0])  # refused before the plain run's weights reach the model
+def test_a_plain_checkpoint_is_taken_over_and_deepspeeds_refused_with_the_way_forward(tmp_path, caplog):
+    """A plain Trainer's checkpoint was refused: its optimizer.pt (AdamW's moments and steps) is taken over now."""
+    plain = _train(tmp_path / "plain", False, 4)
+    ckpt = tmp_path / "plain" / "checkpoint-2"
+    with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+        ours = _train(tmp_path / "ours", True, 4, resume=str(ckpt))
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)  # the plain run's own steps 3-4
+    said = [r.getMessage() for r in caplog.records]
+    assert any("plain Trainer's checkpoint: its optimizer's state" in m for m in said)
+    assert any("a plain Trainer's, its optimizer.pt taken over" in m for m in said)
+    assert not any("completion marker" in m for m in said)
+    seen = []  # another trainable set: refused before the plain run's weights reach the model
+    with pytest.raises(ValueError, match=r"optimizer\.pt is the state of an optimizer over 4 params; this model has 2 "
+                                         r"trainable.*train without resume_from_checkpoint"):
+        _train(tmp_path / "ours2", True, 4, frozen="a", resume=str(ckpt), seen=seen)
+    _assert_untouched(seen[0])
     os.rename(ckpt / "optimizer.pt", tmp_path / "moved.pt")  # laid out as transformers + DeepSpeed save it
     (ckpt / "global_step2").mkdir()
     (ckpt / "latest").write_text("global_step2")
     with pytest.raises(FileNotFoundError, match=r"was saved by DeepSpeed \(DeepSpeed's global_step2/ holds its ZeRO "
                                                 r"optimizer state.*train without resume_from_checkpoint"):
-        _train(tmp_path / "ours", True, 4, resume=str(ckpt))
+        _train(tmp_path / "ours3", True, 4, resume=str(ckpt))
 
 
 @pytest.mark.parametrize("save_only_model", [False, True], ids=["full save", "save_only_model"])

@@ -39,9 +39,10 @@ from .runs import Run, make_contiguous, flat_layout, make_runs, param_label, tra
 from .saved_state import SavedState, logger
 from .step_guard import DeferredSigint
 from .streams import Streams, make_streams
+from .torch_import import TorchStateImport
 
 
-class AdamCore(SavedState, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Optimizer):
+class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
     _grads_from_backward = True   # gradients come from backward hooks, not from .grad at step()
     _step_supports_amp_scaling = True  # GradScaler.step() calls step() directly, which names the problem (above)

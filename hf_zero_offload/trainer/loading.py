@@ -11,11 +11,12 @@ from .. import resume
 from ..consolidate import names_difference, names_mismatch, trainable_set_mismatch
 from ..engine.state_dir import GroupingMismatch, LayoutMismatch, check_save_id, sources
 from .saving import SCHEDULER_NAME, STATE_DIR
+from .torch_resume import TorchStateResume
 
 logger = logging.getLogger("hf_zero_offload")
 
 
-class CheckpointLoading:
+class CheckpointLoading(TorchStateResume):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # transformers loads the model's weights (a PEFT model's adapters) before the engine's state: a checkpoint
         # the engine would refuse left the model in memory holding its weights. What the files alone can tell is
@@ -27,7 +28,9 @@ class CheckpointLoading:
     def _zo_check_before_weights(self, checkpoint: str) -> None:
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
-            raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+            if self._zo_torch_state(checkpoint) is None:  # a plain Trainer's optimizer.pt is taken over
+                raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+            return
         _, meta = sources(state_dir)  # every header checked: a damaged or foreign state file is named here
         check_save_id(meta, resume.recorded_save_id(checkpoint), state_dir)
         if self.zero_engine is not None:  # a second train(): the engine's slots, in their order
@@ -61,9 +64,10 @@ class CheckpointLoading:
                                "optimizer and the LR schedule both restart", checkpoint, SCHEDULER_NAME)
             return super()._load_optimizer_and_scheduler(checkpoint)
         state_dir = os.path.join(checkpoint, STATE_DIR)
-        if not os.path.isdir(state_dir):
+        torch_sd = None if os.path.isdir(state_dir) else self._zo_torch_state(checkpoint)
+        if torch_sd is None and not os.path.isdir(state_dir):
             raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
-        moved = names_mismatch(state_dir, self._zo_slot_names())  # before anything is loaded (None: no file)
+        moved = None if torch_sd is not None else names_mismatch(state_dir, self._zo_slot_names())  # (None: no file)
         self._zo_refuse_other_params(state_dir, moved)
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         before = self.lr_scheduler.state_dict() if os.path.isfile(sched) else None
@@ -72,10 +76,12 @@ class CheckpointLoading:
                 if note := resume.load_scheduler(self.lr_scheduler, sched, resume.recorded_step(checkpoint)):
                     logger.warning(note)
             try:
-                # names compared above with every alias: the engine's check by one name each could refuse a tied
-                # param whose names changed (an alias added)
-                self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint),
-                                                 names_checked=moved == "")
+                if torch_sd is not None:
+                    self._zo_load_torch_state(checkpoint, torch_sd)
+                else:  # names compared above with every alias: the engine's check by one name each could refuse a
+                    # tied param whose names changed (an alias added)
+                    self.zero_engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(checkpoint),
+                                                     names_checked=moved == "")
             except GroupingMismatch:
                 raise  # (it names the groups: the params are the same)
             except LayoutMismatch as e:  # the totals alone may read the same: name the params that differ
@@ -89,7 +95,7 @@ class CheckpointLoading:
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
         logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
                                     {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
-        saved = (self.zero_engine.restored or {}).get("world_size")
+        saved = (getattr(self.zero_engine, "restored", None) or {}).get("world_size")
         if saved not in (None, self.args.world_size) and self.args.should_log and getattr(
                 self, "model_accepts_loss_kwargs", False) and getattr(self.args, "average_tokens_across_devices", 0):
             # transformers multiplies the loss by the rank count for such models, expecting it divided by the batch's
