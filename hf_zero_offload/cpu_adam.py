@@ -98,6 +98,10 @@ class CPUAdam(torch.optim.Optimizer):
                     raise ValueError(f"CPUAdam param group {index}: params {seen[id(t)]} and {i} are the same tensor "
                                      "(each step would update it twice); list each param once")
                 seen[id(t)] = i
+        if isinstance(param_group, dict) and param_group.get("decoupled_weight_decay") is not None:
+            # torch.optim.Adam(W)'s name for it, in a group given the torch way: honoured (it was overridden by the
+            # default adamw_mode=True, silently: AdamW's decay where the group asked for Adam's L2)
+            param_group.setdefault("adamw_mode", bool(param_group["decoupled_weight_decay"]))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -131,6 +135,9 @@ class CPUAdam(torch.optim.Optimizer):
                 if st and "step" in st and not torch.is_tensor(st["step"]):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
 
+    # Never traced: torch.compile of a step (or of a train step that calls it) took the kernel's raw pointers for
+    # constants, and from the second call updated one param twice and another never (two params of one shape)
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -328,6 +335,10 @@ def _check_group(group: dict, index: int | None = None) -> None:
     for key, why in _REFUSED.items():
         if group.get(key) not in (None, False):
             raise ValueError(f"{where}{key}={group[key]!r} is not supported: {why}")
+    dwd = group.get("decoupled_weight_decay")
+    if dwd is not None and bool(dwd) != group.get("adamw_mode", True):  # an edit of one of the two (torch's name)
+        raise ValueError(f"{where}decoupled_weight_decay={dwd!r} contradicts adamw_mode={group.get('adamw_mode')!r}: "
+                         "the weight decay is decoupled (AdamW) exactly when adamw_mode is True; set both alike")
     try:
         ops.check_state_dtype(group.get("state_dtype", "fp32"))
         ops.check_hyperparameters(lr=group.get("lr"), betas=group.get("betas"), eps=group.get("eps"),

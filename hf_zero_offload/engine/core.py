@@ -31,7 +31,7 @@ from .. import ops
 from . import param_names
 from .delayed import DelayedUpdate
 from .grad_hooks import ParamOwner
-from .group_flags import check_group_flags
+from .group_flags import check_group_flags, layout_change
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
@@ -61,6 +61,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         make_contiguous(self.param_groups)
         # per group: (param, flat offset, numel); ``_flat``: all of them in order; ``_groups``: indices
         self._slots, self.numel, self.device = flat_layout(self.param_groups, type(self).__name__)
+        self._built_groups = [tuple(map(id, g["params"])) for g in self.param_groups]  # (group_flags.layout_change)
         self._flat = [s for g in self._slots for s in g]
         self._groups, first = [], 0
         for g in self._slots:
@@ -182,6 +183,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
             self.mirror.copy_(self.master[:self.mirror.numel()])
 
     # -- the step ------------------------------------------------------------------------------
+    @torch._disable_dynamo  # never traced (raw pointers into the arena; CPUAdam.step says why)
     @torch.no_grad()
     def step(self, closure=None):
         if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step just before this call
@@ -193,6 +195,10 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         self._check_open()
         self._check_intact()
         self._check_hyper()  # before anything moves: a scheduler may have set them since the last step
+        if changed := layout_change(self._built_groups, self.param_groups):
+            raise ValueError(f"{type(self).__name__}: {changed}: an engine's flat layout (which params, in which group "
+                             "and order) is fixed when it is built, so a step would apply each group's settings to "
+                             "the params it was built with; restore the lists, or build an engine over the new groups")
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self._adopt_written_params()
@@ -235,7 +241,10 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         runs = make_runs(self._groups, self._flat, self._last_received, self._param_steps.tolist())
         for run in runs:
             self._param_steps[run.slots] += 1
-        hyper = [dict(g) for g in self.param_groups]  # snapshot: the LR scheduler steps right after
+        # snapshot of values, not of references: the LR scheduler steps right after, and torch's write a tensor lr in
+        # place (fill_), which a delayed step's worker read after it (the next step's lr for its last tiles)
+        hyper = [{"lr": _value(g["lr"]), "betas": tuple(map(_value, g["betas"])), "eps": _value(g["eps"]),
+                  "weight_decay": _value(g["weight_decay"]), "adamw_mode": g["adamw_mode"]} for g in self.param_groups]
         if self._worker is not None and self.global_steps > self.options.dpu_warmup_steps:
             # This step's Adam runs on the worker while the device computes the next step on the
             # parameters published just now (one step behind).
@@ -384,3 +393,8 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         self.streams.synchronize()  # no copy may still read the arena we unpin
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def _value(x) -> float:
+    """A hyper-parameter as a number (a one-element tensor's value: a copy the scheduler cannot change later)."""
+    return float(x.item()) if torch.is_tensor(x) else float(x)

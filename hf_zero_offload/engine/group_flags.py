@@ -1,4 +1,5 @@
-"""What a param group may carry: torch.optim's Adam/AdamW flags, which the engines refuse by name.
+"""What a param group may carry: torch.optim's Adam/AdamW flags, which the engines refuse by name; and the groups'
+params, which are fixed when an engine is built.
 
 The step reads only lr, betas, eps, weight_decay and adamw_mode, so a flag that changes the math (or a
 per-group state_dtype) copied from another optimizer's groups, or set by hand, used to be dropped without a
@@ -38,3 +39,20 @@ def check_group_flags(g: dict, state_dtype: str) -> None:
     if sd is not None and sd != state_dtype:
         raise ValueError(f"state_dtype={sd!r} differs from OffloadOptions.state_dtype={state_dtype!r}: the engine "
                          "stores every group's moments one way")
+
+
+def layout_change(built: list[tuple[int, ...]], groups: list[dict]) -> str | None:
+    """How ``groups``' param lists differ from ``built`` (each group's ``id``s when the engine was built), in words;
+    None when they do not. The engine lays its state out by group when built and a step applies group i's
+    settings to the params it was built with: torch.optim reads the lists at each step, so a param moved to
+    another group (another lr), removed, or groups reordered trained on with the wrong settings, silently."""
+    now = [tuple(map(id, g["params"])) for g in groups]
+    if now == built:
+        return None
+    if len(now) != len(built):
+        return f"param_groups has {len(now)} groups; the engine was built with {len(built)}"
+    before, after = {i for g in built for i in g}, {i for g in now for i in g}
+    i = next(k for k, (a, b) in enumerate(zip(built, now)) if a != b)
+    what = ("params added" if after - before else "params removed" if before - after else
+            "params moved between groups or reordered")
+    return f"param group {i}'s params differ from those the engine was built with ({what})"
