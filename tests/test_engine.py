@@ -186,7 +186,16 @@ def test_loss_scaler_window_and_min_scale():
     for overflow in [False, False, False, True, True, True, False, False, False]:
         s.update(overflow)
         seen.append(s.scale)
-    assert seen == [4, 4, 8, 4, 2, 2, 2, 2, 4]
+    # DeepSpeed's DynamicLossScaler.update_scale since 0.17.1 (stable_interval = cur_iter - last_overflow_iter - 1,
+    # grown when > 0 and a multiple of the window): [4, 4, 8, ...] before, which a port of its test_no_overflow found
+    assert seen == [4, 4, 4, 2, 2, 2, 2, 2, 2]
+    s = LossScaler.from_fp16(enabled=True, loss_scale=0, initial_scale_power=8, loss_scale_window=2,
+                             hysteresis=1, min_loss_scale=1)
+    seen = []
+    for overflow in [False] * 6 + [True, True, False, False, False, True]:
+        s.update(overflow)
+        seen.append(s.scale)
+    assert seen == [256, 256, 512, 512, 1024, 1024, 512, 256, 256, 256, 512, 256]
     static = LossScaler.from_fp16(enabled=True, loss_scale=128)
     static.update(True)
     assert static.scale == 128

@@ -103,7 +103,9 @@ class LossScaler:
                 else:
                     self.cur_hysteresis -= 1
                 self.last_overflow_iter = self.cur_iter
-            elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            # DeepSpeed's count since its 0.17.1 (PR 6976): a window of clean steps after the last overflow (or the
+            # start) doubles the scale at the step after it; before, one step earlier (the first at scale_window)
+            elif (stable := self.cur_iter - self.last_overflow_iter - 1) > 0 and stable % self.scale_window == 0:
                 self.cur_hysteresis = self.hysteresis
                 self.scale *= self.scale_factor
         self.cur_iter += 1
