@@ -138,3 +138,30 @@ def test_a_warmup_of_0_loads_as_the_readme_says(kind):
     assert "warmup_num_steps=500 vs --warmup_steps 0" in message and "--warmup_steps 1" not in message
     block["scheduler"]["params"]["warmup_num_steps"] = -1
     assert "expected an integer >= 0, got -1" in errmsg(block)
+
+
+def test_a_left_out_warmup_max_lr_peaks_where_deepspeeds_would_without_the_trainers_arguments():
+    """DeepSpeed's WarmupLR peaks at the optimizer's lr when warmup_max_lr is left out (its default is None: the first
+    group's lr); WarmupDecayLR's default stays 1e-3. Resolved without arguments, both took 1e-3."""
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 5e-5}}, "scheduler": {"type": "WarmupLR", "params": {}}}
+    assert resolve(cfg).scheduler.warmup_max_lr == 5e-5
+    cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}
+    assert resolve(cfg).scheduler.warmup_max_lr == 1e-3
+    assert resolve({"scheduler": {"type": "WarmupLR"}}).scheduler.warmup_max_lr == 1e-3  # no lr anywhere
+    # with the Trainer's arguments, as "auto" would (the README's documented difference)
+    assert resolve({"scheduler": {"type": "WarmupLR"}}, ARGS).scheduler.warmup_max_lr == 2e-4
+
+
+@pytest.mark.parametrize("cfg, said", [
+    ({"zero_optimization": True}, r'zero_optimization: expected an object, got true \(DeepSpeed\'s legacy form of '
+                                  r'\{"stage": 1\}: write that\)'),
+    ({"zero_optimization": {"stage": 2, "cpu_offload_param": True}},
+     r"zero_optimization.cpu_offload_param: true is not supported by hf_zero_offload: parameter offload needs ZeRO "
+     r"stage 3"),
+], ids=["legacy-bool", "cpu_offload_param"])
+def test_deepspeeds_legacy_zero_spellings_are_named(cfg, said):
+    """DeepSpeed's deprecated cpu_offload_param was refused as unknown (did you mean 'cpu_offload_params', a name
+    DeepSpeed never had); false is its default and loads."""
+    import re
+    assert re.search(said, errmsg(cfg))
+    resolve({"zero_optimization": {"stage": 2, "cpu_offload_param": False}})

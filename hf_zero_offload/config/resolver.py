@@ -148,7 +148,11 @@ class _Resolver:
             return SchedulerConfig(**common, warmup_min_ratio=float(params.get("warmup_min_ratio", 0.0)),
                                    cos_min_ratio=float(params.get("cos_min_ratio", 1e-4)))
         lo = 0.0 if params.get("warmup_min_lr", 0.0) == AUTO else params.get("warmup_min_lr", 0.0)
-        hi = self.take(p + "warmup_max_lr", a and a.learning_rate, "--learning_rate", 1e-3)
+        # left out: DeepSpeed's WarmupLR peaks at the optimizer's (first group's) lr, WarmupDecayLR at 1e-3; with the
+        # Trainer's arguments, --learning_rate (as "auto" would: README, Configuration)
+        peak = self.get("optimizer.params.lr") if kind == "WarmupLR" else None
+        hi = self.take(p + "warmup_max_lr", a and a.learning_rate, "--learning_rate",
+                       peak if isinstance(peak, (int, float)) and not isinstance(peak, bool) else 1e-3)
         return SchedulerConfig(**common, warmup_min_lr=float(lo), warmup_max_lr=float(hi))
 
     def check_schedule(self, s: SchedulerConfig) -> None:

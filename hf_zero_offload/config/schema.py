@@ -164,8 +164,8 @@ ZERO = {
     "legacy_stage1": unsupported("the legacy stage-1 implementation is not available; set it to false"),
     "offload_param": unsupported("parameter offload needs ZeRO stage 3; only offload_optimizer is implemented",
                                  harmless=_device_none),
-    "cpu_offload_params": unsupported("parameter offload needs ZeRO stage 3; only offload_optimizer is "
-                                      "implemented"),
+    "cpu_offload_param": unsupported("parameter offload needs ZeRO stage 3; only offload_optimizer is "  # (legacy)
+                                     "implemented", harmless=lambda v: v is None or v is False),
     "zero_hpz_partition_size": unsupported("ZeRO++ hierarchical partitioning is not implemented",
                                            harmless=lambda v: v is None or _eq(1)(v)),  # true == 1: not harmless
     "zero_quantized_weights": unsupported("ZeRO++ quantized weights are not implemented"),
@@ -321,7 +321,9 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
             if value is None:  # a section set to null is a section not given (DeepSpeed's optional blocks)
                 continue
             if not isinstance(value, dict):
-                raise _err(source, path, f"expected an object, got {_show(value)}")
+                legacy = (f' (DeepSpeed\'s legacy form of {{"stage": {int(value)}}}: write that)'
+                          if path == "zero_optimization" and isinstance(value, bool) else "")
+                raise _err(source, path, f"expected an object, got {_show(value)}{legacy}")
             sub = _walk(value, spec.children, path + ".", source, ignored)
         else:
             try:
