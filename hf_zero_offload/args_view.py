@@ -39,7 +39,8 @@ def args_view(args, *, fp16: bool, bf16: bool, max_steps: int | None, model=None
         adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, weight_decay=args.weight_decay,
         warmup_steps=int(warmup), max_steps=max_steps, fp16=fp16, bf16=bf16,
         hidden_size=hidden_size_of(model) if model is not None else None,
-        lr_scheduler_type=str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)))
+        lr_scheduler_type=str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        sharded_ddp=bool(getattr(args, "sharded_ddp", False)))
 
 
 def early_view(args, raw: dict, fp16: bool, bf16: bool, model) -> ArgsView:

@@ -175,13 +175,20 @@ def start_line(cfg: TrainingConfig, eng, world_size: int, device) -> str:
     arena = getattr(eng, "arena", None)
     return (f"hf_zero_offload: config={cfg.source} ranks={world_size} backend={backend} device={device} "
             f"dtype={str(training_dtype(cfg)).replace('torch.', '')} engine={type(eng).__name__} "
-            f"stage={getattr(eng, 'stage', '-')} offload={getattr(eng, 'offload', True)} "
+            f"stage={_stage(cfg, eng)} offload={getattr(eng, 'offload', True)} "
             f"dpu={cfg.zero.delayed_param_update.enabled} "
             f"lr_schedule={cfg.scheduler.type if cfg.scheduler is not None else 'trainer'} "
             f"moments={getattr(getattr(eng, 'moments', None), 'state_dtype', '-')} simd={ops.simd_level()} "
             f"threads={torch.get_num_threads()} step_threads={getattr(getattr(eng, 'options', None), 'num_threads', '-')} "
             f"host_reserved={_bytes(_host_bytes(eng))} "
             f"pinned={getattr(arena, 'pinned', False)} params={eng.numel} streams={eng.streams.kind}")
+
+
+def _stage(cfg: TrainingConfig, eng) -> str:
+    """The stage the engine runs, and the config's where they differ (one process offloads as stage 2: the
+    gradients leave during backward; --sharded_ddp without a stage runs 2): a "stage": 1 file read "stage=2"."""
+    ran = getattr(eng, "stage", "-")
+    return f"{ran}(config:{cfg.zero.stage})" if cfg.zero.stage not in (0, ran) else str(ran)
 
 
 def accumulation_problem(engine, gas: int) -> str | None:

@@ -170,7 +170,7 @@ def test_defaults_for_missing_sections():
     assert cfg == TrainingConfig(source="<dict>")
     assert cfg.zero == ZeroConfig(0, False, True, False, True, True, 500_000_000, True, 500_000_000, False,
                                   DPUConfig(False, 40))
-    assert cfg.optimizer is None and cfg.scheduler is None and cfg.gradient_clipping == 1.0
+    assert cfg.optimizer is None and cfg.scheduler is None and cfg.gradient_clipping == 0.0  # DeepSpeed's: off
     assert cfg.steps_per_print == 10 and not cfg.fp16.enabled and not cfg.bf16
     with_args = resolve({}, ArgsView(max_grad_norm=0.3, fp16=True, per_device_train_batch_size=2))
     assert with_args.gradient_clipping == 0.3 and with_args.fp16.enabled and with_args.train_batch_size == 2

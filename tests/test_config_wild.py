@@ -219,9 +219,10 @@ def test_an_unknown_key_with_invisible_characters_shows_them(raw, shown, near):
 
 
 def test_a_boolean_is_no_harmless_number_of_an_unsupported_key():
-    # true == 1 in Python: "zero_hpz_partition_size": true passed as the harmless 1, unlike the _eq(1) keys
-    assert "not supported by hf_zero_offload" in error(_with("zero_optimization.zero_hpz_partition_size", True), ARGS)
-    resolve(_with("zero_optimization.zero_hpz_partition_size", 1), ARGS)
+    # true == 1 in Python: "gradient_predivide_factor": true must not pass as the harmless 1 (zero_hpz_partition_size,
+    # where this was found, is a ZeRO-3 setting now accepted at stages 1-2 whatever its value, as DeepSpeed does)
+    assert "not supported by hf_zero_offload" in error(_with("gradient_predivide_factor", True), ARGS)
+    resolve(_with("gradient_predivide_factor", 1), ARGS)
 
 
 def test_dicts_built_in_python():
@@ -345,3 +346,29 @@ def test_a_directory_or_something_else_instead_of_a_file(tmp_path):
     for thing in (None, 3, b"zero2", ["zero2"]):
         with pytest.raises(ConfigError, match="expected a ds_config path or dict"):
             resolve(thing)
+
+
+def test_llamafactory_and_openrlhf_configs_load_as_under_deepspeed():
+    """Refused before: LLaMA-Factory's comms_config and monitor_config (keys DeepSpeed itself does not read), OpenRLHF's
+    sub_group_size "auto", its zero_hpz_partition_size 8 at stage 2 (a ZeRO-3 setting) and tensor_parallel.autotp_size 1
+    (no TP); a "_comment" key was 'unknown (did you mean comet?)'."""
+    lf = resolve(WILD / "llamafactory_z2_offload.json", dataclasses.replace(ARGS, fp16=False, bf16=True))
+    assert (lf.zero.stage, lf.zero.offload, lf.bf16, lf.gradient_clipping) == (2, True, True, 0.5)
+    rlhf = resolve(WILD / "openrlhf_train_offload.json", dataclasses.replace(ARGS, fp16=False, bf16=True,
+                                                                             max_grad_norm=1.0))
+    assert (rlhf.zero.stage, rlhf.zero.offload, rlhf.bf16, rlhf.gradient_clipping) == (2, True, True, 1.0)
+    for key, value, said in [
+        ("tensor_parallel", {"autotp_size": 2}, r'tensor_parallel: \{"autotp_size": 2\} is not supported by '
+                                               r"hf_zero_offload: tensor parallelism \(AutoTP\) is not implemented"),
+        ("fp16", {"enabled": True, "auto_cast": True}, r"fp16.auto_cast: true is not supported by hf_zero_offload: "
+                                                      r"the engine casts the model to fp16 and runs no autocast"),
+    ]:
+        import re
+        assert re.search(said, error({key: value})), error({key: value})
+
+
+def test_an_explicit_stage_0_with_sharded_ddp_is_a_contradiction():
+    """It ran ZeRO-2 without a word (the flag asks for partitioning); left out, the stage is 2 with the flag."""
+    msg = error({"zero_optimization": {"stage": 0}}, dataclasses.replace(ARGS, sharded_ddp=True))
+    assert "zero_optimization.stage=0 (no partitioning) vs --sharded_ddp" in msg
+    assert resolve({"zero_optimization": {"stage": 1}}, dataclasses.replace(ARGS, sharded_ddp=True)).zero.stage == 1

@@ -546,3 +546,14 @@ def test_modules_a_model_keeps_in_fp32_are_named_when_trained_in_16_bit(tmp_path
     assert said[logging.INFO].startswith("hf_zero_offload: T5ForConditionalGeneration keeps wo in fp32 "
                                          "(_keep_in_fp32_modules); the engine trains every parameter in bfloat16")
     assert "keeps lm_head in fp32 (_keep_in_fp32_modules_strict)" in said[logging.WARNING]
+
+
+def test_start_line_says_a_stage_1_offload_file_runs_as_stage_2_on_one_process(tmp_path, caplog):
+    """'"stage": 1' with offload on one process read stage=2 (the engine's) with no word of the file's 1."""
+    zero = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "s", zero_offload=zero, max_steps=1),
+                                        train_dataset=ToyDataset())
+    with caplog.at_level("INFO", logger="hf_zero_offload"):
+        trainer.train()
+    start = [r.getMessage() for r in caplog.records if "hf_zero_offload: config=" in r.getMessage()]
+    assert len(start) == 1 and " engine=OffloadAdam stage=2(config:1) " in start[0], start

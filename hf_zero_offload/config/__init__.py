@@ -48,7 +48,7 @@ go down); a total_num_steps below warmup_num_steps is a warning, as in DeepSpeed
 Missing keys. With ``args``, a missing key of the table above (except the bucket sizes) takes the same value as
 "auto", so TrainingArguments stay in charge unless the file says otherwise (e.g. gradient_clipping follows
 --max_grad_norm). Without args, DeepSpeed's defaults apply: micro batch 1, gradient accumulation 1 and
-train_batch_size derived from the others assuming world_size 1; gradient_clipping 1.0; fp16/bf16 off; Adam
+train_batch_size derived from the others assuming world_size 1; gradient_clipping 0 (off); fp16/bf16 off; Adam
 lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0; WarmupLR 0 -> 1e-3 over 1000 steps, warmup_type "log";
 WarmupCosineLR warmup_min_ratio 0, cos_min_ratio 1e-4, 1000 warm-up steps, warmup_type "log".
 Always: stage 0, no offload, pin_memory true, overlap_comm false, contiguous_gradients true, reduce_scatter true,

@@ -182,6 +182,9 @@ class _Resolver:
                             example=f", a number of elements (DeepSpeed's default: {DEFAULT_BUCKET_SIZE})")
         agbs = z.get("allgather_bucket_size", DEFAULT_BUCKET_SIZE)
         dpu = z.get("delayed_param_update", {})
+        if self.args is not None and self.args.sharded_ddp and z.get("stage") == 0:  # it ran stage 2, without a word
+            self.mismatches.append("zero_optimization.stage=0 (no partitioning) vs --sharded_ddp (ZeRO stage 1 or 2: "
+                                   "set the stage, or leave it out for 2)")
         return ZeroConfig(
             stage=z.get("stage", 0),
             offload=off.get("device") == "cpu" or z.get("cpu_offload", False),
@@ -221,7 +224,7 @@ class _Resolver:
         a, cfg = self.args, self.cfg
         self.check_arguments()
         tbs, micro, gas = self.batch()
-        clip = self.take("gradient_clipping", a and a.max_grad_norm, "--max_grad_norm", 1.0)
+        clip = self.take("gradient_clipping", a and a.max_grad_norm, "--max_grad_norm", 0.0)  # DeepSpeed's: off
         fp16 = bool(self.take("fp16.enabled", a and a.fp16, "--fp16", False))
         bf16 = bool(self.take("bf16.enabled", a and a.bf16, "--bf16", False))
         optimizer, scheduler, zero = self.optimizer(), self.scheduler(), self.zero()

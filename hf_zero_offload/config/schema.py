@@ -42,6 +42,12 @@ def _device_none(v: Any) -> bool:
     return isinstance(v, dict) and v.get("device", "none") in ("none", None)
 
 
+def _tp_off(v: Any) -> bool:
+    """DeepSpeed's tensor_parallel section with a size of 1 (OpenRLHF's default writes autotp_size 1): no TP."""
+    return isinstance(v, dict) and all(v.get(k, 1) in (None, 0, 1) and not isinstance(v.get(k), bool)
+                                       for k in ("autotp_size", "tp_size"))
+
+
 def _grad_accum_fp32(v: Any) -> bool:
     return isinstance(v, dict) and set(v) <= {"grad_accum_dtype"} and v.get("grad_accum_dtype") in (None, "fp32")
 
@@ -67,7 +73,8 @@ FP16 = {
     "min_loss_scale": use(number(2.0 ** -126, 2.0 ** 126, hi_open=False, what="a number in [2**-126, 2**126] (the "
                                  "scale and 1/scale must be normal fp32 numbers)")),
     "consecutive_hysteresis": unsupported("the loss scaler keeps plain hysteresis; set it to false"),
-    "auto_cast": unsupported("inputs are not cast by the engine; the Trainer's --fp16 autocast handles it"),
+    "auto_cast": unsupported("the engine casts the model to fp16 and runs no autocast (inputs are not cast); set it "
+                             "to false"),
     "fp16_master_weights_and_grads": unsupported("master weights are always fp32 on the host"),
 }
 BF16 = {
@@ -156,7 +163,7 @@ ZERO = {
     "elastic_checkpoint": ignore(boolean),
     "ignore_unused_parameters": ignore(boolean),
     "use_multi_rank_bucket_allreduce": ignore(boolean),
-    "sub_group_size": ignore(integer(0, "an integer >= 0")),
+    "sub_group_size": STAGE3_KEY,  # groups ZeRO-3's (and its offload's) flat state; OpenRLHF writes "auto"
     "memory_efficient_linear": ignore(boolean),
     "gather_16bit_weights_on_model_save": ignore(boolean),
     "stage3_gather_16bit_weights_on_model_save": ignore(boolean),  # accelerate writes it for every stage
@@ -166,8 +173,8 @@ ZERO = {
                                  harmless=_device_none),
     "cpu_offload_param": unsupported("parameter offload needs ZeRO stage 3; only offload_optimizer is "  # (legacy)
                                      "implemented", harmless=lambda v: v is None or v is False),
-    "zero_hpz_partition_size": unsupported("ZeRO++ hierarchical partitioning is not implemented",
-                                           harmless=lambda v: v is None or _eq(1)(v)),  # true == 1: not harmless
+    # ZeRO++ hpZ partitions ZeRO-3's params: DeepSpeed reads it in its stage-3 branch only, and stage 3 is refused
+    "zero_hpz_partition_size": STAGE3_KEY,
     "zero_quantized_weights": unsupported("ZeRO++ quantized weights are not implemented"),
     "zero_quantized_nontrainable_weights": unsupported("ZeRO++ quantized weights are not implemented"),
     "zero_quantized_gradients": unsupported("ZeRO++ quantized gradients are not implemented"),
@@ -201,6 +208,10 @@ TOP = {
     "dataloader_drop_last": ignore(boolean),
     "checkpoint": ignore(an_object),  # transformers writes checkpoint.use_node_local_storage
     "timers": ignore(an_object),  # DeepSpeed's throughput timers: measurement only
+    # keys DeepSpeed itself does not read (its own are comms_logger and the monitors) that popular configs carry:
+    # LLaMA-Factory's shipped ds_z*_config.json write both, and ran under DeepSpeed
+    "comms_config": ignore(an_object),
+    "monitor_config": ignore(an_object),
     # unsupported features (fine while switched off)
     "amp": unsupported("NVIDIA Apex AMP is not used; use the fp16/bf16 sections or --fp16/--bf16"),
     "torch_autocast": unsupported("use the fp16/bf16 sections or --fp16/--bf16"),
@@ -234,6 +245,7 @@ TOP = {
     "comms_logger": unsupported("communication logging is not implemented; use torch.profiler"),
     "graph_harvesting": unsupported("CUDA graph harvesting is not implemented"),
     "sequence_parallel_size": unsupported("sequence parallelism is not implemented", harmless=_eq(1)),
+    "tensor_parallel": unsupported("tensor parallelism (AutoTP) is not implemented", harmless=_tp_off),
     "use_data_before_expert_parallelism": unsupported("expert parallelism is not implemented"),
 }
 
@@ -297,6 +309,8 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
         bad = non_json({key: value})  # a dict built in Python: an int key, a numpy array, a tensor...
         if bad is not None:
             raise _err(source, prefix + bad[0][1:], bad[1])
+        if key.startswith("_") and key.lstrip("_"):  # "_comment": JSON has no comments; DeepSpeed ignores such keys
+            continue
         spec = table.get(key)
         if spec is None and table is ZERO and key.startswith("stage3_"):
             spec = STAGE3_KEY

@@ -70,7 +70,7 @@ class TrainingConfig:
     train_batch_size: int = 1
     train_micro_batch_size_per_gpu: int = 1
     gradient_accumulation_steps: int = 1
-    gradient_clipping: float = 1.0  # 0 = off
+    gradient_clipping: float = 0.0  # 0 = off (DeepSpeed's default)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: bool = False
     optimizer: OptimizerConfig | None = None
@@ -118,4 +118,5 @@ class ArgsView:
     bf16: bool = False
     hidden_size: int | None = None  # model.config.hidden_size / d_model
     lr_scheduler_type: str = "linear"  # the Trainer's schedule, which a "scheduler" block replaces
+    sharded_ddp: bool = False  # --sharded_ddp: partitioning asked for (a stage 0 in the file contradicts it)
 
