@@ -62,10 +62,12 @@ contiguous_gradients, allgather_partitions, round_robin_gradients, steps_per_pri
 memory_breakdown, dump_state, dataloader_drop_last, checkpoint{...} (transformers writes use_node_local_storage),
 bf16.immediate_grad_update / check_grad_overflow, optimizer.params.torch_adam (any bool),
 scheduler.params.last_batch_iteration, zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
-ignore_unused_parameters, use_multi_rank_bucket_allreduce, sub_group_size, memory_efficient_linear,
+ignore_unused_parameters, use_multi_rank_bucket_allreduce, memory_efficient_linear,
 [stage3_]gather_16bit_weights_on_model_save, stage3_gather_fp16_weights_on_model_save} (accelerate writes the
 last for every stage), every other stage-3 tuning key (stage3_* and DeepSpeed's aliases such as prefetch_bucket_size:
-a number, a boolean, null or "auto"; DeepSpeed ignores them below stage 3 too), offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
+and sub_group_size, zero_hpz_partition_size: a number, a boolean, null or "auto"; DeepSpeed ignores them below
+stage 3 too), comms_config{...} and monitor_config{...} (keys DeepSpeed does not read, which LLaMA-Factory's
+configs carry), keys starting with "_" ("_comment"; skipped), offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
 fast_init}. Legacy spellings: "bfloat16" for "bf16", zero_optimization.cpu_offload (== offload_optimizer.device
 "cpu") and cpu_offload_use_pin_memory (== offload_optimizer.pin_memory).
 
@@ -74,9 +76,10 @@ are switched on, and ignored while switched off (false/null/0, ``{"enabled": fal
 ``{"device": "none"}``, ratio 1, gradient_predivide_factor 1...): ZeRO stage 3, offload_param, NVMe offload, optimizer types other than Adam/AdamW,
 schedulers other than WarmupLR/WarmupDecayLR/WarmupCosineLR (OneCycle, LRRangeTest, torch's by name),
 fp16.{consecutive_hysteresis, auto_cast, fp16_master_weights_and_grads}, amp, torch_autocast,
-activation_checkpointing, flops_profiler, tensorboard/wandb/csv_monitor/comet, elasticity, pipeline,
+activation_checkpointing, flops_profiler, tensorboard/wandb/csv_monitor/comet, elasticity, pipeline, tensor_parallel
+(autotp_size/tp_size above 1),
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
-only), ZeRO++ / MiCS keys and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config.schema`.
+only), ZeRO++ / MiCS keys (but hpZ, above) and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config.schema`.
 Unknown keys are errors, with "did you mean" for near misses. A section set to null ("offload_optimizer": null,
 "scheduler": null) is a section not given, as DeepSpeed reads its optional blocks; a null leaf value is an error.
 A dict built in Python may hold numpy scalars (numbers) but no arrays, tensors or non-string keys. The extension
