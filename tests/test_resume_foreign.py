@@ -123,6 +123,12 @@ def test_a_plain_checkpoint_is_taken_over_and_deepspeeds_refused_with_the_way_fo
                                          r"trainable.*train without resume_from_checkpoint"):
         _train(tmp_path / "ours2", True, 4, frozen="a", resume=str(ckpt), seen=seen)
     _assert_untouched(seen[0])
+    _train(tmp_path / "sgd", False, 2, optim="sgd")  # another optimizer's state: refused, the model untouched
+    seen = []
+    with pytest.raises(ValueError, match=r"not the state of torch.optim.Adam/AdamW \(param_groups\[0\] or the state "
+                                         r"has momentum, dampening, nesterov"):
+        _train(tmp_path / "ours4", True, 4, resume=str(tmp_path / "sgd" / "checkpoint-2"), seen=seen)
+    _assert_untouched(seen[0])
     os.rename(ckpt / "optimizer.pt", tmp_path / "moved.pt")  # laid out as transformers + DeepSpeed save it
     (ckpt / "global_step2").mkdir()
     (ckpt / "latest").write_text("global_step2")

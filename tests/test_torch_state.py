@@ -194,3 +194,36 @@ def test_sharded_engines_take_their_shard_of_a_torch_state(stage, offload, state
     worst = max(max(d) for d in diffs)
     assert worst < (8e-3 if state_dtype == "int8" else 2e-7), worst  # int8: its own rounding (3.6e-3 here)
     assert diffs[0] == diffs[1]
+
+
+@pytest.mark.parametrize("other", [torch.optim.SGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+                                   torch.optim.RMSprop])
+def test_another_optimizers_state_is_refused_by_name(other):
+    """An SGD checkpoint was taken over as Adam's with fresh moments (and a message about torch < 2.6); NAdam's and
+    RAdam's loaded as Adam's (mu_product dropped, the rectification lost)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = other(param_groups(model, WD), lr=1e-2, **({"momentum": 0.9} if other is torch.optim.SGD else {}))
+    run_steps(model, opt, batches(2))
+    engine = _engine(copy.deepcopy(model), "fp32")
+    before = engine.state_tensors()["exp_avg"].clone()
+    with pytest.raises(ValueError, match=r"not the state of torch.optim.Adam/AdamW"):
+        engine.load_torch_state_dict(opt.state_dict())
+    assert torch.equal(engine.state_tensors()["exp_avg"], before)
+    engine.close()
+
+
+def test_an_engine_group_given_the_torch_way_is_l2_adam():
+    """{"decoupled_weight_decay": False} in a group was refused as contradicting adamw_mode=True, set by no one."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    groups = [{**g, "decoupled_weight_decay": False} for g in param_groups(model, 0.1)]
+    engine = OffloadAdam(groups, lr=LR, options=OffloadOptions(num_threads=1))
+    torch_opt = torch.optim.Adam(param_groups(ref, 0.1), lr=LR, foreach=False)
+    run_steps(model, engine, batches(3))
+    run_steps(ref, torch_opt, batches(3))
+    assert all(g["adamw_mode"] is False for g in engine.param_groups)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7)
+    engine.close()

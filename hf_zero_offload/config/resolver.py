@@ -162,8 +162,9 @@ class _Resolver:
             # it warmed down: step 1 ran at warmup_min_lr (100x --learning_rate in the report that found it), the
             # only LR key compared with nothing; the ratios of WarmupCosineLR are refused above 1 alike
             given = self.get(p + "warmup_max_lr") not in (AUTO, _MISSING)
+            origin = " (from --learning_rate)" if self.args is not None else " (from optimizer.params.lr)"
             raise ConfigError(f"{self.source}: {p}warmup_min_lr: {s.warmup_min_lr:g} is above {p}warmup_max_lr "
-                              f"{s.warmup_max_lr:g}" + ("" if given else " (from --learning_rate)") + ": the "
+                              f"{s.warmup_max_lr:g}" + ("" if given else origin) + ": the "
                               "warm-up would go down; lower warmup_min_lr (0 is DeepSpeed's default)")
         if s.total_num_steps is not None and s.warmup_num_steps > s.total_num_steps:
             # DeepSpeed's WarmupDecayLR warns too: the run ends inside the warm-up, never at the peak LR, never decaying

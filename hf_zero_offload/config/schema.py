@@ -43,9 +43,13 @@ def _device_none(v: Any) -> bool:
 
 
 def _tp_off(v: Any) -> bool:
-    """DeepSpeed's tensor_parallel section with a size of 1 (OpenRLHF's default writes autotp_size 1): no TP."""
-    return isinstance(v, dict) and all(v.get(k, 1) in (None, 0, 1) and not isinstance(v.get(k), bool)
-                                       for k in ("autotp_size", "tp_size"))
+    """DeepSpeed's tensor_parallel section with a size of 1 (OpenRLHF's default writes autotp_size 1): no TP. Only
+    its size keys: any other (a misspelt "autotp_szie": 2) is not known to be off."""
+    def one(x):
+        return x in (None, 0, 1) and not isinstance(x, bool)
+    tp = v.get("tp", {}) if isinstance(v, dict) else None
+    return (isinstance(v, dict) and set(v) <= {"autotp_size", "tp_size", "tp"} and one(v.get("autotp_size"))
+            and one(v.get("tp_size")) and isinstance(tp, dict) and set(tp) <= {"tp_size"} and one(tp.get("tp_size")))
 
 
 def _grad_accum_fp32(v: Any) -> bool:

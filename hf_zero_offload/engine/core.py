@@ -31,7 +31,7 @@ from .. import ops
 from . import param_names
 from .delayed import DelayedUpdate
 from .grad_hooks import ParamOwner
-from .group_flags import check_group_flags, layout_change
+from .group_flags import check_group_flags, layout_change, torch_style_groups
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
@@ -52,7 +52,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
     def __init__(self, params, *, lr: float, betas, eps: float, weight_decay: float, adamw_mode: bool,
                  param_dtype: torch.dtype | None, options: OffloadOptions, streams: Streams | None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
-        super().__init__(params, defaults)
+        super().__init__(torch_style_groups(params), defaults)
         self._layout_fixed = True  # from here on add_param_group refuses (see there)
         param_names.check_given(self.param_groups, type(self).__name__)  # a load compares them (param_names.py)
         self.options = options

@@ -8,6 +8,8 @@ optimizer the Trainer integration takes over is checked against the same tables 
 """
 from __future__ import annotations
 
+import torch
+
 # flags that change the math, which the kernels do not run
 MATH_FLAGS = {
     "amsgrad": "the engine keeps no max(exp_avg_sq) state",
@@ -56,3 +58,13 @@ def layout_change(built: list[tuple[int, ...]], groups: list[dict]) -> str | Non
     what = ("params added" if after - before else "params removed" if before - after else
             "params moved between groups or reordered")
     return f"param group {i}'s params differ from those the engine was built with ({what})"
+
+
+def torch_style_groups(params):
+    """``params`` with a group given the torch way (``{"decoupled_weight_decay": False}``, no ``adamw_mode``) as L2
+    Adam, as CPUAdam reads it: the default adamw_mode=True made it "contradicts adamw_mode=True", which the user never
+    set. A lone tensor is left to torch's own TypeError."""
+    if isinstance(params, torch.Tensor):
+        return params
+    return [dict(g, adamw_mode=bool(g["decoupled_weight_decay"])) if isinstance(g, dict) and g.get(
+        "decoupled_weight_decay") is not None and "adamw_mode" not in g else g for g in params]

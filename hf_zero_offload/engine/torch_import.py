@@ -19,6 +19,10 @@ logger = logging.getLogger("hf_zero_offload")
 
 #: torch group flags whose update the engine does not compute (it refuses them when built from such groups too)
 _UNSUPPORTED = ("amsgrad", "maximize")
+#: what the groups of torch's other optimizers hold and Adam's/AdamW's do not (SGD, NAdam, RAdam, Adagrad, RMSprop...)
+_OTHER_OPTIMIZERS = ("momentum", "dampening", "nesterov", "momentum_decay", "lr_decay",
+                     "initial_accumulator_value", "alpha", "centered", "lambd", "etas", "step_sizes")
+_ADAM_STATE = {"step", "exp_avg", "exp_avg_sq"}
 
 
 class TorchStateImport:
@@ -69,6 +73,7 @@ class TorchStateImport:
         if sizes != mine:
             raise ValueError(f"{where}: param groups of {sizes} params; this engine's are {mine} (the same params in "
                              "the same groups, in order: the optimizer the state was saved from was built otherwise)")
+        not_adam(state_dict, where)
         for i, g in enumerate(groups):
             for flag in _UNSUPPORTED:
                 if g.get(flag):
@@ -116,3 +121,22 @@ class TorchStateImport:
             logger.warning("hf_zero_offload: param_groups[%d] of the torch state does not say whether its weight "
                            "decay was decoupled (torch < 2.6): taken as AdamW's, as the Trainer's optimizers are", i)
         return out
+
+
+def not_adam(state_dict: dict, where: str) -> None:
+    """A ValueError when ``state_dict`` (torch's outline checked) is another torch optimizer's than Adam/AdamW: its
+    moments would be taken for Adam's (an SGD checkpoint resumed with fresh moments and a wrong message, NAdam's
+    mu_product dropped)."""
+    for i, g in enumerate(state_dict["param_groups"]):
+        if not isinstance(g, dict):
+            continue
+        other = [k for k in _OTHER_OPTIMIZERS if k in g] + [f"no {k}" for k in ("betas", "eps") if k not in g]
+        # RAdam's groups look like Adam's but lack amsgrad, which Adam/AdamW always write; NAdam's and Adamax's state
+        # hold mu_product / exp_inf
+        other += [] if "amsgrad" in g else ["no amsgrad"]
+        other += sorted({k for st in state_dict["state"].values() if isinstance(st, dict) for k in st} - _ADAM_STATE)
+        if other:
+            raise ValueError(f"{where}: not the state of torch.optim.Adam/AdamW (param_groups[{i}] or the state has "
+                             f"{', '.join(map(str, other[:4]))}): its moments are another optimizer's, and an Adam step "
+                             "from them would be neither that optimizer's nor Adam's; resume that run with its own "
+                             "optimizer, or start a new run from its weights")

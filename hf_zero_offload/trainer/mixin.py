@@ -116,7 +116,11 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("create_optimizer")
+        # the class's own, or one it inherits from a class before the mixin (class T(LayerwiseLR, ZeroOffloadTrainer):
+        # that one was refused as "not built by create_optimizer", though it was)
+        mro = cls.__mro__
+        own = next((c.__dict__["create_optimizer"] for c in mro[:mro.index(ZeroOffloadMixin)]
+                    if "create_optimizer" in c.__dict__), None)
         if own is None or getattr(own, "_zo_takes_over", False):
             return
 

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ..engine.state_dir import LayoutMismatch
+from ..engine.torch_import import not_adam
 from ..foreign_checkpoint import FRESH_START
 
 logger = logging.getLogger("hf_zero_offload")
@@ -34,11 +35,15 @@ class TorchStateResume:
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - named: torch's own message says neither the file nor what to do
-            raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:200]}); resume from another "
+            first = (str(e).strip().splitlines() or [""])[0]  # (its first line: torch's goes on for a page)
+            raise ValueError(f"{path} cannot be read ({type(e).__name__}: {first}); resume from another "
                              "checkpoint") from None
-        if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict)
-                and isinstance(sd.get("param_groups"), list)) or "format" in sd:
-            return None
+        if isinstance(sd, dict) and "format" in sd:
+            return None  # the engine's own state_dict: a ZeroOffloadCallback run's (missing_state_message says so)
+        if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
+            raise ValueError(f"{path} holds a {type(sd).__name__}, not a torch optimizer's state_dict ({{'state': ..., "
+                             "'param_groups': [...]}); resume from another checkpoint")
+        not_adam(sd, path)  # before the weights load, as the param count below
         trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
         saved = sum(len(g.get("params", ())) for g in sd["param_groups"] if isinstance(g, dict))
         if saved != len(trainable):
