@@ -1,6 +1,7 @@
 """Helpers for ``finetune_trainer.py``: legacy data layout, task prefixes, metrics, freezing, legacy flags."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 
 from hf_zero_offload.usage import not_utf8_text
 
@@ -35,11 +36,12 @@ LEGACY_FLAG_RENAMES = {
     "--lr_scheduler": "--lr_scheduler_type",
     "--no_cuda": "--use_cpu",
 }
-# Still documented names that transformers 5.x deprecates with a FutureWarning on every run: renamed quietly.
-QUIET_FLAG_RENAMES = {
+# Still documented names that transformers 5.23+ deprecates with a FutureWarning on every run: renamed quietly, where
+# the new name exists (before 5.23 the rename made "unknown arguments: --activation_checkpointing")
+QUIET_FLAG_RENAMES = {k: v for k, v in {
     "--gradient_checkpointing": "--activation_checkpointing",
     "--gradient_checkpointing_kwargs": "--activation_checkpointing_kwargs",
-}
+}.items() if v[2:] in {f.name for f in dataclasses.fields(TrainingArguments)}}
 
 
 # v4.2's --lr_scheduler values that transformers renamed
