@@ -389,14 +389,19 @@ def test_bf16_gradient_in_pieces_within_one_backward(tmp_path):
     assert _logged(trainer, "grad_norm")[0] == pytest.approx(norm, rel=1e-6)
 
 
-def test_start_line_names_sharded_ddp_alone(tmp_path, caplog):
-    """--sharded_ddp without a ds_config logged config=<dict>: the start line now says what was asked for."""
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "s", sharded_ddp=True, max_steps=1),
+def _start_line(tmp_path, caplog, **kw) -> str:
+    """The one start line of a 1-step run with these arguments."""
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "s", max_steps=1, **kw),
                                         train_dataset=ToyDataset())
     with caplog.at_level("INFO", logger="hf_zero_offload"):
         trainer.train()
-    start = [r.getMessage() for r in caplog.records if "hf_zero_offload: config=" in r.getMessage()]
-    assert len(start) == 1 and "config=--sharded_ddp (stage 2) " in start[0], start
+    (start,) = [r.getMessage() for r in caplog.records if "hf_zero_offload: config=" in r.getMessage()]
+    return start
+
+
+def test_start_line_names_sharded_ddp_alone(tmp_path, caplog):
+    """--sharded_ddp without a ds_config logged config=<dict>: the start line now says what was asked for."""
+    assert "config=--sharded_ddp (stage 2) " in _start_line(tmp_path, caplog, sharded_ddp=True)
 
 
 def test_a_ds_config_without_zero_optimization_says_it_offloads_nothing(tmp_path, caplog):
@@ -551,9 +556,4 @@ def test_modules_a_model_keeps_in_fp32_are_named_when_trained_in_16_bit(tmp_path
 def test_start_line_says_a_stage_1_offload_file_runs_as_stage_2_on_one_process(tmp_path, caplog):
     """'"stage": 1' with offload on one process read stage=2 (the engine's) with no word of the file's 1."""
     zero = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "s", zero_offload=zero, max_steps=1),
-                                        train_dataset=ToyDataset())
-    with caplog.at_level("INFO", logger="hf_zero_offload"):
-        trainer.train()
-    start = [r.getMessage() for r in caplog.records if "hf_zero_offload: config=" in r.getMessage()]
-    assert len(start) == 1 and " engine=OffloadAdam stage=2(config:1) " in start[0], start
+    assert " engine=OffloadAdam stage=2(config:1) " in _start_line(tmp_path, caplog, zero_offload=zero)
