@@ -506,3 +506,22 @@ def test_a_trainable_view_of_a_buffer_is_refused_and_a_kept_reference_is_no_tie(
     with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
         trainer.train()
     assert "1 trainable param(s) were not contiguous" in caplog.text and model.extra.weight.is_contiguous()
+
+
+def test_a_helpers_create_optimizer_is_looked_up_when_called(tmp_path, monkeypatch):
+    """Captured when the class was made, a helper's method patched later (a plugin's monkeypatch) was not the one run:
+    the old single group trained, 0.026 off the plain Trainer's layer-wise run, without a word (outside probe R2)."""
+    class Late:
+        def create_optimizer(self, model=None):
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.args.learning_rate)
+            return self.optimizer
+
+    class Ours(Late, ZeroOffloadSeq2SeqTrainer):
+        pass
+
+    monkeypatch.setattr(Late, "create_optimizer", Above.__dict__["create_optimizer"].__wrapped__)
+    monkeypatch.setattr(Late, "opt_cls", torch.optim.AdamW, raising=False)
+    monkeypatch.setattr(Late, "extra", {}, raising=False)
+    ours = Ours(model=tiny_t5(), args=_args(tmp_path, "ours", zero_offload=OFFLOAD), train_dataset=ToyDataset())
+    ours.train()
+    assert [(g["initial_lr"], g["weight_decay"]) for g in ours.zero_engine.param_groups] == [(1e-2, 0.1), (1e-3, 0.0)]

@@ -33,6 +33,21 @@ from .saving import CheckpointSaving
 logger = logging.getLogger("hf_zero_offload")
 
 
+def _users_create_optimizer(cls):
+    """The user's ``create_optimizer`` (a descriptor) that ``cls`` runs: the first defined before the mixin in its MRO
+    (a class body's, kept by its wrapper), or None."""
+    mro = cls.__mro__
+    for c in mro[:mro.index(ZeroOffloadMixin)]:
+        f = c.__dict__.get("create_optimizer")
+        if f is None:
+            continue
+        if getattr(f, "_zo_own", None) is not None:
+            return f._zo_own
+        if not getattr(f, "_zo_takes_over", False):
+            return f
+    return None
+
+
 class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, BroadcastBuffers):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
@@ -118,18 +133,20 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         super().__init_subclass__(**kwargs)
         # the class's own, or one it inherits from a class before the mixin (class T(LayerwiseLR, ZeroOffloadTrainer):
         # that one was refused as "not built by create_optimizer", though it was)
-        mro = cls.__mro__
-        own = next((c.__dict__["create_optimizer"] for c in mro[:mro.index(ZeroOffloadMixin)]
-                    if "create_optimizer" in c.__dict__), None)
-        if own is None or getattr(own, "_zo_takes_over", False):
+        if _users_create_optimizer(cls) is None:
             return
+        body = cls.__dict__.get("create_optimizer")
 
         # transformers' documented way to change the optimizer is to override create_optimizer: the torch optimizer
-        # it builds is never fed gradients here (train() failed deep in torch), so the engine takes over its groups
-        @functools.wraps(own)
+        # it builds is never fed gradients here (train() failed deep in torch), so the engine takes over its groups.
+        # Looked up at each call, as Python would: a helper's method patched after the class was made is the one run.
         def create_optimizer(self, *args, **kwargs):
-            return self._zo_take_over(own(self, *args, **kwargs), f"{cls.__qualname__}.create_optimizer")
+            method = _users_create_optimizer(cls).__get__(self, type(self))  # (cls's MRO: a super() call goes on)
+            return self._zo_take_over(method(*args, **kwargs), f"{cls.__qualname__}.create_optimizer")
 
+        if body is not None and not getattr(body, "_zo_takes_over", False):
+            create_optimizer._zo_own = body  # the class body's, which this replaces in the class
+            functools.update_wrapper(create_optimizer, body) if callable(body) else None
         create_optimizer._zo_takes_over = True
         cls.create_optimizer = create_optimizer
 
