@@ -227,3 +227,29 @@ def test_an_engine_group_given_the_torch_way_is_l2_adam():
     for a, b in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-7)
     engine.close()
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda g: g.update(amsgrad=True), r"param_groups\[0\] has amsgrad=True, which the engine does not compute"),
+    (lambda g: (g.pop("amsgrad"), g.update(bias_correction=False)),
+     r"param_groups\[0\] has bias_correction=False; the engine always corrects the bias"),
+    (lambda g: (g.pop("amsgrad"), g.update(bias_correction=True)), None),  # apex/DeepSpeed FusedAdam: Adam's
+    (lambda g: (g.pop("amsgrad"), g.update(correct_bias=True)), None),     # transformers' old AdamW (adamw_hf)
+], ids=["amsgrad", "no-bias-correction", "fused-adam", "adamw-hf"])
+def test_adams_of_other_libraries_load_and_their_flags_are_named(edit, said):
+    """An amsgrad state was called 'not Adam' (its max_exp_avg_sq); apex's FusedAdam and transformers' old AdamW
+    (no amsgrad key) were refused as another optimizer's; bias_correction=False loaded as bias-corrected Adam."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    ref = torch.optim.AdamW(param_groups(model, WD), lr=LR, foreach=False)
+    run_steps(model, ref, batches(1))
+    sd = ref.state_dict()
+    for g in sd["param_groups"]:
+        edit(g)
+    engine = _engine(copy.deepcopy(model), "fp32")
+    if said is None:
+        engine.load_torch_state_dict(sd)
+    else:
+        with pytest.raises(ValueError, match=said):
+            engine.load_torch_state_dict(sd)
+    engine.close()

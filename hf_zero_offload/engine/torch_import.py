@@ -74,10 +74,6 @@ class TorchStateImport:
             raise ValueError(f"{where}: param groups of {sizes} params; this engine's are {mine} (the same params in "
                              "the same groups, in order: the optimizer the state was saved from was built otherwise)")
         not_adam(state_dict, where)
-        for i, g in enumerate(groups):
-            for flag in _UNSUPPORTED:
-                if g.get(flag):
-                    raise ValueError(f"{where}: param_groups[{i}] has {flag}=True, which the engine does not compute")
         return groups
 
     @staticmethod
@@ -117,9 +113,10 @@ class TorchStateImport:
             out["betas"] = [float(b.item() if torch.is_tensor(b) else b) for b in g["betas"]]
         if "decoupled_weight_decay" in g:
             out["adamw_mode"] = bool(g["decoupled_weight_decay"])
-        elif g.get("weight_decay"):  # torch before 2.6 wrote no such key: Adam's and AdamW's dicts look alike
-            logger.warning("hf_zero_offload: param_groups[%d] of the torch state does not say whether its weight "
-                           "decay was decoupled (torch < 2.6): taken as AdamW's, as the Trainer's optimizers are", i)
+        elif g.get("weight_decay"):  # torch before 2.7 wrote no such key: Adam's and AdamW's dicts look alike
+            logger.info("hf_zero_offload: param_groups[%d] of the torch state does not say whether its weight decay "
+                        "was decoupled (saved by torch < 2.7): the engine's own mode is kept (adamw_mode=%s)", i,
+                        out.get("adamw_mode"))
         return out
 
 
@@ -130,10 +127,17 @@ def not_adam(state_dict: dict, where: str) -> None:
     for i, g in enumerate(state_dict["param_groups"]):
         if not isinstance(g, dict):
             continue
+        for flag in _UNSUPPORTED:  # Adam's, named as such (its state holds max_exp_avg_sq)
+            if g.get(flag):
+                raise ValueError(f"{where}: param_groups[{i}] has {flag}=True, which the engine does not compute")
+        for flag in ("bias_correction", "correct_bias"):  # apex FusedAdam's, transformers' old AdamW's
+            if g.get(flag, True) is False:
+                raise ValueError(f"{where}: param_groups[{i}] has {flag}=False; the engine always corrects the bias")
         other = [k for k in _OTHER_OPTIMIZERS if k in g] + [f"no {k}" for k in ("betas", "eps") if k not in g]
-        # RAdam's groups look like Adam's but lack amsgrad, which Adam/AdamW always write; NAdam's and Adamax's state
-        # hold mu_product / exp_inf
-        other += [] if "amsgrad" in g else ["no amsgrad"]
+        # RAdam's groups look like Adam's but lack amsgrad, which torch's Adam/AdamW always write (transformers' old
+        # AdamW and apex's FusedAdam write correct_bias / bias_correction instead); NAdam's and Adamax's state hold
+        # mu_product / exp_inf
+        other += [] if {"amsgrad", "correct_bias", "bias_correction"} & set(g) else ["no amsgrad"]
         other += sorted({k for st in state_dict["state"].values() if isinstance(st, dict) for k in st} - _ADAM_STATE)
         if other:
             raise ValueError(f"{where}: not the state of torch.optim.Adam/AdamW (param_groups[{i}] or the state has "
