@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shlex
 import shutil
 
 import torch
@@ -346,6 +347,6 @@ def consolidate_main(args) -> int:
     if with_optimizer:
         print(f"wrote torch.optim.AdamW's state: {os.path.join(args.output_dir, 'optimizer.pt')}, with the "
               "checkpoint's trainer state, scheduler and RNG files: resume it with the plain Trainer "
-              f"(--resume_from_checkpoint {args.output_dir}, an AdamW --optim, the same param groups and "
+              f"(--resume_from_checkpoint {shlex.quote(args.output_dir)}, an AdamW --optim, the same param groups and "
               "--weight_decay), or load optimizer.pt into torch.optim.AdamW")
     return 0

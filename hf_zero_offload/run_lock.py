@@ -80,8 +80,13 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as e:  # a full disk: an empty lock left behind (taken over later as stale) and no path said
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise OSError(e.errno, f"cannot write the run lock {self.path}: {e.strerror or e}") from e
         return True
 
     @contextlib.contextmanager
@@ -159,6 +164,9 @@ class RunLock:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            except OSError as e:  # (a file system gone read-only): the error that ended the run must stay the one said
+                logger.warning("hf_zero_offload: could not remove the run lock %s (%s); the next run takes it over "
+                               "as stale", self.path, e)
 
 
 def take_job_lock(lock: RunLock, rank: int, world_size: int) -> RunLock:

@@ -332,10 +332,10 @@ def _trainer(out, **kw):
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
-    args = ZeroOffloadSeq2SeqTrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=4, max_steps=2, use_cpu=True, report_to=[], seed=0,
-        disable_tqdm=True, learning_rate=1e-3, save_strategy="steps", save_steps=2,
-        zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, **kw)
+    args = ZeroOffloadSeq2SeqTrainingArguments(**{
+        **dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=2, use_cpu=True, report_to=[], seed=0,
+               disable_tqdm=True, learning_rate=1e-3, save_strategy="steps", save_steps=2,
+               zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}), **kw})
     return ZeroOffloadSeq2SeqTrainer(model=tiny_t5(0), args=args, train_dataset=ToyDataset())
 
 
@@ -363,3 +363,26 @@ def test_a_checkpoint_written_again_is_not_complete_until_its_new_marker(tmp_pat
     assert resume.status(str(ckpt)) == "incomplete"
     with pytest.raises(resume.IncompleteCheckpoint):
         resume.target(True, str(out))
+
+
+@pytest.mark.parametrize("error, said", [
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8384 vs 8278"), "RuntimeError"),
+    (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),
+], ids=["torch.save", "json"])
+def test_a_save_that_fails_names_the_checkpoint_and_the_newest_complete_one(tmp_path, monkeypatch, error, said):
+    """A full disk during a save: torch.save said "unexpected pos 8384 vs 8278", json a bare "[Errno 28]", safetensors
+    "Error while serializing", none naming the checkpoint (outside probe F); the earlier checkpoint stays complete."""
+    from transformers import Trainer
+    out = tmp_path / "out"
+    real = Trainer._save_rng_state
+
+    def rng_state(self, output_dir):
+        if self.state.global_step == 4:
+            raise error
+        return real(self, output_dir)
+    monkeypatch.setattr(Trainer, "_save_rng_state", rng_state)
+    with pytest.raises(OSError, match=rf"saving \S*checkpoint-4 failed\W.*{said}.*the newest complete checkpoint is "
+                                      rf"\S*checkpoint-2"):
+        _trainer(out, max_steps=4).train()
+    assert resume.status(str(out / "checkpoint-2")) == "complete"
+    assert resume.status(str(out / "checkpoint-4")) == "incomplete"

@@ -131,3 +131,18 @@ def test_a_build_that_fails_for_memory_leaves_the_engine_holding_the_params_trai
     live.step()  # still this model's engine
     assert not torch.equal(model.body[0].weight, before)
     live.close()
+
+
+def test_an_address_space_limit_needs_room_for_threads_beside_the_arena(monkeypatch):
+    """An arena that fit under RLIMIT_AS with a few MB to spare passed the check, then the run died in libgomp's thread
+    creation with no message (outside probe F): the threads' headroom counts."""
+    from hf_zero_offload.engine import memory_limits
+    arena = 700 << 20
+    for spare, refused in ((10 << 20, True), (memory_limits.address_space_headroom() + (1 << 20), False)):
+        monkeypatch.setattr(memory_limits, "host_memory_limits", lambda **_: [
+            ("address-space limit RLIMIT_AS / ulimit -v (x GiB, y GiB of address space in use)", arena + spare)])
+        if refused:
+            with pytest.raises(MemoryError, match=r"threads and the first steps need \d+\.\d\d GiB of address space"):
+                memory_limits.check_host_ram(arena)
+        else:
+            memory_limits.check_host_ram(arena)

@@ -71,15 +71,27 @@ def host_memory_limits(*, cgroup_root: str = CGROUP_ROOT, proc_cgroup: str = PRO
     return limits + _cgroup_limits(cgroup_root, proc_cgroup)
 
 
+def address_space_headroom() -> int:
+    """What a run needs under RLIMIT_AS beyond the arena: every thread reserves address space (its stack; glibc a
+    64 MiB malloc arena per thread) and the first steps allocate their temporaries. An arena that fit with a few MB
+    to spare died in libgomp's thread creation, with no message (an outside probe, 710 MB left for 0.69 GiB)."""
+    import torch  # (the thread count the step runs with)
+    return 256 * 2**20 + 72 * 2**20 * max(1, torch.get_num_threads())
+
+
 def check_host_ram(nbytes: int, **where) -> None:
-    """Raise MemoryError when ``nbytes`` exceeds any limit, with the numbers and the ways out."""
-    short = [(what, left) for what, left in host_memory_limits(**where) if nbytes > left]
+    """Raise MemoryError when ``nbytes`` exceeds any limit (with the address-space headroom under RLIMIT_AS), with the
+    numbers and the ways out."""
+    short = [(what, left) for what, left in host_memory_limits(**where)
+             if nbytes + (address_space_headroom() if what.startswith("address-space") else 0) > left]
     if not short:
         return
     what, left = min(short, key=lambda s: s[1])
     raise MemoryError(
         f"hf_zero_offload needs {nbytes / 2**30:.2f} GiB of host RAM for the offloaded optimizer (fp32 master + "
-        f"Adam moments + gradient store + staging) but only {left / 2**30:.2f} GiB is left under the {what}. "
+        f"Adam moments + gradient store + staging) but only {left / 2**30:.2f} GiB is left under the {what}"
+        + (f" (and threads and the first steps need {address_space_headroom() / 2**30:.2f} GiB of address space "
+           "beside it)" if what.startswith("address-space") else "") + ". "
         "Ways out: a smaller model; the delayed parameter update off (it doubles the gradient store and the "
         "parameter staging); fewer ranks (GPUs) per node, or --sharded_ddp so each rank holds only its shard; "
         "or raise the limit (free memory, ulimit -v, the container's memory limit)")

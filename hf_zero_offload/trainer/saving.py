@@ -10,6 +10,7 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from transformers.trainer_utils import rotate_checkpoints
 
 from .. import resume
@@ -21,6 +22,24 @@ logger = logging.getLogger(__name__)
 
 STATE_DIR = "zero_offload"
 SCHEDULER_NAME = "scheduler.pt"
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint's save failed (a full disk, a file too large): names the checkpoint, the cause and the newest
+    complete checkpoint, where safetensors ("Error while serializing: I/O error"), torch.save ("unexpected pos 8384
+    vs 8278") and json (a bare "[Errno 28]") named none."""
+
+
+def save_failed(e: BaseException, target: str, run_dir: str) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    errno = getattr(e, "errno", None)
+    why = ("no space left on device" if errno == 28 or "No space left" in text or "os error 28" in text else
+           "file too large for this process's limit (RLIMIT_FSIZE)" if errno == 27 or "os error 27" in text
+           or "File too large" in text else "")
+    newest = resume.newest_whole(run_dir)
+    return (f"saving {target} failed" + (f": {why}" if why else "") + f" ({type(e).__name__}: {text[:300]}); it is not "
+            "complete and a resume skips it; " + (f"the newest complete checkpoint is {newest}" if newest else
+                                                  "no complete checkpoint exists yet"))
 
 
 class CheckpointSaving:
@@ -42,6 +61,8 @@ class CheckpointSaving:
         self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: safetensors', torch.save's own words
+            raise CheckpointSaveError(save_failed(e, output_dir, run_dir)) from e
         finally:
             self.args.save_total_limit = limit
         if distributed:
@@ -51,8 +72,11 @@ class CheckpointSaving:
                 self._zo_remove_foreign(output_dir)
             fsync_tree(output_dir)  # transformers writes without fsync: on disk before the marker says complete
             saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
-            resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
-                                             "engine": self._zo_engine_info() if saved else None})
+            try:
+                resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
+                                                 "engine": self._zo_engine_info() if saved else None})
+            except OSError as e:
+                raise CheckpointSaveError(save_failed(e, output_dir, run_dir)) from e
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
                                best_model_checkpoint=self.state.best_model_checkpoint)
 
