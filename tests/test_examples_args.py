@@ -520,3 +520,17 @@ def test_quiet_flag_renames_only_to_names_this_transformers_has():
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     assert all(new[2:] in fields for new in su.QUIET_FLAG_RENAMES.values())
     assert all(old[2:] in fields for old in su.QUIET_FLAG_RENAMES)  # the old name still parses where it is kept
+
+
+def test_both_checkpointing_spellings_are_left_to_transformers_rule():
+    """--activation_checkpointing false --gradient_checkpointing: the rename made two --activation_checkpointing and the
+    old spelling won; transformers alone lets the new name win (outside probe R2)."""
+    import seq2seq_utils as su
+    if "--gradient_checkpointing" not in su.QUIET_FLAG_RENAMES:
+        pytest.skip("this transformers has no --activation_checkpointing")
+    argv = ["--activation_checkpointing", "false", "--gradient_checkpointing"]
+    assert su.rewrite_legacy_argv(argv) == argv
+    assert su.rewrite_legacy_argv(["--gradient_checkpointing"]) == ["--activation_checkpointing"]
+    both = {"activation_checkpointing": False, "gradient_checkpointing": True}
+    assert su.rewrite_legacy_keys(both) == both
+    assert su.rewrite_legacy_keys({"gradient_checkpointing": True}) == {"activation_checkpointing": True}

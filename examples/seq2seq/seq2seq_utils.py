@@ -52,6 +52,7 @@ def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
     """Map the v4.2 flag spellings onto today's names (``--flag value`` and ``--flag=value`` forms), and the legacy
     --lr_scheduler's value names."""
     out: List[str] = []
+    given = {a.partition("=")[0] for a in argv}
     for arg in argv:
         name, eq, value = arg.partition("=")
         if out and out[-1] == "--lr_scheduler_type" and arg in LEGACY_SCHEDULER_NAMES:
@@ -62,8 +63,8 @@ def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
             new = LEGACY_FLAG_RENAMES[name]
             logger.warning("legacy flag %s is spelled %s in transformers 5.x; mapped", name, new)
             out.append(new + eq + value)
-        elif name in QUIET_FLAG_RENAMES:
-            out.append(QUIET_FLAG_RENAMES[name] + eq + value)
+        elif name in QUIET_FLAG_RENAMES and QUIET_FLAG_RENAMES[name] not in given:  # both given: transformers' rule
+            out.append(QUIET_FLAG_RENAMES[name] + eq + value)                        # (the new name wins) decides
         elif name == "--adafactor":
             out += ["--optim", "adafactor"]
         else:
@@ -73,7 +74,8 @@ def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
 
 def rewrite_legacy_keys(args: dict) -> dict:
     """The same mapping for a JSON arguments file: keys are the flags without their dashes."""
-    renames = {k[2:]: v[2:] for k, v in {**LEGACY_FLAG_RENAMES, **QUIET_FLAG_RENAMES}.items()}
+    quiet = {k: v for k, v in QUIET_FLAG_RENAMES.items() if v[2:] not in args}  # both given: as on the command line
+    renames = {k[2:]: v[2:] for k, v in {**LEGACY_FLAG_RENAMES, **quiet}.items()}
     out = {}
     for key, value in args.items():
         new = renames.get(key, key)
