@@ -316,7 +316,6 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
                 save_file(tensors, weights[-1], metadata=metadata or {"format": "pt"})
             if optimizer is not None:
                 torch.save(optimizer, stage(os.path.join(output_dir, "optimizer.pt")))
-                written.append(os.path.join(output_dir, "optimizer.pt"))
             for name in trainer_files:
                 shutil.copyfile(os.path.join(checkpoint_dir, name), stage(os.path.join(output_dir, name)))
             for extra, name, content in sorted(extras, key=lambda e: e[1] == "config.json"):
@@ -342,8 +341,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
 def consolidate_main(args) -> int:
     with_optimizer = getattr(args, "with_optimizer", False)
     written = consolidate(args.checkpoint_dir, args.output_dir, with_optimizer)
-    weights = [w for w in written if not w.endswith("optimizer.pt")]
-    print(f"wrote fp32 weights: {', '.join(weights)}")
+    print(f"wrote fp32 weights: {', '.join(written)}")
     if with_optimizer:
         print(f"wrote torch.optim.AdamW's state: {os.path.join(args.output_dir, 'optimizer.pt')}, with the "
               "checkpoint's trainer state, scheduler and RNG files: resume it with the plain Trainer "

@@ -31,7 +31,7 @@ from .. import ops
 from . import param_names
 from .delayed import DelayedUpdate
 from .grad_hooks import ParamOwner
-from .group_flags import check_group_flags, layout_change, torch_style_groups
+from .group_flags import check_group_flags, layout_change, torch_style_groups, value
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
@@ -243,8 +243,8 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
             self._param_steps[run.slots] += 1
         # snapshot of values, not of references: the LR scheduler steps right after, and torch's write a tensor lr in
         # place (fill_), which a delayed step's worker read after it (the next step's lr for its last tiles)
-        hyper = [{"lr": _value(g["lr"]), "betas": tuple(map(_value, g["betas"])), "eps": _value(g["eps"]),
-                  "weight_decay": _value(g["weight_decay"]), "adamw_mode": g["adamw_mode"]} for g in self.param_groups]
+        hyper = [{"lr": value(g["lr"]), "betas": tuple(map(value, g["betas"])), "eps": value(g["eps"]),
+                  "weight_decay": value(g["weight_decay"]), "adamw_mode": g["adamw_mode"]} for g in self.param_groups]
         if self._worker is not None and self.global_steps > self.options.dpu_warmup_steps:
             # This step's Adam runs on the worker while the device computes the next step on the
             # parameters published just now (one step behind).
@@ -394,7 +394,3 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         if self._worker is not None:
             self._worker.shutdown()
 
-
-def _value(x) -> float:
-    """A hyper-parameter as a number (a one-element tensor's value: a copy the scheduler cannot change later)."""
-    return float(x.item()) if torch.is_tensor(x) else float(x)

@@ -43,6 +43,12 @@ def check_group_flags(g: dict, state_dtype: str) -> None:
                          "stores every group's moments one way")
 
 
+def value(x) -> float:
+    """A hyper-parameter as a number (a one-element tensor's value: a copy a scheduler writing the tensor in place
+    cannot change later)."""
+    return float(x.item()) if torch.is_tensor(x) else float(x)
+
+
 def layout_change(built: list[tuple[int, ...]], groups: list[dict]) -> str | None:
     """How ``groups``' param lists differ from ``built`` (each group's ``id``s when the engine was built), in words;
     None when they do not. The engine lays its state out by group when built and a step applies group i's

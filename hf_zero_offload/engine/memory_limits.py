@@ -82,15 +82,16 @@ def address_space_headroom() -> int:
 def check_host_ram(nbytes: int, **where) -> None:
     """Raise MemoryError when ``nbytes`` exceeds any limit (with the address-space headroom under RLIMIT_AS), with the
     numbers and the ways out."""
+    room = address_space_headroom()
     short = [(what, left) for what, left in host_memory_limits(**where)
-             if nbytes + (address_space_headroom() if what.startswith("address-space") else 0) > left]
+             if nbytes + (room if what.startswith("address-space") else 0) > left]
     if not short:
         return
     what, left = min(short, key=lambda s: s[1])
     raise MemoryError(
         f"hf_zero_offload needs {nbytes / 2**30:.2f} GiB of host RAM for the offloaded optimizer (fp32 master + "
         f"Adam moments + gradient store + staging) but only {left / 2**30:.2f} GiB is left under the {what}"
-        + (f" (and threads and the first steps need {address_space_headroom() / 2**30:.2f} GiB of address space "
+        + (f" (and threads and the first steps need {room / 2**30:.2f} GiB of address space "
            "beside it)" if what.startswith("address-space") else "") + ". "
         "Ways out: a smaller model; the delayed parameter update off (it doubles the gradient store and the "
         "parameter staging); fewer ranks (GPUs) per node, or --sharded_ddp so each rank holds only its shard; "

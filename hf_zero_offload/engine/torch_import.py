@@ -13,6 +13,7 @@ import reprlib
 
 import torch
 
+from .group_flags import value
 from .runs import FlatIndex
 
 logger = logging.getLogger("hf_zero_offload")
@@ -99,7 +100,7 @@ class TorchStateImport:
                 got = f"{str(v.dtype)[6:]} of shape {tuple(v.shape)}" if torch.is_tensor(v) else repr(v)[:40]
                 raise ValueError(f"{where}: state of param {pid}: {k} must be a float tensor of the param's shape "
                                  f"{tuple(p.shape)}, got {got}")
-            out.append(v.detach().reshape(-1).float().cpu())
+            out.append(v.detach().reshape(-1))  # (converted to fp32 on the host by the slice assignment: this rank's)
         return out[0], out[1]
 
     @staticmethod
@@ -108,9 +109,9 @@ class TorchStateImport:
         out = dict(mine)
         for k in ("lr", "eps", "weight_decay", "initial_lr"):
             if k in g:
-                out[k] = float(g[k].item() if torch.is_tensor(g[k]) else g[k])
+                out[k] = value(g[k])
         if "betas" in g:
-            out["betas"] = [float(b.item() if torch.is_tensor(b) else b) for b in g["betas"]]
+            out["betas"] = [value(b) for b in g["betas"]]
         if "decoupled_weight_decay" in g:
             out["adamw_mode"] = bool(g["decoupled_weight_decay"])
         elif g.get("weight_decay"):  # torch before 2.7 wrote no such key: Adam's and AdamW's dicts look alike

@@ -66,13 +66,14 @@ class TorchStateResume:
         in the engine's order; None when the files do not name every one (then the params, as loaded, are the
         masters)."""
         found: dict[str, torch.Tensor] = {}
-        wanted = {n for aliases in self._zo_slot_names() for n in aliases}
+        names = self._zo_slot_names()
+        wanted = {n for aliases in names for n in aliases}
         for path in sorted(glob.glob(os.path.join(glob.escape(checkpoint), "*.safetensors"))):
             with safe_open(path, framework="pt") as f:
                 for key in wanted.intersection(f.keys()):
                     found[key] = f.get_tensor(key)
         out = []
-        for aliases, p in zip(self._zo_slot_names(), (p for g in self.zero_engine.slot_params() for p in g)):
+        for aliases, p in zip(names, (p for g in self.zero_engine.slot_params() for p in g)):
             w = next((found[n] for n in aliases if n in found and found[n].shape == p.shape), None)
             if w is None:
                 logger.info("hf_zero_offload: %s's weight files do not hold %s: the masters are the params as "
