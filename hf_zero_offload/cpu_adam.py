@@ -28,6 +28,7 @@ from typing import Iterable
 import torch
 
 from . import adam_state_dict as sdict, ops
+from .adam_flags import adamw_mode, check_decoupled, refused_flag, torch_style
 from .adam_state_dict import MOMENT_KEYS as _MOMENT_KEYS
 
 logger = logging.getLogger("hf_zero_offload")
@@ -35,13 +36,6 @@ logger = logging.getLogger("hf_zero_offload")
 # torch.optim's flags that choose how its step runs, not what it computes: a loaded group's are
 # replaced by this optimizer's (None/False: anything else is refused by _check_group)
 _IMPL_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
-_REFUSED = {
-    "amsgrad": "the C++ kernel has no max(exp_avg_sq) state; use torch.optim.AdamW(amsgrad=True)",
-    "foreach": "CPUAdam always runs its own multi-threaded C++ kernel; leave foreach None or False",
-    "fused": "CPUAdam always runs its own fused C++ kernel; leave fused None or False",
-    "capturable": "it is for CUDA graphs and CPUAdam steps CPU parameters; leave it False",
-    "differentiable": "autograd does not record the C++ step; leave it False",
-}
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -98,11 +92,7 @@ class CPUAdam(torch.optim.Optimizer):
                     raise ValueError(f"CPUAdam param group {index}: params {seen[id(t)]} and {i} are the same tensor "
                                      "(each step would update it twice); list each param once")
                 seen[id(t)] = i
-        if isinstance(param_group, dict) and param_group.get("decoupled_weight_decay") is not None:
-            # torch.optim.Adam(W)'s name for it, in a group given the torch way: honoured (it was overridden by the
-            # default adamw_mode=True, silently: AdamW's decay where the group asked for Adam's L2)
-            param_group.setdefault("adamw_mode", bool(param_group["decoupled_weight_decay"]))
-        super().add_param_group(param_group)
+        super().add_param_group(torch_style(param_group))  # torch's decoupled_weight_decay honoured
         group = self.param_groups[-1]
         try:
             for p in group["params"]:
@@ -124,7 +114,7 @@ class CPUAdam(torch.optim.Optimizer):
         self.__dict__.setdefault("_versions", {})
         self.__dict__.setdefault("_converted", set())
         for group in self.param_groups:
-            group.setdefault("adamw_mode", bool(group.get("decoupled_weight_decay", True)))
+            group["adamw_mode"] = adamw_mode(group)
             group.setdefault("state_dtype", getattr(self, "_state_dtype", "fp32"))
             group.setdefault("maximize", False)
             group.setdefault("amsgrad", False)
@@ -320,7 +310,7 @@ def _loaded_group(saved: dict, mine: dict) -> dict:
     saved one (adamw_mode, or torch's decoupled_weight_decay; maximize; amsgrad), this optimizer's
     storage (state_dtype) and implementation flags. The other keys are the saved ones."""
     out = {k: saved[k] for k in ("lr", "betas", "eps", "weight_decay") if k in saved}
-    out.update(adamw_mode=saved.get("adamw_mode", bool(saved.get("decoupled_weight_decay", True))),
+    out.update(adamw_mode=adamw_mode(saved),
                maximize=saved.get("maximize", False), amsgrad=saved.get("amsgrad", False),
                state_dtype=mine["state_dtype"], **{k: mine.get(k, v) for k, v in _IMPL_FLAGS.items()})
     return out
@@ -332,13 +322,10 @@ def _check_group(group: dict, index: int | None = None) -> None:
     for key in ("adamw_mode", "maximize"):
         if key in group and not isinstance(group[key], bool):  # "false" would be true
             raise TypeError(f"{where}{key} must be a bool, got {group[key]!r}")
-    for key, why in _REFUSED.items():
-        if group.get(key) not in (None, False):
-            raise ValueError(f"{where}{key}={group[key]!r} is not supported: {why}")
-    dwd = group.get("decoupled_weight_decay")
-    if dwd is not None and bool(dwd) != group.get("adamw_mode", True):  # an edit of one of the two (torch's name)
-        raise ValueError(f"{where}decoupled_weight_decay={dwd!r} contradicts adamw_mode={group.get('adamw_mode')!r}: "
-                         "the weight decay is decoupled (AdamW) exactly when adamw_mode is True; set both alike")
+    refused = refused_flag(group, allowed=("maximize",))  # CPUAdam negates the gradient for maximize
+    if refused:
+        raise ValueError(f"{where}{refused}")
+    check_decoupled(group, where)
     try:
         ops.check_state_dtype(group.get("state_dtype", "fp32"))
         ops.check_hyperparameters(lr=group.get("lr"), betas=group.get("betas"), eps=group.get("eps"),

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from . import ops
 from .config import ConfigError, TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
-from .engine.group_flags import IMPLEMENTATION_FLAGS, MATH_FLAGS
+from .adam_flags import IMPLEMENTATION_FLAGS, MATH_FLAGS
 from .engine import param_names
 from .launch_checks import LaunchError, first_names, launch_count
 

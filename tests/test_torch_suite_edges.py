@@ -104,3 +104,37 @@ def test_cpu_adam_honours_decoupled_weight_decay_in_a_group_and_refuses_a_contra
     with pytest.raises(ValueError, match=r"decoupled_weight_decay=True contradicts adamw_mode=False"):
         ours.step()
     assert torch.equal(ps[0], before)
+
+
+@pytest.mark.parametrize("group", [{"amsgrad": True}, {"fused": True}, {"foreach": True}, {"capturable": True},
+                                   {"differentiable": True}, {"adamw_mode": False, "decoupled_weight_decay": True},
+                                   {"adamw_mode": True, "decoupled_weight_decay": False}])
+def test_cpu_adam_and_the_engine_refuse_a_group_flag_in_the_same_words(group):
+    """One table (adam_flags.py) for both: each had its own, worded apart, and a flag could be refused by one alone."""
+    def message(make):
+        p = nn.Parameter(torch.ones(4))
+        p.grad = torch.ones(4)
+        opt = None
+        with pytest.raises(ValueError) as e:
+            opt = make(p)
+            opt.step()
+        assert torch.equal(p.detach(), torch.ones(4)), "a refused flag must not step"
+        return str(e.value).split(": ", 1)[1]  # after "CPUAdam param group 0: " / "OffloadAdam param group 0: "
+
+    ours = message(lambda p: CPUAdam([{"params": [p], **group}], lr=0.1))
+    engine = message(lambda p: OffloadAdam([{"params": [p], **group}], lr=0.1))
+    assert ours == engine
+    assert next(iter(group)) in ours
+
+
+def test_maximize_runs_in_cpu_adam_and_is_refused_by_the_engine():
+    p, ref = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    ours, theirs = CPUAdam([p], lr=0.1, maximize=True, weight_decay=0.0), torch.optim.AdamW([ref], lr=0.1, maximize=True, weight_decay=0.0, foreach=False)
+    p.grad = ref.grad = torch.full((4,), 0.5)
+    ours.step()
+    theirs.step()
+    torch.testing.assert_close(p, ref, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match=r"maximize=True is not supported: the engine descends the gradient; negate"):
+        q = nn.Parameter(torch.ones(4))
+        q.grad = torch.ones(4)
+        OffloadAdam([{"params": [q], "maximize": True}], lr=0.1).step()

@@ -110,7 +110,7 @@ def test_users_adam_with_l2_weight_decay_runs_as_adam(tmp_path):
 @pytest.mark.parametrize("base", ["below", "above"])
 @pytest.mark.parametrize("opt_cls, extra, match", [
     (torch.optim.SGD, {}, r"returned a torch\.optim\.sgd\.SGD: with zero_offload"),
-    (torch.optim.AdamW, {"amsgrad": True}, r"returned a torch\.optim\.adamw\.AdamW with amsgrad=True \(the engine "
+    (torch.optim.AdamW, {"amsgrad": True}, r"returned a torch\.optim\.adamw\.AdamW with amsgrad=True \(the kernel "
                                           r"keeps no max\(exp_avg_sq\) state\) in param group 0"),
 ])
 def test_users_create_optimizer_the_engine_cannot_run_is_refused_by_name(tmp_path, base, opt_cls, extra, match):

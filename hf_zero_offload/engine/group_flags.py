@@ -10,33 +10,18 @@ from __future__ import annotations
 
 import torch
 
-# flags that change the math, which the kernels do not run
-MATH_FLAGS = {
-    "amsgrad": "the engine keeps no max(exp_avg_sq) state",
-    "maximize": "the engine descends the gradient",
-    "differentiable": "autograd does not record the engine's step",
-}
-# flags that choose an implementation: the engine always runs its own kernels
-IMPLEMENTATION_FLAGS = {
-    "capturable": "it is for CUDA graphs, which the engine's host step cannot be captured in",
-    "foreach": "the engine always runs its own fused kernels; leave foreach None or False",
-    "fused": "the engine always runs its own fused kernels; leave fused None or False",
-}
-_ADVICE = {"amsgrad": "; use torch.optim.AdamW(amsgrad=True)", "maximize": "; negate the loss instead"}
+from ..adam_flags import check_decoupled, refused_flag, torch_style
 
 
 def check_group_flags(g: dict, state_dtype: str) -> None:
     """A ValueError naming the first flag of group ``g`` the engine (moments stored as ``state_dtype``) cannot
-    honour."""
+    honour (``adam_flags``' tables, shared with CPUAdam; the engines refuse ``maximize`` too)."""
     if not isinstance(g["adamw_mode"], bool):  # "false" would be true
         raise ValueError(f"adamw_mode must be a bool, got {g['adamw_mode']!r}")
-    for key, why in {**MATH_FLAGS, **IMPLEMENTATION_FLAGS}.items():
-        if g.get(key) not in (None, False):
-            raise ValueError(f"{key}={g[key]!r} is not supported: {why}{_ADVICE.get(key, '')}")
-    dwd = g.get("decoupled_weight_decay")
-    if dwd is not None and bool(dwd) != g["adamw_mode"]:
-        raise ValueError(f"decoupled_weight_decay={dwd!r} contradicts adamw_mode={g['adamw_mode']!r}: the "
-                         "engine's weight decay is decoupled (AdamW) exactly when adamw_mode is True")
+    refused = refused_flag(g)
+    if refused:
+        raise ValueError(refused)
+    check_decoupled(g)
     sd = g.get("state_dtype")
     if sd is not None and sd != state_dtype:
         raise ValueError(f"state_dtype={sd!r} differs from OffloadOptions.state_dtype={state_dtype!r}: the engine "
@@ -67,10 +52,6 @@ def layout_change(built: list[tuple[int, ...]], groups: list[dict]) -> str | Non
 
 
 def torch_style_groups(params):
-    """``params`` with a group given the torch way (``{"decoupled_weight_decay": False}``, no ``adamw_mode``) as L2
-    Adam, as CPUAdam reads it: the default adamw_mode=True made it "contradicts adamw_mode=True", which the user never
-    set. A lone tensor is left to torch's own TypeError."""
-    if isinstance(params, torch.Tensor):
-        return params
-    return [dict(g, adamw_mode=bool(g["decoupled_weight_decay"])) if isinstance(g, dict) and g.get(
-        "decoupled_weight_decay") is not None and "adamw_mode" not in g else g for g in params]
+    """``params`` with each group given the torch way read as CPUAdam reads it (``adam_flags.torch_style``). A lone
+    tensor is left to torch's own TypeError."""
+    return params if isinstance(params, torch.Tensor) else [torch_style(g) for g in params]

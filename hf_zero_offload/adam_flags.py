@@ -1,0 +1,56 @@
+"""The torch.optim Adam/AdamW group keys that ``CPUAdam`` and the engines (``engine/core.py``) read alike: the flags
+whose math or implementation their kernels do not run, refused by name, and torch's ``decoupled_weight_decay`` as
+the kernels' ``adamw_mode``.
+
+One home for both, so the two optimizers cannot drift apart (they did: each had its own table and its own
+translation of ``decoupled_weight_decay``, worded differently). Torch only; importing it loads no engine.
+"""
+from __future__ import annotations
+
+# flags that change the math, which the kernels do not run (CPUAdam runs ``maximize``: the engines do not)
+MATH_FLAGS = {
+    "amsgrad": "the kernel keeps no max(exp_avg_sq) state",
+    "maximize": "the engine descends the gradient",
+    "differentiable": "autograd does not record the kernel's step",
+}
+# flags that choose an implementation: the kernels always run their own
+IMPLEMENTATION_FLAGS = {
+    "capturable": "it is for CUDA graphs, which the host step cannot be captured in",
+    "foreach": "the step always runs its own fused C++ kernel; leave foreach None or False",
+    "fused": "the step always runs its own fused C++ kernel; leave fused None or False",
+}
+_ADVICE = {"amsgrad": "; use torch.optim.AdamW(amsgrad=True)", "maximize": "; negate the loss instead"}
+
+
+def refused_flag(group: dict, allowed: tuple[str, ...] = ()) -> str | None:
+    """The message for the first flag of ``group`` (outside ``allowed``) the kernels cannot honour; None if none."""
+    for key, why in {**MATH_FLAGS, **IMPLEMENTATION_FLAGS}.items():
+        if key not in allowed and group.get(key) not in (None, False):
+            return f"{key}={group[key]!r} is not supported: {why}{_ADVICE.get(key, '')}"
+    return None
+
+
+def adamw_mode(group: dict, default: bool = True) -> bool:
+    """Whether ``group``'s weight decay is decoupled: its ``adamw_mode``, else torch's ``decoupled_weight_decay``
+    (torch.optim.Adam(decoupled_weight_decay=True) is AdamW), else ``default``."""
+    if "adamw_mode" in group:
+        return group["adamw_mode"]
+    dwd = group.get("decoupled_weight_decay")
+    return default if dwd is None else bool(dwd)
+
+
+def torch_style(group):
+    """A group given the torch way (``{"decoupled_weight_decay": False}``, no ``adamw_mode``) with ``adamw_mode``
+    set from it, in a copy: the default adamw_mode=True overrode it silently (AdamW's decay where the group asked
+    for Adam's L2). Anything else (a tensor, a group already saying adamw_mode) is returned as it is."""
+    if isinstance(group, dict) and group.get("decoupled_weight_decay") is not None and "adamw_mode" not in group:
+        return dict(group, adamw_mode=bool(group["decoupled_weight_decay"]))
+    return group
+
+
+def check_decoupled(group: dict, where: str = "") -> None:
+    """A ValueError when ``group`` says both names and they disagree (an edit of one of the two)."""
+    dwd, mode = group.get("decoupled_weight_decay"), group.get("adamw_mode", True)
+    if dwd is not None and bool(dwd) != mode:
+        raise ValueError(f"{where}decoupled_weight_decay={dwd!r} contradicts adamw_mode={mode!r}: the weight decay "
+                         "is decoupled (AdamW) exactly when adamw_mode is True; set both alike")
