@@ -2,15 +2,13 @@
 ``marker``'s).
 
 transformers writes ``checkpoint-N/`` piece by piece (model, optimizer state, scheduler, RNG, trainer state) and
-``get_last_checkpoint`` picks the highest N whether or not the writer lived to finish it. The Trainer
-integration writes :data:`MARKER` after every piece and every rank's optimizer state (rank 0, after a barrier),
-so a directory with the marker is whole and one without it may not be.
-
-Directories written before the marker existed hold no marker either. They are accepted, with a warning, when
-they hold ``trainer_state.json`` (transformers' last file), their optimizer state carries no save id and no older
-sibling has a marker (a save id or an older marked sibling proves the writer knew the marker, so this one was cut
-short). ``resume_from_checkpoint=True`` refuses a highest step whose marker is older than a lower step's (two runs
-in one output_dir). Nothing here imports transformers.
+``get_last_checkpoint`` picks the highest N whether or not the writer lived to finish it. The Trainer integration
+writes :data:`MARKER` after every piece and every rank's optimizer state (rank 0, after a barrier), so a directory
+with the marker is whole and one without it may not be. Without one, a directory is accepted when it holds
+``trainer_state.json`` (transformers' last file) and either a plain Trainer's ``optimizer.pt`` (taken over) or our
+state without a save id with no older sibling marked (written before markers existed; a save id or an older marked
+sibling proves the writer knew the marker, so it was cut short). ``resume_from_checkpoint=True`` refuses a highest
+step written before a lower step's (two runs in one output_dir). Nothing here imports transformers.
 """
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ import re
 from .config import ConfigError
 from .engine.checkpoint import read_header, remove_durably, remove_stale_temporaries
 # the marker itself (resume.MARKER, resume.read_marker, ... stay importable from here)
-from .marker import (MARKER, changed_files, marker_problem, read_marker, recorded_save_id,  # noqa: F401
-                     write_marker)
+from .marker import MARKER, changed_files, marker_problem, read_marker, recorded_save_id, write_marker  # noqa: F401
 from .foreign_checkpoint import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
                                  foreign_state, missing_state_message, plain_checkpoint)
 from .scheduler_resume import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
@@ -115,6 +112,8 @@ def status(checkpoint: str) -> str:
     # and 2 ranks killed mid-save (rank 1's RNG file not written yet) resumed as legacy, 0.109 off
     if not os.path.lexists(os.path.join(checkpoint, MARKER)) and _saved_with_markers(checkpoint):
         return "incomplete"
+    if plain_checkpoint(checkpoint):  # a plain Trainer's (trainer_state.json written after optimizer.pt): taken over
+        return "legacy"
     step = _step(checkpoint)
     older = [c for c in checkpoints(os.path.dirname(os.path.normpath(checkpoint)))
              if step is not None and (_step(c) or 0) < step]
@@ -364,6 +363,8 @@ def _written_after(chosen: str, folder: str) -> list[str]:
 
     t = when(chosen)
     since = os.path.getmtime(os.path.join(chosen, MARKER)) if t[0] is not None else None
+    if t[0] is None and plain_checkpoint(chosen):  # a plain Trainer's: no marker clock, its last file's time instead
+        t = (os.stat(os.path.join(chosen, TRAINER_STATE)).st_mtime_ns, None)
     later = []
     for c in (c for c in checkpoints(folder) if _step(c) < _step(chosen)):
         # the cheap reads first (marker clocks, file times): a checkpoint's own check (its manifest) only if they tell
@@ -394,7 +395,4 @@ def nothing_left_message(checkpoint: str, max_steps: int, chosen: bool = True) -
 def remove_stale_temp_files(output_dir: str) -> list[str]:
     """The temporaries of killed writers anywhere under ``output_dir`` (every checkpoint, not only the ones
     written again): :func:`engine.checkpoint.remove_stale_temporaries` on each directory."""
-    removed = []
-    for root, _, _ in os.walk(output_dir):
-        removed += remove_stale_temporaries(root)
-    return removed
+    return [path for root, _, _ in os.walk(output_dir) for path in remove_stale_temporaries(root)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import time
 
 import pytest
 import torch
@@ -95,15 +97,31 @@ def test_a_plain_runs_optimizer_pt_is_not_left_in_our_checkpoint(tmp_path, caplo
                for r in caplog.records)
 
 
-def test_a_newer_plain_checkpoint_is_named_for_what_it_is(tmp_path, caplog):
-    """It was skipped as 'incomplete ... killed during the save'."""
+def test_a_newer_plain_checkpoint_is_taken_over_by_resume_true(tmp_path, caplog):
+    """ours to 2, a plain run on from it to 4, ours again with `true`: checkpoint-4 was skipped (steps 3-4 trained
+    again from checkpoint-2's state); the newest checkpoint is taken over now, as it is when given by path."""
+    _train(tmp_path / "a", True, 2)
+    _train(tmp_path / "a", False, 4, resume=str(tmp_path / "a" / "checkpoint-2"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+        by_true = _train(tmp_path / "a", True, 6, resume=True)
+    assert not [r for r in caplog.records if "skipping" in r.getMessage()]
+    assert any("a plain Trainer's, its optimizer.pt taken over" in r.getMessage() and "checkpoint-4" in r.getMessage()
+               for r in caplog.records)
+    by_path = _train(tmp_path / "b", True, 6, resume=str(tmp_path / "b" / "checkpoint-4"))
+    for a, b in zip(by_true.parameters(), by_path.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_an_older_plain_runs_higher_checkpoint_is_not_taken_for_the_newest(tmp_path):
+    """A plain run's checkpoint-4, then a new run of ours from scratch in the same output_dir to checkpoint-2: `true`
+    would take the plain run's higher step (the newer run's steps lost); it is refused as two runs' checkpoints."""
+    _train(tmp_path, False, 4)
+    time.sleep(0.02)  # the marker's clock after the plain files' times, on a coarse filesystem clock too
     _train(tmp_path, True, 2)
-    _train(tmp_path, False, 4, resume=str(tmp_path / "checkpoint-2"))
-    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+    with pytest.raises(ValueError, match=r"checkpoint-4 has the highest step, but .*checkpoint-2 was written after "
+                                         r"it.*--resume_from_checkpoint \S*checkpoint-2"):
         _train(tmp_path, True, 6, resume=True)
-    (msg,) = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
-    assert "checkpoint-4: written without --zero_offload (optimizer.pt)" in msg and "checkpoint-2" in msg
-    assert "killed" not in msg
 
 
 def test_a_plain_checkpoint_is_taken_over_and_deepspeeds_refused_with_the_way_forward(tmp_path, caplog):
