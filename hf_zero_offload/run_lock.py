@@ -153,6 +153,21 @@ class RunLock:
             atexit.register(self.release)
         return warning
 
+    def confirm(self) -> str | None:
+        """Before each save, while held: the file is still this run's. Deleted by hand (or by a cleanup) mid-run,
+        a second run could start in the output_dir and the two wrote over each other's checkpoints. Missing: taken
+        again, and a warning returned; a stale owner's: taken over; a live run's: a RunLockError before any write."""
+        if not self.held or _same_process(self._read() or {}, _me()):
+            return None
+        try:
+            warning = self.acquire()
+        except RunLockError as e:
+            raise RunLockError(f"{e}. This run's lock was deleted while it trained and that run started since: this "
+                               "run stops before its save would write over that run's files") from None
+        self.owned = True
+        return warning or (f"hf_zero_offload: the run lock {self.path} was deleted while this run trained; taken again "
+                           "(a run started in this output_dir meanwhile would have been let in)")
+
     def release(self) -> None:
         if not self.held:
             return
@@ -172,10 +187,21 @@ class RunLock:
 def take_job_lock(lock: RunLock, rank: int, world_size: int) -> RunLock:
     """Rank 0 takes ``lock`` for the whole job; every rank learns the outcome, so that all of them stop together
     before any work (a collective: every rank calls it)."""
+    _on_rank0(lock.acquire, rank, world_size)
+    return lock
+
+
+def confirm_job_lock(lock: RunLock, rank: int, world_size: int) -> None:
+    """Rank 0 checks that the job still holds ``lock`` (``RunLock.confirm``) before a save; every rank learns the
+    outcome, so that all of them stop before writing (a collective: every rank calls it)."""
+    _on_rank0(lock.confirm, rank, world_size)
+
+
+def _on_rank0(action, rank: int, world_size: int) -> None:
     error = warning = None
     if rank == 0:
         try:
-            warning = lock.acquire()
+            warning = action()
         except RunLockError as e:
             error = str(e)
     if world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -186,4 +212,3 @@ def take_job_lock(lock: RunLock, rank: int, world_size: int) -> RunLock:
         raise RunLockError(error)
     if warning:
         logger.warning(warning)
-    return lock

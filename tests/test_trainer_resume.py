@@ -550,6 +550,42 @@ def test_the_lock_is_held_while_train_runs_only(tmp_path, monkeypatch):
     assert not (tmp_path / "elsewhere" / "failed" / LOCK_NAME).exists()
 
 
+@pytest.mark.parametrize("meanwhile", ["deleted", "another run started"])
+def test_a_lock_deleted_mid_run_is_checked_at_each_save(tmp_path, caplog, meanwhile):
+    """An outside probe deleted the lock of a running job: a second run then started in the output_dir and each saved
+    over the other's checkpoints. Each save checks the lock first: taken again when missing; another live run's is
+    an error before this save writes anything."""
+    from transformers import TrainerCallback
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    out = tmp_path / "run"
+
+    class Meddle(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                os.unlink(out / LOCK_NAME)
+                if meanwhile != "deleted":
+                    _foreign_lock(out, other)
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=ToyDataset(), callbacks=[Meddle()], args=(
+        ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(out), **{**COMMON, "zero_offload": OFFLOAD})))
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+            if meanwhile == "deleted":
+                trainer.train()
+                assert any("was deleted while this run trained; taken again" in r.getMessage() for r in caplog.records)
+                assert resume.status(str(out / "checkpoint-4")) == "complete"
+                assert not (out / LOCK_NAME).exists()  # released at the end, as the lock taken at the start
+            else:
+                with pytest.raises(RunLockError, match=rf"another run \(pid {other.pid}.*is training in this "
+                                                       r"output_dir.*stops before its save would write over"):
+                    trainer.train()
+                assert not (out / "checkpoint-4").exists()
+                assert json.loads((out / LOCK_NAME).read_text())["pid"] == other.pid  # the other run's, kept
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_second_lock_of_the_same_process_leaves_the_first_ones_file(tmp_path):
     first, second = RunLock(str(tmp_path)), RunLock(str(tmp_path))
     first.acquire()

@@ -16,6 +16,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from .. import resume
 from ..consolidate import write_param_names
 from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
+from ..run_lock import confirm_job_lock
 from .last_step import publish_for_final_save
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class CheckpointSaving:
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         distributed = self.args.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if self._zo_lock is not None:  # deleted mid-run and another run since: stopped before writing over its files
+            confirm_job_lock(self._zo_lock, self.args.process_index, self.args.world_size)
         if publish_for_final_save(self.args, self.state, self.control):  # (a stop a callback asked for, too)
             self._zo_publish_last()
         if self.args.should_save:
