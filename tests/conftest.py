@@ -17,6 +17,7 @@ if os.environ.get("HZO_TEST_EXTENSION"):
 from _kernels import LEVELS
 from _modes import ALL, make_mode
 from hf_zero_offload import ops
+from hf_zero_offload.config import resolver
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -30,6 +31,12 @@ def sigint_delivered():
     yield
     if ignored:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.fixture(autouse=True)
+def config_warnings_anew():
+    """The config's warnings are said once per process (a Trainer resolves it several times): anew for each test."""
+    resolver._said.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -165,3 +165,24 @@ def test_deepspeeds_legacy_zero_spellings_are_named(cfg, said):
     import re
     assert re.search(said, errmsg(cfg))
     resolve({"zero_optimization": {"stage": 2, "cpu_offload_param": False}})
+
+
+@pytest.mark.parametrize("block, given, warmup_type, said", [
+    ("WarmupLR", "constant_with_warmup", None, ["logarithmic"]),
+    ("WarmupLR", "constant_with_warmup", "linear", []),
+    ("WarmupLR", "linear", None, []),  # the default: no choice was made
+    ("WarmupCosineLR", "cosine", None, ["logarithmic", "one step later"]),
+    ("WarmupCosineLR", "cosine_with_min_lr", "linear", ["one step later"]),
+])
+def test_an_explicit_schedule_the_block_runs_in_another_shape_is_said(caplog, block, given, warmup_type, said):
+    """An outside probe: --lr_scheduler_type constant_with_warmup beside WarmupLR ran DeepSpeed's log warm-up
+    (0.005 at step 1 where the Trainer's is at 0.0025; weights 0.056 apart after 8 steps), said at INFO only."""
+    params = {"total_num_steps": "auto"} if block == "WarmupCosineLR" else {}
+    if warmup_type:
+        params["warmup_type"] = warmup_type
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        resolve({"scheduler": {"type": block, "params": params}}, dataclasses.replace(ARGS, lr_scheduler_type=given))
+    warned = [r.getMessage() for r in caplog.records if "not in its shape" in r.getMessage()]
+    assert len(warned) == (1 if said else 0), warned
+    for words in said:
+        assert words in warned[0] and f"--lr_scheduler_type {given}" in warned[0]

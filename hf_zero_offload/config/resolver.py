@@ -14,6 +14,13 @@ from .training import (DEFAULT_BUCKET_SIZE, ArgsView, DPUConfig, FP16Config, Opt
                        TrainingConfig, ZeroConfig)
 
 logger = logging.getLogger("hf_zero_offload")
+_said: set[str] = set()  # a Trainer resolves its config several times (built, at train(), with the step count)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning(message)
 
 
 _MISSING = object()
@@ -116,8 +123,8 @@ class _Resolver:
         given = opt.get("params", {}).get("adam_w_mode")  # DeepSpeed reads it for "Adam" only
         w_mode = opt["type"] == "AdamW" or given is not False
         if opt["type"] == "AdamW" and given is False:
-            logger.warning('%s: "type": "AdamW" with adam_w_mode=false runs AdamW (decoupled weight decay), as in '
-                           'DeepSpeed; for L2-style decay use "type": "Adam"', self.source)
+            _warn_once(f'{self.source}: "type": "AdamW" with adam_w_mode=false runs AdamW (decoupled weight decay), as '
+                       'in DeepSpeed; for L2-style decay use "type": "Adam"')
         return OptimizerConfig(opt["type"], float(lr), (float(betas[0]), float(betas[1])), float(eps), float(wd),
                                bool(w_mode))
 
@@ -136,6 +143,8 @@ class _Resolver:
             # the block replaces the Trainer's schedule (as under DeepSpeed): an explicit other one would be dropped
             self.mismatches.append(f"scheduler.type={kind!r} vs --lr_scheduler_type {a.lr_scheduler_type} "
                                    "(drop one of them; a shipped config: copy it without its 'scheduler' block)")
+        elif a is not None and a.lr_scheduler_type != "linear":  # (linear is also the default: not a choice made)
+            self._other_shape(kind, a.lr_scheduler_type, params.get("warmup_type", "log"), a.warmup_steps)
         total = None
         if kind != "WarmupLR":
             total = self.take(p + "total_num_steps", a and a.max_steps, "the number of training steps", None)
@@ -155,6 +164,20 @@ class _Resolver:
                        peak if isinstance(peak, (int, float)) and not isinstance(peak, bool) else 1e-3)
         return SchedulerConfig(**common, warmup_min_lr=float(lo), warmup_max_lr=float(hi))
 
+    def _other_shape(self, kind: str, given: str, warmup_type: str, warmup_steps) -> None:
+        """A WARNING where the block runs in place of an explicit --lr_scheduler_type it goes with (as under
+        DeepSpeed) but not in its shape: an outside probe's constant_with_warmup ran DeepSpeed's logarithmic warm-up
+        (step 1 at 0.005 where the Trainer's is at 0.0025, weights 0.056 apart after 8 steps) with no word."""
+        how = []
+        if warmup_type == "log" and warmup_steps and warmup_steps > 1:
+            how.append('its warm-up is logarithmic (DeepSpeed\'s default "warmup_type": "log"; "linear" in the block '
+                       "warms up as the Trainer does)")
+        if kind == "WarmupCosineLR":
+            how.append("its cosine is DeepSpeed's: one step later than the Trainer's, down to cos_min_ratio")
+        if how:
+            _warn_once(f"{self.source}: scheduler.type={kind!r} runs in place of --lr_scheduler_type {given}, as under "
+                       f"DeepSpeed, but not in its shape: {'; '.join(how)}")
+
     def check_schedule(self, s: SchedulerConfig) -> None:
         """Rules across the resolved scheduler values (a value may come from the arguments)."""
         p = "scheduler.params."
@@ -168,9 +191,9 @@ class _Resolver:
                               "warm-up would go down; lower warmup_min_lr (0 is DeepSpeed's default)")
         if s.total_num_steps is not None and s.warmup_num_steps > s.total_num_steps:
             # DeepSpeed's WarmupDecayLR warns too: the run ends inside the warm-up, never at the peak LR, never decaying
-            logger.warning("%s: %stotal_num_steps %d is less than warmup_num_steps %d: %s warms up for the whole "
-                           "run (it never reaches its peak LR nor decays)", self.source, p, s.total_num_steps,
-                           s.warmup_num_steps, s.type)
+            _warn_once(f"{self.source}: {p}total_num_steps {s.total_num_steps} is less than warmup_num_steps "
+                       f"{s.warmup_num_steps}: {s.type} warms up for the whole run (it never reaches its peak LR nor "
+                       "decays)")
 
     def zero(self) -> ZeroConfig:
         z = self.cfg.get("zero_optimization", {})
