@@ -360,3 +360,32 @@ except ModuleNotFoundError as e:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "needs transformers, an optional dependency: install it with the [trainer] extra" in r.stdout
+
+
+@pytest.mark.parametrize("how", ["argument", "launcher"])
+def test_accelerates_parallelism_config_is_refused_beside_ours(tmp_path, monkeypatch, how):
+    """An outside probe: parallelism_config was refused by neither check; accelerate refuses it on CPU ranks for both
+    Trainers alike, but on GPUs its mesh would shard the model beside our engine. Sizes of 1 change nothing."""
+    pytest.importorskip("transformers")
+    from accelerate.parallelism_config import ParallelismConfig
+    from hf_zero_offload.other_engines import refuse_other_engines
+
+    class Args:
+        zero_offload, sharded_ddp, deepspeed, fsdp, parallelism_config = "zero2-offload", False, None, "", None
+
+    args = Args()
+    if how == "argument":
+        args.parallelism_config = ParallelismConfig(dp_shard_size=2, tp_size=1)
+    else:
+        monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+        monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"parallelism_config \(dp_shard_size=2\) and --zero_offload both given"):
+        refuse_other_engines(args)
+    args.zero_offload = None
+    refuse_other_engines(args)  # not ours: accelerate's business
+    args.zero_offload = "zero2-offload"
+    if how == "argument":
+        args.parallelism_config = ParallelismConfig(dp_shard_size=1)
+    else:
+        monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
+    refuse_other_engines(args)

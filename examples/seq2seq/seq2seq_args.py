@@ -14,7 +14,8 @@ from transformers import HfArgumentParser
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ops, resume
 from hf_zero_offload.args_view import early_view
 from hf_zero_offload.config import check, resolve
-from hf_zero_offload.launch_checks import check_arguments, legacy_sharded_ddp
+from hf_zero_offload.launch_checks import check_arguments
+from hf_zero_offload.other_engines import legacy_sharded_ddp
 from hf_zero_offload.usage import not_utf8_text
 
 import seq2seq_utils as su

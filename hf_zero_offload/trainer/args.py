@@ -8,7 +8,8 @@ from typing import Optional
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from .. import resume
-from ..launch_checks import check_launch_env, refuse_other_engines, take_launcher_precision
+from ..launch_checks import check_launch_env
+from ..other_engines import refuse_other_engines, take_launcher_precision
 
 
 @dataclass
