@@ -3,7 +3,9 @@
 The same equivalence tests run in every mode. ``sim-lazy`` defers copies and helper work until
 someone waits for them; ``sim-eager`` runs helper work at once while copies stay deferred. In both the
 host runs ahead of the device: the compute stream's waits complete only when compute next runs (a
-module's forward, or a copy the engine queues on it). ``cuda`` is the real thing (marked, skipped
+module's forward, or a copy the engine queues on it). ``sim-late`` is the reverse for the side streams'
+waits on compute: the engine's copies on the compute stream land only when waited for, side-stream copies
+as soon as their waits allow. ``cuda`` is the real thing (marked, skipped
 without a GPU). The ``mode`` fixture that runs a test in each is in ``conftest.py``.
 """
 from __future__ import annotations
@@ -61,6 +63,7 @@ ALL = [
     pytest.param(("cpu", None), id="cpu"),
     pytest.param(("sim-lazy", dict(executor="lazy", defer_compute_waits=True)), id="sim-lazy"),
     pytest.param(("sim-eager", dict(executor="eager", defer_compute_waits=True)), id="sim-eager"),
+    pytest.param(("sim-late", dict(executor="lazy", late_compute=True)), id="sim-late"),
     pytest.param(("cuda", None), id="cuda", marks=_CUDA),
 ]
 

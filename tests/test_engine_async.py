@@ -189,6 +189,12 @@ def _no_scatter_wait(opt):         # the scatter reads staging before the copy d
     _skip_host_waits(opt.pipeline, "_retire", opt.streams)
 
 
+def _no_bucket_filled_wait(opt):   # the copy down reads a bucket before the gradients copied into it landed
+    s, real = opt.streams, opt.streams.wait
+    s.wait = lambda stream, ev: None if stream is s.d2h and ev is not None and ev.stream is s.compute() \
+        else real(stream, ev)
+
+
 def _one_gradient_store(opt):      # DPU: the next backward writes the store the CPU step still reads
     opt._stores[1] = opt._stores[0]
 
@@ -202,6 +208,8 @@ RACES = [
     pytest.param(_no_staging_reuse_wait, {}, "sim-lazy", id="staging-reuse"),
     pytest.param(_no_scatter_wait, {}, "sim-eager", id="scatter-before-copy"),
     pytest.param(_one_gradient_store, {"dpu": True}, "sim-lazy", id="dpu-store"),
+    pytest.param(_no_bucket_filled_wait, {}, "sim-late", id="bucket-filled-sync"),
+    pytest.param(_no_bucket_filled_wait, {"dpu": True}, "sim-late", id="bucket-filled-dpu"),
 ]
 
 
@@ -259,6 +267,7 @@ def test_sharded_offload_upload_path_on_the_simulator():
     waits for the last upload) equals its CPU path; without either wait the simulator notices."""
     cpu = _sharded_offload_params(None)
     assert torch.equal(_sharded_offload_params(SimStreams()), cpu)
+    assert torch.equal(_sharded_offload_params(SimStreams(late_compute=True)), cpu)
     no_tile_wait = SimStreams()
     no_tile_wait.host_wait = lambda ev: None
     assert not torch.equal(_sharded_offload_params(no_tile_wait), cpu)
@@ -371,3 +380,4 @@ def test_the_simulator_switch_reads_off_as_the_debug_switch_does(monkeypatch, va
     from hf_zero_offload.engine.streams import SIMULATE_ENV, SimStreams, make_streams
     monkeypatch.setenv(SIMULATE_ENV, value)
     assert isinstance(make_streams(torch.device("cpu")), SimStreams) is simulated
+

@@ -180,6 +180,8 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         # Params not updated in a DPU step are published from here: it must hold every parameter,
         # rounded like the kernel rounds (nearest even).
         if self.mirror is not None:
+            if self.uploader is not None:  # a synchronous step's uploads from it (or into it) may still be in flight
+                self.uploader.wait_all()
             self.mirror.copy_(self.master[:self.mirror.numel()])
 
     # -- the step ------------------------------------------------------------------------------

@@ -17,8 +17,15 @@ pick the adversary for the other class of races, host work racing a queued copy:
 that the test announces with ``run_compute_waits()`` (e.g. from a forward pre-hook), so the host runs
 ahead of the device as it does on a GPU.
 
-What it cannot show: kernels run eagerly (they finish as they are queued), so a side stream that
-forgot to wait for the compute stream goes unnoticed; and it says nothing about speed.
+A third adversary, ``late_compute=True``, is for the side streams' waits on the compute stream: the copies
+the engine queues on the compute stream (a gradient into a device bucket) land only when something waits for
+a later compute event (or at ``synchronize``), reading their source as it was when queued (the compute
+stream's later kernels come after them), while side-stream copies run as soon as their stream's queued waits
+let them. A copy down that forgot to wait for the bucket's filling reads the bucket before it was written.
+
+What it cannot show: the model's own kernels run eagerly (they finish as they are queued), so a side stream
+writing what a forward or backward still reads without waiting for it goes unnoticed; and it says nothing
+about speed.
 """
 from __future__ import annotations
 
@@ -102,16 +109,16 @@ class _LazyFuture(Future):
 
 
 class SimStreams(Streams):
-    def __init__(self, *, executor: str = "lazy", defer_compute_waits: bool = False):
+    def __init__(self, *, executor: str = "lazy", defer_compute_waits: bool = False, late_compute: bool = False):
         if executor not in ("lazy", "eager"):
             raise ValueError(f"executor must be 'lazy' or 'eager', got {executor!r}")
         super().__init__(torch.device("cpu"))  # the CPU's fields (counters included), then ours:
         self.async_copies, self.kind = True, "sim"
         self.executor_mode = executor
-        self.defer_compute_waits = defer_compute_waits
+        self.defer_compute_waits, self.late_compute = defer_compute_waits, late_compute
         self._compute_waits: list[SimEvent] = []
         self.d2h, self.h2d = SimStream("d2h"), SimStream("h2d")
-        self._compute = SimStream("compute")  # eager: never holds queued work
+        self._compute = SimStream("compute")  # holds queued copies with late_compute only
         self._lock = threading.RLock()        # the autograd, scatter and DPU threads all queue and wait
         self.copies = 0                       # copies queued on side streams (tests check they happened)
 
@@ -133,16 +140,22 @@ class SimStreams(Streams):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         if stream is self._compute:
             self.run_compute_waits()  # queued after the compute stream's waits
-            dst.copy_(src)
+            if not self.late_compute:
+                dst.copy_(src)
+                return
+            snap = src.clone()  # what the compute stream reads, in order with its later kernels (which may free src)
+            with self._lock:
+                self._enqueue(self._compute, lambda: dst.copy_(snap))
             return
         with self._lock:
             self._count(src, stream)
             self.copies += 1
             self._enqueue(stream, lambda: dst.copy_(src))
+            self._run_early(stream)
 
     def wait(self, stream, event) -> None:
-        if event is None or event.stream is stream or event.stream is self._compute:
-            return  # a stream is FIFO; the compute stream is always complete
+        if event is None or event.stream is stream or (event.stream is self._compute and not self.late_compute):
+            return  # a stream is FIFO; the compute stream is complete but for late_compute's queued copies
         if stream is self._compute:
             if self.defer_compute_waits:
                 with self._lock:
@@ -152,6 +165,7 @@ class SimStreams(Streams):
         else:
             with self._lock:
                 self._enqueue(stream, lambda: self._run(event.stream, event.position))
+                self._run_early(stream)
 
     def host_wait(self, event) -> None:
         if event is not None:
@@ -166,8 +180,8 @@ class SimStreams(Streams):
 
     def synchronize(self) -> None:
         self.run_compute_waits()
-        while self.pending():  # a queued wait may run work of the other stream
-            for s in (self.d2h, self.h2d):
+        while self.pending():  # a queued wait may run work of another stream
+            for s in (self._compute, self.d2h, self.h2d):
                 self._run(s, s.issued)
 
     def executor(self, name: str) -> Executor:
@@ -175,11 +189,16 @@ class SimStreams(Streams):
 
     def pending(self) -> int:
         """Queued side-stream operations not yet run."""
-        return (self.d2h.issued - self.d2h.done) + (self.h2d.issued - self.h2d.done)
+        return sum(s.issued - s.done for s in (self.d2h, self.h2d, self._compute))
 
     def _enqueue(self, stream: SimStream, op) -> None:
         stream.queue.append(op)
         stream.issued += 1
+
+    def _run_early(self, stream: SimStream) -> None:
+        """late_compute: a side stream runs what it queued at once (its queued waits run what they wait for)."""
+        if self.late_compute:
+            self._run(stream, stream.issued)
 
     def _run(self, stream: SimStream, position: int) -> None:
         with self._lock:
