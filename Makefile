@@ -48,9 +48,12 @@ demo: $(STAMP)
 	$(PY) examples/seq2seq/run_demo.py
 
 # Wheels for what the GPU machine's image lacks (it has no network): carry .gpu_wheels with
-# benchmarks/gpu/check.sh, which installs them from there.
+# benchmarks/gpu/check.sh, which installs them from there. pip resolves markers for the Python running it,
+# so pytest's dependencies below 3.11 (tomli, exceptiongroup) are named, as pure wheels, for an older image.
 gpu-wheels: | $(PY)
 	$(PY) -m pip download -q -d .gpu_wheels pytest pytest-timeout
+	$(PY) -m pip download -q -d .gpu_wheels --only-binary=:all: --no-deps --python-version 3.10 \
+	  --implementation py --abi none --platform any tomli exceptiongroup typing_extensions
 
 clean:
 	rm -rf build output $(STAMP)

@@ -73,7 +73,10 @@ if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
 fi
 run import 30 "$PY" -c "import hf_zero_offload, hf_zero_offload._C as c; from hf_zero_offload import ops; print('simd', ops.simd_level(), ops.available_simd_levels())"
 
-# 3. the CUDA tests (pytest's -m overrides the default "not slow and not cuda" from pyproject.toml)
+# 3. the CUDA tests (pytest's -m overrides the default "not slow and not cuda" from pyproject.toml); without a
+# usable CUDA device they would all skip and pytest would say "ok": a step of its own fails then
+run cuda_device 60 "$PY" -c "import sys, torch; ok = torch.cuda.is_available(); print('cuda', ok, torch.version.cuda, \
+torch.cuda.get_device_name(0) if ok else ''); sys.exit(0 if ok else 1)"
 if ! "$PY" -c "import pytest" 2>/dev/null; then
   run install_pytest 60 "$PY" -m pip install --no-index --find-links .gpu_wheels pytest pytest-timeout
 fi
