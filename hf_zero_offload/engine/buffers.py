@@ -53,6 +53,19 @@ def store_dtype(param_dtypes: set, gradient_accumulation_steps: int) -> torch.dt
     return torch.float32
 
 
+def summed_in_16_bits(engine: str, store: torch.Tensor, counts: list[int]) -> str | None:
+    """The warning for a window in which every param that got a gradient got several (micro-batches accumulated
+    with gradient_accumulation_steps=1) into a 16-bit store: they were summed in 16 bits, as torch sums a 16-bit
+    model's ``.grad``, where the option sums in fp32 (the Trainer refuses the mismatch; a loop of one's own may
+    not know). A param alone getting several (a layer shared by reentrant-checkpointed segments) is no sign."""
+    got = [c for c in counts if c > 0]
+    if store.dtype == torch.float32 or not got or min(got) < 2:
+        return None
+    return (f"hf_zero_offload: {engine}: {min(got)} or more backward passes went into one step with "
+            f"gradient_accumulation_steps=1: their gradients were summed in {str(store.dtype)[6:]} (as torch sums a "
+            f"16-bit model's .grad); OffloadOptions(gradient_accumulation_steps={min(got)}) sums them in fp32")
+
+
 def write_grad(dst: torch.Tensor, src: torch.Tensor, *, first: bool, num_threads: int | None = None) -> None:
     """The one writer into a host gradient store (both engines): an fp32 store sums the micro-batches
     of a step (the first overwrites), a 16-bit store holds one micro-batch's gradient per step.

@@ -143,9 +143,10 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
                             "(requires_grad=False) when the engine was built, so it has no optimizer state and "
                             "would never be updated; build the engine after unfreezing it")
                 if self._grads_from_backward:
-                    return (f"{name} param group {i}: a {tuple(p.shape)} param has a .grad that did not come "
-                            "from backward(): the engine takes each gradient as backward produces it (and frees "
-                            ".grad), so one assigned by hand would be ignored")
+                    return (f"{name} param group {i}: a {tuple(p.shape)} param has a .grad that the engine did not "
+                            "take from backward (which frees it): one assigned by hand, or DistributedDataParallel's "
+                            "(a model wrapped in DDP, or prepared by Accelerate on several processes; leave it "
+                            "unwrapped: the engine reduces the gradients itself) would be ignored")
         return None
 
     # -- set up by the subclass once the arena exists ------------------------------------------

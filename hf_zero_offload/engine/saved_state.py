@@ -105,8 +105,8 @@ class SavedState:
 
         def checked() -> tuple[dict, int]:
             if not isinstance(state, dict) or ({"state", "param_groups"} <= set(state) and "format" not in state):
-                got = ("a torch optimizer state_dict: its per-param moments do not load into the engine (build it "
-                       "afresh: its masters are taken from the params)") if isinstance(state, dict) else type(state)
+                got = ("a torch optimizer state_dict: load an AdamW's with load_torch_state_dict (each rank takes "
+                       "its shard of the moments)") if isinstance(state, dict) else type(state)
                 raise TypeError(f"{type(self).__name__}.load_state_dict: expected the dict its state_dict() returns, "
                                 f"got {getattr(got, '__name__', got)}")
             meta = self._check_saved(state, where)
