@@ -389,3 +389,29 @@ def test_accelerates_parallelism_config_is_refused_beside_ours(tmp_path, monkeyp
     else:
         monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
     refuse_other_engines(args)
+
+
+def test_an_example_newer_than_the_installed_package_says_so_in_one_line():
+    """An outside probe: a wheel installed, then `git pull`: the example failed with a ModuleNotFoundError traceback
+    for a module the older package lacks."""
+    code = ("import sys, runpy; sys.modules['hf_zero_offload.run_lock'] = None; sys.argv = ['finetune_trainer.py', "
+            "'--help']; runpy.run_path(%r, run_name='__main__')"
+            % str(ROOT / "examples" / "seq2seq" / "finetune_trainer.py"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_ZERO_OFFLOAD_DEBUG": ""})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "the installed hf_zero_offload is older than this script" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_path_the_locale_cannot_encode_names_the_locale(capsys, monkeypatch):
+    """An outside probe: LANG=C and a non-ASCII --output_dir: "'utf-8' codec can't encode characters in position 0-1:
+    surrogates not allowed", naming neither the path nor the locale (transformers' save_pretrained)."""
+    monkeypatch.setenv("LC_ALL", "C")
+
+    def fail():
+        "\udcc3\udcb6ut".encode("utf-8")
+
+    with pytest.raises(SystemExit):
+        usage.run_reporting("finetune_trainer.py", fail, debug=False)
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "non-UTF-8 locale (LC_ALL/LANG=C)" in err and "PYTHONUTF8=1" in err

@@ -491,7 +491,7 @@ def test_the_spin_is_set_before_torch_loads_openmp():
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import finetune_trainer, os; "
             "src = open(finetune_trainer.__file__).read(); "
-            "print(src.index('\\nshorten_openmp_spin(os.environ)') < src.index('\\nimport torch'), "
+            "print(src.index('\\nshorten_openmp_spin(os.environ)') < src.index('\\n    import torch'), "
             "os.environ.get('GOMP_SPINCOUNT'))")
     out = subprocess.run([sys.executable, "-c", code, EX], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -59,29 +59,40 @@ _guard_start = (threading.current_thread() is threading.main_thread()
 if _guard_start:
     signal.signal(signal.SIGINT, _interrupted_while_loading)
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoConfig,
-    AutoModelForSeq2SeqLM,
-    AutoTokenizer,
-    DataCollatorForSeq2Seq,
-    set_seed,
-)
-from transformers.trainer_callback import PrinterCallback  # noqa: E402
-from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
+try:
+    import torch  # noqa: E402
+    import transformers  # noqa: E402
+    from transformers import (  # noqa: E402
+        AutoConfig,
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        set_seed,
+    )
+    from transformers.trainer_callback import PrinterCallback  # noqa: E402
+    from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
 
-from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, resume  # noqa: E402
-from hf_zero_offload.launch_checks import check_world_size  # noqa: E402
-from hf_zero_offload.run_lock import RunLock, take_job_lock  # noqa: E402
-from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, resume  # noqa: E402
+    from hf_zero_offload.launch_checks import check_world_size  # noqa: E402
+    from hf_zero_offload.run_lock import RunLock, take_job_lock  # noqa: E402
+    from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
-import seq2seq_utils as su  # noqa: E402
-from seq2seq_args import (  # noqa: E402,F401
-    DataTrainingArguments, ModelArguments, check_local_paths, check_resume_target, check_values, check_zero_config,
-    parse_args,
-    repo_config_hint)
-from train_tokenizer import train_t5_tokenizer  # noqa: E402
+    import seq2seq_utils as su  # noqa: E402
+    from seq2seq_args import (  # noqa: E402,F401
+        DataTrainingArguments, ModelArguments, check_local_paths, check_resume_target, check_values, check_zero_config,
+        parse_args,
+        repo_config_hint)
+    from train_tokenizer import train_t5_tokenizer  # noqa: E402
+except ModuleNotFoundError as _missing:  # before run_reporting exists: its one line, not a traceback
+    if "--debug" in sys.argv or os.environ.get("HF_ZERO_OFFLOAD_DEBUG", "").strip().lower() not in ("", "0", "false",
+                                                                                                   "no"):
+        raise
+    _ours = (_missing.name or "").startswith("hf_zero_offload")
+    sys.stderr.write(f"{os.path.basename(__file__)}: error: {_missing}: " + (
+        "the installed hf_zero_offload is older than this script, or missing; reinstall it from this checkout (make "
+        "install, or pip install '.[examples]')" if _ours else "install the example's dependencies (pip install "
+        "'<the checkout>[examples]', or make install)") + " (traceback: --debug or HF_ZERO_OFFLOAD_DEBUG=1)\n")
+    raise SystemExit(2)
 
 if _guard_start:  # loaded: a Ctrl-C is a KeyboardInterrupt again, which run_reporting turns into its line
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     from hf_zero_offload.usage import run_reporting, take_debug_flag
 
     debug, argv = take_debug_flag(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],  # (None under python -OO)
                                      epilog="errors print one line and exit 2; --debug shows the traceback")
     parser.add_argument("output_dir", help="the --output_dir of a finetune_trainer.py run (holds trainer_state.json); "
                                            "curves.png is written there")
