@@ -163,3 +163,40 @@ def test_sharded_ddp_starts_from_rank0s_frozen_params_and_buffers_as_ddp_does(tm
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     for a, b in zip(ours[0]["params"], ours[1]["params"]):
         assert torch.equal(a, b)
+
+
+def _node_local(rank, world_size, out_dir, phase):
+    """Each rank its own output_dir, as two nodes with node-local disks: ``save`` saves at step 2; ``resume`` resumes
+    `true` from folders prepared to hold different checkpoints (rank 0's at step 4, rank 1's at step 2)."""
+    import os
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    out = f"{out_dir}/{phase}/node{rank}" if phase != "shared" else f"{out_dir}/shared"
+    targs = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=out, per_device_train_batch_size=4, max_steps=6 if phase == "resume" else 4, use_cpu=True,
+        ddp_backend="gloo", report_to=[], save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True,
+        sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=ToyDataset())
+    try:
+        trainer.train(resume_from_checkpoint=True if phase == "resume" else None)
+    except (OSError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}", "marked": os.path.exists(f"{out}/checkpoint-2/hzo_complete.json")}
+    return {"error": None}
+
+
+def test_node_local_output_dirs_are_refused_at_the_first_save_and_at_a_resume(tmp_path):
+    """An outside probe (2 nodes, each its own output_dir): each save marked complete a checkpoint holding rank 0's
+    shard alone; resumed, the ranks took different checkpoints (steps 4 and 2) and trained on in lockstep."""
+    for r in run_distributed(_node_local, str(tmp_path), "save", timeout=300):
+        assert r["error"] and "lacks rank1_of_2.hzo" in r["error"] and "shared file system" in r["error"], r
+        assert not r["marked"]
+    run_distributed(_node_local, str(tmp_path), "shared", timeout=300)  # checkpoints 2 and 4, then spread:
+    import shutil
+    for rank, keep in ((0, 4), (1, 2)):
+        shutil.copytree(tmp_path / "shared" / f"checkpoint-{keep}", tmp_path / "resume" / f"node{rank}" /
+                        f"checkpoint-{keep}")
+    for r in run_distributed(_node_local, str(tmp_path), "resume", timeout=300):
+        assert r["error"] and "the ranks chose different checkpoints" in r["error"], r
+        assert "checkpoint-4 (step 4)" in r["error"] and "checkpoint-2 (step 2)" in r["error"]

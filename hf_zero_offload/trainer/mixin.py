@@ -22,6 +22,7 @@ from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batc
                              refuse_user_optimizer, refuse_view_ties, warn_bf16_on_cpu, warn_fp16_on_cpu,
                              warn_full_eval_trains, warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
+from .shared_dir import agreed_target
 from ..schedulers import build_scheduler
 from .buffer_sync import BroadcastBuffers
 from .last_step import PublishBeforeTrainEnd
@@ -365,7 +366,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         return super()._inner_training_loop(*args, **kwargs)
 
     def _zo_resume_target(self, target) -> str:
-        path, self._zo_resume, notes = resume.target(target, self.args.output_dir)
+        path, self._zo_resume, notes = agreed_target(target, self.args.output_dir, self.args.world_size)
         if not self.args.should_log:  # every rank chooses the same checkpoint: said once per job, not per rank
             return path
         for level, note in notes:

@@ -17,6 +17,7 @@ from .. import resume
 from ..consolidate import write_param_names
 from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
 from ..run_lock import confirm_job_lock
+from .shared_dir import missing_rank_files
 from .last_step import publish_for_final_save
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class CheckpointSaving:
             self.args.save_total_limit = limit
         if distributed:
             dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
+            missing = missing_rank_files(output_dir, STATE_DIR, self.args.world_size, self.args.should_save)
+            if missing:  # node-local output_dirs: each rank's shard in its own node's copy
+                raise CheckpointSaveError(missing)
         if self.args.should_save:
             if self._zo_raw is not None:
                 self._zo_remove_foreign(output_dir)

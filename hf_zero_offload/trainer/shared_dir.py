@@ -1,0 +1,81 @@
+"""One ``output_dir`` for the whole job: a checkpoint is one directory holding every rank's optimizer shard, so on
+several nodes it must be a file system they all share. Two checks that say so when it is not, instead of training
+on: at a resume, every rank chose the same checkpoint; at a save, the checkpoint holds every rank's state file
+before its marker declares it complete.
+
+An outside probe (two nodes, each with its own local ``output_dir``): the ranks resumed different checkpoints (one
+rank at step 4, the other at step 2, or two runs' checkpoint-4) and trained on in lockstep, 5.4e-3 from the right
+resume; and each save marked complete a checkpoint holding rank 0's shard alone (the other rank's in the other
+node's folder), which every later resume refused naming a "missing" file. Both are collectives: every rank calls
+them at the same point, and all raise alike.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+from .. import resume
+
+_NOT_SHARED = ("output_dir must be one directory that every node sees (a shared file system): a checkpoint holds "
+               "every rank's optimizer shard")
+
+
+def _distributed(world_size: int) -> bool:
+    return world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def _gather(mine, world_size: int) -> list:
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def agreed_target(target, output_dir: str, world_size: int):
+    """``resume.target`` on every rank, then the same outcome on all: one rank's refusal is every rank's (the others
+    waited in the next collective, then died on a closed connection), and ranks that chose different checkpoints
+    (node-local output_dirs) are refused, naming each rank's choice."""
+    if not _distributed(world_size):
+        return resume.target(target, output_dir)
+    try:
+        chosen, error = resume.target(target, output_dir), None
+    except (ValueError, OSError) as e:
+        chosen, error = None, e
+    path = chosen[0] if chosen else None
+    mine = (socket.gethostname(), None if error is None else f"{type(error).__name__}: {error}",
+            path and os.path.abspath(path), path and resume.recorded_step(path), path and resume.recorded_save_id(path))
+    every = _gather(mine, world_size)
+    failed = [(r, host, why) for r, (host, why, *_) in enumerate(every) if why is not None]
+    if failed:
+        if error is not None:
+            raise error
+        r, host, why = failed[0]
+        raise ValueError(f"resume_from_checkpoint: rank {r} (host {host}) refused it: {why}")
+    # one save (its id: the same files wherever they are read from), or, without an id, one path
+    if len({(step, save_id if save_id is not None else p) for _, _, p, step, save_id in every}) > 1:
+        seen = "; ".join(f"rank {r} (host {host}): {p} (step {step})" for r, (host, _, p, step, _) in enumerate(every))
+        raise ValueError(f"resume_from_checkpoint: the ranks chose different checkpoints ({seen}): {_NOT_SHARED}, and "
+                         "each rank resumed its own folder's; put output_dir on a shared file system (or pass every "
+                         "rank the same checkpoint there)")
+    return chosen
+
+
+def missing_rank_files(checkpoint: str, state_dir: str, world_size: int, writes_marker: bool) -> str | None:
+    """Before the marker: the rank files this process's copy of ``checkpoint`` lacks, gathered from every process
+    that writes a marker; the error message (the same on every rank), or None when none lacks any."""
+    if not _distributed(world_size):
+        return None
+    folder = os.path.join(checkpoint, state_dir)
+    missing = []
+    if writes_marker and os.path.isdir(folder):  # (no state_dir: --save_only_model)
+        missing = [f"rank{r}_of_{world_size}.hzo" for r in range(world_size)
+                   if not os.path.isfile(os.path.join(folder, f"rank{r}_of_{world_size}.hzo"))]
+    every = _gather((socket.gethostname(), missing), world_size)
+    bad = [(r, host, names) for r, (host, names) in enumerate(every) if names]
+    if not bad:
+        return None
+    r, host, names = bad[0]
+    return (f"{checkpoint} on host {host} (rank {r}) lacks {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}, "
+            f"written by the other ranks into their own output_dir: {_NOT_SHARED} (and one rank's copy with all of "
+            "them). It is not marked complete")
