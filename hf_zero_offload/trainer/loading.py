@@ -93,8 +93,9 @@ class CheckpointLoading(TorchStateResume):
         if before is None:
             logger.warning(resume.missing_scheduler_message(checkpoint, self._get_learning_rate(), SCHEDULER_NAME))
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
-        logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
-                                    {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
+        if self.args.should_log:  # once per job (per node with log_on_each_node), not once per rank
+            logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
+                                        {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
         saved = (getattr(self.zero_engine, "restored", None) or {}).get("world_size")
         if saved not in (None, self.args.world_size) and self.args.should_log and getattr(
                 self, "model_accepts_loss_kwargs", False) and getattr(self.args, "average_tokens_across_devices", 0):
