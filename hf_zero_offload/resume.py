@@ -353,7 +353,8 @@ def _written_after(chosen: str, folder: str) -> list[str]:
     """Checkpoints of a lower step than ``chosen`` written after it: complete ones by the markers' own clocks (which
     a copy keeps: file times it does not); a cut-short one of a run that knew markers (its files carry a save id: a
     newer run killed in its save) by its files' times against ``chosen``'s marker file (a checkpoint left part
-    deleted by a rotation is older)."""
+    deleted by a rotation is older). A plain Trainer's ``chosen`` has no marker: its trainer_state.json's file time
+    stands in (a copy that reset file times, or a clock skewed against the file server, can mislead that one)."""
     def when(c: str) -> tuple:
         m = read_marker(c) or {}
         return m.get("written_ns"), m.get("written")

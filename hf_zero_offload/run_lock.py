@@ -202,7 +202,7 @@ def _on_rank0(action, rank: int, world_size: int) -> None:
     if rank == 0:
         try:
             warning = action()
-        except RunLockError as e:
+        except (RunLockError, OSError) as e:  # (a lock re-created on a full disk: the others waited, then died)
             error = str(e)
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         box = [error]

@@ -36,7 +36,7 @@ def sigint_delivered():
 @pytest.fixture(autouse=True)
 def config_warnings_anew():
     """The config's warnings are said once per process (a Trainer resolves it several times): anew for each test."""
-    resolver._said.clear()
+    resolver.reset_warnings()
 
 
 @pytest.fixture(autouse=True)

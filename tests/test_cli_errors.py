@@ -391,12 +391,14 @@ def test_accelerates_parallelism_config_is_refused_beside_ours(tmp_path, monkeyp
     refuse_other_engines(args)
 
 
-def test_an_example_newer_than_the_installed_package_says_so_in_one_line():
+@pytest.mark.parametrize("older", ["sys.modules['hf_zero_offload.run_lock'] = None",
+                                   "import hf_zero_offload.usage as u; del u.not_utf8_text"],
+                         ids=["module missing", "name missing"])
+def test_an_example_newer_than_the_installed_package_says_so_in_one_line(older):
     """An outside probe: a wheel installed, then `git pull`: the example failed with a ModuleNotFoundError traceback
-    for a module the older package lacks."""
-    code = ("import sys, runpy; sys.modules['hf_zero_offload.run_lock'] = None; sys.argv = ['finetune_trainer.py', "
-            "'--help']; runpy.run_path(%r, run_name='__main__')"
-            % str(ROOT / "examples" / "seq2seq" / "finetune_trainer.py"))
+    for a module the older package lacks (or an ImportError for a name it lacks)."""
+    code = ("import sys, runpy; %s; sys.argv = ['finetune_trainer.py', '--help']; runpy.run_path(%r, "
+            "run_name='__main__')" % (older, str(ROOT / "examples" / "seq2seq" / "finetune_trainer.py")))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HF_ZERO_OFFLOAD_DEBUG": ""})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr

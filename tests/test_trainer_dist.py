@@ -173,8 +173,8 @@ def _node_local(rank, world_size, out_dir, phase):
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
-    out = f"{out_dir}/{phase}/node{rank}" if phase != "shared" else f"{out_dir}/shared"
-    targs = ZeroOffloadSeq2SeqTrainingArguments(
+    out = f"{out_dir}/{phase}/node{rank}" if phase not in ("shared", "only_model") else f"{out_dir}/{phase}"
+    targs = ZeroOffloadSeq2SeqTrainingArguments(save_only_model=phase == "only_model",
         output_dir=out, per_device_train_batch_size=4, max_steps=6 if phase == "resume" else 4, use_cpu=True,
         ddp_backend="gloo", report_to=[], save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True,
         sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
@@ -200,3 +200,13 @@ def test_node_local_output_dirs_are_refused_at_the_first_save_and_at_a_resume(tm
     for r in run_distributed(_node_local, str(tmp_path), "resume", timeout=300):
         assert r["error"] and "the ranks chose different checkpoints" in r["error"], r
         assert "checkpoint-4 (step 4)" in r["error"] and "checkpoint-2 (step 2)" in r["error"]
+
+
+def test_a_save_only_model_over_a_leftover_state_folder_is_not_taken_for_node_local_dirs(tmp_path):
+    """A review: with --save_only_model the check read a zero_offload/ left by an earlier save of checkpoint-2 (of
+    another world size), which this save removes, and stopped a valid run."""
+    import os
+    os.makedirs(tmp_path / "only_model" / "checkpoint-2" / "zero_offload")
+    (tmp_path / "only_model" / "checkpoint-2" / "zero_offload" / "rank0_of_1.hzo").write_bytes(b"old")
+    for r in run_distributed(_node_local, str(tmp_path), "only_model", timeout=300):
+        assert r["error"] is None, r

@@ -83,7 +83,9 @@ try:
         parse_args,
         repo_config_hint)
     from train_tokenizer import train_t5_tokenizer  # noqa: E402
-except ModuleNotFoundError as _missing:  # before run_reporting exists: its one line, not a traceback
+except ImportError as _missing:  # before run_reporting exists: its one line, not a traceback
+    if not isinstance(_missing, ModuleNotFoundError) and not (_missing.name or "").startswith("hf_zero_offload"):
+        raise  # (a library's own broken import: its traceback)
     if "--debug" in sys.argv or os.environ.get("HF_ZERO_OFFLOAD_DEBUG", "").strip().lower() not in ("", "0", "false",
                                                                                                    "no"):
         raise

@@ -17,6 +17,11 @@ logger = logging.getLogger("hf_zero_offload")
 _said: set[str] = set()  # a Trainer resolves its config several times (built, at train(), with the step count)
 
 
+def reset_warnings() -> None:
+    """Say each config warning again (a test, or a process that trains anew)."""
+    _said.clear()
+
+
 def _warn_once(message: str) -> None:
     if message not in _said:
         _said.add(message)

@@ -193,8 +193,8 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
             raise RuntimeError(f"torch.amp.GradScaler with {type(self).__name__}: " + ("the engine takes each gradient "
                                "during backward and frees .grad, so GradScaler's unscale_ and inf checks see none" if
                                self._grads_from_backward else "the engine unscales .grad and checks it for overflow at "
-                               "step(), across the ranks") + "; scale the loss with the engine's own scaler instead: Off"
-                               "loadOptions(fp16={\"loss_scale\": 0, ...}), engine.scale_loss(loss).backward(), "
+                               "step(), across the ranks") + "; scale the loss with the engine's own scaler instead: "
+                               "OffloadOptions(fp16={\"loss_scale\": 0, ...}), engine.scale_loss(loss).backward(), "
                                "engine.step() (it unscales, skips overflow steps and adjusts the scale)")
         self._check_open()
         self._check_intact()

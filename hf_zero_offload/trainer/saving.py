@@ -71,7 +71,9 @@ class CheckpointSaving:
             self.args.save_total_limit = limit
         if distributed:
             dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
-            missing = missing_rank_files(output_dir, STATE_DIR, self.args.world_size, self.args.should_save)
+            # (a collective: every rank calls it; only a save that wrote state is looked at, not a leftover folder)
+            wrote = self.args.should_save and self.zero_engine is not None and not self.args.save_only_model
+            missing = missing_rank_files(output_dir, STATE_DIR, self.args.world_size, wrote)
             if missing:  # node-local output_dirs: each rank's shard in its own node's copy
                 raise CheckpointSaveError(missing)
         if self.args.should_save:
