@@ -216,3 +216,17 @@ def test_cpu_adam_refuses_a_negative_exp_avg_sq_when_loaded(state_dtype):
                                          r"entry \(-1.0 at element 5\)"):
         other.load_state_dict(sd)
     assert not other.state
+
+
+def test_a_save_between_two_steps_says_so_with_the_gradients_still_in_a_bucket(tmp_path, caplog):
+    """A README audit: with the default 200M-element buckets the window's gradients wait in the partly filled bucket
+    until the step, and the save said nothing (the test above uses 1000-element buckets)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(gradient_accumulation_steps=2))
+    ids, labels, branch = batches(1)[0]
+    loss_fn(model, ids, labels, branch).backward()
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        opt.save_checkpoint(str(tmp_path / "mid"))
+    assert any("gradients taken since the last step() are not saved" in r.message for r in caplog.records)
+    opt.close()

@@ -9,7 +9,8 @@
 #   1. hardware      the hardware line (CPU, cores, RAM, torch, SIMD level, GPU)   -> $OUT/hardware.json
 #   2. install       pip install --no-build-isolation --no-deps --no-index -e .  (compiles the C++ kernels;
 #                    the image already has torch, pybind11, scikit-build-core, cmake; nothing is downloaded)
-#   3. cuda tests    pytest -m cuda tests/test_engine.py tests/test_engine_async.py tests/test_sharding.py (GPU parity with torch
+#   3. cuda tests    pytest -m cuda tests/test_engine.py tests/test_engine_async.py tests/test_sharding.py
+#                    tests/test_compact_states.py (every cuda-marked test; GPU parity with torch
 #                    AdamW, gradient accumulation, clipping, fp16 overflow, DPU, resume, the stream-race
 #                    test, gradient memory bounded by the buckets, pinned arena). The image has no pytest:
 #                    it is installed from wheels carried in .gpu_wheels/ (`make gpu-wheels` here, then
@@ -81,7 +82,7 @@ if ! "$PY" -c "import pytest" 2>/dev/null; then
   run install_pytest 60 "$PY" -m pip install --no-index --find-links .gpu_wheels pytest pytest-timeout
 fi
 run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider tests/test_engine.py tests/test_engine_async.py \
-  tests/test_sharding.py
+  tests/test_sharding.py tests/test_compact_states.py
 
 # 4. one training step with and without offload (JSON per size); 24 GiB CUDA cap
 run offload_step_500m 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \

@@ -94,7 +94,7 @@ class OffloadAdam(AdamCore):
         return self.pipeline.arrivals
 
     def _window_received(self) -> list[bool]:
-        return [c > 0 for c in self.pipeline.received]
+        return self.pipeline.taken()
 
     @torch.no_grad()
     def _zero_grads(self, which: list[bool]) -> None:

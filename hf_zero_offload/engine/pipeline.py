@@ -120,6 +120,12 @@ class GradPipeline:
             write_grad(dst, piece, first=seen == 0, num_threads=1 if numel < _SMALL else self.num_threads)
             self.received[i] = seen + 1
 
+    def taken(self) -> list[bool]:
+        """Per slot: a gradient taken in this window, scattered into the store or still in a bucket (with the
+        default 200M-element buckets a step's gradients mostly wait in the partly filled one until the step)."""
+        waiting = {i for slot in self._pending for i, *_ in slot}
+        return [c > 0 or i in waiting for i, c in enumerate(self.received)]
+
     # -- step side -----------------------------------------------------------------------------
     def drain(self) -> None:
         """Send the partly filled bucket and wait until every gradient is in the store."""
