@@ -11,7 +11,7 @@ import torch.distributed as dist
 from . import ops
 from .config import ConfigError, TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
-from .adam_flags import IMPLEMENTATION_FLAGS, MATH_FLAGS
+from .adam_flags import IMPLEMENTATION_FLAGS, MATH_FLAGS, adamw_mode
 from .engine import param_names
 from .launch_checks import LaunchError, first_names, launch_count
 
@@ -114,8 +114,7 @@ def groups_from_optimizer(opt, where: str, model) -> list[dict]:
         # model's names of the params kept are set below
         rest = {k: v for k, v in g.items() if k not in (*IMPLEMENTATION_FLAGS, *MATH_FLAGS, "params",
                                                         "decoupled_weight_decay", param_names.KEY)}
-        # torch.optim.Adam(decoupled_weight_decay=True) is AdamW; AdamW always is
-        adamw = bool(g.get("decoupled_weight_decay", cls is torch.optim.AdamW))
+        adamw = bool(adamw_mode(g, default=cls is torch.optim.AdamW))  # (torch's Adam: decoupled_weight_decay's)
         groups.append({**rest, "params": params, "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
                        "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]), "adamw_mode": adamw})
     named_params = list(model.named_parameters(remove_duplicate=False))  # every alias of a tied param

@@ -319,4 +319,3 @@ def check_trainable(engine_params, named_params, during_training: bool = False) 
         raise ConfigError(
             f"{len(new)} parameter(s) became trainable after the zero_offload engine was built ({first_names(new)}): "
             f"the engine holds no optimizer state for them and would never update them. {fix}")
-

@@ -380,4 +380,3 @@ def test_the_simulator_switch_reads_off_as_the_debug_switch_does(monkeypatch, va
     from hf_zero_offload.engine.streams import SIMULATE_ENV, SimStreams, make_streams
     monkeypatch.setenv(SIMULATE_ENV, value)
     assert isinstance(make_streams(torch.device("cpu")), SimStreams) is simulated
-

@@ -22,7 +22,6 @@ from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batc
                              refuse_user_optimizer, refuse_view_ties, warn_bf16_on_cpu, warn_fp16_on_cpu,
                              warn_full_eval_trains, warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
-from .shared_dir import agreed_target
 from ..schedulers import build_scheduler
 from .buffer_sync import BroadcastBuffers
 from .last_step import PublishBeforeTrainEnd
@@ -30,6 +29,7 @@ from .loss_precision import LossInFp32
 from .trainable_watch import RefuseNewTrainable
 from .loading import CheckpointLoading
 from .saving import CheckpointSaving
+from .shared_dir import agreed_target
 
 logger = logging.getLogger("hf_zero_offload")
 
