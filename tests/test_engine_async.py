@@ -380,3 +380,42 @@ def test_the_simulator_switch_reads_off_as_the_debug_switch_does(monkeypatch, va
     from hf_zero_offload.engine.streams import SIMULATE_ENV, SimStreams, make_streams
     monkeypatch.setenv(SIMULATE_ENV, value)
     assert isinstance(make_streams(torch.device("cpu")), SimStreams) is simulated
+
+
+def test_a_load_waits_for_uploads_in_flight_before_rewriting_the_dpu_staging():
+    """An outside review's race checker: a synchronous step (DPU warm-up) queued its uploads from the param staging,
+    then load_state_dict of a DPU state saved mid-delay rewrote that staging on the host (that state's masters reach
+    the params at the next step, not now): the uploads still queued carried the loaded masters, one step early."""
+    import copy
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OffloadOptions(**SMALL, dpu=True, dpu_warmup_steps=1))
+    for ids, labels, use_branch in batches(3):
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["needs_publish"]
+    opt.close()
+
+    def run(drain_first):
+        s = SimStreams(executor="lazy", defer_compute_waits=True)  # the uploads run when the next forward would
+        torch.manual_seed(1)
+        model = TinyNet()
+        opt = OffloadAdam(param_groups(model, WD), lr=LR, streams=s,
+                          options=OffloadOptions(**SMALL, dpu=True, dpu_warmup_steps=3))
+        ids, labels, use_branch = batches(1)[0]
+        loss_fn(model, ids, labels, use_branch).backward()
+        opt.step()  # synchronous (warm-up): its uploads stay queued
+        if drain_first:
+            s.synchronize()
+        opt.load_state_dict(saved)
+        s.synchronize()
+        out = [p.detach().clone() for p in model.parameters()]
+        opt.flush()
+        opt.close()
+        return out
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
