@@ -314,6 +314,8 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
                         tensors[key] = (t.float() if t.is_floating_point() else t).contiguous()
                 weights.append(stage(dst))
                 save_file(tensors, weights[-1], metadata=metadata or {"format": "pt"})
+                # safetensors >= 0.8 creates it 0600 whatever the umask: the team sharing the run could not read it
+                os.chmod(weights[-1], 0o666 & ~_umask())
             if optimizer is not None:
                 torch.save(optimizer, stage(os.path.join(output_dir, "optimizer.pt")))
             for name in trainer_files:
@@ -348,3 +350,9 @@ def consolidate_main(args) -> int:
               f"(--resume_from_checkpoint {shlex.quote(args.output_dir)}, an AdamW --optim, the same param groups and "
               "--weight_decay), or load optimizer.pt into torch.optim.AdamW")
     return 0
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # read by setting it: restored at once (the CLI is one thread here)
+    os.umask(mask)
+    return mask
