@@ -174,7 +174,10 @@ def _node_local(rank, world_size, out_dir, phase):
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
     out = f"{out_dir}/{phase}/node{rank}" if phase not in ("shared", "only_model") else f"{out_dir}/{phase}"
-    targs = ZeroOffloadSeq2SeqTrainingArguments(save_only_model=phase == "only_model",
+    if phase == "each":  # a launcher whose LOCAL_WORLD_SIZE hides the nodes (set by hand in a SLURM script)
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    targs = ZeroOffloadSeq2SeqTrainingArguments(
+        save_only_model=phase == "only_model", save_on_each_node=phase == "each",
         output_dir=out, per_device_train_batch_size=4, max_steps=6 if phase == "resume" else 4, use_cpu=True,
         ddp_backend="gloo", report_to=[], save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True,
         sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
@@ -191,6 +194,10 @@ def test_node_local_output_dirs_are_refused_at_the_first_save_and_at_a_resume(tm
     shard alone; resumed, the ranks took different checkpoints (steps 4 and 2) and trained on in lockstep."""
     for r in run_distributed(_node_local, str(tmp_path), "save", timeout=300):
         assert r["error"] and "lacks rank1_of_2.hzo" in r["error"] and "shared file system" in r["error"], r
+        assert not r["marked"] and "save_on_each_node" not in r["error"]
+    # the node count hidden from the launch check (SLURM without torchrun): the save names the flag
+    for r in run_distributed(_node_local, str(tmp_path), "each", timeout=300):
+        assert r["error"] and "--save_on_each_node makes each node save a copy of its own" in r["error"], r
         assert not r["marked"]
     run_distributed(_node_local, str(tmp_path), "shared", timeout=300)  # checkpoints 2 and 4, then spread:
     import shutil

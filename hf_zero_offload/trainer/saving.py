@@ -73,7 +73,8 @@ class CheckpointSaving:
             dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
             # (a collective: every rank calls it; only a save that wrote state is looked at, not a leftover folder)
             wrote = self.args.should_save and self.zero_engine is not None and not self.args.save_only_model
-            missing = missing_rank_files(output_dir, STATE_DIR, self.args.world_size, wrote)
+            missing = missing_rank_files(output_dir, STATE_DIR, self.args.world_size, wrote,
+                                         each_node=bool(getattr(self.args, "save_on_each_node", False)))
             if missing:  # node-local output_dirs: each rank's shard in its own node's copy
                 raise CheckpointSaveError(missing)
         if self.args.should_save:

@@ -55,13 +55,14 @@ def agreed_target(target, output_dir: str, world_size: int):
     # one save (its id: the same files wherever they are read from), or, without an id, one path
     if len({(step, save_id if save_id is not None else p) for _, _, p, step, save_id in every}) > 1:
         seen = "; ".join(f"rank {r} (host {host}): {p} (step {step})" for r, (host, _, p, step, _) in enumerate(every))
-        raise ValueError(f"resume_from_checkpoint: the ranks chose different checkpoints ({seen}): {_NOT_SHARED}, and "
-                         "each rank resumed its own folder's; put output_dir on a shared file system (or pass every "
+        raise ValueError(f"resume_from_checkpoint: the ranks chose different checkpoints ({seen}), each from its "
+                         f"own node's output_dir: {_NOT_SHARED}; put output_dir on a shared file system (or pass every "
                          "rank the same checkpoint there)")
     return chosen
 
 
-def missing_rank_files(checkpoint: str, state_dir: str, world_size: int, writes_marker: bool) -> str | None:
+def missing_rank_files(checkpoint: str, state_dir: str, world_size: int, writes_marker: bool,
+                       each_node: bool = False) -> str | None:
     """Before the marker: the rank files this process's copy of ``checkpoint`` lacks, gathered from every process
     that writes a marker; the error message (the same on every rank), or None when none lacks any."""
     if not _distributed(world_size):
@@ -76,6 +77,8 @@ def missing_rank_files(checkpoint: str, state_dir: str, world_size: int, writes_
     if not bad:
         return None
     r, host, names = bad[0]
-    return (f"{checkpoint} on host {host} (rank {r}) lacks {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}, "
-            f"written by the other ranks into their own output_dir: {_NOT_SHARED} (and one rank's copy with all of "
-            "them). It is not marked complete")
+    each = (" --save_on_each_node makes each node save a copy of its own, holding its own ranks' shards: drop it."
+            if each_node else "")
+    return (f"{os.path.abspath(checkpoint)} on host {host} (rank {r}) lacks {', '.join(names[:4])}"
+            f"{' ...' if len(names) > 4 else ''}, which the other ranks wrote into their own node's output_dir: "
+            f"{_NOT_SHARED}.{each} It is not marked complete")
