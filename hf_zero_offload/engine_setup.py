@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 
 import torch
 import torch.distributed as dist
@@ -172,7 +173,9 @@ def start_line(cfg: TrainingConfig, eng, world_size: int, device) -> str:
     """What the run is: config, ranks, backend, engine, moments, SIMD level, reserved host memory, streams."""
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
     arena = getattr(eng, "arena", None)
-    return (f"hf_zero_offload: config={cfg.source} ranks={world_size} backend={backend} device={device} "
+    source = str(cfg.source)  # a file's path quoted where it holds a space: the line is key=value pairs
+    source = shlex.quote(source) if os.path.exists(source) and any(c.isspace() for c in source) else source
+    return (f"hf_zero_offload: config={source} ranks={world_size} backend={backend} device={device} "
             f"dtype={str(training_dtype(cfg)).replace('torch.', '')} engine={type(eng).__name__} "
             f"stage={_stage(cfg, eng)} offload={getattr(eng, 'offload', True)} "
             f"dpu={cfg.zero.delayed_param_update.enabled} "

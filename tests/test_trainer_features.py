@@ -399,6 +399,14 @@ def _start_line(tmp_path, caplog, **kw) -> str:
     return start
 
 
+def test_a_config_path_with_a_space_is_quoted_in_the_start_line(tmp_path, caplog):
+    """An outside probe: `config=my cönfig.json ranks=1 ...` read as two values in a key=value line."""
+    import json
+    cfg = tmp_path / "my cönfig.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    assert f"config='{cfg}' ranks=1 " in _start_line(tmp_path, caplog, zero_offload=str(cfg))
+
+
 def test_start_line_names_sharded_ddp_alone(tmp_path, caplog):
     """--sharded_ddp without a ds_config logged config=<dict>: the start line now says what was asked for."""
     assert "config=--sharded_ddp (stage 2) " in _start_line(tmp_path, caplog, sharded_ddp=True)
