@@ -10,6 +10,7 @@ adapter's weights in fp32 (``PeftModel.from_pretrained(base, OUTPUT_DIR)``). Nee
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -315,7 +316,8 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
                 weights.append(stage(dst))
                 save_file(tensors, weights[-1], metadata=metadata or {"format": "pt"})
                 # safetensors >= 0.8 creates it 0600 whatever the umask: the team sharing the run could not read it
-                os.chmod(weights[-1], 0o666 & ~_umask())
+                with contextlib.suppress(PermissionError):  # (a file system that keeps its own modes)
+                    os.chmod(weights[-1], 0o666 & ~_umask())
             if optimizer is not None:
                 torch.save(optimizer, stage(os.path.join(output_dir, "optimizer.pt")))
             for name in trainer_files:
@@ -353,6 +355,11 @@ def consolidate_main(args) -> int:
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # read by setting it: restored at once (the CLI is one thread here)
-    os.umask(mask)
-    return mask
+    """The process's umask, read without changing it where Linux tells it (consolidate is a library call too)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)  # set and restored at once
+        os.umask(mask)
+        return mask

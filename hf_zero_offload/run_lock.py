@@ -198,17 +198,19 @@ def confirm_job_lock(lock: RunLock, rank: int, world_size: int) -> None:
 
 
 def _on_rank0(action, rank: int, world_size: int) -> None:
-    error = warning = None
+    error = warning = raised = None
     if rank == 0:
         try:
             warning = action()
         except (RunLockError, OSError) as e:  # (a lock re-created on a full disk: the others waited, then died)
-            error = str(e)
+            error, raised = str(e), e
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
+    if raised is not None:  # rank 0 raises its own error, type and errno kept; the others its words
+        raise raised
     if error is not None:
-        raise RunLockError(error)
+        raise RunLockError(f"rank 0: {error}")
     if warning:
         logger.warning(warning)

@@ -78,10 +78,10 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
         if isinstance(e, ModuleNotFoundError) and extra:  # it said only "No module named 'transformers'"
             message += (f": an optional dependency of hf_zero_offload; install it with the [{extra}] extra (pip "
                         f"install '<the checkout>[{extra}]'), or use the checkout's .venv (make install)")
-        elif isinstance(e, ImportError) and (getattr(e, "name", None) or "").startswith("hf_zero_offload."):
+        elif isinstance(e, ImportError) and (getattr(e, "name", None) or "").split(".")[0] == "hf_zero_offload":
             # an example from a newer checkout than the installed package (a non-editable install, then git pull)
-            message += (": the installed hf_zero_offload is older than this script; reinstall it from this checkout "
-                        "(make install, or pip install .)")
+            message += (": the installed hf_zero_offload lacks it: older than this script? Reinstall it from this "
+                        "checkout (make install, or pip install .)")
         elif isinstance(e, UnicodeEncodeError) and "surrogates not allowed" in message:
             # a non-ASCII path under a non-UTF-8 locale (LANG=C): Python decoded it to surrogates, and a library
             # writing it as UTF-8 said only this

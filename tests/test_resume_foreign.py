@@ -333,3 +333,16 @@ def test_the_callback_says_once_that_an_engine_of_unnamed_params_loads_by_positi
                     optimizers=(engine, torch.optim.lr_scheduler.LambdaLR(engine, lambda _: 1.0))).train()
         said = [r for r in caplog.records if "built from unnamed params" in r.getMessage()]
         assert len(said) == (0 if named else 1), [r.getMessage() for r in said]
+
+
+def test_a_save_without_an_engine_removes_an_earlier_saves_state_folder(tmp_path):
+    """A review: checkpoint-2 of a --zero_offload run saved again by ZeroOffloadTrainer without --zero_offload kept
+    the first run's zero_offload/ (its marker recording no engine), and a --zero_offload resume then loaded that run's
+    moments and step count onto the second run's weights, without a word."""
+    _train(tmp_path, True, 2)
+    torch.manual_seed(0)
+    kw = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, save_strategy="steps",
+              save_steps=2, report_to="none", use_cpu=True, learning_rate=1e-2, disable_tqdm=True)
+    ZeroOffloadTrainer(model=_AB(_Cfg(), "ab"), args=ZeroOffloadTrainingArguments(**kw), train_dataset=_data()).train()
+    assert not (tmp_path / "checkpoint-2" / "zero_offload").exists()
+    assert (tmp_path / "checkpoint-2" / "optimizer.pt").exists()

@@ -84,16 +84,18 @@ try:
         repo_config_hint)
     from train_tokenizer import train_t5_tokenizer  # noqa: E402
 except ImportError as _missing:  # before run_reporting exists: its one line, not a traceback
-    if not isinstance(_missing, ModuleNotFoundError) and not (_missing.name or "").startswith("hf_zero_offload"):
+    if not isinstance(_missing, ModuleNotFoundError) and (_missing.name or "").split(".")[0] != "hf_zero_offload":
         raise  # (a library's own broken import: its traceback)
     if "--debug" in sys.argv or os.environ.get("HF_ZERO_OFFLOAD_DEBUG", "").strip().lower() not in ("", "0", "false",
                                                                                                    "no"):
         raise
-    _ours = (_missing.name or "").startswith("hf_zero_offload")
+    _ours = (_missing.name or "").split(".")[0] == "hf_zero_offload"
+    _where = sys.modules.get("hf_zero_offload")
+    _where = os.path.dirname(getattr(_where, "__file__", None) or "") or "nowhere"
     sys.stderr.write(f"{os.path.basename(__file__)}: error: {_missing}: " + (
-        "the installed hf_zero_offload is older than this script, or missing; reinstall it from this checkout (make "
-        "install, or pip install '.[examples]')" if _ours else "install the example's dependencies (pip install "
-        "'<the checkout>[examples]', or make install)") + " (traceback: --debug or HF_ZERO_OFFLOAD_DEBUG=1)\n")
+        f"the hf_zero_offload installed at {_where} lacks it: older than this script? Reinstall it from this checkout "
+        "(make install, or pip install '.[examples]')" if _ours else "install the example's dependencies (pip "
+        "install '<the checkout>[examples]', or make install)") + " (traceback: --debug or HF_ZERO_OFFLOAD_DEBUG=1)\n")
     raise SystemExit(2)
 
 if _guard_start:  # loaded: a Ctrl-C is a KeyboardInterrupt again, which run_reporting turns into its line

@@ -80,6 +80,11 @@ class CheckpointSaving:
         if self.args.should_save:
             if self._zo_raw is not None:
                 self._zo_remove_foreign(output_dir)
+            elif os.path.isdir(os.path.join(output_dir, STATE_DIR)):  # no engine here: an earlier save's state, which
+                shutil.rmtree(os.path.join(output_dir, STATE_DIR))   # a resume with one loaded onto these weights
+                fsync_dir(output_dir)
+                logger.info("hf_zero_offload: removed %s/ from %s, left there by an earlier save of that checkpoint "
+                            "(this run trains without an engine)", STATE_DIR, output_dir)
             fsync_tree(output_dir)  # transformers writes without fsync: on disk before the marker says complete
             saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
             try:

@@ -40,11 +40,12 @@ def agreed_target(target, output_dir: str, world_size: int):
         return resume.target(target, output_dir)
     try:
         chosen, error = resume.target(target, output_dir), None
-    except (ValueError, OSError) as e:
+    except Exception as e:  # (any: a rank that skipped the gather below left the others waiting in it)
         chosen, error = None, e
     path = chosen[0] if chosen else None
     mine = (socket.gethostname(), None if error is None else f"{type(error).__name__}: {error}",
-            path and os.path.abspath(path), path and resume.recorded_step(path), path and resume.recorded_save_id(path))
+            path and os.path.abspath(path), path and resume.recorded_step(path),
+            path and (resume.recorded_save_id(path) or _written(path)))
     every = _gather(mine, world_size)
     failed = [(r, host, why) for r, (host, why, *_) in enumerate(every) if why is not None]
     if failed:
@@ -52,13 +53,23 @@ def agreed_target(target, output_dir: str, world_size: int):
             raise error
         r, host, why = failed[0]
         raise ValueError(f"resume_from_checkpoint: rank {r} (host {host}) refused it: {why}")
-    # one save (its id: the same files wherever they are read from), or, without an id, one path
-    if len({(step, save_id if save_id is not None else p) for _, _, p, step, save_id in every}) > 1:
+    # one save: its id, the same wherever its files are read from (or, without one, its trainer_state.json's size and
+    # time: node-local folders at one absolute path hold different files, a symlinked one the same)
+    if len({(step, save) for *_, step, save in every}) > 1:
         seen = "; ".join(f"rank {r} (host {host}): {p} (step {step})" for r, (host, _, p, step, _) in enumerate(every))
         raise ValueError(f"resume_from_checkpoint: the ranks chose different checkpoints ({seen}), each from its "
                          f"own node's output_dir: {_NOT_SHARED}; put output_dir on a shared file system (or pass every "
                          "rank the same checkpoint there)")
     return chosen
+
+
+def _written(checkpoint: str) -> str:
+    """A save without an id (a plain Trainer's, --save_only_model): its trainer_state.json's size and time."""
+    try:
+        st = os.stat(os.path.join(checkpoint, resume.TRAINER_STATE))
+    except OSError:
+        return "-"
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def missing_rank_files(checkpoint: str, state_dir: str, world_size: int, writes_marker: bool,
