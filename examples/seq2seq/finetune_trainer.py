@@ -90,8 +90,7 @@ except ImportError as _missing:  # before run_reporting exists: its one line, no
                                                                                                    "no"):
         raise
     _ours = (_missing.name or "").split(".")[0] == "hf_zero_offload"
-    _where = sys.modules.get("hf_zero_offload")
-    _where = os.path.dirname(getattr(_where, "__file__", None) or "") or "nowhere"
+    _where = os.path.dirname(getattr(sys.modules.get("hf_zero_offload"), "__file__", None) or "") or "nowhere"
     sys.stderr.write(f"{os.path.basename(__file__)}: error: {_missing}: " + (
         f"the hf_zero_offload installed at {_where} lacks it: older than this script? Reinstall it from this checkout "
         "(make install, or pip install '.[examples]')" if _ours else "install the example's dependencies (pip "
