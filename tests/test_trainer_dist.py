@@ -173,7 +173,7 @@ def _node_local(rank, world_size, out_dir, phase):
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
-    out = f"{out_dir}/{phase}/node{rank}" if phase not in ("shared", "only_model") else f"{out_dir}/{phase}"
+    out = f"{out_dir}/{phase}/node{rank}" if phase not in ("shared", "only_model", "full") else f"{out_dir}/{phase}"
     if phase == "each":  # a launcher whose LOCAL_WORLD_SIZE hides the nodes (set by hand in a SLURM script)
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     targs = ZeroOffloadSeq2SeqTrainingArguments(
@@ -182,6 +182,10 @@ def _node_local(rank, world_size, out_dir, phase):
         ddp_backend="gloo", report_to=[], save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True,
         sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=ToyDataset())
+    if phase == "full" and rank == 1:  # this rank's disk fills up during its part of the save
+        def no_space(output_dir):
+            raise OSError(28, "No space left on device")
+        trainer._save_rng_state = no_space
     try:
         trainer.train(resume_from_checkpoint=True if phase == "resume" else None)
     except (OSError, ValueError) as e:
@@ -217,3 +221,14 @@ def test_a_save_only_model_over_a_leftover_state_folder_is_not_taken_for_node_lo
     (tmp_path / "only_model" / "checkpoint-2" / "zero_offload" / "rank0_of_1.hzo").write_bytes(b"old")
     for r in run_distributed(_node_local, str(tmp_path), "only_model", timeout=300):
         assert r["error"] is None, r
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank(tmp_path):
+    """A review: a rank whose part of the save failed raised, while the others waited in the barrier after the save
+    until the collective timeout (30 minutes by default)."""
+    import time
+    start = time.monotonic()
+    ours = run_distributed(_node_local, str(tmp_path), "full", timeout=120)
+    assert time.monotonic() - start < 60
+    assert "No space left on device" in ours[1]["error"] and not ours[1]["marked"]
+    assert "failed on rank 1" in ours[0]["error"] and "No space left on device" in ours[0]["error"], ours[0]

@@ -17,7 +17,7 @@ from .. import resume
 from ..consolidate import write_param_names
 from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
 from ..run_lock import confirm_job_lock
-from .shared_dir import missing_rank_files
+from .shared_dir import failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
 
 logger = logging.getLogger(__name__)
@@ -63,14 +63,22 @@ class CheckpointSaving:
         if distributed:
             dist.barrier()  # no rank writes into checkpoint-N before its old marker is gone
         self.args.save_total_limit = None
+        failed = None
         try:
             super()._save_checkpoint(model, trial)
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: safetensors', torch.save's own words
-            raise CheckpointSaveError(save_failed(e, output_dir, run_dir)) from e
+            failed = CheckpointSaveError(save_failed(e, output_dir, run_dir))
+            failed.__cause__ = e
         finally:
             self.args.save_total_limit = limit
+        # the barrier: every rank's optimizer state is written before rank 0 declares the whole complete, and a rank
+        # whose save failed says so to all (the others waited in a bare barrier until the collective timeout)
+        elsewhere = failed_elsewhere(failed, self.args.world_size) if distributed else None
+        if failed is not None:
+            raise failed
+        if elsewhere is not None:
+            raise CheckpointSaveError(f"saving {output_dir} failed on {elsewhere}; it is not complete")
         if distributed:
-            dist.barrier()  # every rank's optimizer state is written before rank 0 declares the whole complete
             # (a collective: every rank calls it; only a save that wrote state is looked at, not a leftover folder)
             wrote = self.args.should_save and self.zero_engine is not None and not self.args.save_only_model
             missing = missing_rank_files(output_dir, STATE_DIR, self.args.world_size, wrote,

@@ -1,7 +1,7 @@
 """One ``output_dir`` for the whole job: a checkpoint is one directory holding every rank's optimizer shard, so on
 several nodes it must be a file system they all share. Two checks that say so when it is not, instead of training
 on: at a resume, every rank chose the same checkpoint; at a save, the checkpoint holds every rank's state file
-before its marker declares it complete.
+before its marker declares it complete, and a rank whose part of the save failed tells the others.
 
 An outside probe (two nodes, each with its own local ``output_dir``): the ranks resumed different checkpoints (one
 rank at step 4, the other at step 2, or two runs' checkpoint-4) and trained on in lockstep, 5.4e-3 from the right
@@ -61,6 +61,12 @@ def agreed_target(target, output_dir: str, world_size: int):
                          f"own node's output_dir: {_NOT_SHARED}; put output_dir on a shared file system (or pass every "
                          "rank the same checkpoint there)")
     return chosen
+
+
+def failed_elsewhere(failed: BaseException | None, world_size: int) -> str | None:
+    """After each rank's part of a save (in place of a barrier): the first other rank's failure, in words, or None."""
+    every = _gather((socket.gethostname(), None if failed is None else str(failed)), world_size)
+    return next((f"rank {r} (host {host}): {why}" for r, (host, why) in enumerate(every) if why is not None), None)
 
 
 def _written(checkpoint: str) -> str:
