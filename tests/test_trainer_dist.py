@@ -173,7 +173,7 @@ def _node_local(rank, world_size, out_dir, phase):
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
-    out = f"{out_dir}/{phase}/node{rank}" if phase not in ("shared", "only_model", "full") else f"{out_dir}/{phase}"
+    out = f"{out_dir}/{phase}/node{rank}" if phase in ("save", "resume", "each") else f"{out_dir}/{phase}"
     if phase == "each":  # a launcher whose LOCAL_WORLD_SIZE hides the nodes (set by hand in a SLURM script)
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     targs = ZeroOffloadSeq2SeqTrainingArguments(
@@ -182,10 +182,21 @@ def _node_local(rank, world_size, out_dir, phase):
         ddp_backend="gloo", report_to=[], save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True,
         sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=ToyDataset())
-    if phase == "full" and rank == 1:  # this rank's disk fills up during its part of the save
-        def no_space(output_dir):
-            raise OSError(28, "No space left on device")
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    # one rank's disk fills up during its part of the save: its RNG state, rank 0's weights (before the engine's
+    # collectives), rank 1's optimizer shard (between them), rank 0's completion marker (after the last)
+    if (phase, rank) == ("full", 1):
         trainer._save_rng_state = no_space
+    elif (phase, rank) == ("full-weights", 0):
+        trainer._save = no_space
+    elif (phase, rank) == ("full-shard", 1):
+        import hf_zero_offload.engine.checkpoint as ckpt
+        ckpt.write_state = no_space
+    elif (phase, rank) == ("full-marker", 0):
+        import hf_zero_offload.resume as res
+        res.write_marker = no_space
     try:
         trainer.train(resume_from_checkpoint=True if phase == "resume" else None)
     except (OSError, ValueError) as e:
@@ -223,12 +234,18 @@ def test_a_save_only_model_over_a_leftover_state_folder_is_not_taken_for_node_lo
         assert r["error"] is None, r
 
 
-def test_a_save_failing_on_one_rank_stops_every_rank(tmp_path):
-    """A review: a rank whose part of the save failed raised, while the others waited in the barrier after the save
-    until the collective timeout (30 minutes by default)."""
+@pytest.mark.parametrize("phase, failing", [("full", 1), ("full-weights", 0), ("full-shard", 1), ("full-marker", 0)])
+def test_a_save_failing_on_one_rank_stops_every_rank(tmp_path, phase, failing):
+    """Reviews: a rank whose part of the save failed raised, while the others waited in the next collective (the
+    barrier after the save, the engine's own within it) until the timeout (30 minutes by default), and the cause was
+    replaced by gloo's timeout on both."""
     import time
     start = time.monotonic()
-    ours = run_distributed(_node_local, str(tmp_path), "full", timeout=120)
+    ours = run_distributed(_node_local, str(tmp_path), phase, timeout=120)
     assert time.monotonic() - start < 60
-    assert "No space left on device" in ours[1]["error"] and not ours[1]["marked"]
-    assert "failed on rank 1" in ours[0]["error"] and "No space left on device" in ours[0]["error"], ours[0]
+    assert "No space left on device" in ours[failing]["error"] and not ours[failing]["marked"], ours
+    other = ours[1 - failing]["error"]
+    if phase == "full-shard":  # told by the engine's own agreement, within its save: which rank, not why
+        assert other and f"rank(s) {failing} could not write their optimizer state" in other, ours
+    else:
+        assert other and f"rank {failing}" in other and "No space left on device" in other, ours

@@ -268,7 +268,7 @@ class SavedState:
                            "step() are not saved (a resume starts that window afresh)")
         meta = {**self.state_meta(), "save_id": self._shared_token()}
         state_dir.save(directory, self.rank, self.world_size, meta, self.state_tensors(),
-                       barrier=self._barrier, partition=self._partition_ranges())
+                       barrier=self._barrier, partition=self._partition_ranges(), agree=self._ranks_that_failed)
         self.last_save_id = meta["save_id"]
         return self.last_save_id
 

@@ -7,12 +7,10 @@ Layout of a directory written by W ranks::
     meta.json            W > 1 only, written by rank 0 after every rank's file is complete (a barrier
                          in between): world size, numel, the partition map, param slots, dtype
 
-A one-process engine writes ``rank0_of_1.hzo`` alone: its header names its range [0, numel). Every
-file is written to a temporary name, fsynced and renamed, and ``meta.json`` comes last, so a
-directory with a ``meta.json`` (or a lone ``rank0_of_1.hzo``) holds a complete checkpoint. Loading at
-any world size, into any engine: each rank reads, from every saved file whose range overlaps its own,
-just the overlapping elements, straight into its arena. Files of the first formats
-(``hf_zero_offload.offload/1``, ``hf_zero_offload.sharded/1``) load the same way.
+A one-process engine writes ``rank0_of_1.hzo`` alone (its range [0, numel)). Every file is written to a temporary
+name, fsynced and renamed, and ``meta.json`` comes last: a directory with a ``meta.json`` (or a lone
+``rank0_of_1.hzo``) holds a complete checkpoint. Any world size and engine loads it: each rank reads, from every
+file whose range overlaps its own, the overlapping elements, straight into its arena (the first formats too).
 """
 from __future__ import annotations
 
@@ -35,12 +33,10 @@ META_FORMAT = "hf_zero_offload.sharded-meta/1"
 META_FILE = "meta.json"
 
 
-def write_json_atomic(path: str, obj) -> None:
-    with checkpoint.atomic_open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-
-
-def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, *, barrier, partition: list) -> None:
+def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, *, barrier, partition: list,
+         agree=None) -> None:
+    """``agree(failed) -> the ranks that failed``: a collective in place of the barrier after the writes (a rank
+    whose write failed left its peers in that barrier until the timeout)."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"optimizer checkpoint directory {directory} is a file")
     os.makedirs(directory, exist_ok=True)
@@ -48,16 +44,23 @@ def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, 
         _clear_previous(directory, world_size)
     if world_size > 1:
         barrier()  # no rank writes its new file while the old meta.json still declares the directory complete
-    checkpoint.write_state(checkpoint.rank_file(directory, rank, world_size), meta, tensors)
+    try:
+        checkpoint.write_state(checkpoint.rank_file(directory, rank, world_size), meta, tensors)
+    except Exception:
+        if world_size > 1 and agree is not None:  # the peers hear of it where they wait for every rank's file
+            agree(True)
+        raise
+    # meta.json marks the checkpoint complete: only after every rank's file is in place
+    if world_size > 1 and (failed := (agree or (lambda _: barrier()))(False)):
+        raise OSError(f"{directory}: rank(s) {', '.join(map(str, failed))} could not write their optimizer state")
     if world_size == 1:
         return
-    barrier()  # meta.json marks the checkpoint complete: only after every rank's file is in place
-    if rank == 0:
-        write_json_atomic(os.path.join(directory, META_FILE), {
-            "format": META_FORMAT, "world_size": world_size, "numel": meta["numel"], "partition": partition,
-            "files": [os.path.basename(checkpoint.rank_file(directory, r, world_size)) for r in range(world_size)],
-            "param_dtype": meta["param_dtype"], "slots": meta["slots"], "save_id": meta.get("save_id"),
-        })
+    if rank == 0:  # (the world size, numel, partition map, slots and dtype, for a load at any world size)
+        with checkpoint.atomic_open(os.path.join(directory, META_FILE), "w") as f:
+            json.dump({"format": META_FORMAT, "world_size": world_size, "numel": meta["numel"], "partition": partition,
+                       "files": [os.path.basename(checkpoint.rank_file(directory, r, world_size))
+                                 for r in range(world_size)], "param_dtype": meta["param_dtype"],
+                       "slots": meta["slots"], "save_id": meta.get("save_id")}, f, indent=1)
     barrier()  # on return, every rank sees the whole checkpoint
 
 
@@ -65,9 +68,8 @@ def _clear_previous(directory: str, world_size: int) -> None:
     """A directory saved again (a restarted run writing the same checkpoint-N): its old ``meta.json`` would declare
     a mix of old and new rank files complete should the save stop part way, and the files of another world size
     would be loaded instead of the new ones (``sources`` reads ``meta.json`` first). Both go before the first write."""
-    checkpoint.remove_durably(directory, [META_FILE] + [
-        n for n in os.listdir(directory)
-        if n.startswith("rank") and n.endswith(".hzo") and not n.endswith(f"_of_{world_size}.hzo")])
+    checkpoint.remove_durably(directory, [META_FILE] + [n for n in os.listdir(directory) if n.startswith(
+        "rank") and n.endswith(".hzo") and not n.endswith(f"_of_{world_size}.hzo")])
 
 
 def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:

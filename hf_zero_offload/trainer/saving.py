@@ -56,28 +56,24 @@ class CheckpointSaving:
             confirm_job_lock(self._zo_lock, self.args.process_index, self.args.world_size)
         if publish_for_final_save(self.args, self.state, self.control):  # (a stop a callback asked for, too)
             self._zo_publish_last()
-        if self.args.should_save:
-            # checkpoint-N written again (a restarted run, a second train()): its old marker would declare the
-            # mix of new and old files complete should this save stop part way
-            resume.clear_marker(output_dir)
-        if distributed:
-            dist.barrier()  # no rank writes into checkpoint-N before its old marker is gone
-        self.args.save_total_limit = None
         failed = None
         try:
+            if self.args.should_save:
+                # checkpoint-N written again (a restarted run, a second train()): its old marker would declare the
+                # mix of new and old files complete should this save stop part way
+                resume.clear_marker(output_dir)
+        except Exception as e:  # noqa: BLE001 - every rank raises below, this one its own error
+            failed = e
+        self._zo_stop_if_failed(failed, output_dir, run_dir)  # no rank writes before its old marker is gone
+        self.args.save_total_limit, self._zo_model_error, self._zo_in_save = None, None, distributed
+        try:
             super()._save_checkpoint(model, trial)
-        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: safetensors', torch.save's own words
-            failed = CheckpointSaveError(save_failed(e, output_dir, run_dir))
-            failed.__cause__ = e
+        except Exception as e:  # noqa: BLE001 - a full disk: safetensors', torch.save's own words
+            failed = e
         finally:
-            self.args.save_total_limit = limit
-        # the barrier: every rank's optimizer state is written before rank 0 declares the whole complete, and a rank
-        # whose save failed says so to all (the others waited in a bare barrier until the collective timeout)
-        elsewhere = failed_elsewhere(failed, self.args.world_size) if distributed else None
-        if failed is not None:
-            raise failed
-        if elsewhere is not None:
-            raise CheckpointSaveError(f"saving {output_dir} failed on {elsewhere}; it is not complete")
+            self.args.save_total_limit, self._zo_in_save = limit, False
+        # every rank's optimizer state is written before rank 0 declares the whole complete
+        self._zo_stop_if_failed(failed or self._zo_model_error, output_dir, run_dir)
         if distributed:
             # (a collective: every rank calls it; only a save that wrote state is looked at, not a leftover folder)
             wrote = self.args.should_save and self.zero_engine is not None and not self.args.save_only_model
@@ -85,23 +81,51 @@ class CheckpointSaving:
                                          each_node=bool(getattr(self.args, "save_on_each_node", False)))
             if missing:  # node-local output_dirs: each rank's shard in its own node's copy
                 raise CheckpointSaveError(missing)
-        if self.args.should_save:
-            if self._zo_raw is not None:
-                self._zo_remove_foreign(output_dir)
-            elif os.path.isdir(os.path.join(output_dir, STATE_DIR)):  # no engine here: an earlier save's state, which
-                shutil.rmtree(os.path.join(output_dir, STATE_DIR))   # a resume with one loaded onto these weights
-                fsync_dir(output_dir)
-                logger.info("hf_zero_offload: removed %s/ from %s, left there by an earlier save of that checkpoint "
-                            "(this run trains without an engine)", STATE_DIR, output_dir)
-            fsync_tree(output_dir)  # transformers writes without fsync: on disk before the marker says complete
-            saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
-            try:
-                resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
-                                                 "engine": self._zo_engine_info() if saved else None})
-            except OSError as e:
-                raise CheckpointSaveError(save_failed(e, output_dir, run_dir)) from e
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
-                               best_model_checkpoint=self.state.best_model_checkpoint)
+        try:
+            if self.args.should_save:
+                self._zo_mark_complete(output_dir, run_dir, limit)
+        except Exception as e:  # noqa: BLE001 - said to every rank below
+            failed = e
+        self._zo_stop_if_failed(failed, output_dir, run_dir)  # rank 0's marker: the others learn how it went
+
+    def _zo_mark_complete(self, output_dir: str, run_dir: str, limit) -> None:
+        if self._zo_raw is not None:
+            self._zo_remove_foreign(output_dir)
+        elif os.path.isdir(os.path.join(output_dir, STATE_DIR)):  # no engine here: an earlier save's state, which a
+            shutil.rmtree(os.path.join(output_dir, STATE_DIR))   # resume with one loaded onto these weights
+            fsync_dir(output_dir)
+            logger.info("hf_zero_offload: removed %s/ from %s, left there by an earlier save of that checkpoint (this "
+                        "run trains without an engine)", STATE_DIR, output_dir)
+        fsync_tree(output_dir)  # transformers writes without fsync: on disk before the marker says complete
+        saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
+        resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
+                                         "engine": self._zo_engine_info() if saved else None})
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
+                           best_model_checkpoint=self.state.best_model_checkpoint)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        """Within a checkpoint save on several ranks, rank 0's failure to write the weights (a full disk) is kept,
+        not raised: the optimizer state's save after it has collectives every rank must reach (the others waited
+        in them until the timeout), and ``_save_checkpoint`` raises it on every rank afterwards."""
+        if not getattr(self, "_zo_in_save", False):
+            return super().save_model(output_dir, _internal_call)
+        try:
+            return super().save_model(output_dir, _internal_call)
+        except (OSError, RuntimeError, SafetensorError) as e:
+            self._zo_model_error = e
+
+    def _zo_stop_if_failed(self, failed, output_dir: str, run_dir: str) -> None:
+        """Where the save had a barrier: every rank learns whether any failed (a collective on several ranks) and all
+        raise, the failing rank its own error (one rank that raised alone left the others in the next collective)."""
+        if isinstance(failed, (OSError, RuntimeError, SafetensorError)) and not isinstance(failed, CheckpointSaveError):
+            wrapped = CheckpointSaveError(save_failed(failed, output_dir, run_dir))
+            wrapped.__cause__, failed = failed, wrapped
+        distributed = self.args.world_size > 1 and dist.is_available() and dist.is_initialized()
+        elsewhere = failed_elsewhere(failed, self.args.world_size) if distributed else None
+        if failed is not None:
+            raise failed
+        if elsewhere is not None:
+            raise CheckpointSaveError(f"saving {output_dir} failed on {elsewhere}; it is not complete")
 
     def _zo_remove_foreign(self, output_dir: str) -> None:
         """checkpoint-N saved again over another run's save of it (a run without --zero_offload, or DeepSpeed, in
