@@ -173,7 +173,10 @@ def _node_local(rank, world_size, out_dir, phase):
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
-    out = f"{out_dir}/{phase}/node{rank}" if phase in ("save", "resume", "each") else f"{out_dir}/{phase}"
+    out = f"{out_dir}/{phase}/node{rank}" if phase in ("save", "resume", "each", "in_the_way") else f"{out_dir}/{phase}"
+    if (phase, rank) == ("in_the_way", 1):  # a file named like a checkpoint in this node's output_dir only
+        os.makedirs(out, exist_ok=True)
+        open(f"{out}/checkpoint-2", "w").close()
     if phase == "each":  # a launcher whose LOCAL_WORLD_SIZE hides the nodes (set by hand in a SLURM script)
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     targs = ZeroOffloadSeq2SeqTrainingArguments(
@@ -249,3 +252,11 @@ def test_a_save_failing_on_one_rank_stops_every_rank(tmp_path, phase, failing):
         assert other and f"rank(s) {failing} could not write their optimizer state" in other, ours
     else:
         assert other and f"rank {failing}" in other and "No space left on device" in other, ours
+
+
+def test_a_problem_one_node_sees_in_its_output_dir_stops_every_rank(tmp_path):
+    """A review: the check for a file in the way of a checkpoint folder ran on each rank and raised on the one that
+    saw it, before the run lock's broadcast, where the other rank then waited until the collective timeout."""
+    ours = run_distributed(_node_local, str(tmp_path), "in_the_way", timeout=120)
+    assert "is a file, not a directory" in ours[1]["error"], ours
+    assert "rank 1 (host" in ours[0]["error"] and "is a file, not a directory" in ours[0]["error"], ours

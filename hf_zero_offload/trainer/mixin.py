@@ -29,7 +29,7 @@ from .loss_precision import LossInFp32
 from .trainable_watch import RefuseNewTrainable
 from .loading import CheckpointLoading
 from .saving import CheckpointSaving
-from .shared_dir import agreed_target
+from .shared_dir import agreed_target, first_problem
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -294,6 +294,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
         problem = resume.output_dir_problem(self.args.output_dir) if self.args.output_dir else None
+        problem = first_problem(problem, self.args.world_size)  # (every rank: one that raised alone left the others)
         if problem:  # a checkpoint-N file met at its save lost the steps since the last one
             raise ValueError(problem)
         self._zo_take_lock(self.args)

@@ -63,6 +63,16 @@ def agreed_target(target, output_dir: str, world_size: int):
     return chosen
 
 
+def first_problem(problem: str | None, world_size: int) -> str | None:
+    """A check each rank made of its own output_dir: the first rank's problem, on every rank (node-local folders can
+    differ: a rank that raised alone left the others waiting in the run lock's broadcast)."""
+    if not _distributed(world_size):
+        return problem
+    every = _gather((socket.gethostname(), problem), world_size)
+    return next((why if r == 0 else f"rank {r} (host {host}): {why}" for r, (host, why) in enumerate(every) if why),
+                None)
+
+
 def failed_elsewhere(failed: BaseException | None, world_size: int) -> str | None:
     """After each rank's part of a save (in place of a barrier): the first other rank's failure, in words, or None."""
     every = _gather((socket.gethostname(), None if failed is None else str(failed)), world_size)
