@@ -50,11 +50,11 @@ def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, 
         if world_size > 1 and agree is not None:  # the peers hear of it where they wait for every rank's file
             agree(True)
         raise
-    # meta.json marks the checkpoint complete: only after every rank's file is in place
-    if world_size > 1 and (failed := (agree or (lambda _: barrier()))(False)):
-        raise OSError(f"{directory}: rank(s) {', '.join(map(str, failed))} could not write their optimizer state")
     if world_size == 1:
         return
+    # meta.json marks the checkpoint complete: only after every rank's file is in place
+    if failed := (agree(False) if agree is not None else barrier()):
+        raise OSError(f"{directory}: rank(s) {', '.join(map(str, failed))} could not write their optimizer state")
     if rank == 0:  # (the world size, numel, partition map, slots and dtype, for a load at any world size)
         with checkpoint.atomic_open(os.path.join(directory, META_FILE), "w") as f:
             json.dump({"format": META_FORMAT, "world_size": world_size, "numel": meta["numel"], "partition": partition,

@@ -72,15 +72,15 @@ class CheckpointSaving:
             failed = e
         finally:
             self.args.save_total_limit, self._zo_in_save = limit, False
+        failed = failed or self._zo_model_error
+        # node-local output_dirs: each rank's shard in its own node's copy (only a save that wrote state is looked
+        # at, not a leftover folder)
+        if failed is None and distributed and self.args.should_save and self.zero_engine is not None and (
+                not self.args.save_only_model) and (missing := missing_rank_files(
+                    output_dir, STATE_DIR, self.args.world_size, bool(getattr(self.args, "save_on_each_node", 0)))):
+            failed = CheckpointSaveError(missing)
         # every rank's optimizer state is written before rank 0 declares the whole complete
-        self._zo_stop_if_failed(failed or self._zo_model_error, output_dir, run_dir)
-        if distributed:
-            # (a collective: every rank calls it; only a save that wrote state is looked at, not a leftover folder)
-            wrote = self.args.should_save and self.zero_engine is not None and not self.args.save_only_model
-            missing = missing_rank_files(output_dir, STATE_DIR, self.args.world_size, wrote,
-                                         each_node=bool(getattr(self.args, "save_on_each_node", False)))
-            if missing:  # node-local output_dirs: each rank's shard in its own node's copy
-                raise CheckpointSaveError(missing)
+        self._zo_stop_if_failed(failed, output_dir, run_dir)
         try:
             if self.args.should_save:
                 self._zo_mark_complete(output_dir, run_dir, limit)

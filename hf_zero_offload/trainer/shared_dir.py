@@ -6,8 +6,8 @@ before its marker declares it complete, and a rank whose part of the save failed
 An outside probe (two nodes, each with its own local ``output_dir``): the ranks resumed different checkpoints (one
 rank at step 4, the other at step 2, or two runs' checkpoint-4) and trained on in lockstep, 5.4e-3 from the right
 resume; and each save marked complete a checkpoint holding rank 0's shard alone (the other rank's in the other
-node's folder), which every later resume refused naming a "missing" file. Both are collectives: every rank calls
-them at the same point, and all raise alike.
+node's folder), which every later resume refused naming a "missing" file. The agreements are collectives: every
+rank calls them at the same point, and all raise alike (the save's file check is local, said through the save's).
 """
 from __future__ import annotations
 
@@ -63,20 +63,26 @@ def agreed_target(target, output_dir: str, world_size: int):
     return chosen
 
 
+def _first_said(mine: str | None, world_size: int) -> tuple[int, str, str] | None:
+    """Every rank's ``mine`` (a problem in words, or None), gathered: (rank, host, words) of the first rank that said
+    one, the same on every rank; None when none did."""
+    every = _gather((socket.gethostname(), mine), world_size)
+    return next(((r, host, why) for r, (host, why) in enumerate(every) if why is not None), None)
+
+
 def first_problem(problem: str | None, world_size: int) -> str | None:
     """A check each rank made of its own output_dir: the first rank's problem, on every rank (node-local folders can
     differ: a rank that raised alone left the others waiting in the run lock's broadcast)."""
     if not _distributed(world_size):
         return problem
-    every = _gather((socket.gethostname(), problem), world_size)
-    return next((why if r == 0 else f"rank {r} (host {host}): {why}" for r, (host, why) in enumerate(every) if why),
-                None)
+    said = _first_said(problem, world_size)
+    return None if said is None else said[2] if said[0] == 0 else f"rank {said[0]} (host {said[1]}): {said[2]}"
 
 
 def failed_elsewhere(failed: BaseException | None, world_size: int) -> str | None:
-    """After each rank's part of a save (in place of a barrier): the first other rank's failure, in words, or None."""
-    every = _gather((socket.gethostname(), None if failed is None else str(failed)), world_size)
-    return next((f"rank {r} (host {host}): {why}" for r, (host, why) in enumerate(every) if why is not None), None)
+    """After each rank's part of a save (in place of a barrier): the first rank's failure, in words, or None."""
+    said = _first_said(None if failed is None else str(failed), world_size)
+    return None if said is None else f"rank {said[0]} (host {said[1]}): {said[2]}"
 
 
 def _written(checkpoint: str) -> str:
@@ -88,24 +94,18 @@ def _written(checkpoint: str) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 
-def missing_rank_files(checkpoint: str, state_dir: str, world_size: int, writes_marker: bool,
-                       each_node: bool = False) -> str | None:
-    """Before the marker: the rank files this process's copy of ``checkpoint`` lacks, gathered from every process
-    that writes a marker; the error message (the same on every rank), or None when none lacks any."""
-    if not _distributed(world_size):
-        return None
+def missing_rank_files(checkpoint: str, state_dir: str, world_size: int, each_node: bool = False) -> str | None:
+    """The rank files this process's copy of ``checkpoint`` lacks, in words (None: none). No collective: the engine's
+    save returns once every rank's file is written, and the caller's agreement on the save's outcome says it to all."""
     folder = os.path.join(checkpoint, state_dir)
-    missing = []
-    if writes_marker and os.path.isdir(folder):  # (no state_dir: --save_only_model)
-        missing = [f"rank{r}_of_{world_size}.hzo" for r in range(world_size)
-                   if not os.path.isfile(os.path.join(folder, f"rank{r}_of_{world_size}.hzo"))]
-    every = _gather((socket.gethostname(), missing), world_size)
-    bad = [(r, host, names) for r, (host, names) in enumerate(every) if names]
-    if not bad:
+    if not os.path.isdir(folder):  # (no state_dir: --save_only_model)
         return None
-    r, host, names = bad[0]
+    missing = [f"rank{r}_of_{world_size}.hzo" for r in range(world_size)
+               if not os.path.isfile(os.path.join(folder, f"rank{r}_of_{world_size}.hzo"))]
+    if not missing:
+        return None
     each = (" --save_on_each_node makes each node save a copy of its own, holding its own ranks' shards: drop it."
             if each_node else "")
-    return (f"{os.path.abspath(checkpoint)} on host {host} (rank {r}) lacks {', '.join(names[:4])}"
-            f"{' ...' if len(names) > 4 else ''}, which the other ranks wrote into their own node's output_dir: "
+    return (f"{os.path.abspath(checkpoint)} on host {socket.gethostname()} lacks {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''}, which the other ranks wrote into their own node's output_dir: "
             f"{_NOT_SHARED}.{each} It is not marked complete")
