@@ -24,6 +24,8 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary  # tensors compare elementwise: keyed by identity
 
+from .buffers import summed_in_16_bits
+
 _owner = WeakIdKeyDictionary()  # param -> weakref to the engine that claimed it last
 logger = logging.getLogger("hf_zero_offload")
 
@@ -133,6 +135,13 @@ class ParamOwner:
     later engine, and attaches or detaches its hooks. Its methods read the core's fields (``_flat``, ``_pending``,
     ``_wait_worker``) as their own."""
     _done_why: str | None = None  # closed or replaced: why it may no longer step
+    _said_16bit_sum = False       # summed_in_16_bits said once per engine
+
+    def _say_if_summed_in_16_bits(self, store: torch.Tensor, counts: list[int]) -> None:
+        """Once: several backward passes of this window summed into a 16-bit store (``buffers.summed_in_16_bits``)."""
+        if not self._said_16bit_sum and (said := summed_in_16_bits(type(self).__name__, store, counts)):
+            self._said_16bit_sum = True
+            logger.warning(said)
 
     def _take_params(self) -> None:
         """The subclass calls this once its memory is allocated, before it reads the params: an engine that

@@ -23,20 +23,16 @@ step count does not advance). Tied parameters are one ``Parameter`` and get one 
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from .. import ops
-from .buffers import HostArena, plan_host_memory, summed_in_16_bits
+from .buffers import HostArena, plan_host_memory
 from .core import AdamCore
 from .options import OffloadOptions
 from .pipeline import GradPipeline
 from .runs import FlatIndex, make_runs
 from .streams import Streams
 from .upload import ParamUploader
-
-logger = logging.getLogger("hf_zero_offload")
 
 
 class OffloadAdam(AdamCore):
@@ -80,10 +76,7 @@ class OffloadAdam(AdamCore):
         """Wait for this step's gradients; (squared norm of the loss-scaled gradients, which params
         received one). The norm sums one fused pass per run of parameters, in fp64."""
         self.pipeline.drain()
-        if not getattr(self, "_said_16bit_sum", False) and (said := summed_in_16_bits(
-                type(self).__name__, self.pipeline.store, self.pipeline.received)):
-            self._said_16bit_sum = True
-            logger.warning(said)
+        self._say_if_summed_in_16_bits(self.pipeline.store, self.pipeline.received)
         received = self._window_received()
         runs = make_runs(self._groups, self._flat, received, self._param_steps.tolist())
         store = self.pipeline.store

@@ -62,14 +62,13 @@ on GPUs, ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``::
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 import torch.distributed as dist
 
 from ... import ops
-from ..buffers import HostArena, HostPlan, summed_in_16_bits
+from ..buffers import HostArena, HostPlan
 from ..memory_limits import check_host_ram
 from ..core import AdamCore
 from ..options import OffloadOptions
@@ -79,8 +78,6 @@ from .agree import check_ranks_agree
 from .layout import Partition
 from .plan import make_plan
 from .reduce import GradReducer
-
-logger = logging.getLogger("hf_zero_offload")
 
 FORCE_REDUCE_SCATTER = False  # tests: run the NCCL layout's reduce-scatter on gloo too
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -237,10 +234,7 @@ class ShardedAdam(AdamCore):
             self.reducer.drain()
             if self.reducer.micro == 0:
                 self.store.zero_()  # no backward in this window: no gradient anywhere
-            if not getattr(self, "_said_16bit_sum", False) and (said := summed_in_16_bits(
-                    type(self).__name__, self.store, self.reducer.received)):
-                self._said_16bit_sum = True
-                logger.warning(said)
+            self._say_if_summed_in_16_bits(self.store, self.reducer.received)
             self.reducer.reduce_late()  # (every rank: one small all-reduce of flags)
         stats = self._global_stats()
         return stats[0], [c > 0 for c in stats[1:]]
