@@ -29,7 +29,7 @@ class FlatReference(torch.optim.Optimizer):
                 self.flat.append((p, off, p.numel()))
                 off += p.numel()
         self.numel = off
-        self.master = torch.cat([p.detach().reshape(-1).float() for p, _, _ in self.flat])
+        self.master = torch.cat([p.detach().reshape(-1).float().cpu() for p, _, _ in self.flat])  # a CPU reference
         self.moments = ops.make_state(off, state_dtype)  # zeros of the right dtypes and sizes
         self.steps = [0] * len(self.flat)
 

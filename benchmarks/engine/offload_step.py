@@ -117,8 +117,10 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     ctx = Ctx(args)
     if ctx.cuda and args.gpu_mem_gib:
-        total = torch.cuda.get_device_properties(ctx.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_mem_gib * 2**30 / total), ctx.device)
+        # torch's cap takes a device index: torch.device("cuda") has none (rejected there, ValueError)
+        index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_mem_gib * 2**30 / total), index)
     info = hardware()
     print(hardware_line(info))
     per_layer = ctx.width * ctx.width + 3 * ctx.width

@@ -6,9 +6,9 @@
 #
 # What it does, in order; every step has its own `timeout`, a failing step never stops the next one,
 # and a summary of all steps is printed at the end (also written to $OUT/summary.txt):
-#   1. hardware      the hardware line (CPU, cores, RAM, torch, SIMD level, GPU)   -> $OUT/hardware.json
-#   2. install       pip install --no-build-isolation --no-deps --no-index -e .  (compiles the C++ kernels;
+#   1. install       pip install --no-build-isolation --no-deps --no-index -e .  (compiles the C++ kernels;
 #                    the image already has torch, pybind11, scikit-build-core, cmake; nothing is downloaded)
+#   2. hardware      the hardware line (CPU, cores, RAM, torch, SIMD level of the build, GPU) -> $OUT/hardware.json
 #   3. cuda tests    pytest -m cuda tests/test_engine.py tests/test_engine_async.py tests/test_sharding.py
 #                    tests/test_compact_states.py (every cuda-marked test; GPU parity with torch
 #                    AdamW, gradient accumulation, clipping, fp16 overflow, DPU, resume, the stream-race
@@ -64,14 +64,14 @@ else
   SIZE_A=(--params 5e8 --tokens 4096 --steps 6); SIZE_B=(--params 1e9 --tokens 2048 --steps 5); ADAM=(--numel 50000000 --rounds 8)
 fi
 
-# 1. hardware (nvidia-smi first: it needs no Python package)
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/nvidia_smi.csv" 2>&1
-run hardware 30 "$PY" -m benchmarks.gpu.check hardware --json "$OUT/hardware.json"
 
-# 2. build + install the package in place (no downloads: --no-index; build deps come from the image)
+# 1. build + install the package in place (no downloads: --no-index; build deps come from the image)
 if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
   run install 170 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e .
 fi
+# 2. hardware, after the build (its SIMD level reads the compiled module; nvidia-smi needs no Python package)
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/nvidia_smi.csv" 2>&1
+run hardware 30 "$PY" -m benchmarks.gpu.check hardware --json "$OUT/hardware.json"
 run import 30 "$PY" -c "import hf_zero_offload, hf_zero_offload._C as c; from hf_zero_offload import ops; print('simd', ops.simd_level(), ops.available_simd_levels())"
 
 # 3. the CUDA tests (pytest's -m overrides the default "not slow and not cuda" from pyproject.toml); without a
