@@ -487,3 +487,21 @@ def test_a_peft_config_that_is_not_there_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"--peft-config .*nowhere: (no adapter_config\.json there|planning a PEFT "
                                          r"adapter needs peft)"):
         planner.plan(T5_TINY, peft_config=str(tmp_path / "nowhere"), configs=["baseline"])
+
+
+def test_cuda_budget_follows_the_per_process_cap(monkeypatch):
+    """The finetune script plans against what the process may allocate: a 24 GiB cap on a 140 GiB card planned the
+    whole card on the H200 (the planner said 'fits' for batches the cap refused)."""
+    from types import SimpleNamespace
+
+    from hf_zero_offload.planner import cuda_memory_gib
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: seen.append(i) or SimpleNamespace(total_memory=140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 24 / 140, raising=False)
+    assert cuda_memory_gib() == pytest.approx(24.0) and seen == [1]
+    assert cuda_memory_gib(torch.device("cuda:3")) == pytest.approx(24.0) and seen[-1] == 3
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")  # an older torch: the card
+    assert cuda_memory_gib("cuda:0") == pytest.approx(140.0)

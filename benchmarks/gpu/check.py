@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu.check hardware            the hardware line + CUDA facts (also as JSON with --json)
     python -m benchmarks.gpu.check summary DIR         the target lines of every offload_step*.json in DIR
+    python -m benchmarks.gpu.check long_corpus DIR     a synthetic corpus whose every line fills 128 tokens
 
 pytest itself comes from wheels carried to the machine (``make gpu-wheels`` downloads them into
 ``.gpu_wheels/``; the device image has no pytest and no network).
@@ -60,11 +61,33 @@ def cmd_summary(args: list[str]) -> int:
     return 0
 
 
+# -- a corpus at full length -----------------------------------------------------------------------
+def cmd_long_corpus(args: list[str], n: int = 200, join: int = 16) -> int:
+    """The synthetic corpus with ``join`` sentences per line (source and target alike): every line is longer than
+    the recipe's 128 tokens, so every batch is truncated to full length and the activations are the planner's. The
+    first GPU run's short sentences (batches padded to their longest, a few tokens) measured only the weights."""
+    import runpy
+
+    write_corpus = runpy.run_path(str(ROOT / "examples" / "seq2seq" / "synthetic_data.py"))["write_corpus"]
+    out = args[0]
+    write_corpus(out, n_train=n * join, n_val=8 * join, n_test=8 * join, seed=0)
+    for split in ("train", "val", "test"):
+        for side in ("source", "target"):
+            path = os.path.join(out, f"{split}.{side}")
+            with open(path) as f:
+                lines = f.read().splitlines()
+            with open(path, "w") as f:
+                f.writelines(" ".join(lines[i:i + join]) + "\n" for i in range(0, len(lines), join))
+    print(f"wrote {out}: {n} training lines of {join} sentences each")
+    return 0
+
+
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in {"hardware", "summary"}:
+    cmds = {"hardware": cmd_hardware, "summary": cmd_summary, "long_corpus": cmd_long_corpus}
+    if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2
-    return {"hardware": cmd_hardware, "summary": cmd_summary}[sys.argv[1]](sys.argv[2:])
+    return cmds[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":

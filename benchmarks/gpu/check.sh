@@ -21,10 +21,15 @@
 #                      1B params bf16:   no-offload may run out of memory under the cap (that is the point)
 #                                                                                  -> $OUT/offload_step_gpu_*.json
 #   5. adam step     benchmarks/kernel/adam_step.py: the host CPU Adam of the GPU machine  -> $OUT/adam_step_gpu_host.json
+#   6. demo          examples/seq2seq/run_demo.py (make demo's job) on the GPU       -> $OUT/demo_results.json
+#   7. t5-3b         benchmarks/t5/table.py --t5_3b_recipe, ZeRO-2 + offload at batch 9 under 24 GiB, on
+#                    a synthetic corpus of full-length lines (the planner's largest batch)  -> $OUT/t5/
 #
 # Knobs (environment): OUT (default ./gpu_out), PY (default python3 if it has torch, else python),
 # SKIP_INSTALL=1 (package already built), SMALL=1 (tiny sizes: a smoke test of this script on any machine),
-# BUDGET_S (default 515: steps are cut short so the whole script ends inside it).
+# BUDGET_S (default 515: steps are cut short so the whole script ends inside it), TAR=FILE (all of $OUT in one
+# archive). Session 29's H200 run took 116 s for steps 1-5 (the demo 80 s and a t5-3b row 89 s by hand after it):
+#     TAR=$OUT/gpu_out.tgz OUT=/tmp/g bash benchmarks/gpu_check.sh     (TAR in the device tool's own $OUT)
 
 set -u
 cd "$(dirname "$0")/../.."
@@ -58,10 +63,14 @@ run() {
   SUMMARY+=("$(printf '%-22s %-9s rc=%-3s %4ss' "$name" "$what" "$rc" "$dt")")
 }
 
+WORK=$(mktemp -d)  # the demo's and the t5 run's models and data: never in $OUT (the device tool returns 8 files)
 if [[ "${SMALL:-0}" == 1 ]]; then
   SIZE_A=(--params 4e6 --tokens 64 --steps 3); SIZE_B=(--params 8e6 --tokens 64 --steps 3); ADAM=(--numel 2000000 --rounds 3)
+  DEMO=(--smoke); T5=(--smoke --rows zero2_offload --max_steps 2)
 else
   SIZE_A=(--params 5e8 --tokens 4096 --steps 6); SIZE_B=(--params 1e9 --tokens 2048 --steps 5); ADAM=(--numel 50000000 --rounds 8)
+  DEMO=(); T5=(--t5_3b_recipe --rows zero2_offload --no-find_max_bs --batch_size 9 --max_steps 3
+               --no_predict_with_generate --n_train 40 --n_val 8)
 fi
 
 
@@ -99,6 +108,17 @@ else
   SUMMARY+=("$(printf '%-22s SKIPPED (benchmarks/kernel/adam_step.py missing)' adam_step)")
 fi
 
+# 6. make demo's job on the GPU (its metrics and curves only; the model stays in $WORK)
+run demo 150 "$PY" examples/seq2seq/run_demo.py "${DEMO[@]}" --output_root "$WORK/demo"
+cp "$WORK"/demo/demo*/all_results.json "$OUT/demo_results.json" 2>/dev/null
+cp "$WORK"/demo/demo*/curves.png "$OUT/demo_curves.png" 2>/dev/null
+
+# 7. t5-3b, the blog's single-GPU recipe at the planner's largest batch (9 at 128/128 tokens under 24 GiB), on a
+# corpus whose every line fills the 128 tokens (the first GPU run's short sentences measured only the weights)
+run t5_corpus 60 "$PY" -m benchmarks.gpu.check long_corpus "$WORK/long"
+run t5_3b 240 "$PY" -m benchmarks.t5.table "${T5[@]}" --data_dir "$WORK/long" --gpu_mem_gib 24 --keep_logs \
+  --out_dir "$OUT/t5"
+
 # summary: every step's outcome, then the measured targets
 {
   echo
@@ -108,5 +128,9 @@ fi
   printf '%s\n' "${SUMMARY[@]}"
   [[ -f "$OUT/cuda_tests.log" ]] && grep -E "passed|failed|skipped|error|FAILED|XFAIL|XPASS" "$OUT/cuda_tests.log" | tail -n 25
   "$PY" -m benchmarks.gpu.check summary "$OUT" 2>&1
+  [[ -f "$OUT/t5_3b.log" ]] && grep -E "^\| " "$OUT/t5_3b.log"
   echo "files in $OUT:"; ls -1 "$OUT"
 } 2>&1 | tee "$OUT/summary.txt"
+rm -rf "$WORK"
+# TAR=FILE: everything in $OUT as one archive (the device tool brings back at most 8 files from its $OUT)
+[[ -n "${TAR:-}" ]] && tar czf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"

@@ -265,7 +265,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     # must never stop a training run, hence the broad except around the call.
     if (training_args.zero_offload or training_args.sharded_ddp) and training_args.process_index == 0:
         try:
-            from hf_zero_offload.planner import print_plan
+            from hf_zero_offload.planner import cuda_memory_gib, print_plan
         except ImportError:
             print_plan = None
         if print_plan is not None:
@@ -281,8 +281,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                     gradient_checkpointing=bool(getattr(training_args, "activation_checkpointing", False)
                                                 or getattr(training_args, "gradient_checkpointing", False)),
                 )
-                if cuda:
-                    plan_kwargs["gpu_mem_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+                if cuda:  # this rank's card, under any per-process cap
+                    plan_kwargs["gpu_mem_gib"] = cuda_memory_gib(training_args.device)
                 # the run's own buckets and moments (the shipped configs' "auto" buckets: hidden_size**2), not the
                 # planner's defaults
                 from hf_zero_offload.config import check as read_ds_config

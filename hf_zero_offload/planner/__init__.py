@@ -23,5 +23,5 @@ with padding to the longest in the batch, real batches are shorter and more samp
 """
 from .plan import (GiB, SAFETY_BYTES, SAFETY_FRACTION, EngineSettings, Plan, Row, RowSpec, _max_batch,  # noqa: F401
                    device_budget, plan, row_specs, row_states)
-from .report import format_plan, print_plan  # noqa: F401
+from .report import cuda_memory_gib, format_plan, print_plan  # noqa: F401
 from .cli import add_arguments, main  # noqa: F401

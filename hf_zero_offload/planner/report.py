@@ -77,6 +77,17 @@ def _legend(p: Plan) -> list[str]:
                "fits the budget"] if p.rows and p.rows[0].batch_size else [])]
 
 
+def cuda_memory_gib(device=None) -> float:
+    """What this process may allocate on ``device`` (default: the current one), in GiB: the card's memory times
+    the cap ``torch.cuda.set_per_process_memory_fraction`` set, where this torch can tell (2.8+). The card alone
+    planned a 24 GiB-capped run on an H200 against 132 GiB."""
+    import torch
+
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
+    return torch.cuda.get_device_properties(index).total_memory * fraction / GiB
+
+
 def print_plan(model_config_or_plan, *, file=None, **plan_kwargs) -> Plan:
     """Print the plan (``format_plan``) for a model, config or ready ``Plan``; returns the plan."""
     p = model_config_or_plan if isinstance(model_config_or_plan, Plan) else plan(model_config_or_plan, **plan_kwargs)
