@@ -61,11 +61,12 @@ def training_dtype(cfg: TrainingConfig) -> torch.dtype:
     return torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16 else torch.float32
 
 
-def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_decide: bool = False):
+def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_decide: bool = False, device=None):
     """The engine for this config and world size (the optimizer the Trainer will drive). ``args``: the
     TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, world_size, sharded_ddp are read).
     ``groups_decide``: the groups carry their own lr, betas, eps and weight decay (``groups_from_optimizer``),
-    which the config's "optimizer" block does not replace."""
+    which the config's "optimizer" block does not replace. ``device``: where the params train, when the model is
+    still on the CPU (the engine moves each in the training dtype once its master is taken)."""
     opt = cfg.optimizer
     hyper = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, adamw_mode=opt.adam_w_mode) if opt else dict(
         lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, adamw_mode=True)
@@ -73,7 +74,8 @@ def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_dec
         param_groups = [{**g, "weight_decay": opt.weight_decay if g["weight_decay"] else 0.0} for g in param_groups]
     options, shard = engine_options(cfg)
     engine = factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
-                                  param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, **hyper)
+                                  param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, device=device,
+                                  **hyper)
     gas = options.gradient_accumulation_steps
     if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1 and engine.rank == 0:
         # stage 1 reduces the full .grad once a step, so torch's autograd sums the micro-batches there, in the param

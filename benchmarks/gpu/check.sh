@@ -10,7 +10,7 @@
 #                    the image already has torch, pybind11, scikit-build-core, cmake; nothing is downloaded)
 #   2. hardware      the hardware line (CPU, cores, RAM, torch, SIMD level of the build, GPU) -> $OUT/hardware.json
 #   3. cuda tests    pytest -m cuda tests/test_engine.py tests/test_engine_async.py tests/test_sharding.py
-#                    tests/test_compact_states.py (every cuda-marked test; GPU parity with torch
+#                    tests/test_compact_states.py tests/test_placement.py (every cuda-marked test; GPU parity with torch
 #                    AdamW, gradient accumulation, clipping, fp16 overflow, DPU, resume, the stream-race
 #                    test, gradient memory bounded by the buckets, pinned arena). The image has no pytest:
 #                    it is installed from wheels carried in .gpu_wheels/ (`make gpu-wheels` here, then
@@ -91,7 +91,7 @@ if ! "$PY" -c "import pytest" 2>/dev/null; then
   run install_pytest 60 "$PY" -m pip install --no-index --find-links .gpu_wheels pytest pytest-timeout
 fi
 run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider tests/test_engine.py tests/test_engine_async.py \
-  tests/test_sharding.py tests/test_compact_states.py
+  tests/test_sharding.py tests/test_compact_states.py tests/test_placement.py
 
 # 4. one training step with and without offload (JSON per size); 24 GiB CUDA cap
 run offload_step_500m 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \

@@ -50,7 +50,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
     world_size, rank = 1, 0
 
     def __init__(self, params, *, lr: float, betas, eps: float, weight_decay: float, adamw_mode: bool,
-                 param_dtype: torch.dtype | None, options: OffloadOptions, streams: Streams | None):
+                 param_dtype: torch.dtype | None, options: OffloadOptions, streams: Streams | None, device=None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(torch_style_groups(params), defaults)
         self._layout_fixed = True  # from here on add_param_group refuses (see there)
@@ -60,7 +60,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         self.scaler = LossScaler.from_options(options.fp16)
         make_contiguous(self.param_groups)
         # per group: (param, flat offset, numel); ``_flat``: all of them in order; ``_groups``: indices
-        self._slots, self.numel, self.device = flat_layout(self.param_groups, type(self).__name__)
+        self._slots, self.numel, self.device = flat_layout(self.param_groups, type(self).__name__, device)
         self._built_groups = [tuple(map(id, g["params"])) for g in self.param_groups]  # (group_flags.layout_change)
         self._flat = [s for g in self._slots for s in g]
         self._groups, first = [], 0
@@ -164,16 +164,16 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
 
     @torch.no_grad()
     def _init_masters(self, index) -> None:
-        """Masters from the parameters as given (fp32 for a model about to be cast: casting first
-        and copying back would lose the low mantissa bits for good); then the cast."""
+        """Masters from the parameters as given (fp32 for a model about to be cast: casting first and copying back
+        would lose the low mantissa bits for good); then the cast, and params elsewhere moved to ``self.device``."""
         self.master.zero_()
         self.moments.zero_()
         lo = self.lo
         for p, off, a, b in index.pieces(lo, self.hi):
             self.master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
         for p, _, _ in self._flat:
-            if p.dtype != self.param_dtype:
-                p.data = p.data.to(self.param_dtype)
+            if p.dtype != self.param_dtype or p.device != self.device:
+                p.data = p.data.to(device=self.device, dtype=self.param_dtype)
         self._sync_mirror()
         self._mark_params()
 

@@ -47,10 +47,12 @@ def choose(world_size: int, shard: ShardOptions, *, sharded_ddp: bool = False) -
 
 def build_engine(param_groups: list[dict], *, world_size: int, shard: ShardOptions, options: OffloadOptions,
                  param_dtype: torch.dtype, lr: float, betas, eps: float, adamw_mode: bool,
-                 sharded_ddp: bool = False) -> AdamCore:
-    """The engine for these options and this world size (``param_groups`` carry their weight decay)."""
+                 sharded_ddp: bool = False, device=None) -> AdamCore:
+    """The engine for these options and this world size (``param_groups`` carry their weight decay); ``device``:
+    where the params train, when they are not there yet."""
     cls, stage = choose(world_size, shard, sharded_ddp=sharded_ddp)
-    hyper = dict(lr=lr, betas=betas, eps=eps, adamw_mode=adamw_mode, param_dtype=param_dtype, options=options)
+    hyper = dict(lr=lr, betas=betas, eps=eps, adamw_mode=adamw_mode, param_dtype=param_dtype, options=options,
+                 device=device)
     if cls is OffloadAdam:
         return OffloadAdam(param_groups, **hyper)
     return ShardedAdam(param_groups, stage=stage, offload=shard.offload, reduce_scatter=shard.reduce_scatter,

@@ -40,9 +40,10 @@ class OffloadAdam(AdamCore):
 
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
-                 options: OffloadOptions = OffloadOptions(), streams: Streams | None = None):
+                 options: OffloadOptions = OffloadOptions(), streams: Streams | None = None, device=None):
+        """``device``: where the params train (default: where they are); see ``AdamCore._init_masters``."""
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                         param_dtype=param_dtype, options=options, streams=streams)
+                         param_dtype=param_dtype, options=options, streams=streams, device=device)
         gas = options.gradient_accumulation_steps
         self.plan = plan_host_memory(
             self.numel, param_dtype=self.param_dtype, gradient_accumulation_steps=gas,

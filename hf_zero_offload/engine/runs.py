@@ -11,9 +11,11 @@ import torch
 logger = logging.getLogger("hf_zero_offload")
 
 
-def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], int, torch.device]:
+def flat_layout(param_groups: list[dict], who: str, device=None) -> tuple[list[list[tuple]], int, torch.device]:
     """The trainable params of every group back to back in one flat range: per group a list of
-    ``(param, offset, numel)``; the total numel; their (single) device. Frozen params own no range."""
+    ``(param, offset, numel)``; the total numel; the device they train on: ``device`` where given (an engine built
+    over a model still on the CPU moves each param there once its master is taken), else theirs (one for all).
+    Frozen params own no range."""
     slots, seen, offset = [], set(), 0
     for group in param_groups:
         group_slots = []
@@ -40,9 +42,14 @@ def flat_layout(param_groups: list[dict], who: str) -> tuple[list[list[tuple]], 
     flat = [s for g in slots for s in g]
     if not flat:
         raise ValueError(f"{who} got no trainable parameters")
-    device = flat[0][0].device
-    if any(p.device != device for p, _, _ in flat):
+    here = flat[0][0].device
+    if any(p.device != here for p, _, _ in flat):
         raise ValueError("every trainable parameter must be on the same device")
+    if device is None:
+        return slots, offset, here
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # compared with the params' own device later: cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
     return slots, offset, device
 
 

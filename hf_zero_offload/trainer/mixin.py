@@ -24,6 +24,7 @@ from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batc
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 from .buffer_sync import BroadcastBuffers
+from .placement import PlaceWithEngine
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .trainable_watch import RefuseNewTrainable
@@ -49,7 +50,7 @@ def _users_create_optimizer(cls):
     return None
 
 
-class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, BroadcastBuffers):
+class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, BroadcastBuffers, PlaceWithEngine):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
@@ -202,8 +203,10 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         warn_keep_fp32(model, training_dtype(cfg))
         check_dpu_writers(model, cfg.zero.delayed_param_update.enabled)
         refuse_view_ties(model)
-        self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None)
-        model.to(training_dtype(cfg))  # frozen params and buffers follow the trainable ones
+        place = self._zo_place_on  # (placement.py) None: the model is where it trains
+        self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None, device=place)
+        model.to(device=place, dtype=training_dtype(cfg))  # frozen params and buffers follow the trainable ones
+        self._zo_place_on = None
         self._zo_broadcast_buffers(model, frozen=True)  # as DDP's wrap: rank 0's frozen params and buffers
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         self._zo_widen_logits(model, training_dtype(cfg))

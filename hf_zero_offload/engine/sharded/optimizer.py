@@ -98,7 +98,7 @@ class ShardedAdam(AdamCore):
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
                  options: OffloadOptions = OffloadOptions(), stage: int = 2, offload: bool = True,
                  process_group=None, allgather_bucket_numel: int = 200_000_000, device_adam: str = "auto",
-                 reduce_scatter: bool = True, streams: Streams | None = None):
+                 reduce_scatter: bool = True, streams: Streams | None = None, device=None):
         if stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0 (one process), 1 or 2, got {stage!r}")
         if options.dpu and not offload:
@@ -106,7 +106,7 @@ class ShardedAdam(AdamCore):
         if device_adam not in ("auto", "torch", "kernel"):
             raise ValueError(f"device_adam must be 'auto', 'torch' or 'kernel', got {device_adam!r}")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                         param_dtype=param_dtype, options=options, streams=streams)
+                         param_dtype=param_dtype, options=options, streams=streams, device=device)
         self.stage, self.offload, self.process_group = stage, offload, process_group
         if dist.is_available() and dist.is_initialized():
             self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -210,7 +210,9 @@ class ShardedAdam(AdamCore):
         def send():
             nonlocal size
             size = 0
-            flat = torch.cat([p.detach().reshape(-1) for p in chunk])
+            # params still on the CPU (moved to the engine's device by _init_masters): through the device, which
+            # NCCL needs; one chunk at a time, in their own dtype (the masters are taken from these values)
+            flat = torch.cat([p.detach().reshape(-1) for p in chunk]).to(self.device)
             dist.broadcast(flat, group=self.process_group, group_src=0)
             o = 0
             for p in chunk:

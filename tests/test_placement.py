@@ -1,0 +1,104 @@
+"""The model reaches the device through the engine, in the training dtype (trainer/placement.py): the Trainer's own
+placement in fp32 (4 B/param on the device, the device peak of t5-3b's first H200 run) is deferred to the engine's
+build, which takes each fp32 master first and then moves the param, cast, to the device."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import T5Config, T5ForConditionalGeneration, Trainer, TrainerCallback
+
+from _models import TinyNet, batches, param_groups, run_steps
+from _t5 import OFFLOAD, TINY, ToyDataset, tiny_t5
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SMALL_BUCKETS = {"zero_optimization": {**OFFLOAD["zero_optimization"], "reduce_bucket_size": 1_000_000}}
+
+
+def _args(tmp_path, **kw):
+    return ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2, report_to=[], logging_steps=1,
+        save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2, **kw)
+
+
+def test_the_trainer_leaves_the_placement_to_the_engine(tmp_path, monkeypatch):
+    placed = []
+    original = Trainer._move_model_to_device
+    monkeypatch.setattr(Trainer, "_move_model_to_device", lambda self, m, d: placed.append(d) or original(self, m, d))
+    Trainer(model=tiny_t5(), args=_args(tmp_path, use_cpu=True), train_dataset=ToyDataset())
+    assert placed == [torch.device("cpu")]  # the plain Trainer places it in __init__
+
+    placed.clear()
+    model = tiny_t5()
+    trainer = ZeroOffloadTrainer(model=model, args=_args(tmp_path, use_cpu=True, bf16=True, zero_offload=OFFLOAD),
+                                 train_dataset=ToyDataset())
+    assert placed == [] and trainer._zo_place_on == torch.device("cpu")
+    trainer.train()
+    assert trainer._zo_place_on is None
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.bfloat16)}
+    # a second train() on the same Trainer builds no new placement (the engine is there)
+    trainer._move_model_to_device(model, torch.device("cpu"))
+    assert placed == [torch.device("cpu")] and trainer._zo_place_on is None
+
+
+def test_an_evaluation_before_any_training_is_placed_as_the_plain_trainers(tmp_path):
+    trainer = ZeroOffloadTrainer(model=tiny_t5(), args=_args(tmp_path, use_cpu=True, zero_offload=OFFLOAD),
+                                 eval_dataset=ToyDataset(8))
+    plain = Trainer(model=tiny_t5(), args=_args(tmp_path, use_cpu=True), eval_dataset=ToyDataset(8))
+    assert trainer.evaluate()["eval_loss"] == plain.evaluate()["eval_loss"]
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@cuda
+def test_an_engine_over_a_cpu_model_equals_one_over_the_placed_model():
+    """Masters from the fp32 CPU weights, the params moved to the device in bf16 one at a time: the same masters,
+    the same steps, bit for bit, as the engine built over the fp32 model placed on the device first."""
+    dev, opts = torch.device("cuda"), OffloadOptions(bucket_numel=1000, tile_numel=300)
+    torch.manual_seed(0)
+    placed = TinyNet().to(dev)
+    kept = copy.deepcopy(placed).cpu()
+    a = OffloadAdam(param_groups(placed, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=opts)
+    placed.to(torch.bfloat16)
+    b = OffloadAdam(param_groups(kept, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=opts, device=dev)
+    assert {(p.device.type, p.dtype) for p in kept.parameters() if p.requires_grad} == {("cuda", torch.bfloat16)}
+    kept.to(device=dev, dtype=torch.bfloat16)  # the frozen ones: the Trainer's part
+    assert b.arena.pinned and torch.equal(a.master, b.master)
+    data = [(ids.to(dev), labels.to(dev), branch) for ids, labels, branch in batches(4)]
+    run_steps(placed, a, data)
+    run_steps(kept, b, data)
+    torch.cuda.synchronize()
+    assert torch.equal(a.master, b.master)
+    for p, q in zip(placed.parameters(), kept.parameters()):
+        assert torch.equal(p, q)
+    a.close()
+    b.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_the_fp32_model_never_reaches_the_gpu(tmp_path):
+    model = T5ForConditionalGeneration(T5Config(**{**TINY, "vocab_size": 8192, "d_model": 512, "d_kv": 64,
+                                                   "d_ff": 2048, "num_layers": 4, "num_decoder_layers": 4}))
+    n = sum(p.numel() for p in model.parameters())
+
+    class Peak(TrainerCallback):
+        at_start = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            Peak.at_start = torch.cuda.max_memory_allocated()
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    trainer = ZeroOffloadTrainer(model=model, args=_args(tmp_path, bf16=True, zero_offload=SMALL_BUCKETS),
+                                 train_dataset=ToyDataset(), callbacks=[Peak()])
+    assert next(model.parameters()).device.type == "cpu"
+    trainer.train()
+    # the bf16 model (2 B/param) and two 1M-element buckets; placed in fp32 first, the peak was 4 B/param
+    assert Peak.at_start - base < 0.75 * 4 * n, (Peak.at_start - base, n)
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cuda", torch.bfloat16)}
+    trainer.zero_engine.close()
