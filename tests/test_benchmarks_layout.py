@@ -163,3 +163,21 @@ def test_json_on_stdout_is_the_json_alone(capsys):
         text = path.read_text()
         if '"--json"' in text and "for stdout" in text:
             assert "json_stdout()" in text or "sys.stderr if" in text, path
+
+
+def test_offload_rows_say_where_their_step_time_goes():
+    """rows.PhaseClock: each phase of the engine's step timed (the first GPU run left 75-160 ms a step unexplained)."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "benchmarks.engine.offload_step", "--params", "2e5", "--tokens", "8",
+                        "--steps", "2", "--rows", "b,c", "--json", "-"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)["rows"]
+    assert [row["row"][:3] for row in rows] == ["(b)", "(c)"]
+    for row in rows:
+        phases = row["phases_ms"]
+        assert list(phases) == ["fwd+bwd", "wait grads", "norm", "adam", "step", "end sync"]
+        assert phases["adam"] > 0 and phases["step"] > 0 and all(v >= 0 for v in phases.values()), phases

@@ -175,6 +175,9 @@ def main() -> int:
                        ("opt_bpp", "opt B/p", ".2f"), ("opt_where", "opt mem on"), ("pcie_bpp", "PCIe B/p", ".1f")])
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
+    for r in rows:  # where the offload rows' time goes (rows.PhaseClock)
+        if r.get("phases_ms"):
+            print(f"phases of {r['row']}, median ms: " + " | ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
     for line in _fmt_targets(rows, ctx):
         print(line)
     if args.json:

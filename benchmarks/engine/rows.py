@@ -85,6 +85,47 @@ class Ctx:
         return times
 
 
+class PhaseClock:
+    """Host wall time of the offload engine's step phases, per step, by wrapping methods of one engine instance
+    (nothing in the library is timed): where a step's time goes beyond the CPU Adam (the first H200 run left 75-160
+    ms a step unexplained). ``fwd+bwd``: the forward and backward calls (gradients leave during backward);
+    ``wait grads``: the step's wait for the last gradient copies (``pipeline.drain``); ``norm``: the rest of
+    ``_gradients`` (the fused squared-norm pass over the gradient store); ``adam``: ``_adam_pass`` (the CPU Adam,
+    queuing each tile's upload; with DPU on the worker, beside the next forward); ``step``: all of ``step()``;
+    ``end sync``: the wait for the device at the step's end (the last uploads, the device's queue)."""
+    NAMES = ("fwd+bwd", "wait grads", "norm", "adam", "step", "end sync")
+
+    def __init__(self, opt):
+        self.now: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        self._wrap(opt.pipeline, "drain", "wait grads")
+        self._wrap(opt, "_gradients", "_gradients")
+        self._wrap(opt, "_adam_pass", "adam")
+
+    def _wrap(self, obj, attr: str, key: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(key, time.perf_counter() - t0)
+        setattr(obj, attr, timed)
+
+    def add(self, key: str, seconds: float) -> None:
+        self.now[key] = self.now.get(key, 0.0) + seconds
+
+    def end_step(self) -> None:
+        now, self.now = self.now, {}
+        now["norm"] = max(0.0, now.pop("_gradients", 0.0) - now.get("wait grads", 0.0))
+        self.steps.append(now)
+
+    def medians_ms(self, last: int) -> dict[str, float]:
+        steps = self.steps[-last:]
+        return {k: round(1e3 * statistics.median(s.get(k, 0.0) for s in steps), 3) for k in self.NAMES}
+
+
 def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
@@ -146,12 +187,21 @@ def row_ours(ctx: Ctx, dpu: bool) -> dict:
     x = ctx.x32.to(ctx.dtype)
 
     bus = []  # host<->device bytes the engine queued, per step
+    clock = PhaseClock(opt)
 
     def step():
         before = opt.streams.bytes_down + opt.streams.bytes_up
+        t0 = time.perf_counter()
         loss = _loss(model(x))
         opt.scale_loss(loss).backward()
+        t1 = time.perf_counter()
         opt.step()
+        t2 = time.perf_counter()
+        ctx.sync()
+        clock.add("fwd+bwd", t1 - t0)
+        clock.add("step", t2 - t1)
+        clock.add("end sync", time.perf_counter() - t2)
+        clock.end_step()
         opt.zero_grad(set_to_none=True)
         bus.append(opt.streams.bytes_down + opt.streams.bytes_up - before)
 
@@ -161,7 +211,7 @@ def row_ours(ctx: Ctx, dpu: bool) -> dict:
     pcie = statistics.median(bus[-ctx.steps:]) / n
     name = "(c) ours + DPU" if dpu else "(b) ours OffloadAdam"
     out = _row(ctx, name, times, n, opt.arena.nbytes, "host" + (" pinned" if opt.arena.pinned else ""), pcie, base,
-               dev_state, buckets_bpp=bucket_bytes / n, skipped=opt.last.skipped,
+               dev_state, buckets_bpp=bucket_bytes / n, skipped=opt.last.skipped, phases_ms=clock.medians_ms(ctx.steps),
                host_regions={k: v for k, v in opt.plan.bytes_by_region().items()})
     opt.flush()
     opt.close()
