@@ -9,12 +9,19 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration, Trainer, TrainerCallback
 
+from _dist import run_distributed
 from _models import TinyNet, batches, param_groups, run_steps
 from _t5 import OFFLOAD, TINY, ToyDataset, tiny_t5
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer
-from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
+from hf_zero_offload.engine.runs import place_params
+from hf_zero_offload.engine.streams import SimStreams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Another device on a CPU-only machine: torch.device("cpu", 0) != torch.device("cpu"), so every "params elsewhere"
+# branch (the move after the masters, the sharded broadcast through the device, the host-RAM credit) runs in CI.
+ELSEWHERE = torch.device("cpu", 0)
+OPTS = OffloadOptions(bucket_numel=1000, tile_numel=300)
 SMALL_BUCKETS = {"zero_optimization": {**OFFLOAD["zero_optimization"], "reduce_bucket_size": 1_000_000}}
 
 
@@ -49,6 +56,90 @@ def test_an_evaluation_before_any_training_is_placed_as_the_plain_trainers(tmp_p
                                  eval_dataset=ToyDataset(8))
     plain = Trainer(model=tiny_t5(), args=_args(tmp_path, use_cpu=True), eval_dataset=ToyDataset(8))
     assert trainer.evaluate()["eval_loss"] == plain.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "sim"])
+def test_an_engine_over_params_elsewhere_equals_one_over_placed_params(sim):
+    torch.manual_seed(0)
+    placed = TinyNet()
+    kept = copy.deepcopy(placed)
+    streams = (lambda: SimStreams()) if sim else (lambda: None)
+    a = OffloadAdam(param_groups(placed, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=OPTS, streams=streams())
+    placed.to(torch.bfloat16)
+    b = OffloadAdam(param_groups(kept, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=OPTS, streams=streams(),
+                    device=ELSEWHERE)
+    assert b.device == ELSEWHERE and torch.equal(a.master, b.master)
+    assert {p.dtype for p in kept.parameters() if p.requires_grad} == {torch.bfloat16}
+    kept.to(device=ELSEWHERE, dtype=torch.bfloat16)
+    run_steps(placed, a, batches(6))
+    run_steps(kept, b, batches(6))
+    a.flush(), b.flush()
+    assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+    for p, q in zip(placed.parameters(), kept.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_device_too_small_leaves_the_model_whole_where_it_was(monkeypatch):
+    """Every new tensor is made before any param is rebound: an out-of-memory part way left some params on the
+    device in 16 bits and the rest in fp32 on the CPU (a retry then failed on 'the same device')."""
+    params = list(TinyNet().parameters())
+    before = [p.detach().clone() for p in params]
+    made, to = [], torch.Tensor.to
+
+    def flaky(self, *args, **kwargs):
+        made.append(1)
+        if len(made) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return to(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "to", flaky)
+    with pytest.raises(torch.OutOfMemoryError):
+        place_params(params, ELSEWHERE, torch.bfloat16)
+    monkeypatch.undo()
+    assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(params, before))
+
+
+def _sharded_elsewhere(rank, world):
+    out = []
+    for device in (None, ELSEWHERE):
+        torch.manual_seed(rank)  # each rank's own init: rank 0's reaches every rank through the (other) device
+        model = TinyNet()
+        opt = ShardedAdam(param_groups(model, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=OPTS, stage=2,
+                          offload=True, device=device)
+        model.to(device=device, dtype=torch.bfloat16)
+        run_steps(model, opt, batches(4, seed=rank))
+        opt.flush()
+        out.append([p.detach().clone() for p in model.parameters() if p.requires_grad])  # (the frozen: each rank's)
+    return out
+
+
+def test_a_sharded_engine_over_params_elsewhere_equals_one_over_placed_params():
+    ranks = run_distributed(_sharded_elsewhere)
+    for placed, kept in ranks:
+        assert all(torch.equal(p, q) for p, q in zip(placed, kept))
+    assert all(torch.equal(p, q) for p, q in zip(ranks[0][1], ranks[1][1]))  # one model on both ranks
+
+
+def test_the_trainer_places_through_the_engine_with_the_same_numbers(tmp_path):
+    runs = []
+    for place in (None, ELSEWHERE):
+        model = tiny_t5()
+        trainer = ZeroOffloadTrainer(model=model, args=_args(tmp_path, use_cpu=True, bf16=True, zero_offload=OFFLOAD),
+                                     train_dataset=ToyDataset())
+        if place is not None:
+            trainer._zo_place_on = place  # as the Trainer's _move_model_to_device left it, for another device
+        trainer.train()
+        assert trainer.zero_engine.device == (place or torch.device("cpu"))
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+def test_a_model_the_trainer_did_not_place_goes_to_its_device(tmp_path):
+    """model_init with --fp16_full_eval (or place_model_on_device=False) left the model unplaced, and Accelerate's
+    prepare then moved it under an engine built on the CPU (CPU streams, an unpinned arena)."""
+    trainer = ZeroOffloadTrainer(model=tiny_t5(), args=_args(tmp_path, use_cpu=True, zero_offload=OFFLOAD),
+                                 train_dataset=ToyDataset())
+    trainer._zo_place_on = None
+    assert trainer._zo_placement(trainer.model) == trainer.args.device
 
 
 # -- on a GPU ------------------------------------------------------------------------------------
@@ -98,7 +189,8 @@ def test_the_fp32_model_never_reaches_the_gpu(tmp_path):
                                  train_dataset=ToyDataset(), callbacks=[Peak()])
     assert next(model.parameters()).device.type == "cpu"
     trainer.train()
-    # the bf16 model (2 B/param) and two 1M-element buckets; placed in fp32 first, the peak was 4 B/param
+    # the bf16 model (2 B/param) and two buckets (each as large as the largest param, the 4.2M-element embedding:
+    # 68 MiB expected against 78); placed in fp32 first, the peak was 4 B/param
     assert Peak.at_start - base < 0.75 * 4 * n, (Peak.at_start - base, n)
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cuda", torch.bfloat16)}
     trainer.zero_engine.close()

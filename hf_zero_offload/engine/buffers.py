@@ -118,7 +118,7 @@ class HostArena:
     caching allocator, which rounds every block up to a power of two (up to ~2x the RAM).
     """
 
-    def __init__(self, plan: HostPlan, *, pin: bool, check_ram: bool = True, also: int = 0):
+    def __init__(self, plan: HostPlan, *, pin: bool, check_ram: bool = True, also: int = 0, freed: int = 0):
         """``also``: bytes the engine allocates beside the arena in host RAM, checked with it (on a CPU run the
         plan's "device" regions, the gradient buckets: left out, they failed after the check with torch's bare
         "can't allocate memory")."""
@@ -137,7 +137,7 @@ class HostArena:
             total += _round(n * _bytes(dt))
         self.nbytes = total
         if check_ram:
-            check_host_ram(total + also)
+            check_host_ram(total + also, freed)
         self._buf = torch.empty(total, dtype=torch.uint8)
         self._pinned_range = self._buf[pin_from:] if pin_from is not None else self._buf[:0]
         self.pinned = _register(self._pinned_range) if pin else False

@@ -35,7 +35,7 @@ from .group_flags import check_group_flags, layout_change, torch_style_groups, v
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
 from .options import OffloadOptions
-from .runs import Run, make_contiguous, flat_layout, make_runs, param_label, training_dtype
+from .runs import Run, make_contiguous, flat_layout, make_runs, param_label, place_params, training_dtype
 from .saved_state import SavedState, logger
 from .step_guard import DeferredSigint
 from .streams import Streams, make_streams
@@ -167,13 +167,11 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         """Masters from the parameters as given (fp32 for a model about to be cast: casting first and copying back
         would lose the low mantissa bits for good); then the cast, and params elsewhere moved to ``self.device``."""
         self.master.zero_()
-        self.moments.zero_()
         lo = self.lo
         for p, off, a, b in index.pieces(lo, self.hi):
             self.master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
-        for p, _, _ in self._flat:
-            if p.dtype != self.param_dtype or p.device != self.device:
-                p.data = p.data.to(device=self.device, dtype=self.param_dtype)
+        place_params([p for p, _, _ in self._flat], self.device, self.param_dtype)
+        self.moments.zero_()  # after: their pages resident only once params leaving for the device freed theirs
         self._sync_mirror()
         self._mark_params()
 

@@ -79,18 +79,19 @@ def address_space_headroom() -> int:
     return 256 * 2**20 + 72 * 2**20 * max(1, torch.get_num_threads())
 
 
-def check_host_ram(nbytes: int, **where) -> None:
+def check_host_ram(nbytes: int, freed: int = 0, **where) -> None:
     """Raise MemoryError when ``nbytes`` exceeds any limit (with the address-space headroom under RLIMIT_AS), with the
-    numbers and the ways out."""
+    numbers and the ways out. ``freed``: resident bytes the build frees (weights that leave for the device)."""
     room = address_space_headroom()
-    short = [(what, left) for what, left in host_memory_limits(**where)
-             if nbytes + (room if what.startswith("address-space") else 0) > left]
+    short = [(what, left + freed) for what, left in host_memory_limits(**where)
+             if nbytes + (room if what.startswith("address-space") else 0) > left + freed]
     if not short:
         return
     what, left = min(short, key=lambda s: s[1])
     raise MemoryError(
         f"hf_zero_offload needs {nbytes / 2**30:.2f} GiB of host RAM for the offloaded optimizer (fp32 master + "
         f"Adam moments + gradient store + staging) but only {left / 2**30:.2f} GiB is left under the {what}"
+        + (f" (counting {freed / 2**30:.2f} GiB of weights it moves to the device)" if freed else "")
         + (f" (and threads and the first steps need {room / 2**30:.2f} GiB of address space "
            "beside it)" if what.startswith("address-space") else "") + ". "
         "Ways out: a smaller model; the delayed parameter update off (it doubles the gradient store and the "

@@ -30,7 +30,7 @@ from .buffers import HostArena, plan_host_memory
 from .core import AdamCore
 from .options import OffloadOptions
 from .pipeline import GradPipeline
-from .runs import FlatIndex, make_runs
+from .runs import FlatIndex, host_bytes_leaving, make_runs
 from .streams import Streams
 from .upload import ParamUploader
 
@@ -53,7 +53,8 @@ class OffloadAdam(AdamCore):
         bucket_n = self.plan.regions["grad_buckets"][0] // 2
         # on a CPU run the plan's "device" regions (the gradient buckets) are host RAM too: checked with the arena
         self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda,
-                               also=self.plan.device_bytes if self.device.type == "cpu" else 0)
+                               also=self.plan.device_bytes if self.device.type == "cpu" else 0,
+                               freed=host_bytes_leaving(self._flat, self.device))
         r = self.arena.regions
         self._bind_state(r, 0, self.numel)
         self.param_staging = r["param_staging"]

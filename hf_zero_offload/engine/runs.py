@@ -53,6 +53,24 @@ def flat_layout(param_groups: list[dict], who: str, device=None) -> tuple[list[l
     return slots, offset, device
 
 
+def place_params(params, device: torch.device, dtype: torch.dtype) -> None:
+    """Each param in ``dtype`` on ``device``. Params moved to another device: every new tensor is made before any
+    param is rebound, so a device too small for the model raises with the model whole where it was (masters are
+    taken before this); a cast in place goes one param at a time (the host holds one param twice, not the model)."""
+    moving = [p for p in params if p.device != device]
+    for p, t in zip(moving, [p.data.to(device=device, dtype=dtype) for p in moving]):
+        p.data = t
+    for p in params:
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def host_bytes_leaving(flat, device: torch.device) -> int:
+    """Bytes of the trainable params on the CPU that the engine moves to ``device`` (``place_params``): host RAM
+    they free once the engine is built, credited to its host-memory check (resident when it runs)."""
+    return sum(p.numel() * p.element_size() for p, _, _ in flat if p.device.type == "cpu" and p.device != device)
+
+
 def param_label(group: dict, p) -> str:
     """How a message names ``p`` of ``group``: by name where the group keeps names (``param_names``), and shape."""
     for name, q in zip(group.get("param_names") or (), group["params"]):

@@ -203,10 +203,9 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         warn_keep_fp32(model, training_dtype(cfg))
         check_dpu_writers(model, cfg.zero.delayed_param_update.enabled)
         refuse_view_ties(model)
-        place = self._zo_place_on  # (placement.py) None: the model is where it trains
+        place = self._zo_placement(model)  # (placement.py) None: the model is where it trains
         self.optimizer = build_engine(groups, cfg, self.args, groups_decide=where is not None, device=place)
         model.to(device=place, dtype=training_dtype(cfg))  # frozen params and buffers follow the trainable ones
-        self._zo_place_on = None
         self._zo_broadcast_buffers(model, frozen=True)  # as DDP's wrap: rank 0's frozen params and buffers
         self._zo_dtype = training_dtype(cfg) if training_dtype(cfg) != torch.float32 else None
         self._zo_widen_logits(model, training_dtype(cfg))

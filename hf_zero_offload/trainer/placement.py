@@ -19,10 +19,23 @@ class PlaceWithEngine:
     _zo_place_on: torch.device | None = None  # where the Trainer would have placed the model (None: nowhere yet)
 
     def _move_model_to_device(self, model, device) -> None:
-        # only before our engine exists (a model_init or a second Trainer builds a new one, which places it), and
-        # not for a model dispatched over devices (the Trainer leaves it where it is, with a warning)
+        # only before our engine exists (a model_init or a second Trainer builds a new one, which places it); not
+        # for a model dispatched over devices (the Trainer leaves it where it is, with a warning); not with several
+        # GPUs in one process (an evaluate() before training wraps the model in DataParallel, which Accelerate then
+        # does not place: its forward refused the CPU params)
         if getattr(self, "_zo_raw", None) is not None and getattr(self, "optimizer", None) is None and \
-                getattr(model, "hf_device_map", None) is None:
+                getattr(model, "hf_device_map", None) is None and self.args.n_gpu <= 1:
             self._zo_place_on = torch.device(device)
             return
         super()._move_model_to_device(model, device)
+
+    def _zo_placement(self, model) -> torch.device | None:
+        """Where the engine puts the model: where the Trainer would have, or, where the Trainer did not place it at
+        all (``model_init`` with ``--fp16_full_eval``, ``place_model_on_device=False``), the Trainer's device:
+        Accelerate's prepare moved it there after the engine was built, under it (CPU streams, an unpinned arena).
+        None for a model dispatched or quantized by its loader: it stays where that put it."""
+        place, self._zo_place_on = self._zo_place_on, None
+        if place is None and getattr(model, "hf_device_map", None) is None and \
+                getattr(model, "quantization_method", None) is None and self.args.n_gpu <= 1:
+            place = self.args.device
+        return place

@@ -72,6 +72,7 @@ from ..buffers import HostArena, HostPlan
 from ..memory_limits import check_host_ram
 from ..core import AdamCore
 from ..options import OffloadOptions
+from ..runs import host_bytes_leaving
 from ..streams import Streams
 from ..upload import ParamUploader
 from .agree import check_ranks_agree
@@ -184,11 +185,13 @@ class ShardedAdam(AdamCore):
         host = {k: v for k, v in self.plan.regions.items() if v[2] == "host"}
         # on a CPU run the "device" regions are host RAM too: checked with the arena
         beside = self.plan.device_bytes if self.device.type == "cpu" else 0
+        freed = host_bytes_leaving(self._flat, self.device)
         if host:
-            self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda, also=beside)
+            self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda, also=beside,
+                                   freed=freed)
         else:
             self.arena = None
-            check_host_ram(beside)
+            check_host_ram(beside, freed)
         r = dict(self.arena.regions) if self.arena else {}
         for k, (n, dt, where) in self.plan.regions.items():
             if where == "device":
