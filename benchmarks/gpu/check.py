@@ -54,6 +54,10 @@ def cmd_summary(args: list[str]) -> int:
             ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
             peak = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else "-"
             print(f"  {r['row']:<36} {r['ms']:9.1f} ms  {ratio:>6}  peak {peak}")
+        for r in d.get("rows", []):
+            if r.get("phases_ms"):
+                print(f"  phases of {r['row'][:3]} (median ms): "
+                      + " | ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
         for name, why in d.get("skipped", {}).items():
             print(f"  skipped {name}: {why}")
         for line in d.get("target_lines", []):

@@ -19,6 +19,8 @@
 #                    (torch.cuda.set_per_process_memory_fraction), two sizes:
 #                      500M params bf16: every row fits, so the step-time ratios vs no offload are meaningful
 #                      1B params bf16:   no-offload may run out of memory under the cap (that is the point)
+#                      2M params bf16:   the offload path's fixed cost per step (no cap needed)
+#                    each offload row also says where its step time goes (rows.PhaseClock)
 #                                                                                  -> $OUT/offload_step_gpu_*.json
 #   5. adam step     benchmarks/kernel/adam_step.py: the host CPU Adam of the GPU machine  -> $OUT/adam_step_gpu_host.json
 #   6. demo          examples/seq2seq/run_demo.py (make demo's job) on the GPU       -> $OUT/demo_results.json
@@ -66,9 +68,11 @@ run() {
 WORK=$(mktemp -d)  # the demo's and the t5 run's models and data: never in $OUT (the device tool returns 8 files)
 if [[ "${SMALL:-0}" == 1 ]]; then
   SIZE_A=(--params 4e6 --tokens 64 --steps 3); SIZE_B=(--params 8e6 --tokens 64 --steps 3); ADAM=(--numel 2000000 --rounds 3)
+  SIZE_C=(--params 5e5 --tokens 64 --steps 3)
   DEMO=(--smoke); T5=(--smoke --rows zero2_offload --max_steps 2)
 else
   SIZE_A=(--params 5e8 --tokens 4096 --steps 6); SIZE_B=(--params 1e9 --tokens 2048 --steps 5); ADAM=(--numel 50000000 --rounds 8)
+  SIZE_C=(--params 2e6 --tokens 2048 --steps 20)
   DEMO=(); T5=(--t5_3b_recipe --rows zero2_offload --no-find_max_bs --batch_size 9 --max_steps 3
                --no_predict_with_generate --n_train 40 --n_val 8)
 fi
@@ -98,6 +102,9 @@ run offload_step_500m 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_A[@]}"
   --json "$OUT/offload_step_gpu_500m.json"
 run offload_step_1b 150 "$PY" -m benchmarks.engine.offload_step "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
   --json "$OUT/offload_step_gpu_1b.json"
+# a tiny model: the offload path's fixed cost per step (the demo's 1.2M-param T5 took ~45 ms a step on the H200)
+run offload_step_2m 60 "$PY" -m benchmarks.engine.offload_step "${SIZE_C[@]}" --dtype bf16 --rows a,b,c \
+  --json "$OUT/offload_step_gpu_2m.json"
 
 # 5. the host-side CPU Adam of this machine (no GPU involved)
 if [[ -f benchmarks/kernel/adam_step.py ]]; then
