@@ -56,6 +56,12 @@ def hardware() -> dict[str, Any]:
     except Exception as exc:  # the package may not be built yet
         info["simd"] = f"unavailable ({type(exc).__name__})"
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    from importlib import metadata  # the Trainer stack's versions (a GPU image brings its own: not recorded once)
+    for name in ("transformers", "accelerate"):
+        try:
+            info[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            info[name] = None
     return info
 
 
