@@ -433,3 +433,12 @@ def test_a_load_waits_for_uploads_in_flight_before_rewriting_the_dpu_staging():
 
     for a, b in zip(run(False), run(True)):
         assert torch.equal(a, b)
+
+
+def test_host_waits_sleep_when_asked(monkeypatch):
+    """HF_ZERO_OFFLOAD_BLOCKING_WAITS: the GPU check's A/B of sleeping against spinning host waits."""
+    from hf_zero_offload.engine.streams import BLOCKING_ENV, make_streams
+
+    for value, want in (("1", True), ("false", False), ("", False)):
+        monkeypatch.setenv(BLOCKING_ENV, value)
+        assert make_streams(torch.device("cpu")).blocking_waits is want

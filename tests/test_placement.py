@@ -189,8 +189,9 @@ def test_the_fp32_model_never_reaches_the_gpu(tmp_path):
                                  train_dataset=ToyDataset(), callbacks=[Peak()])
     assert next(model.parameters()).device.type == "cpu"
     trainer.train()
-    # the bf16 model (2 B/param) and two buckets (each as large as the largest param, the 4.2M-element embedding:
-    # 68 MiB expected against 78); placed in fp32 first, the peak was 4 B/param
-    assert Peak.at_start - base < 0.75 * 4 * n, (Peak.at_start - base, n)
+    # the bf16 model (2 B/param) and two buckets (each as large as the largest param, the 4.2M-element embedding),
+    # with 16 MiB to spare; placed in fp32 first, the peak was 4 B/param (more than this bound by 2 B/param - 33 MiB)
+    buckets = trainer.zero_engine.pipeline.buckets
+    assert Peak.at_start - base <= 2 * n + buckets.numel() * buckets.element_size() + 2**24, (Peak.at_start - base, n)
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cuda", torch.bfloat16)}
     trainer.zero_engine.close()

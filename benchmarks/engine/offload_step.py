@@ -9,7 +9,9 @@ other in this process, each on a fresh copy of the same model:
 
   (a) no offload   torch.optim.AdamW(fused=True) on the device. 16-bit dtypes use the usual mixed-precision
                    recipe: fp32 params (the masters) + torch.autocast(dtype) (+ GradScaler for fp16).
-  (b) ours         OffloadAdam, params held on the device in the 16-bit dtype (fp32 masters/moments on host).
+  (b) ours         OffloadAdam, params held on the device in the 16-bit dtype (fp32 masters/moments on host);
+                   built over the fp32 model on the CPU with device=..., as the Trainer builds it (the engine places
+                   each param, cast, once its master is taken). ``--blocking_waits``: host waits sleep.
   (c) ours + DPU   the same with OffloadOptions(dpu=True, dpu_warmup_steps=2) (timed steps are all delayed).
   (d) torchao      CPUOffloadOptimizer(AdamW, fused=True) over the 16-bit model (its recipe: no fp32 masters,
                    states in the param dtype); GPU only, when torchao is importable.
@@ -32,6 +34,7 @@ and backward for those same cores, so it is expected to be no faster there.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -63,6 +66,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--bucket_numel", type=int, default=None, help="engine gradient bucket (default: engine's)")
     ap.add_argument("--threads", type=int, default=None, help="torch / CPU Adam threads (default: torch's)")
     ap.add_argument("--deepspeed", action="store_true", help="also run row (e) on a CPU-only machine")
+    ap.add_argument("--blocking_waits", action="store_true",
+                    help="our rows' host waits sleep instead of spinning (HF_ZERO_OFFLOAD_BLOCKING_WAITS=1)")
     ap.add_argument("--json", default=None, help="write rows + hardware as JSON to PATH, or '-' for stdout")
     return ap.parse_args()
 
@@ -113,6 +118,8 @@ def _fmt_targets(rows: list[dict], ctx: Ctx) -> list[str]:
 
 def main() -> int:
     args = parse()
+    if args.blocking_waits:
+        os.environ["HF_ZERO_OFFLOAD_BLOCKING_WAITS"] = "1"  # read when each engine makes its Streams
     if args.threads:
         torch.set_num_threads(args.threads)
     ctx = Ctx(args)
@@ -184,6 +191,7 @@ def main() -> int:
         write_json(args.json, {
             "benchmark": "offload_step", "hardware": info, "hardware_line": hardware_line(info),
             "config": {"params_target": ctx.n_target, "width": ctx.width, "tokens": ctx.tokens, "dtype": args.dtype,
+                       "blocking_waits": args.blocking_waits,
                        "device": str(ctx.device), "steps": ctx.steps, "warmup": ctx.warmup,
                        "rounds": args.rounds,
                        "gpu_mem_gib": args.gpu_mem_gib, "threads": torch.get_num_threads()},

@@ -88,7 +88,9 @@ class Ctx:
 class PhaseClock:
     """Host wall time of the offload engine's step phases, per step, by wrapping methods of one engine instance
     (nothing in the library is timed): where a step's time goes beyond the CPU Adam (the first H200 run left 75-160
-    ms a step unexplained). ``fwd+bwd``: the forward and backward calls (gradients leave during backward);
+    ms a step unexplained). ``fwd+bwd``: the forward and backward (gradients leave during backward): on CUDA the
+    compute stream's time from the forward's first kernel to the backward's last (events: a host clock saw only
+    the launches), on a CPU the calls;
     ``wait grads``: the step's wait for the last gradient copies (``pipeline.drain``); ``norm``: the rest of
     ``_gradients`` (the fused squared-norm pass over the gradient store); ``adam``: ``_adam_pass`` (the CPU Adam,
     queuing each tile's upload; with DPU on the worker, beside the next forward); ``step``: all of ``step()``;
@@ -174,31 +176,41 @@ def row_torch(ctx: Ctx) -> dict:
 
 def row_ours(ctx: Ctx, dpu: bool) -> dict:
     base = ctx.mem()
-    model = make_model(ctx.n_target, ctx.width, ctx.device)  # fp32: the engine's masters come from these
+    # fp32 on the CPU, as the Trainer now leaves it: the engine takes the masters, then moves each param to the
+    # device in the training dtype (the device never holds the fp32 model)
+    model = make_model(ctx.n_target, ctx.width, "cpu")
     n = numel(model)
     fp16 = dict(enabled=True, loss_scale=0, initial_scale_power=16) if ctx.dtype == torch.float16 else None
     extra = {"bucket_numel": ctx.args.bucket_numel} if ctx.args.bucket_numel else {}
     options = OffloadOptions(fp16=fp16, dpu=dpu, dpu_warmup_steps=2, num_threads=ctx.args.threads, **extra)
     opt = OffloadAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, param_dtype=ctx.dtype,
-                      options=options)
-    model.to(ctx.dtype)  # the engine already cast the trainable params; nothing else is left here
+                      options=options, device=ctx.device)
+    model.to(device=ctx.device, dtype=ctx.dtype)  # the engine already placed the trainable params: nothing is left
     ctx.sync()
     dev_state = ctx.mem()
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)  # the training peak, not the build's
     x = ctx.x32.to(ctx.dtype)
 
     bus = []  # host<->device bytes the engine queued, per step
     clock = PhaseClock(opt)
 
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if ctx.cuda else None
+
     def step():
         before = opt.streams.bytes_down + opt.streams.bytes_up
         t0 = time.perf_counter()
+        if marks:
+            marks[0].record()
         loss = _loss(model(x))
         opt.scale_loss(loss).backward()
+        if marks:
+            marks[1].record()
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
         ctx.sync()
-        clock.add("fwd+bwd", t1 - t0)
+        clock.add("fwd+bwd", marks[0].elapsed_time(marks[1]) / 1e3 if marks else t1 - t0)
         clock.add("step", t2 - t1)
         clock.add("end sync", time.perf_counter() - t2)
         clock.end_step()

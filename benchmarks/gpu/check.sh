@@ -19,6 +19,7 @@
 #                    (torch.cuda.set_per_process_memory_fraction), two sizes:
 #                      500M params bf16: every row fits, so the step-time ratios vs no offload are meaningful
 #                      1B params bf16:   no-offload may run out of memory under the cap (that is the point)
+#                      1B again, rows b,c with --blocking_waits (host waits sleep: an A/B of the spinning default)
 #                      2M params bf16:   the offload path's fixed cost per step (no cap needed)
 #                    each offload row also says where its step time goes (rows.PhaseClock)
 #                                                                                  -> $OUT/offload_step_gpu_*.json
@@ -102,6 +103,9 @@ run offload_step_500m 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_A[@]}"
   --json "$OUT/offload_step_gpu_500m.json"
 run offload_step_1b 150 "$PY" -m benchmarks.engine.offload_step "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
   --json "$OUT/offload_step_gpu_1b.json"
+# the same rows with host waits that sleep instead of spinning (a spinning wait holds a core the CPU Adam runs on)
+run offload_step_1b_blocking 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 \
+  --rows b,c --blocking_waits --json "$OUT/offload_step_gpu_1b_blocking.json"
 # a tiny model: the offload path's fixed cost per step (the demo's 1.2M-param T5 took ~45 ms a step on the H200)
 run offload_step_2m 60 "$PY" -m benchmarks.engine.offload_step "${SIZE_C[@]}" --dtype bf16 --rows a,b,c \
   --json "$OUT/offload_step_gpu_2m.json"

@@ -83,7 +83,8 @@ def cuda_memory_gib(device=None) -> float:
     planned a 24 GiB-capped run on an H200 against 132 GiB."""
     import torch
 
-    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    index = None if device is None else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index  # "cuda" alone: the current device, as torch
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
     return torch.cuda.get_device_properties(index).total_memory * fraction / GiB
 

@@ -12,13 +12,20 @@ from .sim import SimStreams
 
 #: Testing aid: on a CPU-only device, run the GPU pipeline on simulated streams (deferred copies).
 SIMULATE_ENV = "HF_ZERO_OFFLOAD_SIMULATE_STREAMS"
+#: Tuning experiment (GPU): host waits sleep instead of spinning (``Streams(blocking_waits=True)``).
+BLOCKING_ENV = "HF_ZERO_OFFLOAD_BLOCKING_WAITS"
 
-__all__ = ["SIMULATE_ENV", "SimStreams", "Streams", "make_streams"]
+__all__ = ["BLOCKING_ENV", "SIMULATE_ENV", "SimStreams", "Streams", "make_streams"]
+
+
+def _on(name: str) -> bool:
+    # the words HF_ZERO_OFFLOAD_DEBUG takes for off ("false" turned the simulator on)
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def make_streams(device: torch.device) -> Streams:
-    """Streams for ``device``; on a CPU device the simulator when ``HF_ZERO_OFFLOAD_SIMULATE_STREAMS=1``."""
-    # the words HF_ZERO_OFFLOAD_DEBUG takes for off ("false" turned the simulator on)
-    if device.type == "cpu" and os.environ.get(SIMULATE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+    """Streams for ``device``; on a CPU device the simulator when ``HF_ZERO_OFFLOAD_SIMULATE_STREAMS=1``; host waits
+    that sleep when ``HF_ZERO_OFFLOAD_BLOCKING_WAITS=1``."""
+    if device.type == "cpu" and _on(SIMULATE_ENV):
         return SimStreams()
-    return Streams(device)
+    return Streams(device, blocking_waits=_on(BLOCKING_ENV))

@@ -20,8 +20,12 @@ class Streams:
     #: are in play (True on CUDA and in the simulator)
     async_copies: bool
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, blocking_waits: bool = False):
+        """``blocking_waits``: a host thread waiting for an event sleeps instead of spinning (CUDA's default, kept
+        unless set: the per-tile waits are short). A spinning wait holds a core the CPU Adam's threads also run
+        on (the scatter thread during backward, the DPU worker); which costs more is for a GPU run to measure."""
         self.device = device
+        self.blocking_waits = blocking_waits
         self.cuda = device.type == "cuda"
         self.async_copies = self.cuda
         self.kind = "cuda" if self.cuda else "cpu"   # what the start log line reports
@@ -40,7 +44,7 @@ class Streams:
         """Record an event on ``stream`` (default: the compute stream); None on CPU."""
         if not self.cuda:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=self.blocking_waits)
         ev.record(stream if stream is not None else self.compute())
         return ev
 
