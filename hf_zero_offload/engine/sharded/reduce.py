@@ -18,7 +18,11 @@ each owner's piece goes to it with ``dist.reduce`` (the same bytes per rank as a
 
 On CUDA the collectives run asynchronously from a side stream and a buffer's result is delivered
 to the store when the buffer is needed again (or at ``step()``); on the CPU everything is
-synchronous, which is what the tests run.
+synchronous, which is what the tests run. With offload that delivery (the copy down through the
+one pinned staging and the CPU's accumulation into the store) runs in the backward hook that needs
+the buffer, so backward waits for it bucket by bucket (an outside audit, session 29); the one-process
+engine hands the same work to a helper thread (``pipeline.GradPipeline``). Not changed while no two
+GPUs can run this path.
 """
 from __future__ import annotations
 
