@@ -14,7 +14,8 @@ from _models import TinyNet, batches, param_groups, run_steps
 from _t5 import OFFLOAD, TINY, ToyDataset, tiny_t5
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
-from hf_zero_offload.engine.runs import place_params
+from hf_zero_offload.engine import memory_limits
+from hf_zero_offload.engine.runs import host_bytes_leaving, place_params
 from hf_zero_offload.engine.streams import SimStreams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -96,6 +97,38 @@ def test_a_device_too_small_leaves_the_model_whole_where_it_was(monkeypatch):
         place_params(params, ELSEWHERE, torch.bfloat16)
     monkeypatch.undo()
     assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_the_host_ram_check_credits_only_what_the_move_frees(tmp_path, monkeypatch):
+    """Weights leaving the host for a GPU free their pages after the arena's check: credited, but only anonymous
+    storages a param holds whole, once each; a checkpoint mapped from a file (transformers' safetensors loading)
+    is page cache that MemAvailable already counts, so crediting it admitted arenas that did not fit."""
+    gpu = torch.device("cuda", 0)  # a device object only: nothing is allocated on it
+    own, big = torch.nn.Parameter(torch.zeros(1000)), torch.zeros(3000)
+    view = torch.nn.Parameter(big[:1000])  # a view of a larger storage: moving it frees nothing
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(4 * 1000))
+    mapped = torch.nn.Parameter(torch.from_file(str(path), shared=True, size=1000))
+    flat = [(own, 0, 1000), (view, 1000, 1000), (mapped, 2000, 1000)]
+    assert host_bytes_leaving(flat, gpu) == 4000
+    assert host_bytes_leaving(flat, ELSEWHERE) == 0 and host_bytes_leaving(flat, torch.device("cpu")) == 0
+
+    monkeypatch.setattr(memory_limits, "host_memory_limits", lambda **_: [("MemAvailable", 10_000)])
+    memory_limits.check_host_ram(12_000, freed=4000)
+    with pytest.raises(MemoryError, match=r"counting 0.00 GiB of weights it moves to the device"):
+        memory_limits.check_host_ram(15_000, freed=4000)
+    with pytest.raises(MemoryError):
+        memory_limits.check_host_ram(12_000)
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda"])
+def test_a_device_that_cannot_hold_the_params_is_refused_before_anything(device):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is there")
+    model = TinyNet()
+    with pytest.raises(ValueError, match=f"device={device}.*cannot hold"):
+        OffloadAdam(param_groups(model, 0.1), lr=1e-2, options=OPTS, device=device)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def _sharded_elsewhere(rank, world):

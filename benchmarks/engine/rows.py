@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import threading
 import time
 
 import torch
@@ -98,6 +99,7 @@ class PhaseClock:
     NAMES = ("fwd+bwd", "wait grads", "norm", "adam", "step", "end sync")
 
     def __init__(self, opt):
+        self._lock = threading.Lock()  # a DPU step's Adam pass adds from the worker thread
         self.now: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
         self._wrap(opt.pipeline, "drain", "wait grads")
@@ -116,10 +118,12 @@ class PhaseClock:
         setattr(obj, attr, timed)
 
     def add(self, key: str, seconds: float) -> None:
-        self.now[key] = self.now.get(key, 0.0) + seconds
+        with self._lock:
+            self.now[key] = self.now.get(key, 0.0) + seconds
 
     def end_step(self) -> None:
-        now, self.now = self.now, {}
+        with self._lock:
+            now, self.now = self.now, {}
         now["norm"] = max(0.0, now.pop("_gradients", 0.0) - now.get("wait grads", 0.0))
         self.steps.append(now)
 
@@ -213,8 +217,8 @@ def row_ours(ctx: Ctx, dpu: bool) -> dict:
         clock.add("fwd+bwd", marks[0].elapsed_time(marks[1]) / 1e3 if marks else t1 - t0)
         clock.add("step", t2 - t1)
         clock.add("end sync", time.perf_counter() - t2)
+        opt.zero_grad(set_to_none=True)  # (its drain is this step's: counted before the step ends)
         clock.end_step()
-        opt.zero_grad(set_to_none=True)
         bus.append(opt.streams.bytes_down + opt.streams.bytes_up - before)
 
     times = ctx.timed(step)

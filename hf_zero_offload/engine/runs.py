@@ -48,6 +48,9 @@ def flat_layout(param_groups: list[dict], who: str, device=None) -> tuple[list[l
     if device is None:
         return slots, offset, here
     device = torch.device(device)
+    if device.type == "meta" or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"{who}: device={device} cannot hold the parameters to train "
+                         f"({'no values' if device.type == 'meta' else 'no CUDA device is available here'})")
     if device.type == "cuda" and device.index is None:  # compared with the params' own device later: cuda:N
         device = torch.device("cuda", torch.cuda.current_device())
     return slots, offset, device
@@ -66,9 +69,39 @@ def place_params(params, device: torch.device, dtype: torch.dtype) -> None:
 
 
 def host_bytes_leaving(flat, device: torch.device) -> int:
-    """Bytes of the trainable params on the CPU that the engine moves to ``device`` (``place_params``): host RAM
-    they free once the engine is built, credited to its host-memory check (resident when it runs)."""
-    return sum(p.numel() * p.element_size() for p, _, _ in flat if p.device.type == "cpu" and p.device != device)
+    """Host RAM the engine gets back by moving the trainable params on the CPU to a CUDA ``device``
+    (``place_params``), credited to its host-memory check (they are resident when it runs). Only what the move
+    frees: storages a param holds whole (not a view of a larger one, counted once), and not pages of a mapped file
+    (a checkpoint loaded with mmap: MemAvailable counts those as free already, and crediting them admitted arenas
+    that did not fit); none off Linux, where the mappings cannot be read."""
+    if device.type != "cuda":
+        return 0
+    files = _file_mappings()
+    if files is None:
+        return 0
+    owned = {}
+    for p, _, _ in flat:
+        s = p.untyped_storage()
+        if p.device.type == "cpu" and s.nbytes() == p.numel() * p.element_size() and \
+                not any(lo <= s.data_ptr() < hi for lo, hi in files):
+            owned[s.data_ptr()] = s.nbytes()
+    return sum(owned.values())
+
+
+def _file_mappings() -> list[tuple[int, int]] | None:
+    """The address ranges of this process mapped from files (inode != 0); None where /proc/self/maps is missing."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[4] != "0":
+            lo, hi = fields[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
 
 
 def param_label(group: dict, p) -> str:

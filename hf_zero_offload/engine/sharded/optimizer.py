@@ -153,14 +153,14 @@ class ShardedAdam(AdamCore):
         if tiled:  # updated tiles go up through staging into the device shard
             self.uploader = ParamUploader(self.streams, [(self.mirror, 0, S)], r["param_staging"], full=False,
                                           tile_numel=options.tile_numel)
-        with torch.no_grad():
-            for t in self._stores:
-                t.zero_()
         # once everything that may refuse these options has: an engine built on these params before is replaced
         # (it publishes nothing) before rank 0's weights go to every rank
         self._take_params()
         self._broadcast_params(allgather_bucket_numel)
         self._init_masters(self._index)
+        with torch.no_grad():  # after the weights leaving for the device freed their pages (the host-RAM credit)
+            for t in self._stores:
+                t.zero_()
         self.reducer.bind(r["grad_buckets"], self.store, r.get("grad_staging"))
 
     # -- construction ----------------------------------------------------------------------------
