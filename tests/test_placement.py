@@ -59,15 +59,17 @@ def test_an_evaluation_before_any_training_is_placed_as_the_plain_trainers(tmp_p
     assert trainer.evaluate()["eval_loss"] == plain.evaluate()["eval_loss"]
 
 
+@pytest.mark.parametrize("dpu", [False, True], ids=["sync", "dpu"])
 @pytest.mark.parametrize("sim", [False, True], ids=["cpu", "sim"])
-def test_an_engine_over_params_elsewhere_equals_one_over_placed_params(sim):
+def test_an_engine_over_params_elsewhere_equals_one_over_placed_params(sim, dpu):
     torch.manual_seed(0)
     placed = TinyNet()
     kept = copy.deepcopy(placed)
     streams = (lambda: SimStreams()) if sim else (lambda: None)
-    a = OffloadAdam(param_groups(placed, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=OPTS, streams=streams())
+    opts = OffloadOptions(bucket_numel=1000, tile_numel=300, dpu=dpu, dpu_warmup_steps=2)
+    a = OffloadAdam(param_groups(placed, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=opts, streams=streams())
     placed.to(torch.bfloat16)
-    b = OffloadAdam(param_groups(kept, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=OPTS, streams=streams(),
+    b = OffloadAdam(param_groups(kept, 0.1), lr=1e-2, param_dtype=torch.bfloat16, options=opts, streams=streams(),
                     device=ELSEWHERE)
     assert b.device == ELSEWHERE and torch.equal(a.master, b.master)
     assert {p.dtype for p in kept.parameters() if p.requires_grad} == {torch.bfloat16}
