@@ -88,6 +88,10 @@ def _fmt_targets(rows: list[dict], ctx: Ctx) -> list[str]:
         else:
             lines.append(target_line(label, f"{beside(row['ratio'], TARGETS[key])}x, {target}",
                                      verdict(row["ratio"] <= TARGETS[key])))
+            if row.get("phases_ms"):  # what bounds it: the host's Adam, or the device's work
+                ph = row["phases_ms"]
+                lines.append(f"  (of its {row['ms']:.0f} ms: the CPU Adam pass {ph['adam']:.0f} ms, the device's "
+                             f"forward+backward {ph['fwd+bwd']:.0f} ms)")
     if b is None:
         return lines + [target_line("host optimizer memory", f"target <= {TARGETS['host_bpp']:.0f} B/param", NOT_HERE,
                                     "row (b) not run")]
