@@ -308,9 +308,16 @@ def _hooks_set_aside(opt, *names):
 def _loaded_group(saved: dict, mine: dict) -> dict:
     """The keys of a saved group that CPUAdam sets as they will be after the load: the math of the
     saved one (adamw_mode, or torch's decoupled_weight_decay; maximize; amsgrad), this optimizer's
-    storage (state_dtype) and implementation flags. The other keys are the saved ones."""
+    storage (state_dtype) and implementation flags. The other keys are the saved ones. A group that says
+    neither (torch before 2.7 wrote no decoupled_weight_decay: its Adam and AdamW dicts look alike) keeps this
+    optimizer's mode, as the engines do and as torch's own classes do; AdamW's was taken, so a torch 2.6
+    Adam state loaded into CPUAdam(adamw_mode=False) stepped as AdamW (an outside probe at the floors)."""
     out = {k: saved[k] for k in ("lr", "betas", "eps", "weight_decay") if k in saved}
-    out.update(adamw_mode=adamw_mode(saved),
+    mode = adamw_mode(saved, default=mine.get("adamw_mode", True))
+    if "adamw_mode" not in saved and "decoupled_weight_decay" not in saved and saved.get("weight_decay"):
+        logger.info("hf_zero_offload: a loaded param group does not say whether its weight decay was decoupled "
+                    "(saved by torch < 2.7): CPUAdam keeps its own mode (adamw_mode=%s)", mode)
+    out.update(adamw_mode=mode,
                maximize=saved.get("maximize", False), amsgrad=saved.get("amsgrad", False),
                state_dtype=mine["state_dtype"], **{k: mine.get(k, v) for k, v in _IMPL_FLAGS.items()})
     return out

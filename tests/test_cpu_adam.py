@@ -187,6 +187,8 @@ def test_state_dict_torch_to_ours():
     assert o2.param_groups[0]["adamw_mode"] is True
 
 
+@pytest.mark.skipif("decoupled_weight_decay" not in __import__("inspect").signature(torch.optim.Adam).parameters,
+                    reason="torch < 2.7 saves no decoupled_weight_decay (the test below covers that dict)")
 def test_state_dict_torch_adam_to_ours_keeps_l2_mode():
     m1, m2 = _model(), _model()
     ref = torch.optim.Adam(m1.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
@@ -389,3 +391,23 @@ def test_compact_states_train_like_fp32(state_dtype, tol):
             opt.step()
         losses[sd] = loss.item()
     assert losses[state_dtype] <= (1 + tol) * losses["fp32"], losses
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_a_torch_state_that_does_not_say_its_decay_keeps_our_mode(mode, caplog):
+    """torch before 2.7 wrote no decoupled_weight_decay: Adam's and AdamW's dicts look alike. CPUAdam keeps its
+    own mode then (as the engines and torch's own classes do); it took AdamW's, so a torch 2.6 Adam state loaded
+    into CPUAdam(adamw_mode=False) stepped as AdamW without a word."""
+    import logging
+
+    m1, m2 = _model(), _model()
+    ref = torch.optim.Adam(m1.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    _train(m1, ref, _batches(2))
+    saved = copy.deepcopy(ref.state_dict())
+    for g in saved["param_groups"]:
+        g.pop("decoupled_weight_decay", None)  # as torch 2.6 saved it
+    ours = CPUAdam(m2.parameters(), lr=1e-2, weight_decay=0.1, adamw_mode=mode)
+    with caplog.at_level(logging.INFO, logger="hf_zero_offload"):
+        ours.load_state_dict(saved)
+    assert ours.param_groups[0]["adamw_mode"] is mode
+    assert f"CPUAdam keeps its own mode (adamw_mode={mode})" in caplog.text

@@ -269,6 +269,8 @@ def test_a_16bit_param_written_between_steps_is_what_the_next_step_starts_from(h
                 assert ((p.float() - s).abs() <= 0.02).all(), (how, p)
 
 
+@pytest.mark.skipif("decoupled_weight_decay" not in __import__("inspect").signature(torch.optim.Adam).parameters,
+                    reason="torch.optim.Adam takes decoupled_weight_decay from torch 2.7")
 def test_a_state_dict_loaded_into_adam_with_decoupled_weight_decay_stays_adamw():
     """The saved groups say torch's decoupled_weight_decay: without it torch.optim.Adam(decoupled_weight_decay=True)
     defaulted the key to False on load and went on as L2 Adam."""

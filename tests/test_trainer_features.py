@@ -23,6 +23,10 @@ def _args(tmp_path, name, **kw):
 
 @pytest.mark.parametrize("sched", ["reduce_lr_on_plateau", "greedy", "cosine"])
 def test_scheduler_types_match_the_plain_trainer(tmp_path, sched):
+    from transformers.trainer_utils import SchedulerType
+
+    if sched not in {s.value for s in SchedulerType}:
+        pytest.skip(f"this transformers has no {sched!r} scheduler (GreedyLR from 5.4)")
     # the plateau schedulers step on evaluation metrics: evaluate every step; no improvement is ever enough
     # (threshold 100 %) for ReduceLROnPlateau, so its LR drops; GreedyLR moves its LR either way
     plateau = {"patience": 0, "factor": 0.5, "threshold": 1.0}
