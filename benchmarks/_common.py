@@ -234,6 +234,11 @@ class ForeignLoad:
 MET, NOT_MET, NOT_HERE = "met", "NOT MET", "not meaningful here"
 
 
+def phases_text(phases: Mapping[str, float]) -> str:
+    """An offload row's step phases (``engine/rows.PhaseClock``, median ms) as one line's tail."""
+    return " | ".join(f"{k} {v:.1f}" for k, v in phases.items())
+
+
 def target_line(label: str, value: str, verdict: str, why: str = "") -> str:
     """``[met] label: value`` / ``[NOT MET] ...`` / ``[not meaningful here] ... (why)``: a reader of ``make bench``
     sees at once whether something is wrong, and why a target says nothing on this machine."""

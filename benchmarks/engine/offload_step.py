@@ -42,8 +42,8 @@ import traceback
 
 import torch
 
-from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, json_stdout, print_table,  # noqa: E402
-                                target_line, verdict, write_json)
+from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, json_stdout, phases_text,  # noqa: E402
+                                print_table, target_line, verdict, write_json)
 from benchmarks.engine.rows import DTYPES, ROWS, Ctx, Skip  # noqa: E402
 
 TARGETS = {"offload_ratio": 1.3, "dpu_ratio": 1.1, "host_bpp": 18.0, "device_state_bpp": 2.0, "pcie_bpp_16bit": 4}
@@ -188,7 +188,7 @@ def main() -> int:
         print(f"skipped {name}: {why}")
     for r in rows:  # where the offload rows' time goes (rows.PhaseClock)
         if r.get("phases_ms"):
-            print(f"phases of {r['row']}, median ms: " + " | ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
+            print(f"phases of {r['row']}, median ms: " + phases_text(r["phases_ms"]))
     for line in _fmt_targets(rows, ctx):
         print(line)
     if args.json:

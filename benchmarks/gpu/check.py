@@ -4,8 +4,8 @@
     python -m benchmarks.gpu.check summary DIR         the target lines of every offload_step*.json in DIR
     python -m benchmarks.gpu.check long_corpus DIR     a synthetic corpus whose every line fills 128 tokens
 
-pytest itself comes from wheels carried to the machine (``make gpu-wheels`` downloads them into
-``.gpu_wheels/``; the device image has no pytest and no network).
+pytest comes from the device image where it has one (the H200 image of session 29 did), else from wheels carried
+to the machine (``make gpu-wheels`` downloads them into ``.gpu_wheels/``; the machine has no network).
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def cmd_hardware(args: list[str]) -> int:
 
 # -- summary ---------------------------------------------------------------------------------------
 def cmd_summary(args: list[str]) -> int:
+    from benchmarks._common import phases_text
+
     out = args[0] if args else "."
     for path in sorted(glob.glob(os.path.join(out, "offload_step*.json"))):
         try:
@@ -56,8 +58,7 @@ def cmd_summary(args: list[str]) -> int:
             print(f"  {r['row']:<36} {r['ms']:9.1f} ms  {ratio:>6}  peak {peak}")
         for r in d.get("rows", []):
             if r.get("phases_ms"):
-                print(f"  phases of {r['row'][:3]} (median ms): "
-                      + " | ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()))
+                print(f"  phases of {r['row'][:3]} (median ms): " + phases_text(r["phases_ms"]))
         for name, why in d.get("skipped", {}).items():
             print(f"  skipped {name}: {why}")
         for line in d.get("target_lines", []):

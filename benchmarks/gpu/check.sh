@@ -12,8 +12,8 @@
 #   3. cuda tests    pytest -m cuda tests/test_engine.py tests/test_engine_async.py tests/test_sharding.py
 #                    tests/test_compact_states.py tests/test_placement.py (every cuda-marked test; GPU parity with torch
 #                    AdamW, gradient accumulation, clipping, fp16 overflow, DPU, resume, the stream-race
-#                    test, gradient memory bounded by the buckets, pinned arena). The image has no pytest:
-#                    it is installed from wheels carried in .gpu_wheels/ (`make gpu-wheels` here, then
+#                    test, gradient memory bounded by the buckets, pinned arena). An image without pytest
+#                    (session 29's H200 had it) installs it from wheels carried in .gpu_wheels/ (`make gpu-wheels` here, then
 #                    carry ".gpu_wheels")                                         -> $OUT/cuda_tests.log
 #   4. offload step  benchmarks/engine/offload_step.py, CUDA memory capped at 24 GiB
 #                    (torch.cuda.set_per_process_memory_fraction), two sizes:

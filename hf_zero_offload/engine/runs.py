@@ -3,6 +3,7 @@ call); shared by the offload and the sharded engines."""
 from __future__ import annotations
 
 import bisect
+import bisect
 import logging
 from dataclasses import dataclass
 
@@ -79,17 +80,20 @@ def host_bytes_leaving(flat, device: torch.device) -> int:
     files = _file_mappings()
     if files is None:
         return 0
+    starts = [lo for lo, _ in files]
     owned = {}
     for p, _, _ in flat:
         s = p.untyped_storage()
+        at = bisect.bisect_right(starts, s.data_ptr()) - 1  # the file mapping starting at or before it, if any
         if p.device.type == "cpu" and s.nbytes() == p.numel() * p.element_size() and \
-                not any(lo <= s.data_ptr() < hi for lo, hi in files):
+                not (at >= 0 and s.data_ptr() < files[at][1]):
             owned[s.data_ptr()] = s.nbytes()
     return sum(owned.values())
 
 
 def _file_mappings() -> list[tuple[int, int]] | None:
-    """The address ranges of this process mapped from files (inode != 0); None where /proc/self/maps is missing."""
+    """The address ranges of this process mapped from files (inode != 0), in address order as the kernel lists
+    them (they do not overlap); None where /proc/self/maps is missing."""
     try:
         with open("/proc/self/maps") as f:
             lines = f.read().splitlines()

@@ -24,7 +24,7 @@ class PlaceWithEngine:
         # GPUs in one process (an evaluate() before training wraps the model in DataParallel, which Accelerate then
         # does not place: its forward refused the CPU params)
         if getattr(self, "_zo_raw", None) is not None and getattr(self, "optimizer", None) is None and \
-                getattr(model, "hf_device_map", None) is None and self.args.n_gpu <= 1:
+                self._zo_engine_may_place(model):
             self._zo_place_on = torch.device(device)
             return
         super()._move_model_to_device(model, device)
@@ -35,7 +35,9 @@ class PlaceWithEngine:
         Accelerate's prepare moved it there after the engine was built, under it (CPU streams, an unpinned arena).
         None for a model dispatched or quantized by its loader: it stays where that put it."""
         place, self._zo_place_on = self._zo_place_on, None
-        if place is None and getattr(model, "hf_device_map", None) is None and \
-                getattr(model, "quantization_method", None) is None and self.args.n_gpu <= 1:
+        if place is None and getattr(model, "quantization_method", None) is None and self._zo_engine_may_place(model):
             place = self.args.device
         return place
+
+    def _zo_engine_may_place(self, model) -> bool:
+        return getattr(model, "hf_device_map", None) is None and self.args.n_gpu <= 1
