@@ -41,6 +41,40 @@ def test_options_out_of_range_are_refused_by_name(field, value):
         ShardOptions(allgather_bucket_numel=0)
 
 
+@pytest.mark.parametrize("cls,field,value", [
+    (OffloadOptions, "dpu", "false"), (OffloadOptions, "pin_memory", "false"), (OffloadOptions, "dpu", 1),
+    (OffloadOptions, "scatter_thread", "no"), (ShardOptions, "offload", "false"), (ShardOptions, "reduce_scatter", 0),
+])
+def test_option_switches_take_bools_only(cls, field, value):
+    """bool("false") is True: OffloadOptions(dpu="false") ran the delayed update (0.010 off a plain run after 5 steps,
+    in an outside probe) and ShardOptions(offload="false") chose the offload engine, without a word."""
+    with pytest.raises(TypeError, match=f"{cls.__name__}.{field} must be True or False.*got {value!r}"):
+        cls(**{field: value})
+    assert cls(**{field: np.bool_(False)}).__getattribute__(field) is False  # numpy's bool is a bool
+    assert OffloadOptions(scatter_thread=None).scatter_thread is None
+
+
+@pytest.mark.parametrize("stage", [2.0, True, 3, -1, "2"])
+def test_shard_stage_is_0_1_or_2(stage):
+    with pytest.raises(ValueError, match=f"ShardOptions.stage must be 0, 1 or 2.*got {stage!r}"):
+        ShardOptions(stage=stage)
+    assert ShardOptions(stage=np.int64(1)).stage == 1 and type(ShardOptions(stage=np.int64(1)).stage) is int
+
+
+@pytest.mark.parametrize("fp16,err,named", [
+    ({"enabled": "false"}, TypeError, r"OffloadOptions.fp16.enabled must be True or False, got 'false'"),
+    ({"loss_scale": 0}, TypeError, r"OffloadOptions.fp16.enabled must be True or False, got 'nothing'"),
+    (True, TypeError, r"OffloadOptions.fp16 must be None, a dict of fp16 fields \(enabled, loss_scale"),
+    ({"enabled": True, "bogus": 1}, ValueError, r"OffloadOptions.fp16 has unknown field\(s\) bogus; the fields are enabled"),
+])
+def test_fp16_option_is_checked_by_field_at_construction(fp16, err, named):
+    """{"enabled": "false"} turned fp16 on (the model cast to float16, then torch's dtype error at the forward);
+    fp16=True failed in vars(), an unknown field in a keyword error naming neither the option nor the fields."""
+    with pytest.raises(err, match=named):
+        OffloadOptions(fp16=fp16)
+    assert not OffloadOptions(fp16={"enabled": np.bool_(False)}).fp16_enabled
+
+
 def test_float64_params_are_refused_when_the_engine_is_built():
     """Not at the first step with a message about some gradient's dtype."""
     with pytest.raises(ValueError, match=r"train in float32, bfloat16 or float16; got torch.float64"):

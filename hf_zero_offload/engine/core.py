@@ -57,7 +57,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         param_names.check_given(self.param_groups, type(self).__name__)  # a load compares them (param_names.py)
         self.options = options
         self._check_hyper()
-        self.scaler = LossScaler.from_options(options.fp16)
+        self.scaler = LossScaler.from_options(options.fp16_fields)
         make_contiguous(self.param_groups)
         # per group: (param, flat offset, numel); ``_flat``: all of them in order; ``_groups``: indices
         self._slots, self.numel, self.device = flat_layout(self.param_groups, type(self).__name__, device)

@@ -72,12 +72,9 @@ class LossScaler:
                    min_scale=float(min_loss_scale), hysteresis=hysteresis, cur_hysteresis=hysteresis)
 
     @classmethod
-    def from_options(cls, fp16) -> "LossScaler":
-        """From ``OffloadOptions.fp16``: an object with ``from_fp16``'s keywords as fields (a dict of
-        them is accepted); None: no loss scaling."""
-        if fp16 is None:
-            return cls()
-        return cls.from_fp16(**(fp16 if isinstance(fp16, dict) else vars(fp16)))
+    def from_options(cls, fields: dict | None) -> "LossScaler":
+        """From ``OffloadOptions.fp16_fields`` (``from_fp16``'s keywords, checked by name); None: no loss scaling."""
+        return cls() if fields is None else cls.from_fp16(**fields)
 
     def scale_loss(self, loss):
         """The loss to call backward on: multiplied by the current scale (unchanged at scale 1)."""

@@ -26,6 +26,47 @@ def _check_fields(options, rules: dict) -> None:
                              f"{' or None' if none_ok else ''}, got {v!r}")
 
 
+def _is_flag(v) -> bool:
+    # a bool, or numpy's (np.bool_ is not an int subclass); not "false", 0 or 1, which bool() reads its own way
+    return isinstance(v, bool) or (type(v).__module__ == "numpy" and type(v).__name__ in ("bool_", "bool"))
+
+
+def _check_flags(options, names, none_ok=()) -> None:
+    """Each on/off field a bool (stored as one): "false" and {"enabled": "no"} are truthy, so a string switched
+    the delayed update or fp16 on without a word, where the ds_config path says "expected true or false"."""
+    for name in names:
+        v = getattr(options, name)
+        if v is None and name in none_ok:
+            continue
+        if not _is_flag(v):
+            raise TypeError(f"{type(options).__name__}.{name} must be True or False"
+                            f"{' (or None)' if name in none_ok else ''}, got {v!r}")
+        object.__setattr__(options, name, bool(v))
+
+
+#: ``OffloadOptions.fp16``'s fields: a DeepSpeed "fp16" section's keys (``LossScaler.from_fp16``'s keywords)
+FP16_FIELDS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+
+def _fp16_fields(fp16) -> dict:
+    """The fields of ``OffloadOptions.fp16`` (a dict, or an object such as ``config.FP16Config``), checked by name."""
+    if isinstance(fp16, dict):
+        fields = dict(fp16)
+    elif hasattr(fp16, "__dict__") and not isinstance(fp16, type):
+        fields = dict(vars(fp16))
+    else:
+        raise TypeError(f"OffloadOptions.fp16 must be None, a dict of fp16 fields ({', '.join(FP16_FIELDS)}) or a "
+                        f"config.FP16Config, got {fp16!r}")
+    unknown = sorted(str(k) for k in fields if k not in FP16_FIELDS)
+    if unknown:
+        raise ValueError(f"OffloadOptions.fp16 has unknown field(s) {', '.join(unknown)}; the fields are "
+                         f"{', '.join(FP16_FIELDS)}")
+    if "enabled" not in fields or not _is_flag(fields["enabled"]):
+        raise TypeError(f"OffloadOptions.fp16.enabled must be True or False, got {fields.get('enabled', 'nothing')!r}")
+    fields["enabled"] = bool(fields["enabled"])
+    return fields
+
+
 @dataclass(frozen=True)
 class OffloadOptions:
     gradient_accumulation_steps: int = 1
@@ -46,6 +87,9 @@ class OffloadOptions:
         _check_fields(self, {"gradient_accumulation_steps": (1, False), "max_grad_norm": (0.0, False),
                              "bucket_numel": (1, False), "tile_numel": (1, False), "dpu_warmup_steps": (0, False),
                              "num_threads": (1, True)})
+        _check_flags(self, ("pin_memory", "dpu", "scatter_thread"), none_ok=("scatter_thread",))
+        if self.fp16 is not None:
+            _fp16_fields(self.fp16)
         # the kernels take fewer than 2**31 threads (ops.check_num_threads): refused here, at construction,
         # not at the first step after the model has loaded
         if self.num_threads is not None and self.num_threads >= 2**31:
@@ -61,9 +105,13 @@ class OffloadOptions:
         return 256 if self.state_dtype == "int8" else 1
 
     @property
+    def fp16_fields(self) -> dict | None:
+        """``fp16``'s fields as a dict (None: no loss scaling)."""
+        return None if self.fp16 is None else _fp16_fields(self.fp16)
+
+    @property
     def fp16_enabled(self) -> bool:
-        f = self.fp16
-        return bool(f is not None and (f.get("enabled") if isinstance(f, dict) else f.enabled))
+        return self.fp16 is not None and _fp16_fields(self.fp16)["enabled"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +124,7 @@ class ShardOptions:
 
     def __post_init__(self):
         _check_fields(self, {"allgather_bucket_numel": (1, False)})
+        _check_flags(self, ("offload", "reduce_scatter"))
+        if isinstance(self.stage, bool) or not isinstance(self.stage, numbers.Integral) or self.stage not in (0, 1, 2):
+            raise ValueError(f"ShardOptions.stage must be 0, 1 or 2 (ZeRO stage 3 is not supported), got {self.stage!r}")
+        object.__setattr__(self, "stage", int(self.stage))
