@@ -59,6 +59,7 @@ def early_view(args, raw: dict, fp16: bool, bf16: bool, model) -> ArgsView:
     repl = {}
     if max_steps is None:
         repl["max_steps"] = explicit("total_num_steps", 1)
+        repl["max_steps_placeholder"] = True
         if 0 < args.warmup_steps < 1:  # a warm-up ratio of a step count not known yet
             repl["warmup_steps"] = explicit("warmup_num_steps", 0)
     if view.hidden_size is None and model is None:  # model_init: the model comes at train start

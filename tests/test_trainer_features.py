@@ -144,6 +144,27 @@ def test_init_check_leaves_unknown_step_counts_to_train_start(tmp_path):
         "zero_optimization": {**OFFLOAD["zero_optimization"], "reduce_bucket_size": "auto"}}))
 
 
+@pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR"])
+def test_a_step_count_not_known_at_init_gives_no_warm_up_warning(tmp_path, caplog, kind):
+    """Epochs and a whole-number warm-up: __init__ stands 1 in for the step count, and the warm-up check said "total_num_steps
+    1 is less than warmup_num_steps 5: ... warms up for the whole run" while the run resolved 18 steps and decayed.
+    A run really shorter than its warm-up is still told."""
+    from hf_zero_offload.config.resolver import reset_warnings
+    cfg = {**OFFLOAD, "scheduler": {"type": kind, "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"}}}
+
+    def build(name, **kw):
+        reset_warnings()
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), train_dataset=ToyDataset(), args=ZeroOffloadSeq2SeqTrainingArguments(
+                output_dir=str(tmp_path / name), zero_offload=cfg, **{**COMMON, "warmup_steps": 5, **kw}))
+        return [r.getMessage() for r in caplog.records if "warmup_num_steps" in r.getMessage()]
+
+    assert build("epochs", max_steps=-1, num_train_epochs=2) == []
+    (said,) = build("short", max_steps=3)
+    assert "total_num_steps 3 is less than warmup_num_steps 5" in said
+
+
 def test_auto_bucket_size_of_a_model_without_a_width_is_refused_at_init(tmp_path):
     # a custom nn.Module (no config): "auto" reduce_bucket_size failed at train(), after model work, with no way out
     auto = {"zero_optimization": {**OFFLOAD["zero_optimization"], "reduce_bucket_size": "auto"}}

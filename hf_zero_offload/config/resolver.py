@@ -194,7 +194,8 @@ class _Resolver:
             raise ConfigError(f"{self.source}: {p}warmup_min_lr: {s.warmup_min_lr:g} is above {p}warmup_max_lr "
                               f"{s.warmup_max_lr:g}" + ("" if given else origin) + ": the "
                               "warm-up would go down; lower warmup_min_lr (0 is DeepSpeed's default)")
-        if s.total_num_steps is not None and s.warmup_num_steps > s.total_num_steps:
+        placeholder = self.args is not None and self.args.max_steps_placeholder  # the count comes at train start
+        if s.total_num_steps is not None and s.warmup_num_steps > s.total_num_steps and not placeholder:
             # DeepSpeed's WarmupDecayLR warns too: the run ends inside the warm-up, never at the peak LR, never decaying
             _warn_once(f"{self.source}: {p}total_num_steps {s.total_num_steps} is less than warmup_num_steps "
                        f"{s.warmup_num_steps}: {s.type} warms up for the whole run (it never reaches its peak LR nor "

@@ -114,6 +114,7 @@ class ArgsView:
     weight_decay: float = 0.0
     warmup_steps: int = 0  # already computed (e.g. from warmup_ratio)
     max_steps: int | None = None  # total optimizer steps, when known
+    max_steps_placeholder: bool = False  # max_steps stands in for a count not known yet (at __init__): no rule reads it
     fp16: bool = False
     bf16: bool = False
     hidden_size: int | None = None  # model.config.hidden_size / d_model
