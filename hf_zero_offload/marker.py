@@ -46,6 +46,9 @@ def marker_problem(checkpoint: str) -> str | None:
         return f"its {MARKER} is damaged (a JSON {type(marker).__name__}, not an object)"
     if marker.get("complete") is not True:
         return f"its {MARKER} is damaged (\"complete\" is {marker.get('complete')!r}, not true)"
+    if "files" in marker and not (isinstance(marker["files"], dict) and marker["files"]):
+        # a save lists every file it wrote (markers from before the manifest have no "files" at all)
+        return f"its {MARKER} is damaged (\"files\" is {marker['files']!r}, not the files its save wrote)"
     if marker.get("engine") is not None and not isinstance(marker["engine"], dict):
         return f"its {MARKER} is damaged (\"engine\" is a {type(marker['engine']).__name__}, not an object)"
     return None

@@ -217,6 +217,12 @@ def _check_trainer_state(checkpoint: str) -> None:
     if not isinstance(content, dict):
         raise DamagedFile(f"{path} is damaged: a JSON {type(content).__name__}, not the object transformers writes; "
                           "resume from an earlier checkpoint")
+    # one save wrote both: a step edited into either (its manifest entry dropped) resumed the engine's state, saved
+    # at the marker's step, under the Trainer's other count, and trained on (0.011 off in an outside probe)
+    marked, said = (read_marker(checkpoint) or {}).get("step"), content.get("global_step")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in (marked, said)) and said != marked:
+        raise DamagedFile(f"{path} says global_step {said}, while its save recorded step "
+                          f"{marked} in {MARKER}: the files are not one save's; resume from an earlier checkpoint")
 
 
 def choose(folder: str) -> tuple[str, list[str]]:

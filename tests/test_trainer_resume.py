@@ -424,10 +424,34 @@ def test_a_damaged_scheduler_file_is_named_before_the_engine_state_is_loaded(ful
     assert engine is None or engine.global_steps == 0  # the engine's state was not loaded
 
 
+@pytest.mark.parametrize("edited", ["trainer_state", "marker"])
+def test_a_step_edited_out_of_agreement_with_its_save_is_refused(full, tmp_path, edited):
+    """trainer_state.json's global_step and the marker's step come from one save: one edited (its manifest entry
+    dropped) resumed the engine's state under the Trainer's other count and trained on, 0.011 off an uninterrupted
+    run in an outside probe, without a word."""
+    out = _copy(full, tmp_path)
+    ckpt = out / "checkpoint-2"
+    marker = json.loads((ckpt / resume.MARKER).read_text())
+    del marker["files"][resume.TRAINER_STATE]
+    if edited == "trainer_state":
+        state = json.loads((ckpt / resume.TRAINER_STATE).read_text())
+        (ckpt / resume.TRAINER_STATE).write_text(json.dumps({**state, "global_step": 1}))
+    else:
+        marker["step"] = 3
+    (ckpt / resume.MARKER).write_text(json.dumps(marker))
+    _, trainer = _trainer(out / "x", seed=1)
+    with pytest.raises(resume.DamagedFile, match=r"checkpoint-2/trainer_state.json says global_step \d, while its save "
+                                                 r"recorded step \d in hzo_complete.json: the files are not one save's"):
+        trainer.train(resume_from_checkpoint=str(ckpt))
+    assert trainer.state.global_step == 0
+
+
 @pytest.mark.parametrize("marker, said", [
+    ({"files": {}}, r'its hzo_complete.json is damaged \("files" is \{\}, not the files its save wrote\)'),
     ({"engine": "x"}, r'its hzo_complete.json is damaged \("engine" is a str, not an object\)'),
     ([1], r"its hzo_complete.json is damaged \(a JSON list, not an object\)"),
-    ("{bad", r"its hzo_complete.json cannot be read \(JSONDecodeError")], ids=["engine-str", "list", "not-json"])
+    ("{bad", r"its hzo_complete.json cannot be read \(JSONDecodeError")],
+    ids=["files-empty", "engine-str", "list", "not-json"])
 def test_a_damaged_marker_is_named_as_damaged_not_missing(full, tmp_path, caplog, marker, said):
     """An "engine" that is no object crashed the resume's summary (AttributeError); a marker that is no object
     was reported as missing. The resume goes on as before (the state files say what was saved) and says so."""
