@@ -229,9 +229,14 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
     """Everything is read and checked before the first write; each file is written atomically. ``with_optimizer``:
     also torch AdamW's state (``optimizer.pt``, ``torch_state``) and the Trainer's own files, so that the output
     is a checkpoint the plain Trainer resumes."""
-    if os.path.realpath(output_dir) == os.path.realpath(checkpoint_dir):
+    out_real, ckpt_real = os.path.realpath(output_dir), os.path.realpath(checkpoint_dir)
+    if out_real == ckpt_real:
         raise ValueError(f"output {output_dir} is the checkpoint itself: its 16-bit weights would be replaced; "
                          "give another folder")
+    if out_real.startswith(ckpt_real.rstrip(os.sep) + os.sep):  # (its zero_offload/ took model files beside the state)
+        raise ValueError(f"output {output_dir} is inside the checkpoint {checkpoint_dir}: its files would mix with the "
+                         "checkpoint's, and the Trainer's checkpoint rotation (save_total_limit) deletes them with it; "
+                         "give a folder outside it")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise NotADirectoryError(f"output {output_dir} is a file, not a folder: give a folder (it is created "
                                  "when missing)")

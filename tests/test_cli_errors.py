@@ -67,6 +67,17 @@ def test_debug_flag_and_env_bring_the_traceback_back(monkeypatch):
         cli.main(["estimate", "--model", TINY, "--seq-len", "0"])
 
 
+@pytest.mark.parametrize("value, debug", [("off", False), ("disable", False), ("n", False), ("on", True),
+                                          ("maybe", True)])
+def test_the_debug_switch_reads_off_words_as_off(monkeypatch, capsys, value, debug):
+    """"off", "n" and "disable" turned the tracebacks on; a word that is neither is said, and taken as on (it only
+    adds tracebacks, and is read before errors are reported)."""
+    monkeypatch.setenv("HF_ZERO_OFFLOAD_DEBUG", value)
+    assert usage.take_debug_flag(["estimate"]) == (debug, ["estimate"])
+    said = capsys.readouterr().err
+    assert ("HF_ZERO_OFFLOAD_DEBUG='maybe' is not an on/off value" in said) is (value == "maybe")
+
+
 def test_help_names_the_debug_flag_and_a_closed_pipe_is_not_an_error(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
@@ -169,6 +180,14 @@ def test_consolidate_refuses_its_input_as_output(tmp_path, capsys):
     before = sorted(p.name for p in ckpt.rglob("*"))
     _one_line_error(capsys, ["consolidate", str(ckpt), str(ckpt) + "/"], "is the checkpoint itself")
     assert weights.read_bytes() == b"16-bit weights" and sorted(p.name for p in ckpt.rglob("*")) == before
+    # a folder inside it (its zero_offload/ took the model files beside the engine state): rotation deletes it too
+    for inside in (ckpt / "zero_offload", ckpt / "zero_offload" / "x", ckpt / "merged"):
+        _one_line_error(capsys, ["consolidate", str(ckpt), str(inside)], "is inside the checkpoint",
+                        "save_total_limit")
+        assert sorted(p.name for p in ckpt.rglob("*")) == before
+    (tmp_path / "checkpoint-3-merged").mkdir()  # a sibling whose name starts with the checkpoint's is outside it
+    assert cli.main(["consolidate", str(ckpt), str(tmp_path / "checkpoint-3-merged")]) == 2  # (no state in ckpt)
+    assert "inside the checkpoint" not in capsys.readouterr().err
 
 
 def test_consolidate_on_a_run_folder_points_at_its_checkpoints(tmp_path, capsys):
