@@ -18,6 +18,8 @@ import signal
 import sys
 from typing import Callable, Sequence
 
+from .switches import env_switch
+
 DEBUG_ENV = "HF_ZERO_OFFLOAD_DEBUG"
 USER_ERRORS = (ValueError, OSError, ImportError)
 EXIT_USAGE = 2
@@ -31,7 +33,11 @@ def take_debug_flag(argv: Sequence[str], *, shared_with_trainer: bool = False) -
     """(debug wanted, argv without our ``--debug``). With ``shared_with_trainer`` only a bare ``--debug`` is ours:
     one followed by a value is transformers' TrainingArguments ``--debug MODE`` and is left alone."""
     argv = list(argv)
-    debug = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    try:
+        debug = env_switch(DEBUG_ENV)
+    except ValueError as e:  # read before errors are reported: said, and taken as on (it only adds tracebacks)
+        print(f"warning: {e}; taken as on", file=sys.stderr)
+        debug = True
     out = []
     for i, arg in enumerate(argv):
         bare = arg == "--debug" and (not shared_with_trainer or i + 1 == len(argv) or argv[i + 1].startswith("-"))

@@ -387,13 +387,23 @@ def test_cuda_gradient_memory_is_bounded_by_the_buckets():
     opt.close()
 
 
-@pytest.mark.parametrize("value, simulated", [("1", True), ("yes", True), ("", False), ("0", False),
-                                              ("false", False), ("No", False), (" 0 ", False)])
+@pytest.mark.parametrize("value, simulated", [("1", True), ("yes", True), ("on", True), ("", False), ("0", False),
+                                              ("false", False), ("No", False), (" 0 ", False), ("off", False),
+                                              ("n", False), ("disable", False), ("maybe", None), ("2", None)])
 def test_the_simulator_switch_reads_off_as_the_debug_switch_does(monkeypatch, value, simulated):
-    """HF_ZERO_OFFLOAD_SIMULATE_STREAMS=false (or no) turned the simulator on."""
-    from hf_zero_offload.engine.streams import SIMULATE_ENV, SimStreams, make_streams
+    """HF_ZERO_OFFLOAD_SIMULATE_STREAMS=false (or no) turned the simulator on; later "off", "n" and "disable" still did.
+    A word that is neither on nor off is refused by name (HF_ZERO_OFFLOAD_BLOCKING_WAITS alike)."""
+    from hf_zero_offload.engine.streams import BLOCKING_ENV, SIMULATE_ENV, SimStreams, make_streams
     monkeypatch.setenv(SIMULATE_ENV, value)
-    assert isinstance(make_streams(torch.device("cpu")), SimStreams) is simulated
+    if simulated is None:
+        with pytest.raises(ValueError, match=f"HF_ZERO_OFFLOAD_SIMULATE_STREAMS='{value}' is not an on/off value"):
+            make_streams(torch.device("cpu"))
+        monkeypatch.setenv(SIMULATE_ENV, "0")
+        monkeypatch.setenv(BLOCKING_ENV, value)
+        with pytest.raises(ValueError, match=f"HF_ZERO_OFFLOAD_BLOCKING_WAITS='{value}' is not an on/off value"):
+            make_streams(torch.device("cpu"))
+    else:
+        assert isinstance(make_streams(torch.device("cpu")), SimStreams) is simulated
 
 
 def test_a_load_waits_for_uploads_in_flight_before_rewriting_the_dpu_staging():

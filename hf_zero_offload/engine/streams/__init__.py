@@ -3,10 +3,9 @@ CPU device, ``device.py``) and ``SimStreams``, the same interface with deferred 
 GPU orderings on a CPU (``sim.py``)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ...switches import env_switch
 from .device import Streams
 from .sim import SimStreams
 
@@ -18,14 +17,9 @@ BLOCKING_ENV = "HF_ZERO_OFFLOAD_BLOCKING_WAITS"
 __all__ = ["BLOCKING_ENV", "SIMULATE_ENV", "SimStreams", "Streams", "make_streams"]
 
 
-def _on(name: str) -> bool:
-    # the words HF_ZERO_OFFLOAD_DEBUG takes for off ("false" turned the simulator on)
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
-
-
 def make_streams(device: torch.device) -> Streams:
     """Streams for ``device``; on a CPU device the simulator when ``HF_ZERO_OFFLOAD_SIMULATE_STREAMS=1``; host waits
     that sleep when ``HF_ZERO_OFFLOAD_BLOCKING_WAITS=1``."""
-    if device.type == "cpu" and _on(SIMULATE_ENV):
+    if device.type == "cpu" and env_switch(SIMULATE_ENV):
         return SimStreams()
-    return Streams(device, blocking_waits=_on(BLOCKING_ENV))
+    return Streams(device, blocking_waits=env_switch(BLOCKING_ENV))
