@@ -1,6 +1,7 @@
 """A mistake costs one line: ``hf-zero-offload`` validates its numbers, names and paths before any model work,
 prints ``hf-zero-offload CMD: error: ...`` and exits 2; ``--debug`` / ``HF_ZERO_OFFLOAD_DEBUG=1`` bring the
 traceback back. Also: the shipped configs (``--zero_offload NAME``) and ``consolidate``'s refusals."""
+import argparse
 import json
 import os
 import subprocess
@@ -36,11 +37,21 @@ def _one_line_error(capsys, argv, *needles):
     (["--batch-size", "0"], "--batch-size"), (["--seq-len", "0"], "--seq-len"), (["--tgt-len", "-1"], "--tgt-len"),
     (["--gpus", "0"], "--gpus"), (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps"),
     (["--configs", "nosuchrow"], "'nosuchrow'"), (["--bf16", "--configs", "zero2,fp16"], "'fp16'"),
+    (["--configs", ""], "unknown row(s) ''"),  # it ran every row, while ",," was refused
 ])
 def test_estimate_rejects_bad_numbers_and_names(capsys, extra, needle):
     line = _one_line_error(capsys, ["estimate", "--model", TINY, *extra], needle)
     if "--configs" in extra:
         assert "zero2_offload" in line  # the valid rows are listed
+
+
+def test_estimate_bucket_numel_takes_what_a_ds_config_takes():
+    """2e8 is a bucket size in a ds_config; --bucket-numel refused it."""
+    from hf_zero_offload.planner.cli import _bucket
+    assert _bucket("2e8") == 200_000_000 and _bucket("1000") == 1000 and _bucket("auto") == "auto"
+    for bad in ("2.5", "x", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected a number of elements or auto, got '{bad}'"):
+            _bucket(bad)
 
 
 def test_estimate_takes_the_trainers_underscore_spellings_and_suggests_a_near_flag(capsys):

@@ -47,14 +47,21 @@ def _bucket(value: str):
     try:
         return int(value)
     except ValueError:
+        pass
+    try:  # 2e8, as a ds_config's bucket sizes take it
+        number = float(value)
+    except ValueError:
+        number = None
+    if number is None or not number.is_integer():
         raise argparse.ArgumentTypeError(f"expected a number of elements or auto, got {value!r}") from None
+    return int(number)
 
 
 def main(args: argparse.Namespace) -> int:
     p = plan(args.model, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib, dtype=args.dtype, seq_len=args.seq_len,
              tgt_len=args.tgt_len, batch_size=args.batch_size, bucket_numel=args.bucket_numel,
              gradient_accumulation_steps=args.gradient_accumulation_steps,
-             configs=args.configs.split(",") if args.configs else None,
+             configs=args.configs.split(",") if args.configs is not None else None,
              gradient_checkpointing=args.gradient_checkpointing, state_dtype=args.state_dtype,
              trainable=args.trainable, peft_config=args.peft_config,
              # the trace takes seconds to minutes (a large model, a loaded machine): say so on stderr, where
