@@ -367,3 +367,14 @@ def test_a_resume_in_a_higher_precision_starts_from_the_masters(tmp_path):
                for p, off, n in fresh._flat)  # the masters are not bf16 values: the check can fail
     for o in (opt, fresh):
         o.close()
+
+
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_a_rank_file_that_is_a_broken_link_is_named_as_such(tmp_path, link):
+    """A dangling link (or a loop of links) in place of rank0_of_1.hzo was reported as "no meta.json: a save was
+    interrupted"."""
+    from hf_zero_offload.engine import state_dir
+    path = tmp_path / "rank0_of_1.hzo"
+    os.symlink(tmp_path / "gone.hzo" if link == "dangling" else path, path)
+    with pytest.raises(ValueError, match=r"rank0_of_1.hzo is a link to nothing \(or a loop of links\)"):
+        state_dir.sources(str(tmp_path))

@@ -7,10 +7,9 @@ Layout of a directory written by W ranks::
     meta.json            W > 1 only, written by rank 0 after every rank's file is complete (a barrier
                          in between): world size, numel, the partition map, param slots, dtype
 
-A one-process engine writes ``rank0_of_1.hzo`` alone (its range [0, numel)). Every file is written to a temporary
-name, fsynced and renamed, and ``meta.json`` comes last: a directory with a ``meta.json`` (or a lone
-``rank0_of_1.hzo``) holds a complete checkpoint. Any world size and engine loads it: each rank reads, from every
-file whose range overlaps its own, the overlapping elements, straight into its arena (the first formats too).
+A one-process engine writes ``rank0_of_1.hzo`` alone. Each file is written to a temporary name, fsynced and renamed,
+``meta.json`` last: a directory with one (or a lone ``rank0_of_1.hzo``) is complete. Any world size and engine loads
+it: each rank reads the elements of every file that overlap its own range, straight into its arena.
 """
 from __future__ import annotations
 
@@ -94,10 +93,12 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
         state, _, _ = checkpoint.read_header(single)
         check_header(state, single)
         return [(single, 0, state["numel"])], state
+    if os.path.lexists(single):  # (exists() is False for it)
+        raise ValueError(f"{single} is a link to nothing (or a loop of links); use the previous checkpoint")
     partial = sorted(n for n in os.listdir(directory) if n.endswith(".hzo")) if os.path.isdir(directory) else []
     if partial:
-        raise ValueError(f"{directory} holds {partial} but no {META_FILE}: the checkpoint is incomplete "
-                         "(a save was interrupted); use the previous checkpoint")
+        raise ValueError(f"{directory} holds {partial} but no {META_FILE}: the checkpoint is "
+                         "incomplete (a save was interrupted); use the previous checkpoint")
     raise FileNotFoundError(f"no hf_zero_offload optimizer checkpoint in {directory}")
 
 
