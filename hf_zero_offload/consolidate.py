@@ -225,6 +225,22 @@ def _trainer_file(name: str) -> bool:
     return name in TRAINER_FILES or (name.startswith("rng_state_") and name.endswith(".pth"))
 
 
+def _block_schedule(checkpoint_dir: str) -> dict | None:
+    """The checkpoint's scheduler.pt in the form torch's LambdaLR (every Trainer schedule) loads, when it is the
+    position of a ds_config scheduler block (``schedulers._SavesPosition``: no ``lr_lambdas``, which LambdaLR pops,
+    so the plain Trainer's resume failed with KeyError: 'lr_lambdas'); None when it is already the Trainer's."""
+    path = os.path.join(checkpoint_dir, "scheduler.pt")
+    if not os.path.isfile(path):
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # (pickle and zip errors have no common base)
+        raise ValueError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "lr_lambdas" in state or not isinstance(state.get("base_lrs"), list):
+        return None
+    return {**state, "lr_lambdas": [None] * len(state["base_lrs"])}  # (no lambda state to restore: None, as torch's)
+
+
 def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = False) -> list[str]:
     """Everything is read and checked before the first write; each file is written atomically. ``with_optimizer``:
     also torch AdamW's state (``optimizer.pt``, ``torch_state``) and the Trainer's own files, so that the output
@@ -287,7 +303,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
             if not isinstance(content, dict):
                 raise ValueError(f"{extra} is damaged: expected a JSON object, got {type(content).__name__}")
         extras.append((extra, name, content))
-    optimizer, trainer_files = None, []
+    optimizer, trainer_files, schedule = None, [], None
     if with_optimizer:  # read (and decoded) before the first write, as the rest
         if os.path.isdir(output_dir) and os.listdir(output_dir):
             raise ValueError(f"output {output_dir} is not empty: --with-optimizer writes a checkpoint the plain "
@@ -295,6 +311,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
         optimizer = torch_state.torch_optimizer_state(state_dir, recorded_save_id(checkpoint_dir))
         trainer_files = sorted(n for n in os.listdir(checkpoint_dir)
                                if _trainer_file(n) and os.path.isfile(os.path.join(checkpoint_dir, n)))
+        schedule = _block_schedule(checkpoint_dir)
     _check_output(output_dir, [os.path.basename(p) for p in weight_files] + [name for _, name, _ in extras])
     # Written as one set (checkpoint.atomic_files), so that a stop part way (Ctrl-C, a full disk, a kill) leaves the
     # output whole or absent: config.json is staged last, so it appears last (from_pretrained needs it). Written
@@ -326,7 +343,10 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
             if optimizer is not None:
                 torch.save(optimizer, stage(os.path.join(output_dir, "optimizer.pt")))
             for name in trainer_files:
-                shutil.copyfile(os.path.join(checkpoint_dir, name), stage(os.path.join(output_dir, name)))
+                if name == "scheduler.pt" and schedule is not None:
+                    torch.save(schedule, stage(os.path.join(output_dir, name)))
+                else:
+                    shutil.copyfile(os.path.join(checkpoint_dir, name), stage(os.path.join(output_dir, name)))
             for extra, name, content in sorted(extras, key=lambda e: e[1] == "config.json"):
                 if name == "config.json":
                     content["dtype"] = content["torch_dtype"] = "float32"
@@ -356,6 +376,10 @@ def consolidate_main(args) -> int:
               "checkpoint's trainer state, scheduler and RNG files: resume it with the plain Trainer "
               f"(--resume_from_checkpoint {shlex.quote(args.output_dir)}, an AdamW --optim, the same param groups and "
               "--weight_decay), or load optimizer.pt into torch.optim.AdamW")
+        if _block_schedule(args.checkpoint_dir) is not None:
+            print("scheduler.pt holds where the ds_config's scheduler block was, as the plain Trainer's schedules "
+                  "save it: the plain Trainer goes on from that step with its own --lr_scheduler_type, not the "
+                  "block's shape (give the type and --warmup_steps that match it)")
     return 0
 
 

@@ -138,6 +138,28 @@ def test_the_plain_trainer_resumes_a_checkpoint_converted_with_its_optimizer(our
     assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), restarted.parameters())) > 1e-3
 
 
+def test_the_plain_trainer_resumes_the_position_of_a_scheduler_block(tmp_path, capsys):
+    """Every shipped config has a WarmupLR block, whose scheduler.pt (its position) the plain Trainer's LambdaLR
+    failed to load (KeyError: 'lr_lambdas', a raw traceback). It loads now, and with the Trainer's schedule of the
+    block's shape (WarmupLR linear = constant_with_warmup) the resumed run is the uninterrupted one."""
+    model = tiny_t5(0)
+    zero = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear", "warmup_min_lr": 0,
+                                                         "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}}
+    args = ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path / "run"), zero_offload=zero, **COMMON)
+    ZeroOffloadSeq2SeqTrainer(model=model, args=args, train_dataset=ToyDataset()).train()
+    out = tmp_path / "torch"
+    assert cli_main(["consolidate", "--with-optimizer", str(tmp_path / "run" / "checkpoint-3"), str(out)]) == 0
+    assert "goes on from that step with its own --lr_scheduler_type" in capsys.readouterr().out
+    resumed = tiny_t5(1)
+    trainer = Seq2SeqTrainer(model=resumed, train_dataset=ToyDataset(), args=Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "plain"), optim="adamw_torch", lr_scheduler_type="constant_with_warmup", **COMMON))
+    trainer.train(resume_from_checkpoint=str(out))
+    assert trainer.state.global_step == 6
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+
+
 def test_with_optimizer_refuses_an_output_that_is_not_empty_and_a_changed_trainer_file(ours, tmp_path):
     _, ckpt = ours
     out = tmp_path / "busy"
