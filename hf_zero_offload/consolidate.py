@@ -247,7 +247,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
     is a checkpoint the plain Trainer resumes."""
     out_real, ckpt_real = os.path.realpath(output_dir), os.path.realpath(checkpoint_dir)
     if out_real == ckpt_real:
-        raise ValueError(f"output {output_dir} is the checkpoint itself: its 16-bit weights would be replaced; "
+        raise ValueError(f"output {output_dir} is the checkpoint itself: its weights would be replaced; "
                          "give another folder")
     if out_real.startswith(ckpt_real.rstrip(os.sep) + os.sep):  # (its zero_offload/ took model files beside the state)
         raise ValueError(f"output {output_dir} is inside the checkpoint {checkpoint_dir}: its files would mix with the "

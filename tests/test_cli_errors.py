@@ -322,7 +322,9 @@ def test_estimate_says_it_is_tracing_on_stderr_and_keeps_json_clean(capsys):
     assert cli.main(["estimate", "--model", TINY, "--configs", "zero2_offload", "--json"]) == 0
     captured = capsys.readouterr()
     assert captured.err.startswith("hf-zero-offload estimate: tracing ") and "t5-tiny" in captured.err
-    json.loads(captured.out)
+    plan = json.loads(captured.out)
+    # the size asked for ("auto": hidden_size**2) and the one planned (at least the largest param), as the table says
+    assert (plan["inputs"]["bucket_numel"], plan["gradient_bucket_numel"]) == (64 ** 2, 65536)
 
 
 @pytest.mark.parametrize("local_rank, printed", [(None, True), ("0", True), ("1", False), ("3", False)])

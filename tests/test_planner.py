@@ -296,7 +296,7 @@ def test_t5_3b_estimate_is_fast_small_and_sane(t5_3b_cli):
     assert maxrss < 2 * 2**30, maxrss
 
     data = json.loads(out)
-    assert set(data) == {"inputs", "params", "frozen_params", "configs"}  # --json echoes what it was asked
+    assert set(data) == {"inputs", "params", "frozen_params", "gradient_bucket_numel", "configs"}  # what it was asked
     assert data["inputs"]["model"].endswith("t5-3b.json") and data["inputs"]["gpus"] == 1 and data["inputs"]["gpu_mem_gib"] == 24
     n = data["params"]
     assert isinstance(n, int) and n == t5_params(T5_3B)

@@ -191,9 +191,16 @@ class Plan:
     model_class: str = ""              # the transformers class planned (a BERT config: BertLMHeadModel)
     frozen: int = 0                    # frozen params (--trainable, --peft-config), on the device in the row's dtype
 
+    @property
+    def bucket_elements(self) -> int:
+        """The gradient buckets' size as plan_host_memory sizes them (a param is never split across buckets), where
+        ``inputs["bucket_numel"]`` is the size asked for."""
+        asked = self.inputs.get("bucket_numel") or OffloadOptions().bucket_numel
+        return max(min(asked, self.params), self.max_param_numel, 1)
+
     def to_json(self) -> dict:
         return {"inputs": self.inputs, "params": self.params, "frozen_params": self.frozen,
-                "configs": [asdict(r) for r in self.rows]}
+                "gradient_bucket_numel": self.bucket_elements, "configs": [asdict(r) for r in self.rows]}
 
 
 def device_budget(gpu_mem_gib: float) -> int:

@@ -11,13 +11,6 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"  # a tiny model read "0.000 B"
 
 
-def _bucket(p: Plan) -> int:
-    from ..engine.options import OffloadOptions
-
-    # as plan_host_memory sizes them: a param is never split across buckets
-    return max(min(p.inputs.get("bucket_numel") or OffloadOptions().bucket_numel, p.params), p.max_param_numel, 1)
-
-
 def _subset(p: Plan) -> str:
     given = [f"--{k.replace('_', '-')} {p.inputs[k]!r}" for k in ("peft_config", "trainable") if p.inputs.get(k)]
     return ", ".join(given) or "frozen in the model given"
@@ -49,7 +42,7 @@ def format_plan(p: Plan) -> str:
         f"params: {p.params:,} ({_count(p.params)}; tied weights counted once)"
         + (f" trainable, {p.frozen:,} frozen ({_subset(p)})" if p.frozen else "")
         + "; gradient buckets of "
-        f"{_bucket(p):,} elements (one-process offload rows)",
+        f"{p.bucket_elements:,} elements (one-process offload rows)",
         f"{where}; {run}16-bit rows in {p.dtype}; seq_len {p.seq_len}, tgt_len {p.tgt_len}; "
         f"{'gradient checkpointing; ' if p.gradient_checkpointing else ''}"
         f"budget {budget / GiB:.2f} GiB = card - {SAFETY_FRACTION:.0%} - {SAFETY_BYTES / GiB:g} GiB "
