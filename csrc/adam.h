@@ -99,6 +99,7 @@ struct KernelTable {
 KernelTable scalar_kernels();
 KernelTable avx2_kernels();
 KernelTable avx512_kernels();
+KernelTable avx512_bf16_kernels();  // the AVX512 unit built with -mavx512bf16 too
 
 // Internal linkage on purpose: each translation unit is compiled with its own -m flags, and an
 // inline function with external linkage could be merged by the linker into the AVX512 copy and then

@@ -1,5 +1,8 @@
 // AVX512 (F/BW/VL/DQ) kernels: 16 fp32 lanes per vector. Compiled with -mavx512f -mavx512bw
 // -mavx512vl -mavx512dq -mfma -mf16c only, chosen after cpu_can_run_avx512() has checked those.
+// Compiled a second time with -mavx512bf16 added (level "avx512_bf16", chosen after
+// cpu_can_run_avx512_bf16()): the same kernels with AVX512_BF16's conversion for a bf16 param out, the
+// only difference (__AVX512BF16__ below).
 //
 // Every vector operation below is the lane-wise image of one operation of adam_scalar_elem /
 // norm_scalar_range / accumulate_scalar_elem in adam.h (same fused multiply-adds, true division,
@@ -32,12 +35,22 @@ inline __m512 load_g(const void* g, size_t i) {
 }
 
 // f32 -> bf16, round to nearest even with the integer trick, NaN -> quiet NaN (same as f32_to_bf16).
-// Not vcvtneps2bf16 (AVX512_BF16): it flushes denormal inputs to zero, which torch's conversion does
-// not. A second build of this unit that used it for vectors without a denormal lane (same bits) was
-// measured in session 12: 9% faster in cache for the compact kinds, no change at 50M (benchmarks/kernel/README.md).
+// The avx512_bf16 build takes vcvtneps2bf16 for a vector without a denormal lane: it rounds to nearest
+// even and quiets a NaN as f32_to_bf16 does (checked on every non-denormal fp32 bit pattern), but it
+// flushes a denormal input to zero whatever MXCSR says, which torch's conversion does not; such a vector
+// takes the integer path. Three vector operations for two bf16 vectors where the integer path takes 16.
 // The NaN fix-up runs only for a vector with a NaN lane (adam_avx2.cpp's to_bf16_lanes says why): in cache on an
 // Emerald Rapids core (session 23, alternated builds) bf16 moments 0.792 -> 0.755-0.762 ns/param, int8 0.879-0.882
 // -> 0.866-0.869.
+#ifdef __AVX512BF16__
+// The lanes holding an fp32 denormal, tested on the bits: vfpclassps sees a denormal as zero when
+// MXCSR.DAZ is set (torch.set_flush_denormal(True)), and the param would then lose it in its bf16 copy.
+inline __mmask16 denormal_lanes(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __mmask16 zero_exp = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_test_epi32_mask(zero_exp, u, _mm512_set1_epi32(0x007fffff));
+}
+#endif
 // Each lane's bf16 in the low half of its 32 bits.
 inline __m512i to_bf16_lanes(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
@@ -50,12 +63,19 @@ inline __m512i to_bf16_lanes(__m512 x) {
   return r;
 }
 inline __m256i to_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+  if (__builtin_expect(denormal_lanes(x) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(x);
+#endif
   return _mm512_cvtepi32_epi16(to_bf16_lanes(x));  // values are <= 0xffff: truncation is exact
 }
 // Two vectors at once: one pack and one permute for 32 values where two vpmovdw take four port-5 uops on Intel
 // cores. The pack works within 128-bit lanes (quadwords r0.q0, r1.q0, r0.q1, r1.q1, ...), the permute puts them
 // back in order; values are <= 0xffff, so the unsigned saturation never triggers.
 inline __m512i to_bf16_x2(__m512 x0, __m512 x1) {
+#ifdef __AVX512BF16__
+  // x0's 16 values in the low half, in order
+  if (__builtin_expect((denormal_lanes(x0) | denormal_lanes(x1)) == 0, 1)) return (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+#endif
   return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
                                   _mm512_packus_epi32(to_bf16_lanes(x0), to_bf16_lanes(x1)));
 }
@@ -378,6 +398,10 @@ void acc_k(float* acc, const void* g, DType dt, float scale, bool overwrite, siz
 
 }  // namespace
 
+#ifdef __AVX512BF16__
+KernelTable avx512_bf16_kernels() { return {"avx512_bf16", adam_k, norm_k, acc_k}; }
+#else
 KernelTable avx512_kernels() { return {"avx512", adam_k, norm_k, acc_k}; }
+#endif
 
 }  // namespace hzo

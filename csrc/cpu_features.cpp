@@ -69,4 +69,13 @@ bool cpu_can_run_avx512() {
 #endif
 }
 
+bool cpu_can_run_avx512_bf16() {
+#if defined(HZO_AVX512_BF16)
+  // CPUID.(7,1):EAX[5], where leaf 7 has a subleaf 1 (CPUID.(7,0):EAX, its highest subleaf)
+  return cpu_can_run_avx512() && cpuid(7, 0).a >= 1 && bit(cpuid(7, 1).a, 5);
+#else
+  return false;  // not built (the compiler lacked -mavx512bf16, or the AVX512 unit is emulated)
+#endif
+}
+
 }  // namespace hzo

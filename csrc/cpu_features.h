@@ -9,5 +9,7 @@ bool cpu_can_run_avx2();
 // Same for adam_avx512.cpp: -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
 // (plus the opmask and ZMM register state saved by the OS).
 bool cpu_can_run_avx512();
+// The same unit built with -mavx512bf16 as well: all of the above and AVX512_BF16.
+bool cpu_can_run_avx512_bf16();
 
 }  // namespace hzo

@@ -14,6 +14,9 @@ namespace hzo {
 namespace {
 
 KernelTable table_for(const std::string& level) {
+#if defined(HZO_AVX512_BF16)
+  if (level == "avx512_bf16") return avx512_bf16_kernels();
+#endif
 #if defined(HZO_X86)
   if (level == "avx512") return avx512_kernels();
   if (level == "avx2") return avx2_kernels();
@@ -32,6 +35,7 @@ constexpr size_t kAlign = 64;
 }  // namespace
 
 std::string best_level() {
+  if (cpu_can_run_avx512_bf16()) return "avx512_bf16";
   if (cpu_can_run_avx512()) return "avx512";
   if (cpu_can_run_avx2()) return "avx2";
   return "scalar";
@@ -41,12 +45,17 @@ std::vector<std::string> available_levels() {
   std::vector<std::string> out{"scalar"};
   if (cpu_can_run_avx2()) out.push_back("avx2");
   if (cpu_can_run_avx512()) out.push_back("avx512");
+  if (cpu_can_run_avx512_bf16()) out.push_back("avx512_bf16");
   return out;
 }
 
 void set_level(const std::string& level) {
-  if (level != "scalar" && level != "avx2" && level != "avx512")
-    throw std::invalid_argument("unknown SIMD level '" + level + "' (expected scalar, avx2 or avx512)");
+  if (level != "scalar" && level != "avx2" && level != "avx512" && level != "avx512_bf16")
+    throw std::invalid_argument("unknown SIMD level '" + level + "' (expected scalar, avx2, avx512 or avx512_bf16)");
+  if (level == "avx512_bf16" && !cpu_can_run_avx512_bf16())
+    throw std::invalid_argument(cpu_can_run_avx512()
+        ? "SIMD level 'avx512_bf16' requested but this CPU (or this build) lacks AVX512_BF16; 'avx512' runs here"
+        : "SIMD level 'avx512_bf16' requested but this CPU (or OS) lacks AVX512F/BW/VL/DQ");
   if (level == "avx512" && !cpu_can_run_avx512())
     throw std::invalid_argument("SIMD level 'avx512' requested but this CPU (or OS) lacks AVX512F/BW/VL/DQ");
   if (level == "avx2" && !cpu_can_run_avx2())

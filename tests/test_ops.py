@@ -280,6 +280,36 @@ def test_param_out_nan_bits_identical_across_isas():
             assert torch.equal(a, b), level
 
 
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["ieee", "flush_denormal"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_bf16_param_out_bits_identical_across_isas(kind, flush_denormal, restore_simd):
+    """A bf16 param out from every moment kind (the int8 loop writes it two vectors at a time) equals the scalar
+    kernel's bit for bit at every level, subnormal params included: avx512_bf16 converts a vector with
+    vcvtneps2bf16, which flushes subnormal inputs whatever MXCSR says, and only where no lane is one (tested on
+    the bits, since vfpclassps sees a subnormal as zero under denormals-are-zero). A zero step (lr = 0, zero
+    gradient) keeps the params as they were, so each vector of 16 carries at most one subnormal among values."""
+    x = _edge_values()
+    x = torch.cat([x, x.flip(0) * 0.5, torch.full((64,), 2.0 ** -140), torch.full((64,), 1.0)])
+    n = x.numel()
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("no flush-denormal mode on this CPU")
+    try:
+        per_level = {}
+        for level in LEVELS:
+            ops.set_simd_level(level)
+            st = ops.state_from_fp32(torch.zeros(n), torch.zeros(n), kind)
+            out = torch.empty(n, dtype=torch.bfloat16)
+            ops.adam_step(x.clone(), torch.zeros(n), st["exp_avg"], st["exp_avg_sq"], step=1, lr=0.0, param_out=out,
+                          exp_avg_scale=st.get("exp_avg_scale"), exp_avg_sq_scale=st.get("exp_avg_sq_scale"))
+            per_level[level] = out.view(torch.int16)
+    finally:
+        torch.set_flush_denormal(False)
+    for level in LEVELS:
+        assert torch.equal(per_level["scalar"], per_level[level]), level
+    if not flush_denormal:
+        assert _same_with_nans(per_level["scalar"].view(torch.bfloat16), x.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=_dtname)
 def test_grad_widening_edge_cases(simd, grad_dtype):
     g = _edge_values().to(grad_dtype)

@@ -174,7 +174,7 @@ def test_grad_norm_bad_input(grad, exc):
 
 def test_levels_reported():
     assert LEVELS[0] == "scalar"
-    assert set(LEVELS) <= {"scalar", "avx2", "avx512"}
+    assert set(LEVELS) <= {"scalar", "avx2", "avx512", "avx512_bf16"}
     assert ops.simd_level() in LEVELS
     with pytest.raises(ValueError, match="unknown SIMD level"):
         ops.set_simd_level("sse9")
@@ -194,7 +194,7 @@ def test_env_override_selects_level():
 
 
 def test_env_override_rejects_unknown_or_unsupported_level():
-    missing = [lvl for lvl in ("avx2", "avx512") if lvl not in LEVELS]
+    missing = [lvl for lvl in ("avx2", "avx512", "avx512_bf16") if lvl not in LEVELS]
     values = ["sse9"] + missing
     for value, r in zip(values, _import_with_env(*values)):
         assert r.returncode != 0
@@ -227,7 +227,7 @@ def test_a_bad_env_level_is_raised_by_kernel_calls_not_at_import():
 
 
 def test_unsupported_level_message():
-    missing = [lvl for lvl in ("avx2", "avx512") if lvl not in LEVELS]
+    missing = [lvl for lvl in ("avx2", "avx512", "avx512_bf16") if lvl not in LEVELS]
     if not missing:
         pytest.skip("this CPU supports every level; the env-var subprocess test covers unknown names")
     with pytest.raises(ValueError, match="lacks"):

@@ -39,6 +39,9 @@ def _parse() -> argparse.Namespace:
                     help="seconds between calls, so OpenMP workers of the previous row stop spinning")
     ap.add_argument("--skip", nargs="*", default=[], choices=["deepspeed", "torchao"],
                     help="leave out a peer (DeepSpeed JIT-builds its CPU Adam on first use, minutes)")
+    ap.add_argument("--also-level", default=None, metavar="LEVEL",
+                    help="also time our mixed and int8 rows at this instruction set (e.g. avx512 beside the default "
+                         "avx512_bf16), interleaved with the rest")
     ap.add_argument("--json", default=None, help="write the results as JSON to PATH, or '-' for stdout")
     return ap.parse_args()
 
@@ -83,6 +86,19 @@ def ours(b: Bufs, n: int, threads: int, state_dtype: str, mixed: bool):
                       weight_decay=WD, adamw=True, param_out=out, num_threads=threads)
 
     return fn
+
+
+def at_level(level: str, fn):
+    """``fn`` run at another instruction set (``--also-level``), the default one back after it."""
+    def run():
+        before = ops.simd_level()
+        ops.set_simd_level(level)
+        try:
+            fn()
+        finally:
+            ops.set_simd_level(before)
+
+    return run
 
 
 def peer(b: Bufs, make_opt, mixed: bool):
@@ -215,6 +231,10 @@ def main() -> int:
         "ours bf16-state": ("mixed", 20, ours(b, n, threads, "bf16", mixed=True)),
         "ours int8-state": ("mixed", 16 + SCALES_B, ours(b, n, threads, "int8", mixed=True)),
     }
+    if ARGS.also_level:  # the same work as the rows above, at another level (the bits are the same)
+        lv = ARGS.also_level
+        spec[f"ours mixed [{lv}]"] = ("mixed", 28, at_level(lv, ours(b, n, threads, "fp32", mixed=True)))
+        spec[f"ours int8-state [{lv}]"] = ("mixed", 16 + SCALES_B, at_level(lv, ours(b, n, threads, "int8", mixed=True)))
     skipped, versions = {}, {"torch": torch.__version__}
     add_peers(spec, b, skipped, versions)
     say(f"{len(spec)} rows interleaved, {rounds} rounds ...")

@@ -35,7 +35,7 @@ def check_env_level() -> None:
 
 
 def simd_level() -> str:
-    """The instruction set the kernels use now: "avx512", "avx2" or "scalar"."""
+    """The instruction set the kernels use now: "avx512_bf16", "avx512", "avx2" or "scalar"."""
     check_env_level()
     return _C.current_level()
 
