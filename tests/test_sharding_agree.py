@@ -100,3 +100,44 @@ def test_a_state_dict_refused_on_one_rank_is_refused_on_every_rank():
     assert e0 == "load_state_dict: refused on rank(s) [1] (their error says why); no rank loaded", e0
     assert same0 and same1
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+def _schedules_apart(rank, world_size):
+    """Rank 1's lr (or weight decay) moves away from rank 0's after the build, as a schedule of its own would."""
+    out = {}
+    for key in ("lr", "weight_decay", "same"):
+        torch.manual_seed(0)
+        model = TinyNet()
+        engine = ShardedAdam(param_groups(model, 0.01), lr=0.01, stage=2, offload=True,
+                             options=OffloadOptions(num_threads=1))
+        before = [p.detach().clone() for p in model.parameters()]
+        for k, (ids, labels, use_branch) in enumerate(batches(2)):
+            if k == 1 and rank == 1 and key != "same":
+                engine.param_groups[0][key] *= 0.5
+            loss_fn(model, ids, labels, use_branch).backward()
+            try:
+                engine.step()
+            except ValueError as e:
+                out[key] = (str(e), engine.global_steps)
+                break
+            before = [p.detach().clone() for p in model.parameters()]
+            engine.zero_grad()
+        else:
+            out[key] = None
+        out[key + " untouched"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        engine.close()
+    return out
+
+
+def test_hyperparameters_that_drift_apart_after_the_build_are_refused_on_every_rank():
+    """Ranks with different schedules (--warmup_steps on one node) trained on silently: each rank stepped its own
+    shard with its own lr, a model of neither run. Every rank raises at the step where they differ, before it
+    moves anything."""
+    results = run_distributed(_schedules_apart, world_size=2)
+    for rank, r in enumerate(results):
+        assert r["same"] is None
+        lr_msg, steps = r["lr"]
+        assert steps == 1 and r["lr untouched"], rank
+        assert "ShardedAdam: param group 0 lr differs across ranks at step 2: from 0.005 to 0.01 (this rank " \
+               f"{0.005 if rank else 0.01:g})" in lr_msg and "--warmup_steps" in lr_msg
+        assert "param group 0 weight_decay differs across ranks at step 2: from 0.005 to 0.01" in r["weight_decay"][0]

@@ -11,6 +11,7 @@ differs and on which ranks.
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 _SHOWN = 6  # differences named in the message
@@ -51,3 +52,27 @@ def _describe(key: str, first, value, ranks: list) -> str:
         return (f"{group}: {len(first)} params on rank 0, {len(value)} on {where} (the first that differs: param {j}, "
                 f"{mine} against {theirs})")
     return f"{key}: {first!r} on rank 0, {value!r} on {where}"
+
+
+_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def hyper_disagreement(param_groups, process_group, device, step: int) -> str | None:
+    """Each group's lr, betas, eps and weight decay as this step reads them, compared across ranks by one small MAX
+    all-reduce of them and their negatives (every rank gets the same verdict). The build compares them once; a
+    schedule that differed on one node (--warmup_steps, --lr_scheduler_type, --max_steps) then stepped each shard
+    with its own rank's lr, a model of neither rank's run, without a word (an outside probe)."""
+    mine = [float(x) for g in param_groups for x in (g["lr"], *g["betas"], g["eps"], g["weight_decay"])]
+    both = torch.tensor(mine + [-x for x in mine], dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
+    top = both.tolist()
+    for i, x in enumerate(mine):
+        hi, lo = top[i], -top[len(mine) + i]
+        if hi != lo:
+            group, key = divmod(i, len(_HYPER))
+            return (f"param group {group} {_HYPER[key]} differs across ranks at step {step}: from {lo:g} to {hi:g} "
+                    f"(this rank {x:g}). Each rank steps its own shard with its own value, so the model would be "
+                    "neither rank's run: give every rank the same schedule (--learning_rate, --warmup_steps, "
+                    "--lr_scheduler_type, --max_steps, the ds_config's \"scheduler\" block) and edit param_groups "
+                    "alike on every rank")
+    return None

@@ -75,7 +75,7 @@ from ..options import OffloadOptions
 from ..runs import host_bytes_leaving
 from ..streams import Streams
 from ..upload import ParamUploader
-from .agree import check_ranks_agree
+from .agree import check_ranks_agree, hyper_disagreement
 from .layout import Partition
 from .plan import make_plan
 from .reduce import GradReducer
@@ -265,6 +265,9 @@ class ShardedAdam(AdamCore):
         if stats[-1] > 0:
             raise ValueError(stray or f"{type(self).__name__}: another rank holds a .grad the engine would ignore "
                              "(see its error)")
+        if self.world_size > 1 and (differs := hyper_disagreement(self.param_groups, self.process_group, self.device,
+                                                                   self.global_steps + 1)):
+            raise ValueError(f"{type(self).__name__}: {differs}")
         return stats[:-1].tolist()
 
     def _hooks(self):
