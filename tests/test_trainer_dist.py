@@ -260,3 +260,43 @@ def test_a_problem_one_node_sees_in_its_output_dir_stops_every_rank(tmp_path):
     ours = run_distributed(_node_local, str(tmp_path), "in_the_way", timeout=120)
     assert "is a file, not a directory" in ours[1]["error"], ours
     assert "rank 1 (host" in ours[0]["error"] and "is a file, not a directory" in ours[0]["error"], ours
+
+
+def _one_sided_save(rank, world_size, out_dir, how):
+    """A save asked on rank 0 alone: by a callback (``callback``) or by other --save_steps (``save_steps``)."""
+    from transformers import TrainerCallback
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    class SaveHere(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_save = control.should_save or (rank == 0 and state.global_step == 1)
+
+    save_steps = 3 if how == "save_steps" and rank == 1 else 2 if how == "save_steps" else 100
+    targs = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=f"{out_dir}/{how}", per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
+        report_to=[], save_strategy="steps", save_steps=save_steps, seed=0, disable_tqdm=True, sharded_ddp=True,
+        zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=ToyDataset(),
+                                        callbacks=[SaveHere()] if how == "callback" else [])
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the peer's connection closed under it, in gloo's words
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["callback", "save_steps"])
+def test_a_save_asked_on_one_rank_only_stops_at_once_naming_it(tmp_path, how):
+    """An outside probe: a callback setting control.should_save on rank 0 alone (or ranks given other --save_steps)
+    left rank 0 in the save's first collective and rank 1 in the next step's until the 30-minute timeout, where a
+    plain DDP run fails at once."""
+    import time
+    start = time.monotonic()
+    ours = run_distributed(_one_sided_save, str(tmp_path), how, timeout=120)
+    assert time.monotonic() - start < 60
+    step = 1 if how == "callback" else 2
+    assert f"RuntimeError: rank(s) 1 went on without saving {tmp_path}/{how}/checkpoint-{step}, which this rank " \
+           "saves: every rank must save a checkpoint together" in ours[0]["error"], ours
+    assert ours[1]["error"], ours  # its peer gone: gloo's error, not a hang

@@ -4,9 +4,11 @@ param names, and the completion marker written last (its rotation of old checkpo
 the Trainer's fields (``args``, ``state``, ``zero_engine``, ``_zo_raw``) as their own."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,67 @@ def save_failed(e: BaseException, target: str, run_dir: str) -> str:
                                                   "no complete checkpoint exists yet"))
 
 
+# Where each rank is, in the store every rank shares: "<n>:saving" or "<n>:passed", n counting the Trainer's
+# log/evaluate/save points in this process (the same on every rank: one after each step and each epoch).
+_PROGRESS_KEY = "hf_zero_offload/progress/rank{}"
+_POINTS = itertools.count(1)
+
+
 class CheckpointSaving:
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        # each rank says when it has passed this point, saved or not, so that a save asked on some ranks only (a
+        # callback's control.should_save on one rank) is told apart from a peer that is slower to get there
+        self._zo_point = next(_POINTS) if self._zo_store() is not None else None
+        try:
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        finally:
+            if self._zo_point is not None:
+                self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{self._zo_point}:passed")
+            self._zo_point = None
+
+    def _zo_store(self):
+        """The store the ranks' process group shares, with several ranks (None: one process, or none to be had)."""
+        if not (self.args.world_size > 1 and dist.is_available() and dist.is_initialized()):
+            return None
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+
+    def _zo_agree_to_save(self, output_dir: str) -> None:
+        """Every rank saves this checkpoint, or every saving rank raises before its first collective: one rank's save
+        waited in its first collective for a peer that had gone on to the next step, until the 30-minute timeout (a
+        plain DDP run fails there at once, in gloo's words)."""
+        point, store = getattr(self, "_zo_point", None), self._zo_store()
+        if point is None or store is None:  # (a save from elsewhere than the Trainer's log/evaluate/save point)
+            return
+        me = self.args.process_index
+        store.set(_PROGRESS_KEY.format(me), f"{point}:saving")
+        give_up = time.monotonic() + getattr(self.args, "ddp_timeout", 1800)
+        waiting = [r for r in range(self.args.world_size) if r != me]
+        not_saving = []
+        while waiting:
+            for r in list(waiting):
+                key = _PROGRESS_KEY.format(r)
+                seen = store.get(key).decode() if store.check([key]) else "0:passed"
+                n, state = int(seen.split(":")[0]), seen.split(":")[1]
+                if n == point and state == "saving":
+                    waiting.remove(r)
+                elif n > point or (n == point and state == "passed"):
+                    waiting.remove(r)
+                    not_saving.append(r)
+            if waiting and time.monotonic() > give_up:
+                raise TimeoutError(f"rank(s) {', '.join(map(str, waiting))} did not reach the save of {output_dir} "
+                                   f"within --ddp_timeout {getattr(self.args, 'ddp_timeout', 1800)} s")
+            if waiting:
+                time.sleep(0.005)
+        if not_saving:
+            raise RuntimeError(f"rank(s) {', '.join(map(str, sorted(not_saving)))} went on without saving "
+                               f"{output_dir}, which this rank saves: every rank must save a checkpoint together (each "
+                               "writes its shard of the optimizer state). A callback that sets control.should_save on "
+                               "some ranks only, or ranks given different save settings (--save_steps, "
+                               "--save_strategy), do this; nothing was written")
+
     def _save_checkpoint(self, model, trial) -> None:
         # transformers rotates old checkpoints at the end of its save: here that waits until this one is
         # marked complete, so a kill during the save never leaves only incomplete checkpoints behind.
@@ -52,6 +114,7 @@ class CheckpointSaving:
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         distributed = self.args.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self._zo_agree_to_save(output_dir)  # before the first collective of the save
         if self._zo_lock is not None:  # deleted mid-run and another run since: stopped before writing over its files
             confirm_job_lock(self._zo_lock, self.args.process_index, self.args.world_size)
         if publish_for_final_save(self.args, self.state, self.control):  # (a stop a callback asked for, too)
