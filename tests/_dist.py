@@ -22,6 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+_KEPT = []  # see _entry
+
+
 class DistributedError(RuntimeError):
     pass
 
@@ -56,6 +59,10 @@ def _entry(rank, world_size, port, backend, threads, collective_timeout, fn, arg
         try:
             out = fn(rank, world_size, *args)
         finally:
+            # torch < 2.8 deallocates a ProcessGroup holding the GIL while it joins gloo's worker threads, and a
+            # worker still dropping the last collective's tensors needs the GIL: a deadlock (pytorch#154976).
+            # Kept referenced, the group is only unregistered here; the rank ends in os._exit, no destructor runs.
+            _KEPT.append(dist.group.WORLD)
             dist.destroy_process_group()
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:
