@@ -1,8 +1,7 @@
 // AVX512 (F/BW/VL/DQ) kernels: 16 fp32 lanes per vector. Compiled with -mavx512f -mavx512bw
 // -mavx512vl -mavx512dq -mfma -mf16c only, chosen after cpu_can_run_avx512() has checked those.
-// Compiled a second time with -mavx512bf16 added (level "avx512_bf16", chosen after
-// cpu_can_run_avx512_bf16()): the same kernels with AVX512_BF16's conversion for a bf16 param out, the
-// only difference (__AVX512BF16__ below).
+// Built again with -mavx512bf16 too (level "avx512_bf16", after cpu_can_run_avx512_bf16()): the only
+// difference is AVX512_BF16's conversion for a bf16 param out (__AVX512BF16__ below).
 //
 // Every vector operation below is the lane-wise image of one operation of adam_scalar_elem /
 // norm_scalar_range / accumulate_scalar_elem in adam.h (same fused multiply-adds, true division,
@@ -40,11 +39,9 @@ inline __m512 load_g(const void* g, size_t i) {
 // flushes a denormal input to zero whatever MXCSR says, which torch's conversion does not; such a vector
 // takes the integer path. Three vector operations for two bf16 vectors where the integer path takes 16.
 // The NaN fix-up runs only for a vector with a NaN lane (adam_avx2.cpp's to_bf16_lanes says why): in cache on an
-// Emerald Rapids core (session 23, alternated builds) bf16 moments 0.792 -> 0.755-0.762 ns/param, int8 0.879-0.882
-// -> 0.866-0.869.
+// Emerald Rapids core (session 23) bf16 moments 0.792 -> 0.755-0.762 ns/param, int8 0.879-0.882 -> 0.866-0.869.
 #ifdef __AVX512BF16__
-// The lanes holding an fp32 denormal, tested on the bits: vfpclassps sees a denormal as zero when
-// MXCSR.DAZ is set (torch.set_flush_denormal(True)), and the param would then lose it in its bf16 copy.
+// The fp32 denormal lanes, tested on the bits: vfpclassps sees a denormal as zero under MXCSR.DAZ.
 inline __mmask16 denormal_lanes(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __mmask16 zero_exp = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));

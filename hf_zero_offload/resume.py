@@ -206,8 +206,7 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
 
 
 def _check_trainer_state(checkpoint: str) -> None:
-    """transformers reads trainer_state.json after the model and the optimizer state are loaded, and a damaged one
-    failed there with json's error, naming no file: read here, before anything is loaded."""
+    """Read before anything loads (transformers read it last and failed with json's error, naming no file)."""
     path = os.path.join(checkpoint, TRAINER_STATE)
     try:
         with open(path, encoding="utf-8") as f:
@@ -217,12 +216,11 @@ def _check_trainer_state(checkpoint: str) -> None:
     if not isinstance(content, dict):
         raise DamagedFile(f"{path} is damaged: a JSON {type(content).__name__}, not the object transformers writes; "
                           "resume from an earlier checkpoint")
-    # one save wrote both: a step edited into either (its manifest entry dropped) resumed the engine's state, saved
-    # at the marker's step, under the Trainer's other count, and trained on (0.011 off in an outside probe)
+    # one save wrote both: a step edited into either resumed the engine under the Trainer's other count (0.011 off)
     marked, said = (read_marker(checkpoint) or {}).get("step"), content.get("global_step")
     if all(isinstance(x, int) and not isinstance(x, bool) for x in (marked, said)) and said != marked:
-        raise DamagedFile(f"{path} says global_step {said}, while its save recorded step "
-                          f"{marked} in {MARKER}: the files are not one save's; resume from an earlier checkpoint")
+        raise DamagedFile(f"{path} says global_step {said}, while its save recorded step {marked} in {MARKER}: the "
+                          "files are not one save's; resume from an earlier checkpoint")
 
 
 def choose(folder: str) -> tuple[str, list[str]]:
