@@ -65,6 +65,7 @@ def test_shard_stage_is_0_1_or_2(stage):
     ({"enabled": "false"}, TypeError, r"OffloadOptions.fp16.enabled must be True or False, got 'false'"),
     ({"loss_scale": 0}, TypeError, r"OffloadOptions.fp16.enabled must be True or False, got 'nothing'"),
     (True, TypeError, r"OffloadOptions.fp16 must be None, a dict of fp16 fields \(enabled, loss_scale"),
+    ({"enabled": True, "loss_scale": "x"}, ValueError, r"OffloadOptions.fp16.loss_scale must be 0 \(dynamic\)"),
     ({"enabled": True, "bogus": 1}, ValueError, r"OffloadOptions.fp16 has unknown field\(s\) bogus; the fields are enabled"),
 ])
 def test_fp16_option_is_checked_by_field_at_construction(fp16, err, named):
@@ -73,6 +74,16 @@ def test_fp16_option_is_checked_by_field_at_construction(fp16, err, named):
     with pytest.raises(err, match=named):
         OffloadOptions(fp16=fp16)
     assert not OffloadOptions(fp16={"enabled": np.bool_(False)}).fp16_enabled
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Slotted:
+        enabled: bool = True
+        loss_scale: float = 0.0
+
+    assert OffloadOptions(fp16=Slotted()).fp16_fields == {"enabled": True, "loss_scale": 0.0}
+    assert OffloadOptions(fp16=types.MappingProxyType({"enabled": True})).fp16_enabled
 
 
 def test_float64_params_are_refused_when_the_engine_is_built():

@@ -105,15 +105,19 @@ def test_a_state_dict_refused_on_one_rank_is_refused_on_every_rank():
 def _schedules_apart(rank, world_size):
     """Rank 1's lr (or weight decay) moves away from rank 0's after the build, as a schedule of its own would."""
     out = {}
-    for key in ("lr", "weight_decay", "same"):
+    for key in ("lr", "weight_decay", "nan", "fp32 tensor", "same"):
         torch.manual_seed(0)
         model = TinyNet()
         engine = ShardedAdam(param_groups(model, 0.01), lr=0.01, stage=2, offload=True,
                              options=OffloadOptions(num_threads=1))
         before = [p.detach().clone() for p in model.parameters()]
         for k, (ids, labels, use_branch) in enumerate(batches(2)):
-            if k == 1 and rank == 1 and key != "same":
+            if k == 1 and rank == 1 and key in ("lr", "weight_decay"):
                 engine.param_groups[0][key] *= 0.5
+            elif k == 1 and rank == 1 and key == "nan":
+                engine.param_groups[0]["lr"] = float("nan")
+            elif k == 1 and key == "fp32 tensor":  # the same lr as the kernels take it: on rank 1 a float32 tensor
+                engine.param_groups[0]["lr"] = torch.tensor(0.003, dtype=torch.float32) if rank else 0.003
             loss_fn(model, ids, labels, use_branch).backward()
             try:
                 engine.step()
@@ -141,3 +145,8 @@ def test_hyperparameters_that_drift_apart_after_the_build_are_refused_on_every_r
         assert "ShardedAdam: param group 0 lr differs across ranks at step 2: from 0.005 to 0.01 (this rank " \
                f"{0.005 if rank else 0.01:g})" in lr_msg and "--warmup_steps" in lr_msg
         assert "param group 0 weight_decay differs across ranks at step 2: from 0.005 to 0.01" in r["weight_decay"][0]
+        assert r["fp32 tensor"] is None  # trained both steps
+        # a lr gone bad on one rank: it raised there alone, before the collective its peer then waited in
+        nan_msg, steps = r["nan"]
+        assert steps == 1 and r["nan untouched"], rank
+        assert ("lr must be" in nan_msg) if rank else ("another rank's param group hyperparameters are invalid" in nan_msg)

@@ -5,10 +5,14 @@ an optimizer; nothing here imports torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .loss_scaler import LossScaler
 
 
 def _check_fields(options, rules: dict) -> None:
@@ -50,8 +54,10 @@ FP16_FIELDS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_windo
 
 def _fp16_fields(fp16) -> dict:
     """The fields of ``OffloadOptions.fp16`` (a dict, or an object such as ``config.FP16Config``), checked by name."""
-    if isinstance(fp16, dict):
+    if isinstance(fp16, Mapping):
         fields = dict(fp16)
+    elif dataclasses.is_dataclass(fp16) and not isinstance(fp16, type):  # (slots or not)
+        fields = {f.name: getattr(fp16, f.name) for f in dataclasses.fields(fp16)}
     elif hasattr(fp16, "__dict__") and not isinstance(fp16, type):
         fields = dict(vars(fp16))
     else:
@@ -64,6 +70,7 @@ def _fp16_fields(fp16) -> dict:
     if "enabled" not in fields or not _is_flag(fields["enabled"]):
         raise TypeError(f"OffloadOptions.fp16.enabled must be True or False, got {fields.get('enabled', 'nothing')!r}")
     fields["enabled"] = bool(fields["enabled"])
+    LossScaler.from_fp16(**fields)  # its values checked now too, not at the engine's build
     return fields
 
 

@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -60,18 +61,25 @@ class CheckpointSaving:
         try:
             return super()._maybe_log_save_evaluate(*args, **kwargs)
         finally:
-            if self._zo_point is not None:
-                self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{self._zo_point}:passed")
+            try:
+                if self._zo_point is not None:  # (a set does not wait for the store's reply: 1-3 us)
+                    self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{self._zo_point}:passed")
+            except Exception:  # noqa: BLE001 - the store gone with rank 0: the error in flight is the one to see
+                if sys.exc_info()[1] is None:
+                    raise
             self._zo_point = None
 
     def _zo_store(self):
-        """The store the ranks' process group shares, with several ranks (None: one process, or none to be had)."""
+        """The store the ranks' process group shares, with several ranks (None: one process, none to be had, or a
+        FileStore, whose file would grow by a line per rank and step)."""
         if not (self.args.world_size > 1 and dist.is_available() and dist.is_initialized()):
             return None
         try:
-            return dist.distributed_c10d._get_default_store()
+            store = dist.distributed_c10d._get_default_store()
         except (AttributeError, RuntimeError, ValueError):
             return None
+        under = getattr(store, "underlying_store", store)  # (torchrun's is a PrefixStore over a TCPStore)
+        return None if isinstance(under, dist.FileStore) else store
 
     def _zo_agree_to_save(self, output_dir: str) -> None:
         """Every rank saves this checkpoint, or every saving rank raises before its first collective: one rank's save
@@ -84,7 +92,7 @@ class CheckpointSaving:
         store.set(_PROGRESS_KEY.format(me), f"{point}:saving")
         give_up = time.monotonic() + getattr(self.args, "ddp_timeout", 1800)
         waiting = [r for r in range(self.args.world_size) if r != me]
-        not_saving = []
+        not_saving, pause = [], 0.002
         while waiting:
             for r in list(waiting):
                 key = _PROGRESS_KEY.format(r)
@@ -98,8 +106,9 @@ class CheckpointSaving:
             if waiting and time.monotonic() > give_up:
                 raise TimeoutError(f"rank(s) {', '.join(map(str, waiting))} did not reach the save of {output_dir} "
                                    f"within --ddp_timeout {getattr(self.args, 'ddp_timeout', 1800)} s")
-            if waiting:
-                time.sleep(0.005)
+            if waiting:  # backing off to 0.1 s: each look is a round trip to the store per rank still awaited
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
         if not_saving:
             raise RuntimeError(f"rank(s) {', '.join(map(str, sorted(not_saving)))} went on without saving "
                                f"{output_dir}, which this rank saves: every rank must save a checkpoint together (each "

@@ -57,21 +57,31 @@ def _describe(key: str, first, value, ranks: list) -> str:
 _HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 
-def hyper_disagreement(param_groups, process_group, device, step: int) -> str | None:
+def hyper_disagreement(param_groups, process_group, device, step: int, problem: str | None) -> str | None:
     """Each group's lr, betas, eps and weight decay as this step reads them, compared across ranks by one small MAX
-    all-reduce of them and their negatives (every rank gets the same verdict). The build compares them once; a
-    schedule that differed on one node (--warmup_steps, --lr_scheduler_type, --max_steps) then stepped each shard
-    with its own rank's lr, a model of neither rank's run, without a word (an outside probe)."""
-    mine = [float(x) for g in param_groups for x in (g["lr"], *g["betas"], g["eps"], g["weight_decay"])]
-    both = torch.tensor(mine + [-x for x in mine], dtype=torch.float64, device=device)
+    all-reduce of them and their negatives, with each rank's own verdict on them (``problem``: this rank's groups are
+    invalid), so every rank gets the same answer. The build compares them once; a schedule that differed on one node
+    (--warmup_steps, --lr_scheduler_type, --max_steps) then stepped each shard with its own rank's lr, a model of
+    neither rank's run, without a word (an outside probe); a lr gone bad on one rank raised there alone, before a
+    collective its peers then waited in. Compared as the kernels take them (fp32): a float32 tensor lr against the
+    same Python float is the same lr."""
+    mine = [] if problem else [float(x) for g in param_groups for x in (g["lr"], *g["betas"], g["eps"],
+                                                                        g["weight_decay"])]
+    vals = torch.tensor(mine, dtype=torch.float32).double().tolist()
+    both = torch.tensor([float(problem is not None)] + (vals + [-x for x in vals] if not problem else
+                                                         [0.0] * (10 * len(param_groups))),
+                        dtype=torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
     top = both.tolist()
-    for i, x in enumerate(mine):
-        hi, lo = top[i], -top[len(mine) + i]
+    if top[0] > 0:
+        return problem or "another rank's param group hyperparameters are invalid (see its error)"
+    for i, x in enumerate(vals):
+        hi, lo = top[1 + i], -top[1 + len(vals) + i]
         if hi != lo:
             group, key = divmod(i, len(_HYPER))
-            return (f"param group {group} {_HYPER[key]} differs across ranks at step {step}: from {lo:g} to {hi:g} "
-                    f"(this rank {x:g}). Each rank steps its own shard with its own value, so the model would be "
+            digits = next(d for d in (7, 9) if d == 9 or f"{lo:.{d}g}" != f"{hi:.{d}g}")  # (fp32: 9 tell any two apart)
+            return (f"param group {group} {_HYPER[key]} differs across ranks at step {step}: from {lo:.{digits}g} to "
+                    f"{hi:.{digits}g} (this rank {x:.{digits}g}). Each rank steps its own shard with its own value, so the model would be "
                     "neither rank's run: give every rank the same schedule (--learning_rate, --warmup_steps, "
                     "--lr_scheduler_type, --max_steps, the ds_config's \"scheduler\" block) and edit param_groups "
                     "alike on every rank")

@@ -266,9 +266,21 @@ class ShardedAdam(AdamCore):
             raise ValueError(stray or f"{type(self).__name__}: another rank holds a .grad the engine would ignore "
                              "(see its error)")
         if self.world_size > 1 and (differs := hyper_disagreement(self.param_groups, self.process_group, self.device,
-                                                                   self.global_steps + 1)):
-            raise ValueError(f"{type(self).__name__}: {differs}")
+                                                                   self.global_steps + 1, self._hyper_problem())):
+            raise ValueError(differs if differs.startswith(type(self).__name__) else f"{type(self).__name__}: {differs}")
         return stats[:-1].tolist()
+
+    def _check_hyper(self) -> None:
+        # several ranks, once built: said in _global_stats' collective (every rank raises together)
+        if self.world_size == 1 or not hasattr(self, "reducer"):
+            super()._check_hyper()
+
+    def _hyper_problem(self) -> str | None:
+        try:
+            super()._check_hyper()
+        except ValueError as e:
+            return str(e)
+        return None
 
     def _hooks(self):
         reducer = getattr(self, "reducer", None)
