@@ -300,3 +300,40 @@ def test_a_save_asked_on_one_rank_only_stops_at_once_naming_it(tmp_path, how):
     assert f"RuntimeError: rank(s) 1 went on without saving {tmp_path}/{how}/checkpoint-{step}, which this rank " \
            "saves: every rank must save a checkpoint together" in ours[0]["error"], ours
     assert ours[1]["error"], ours  # its peer gone: gloo's error, not a hang
+
+
+def _trainers_around_a_reload(rank, world_size, out_dir):
+    import importlib
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+    from hf_zero_offload.trainer import saving
+
+    import time
+
+    from transformers import TrainerCallback
+
+    class Late(TrainerCallback):  # rank 1 reaches the second Trainer's first save after rank 0 looked for it
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 1 and state.global_step == 1:
+                time.sleep(1.0)
+
+    steps = []
+    for name in ("a", "b"):
+        targs = ZeroOffloadSeq2SeqTrainingArguments(
+            output_dir=f"{out_dir}/{name}", per_device_train_batch_size=4, max_steps=2, use_cpu=True,
+            ddp_backend="gloo", report_to=[], save_strategy="steps", save_steps=1, seed=0, disable_tqdm=True,
+            sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+        trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=ToyDataset(),
+                                            callbacks=[Late()] if name == "b" else [])
+        trainer.train()
+        steps.append(trainer.state.global_step)
+        importlib.reload(saving)  # a notebook's %autoreload between two Trainers
+    return steps
+
+
+def test_trainers_in_one_job_around_a_module_reload_save_together(tmp_path):
+    """An outside probe: the saves' agreement counted the Trainer's log/evaluate/save points in a module global, which
+    a reload set back to 0 while the peers' keys in the store held the old counts: the next save said the ranks had
+    gone on without saving."""
+    assert run_distributed(_trainers_around_a_reload, str(tmp_path), timeout=120) == [[2, 2], [2, 2]]

@@ -4,11 +4,10 @@ param names, and the completion marker written last (its rotation of old checkpo
 the Trainer's fields (``args``, ``state``, ``zero_engine``, ``_zo_raw``) as their own."""
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import os
 import shutil
-import sys
 import time
 
 import torch
@@ -48,26 +47,38 @@ def save_failed(e: BaseException, target: str, run_dir: str) -> str:
 
 
 # Where each rank is, in the store every rank shares: "<n>:saving" or "<n>:passed", n counting the Trainer's
-# log/evaluate/save points in this process (the same on every rank: one after each step and each epoch).
+# log/evaluate/save points in this job (the same on every rank: one after each step and each epoch). The count goes
+# on from this rank's own key when this module is (re)loaded: a module-level count, which %autoreload set back to 0
+# while the peers' keys held the old counts, had a save read them as gone on.
 _PROGRESS_KEY = "hf_zero_offload/progress/rank{}"
-_POINTS = itertools.count(1)
+_COUNT: dict = {}  # key -> this rank's last point, read from the store once per import
 
 
 class CheckpointSaving:
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         # each rank says when it has passed this point, saved or not, so that a save asked on some ranks only (a
         # callback's control.should_save on one rank) is told apart from a peer that is slower to get there
-        self._zo_point = next(_POINTS) if self._zo_store() is not None else None
+        store = self._zo_store()
+        self._zo_point = None
+        if store is not None:
+            key = _PROGRESS_KEY.format(self.args.process_index)
+            if key not in _COUNT:
+                _COUNT[key] = int(store.get(key).decode().split(":")[0]) if store.check([key]) else 0
+            _COUNT[key] += 1
+            self._zo_point = _COUNT[key]
         try:
-            return super()._maybe_log_save_evaluate(*args, **kwargs)
-        finally:
-            try:
-                if self._zo_point is not None:  # (a set does not wait for the store's reply: 1-3 us)
-                    self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{self._zo_point}:passed")
-            except Exception:  # noqa: BLE001 - the store gone with rank 0: the error in flight is the one to see
-                if sys.exc_info()[1] is None:
-                    raise
-            self._zo_point = None
+            out = super()._maybe_log_save_evaluate(*args, **kwargs)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (the store gone with rank 0: the error in flight is the one to see)
+                self._zo_passed()
+            raise
+        self._zo_passed()
+        return out
+
+    def _zo_passed(self) -> None:
+        if self._zo_point is not None:
+            self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{self._zo_point}:passed")
+        self._zo_point = None
 
     def _zo_store(self):
         """The store the ranks' process group shares, with several ranks (None: one process, none to be had, or a
