@@ -178,6 +178,8 @@ def test_levels_reported():
     assert ops.simd_level() in LEVELS
     with pytest.raises(ValueError, match="unknown SIMD level"):
         ops.set_simd_level("sse9")
+    with pytest.raises(ValueError, match=r"unknown SIMD level 'avx2\\x00' \(expected one of scalar"):
+        ops.set_simd_level("avx2\0")  # the C++ message ended at the NUL
 
 
 def _import_with_env(*values):

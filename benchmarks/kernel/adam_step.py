@@ -221,6 +221,9 @@ def main() -> int:
     def say(*a):
         print(*a, file=out_stream, flush=True)
 
+    if ARGS.also_level and ARGS.also_level not in ops.available_simd_levels():
+        raise SystemExit(f"--also-level {ARGS.also_level!r}: not a level this CPU runs "
+                         f"({', '.join(ops.available_simd_levels())})")
     say(hardware_line(info))
     say(f"numel={n:,}  threads={threads}  rounds={rounds} (median)  simd={ops.simd_level()}")
     b = Bufs(n)

@@ -20,12 +20,18 @@ def _apply_env_override() -> None:
     if not level:
         return
     try:
-        _C.set_level(level.strip().lower())
+        _set(level.strip().lower())
     except ValueError as exc:
         _env_error = ValueError(f"{_ENV_SIMD}={level!r}: {exc}")
 
 
 _apply_env_override()
+
+
+def _set(level: str) -> None:
+    if "\0" in level:  # the C++ message would end at it
+        raise ValueError(f"unknown SIMD level {level!r} (expected one of {', '.join(available_simd_levels())})")
+    _C.set_level(level)
 
 
 def check_env_level() -> None:
@@ -50,5 +56,5 @@ def set_simd_level(level: str) -> None:
     if not isinstance(level, str):
         raise TypeError(f"level must be a str (one of {', '.join(available_simd_levels())}), got {level!r}")
     global _env_error
-    _C.set_level(level.strip().lower())  # as HF_ZERO_OFFLOAD_SIMD is read
+    _set(level.strip().lower())  # as HF_ZERO_OFFLOAD_SIMD is read
     _env_error = None  # a level chosen in code replaces a bad one from the environment
