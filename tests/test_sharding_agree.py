@@ -105,7 +105,7 @@ def test_a_state_dict_refused_on_one_rank_is_refused_on_every_rank():
 def _schedules_apart(rank, world_size):
     """Rank 1's lr (or weight decay) moves away from rank 0's after the build, as a schedule of its own would."""
     out = {}
-    for key in ("lr", "weight_decay", "nan", "fp32 tensor", "same"):
+    for key in ("lr", "weight_decay", "nan", "fp32 tensor", "after grad_norm", "group appended", "same"):
         torch.manual_seed(0)
         model = TinyNet()
         engine = ShardedAdam(param_groups(model, 0.01), lr=0.01, stage=2, offload=True,
@@ -118,7 +118,13 @@ def _schedules_apart(rank, world_size):
                 engine.param_groups[0]["lr"] = float("nan")
             elif k == 1 and key == "fp32 tensor":  # the same lr as the kernels take it: on rank 1 a float32 tensor
                 engine.param_groups[0]["lr"] = torch.tensor(0.003, dtype=torch.float32) if rank else 0.003
+            elif k == 1 and rank == 1 and key == "group appended":  # (add_param_group is refused; a list append not)
+                engine.param_groups.append({**engine.param_groups[1], "params": []})
             loss_fn(model, ids, labels, use_branch).backward()
+            if k == 1 and key == "after grad_norm":  # the Trainer's order: the norm, callbacks, then step()
+                engine.grad_norm()
+                if rank == 1:
+                    engine.param_groups[0]["lr"] = float("nan")
             try:
                 engine.step()
             except ValueError as e:
@@ -147,6 +153,8 @@ def test_hyperparameters_that_drift_apart_after_the_build_are_refused_on_every_r
         assert "param group 0 weight_decay differs across ranks at step 2: from 0.005 to 0.01" in r["weight_decay"][0]
         assert r["fp32 tensor"] is None  # trained both steps
         # a lr gone bad on one rank: it raised there alone, before the collective its peer then waited in
-        nan_msg, steps = r["nan"]
-        assert steps == 1 and r["nan untouched"], rank
-        assert ("lr must be" in nan_msg) if rank else ("another rank's param group hyperparameters are invalid" in nan_msg)
+        for key in ("nan", "after grad_norm", "group appended"):
+            msg, steps = r[key]
+            assert steps == 1 and r[key + " untouched"], (rank, key)
+            mine = "lr must be" if key != "group appended" else "the param groups are fixed when the engine is built"
+            assert (mine in msg) if rank else ("another rank's param group hyperparameters are invalid" in msg), msg

@@ -337,3 +337,27 @@ def test_trainers_in_one_job_around_a_module_reload_save_together(tmp_path):
     a reload set back to 0 while the peers' keys in the store held the old counts: the next save said the ranks had
     gone on without saving."""
     assert run_distributed(_trainers_around_a_reload, str(tmp_path), timeout=120) == [[2, 2], [2, 2]]
+
+
+def _train_again_after_counts_drifted(rank, world_size, out_dir):
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    targs = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=4, max_steps=2, use_cpu=True, ddp_backend="gloo", report_to=[],
+        save_strategy="steps", save_steps=1, seed=0, disable_tqdm=True, sharded_ddp=True,
+        zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=ToyDataset())
+    trainer.train()
+    if rank == 1:  # as an interrupt that caught rank 1 past a log/evaluate/save point rank 0 never reached leaves it
+        trainer._zo_count()[1] += 1
+    trainer.args.max_steps = 4
+    trainer.train(resume_from_checkpoint=f"{out_dir}/checkpoint-2")
+    return trainer.state.global_step
+
+
+def test_a_train_again_after_an_interrupt_saves_together(tmp_path):
+    """A review: the ranks' counts of log/evaluate/save points went on across train() calls, so a retry after an
+    interrupt that caught the ranks at different points gave rank 0 a false "went on without saving" and left rank 1
+    waiting for the timeout. Each train() counts from 0 again."""
+    assert run_distributed(_train_again_after_counts_drifted, str(tmp_path), timeout=120) == [4, 4]

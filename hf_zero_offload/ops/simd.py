@@ -14,6 +14,12 @@ _ENV_SIMD = "HF_ZERO_OFFLOAD_SIMD"
 _env_error: ValueError | None = None
 
 
+def _set(level: str) -> None:
+    if "\0" in level:  # the C++ message would end at it
+        raise ValueError(f"unknown SIMD level {level!r} (expected one of {', '.join(available_simd_levels())})")
+    _C.set_level(level)
+
+
 def _apply_env_override() -> None:
     global _env_error
     level = os.environ.get(_ENV_SIMD)
@@ -26,12 +32,6 @@ def _apply_env_override() -> None:
 
 
 _apply_env_override()
-
-
-def _set(level: str) -> None:
-    if "\0" in level:  # the C++ message would end at it
-        raise ValueError(f"unknown SIMD level {level!r} (expected one of {', '.join(available_simd_levels())})")
-    _C.set_level(level)
 
 
 def check_env_level() -> None:

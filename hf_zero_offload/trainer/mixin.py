@@ -283,6 +283,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._zo_resume, self._zo_best, self._zo_buffers_stale = None, False, True
+        self._zo_new_run()  # (the saves' agreement: saving.py)
         engine = self.zero_engine
         if engine is not None and self.model_init is not None:
             engine.close()  # transformers builds a new model, so a new engine: this one is done

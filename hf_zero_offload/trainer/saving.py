@@ -46,26 +46,29 @@ def save_failed(e: BaseException, target: str, run_dir: str) -> str:
                                                   "no complete checkpoint exists yet"))
 
 
-# Where each rank is, in the store every rank shares: "<n>:saving" or "<n>:passed", n counting the Trainer's
-# log/evaluate/save points in this job (the same on every rank: one after each step and each epoch). The count goes
-# on from this rank's own key when this module is (re)loaded: a module-level count, which %autoreload set back to 0
-# while the peers' keys held the old counts, had a save read them as gone on.
+# Where each rank is, in the store every rank shares: "<g>:<n>:saving" or "<g>:<n>:passed", n counting the Trainer's
+# log/evaluate/save points in this rank's g-th train() (the same on every rank: one after each step and each epoch;
+# each train() starts again from 0, so a retry after an interrupt that caught the ranks at different points lines up
+# again). The counts go on from this rank's own key when this module is (re)loaded: a module-level count, which
+# %autoreload set back to 0 while the peers' keys held the old counts, had a save read them as gone on.
 _PROGRESS_KEY = "hf_zero_offload/progress/rank{}"
-_COUNT: dict = {}  # key -> this rank's last point, read from the store once per import
+_COUNT: dict = {}  # key -> [g, n] of this rank, read from the store once per import
+
+
+def _parse(seen: str) -> tuple[tuple[int, int], str]:
+    g, n, state = seen.split(":")
+    return (int(g), int(n)), state
 
 
 class CheckpointSaving:
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         # each rank says when it has passed this point, saved or not, so that a save asked on some ranks only (a
         # callback's control.should_save on one rank) is told apart from a peer that is slower to get there
-        store = self._zo_store()
+        count = self._zo_count()
         self._zo_point = None
-        if store is not None:
-            key = _PROGRESS_KEY.format(self.args.process_index)
-            if key not in _COUNT:
-                _COUNT[key] = int(store.get(key).decode().split(":")[0]) if store.check([key]) else 0
-            _COUNT[key] += 1
-            self._zo_point = _COUNT[key]
+        if count is not None:
+            count[1] += 1
+            self._zo_point = f"{count[0]}:{count[1]}"
         try:
             out = super()._maybe_log_save_evaluate(*args, **kwargs)
         except BaseException:
@@ -74,6 +77,20 @@ class CheckpointSaving:
             raise
         self._zo_passed()
         return out
+
+    def _zo_count(self) -> list | None:
+        store = self._zo_store()
+        if store is None:
+            return None
+        key = _PROGRESS_KEY.format(self.args.process_index)
+        if key not in _COUNT:
+            _COUNT[key] = list(_parse(store.get(key).decode())[0]) if store.check([key]) else [0, 0]
+        return _COUNT[key]
+
+    def _zo_new_run(self) -> None:
+        """At each train(): this rank's points counted from 0 again, in a new generation."""
+        if (count := self._zo_count()) is not None:
+            count[0], count[1] = count[0] + 1, 0
 
     def _zo_passed(self) -> None:
         if self._zo_point is not None:
@@ -89,7 +106,9 @@ class CheckpointSaving:
             store = dist.distributed_c10d._get_default_store()
         except (AttributeError, RuntimeError, ValueError):
             return None
-        under = getattr(store, "underlying_store", store)  # (torchrun's is a PrefixStore over a TCPStore)
+        under = store
+        while hasattr(under, "underlying_store"):  # (PrefixStores over the TCPStore or FileStore, 2 deep under torchrun)
+            under = under.underlying_store
         return None if isinstance(under, dist.FileStore) else store
 
     def _zo_agree_to_save(self, output_dir: str) -> None:
@@ -103,15 +122,14 @@ class CheckpointSaving:
         store.set(_PROGRESS_KEY.format(me), f"{point}:saving")
         give_up = time.monotonic() + getattr(self.args, "ddp_timeout", 1800)
         waiting = [r for r in range(self.args.world_size) if r != me]
-        not_saving, pause = [], 0.002
+        not_saving, pause, here = [], 0.002, _parse(f"{point}:saving")[0]
         while waiting:
             for r in list(waiting):
                 key = _PROGRESS_KEY.format(r)
-                seen = store.get(key).decode() if store.check([key]) else "0:passed"
-                n, state = int(seen.split(":")[0]), seen.split(":")[1]
-                if n == point and state == "saving":
+                there, state = _parse(store.get(key).decode()) if store.check([key]) else ((0, 0), "passed")
+                if there == here and state == "saving":
                     waiting.remove(r)
-                elif n > point or (n == point and state == "passed"):
+                elif there > here or (there == here and state == "passed"):
                     waiting.remove(r)
                     not_saving.append(r)
             if waiting and time.monotonic() > give_up:

@@ -57,19 +57,21 @@ def _describe(key: str, first, value, ranks: list) -> str:
 _HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 
-def hyper_disagreement(param_groups, process_group, device, step: int, problem: str | None) -> str | None:
+def hyper_disagreement(param_groups, n_groups: int, process_group, device, step: int,
+                       problem: str | None) -> str | None:
     """Each group's lr, betas, eps and weight decay as this step reads them, compared across ranks by one small MAX
     all-reduce of them and their negatives, with each rank's own verdict on them (``problem``: this rank's groups are
     invalid), so every rank gets the same answer. The build compares them once; a schedule that differed on one node
     (--warmup_steps, --lr_scheduler_type, --max_steps) then stepped each shard with its own rank's lr, a model of
     neither rank's run, without a word (an outside probe); a lr gone bad on one rank raised there alone, before a
-    collective its peers then waited in. Compared as the kernels take them (fp32): a float32 tensor lr against the
+    collective its peers then waited in. ``n_groups``: the groups the engine was built with (a ``problem`` when they
+    changed), so that every rank's vector has one size. Compared as the kernels take them (fp32): a float32 tensor lr against the
     same Python float is the same lr."""
     mine = [] if problem else [float(x) for g in param_groups for x in (g["lr"], *g["betas"], g["eps"],
                                                                         g["weight_decay"])]
     vals = torch.tensor(mine, dtype=torch.float32).double().tolist()
     both = torch.tensor([float(problem is not None)] + (vals + [-x for x in vals] if not problem else
-                                                         [0.0] * (10 * len(param_groups))),
+                                                         [0.0] * (10 * n_groups)),
                         dtype=torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
     top = both.tolist()

@@ -71,6 +71,7 @@ from ... import ops
 from ..buffers import HostArena, HostPlan
 from ..memory_limits import check_host_ram
 from ..core import AdamCore
+from ..group_flags import layout_change
 from ..options import OffloadOptions
 from ..runs import host_bytes_leaving
 from ..streams import Streams
@@ -265,21 +266,26 @@ class ShardedAdam(AdamCore):
         if stats[-1] > 0:
             raise ValueError(stray or f"{type(self).__name__}: another rank holds a .grad the engine would ignore "
                              "(see its error)")
-        if self.world_size > 1 and (differs := hyper_disagreement(self.param_groups, self.process_group, self.device,
-                                                                   self.global_steps + 1, self._hyper_problem())):
-            raise ValueError(differs if differs.startswith(type(self).__name__) else f"{type(self).__name__}: {differs}")
         return stats[:-1].tolist()
 
     def _check_hyper(self) -> None:
-        # several ranks, once built: said in _global_stats' collective (every rank raises together)
+        # several ranks, once built: at every step() (every rank calls it, also after grad_norm()), each rank's verdict
+        # and values in one collective, so that all raise together and none steps its shard with a lr of its own
         if self.world_size == 1 or not hasattr(self, "reducer"):
-            super()._check_hyper()
+            return super()._check_hyper()
+        name = type(self).__name__
+        if differs := hyper_disagreement(self.param_groups, len(self._built_groups), self.process_group, self.device,
+                                         self.global_steps + 1, self._hyper_problem()):
+            raise ValueError(differs if differs.startswith(name) else f"{name}: {differs}")
 
     def _hyper_problem(self) -> str | None:
+        name = type(self).__name__
         try:
+            if changed := layout_change(self._built_groups, self.param_groups):  # (step() names it on one rank)
+                return f"{name}: {changed}: the param groups are fixed when the engine is built"
             super()._check_hyper()
-        except ValueError as e:
-            return str(e)
+        except Exception as e:  # noqa: BLE001 - said on every rank (a key deleted from a group: a KeyError)
+            return str(e) if str(e).startswith(name) else f"{name}: {type(e).__name__}: {e}"
         return None
 
     def _hooks(self):
