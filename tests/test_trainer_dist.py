@@ -361,3 +361,22 @@ def test_a_train_again_after_an_interrupt_saves_together(tmp_path):
     interrupt that caught the ranks at different points gave rank 0 a false "went on without saving" and left rank 1
     waiting for the timeout. Each train() counts from 0 again."""
     assert run_distributed(_train_again_after_counts_drifted, str(tmp_path), timeout=120) == [4, 4]
+
+
+def test_the_save_agreement_is_off_on_a_file_store(tmp_path, monkeypatch):
+    """A review: `file://` gives a PrefixStore over a PrefixStore over the FileStore (torchrun's TCPStore sits as deep),
+    and unwrapping one level missed it: the file grew a line per rank and step."""
+    import types
+
+    import torch.distributed as dist
+
+    from hf_zero_offload.trainer.saving import CheckpointSaving
+
+    file_store = dist.FileStore(str(tmp_path / "store"), 1)
+    tcp_like = dist.HashStore()
+    me = types.SimpleNamespace(args=types.SimpleNamespace(world_size=2))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for under, used in ((file_store, False), (tcp_like, True)):
+        wrapped = dist.PrefixStore("default_pg", dist.PrefixStore("attempt0", under))
+        monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda w=wrapped: w)
+        assert (CheckpointSaving._zo_store(me) is wrapped) is used
