@@ -95,8 +95,8 @@ class OffloadOptions:
                              "bucket_numel": (1, False), "tile_numel": (1, False), "dpu_warmup_steps": (0, False),
                              "num_threads": (1, True)})
         _check_flags(self, ("pin_memory", "dpu", "scatter_thread"), none_ok=("scatter_thread",))
-        if self.fp16 is not None:
-            _fp16_fields(self.fp16)
+        # checked once, kept as a dict (not a field: equality and repr stay the dataclass's)
+        object.__setattr__(self, "_fp16", None if self.fp16 is None else _fp16_fields(self.fp16))
         # the kernels take fewer than 2**31 threads (ops.check_num_threads): refused here, at construction,
         # not at the first step after the model has loaded
         if self.num_threads is not None and self.num_threads >= 2**31:
@@ -114,11 +114,11 @@ class OffloadOptions:
     @property
     def fp16_fields(self) -> dict | None:
         """``fp16``'s fields as a dict (None: no loss scaling)."""
-        return None if self.fp16 is None else _fp16_fields(self.fp16)
+        return None if self._fp16 is None else dict(self._fp16)
 
     @property
     def fp16_enabled(self) -> bool:
-        return self.fp16 is not None and _fp16_fields(self.fp16)["enabled"]
+        return self._fp16 is not None and self._fp16["enabled"]
 
 
 @dataclass(frozen=True)

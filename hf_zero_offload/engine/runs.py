@@ -3,7 +3,6 @@ call); shared by the offload and the sharded engines."""
 from __future__ import annotations
 
 import bisect
-import bisect
 import logging
 from dataclasses import dataclass
 

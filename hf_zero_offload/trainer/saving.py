@@ -68,7 +68,7 @@ class CheckpointSaving:
         self._zo_point = None
         if count is not None:
             count[1] += 1
-            self._zo_point = f"{count[0]}:{count[1]}"
+            self._zo_point = tuple(count)
         try:
             out = super()._maybe_log_save_evaluate(*args, **kwargs)
         except BaseException:
@@ -94,8 +94,12 @@ class CheckpointSaving:
 
     def _zo_passed(self) -> None:
         if self._zo_point is not None:
-            self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{self._zo_point}:passed")
+            self._zo_say("passed")
         self._zo_point = None
+
+    def _zo_say(self, state: str) -> None:
+        g, n = self._zo_point
+        self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{g}:{n}:{state}")
 
     def _zo_store(self):
         """The store the ranks' process group shares, with several ranks (None: one process, none to be had, or a
@@ -119,17 +123,17 @@ class CheckpointSaving:
         if point is None or store is None:  # (a save from elsewhere than the Trainer's log/evaluate/save point)
             return
         me = self.args.process_index
-        store.set(_PROGRESS_KEY.format(me), f"{point}:saving")
+        self._zo_say("saving")
         give_up = time.monotonic() + getattr(self.args, "ddp_timeout", 1800)
         waiting = [r for r in range(self.args.world_size) if r != me]
-        not_saving, pause, here = [], 0.002, _parse(f"{point}:saving")[0]
+        not_saving, pause = [], 0.002
         while waiting:
             for r in list(waiting):
                 key = _PROGRESS_KEY.format(r)
                 there, state = _parse(store.get(key).decode()) if store.check([key]) else ((0, 0), "passed")
-                if there == here and state == "saving":
+                if there == point and state == "saving":
                     waiting.remove(r)
-                elif there > here or (there == here and state == "passed"):
+                elif there > point or (there == point and state == "passed"):
                     waiting.remove(r)
                     not_saving.append(r)
             if waiting and time.monotonic() > give_up:

@@ -65,14 +65,13 @@ def hyper_disagreement(param_groups, n_groups: int, process_group, device, step:
     (--warmup_steps, --lr_scheduler_type, --max_steps) then stepped each shard with its own rank's lr, a model of
     neither rank's run, without a word (an outside probe); a lr gone bad on one rank raised there alone, before a
     collective its peers then waited in. ``n_groups``: the groups the engine was built with (a ``problem`` when they
-    changed), so that every rank's vector has one size. Compared as the kernels take them (fp32): a float32 tensor lr against the
-    same Python float is the same lr."""
-    mine = [] if problem else [float(x) for g in param_groups for x in (g["lr"], *g["betas"], g["eps"],
-                                                                        g["weight_decay"])]
-    vals = torch.tensor(mine, dtype=torch.float32).double().tolist()
-    both = torch.tensor([float(problem is not None)] + (vals + [-x for x in vals] if not problem else
-                                                         [0.0] * (10 * n_groups)),
-                        dtype=torch.float64, device=device)
+    changed), so that every rank's vector has one size. Compared as the kernels take them (fp32): a float32 tensor
+    lr against the same Python float is the same lr."""
+    # every rank's vector one size: the built groups' values, or zeros beside a problem
+    vals = [0.0] * (len(_HYPER) * n_groups) if problem else torch.tensor(
+        [float(x) for g in param_groups for x in (g["lr"], *g["betas"], g["eps"], g["weight_decay"])],
+        dtype=torch.float32).double().tolist()
+    both = torch.tensor([float(problem is not None)] + vals + [-x for x in vals], dtype=torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
     top = both.tolist()
     if top[0] > 0:
@@ -83,8 +82,8 @@ def hyper_disagreement(param_groups, n_groups: int, process_group, device, step:
             group, key = divmod(i, len(_HYPER))
             digits = next(d for d in (7, 9) if d == 9 or f"{lo:.{d}g}" != f"{hi:.{d}g}")  # (fp32: 9 tell any two apart)
             return (f"param group {group} {_HYPER[key]} differs across ranks at step {step}: from {lo:.{digits}g} to "
-                    f"{hi:.{digits}g} (this rank {x:.{digits}g}). Each rank steps its own shard with its own value, so the model would be "
-                    "neither rank's run: give every rank the same schedule (--learning_rate, --warmup_steps, "
-                    "--lr_scheduler_type, --max_steps, the ds_config's \"scheduler\" block) and edit param_groups "
-                    "alike on every rank")
+                    f"{hi:.{digits}g} (this rank {x:.{digits}g}). Each rank steps its own shard with its own value, so "
+                    "the model would be neither rank's run: give every rank the same schedule (--learning_rate, "
+                    "--warmup_steps, --lr_scheduler_type, --max_steps, the ds_config's \"scheduler\" block) and edit "
+                    "param_groups alike on every rank")
     return None
