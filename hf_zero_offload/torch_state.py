@@ -15,7 +15,8 @@ import torch
 from . import ops
 from .adam_state_dict import step_tensor
 from .engine.moments import Q, moment_regions
-from .engine.state_dir import check_meta, check_save_id, check_sources, read_range, sources
+from .engine.state_contents import check_meta
+from .engine.state_dir import check_save_id, check_sources, read_range, sources
 
 #: what a torch.optim.AdamW group holds beside lr, betas, eps and weight_decay (torch's defaults; the saved values
 #: replace a group's on load, so a group without them would lose the keys torch's step reads)

@@ -2,7 +2,7 @@
 ``state_meta``/``state_tensors``/``state_dict``, checkpoints (``state_dir``, one file format for every engine and
 world size) and the loads of both.
 
-A load checks everything it can before its first write (``state_dir.check_meta`` / ``check_tensors``, the params'
+A load checks everything it can before its first write (``state_contents.check_meta`` / ``check_tensors``, the params'
 names, the loss scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A
 checkpoint's tensors then stream straight into the arena (no second copy of the state); should a chunk fail its
 checksum part way, ``_load_failed`` stays set and ``step``, ``state_meta`` (hence every save) refuse until a load
@@ -20,7 +20,7 @@ import torch
 
 from .. import ops
 from ..ops.moments import check_code_range
-from . import param_names, state_dir
+from . import param_names, state_contents, state_dir
 from .checkpoint import StateFileError
 from .grad_hooks import size_changed
 from .moments import SCALES, Q
@@ -48,7 +48,7 @@ class SavedState:
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
             "state_dtype": self.moments.state_dtype,
             **({"int8_codes": ops.INT8_CODES} if self.moments.state_dtype == "int8" else {}),
-            "param_groups": [{k: state_dir.json_value(v, f"param_groups[{i}].{k}") for k, v in g.items()
+            "param_groups": [{k: state_contents.json_value(v, f"param_groups[{i}].{k}") for k, v in g.items()
                               if k != "params"} for i, g in enumerate(self.param_groups)],
             "slots": self._slot_meta(),
             **({param_names.META_KEY: names} if (names := param_names.slot_names(self.param_groups, self._slots))
@@ -117,7 +117,7 @@ class SavedState:
                                  f"{self.rank} of {self.world_size}, {self.moments.state_dtype}) holds [{self.lo}, "
                                  f"{self.hi}): load_checkpoint re-cuts a save_checkpoint for any world size or "
                                  "state_dtype")
-            state_dir.check_tensors(meta, self.hi - self.lo, where)
+            state_contents.check_tensors(meta, self.hi - self.lo, where)
             return meta, self._saved_codes(meta, where)
 
         # a refusal on one rank only left its peers in the collective below until the timeout: all hear of it
@@ -148,8 +148,8 @@ class SavedState:
     def _check_saved(self, meta: dict, where: str, names: bool = True) -> dict:
         """``meta`` checked (refused by name), and returned as this engine's groups hold it. ``names``: compare the
         params' names too (``param_names.check_names``)."""
-        meta = state_dir.with_empty_groups(meta, self._slot_meta(), self.param_groups)
-        state_dir.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
+        meta = state_contents.with_empty_groups(meta, self._slot_meta(), self.param_groups)
+        state_contents.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
                              steps=self._param_steps.numel())
         if names:
             param_names.check_names(meta, self.param_groups, self._slots, where)
@@ -353,13 +353,13 @@ class SavedState:
             read(self.lo, self.state_tensors())
         else:
             self._convert_loaded(saved, codes, read, where, files)
-        if files is None:  # a state dict: its values were checked before the first write (state_dir.check_tensors)
+        if files is None:  # a state dict: its values were checked before the first write (state_contents.check_tensors)
             return
         if self.moments.state_dtype == "int8":  # absmax scales, as the kernels rely on (a conversion's: our codes)
             self._check_int8(self.moments.state, where, self.lo, files if (saved, codes) == ("int8", ops.INT8_CODES)
                              else None)
         elif saved == self.moments.state_dtype:  # streamed, so checked once loaded (conversions: _convert_loaded)
-            state_dir.check_second_moments(self.moments.tensors(self.hi - self.lo)["exp_avg_sq"], where)
+            state_contents.check_second_moments(self.moments.tensors(self.hi - self.lo)["exp_avg_sq"], where)
 
     @staticmethod
     def _check_int8(state: dict, where: str, first: int = 0, files: list | None = None) -> None:
@@ -392,7 +392,7 @@ class SavedState:
         if saved == "int8":
             self._check_int8(tmp, where, la, files)
         elif files is not None:  # (a state dict's: checked already) a negative one would encode as its magnitude
-            state_dir.check_second_moments(tmp["exp_avg_sq"], where)
+            state_contents.check_second_moments(tmp["exp_avg_sq"], where)
         m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
         for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
             self.moments.tensors(n)[k].copy_(t)

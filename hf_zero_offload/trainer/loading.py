@@ -9,7 +9,8 @@ import os
 
 from .. import resume
 from ..consolidate import names_difference, names_mismatch, trainable_set_mismatch
-from ..engine.state_dir import GroupingMismatch, LayoutMismatch, check_save_id, sources
+from ..engine.state_contents import GroupingMismatch, LayoutMismatch
+from ..engine.state_dir import check_save_id, sources
 from .saving import SCHEDULER_NAME, STATE_DIR
 from .torch_resume import TorchStateResume
 

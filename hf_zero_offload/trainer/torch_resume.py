@@ -11,7 +11,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from ..engine.state_dir import LayoutMismatch
+from ..engine.state_contents import LayoutMismatch
 from ..engine.torch_import import not_adam
 from ..foreign_checkpoint import FRESH_START
 
