@@ -237,78 +237,6 @@ def choose(folder: str) -> tuple[str, list[str]]:
     return chosen, [c for c in found if _step(c) > _step(chosen)]
 
 
-def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
-    """What the checkpoint's optimizer state is: the marker's record, else read from the state files (legacy);
-    None when the checkpoint holds no hf_zero_offload state."""
-    d = os.path.join(checkpoint, state_dir)
-    if not os.path.isdir(d):
-        return None  # e.g. --save_only_model: the marker records the engine that ran, but no state was written
-    marker = read_marker(checkpoint)
-    if marker is not None and isinstance(marker.get("engine"), dict) and marker["engine"]:
-        return marker["engine"]  # (any other "engine" is damage, which describe() names: read the files)
-    files = sorted(n for n in os.listdir(d) if n.endswith(".hzo"))
-    if not files:
-        return None
-    info = {"world_size": len(files)}
-    try:
-        meta = read_header(os.path.join(d, files[0]))[0]
-    except (OSError, ValueError, KeyError):
-        return info  # the engine's load says what is wrong with the file
-    return {**info, "format": meta.get("format"), "stage": meta.get("stage"), "offload": meta.get("offload", True),
-            "dtype": meta.get("param_dtype")}
-
-
-def describe(checkpoint: str, state: str, engine: dict | None, now: dict) -> str:
-    """The one line a resume logs: what was restored, saved vs now."""
-    step = recorded_step(checkpoint)
-    problem = marker_problem(checkpoint)
-    how = ("complete" if state == "complete" else f"{problem}, accepted as is" if problem else
-           "a plain Trainer's, its optimizer.pt taken over" if plain_checkpoint(checkpoint) else
-           "written before completion markers, accepted as is")
-    parts = [f"hf_zero_offload: resumed {checkpoint} (step {step if step is not None else '?'}, {how})"]
-    if state == "complete" and problem:
-        parts.append(f"{problem}: the state files say what was saved")
-    if engine is not None:
-        ws = engine.get("world_size", "?")
-        parts.append(f"optimizer state {engine.get('format', '?')} saved by {ws} rank(s), loaded on "
-                     f"{now['world_size']}")
-        parts.append(f"stage {engine.get('stage', '-')} -> {now.get('stage', '-')}, offload "
-                     f"{engine.get('offload', '?')} -> {now.get('offload', '?')}, dpu {engine.get('dpu', '?')} -> "
-                     f"{now.get('dpu', '?')}, dtype {engine.get('dtype', '?')} -> {now.get('dtype', '?')}")
-    return "; ".join(parts)
-
-
-def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | None:
-    """The warning for a checkpoint whose hf_zero_offload optimizer state this run will not load (None when it
-    holds none)."""
-    engine = saved_engine(checkpoint, state_dir)
-    if engine is None:
-        return None
-    return (f"hf_zero_offload: {checkpoint} holds hf_zero_offload optimizer state ({state_dir}/: fp32 master "
-            f"weights, Adam moments, step counts and loss scale, saved by {engine.get('world_size', '?')} rank(s)) "
-            f"that this run drops ({why}): Adam restarts from zero moments and, without optimizer.pt, "
-            "transformers does not load scheduler.pt either, so the LR schedule restarts from its first step. "
-            "Pass the same --zero_offload config to continue the run as it was")
-
-
-def saved_learning_rate(checkpoint: str) -> float | None:
-    """The last logged learning rate in the checkpoint's trainer_state.json."""
-    try:
-        with open(os.path.join(checkpoint, TRAINER_STATE), encoding="utf-8") as f:
-            history = json.load(f).get("log_history", [])
-    except (OSError, ValueError, AttributeError):
-        return None
-    rates = [h["learning_rate"] for h in history if isinstance(h, dict) and "learning_rate" in h]
-    return rates[-1] if rates else None
-
-
-def missing_scheduler_message(checkpoint: str, restart_lr: float, scheduler_name: str) -> str:
-    saved = saved_learning_rate(checkpoint)
-    was = f"the saved run was at lr={saved:.6g}" if saved is not None else "the saved LR is unknown"
-    return (f"hf_zero_offload: {checkpoint} has no {scheduler_name}: the learning-rate schedule restarts from its "
-            f"first step (lr={restart_lr:.6g}) instead of continuing ({was} at step {recorded_step(checkpoint)})")
-
-
 def no_resume_word(value):
     """The command line's ``false``/``no``/``none`` for ``resume_from_checkpoint`` (unless a path has that name):
     None, no resume. Anything else unchanged."""
@@ -379,22 +307,6 @@ def _written_after(chosen: str, folder: str) -> list[str]:
                                    and (state or status(c)) == "incomplete"):
             later.append(c)
     return later
-
-
-def nothing_left_message(checkpoint: str, max_steps: int, chosen: bool = True) -> str | None:
-    """The warning for a resume whose checkpoint already reached ``max_steps``: often a checkpoint an earlier run
-    left in output_dir (``--overwrite_output_dir`` removes none), which ``true`` takes as the highest-numbered
-    complete one (``chosen``: the checkpoint was picked that way, not named). transformers' loop compares the step
-    with max_steps only after a step, so where the epoch has batches left it trains one step past max_steps and
-    saves it (checkpoint-4 of a 4-step run resumed: step 5, checkpoint-5). None when steps are left."""
-    step = recorded_step(checkpoint)
-    if max_steps is None or max_steps <= 0 or step is None or step < max_steps:
-        return None
-    earlier = (" A checkpoint of an earlier run in this output_dir? (--resume_from_checkpoint true takes the "
-               "highest-numbered complete one; --overwrite_output_dir removes none)") if chosen else ""
-    return (f"hf_zero_offload: {checkpoint} is at step {step} and max_steps is {max_steps}: nothing left to train, "
-            f"but transformers' Trainer checks max_steps after each step, so it may still train one step past it "
-            f"(step {step + 1}) and save it.{earlier} Raise --max_steps to train on")
 
 
 def remove_stale_temp_files(output_dir: str) -> list[str]:

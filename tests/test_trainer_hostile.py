@@ -13,7 +13,7 @@ from transformers import Seq2SeqTrainer
 from _t5 import OFFLOAD, ToyDataset, tiny_t5
 from _t5 import logged as _logged
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
-from hf_zero_offload import resume
+from hf_zero_offload import resume, resume_report
 from hf_zero_offload.config import ConfigError
 
 COMMON = dict(per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_to=[], logging_steps=1,
@@ -236,7 +236,7 @@ def test_save_only_model_checkpoint_claims_no_optimizer_state(tmp_path, caplog):
     _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "s", zero_offload=OFFLOAD, **kw)[1].train()
     ckpt = tmp_path / "s" / "checkpoint-2"
     assert not (ckpt / "zero_offload").exists()
-    assert resume.saved_engine(str(ckpt), "zero_offload") is None
+    assert resume_report.saved_engine(str(ckpt), "zero_offload") is None
     _, plain = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "p", optim="adamw_torch", **{**kw, "max_steps": 4})
     plain.train(resume_from_checkpoint=str(ckpt))
     assert "that this run drops" not in caplog.text

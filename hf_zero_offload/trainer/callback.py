@@ -6,7 +6,7 @@ import os
 
 from transformers import TrainerCallback
 
-from .. import resume
+from .. import resume, resume_report
 from ..engine_setup import accumulation_problem
 from ..engine.param_names import KEY
 from .last_step import publish_for_final_save, run_ends
@@ -98,7 +98,7 @@ class ZeroOffloadCallback(TrainerCallback):
         ckpt = args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else \
             os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if os.path.isdir(ckpt) and (engine is None or engine.global_steps == 0):
-            message = resume.dropped_state_message(ckpt, STATE_DIR, "a plain Trainer does not load it; use "
+            message = resume_report.dropped_state_message(ckpt, STATE_DIR, "a plain Trainer does not load it; use "
                                                    "ZeroOffloadTrainer / ZeroOffloadMixin")
             if message:
                 logger.warning(message)

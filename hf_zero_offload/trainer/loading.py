@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import resume
+from .. import resume, resume_report
 from ..consolidate import names_difference, names_mismatch, trainable_set_mismatch
 from ..engine.state_contents import GroupingMismatch, LayoutMismatch
 from ..engine.state_dir import check_save_id, sources
@@ -56,7 +56,7 @@ class CheckpointLoading(TorchStateResume):
             return
         has_optimizer = any(os.path.isfile(os.path.join(checkpoint, n)) for n in resume.TORCH_OPTIMIZER_FILES)
         if self._zo_raw is None:
-            dropped = None if has_optimizer else resume.dropped_state_message(checkpoint, STATE_DIR,
+            dropped = None if has_optimizer else resume_report.dropped_state_message(checkpoint, STATE_DIR,
                                                                               "no --zero_offload")
             if dropped:
                 logger.warning(dropped)
@@ -92,10 +92,10 @@ class CheckpointLoading(TorchStateResume):
                 self.lr_scheduler.load_state_dict(before)
             raise
         if before is None:
-            logger.warning(resume.missing_scheduler_message(checkpoint, self._get_learning_rate(), SCHEDULER_NAME))
+            logger.warning(resume_report.missing_scheduler_message(checkpoint, self._get_learning_rate(), SCHEDULER_NAME))
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
         if self.args.should_log:  # once per job (per node with log_on_each_node), not once per rank
-            logger.info(resume.describe(checkpoint, state, resume.saved_engine(checkpoint, STATE_DIR),
+            logger.info(resume_report.describe(checkpoint, state, resume_report.saved_engine(checkpoint, STATE_DIR),
                                         {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
         saved = (getattr(self.zero_engine, "restored", None) or {}).get("world_size")
         if saved not in (None, self.args.world_size) and self.args.should_log and getattr(

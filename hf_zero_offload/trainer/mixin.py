@@ -10,7 +10,7 @@ import os
 import torch
 from transformers import Seq2SeqTrainer, Trainer
 
-from .. import presets, resume
+from .. import presets, resume, resume_report
 from ..args_view import args_view, early_view
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
@@ -376,7 +376,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         for level, note in notes:
             logger.log(level, note)
         named = isinstance(target, str) and os.path.abspath(target) == os.path.abspath(path)
-        done = resume.nothing_left_message(path, self.args.max_steps, chosen=not named)
+        done = resume_report.nothing_left_message(path, self.args.max_steps, chosen=not named)
         if done is not None:
             logger.warning(done)
         return path
