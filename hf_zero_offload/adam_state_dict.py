@@ -16,6 +16,7 @@ import reprlib
 import torch
 
 from . import ops
+from .adam_flags import adamw_mode
 from .ops.moments import check_code_range, check_second_moment
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
@@ -135,6 +136,6 @@ def to_torch_state_dict(state_dict: dict) -> dict:
     groups = []
     for g in sd["param_groups"]:
         group = {k: v for k, v in g.items() if k not in _OUR_GROUP_KEYS}
-        group["decoupled_weight_decay"] = bool(g.get("adamw_mode", g.get("decoupled_weight_decay", True)))
+        group["decoupled_weight_decay"] = bool(adamw_mode(g))
         groups.append(group)
     return {"state": state, "param_groups": groups}

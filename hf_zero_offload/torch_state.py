@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .adam_flags import adamw_mode
 from .adam_state_dict import step_tensor
 from .engine.moments import Q, moment_regions
 from .engine.state_contents import check_meta
@@ -50,7 +51,7 @@ def torch_optimizer_state(state_dir: str, expected_save_id: str | None = None) -
         group = {**_TORCH_GROUP_DEFAULTS, **{k: v for k, v in saved.items() if k not in _OUR_GROUP_KEYS}}
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
-        group["decoupled_weight_decay"] = bool(saved.get("adamw_mode", True))
+        group["decoupled_weight_decay"] = bool(adamw_mode(saved))
         group["params"] = list(range(pid, pid + len(group_slots)))
         for offset, numel, shape in group_slots:
             if steps[pid]:
