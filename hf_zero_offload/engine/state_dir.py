@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import reprlib
 
 import torch
@@ -96,8 +97,11 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
         raise ValueError(f"{single} is a link to nothing (or a loop of links); use the previous checkpoint")
     partial = sorted(n for n in os.listdir(directory) if n.endswith(".hzo")) if os.path.isdir(directory) else []
     if partial:
-        raise ValueError(f"{directory} holds {partial} but no {META_FILE}: the checkpoint is "
-                         "incomplete (a save was interrupted); use the previous checkpoint")
+        # a save writes only rank<r>_of_<w>.hzo: any other name was renamed or put there by hand, not cut short
+        foreign = [n for n in partial if not re.fullmatch(r"rank\d+_of_\d+\.hzo", n)]
+        why = (f"{foreign} are not names a save writes (rank<r>_of_<w>.hzo): files renamed or copied in by hand"
+               if foreign else "the checkpoint is incomplete (a save was interrupted)")
+        raise ValueError(f"{directory} holds {partial} but no {META_FILE}: {why}; use the previous checkpoint")
     raise FileNotFoundError(f"no hf_zero_offload optimizer checkpoint in {directory}")
 
 
