@@ -180,18 +180,33 @@ def warn_bf16_on_cpu(args, bf16: bool) -> None:
                        "drop --bf16 (bf16=True) to train in fp32 on this CPU")
 
 
-def refuse_user_optimizer(optimizer, scheduler, optimizer_cls_and_kwargs) -> None:
+def refuse_user_optimizer(optimizer, scheduler) -> None:
     """transformers refuses ``optimizers=`` under DeepSpeed and FSDP; with ``zero_offload`` the engine is the
     optimizer, so a user's would be kept and never fed gradients."""
-    given = [n for n, v in (("optimizer", optimizer), ("lr scheduler", scheduler),
-                            ("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs)) if v is not None]
+    given = [n for n, v in (("optimizer", optimizer), ("lr scheduler", scheduler)) if v is not None]
     if given:
         raise ConfigError(
             f"Passing {' and '.join(given)} to the Trainer is not allowed with zero_offload / sharded_ddp: "
             "hf_zero_offload builds its own Adam/AdamW engine. Set lr, betas, eps and weight_decay with "
-            "TrainingArguments or the ds_config's \"optimizer\" block, the schedule with --lr_scheduler_type or the "
-            "ds_config's \"scheduler\" block; to drive an engine you built yourself, use a plain Trainer with "
-            "ZeroOffloadCallback.")
+            "TrainingArguments, optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}) or the ds_config's \"optimizer\" "
+            "block (per-group values: override create_optimizer, returning a torch.optim.AdamW/Adam, whose groups the "
+            "engine takes over), the schedule with --lr_scheduler_type or the ds_config's \"scheduler\" block; to "
+            "drive an engine you built yourself, use a plain Trainer with ZeroOffloadCallback.")
+
+
+def check_optimizer_cls(cls_and_kwargs) -> None:
+    """``optimizer_cls_and_kwargs``: the Trainer builds that optimizer over its own groups, and the engine takes
+    them over (lr, betas, eps, weight decay, Adam or AdamW), as from a create_optimizer override: so only torch's
+    AdamW and Adam, whose math the engine runs (a subclass may change step()). Refused before any model work."""
+    if cls_and_kwargs is None:
+        return
+    cls = cls_and_kwargs[0] if isinstance(cls_and_kwargs, (tuple, list)) and len(cls_and_kwargs) == 2 else None
+    if cls not in (torch.optim.AdamW, torch.optim.Adam):
+        shown = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls_and_kwargs)[:80]
+        raise ConfigError(f"optimizer_cls_and_kwargs names {shown}: with zero_offload / sharded_ddp the optimizer is "
+                          "hf_zero_offload's Adam/AdamW engine, which takes over the param groups and values of a "
+                          "torch.optim.AdamW or torch.optim.Adam only; pass one of those, or train without "
+                          "zero_offload")
 
 
 # ``--optim`` values that name plain AdamW (implementations differ, not the math): the engine is that optimizer,

@@ -13,7 +13,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
 from _t5 import OFFLOAD, ToyDataset, logged, tiny_t5
 from hf_zero_offload import (ZeroOffloadCallback, ZeroOffloadMixin, ZeroOffloadSeq2SeqTrainer,
-                             ZeroOffloadSeq2SeqTrainingArguments)
+                             ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer)
 from hf_zero_offload.config import ConfigError
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
@@ -372,7 +372,7 @@ def test_optimizer_cls_and_kwargs_through_a_kwargs_base_is_refused(tmp_path):
     """Passed through a base's (*args, **kwargs) __init__ (or set after __init__), optimizer_cls_and_kwargs was not
     seen: the run trained with the engine's AdamW instead of the user's SGD (lr 0.01 logged instead of 0.5)."""
     kw = dict(optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.5}))
-    with pytest.raises(ConfigError, match="optimizer_cls_and_kwargs"):
+    with pytest.raises(ConfigError, match=r"optimizer_cls_and_kwargs names torch\.optim\.sgd\.SGD"):
         KwargsMixedIn(model=tiny_t5(), args=_args(tmp_path, "a", zero_offload=OFFLOAD), train_dataset=ToyDataset(),
                       **kw)
     trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(tmp_path, "b", zero_offload=OFFLOAD),
@@ -380,6 +380,31 @@ def test_optimizer_cls_and_kwargs_through_a_kwargs_base_is_refused(tmp_path):
     trainer.optimizer_cls_and_kwargs = kw["optimizer_cls_and_kwargs"]
     with pytest.raises(ConfigError, match="optimizer_cls_and_kwargs"):
         trainer.train()
+
+
+@pytest.mark.parametrize("opt_cls, kwargs", [
+    (torch.optim.AdamW, {"lr": 5e-3, "betas": (0.8, 0.99), "eps": 1e-6}),
+    (torch.optim.Adam, {"lr": 5e-3, "weight_decay": 0.1}),  # L2 decay, as torch's Adam
+])
+@pytest.mark.parametrize("when", ["init", "after init"])
+def test_optimizer_cls_and_kwargs_with_torch_adam_runs_in_the_engine(tmp_path, opt_cls, kwargs, when):
+    """optimizer_cls_and_kwargs was refused whatever it named (an outside probe: a create_optimizer override returning
+    the same AdamW was taken over). The Trainer builds it over its own groups and the engine takes them over: equal
+    to the plain Trainer given the same."""
+    kw = dict(optimizer_cls_and_kwargs=(opt_cls, kwargs))
+    ref_model, model = tiny_t5(), tiny_t5()
+    ref = Trainer(model=ref_model, args=_args(tmp_path, "ref", Seq2SeqTrainingArguments, weight_decay=0.01),
+                  train_dataset=ToyDataset(), **kw)  # (Seq2SeqTrainer's __init__ does not take the argument)
+    ref.train()
+    ours = ZeroOffloadTrainer(model=model, args=_args(tmp_path, "ours", zero_offload=OFFLOAD, weight_decay=0.01),
+                              train_dataset=ToyDataset(), **(kw if when == "init" else {}))
+    if when == "after init":
+        ours.optimizer_cls_and_kwargs = kw["optimizer_cls_and_kwargs"]
+    ours.train()
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in ours.zero_engine.param_groups] == \
+        [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in ref.optimizer.param_groups]
+    assert [g["adamw_mode"] for g in ours.zero_engine.param_groups] == [opt_cls is torch.optim.AdamW] * 2
+    _assert_same(ref_model, ref, model, ours)
 
 
 def _constant_lambda(self, num_training_steps, optimizer=None):  # a user's own schedule on self.optimizer

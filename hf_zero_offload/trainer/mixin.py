@@ -18,9 +18,9 @@ from ..engine.param_names import smallest_names
 from ..accelerator_patch import patch_accelerator
 from ..engine_setup import (accumulation_problem, build_engine, check_user_groups, groups_from_optimizer,
                             start_line, training_dtype)
-from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_trainable, check_world_size,
-                             refuse_user_optimizer, refuse_view_ties, warn_bf16_on_cpu, warn_fp16_on_cpu,
-                             warn_full_eval_trains, warn_keep_fp32, warn_upcast)
+from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_optimizer_cls,
+                             check_trainable, check_world_size, refuse_user_optimizer, refuse_view_ties,
+                             warn_bf16_on_cpu, warn_fp16_on_cpu, warn_full_eval_trains, warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 from .buffer_sync import BroadcastBuffers
@@ -97,8 +97,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
                 warn_full_eval_trains(targs)
         if self._zo_raw is not None:
             # what __init__ kept, however it was passed (a base class's own (*args, **kwargs) hides the names)
-            refuse_user_optimizer(getattr(self, "optimizer", None), getattr(self, "lr_scheduler", None),
-                                  getattr(self, "optimizer_cls_and_kwargs", None))
+            refuse_user_optimizer(getattr(self, "optimizer", None), getattr(self, "lr_scheduler", None))
+            check_optimizer_cls(getattr(self, "optimizer_cls_and_kwargs", None))
             check_even_batches(self.args, getattr(self, "train_dataset", None))
             patch_accelerator(self.accelerator, lambda: self.zero_engine)
 
@@ -108,7 +108,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         except TypeError:
             return  # the Trainer's own __init__ names the bad argument
         optimizer, scheduler = given.get("optimizers") or (None, None)
-        refuse_user_optimizer(optimizer, scheduler, given.get("optimizer_cls_and_kwargs"))
+        refuse_user_optimizer(optimizer, scheduler)
+        check_optimizer_cls(given.get("optimizer_cls_and_kwargs"))
 
     def _zo_take_lock(self, targs) -> None:
         if targs.output_dir:
@@ -177,6 +178,9 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
             return super().create_optimizer(model) if self._zo_raw is None else self.optimizer
         model = self.model if model is None else model
         base = self._zo_base_create_optimizer()
+        if base is None and getattr(self, "optimizer_cls_and_kwargs", None) is not None:
+            check_optimizer_cls(self.optimizer_cls_and_kwargs)  # (set after __init__) before it is built
+            base = f"optimizer_cls_and_kwargs ({self.optimizer_cls_and_kwargs[0].__qualname__})"  # transformers' build
         if base is not None:  # its groups (a layer-wise LR, ...) are what the user asked for: the engine runs them
             built = super().create_optimizer(model)
             built, self.optimizer = (self.optimizer if self.optimizer is not None else built), None
@@ -195,7 +199,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
     def _zo_build(self, model, groups: list[dict], where: str | None):
         """The engine over ``groups`` (``where``: the user's create_optimizer they come from, whose per-group
         values the engine keeps), and the model in the training dtype."""
-        refuse_user_optimizer(None, None, getattr(self, "optimizer_cls_and_kwargs", None))  # set after __init__
+        check_optimizer_cls(getattr(self, "optimizer_cls_and_kwargs", None))  # (set after __init__)
         self.zero_config = cfg = self._zo_resolve()
         if where is not None:
             check_user_groups(cfg, self._zo_raw.cfg, groups, where)
