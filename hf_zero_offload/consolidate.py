@@ -21,20 +21,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import peft_names, torch_state
+from . import peft_names, resume, torch_state
 from .engine import checkpoint
-from .engine.param_names import unwrapped
 from .engine.state_dir import check_save_id, check_sources, read_range, sources
-from .marker import MARKER, changed_files, read_marker, recorded_save_id
-
-NAMES_FILE = "param_names.json"
-
-
-def write_param_names(state_dir: str, slot_names: list[list[str]]) -> None:
-    """``slot_names``: for each engine slot in flat order, every name the parameter has (tied aliases)."""
-    with checkpoint.atomic_open(os.path.join(state_dir, NAMES_FILE), "w") as f:
-        json.dump(slot_names, f)
-
+from .marker import MARKER, changed_files, marker_problem, read_marker, recorded_save_id
+from .saved_names import NAMES_FILE, read_json
 
 def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[str, torch.Tensor]:
     """Every trainable parameter's fp32 master by name (all aliases), from all rank files. ``expected_save_id``:
@@ -45,7 +36,7 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
     if not os.path.isfile(names_path):
         raise FileNotFoundError(f"{names_path} is missing: without it the masters cannot be matched to parameter "
                                 "names (the checkpoint is incomplete: use another checkpoint-N of the run)")
-    names = _read_json(names_path)
+    names = read_json(names_path)
     # a list per engine slot of that parameter's names; anything else would match masters to no tensor (or to
     # single letters of a name) and leave the 16-bit weights in place, silently
     if not (isinstance(names, list) and all(isinstance(a, list) and a and all(isinstance(n, str) for n in a)
@@ -67,87 +58,6 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
         for name in aliases:
             out[name] = t
     return out
-
-
-def _saved_names(state_dir: str) -> list[list[str]] | None:
-    """The saved ``param_names.json`` (a list of alias lists), or None when absent, unreadable or malformed."""
-    try:
-        saved = _read_json(os.path.join(state_dir, NAMES_FILE))
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(saved, list) and all(isinstance(a, list) and a and all(isinstance(n, str) for n in a)
-                                         for a in saved)
-    return saved if ok else None
-
-
-def names_mismatch(state_dir: str, slot_names: list[list[str]]) -> str | None:
-    """The saved ``param_names.json`` against this model's slots (``slot_names``, every alias of each): "" when it
-    names them in the same order (any alias of each slot, wrappers' segments ignored); the difference, as
-    :func:`names_difference` words it, when not; None when it cannot say: absent or unreadable (a checkpoint from
-    before the file), or naming another number of slots (the engine's own layout check refuses that). The engine
-    matches its state to the params by position and writes the saved masters into them: the same shapes in another
-    order would take another param's weights."""
-    saved = _saved_names(state_dir)
-    if saved is None or len(saved) != len(slot_names):
-        return None
-    if all(a & b for a, b in zip(_plain_slots(saved), _plain_slots(slot_names))):
-        return ""
-    return _difference(state_dir, saved, slot_names)
-
-
-def trainable_set_mismatch(state_dir: str, slot_names: list[list[str]]) -> str | None:
-    """Order aside, as :func:`names_mismatch`: for a check before the engine (and so its slot order) exists. The
-    difference when the saved file names other trainable params than ``slot_names``; None when the same ones (any
-    alias of each) or when it cannot say."""
-    saved = _saved_names(state_dir)
-    if saved is None:
-        return None
-    before, now = _plain_slots(saved), _plain_slots(slot_names)
-    every_before, every_now = set().union(*before), set().union(*now)
-    if len(before) == len(now) and all(s & every_now for s in before) and all(s & every_before for s in now):
-        return None
-    return _difference(state_dir, saved, slot_names)
-
-
-def names_difference(state_dir: str, slot_names: list[list[str]]) -> str:
-    """For a refused resume: the first params that differ between the saved ``param_names.json`` and this
-    model's slots (``slot_names``), as text to append to the refusal ("" without a readable file)."""
-    saved = _saved_names(state_dir)
-    return "" if saved is None else _difference(state_dir, saved, slot_names)
-
-
-def _plain_slots(slots: list[list[str]]) -> list[set[str]]:
-    """Each slot's aliases without the segments wrappers add (torch.compile's). Never DDP's ``module.``: the Trainer
-    holds its model unwrapped, and this file names only the trainable params, which cannot tell DDP's prefix from a
-    submodule called ``module`` (one of them trainable in place of a same-shaped layer ``a`` beside it swapped them)."""
-    return [{unwrapped(n) for n in aliases} for aliases in slots]
-
-
-def _difference(state_dir: str, saved: list[list[str]], slot_names: list[list[str]]) -> str:
-    saved = [unwrapped(a[0]) for a in saved]
-    now = [unwrapped(a[0]) for a in slot_names]
-
-    def first(names: list[str]) -> str:
-        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-    saved_set, now_set = set(saved), set(now)
-    added, gone = [n for n in now if n not in saved_set], [n for n in saved if n not in now_set]
-    parts = ([f"trainable now, not in the checkpoint: {first(added)}"] if added else []) + \
-        ([f"trainable in the checkpoint, not now: {first(gone)}"] if gone else [])
-    if not parts:  # the same names: another order, or other shapes
-        i = next((i for i, (a, b) in enumerate(zip(saved, now)) if a != b), None)
-        parts = [f"the same params in another order (slot {i}: {saved[i]} saved, {now[i]} now)" if i is not None
-                 else "the same params, with other shapes"]
-    return f" ({'; '.join(parts)}; from {os.path.join(state_dir, NAMES_FILE)})"
-
-
-def _read_json(path: str):
-    """The JSON in ``path``; a damaged file is a ValueError that names it (json's own message does not)."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{path} is not valid JSON ({e})") from e
 
 
 def _checkpoints_in(run_dir: str) -> list[str]:
@@ -241,6 +151,21 @@ def _block_schedule(checkpoint_dir: str) -> dict | None:
     return {**state, "lr_lambdas": [None] * len(state["base_lrs"])}  # (no lambda state to restore: None, as torch's)
 
 
+def _check_whole(checkpoint_dir: str, with_optimizer: bool) -> None:
+    """The checkpoint as its save finished it, judged on the files consolidate reads, every one of them there (an
+    output without the config, or a --with-optimizer output without trainer_state.json, was written and said to be
+    resumable). With its marker damaged nothing proves it whole."""
+    problem = marker_problem(checkpoint_dir)
+    if problem is not None:
+        raise ValueError(f"{checkpoint_dir} is damaged ({problem}, nothing else proves it whole); consolidate an "
+                         "earlier checkpoint")
+    reads = lambda rel: _read_here(rel) or (with_optimizer and _trainer_file(rel))  # noqa: E731
+    changed = changed_files(checkpoint_dir, read=reads, required=lambda rel: reads(rel) and rel != "training_args.bin")
+    if changed:
+        raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
+                         "wrote); consolidate an earlier checkpoint")
+
+
 def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = False) -> list[str]:
     """Everything is read and checked before the first write; each file is written atomically. ``with_optimizer``:
     also torch AdamW's state (``optimizer.pt``, ``torch_state``) and the Trainer's own files, so that the output
@@ -259,11 +184,14 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
     # a truncated weight file failed in safetensors' header parser; only the files consolidate reads count (the
     # optimizer state, the weights, the model's JSON and tokenizer files): a trainer state or RNG file of another
     # step changes nothing here
-    changed = changed_files(checkpoint_dir, read=lambda rel: _read_here(rel) or (with_optimizer and _trainer_file(rel)))
-    if changed:
-        raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
-                         "wrote); consolidate an earlier checkpoint")
+    _check_whole(checkpoint_dir, with_optimizer)
     state_dir = state_dir_of(checkpoint_dir)
+    if read_marker(checkpoint_dir) is None and any(_trainer_file(n) for n in os.listdir(checkpoint_dir)) \
+            and resume.status(checkpoint_dir) == "incomplete":
+        # a Trainer's save cut short (unmarked, as a resume tells): into a checkpoint-N written before, the weights of
+        # one run beside the state of another. (Without the Trainer's files: a folder saved by hand.)
+        raise ValueError(f"{checkpoint_dir} is incomplete (no {MARKER}: its save may have stopped before finishing "
+                         "it, e.g. killed during the save); consolidate an earlier checkpoint")
     masters = full_masters(state_dir, recorded_save_id(checkpoint_dir))
     source, adapter = checkpoint_dir, peft_names.adapter_folders(checkpoint_dir)
     if adapter:  # the trained adapter's folder (a subfolder for one not named "default"), peft's tensor names
@@ -299,7 +227,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
             continue
         content = None
         if name == "config.json" or name.endswith(".index.json"):
-            content = _read_json(extra)
+            content = read_json(extra)
             if not isinstance(content, dict):
                 raise ValueError(f"{extra} is damaged: expected a JSON object, got {type(content).__name__}")
         extras.append((extra, name, content))

@@ -23,7 +23,9 @@ import os
 
 HASHED_UP_TO = 16 << 20  # bytes: files this small get a SHA-256 (trainer state, scheduler, RNG, tokenizer, config)
 # the files whose absence changes what a resume does, without an error of its own
-REQUIRED = ("rng_state", "model.safetensors", "pytorch_model.bin", "adapter_model", "zero_offload/")
+# (trainer_state.json too: without it transformers' resume fails after the checkpoint was chosen, where a resume to the
+# newest whole checkpoint should have passed over it, as over any other file missing)
+REQUIRED = ("rng_state", "model.safetensors", "pytorch_model.bin", "adapter_model", "zero_offload/", "trainer_state.json")
 
 
 def build(checkpoint: str, skip: tuple[str, ...] = ()) -> dict:
@@ -44,20 +46,23 @@ def build(checkpoint: str, skip: tuple[str, ...] = ()) -> dict:
 NOT_READ_BY_RESUME = ("training_args.bin",)
 
 
-def problems(checkpoint: str, recorded, read=None) -> list[str]:
+def problems(checkpoint: str, recorded, read=None, required=None) -> list[str]:
     """What differs from ``recorded`` (``build``'s dict; anything else, as in markers written before manifests:
     nothing to compare), one phrase per file. ``read(rel)``: whether the operation reads the file (default: all but
-    ``NOT_READ_BY_RESUME``); a file it does not read cannot change what it does, and is not held against it."""
+    ``NOT_READ_BY_RESUME``); a file it does not read cannot change what it does, and is not held against it.
+    ``required(rel)``: whether the operation needs the file there (default: a resume's ``REQUIRED``); another file
+    the save wrote may be missing."""
     if not isinstance(recorded, dict):
         return []
     read = read or (lambda rel: rel not in NOT_READ_BY_RESUME)
+    required = required or (lambda rel: any(rel.startswith(r) for r in REQUIRED))
     found = []
     for rel, want in sorted(recorded.items()):
         if not isinstance(want, dict) or not read(rel):
             continue
         path = os.path.join(checkpoint, *rel.split("/"))
         if not os.path.isfile(path):
-            if any(rel.startswith(r) for r in REQUIRED):
+            if required(rel):
                 found.append(f"{rel} is missing")
             continue
         size = os.path.getsize(path)

@@ -54,11 +54,11 @@ def marker_problem(checkpoint: str) -> str | None:
     return None
 
 
-def changed_files(checkpoint: str, read=None) -> list[str]:
-    """How a marked checkpoint differs from what its save wrote (``manifest``; ``read``: the files the operation
-    reads, default a resume's); [] when it does not, or unmarked."""
+def changed_files(checkpoint: str, read=None, required=None) -> list[str]:
+    """How a marked checkpoint differs from what its save wrote (``manifest``; ``read``/``required``: the files the
+    operation reads / cannot do without, default a resume's); [] when it does not, or unmarked."""
     marker = read_marker(checkpoint)
-    return manifest.problems(checkpoint, marker.get("files"), read) if marker is not None else []
+    return manifest.problems(checkpoint, marker.get("files"), read, required) if marker is not None else []
 
 
 def recorded_save_id(checkpoint: str) -> str | None:

@@ -285,7 +285,7 @@ def test_accelerates_mixed_precision_is_taken_as_the_flag(tmp_path, monkeypatch,
 def _checkpoint_of_a_linear(tmp_path):
     from safetensors.torch import save_file
 
-    from hf_zero_offload.consolidate import write_param_names
+    from hf_zero_offload.saved_names import write_param_names
     from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
     model = torch.nn.Linear(4, 3)

@@ -223,7 +223,7 @@ def test_consolidate_writes_both_names_of_a_tied_weight_held_twice_in_one_file(c
     ckpt, model = ckpt_model
     from safetensors.torch import load_file, save_file
 
-    from hf_zero_offload.consolidate import write_param_names
+    from hf_zero_offload.saved_names import write_param_names
     write_param_names(str(ckpt / "zero_offload"), [["weight", "proj.weight"], ["bias"]])
     save_file({"weight": torch.zeros(3, 4, dtype=torch.bfloat16), "proj.weight": torch.zeros(3, 4, dtype=torch.bfloat16),
                "bias": torch.zeros(3, dtype=torch.bfloat16)}, str(ckpt / "model.safetensors"))

@@ -214,7 +214,8 @@ def test_int8_two_ranks_load_into_one_fp32_and_back_and_consolidate(tmp_path):
     for k, t in int8.state_tensors().items():
         assert torch.equal(t, saved["master"] if k == "master" else want[k]), k
     # consolidate: the fp32 masters of the int8 checkpoint, element by element, under every alias
-    from hf_zero_offload.consolidate import consolidate, write_param_names
+    from hf_zero_offload.consolidate import consolidate
+    from hf_zero_offload.saved_names import write_param_names
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)

@@ -8,7 +8,7 @@ import logging
 import os
 
 from .. import resume, resume_report
-from ..consolidate import names_difference, names_mismatch, trainable_set_mismatch
+from ..saved_names import names_difference, names_mismatch, trainable_set_mismatch
 from ..engine.state_contents import GroupingMismatch, LayoutMismatch
 from ..engine.state_dir import check_save_id, sources
 from .saving import SCHEDULER_NAME, STATE_DIR

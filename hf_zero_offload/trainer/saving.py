@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from transformers.trainer_utils import rotate_checkpoints
 
 from .. import resume
-from ..consolidate import write_param_names
+from ..saved_names import write_param_names
 from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
 from ..run_lock import confirm_job_lock
 from .shared_dir import failed_elsewhere, missing_rank_files

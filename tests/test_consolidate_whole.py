@@ -1,0 +1,93 @@
+"""consolidate (and a resume) judge a checkpoint as a resume does before reading it (an outside probe): a save cut
+short into a checkpoint-N written before (the new run's weights beside the old run's optimizer state, no marker), a
+damaged or deleted marker, a file the operation needs that its save wrote and that is gone. Each was consolidated
+without a word (the other run's masters as the weights, 3.2e-3 off the folder's own), or its output was said to be
+resumable and was not; a resume by True stopped at a missing trainer_state.json instead of passing over it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_zero_offload import resume
+from hf_zero_offload.consolidate import consolidate
+from hf_zero_offload.marker import MARKER
+from test_crash_safety import _trainer
+
+
+@pytest.fixture
+def cut_short(tmp_path, monkeypatch):
+    """checkpoint-2 written by a first run, then again by a second (another max_grad_norm) stopped after its model."""
+    out = tmp_path / "out"
+    _trainer(out).train()
+    again = _trainer(out, max_grad_norm=0.05)
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(again, "_save_optimizer_and_scheduler", stop)
+    with pytest.raises(KeyboardInterrupt):
+        again.train()
+    return out / "checkpoint-2"
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_a_save_cut_short_over_an_earlier_one_is_not_consolidated(cut_short, tmp_path, with_optimizer):
+    assert resume.status(str(cut_short)) == "incomplete"
+    with pytest.raises(ValueError, match=rf"checkpoint-2 is incomplete \(no {MARKER}: .*consolidate an earlier"):
+        consolidate(str(cut_short), str(tmp_path / "cons"), with_optimizer=with_optimizer)
+    assert not (tmp_path / "cons").exists()
+
+
+@pytest.fixture
+def whole(tmp_path):
+    out = tmp_path / "out"
+    _trainer(out, max_steps=4).train()
+    return out
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("delete", rf"incomplete \(no {MARKER}"),
+    ("truncate", rf"damaged \(its {MARKER} cannot be read"),
+    ("not complete", rf"damaged \(its {MARKER} is damaged \(\"complete\" is False"),
+])
+def test_a_damaged_or_deleted_marker_is_not_consolidated(whole, tmp_path, damage, match):
+    ckpt = whole / "checkpoint-4"
+    marker = ckpt / MARKER
+    if damage == "delete":
+        marker.unlink()
+    elif damage == "truncate":
+        marker.write_bytes(marker.read_bytes()[:40])
+    else:
+        marker.write_text(json.dumps({**json.loads(marker.read_text()), "complete": False}))
+    with pytest.raises(ValueError, match=match):
+        consolidate(str(ckpt), str(tmp_path / "cons"), with_optimizer=True)
+
+
+@pytest.mark.parametrize("name, with_optimizer", [("config.json", False), ("trainer_state.json", True),
+                                                  ("scheduler.pt", True)])
+def test_a_file_consolidate_needs_missing_is_named(whole, tmp_path, name, with_optimizer):
+    """A missing config.json gave an output from_pretrained could not load; a missing trainer_state.json a
+    --with-optimizer output said to be resumable that the plain Trainer could not resume."""
+    ckpt = whole / "checkpoint-4"
+    (ckpt / name).unlink()
+    with pytest.raises(ValueError, match=rf"checkpoint-4 is damaged: {name} is missing"):
+        consolidate(str(ckpt), str(tmp_path / "cons"), with_optimizer=with_optimizer)
+    assert not (tmp_path / "cons").exists()
+
+
+def test_trainer_state_missing_without_with_optimizer_still_consolidates(whole, tmp_path):
+    """consolidate without --with-optimizer does not read it: the weights are whole."""
+    ckpt = whole / "checkpoint-4"
+    (ckpt / "trainer_state.json").unlink()
+    consolidate(str(ckpt), str(tmp_path / "cons"))
+    assert (tmp_path / "cons" / "model.safetensors").is_file()
+
+
+def test_resume_true_passes_over_a_checkpoint_without_its_trainer_state(whole):
+    """Every other file missing was passed over with a warning; this one stopped the run with DamagedFile."""
+    (whole / "checkpoint-4" / "trainer_state.json").unlink()
+    assert resume.status(str(whole / "checkpoint-4")) == "incomplete"
+    chosen, state, notes = resume.target(True, str(whole))
+    assert chosen.endswith("checkpoint-2") and state == "complete"
+    assert any("skipping" in m and "trainer_state.json is missing" in m for _, m in notes)
