@@ -230,3 +230,34 @@ def test_a_save_between_two_steps_says_so_with_the_gradients_still_in_a_bucket(t
         opt.save_checkpoint(str(tmp_path / "mid"))
     assert any("gradients taken since the last step() are not saved" in r.message for r in caplog.records)
     opt.close()
+
+
+def test_a_load_says_which_group_values_it_takes_from_the_saved_state(tmp_path, caplog):
+    """A resumed run asked for another weight decay (or betas, eps, base lr) trained on with the saved ones without a
+    word (an outside probe; the plain Trainer's resume does the same, as torch's load_state_dict): said now."""
+    import logging
+
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    def engine(**kw):
+        model = torch.nn.Linear(4, 3)
+        eng = OffloadAdam([{"params": list(model.parameters()), "initial_lr": kw.pop("initial_lr", 1e-2)}],
+                          lr=1e-2, options=OffloadOptions(num_threads=1), **kw)
+        model(torch.randn(2, 4)).sum().backward()
+        return eng
+
+    saved = engine(weight_decay=0.01)
+    saved.step()
+    saved.save_checkpoint(str(tmp_path / "s"))
+    same = engine(weight_decay=0.01)
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        same.load_checkpoint(str(tmp_path / "s"))
+    assert "values are taken" not in caplog.text
+    other = engine(weight_decay=0.5, betas=(0.8, 0.99), initial_lr=3e-3)
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        other.load_checkpoint(str(tmp_path / "s"))
+    assert ("values are taken, as torch.optim's load_state_dict takes them: group 0 initial_lr 0.003 now, 0.01 saved; "
+            "group 0 betas (0.8, 0.99) now, (0.9, 0.999) saved; group 0 weight_decay 0.5 now, 0.01 saved") in caplog.text
+    assert other.param_groups[0]["weight_decay"] == 0.01 and other.param_groups[0]["betas"] == (0.9, 0.999)
+    for e in (saved, same, other):
+        e.close()

@@ -176,6 +176,7 @@ class SavedState:
         """load_state_meta's writes, for a meta its caller has checked (``_check_saved``)."""
         self._wait_worker()
         self._prepared = None
+        state_contents.say_taken_values(self.param_groups, meta["param_groups"])
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             # never "params" (torch.optim's state dicts list param ids there) nor their names: the engine's own stay
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k not in _OWN_KEYS})

@@ -4,6 +4,7 @@ dict (``check_meta``), its tensors and the values the kernels rely on (``check_t
 and a param group's values as the header holds them (``json_value``). ``state_dir`` reads and writes the files."""
 from __future__ import annotations
 
+import logging
 import numbers
 import reprlib
 
@@ -136,3 +137,25 @@ def check_second_moments(exp_avg_sq: torch.Tensor, where: str) -> None:
         check_second_moment("exp_avg_sq", exp_avg_sq)
     except ValueError as e:
         raise StateFileError(f"{where}: {e}; use an earlier checkpoint") from None
+
+
+# the group values a load takes from the saved state (as torch.optim's load_state_dict does), which a resumed run may
+# have been asked to change: initial_lr is the schedule's base (lr itself is the schedule's position, which moves)
+_TAKEN_VALUES = ("initial_lr", "betas", "eps", "weight_decay")
+
+
+def say_taken_values(groups: list[dict], saved_groups: list[dict]) -> None:
+    """A warning naming the values of ``groups`` (the loading engine's) that the saved ones replace ("group 0
+    weight_decay 0.5 now, 0.01 saved"), as torch.optim's load_state_dict replaces them: a resumed run asked for
+    another weight decay trained on with the old one without a word (as the plain Trainer's does)."""
+    out = []
+    for i, (group, saved) in enumerate(zip(groups, saved_groups)):
+        for key in _TAKEN_VALUES:
+            if key in group and key in saved:
+                now, was = (tuple(group[key]), tuple(saved[key])) if key == "betas" else (group[key], saved[key])
+                if now != was:
+                    out.append(f"group {i} {key} {now} now, {was} saved")
+    if out:
+        logging.getLogger("hf_zero_offload").warning(
+            "hf_zero_offload: the loaded optimizer state's values are taken, as torch.optim's load_state_dict takes "
+            "them: %s", "; ".join(out))
