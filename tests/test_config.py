@@ -409,3 +409,22 @@ def test_config_package_imports_in_any_order(first, imports_in_each_order):
     # presets raises the package's ConfigError and the package's loader calls presets: each imports the other
     out = imports_in_each_order[first]
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("raw, path", [
+    ({"bf16": {"enabled": True, "check_grad_overflow": True}}, "bf16.check_grad_overflow"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 100}}}, "scheduler.params.last_batch_iteration"),
+])
+def test_keys_whose_deepspeed_meaning_the_engine_does_not_run_are_refused_when_set(raw, path):
+    """Both were accepted "without effect" (an outside probe with real configs): DeepSpeed skips a step whose bf16
+    gradients are not finite (here one inf gradient was applied and the weights went NaN), and starts the schedule at
+    last_batch_iteration (here it started at 0). Their off values still load."""
+    from hf_zero_offload import config
+    with pytest.raises(config.ConfigError, match=rf"<dict>: {path}: .* is not supported by hf_zero_offload"):
+        config.check(raw)
+    off = copy.deepcopy(raw)
+    if "bf16" in off:
+        off["bf16"]["check_grad_overflow"] = False
+    else:
+        off["scheduler"]["params"]["last_batch_iteration"] = -1
+    config.check(off)

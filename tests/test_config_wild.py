@@ -141,8 +141,8 @@ def test_auto_is_accepted_exactly_where_documented(path):
 @pytest.mark.parametrize("path", USE_KEYS)
 def test_wrong_types_name_the_key(path, value):
     spec = dict(_keys())[path]
-    if isinstance(value, str) and spec.check is not None:
-        try:  # strings a choice accepts ("linear", "cpu"...) are not wrong types
+    if (isinstance(value, str) or value is None) and spec.check is not None:
+        try:  # strings a choice accepts ("linear", "cpu"...), a null a key takes as not set, are not wrong types
             spec.check(value)
             return
         except Exception:

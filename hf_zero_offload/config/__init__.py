@@ -41,7 +41,8 @@ optimizer's: optimizer.params.lr or --learning_rate) times a ratio, warmup_min_r
 cosine down to cos_min_ratio. The two ratios are numbers in [0, 1] (above 1 the "min" would be a maximum: refused)
 and take no "auto" (transformers fills neither). DeepSpeed builds a scheduler with the block's params as keyword
 arguments, so a key of another type (warmup_max_lr with WarmupCosineLR, a ratio or total_num_steps with WarmupLR)
-is an error naming the key and the type; last_batch_iteration is accepted with every type and ignored. A
+is an error naming the key and the type; last_batch_iteration is accepted at -1 only (DeepSpeed starts the
+schedule at another; a resume restores the schedule's position here). A
 warmup_min_lr above warmup_max_lr (given, or --learning_rate for "auto") is an error naming both (the warm-up would
 go down); a total_num_steps below warmup_num_steps is a warning, as in DeepSpeed (the run never leaves its warm-up).
 
@@ -60,8 +61,9 @@ allgather_partitions true, round_robin_gradients false, both bucket sizes 5e8, s
 Accepted without effect (type-checked; the start log names those a config sets): overlap_comm,
 contiguous_gradients, allgather_partitions, round_robin_gradients, steps_per_print, wall_clock_breakdown, and: zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
 memory_breakdown, dump_state, dataloader_drop_last, checkpoint{...} (transformers writes use_node_local_storage),
-bf16.immediate_grad_update / check_grad_overflow, optimizer.params.torch_adam (any bool),
-scheduler.params.last_batch_iteration, zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
+bf16.immediate_grad_update, bf16.check_grad_overflow false (true, DeepSpeed's skip of a step with non-finite bf16
+gradients, is refused), optimizer.params.torch_adam (any bool), data_types.grad_accum_dtype "fp32" (refused at
+ZeRO stage 1 with a 16-bit model and accumulation: it sums in .grad, in 16 bits), zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
 ignore_unused_parameters, use_multi_rank_bucket_allreduce, memory_efficient_linear,
 [stage3_]gather_16bit_weights_on_model_save, stage3_gather_fp16_weights_on_model_save} (accelerate writes the
 last for every stage), every other stage-3 tuning key (stage3_* and DeepSpeed's aliases such as prefetch_bucket_size:

@@ -275,7 +275,8 @@ class _Resolver:
                               f.get("loss_scale_window", 1000), f.get("hysteresis", 2),
                               float(f.get("min_loss_scale", 1.0)))
         return TrainingConfig(tbs, micro, gas, float(clip), fp16_cfg, bf16, optimizer, scheduler, zero,
-                              cfg.get("steps_per_print", 10), cfg.get("wall_clock_breakdown", False), self.source)
+                              cfg.get("steps_per_print", 10), cfg.get("wall_clock_breakdown", False), self.source,
+                              grad_accum_fp32=(cfg.get("data_types") or {}).get("grad_accum_dtype") == "fp32")
 
 
 def resolve(raw_or_path: Any, args: ArgsView | None = None) -> TrainingConfig:

@@ -52,8 +52,11 @@ def _tp_off(v: Any) -> bool:
             and one(v.get("tp_size")) and isinstance(tp, dict) and set(tp) <= {"tp_size"} and one(tp.get("tp_size")))
 
 
-def _grad_accum_fp32(v: Any) -> bool:
-    return isinstance(v, dict) and set(v) <= {"grad_accum_dtype"} and v.get("grad_accum_dtype") in (None, "fp32")
+_FP32_ONLY = choice("fp32", other="gradients are accumulated in fp32 only")
+
+
+def _GRAD_ACCUM_DTYPE(v: Any) -> str | None:  # null: DeepSpeed's "not set"
+    return None if v is None else _FP32_ONLY(v)
 
 
 # ---------------------------------------------------------------- the tables
@@ -84,7 +87,10 @@ FP16 = {
 BF16 = {
     "enabled": use(boolean, auto=True),
     "immediate_grad_update": ignore(boolean),
-    "check_grad_overflow": ignore(boolean),
+    # DeepSpeed skips a step whose bf16 gradients are not finite; here such a step is applied, as torch's AdamW does
+    "check_grad_overflow": unsupported("the engine does not check bf16 gradients for overflow: a step with a non-finite "
+                                       "gradient is applied, as torch's AdamW applies it; remove the key or set it "
+                                       "false", harmless=_eq(False)),
 }
 _ONLY_ADAM = "only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
 OPTIMIZER = {
@@ -124,7 +130,9 @@ SCHEDULER = {
         "total_num_steps": use(integer(1, "an integer >= 1"), auto=True),
         "warmup_min_ratio": _RATIO,  # no "auto": transformers fills neither ratio, DeepSpeed would get the string
         "cos_min_ratio": _RATIO,
-        "last_batch_iteration": ignore(integer(-1, "an integer >= -1")),
+        # DeepSpeed starts the schedule at that iteration: the Trainer's resume restores the schedule's position
+        "last_batch_iteration": unsupported("the schedule starts at step 0, and a resume restores its position "
+                                            "(--resume_from_checkpoint); leave it -1", harmless=_eq(-1)),
     }),
 }
 OFFLOAD_OPTIMIZER = {
@@ -234,7 +242,8 @@ TOP = {
     "prescale_gradients": unsupported("gradients are averaged after the reduction"),
     "gradient_predivide_factor": unsupported("gradients are averaged after the reduction", harmless=_eq(1)),
     "disable_allgather": unsupported("ZeRO-1/2 always all-gathers the updated parameters"),
-    "data_types": unsupported("gradients are accumulated in fp32 only", harmless=_grad_accum_fp32),
+    # kept (not dropped as harmless): ZeRO-1 of a 16-bit model sums in .grad, so "fp32" is refused there (engine_setup)
+    "data_types": section({"grad_accum_dtype": use(_GRAD_ACCUM_DTYPE)}),
     "progressive_layer_drop": unsupported("progressive layer drop is not implemented"),
     "curriculum_learning": unsupported("curriculum learning is not implemented"),
     "data_efficiency": unsupported("DeepSpeed's data efficiency library is not implemented"),

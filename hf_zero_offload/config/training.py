@@ -79,6 +79,7 @@ class TrainingConfig:
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     source: str = "<dict>"
+    grad_accum_fp32: bool = False  # data_types.grad_accum_dtype "fp32" asked for (the engines' own sum is fp32 but ZeRO-1's)
 
     def to_dict(self) -> dict:
         """Field names as in the dataclasses; JSON-serialisable (tuples become lists)."""

@@ -223,8 +223,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
             # A warning for the user's own file; our shipped configs keep those keys so that --deepspeed reads
             # the same file, which is no reason to alarm whoever uses them as they are.
             level = logging.INFO if presets.is_shipped(cfg.source) else logging.WARNING
-            logger.log(level, "hf_zero_offload: accepted, no effect here: %s (see hf_zero_offload.config.schema."
-                       "NO_EFFECT)", ", ".join(self._zo_raw.no_effect))
+            logger.log(level, "hf_zero_offload: accepted, no effect here: %s (help(hf_zero_offload.config): "
+                       "\"Accepted without effect\")", ", ".join(self._zo_raw.no_effect))
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
