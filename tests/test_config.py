@@ -282,11 +282,6 @@ def test_unknown_keys_suggest_the_closest():
     ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0}}}, "scheduler.type", "--lr_scheduler_type"),
     ({"scheduler": {"type": "LRRangeTest"}}, "scheduler.type", "--lr_scheduler_type"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp", "--fp16"),
-    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing",
-     "--gradient_checkpointing"),
-    ({"flops_profiler": {"enabled": True}}, "flops_profiler", ""),
-    ({"wandb": {"enabled": True}}, "wandb", "--report_to"),
-    ({"csv_monitor": {"enabled": True}}, "csv_monitor", "--report_to"),
     ({"sparse_gradients": True}, "sparse_gradients", ""),
     ({"communication_data_type": "fp16"}, "communication_data_type", ""),
     ({"elasticity": {"enabled": True}}, "elasticity", ""),
@@ -428,3 +423,18 @@ def test_keys_whose_deepspeed_meaning_the_engine_does_not_run_are_refused_when_s
     else:
         off["scheduler"]["params"]["last_batch_iteration"] = -1
     config.check(off)
+
+
+@pytest.mark.parametrize("key, on", [
+    ("activation_checkpointing", {"partition_activations": True}), ("flops_profiler", {"enabled": True}),
+    ("tensorboard", {"enabled": True, "output_path": "tb"}), ("wandb", {"enabled": True, "project": "p"}),
+    ("csv_monitor", {"enabled": True}), ("comet", {"enabled": True}), ("comms_logger", {"enabled": True}),
+])
+def test_observability_blocks_load_and_are_named_when_on(key, on):
+    """They stopped configs that ran under DeepSpeed + the Trainer (an outside probe with DeepSpeed's tutorials'
+    configs), where none changes what the model computes."""
+    from hf_zero_offload import config
+    assert config.check({key: on}).no_effect == [key]
+    assert config.check({key: {"enabled": False}}).no_effect == []
+    with pytest.raises(config.ConfigError, match=rf"<dict>: {key}: expected an object"):
+        config.check({key: 1})

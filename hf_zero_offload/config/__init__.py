@@ -69,7 +69,10 @@ ignore_unused_parameters, use_multi_rank_bucket_allreduce, memory_efficient_line
 last for every stage), every other stage-3 tuning key (stage3_* and DeepSpeed's aliases such as prefetch_bucket_size:
 and sub_group_size, zero_hpz_partition_size: a number, a boolean, null or "auto"; DeepSpeed ignores them below
 stage 3 too), comms_config{...} and monitor_config{...} (keys DeepSpeed does not read, which LLaMA-Factory's
-configs carry), keys starting with "_" ("_comment"; skipped), offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
+configs carry), DeepSpeed's observability blocks tensorboard/wandb/csv_monitor/comet (use --report_to),
+flops_profiler and comms_logger (use torch.profiler), and activation_checkpointing (it configures
+deepspeed.checkpointing, which transformers' models never call, under DeepSpeed too: use --gradient_checkpointing)
+(these named in the start log only when switched on), keys starting with "_" ("_comment"; skipped), offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
 fast_init}. Legacy spellings: "bfloat16" for "bf16", zero_optimization.cpu_offload (== offload_optimizer.device
 "cpu") and cpu_offload_use_pin_memory (== offload_optimizer.pin_memory).
 
@@ -78,7 +81,7 @@ are switched on, and ignored while switched off (false/null/0, ``{"enabled": fal
 ``{"device": "none"}``, ratio 1, gradient_predivide_factor 1...): ZeRO stage 3, offload_param, NVMe offload, optimizer types other than Adam/AdamW,
 schedulers other than WarmupLR/WarmupDecayLR/WarmupCosineLR (OneCycle, LRRangeTest, torch's by name),
 fp16.{consecutive_hysteresis, auto_cast, fp16_master_weights_and_grads}, amp, torch_autocast,
-activation_checkpointing, flops_profiler, tensorboard/wandb/csv_monitor/comet, elasticity, pipeline, tensor_parallel
+elasticity, pipeline, tensor_parallel
 (autotp_size/tp_size above 1),
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
 only), ZeRO++ / MiCS keys (but hpZ, above) and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config.schema`.

@@ -220,12 +220,12 @@ def str_or_null(v: Any) -> Any:
     return v
 
 
-def _off(v: Any) -> bool:
+def is_off(v: Any) -> bool:
     """A switched-off value or section: false/null/0/""/[], {"enabled": false}, or an object of such values."""
     if isinstance(v, dict):
         if "enabled" in v:
             return v["enabled"] is False
-        return all(_off(x) for x in v.values())
+        return all(is_off(x) for x in v.values())
     return v is None or v is False or v == 0 or v == "" or v == []
 
 
@@ -244,5 +244,5 @@ def ignore(check: Callable[[Any], Any] = anything) -> Spec:
     return Spec("ignore", check)
 
 
-def unsupported(why: str, harmless: Callable[[Any], bool] = _off) -> Spec:
+def unsupported(why: str, harmless: Callable[[Any], bool] = is_off) -> Spec:
     return Spec("unsupported", harmless=harmless, why=why)

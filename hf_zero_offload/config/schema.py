@@ -20,8 +20,8 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable
 
-from .checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, non_json,
-                     number, section, show, stage, stage3_value, static_loss_scale, str_or_null, unsupported, use)
+from .checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, is_off,
+                     non_json, number, section, show, stage, stage3_value, static_loss_scale, str_or_null, unsupported, use)
 
 AUTO = "auto"
 
@@ -62,7 +62,9 @@ def _GRAD_ACCUM_DTYPE(v: Any) -> str | None:  # null: DeepSpeed's "not set"
 # ---------------------------------------------------------------- the tables
 
 
-_REPORT_TO = "use TrainingArguments --report_to"
+# ignored blocks that the start log names only when switched on ({"enabled": false} is what DeepSpeed's docs write)
+QUIET_WHEN_OFF = ("activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
+                  "comms_logger")
 
 # Stage-3 tuning keys (stage3_* and their DeepSpeed aliases) have no meaning at stages 0-2, where DeepSpeed ignores
 # them too: a stage-3 config switched to stage 2 runs as it does under DeepSpeed, and the start log names them.
@@ -227,12 +229,15 @@ TOP = {
     # unsupported features (fine while switched off)
     "amp": unsupported("NVIDIA Apex AMP is not used; use the fp16/bf16 sections or --fp16/--bf16"),
     "torch_autocast": unsupported("use the fp16/bf16 sections or --fp16/--bf16"),
-    "activation_checkpointing": unsupported("use TrainingArguments --gradient_checkpointing"),
-    "flops_profiler": unsupported("use torch.profiler or a Trainer callback"),
-    "tensorboard": unsupported(_REPORT_TO),
-    "wandb": unsupported(_REPORT_TO),
-    "csv_monitor": unsupported(_REPORT_TO),
-    "comet": unsupported(_REPORT_TO),
+    # DeepSpeed's observability blocks, and activation_checkpointing (it configures deepspeed.checkpointing, which
+    # transformers' models never call): nothing a model computes changes under DeepSpeed either, so a config that
+    # ran there runs; switched on, the start log names them (QUIET_WHEN_OFF), and the module docstring says what to use
+    "activation_checkpointing": ignore(an_object),
+    "flops_profiler": ignore(an_object),
+    "tensorboard": ignore(an_object),
+    "wandb": ignore(an_object),
+    "csv_monitor": ignore(an_object),
+    "comet": ignore(an_object),
     "elasticity": unsupported("elastic batch sizes are not implemented; set the batch sizes explicitly"),
     "pipeline": unsupported("pipeline parallelism is not implemented"),
     "sparse_gradients": unsupported("sparse gradients are not implemented; embeddings get dense gradients"),
@@ -255,7 +260,7 @@ TOP = {
     "nebula": unsupported("Nebula checkpointing is not implemented; the Trainer saves checkpoints"),
     "hybrid_engine": unsupported("the RLHF hybrid engine is not implemented"),
     "compile": unsupported("use TrainingArguments --torch_compile"),
-    "comms_logger": unsupported("communication logging is not implemented; use torch.profiler"),
+    "comms_logger": ignore(an_object),
     "graph_harvesting": unsupported("CUDA graph harvesting is not implemented"),
     "sequence_parallel_size": unsupported("sequence parallelism is not implemented", harmless=_eq(1)),
     "tensor_parallel": unsupported("tensor parallelism (AutoTP) is not implemented", harmless=_tp_off),
@@ -361,6 +366,7 @@ def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored:
                 raise _err(source, path, f"{_show(value)} is not supported by hf_zero_offload: {e}") from None
         if spec.kind == "use":
             out[key] = sub
-        if ignored is not None and (spec.kind == "ignore" or path in NO_EFFECT):
+        if ignored is not None and (spec.kind == "ignore" or path in NO_EFFECT) and not (path in QUIET_WHEN_OFF
+                                                                                        and is_off(value)):
             ignored.append(path)
     return out
