@@ -8,6 +8,7 @@ source of truth. A name is the file's stem; the blog's file names are accepted a
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 
 from .config.schema import ConfigError  # .schema, not the package: the package imports presets
@@ -65,7 +66,12 @@ def resolve_config(name_or_path: str) -> str:
     path = os.fspath(name_or_path)
     if os.path.exists(path) or os.path.dirname(path):
         return path
-    return preset_path(path)
+    shipped = preset_path(path)
+    if path.endswith(".json"):  # a file name: a file of the user's, not found here, would be replaced without a word
+        logging.getLogger("hf_zero_offload").warning(
+            "hf_zero_offload: no file %s in the current directory (%s): the shipped config of that name runs (%s); "
+            "give ./%s for a file of your own", path, os.getcwd(), shipped, path)
+    return shipped
 
 
 def is_shipped(path: str) -> bool:

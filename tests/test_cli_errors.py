@@ -162,9 +162,14 @@ def test_the_int8_preset_is_zero2_offload_with_8_bit_moments():
     assert cfg.zero.offload and cfg.zero.state_dtype == "int8"
 
 
-def test_a_name_or_path_that_does_not_exist(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # outside the clone: a bare blog file name is the shipped config
-    assert presets.resolve_config("ds_config.json") == presets.preset_path("zero2-offload")
+def test_a_name_or_path_that_does_not_exist(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)  # outside the clone: a bare blog file name is the shipped config, said (a user's own
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):  # file looked for in another folder was replaced silently)
+        assert presets.resolve_config("ds_config.json") == presets.preset_path("zero2-offload")
+        assert presets.resolve_config("zero2-offload") == presets.preset_path("zero2-offload")  # a name: nothing said
+    assert [r.getMessage() for r in caplog.records] == [
+        f"hf_zero_offload: no file ds_config.json in the current directory ({tmp_path}): the shipped config of that "
+        f"name runs ({presets.preset_path('zero2-offload')}); give ./ds_config.json for a file of your own"]
     with pytest.raises(ConfigError, match="no shipped ds_config named 'zero3'.*zero2-offload"):
         load_config("zero3")
     with pytest.raises(ConfigError, match="no shipped ds_config named 'zero2-ofload'; did you mean zero2-offload\\?"):
