@@ -344,3 +344,21 @@ def test_output_dir_is_the_first_positional_argument_as_in_transformers(tmp_path
     assert args.output_dir == str(tmp_path / "out") and args.zero_offload == OFFLOAD
     names = [f.name for f in dataclasses.fields(args_cls)]
     assert names[:len(dataclasses.fields(TrainingArguments))] == [f.name for f in dataclasses.fields(TrainingArguments)]
+
+
+def test_a_config_dict_with_numpy_numbers_still_serializes_with_the_arguments(tmp_path):
+    """The config takes numpy scalars as numbers, but args.to_json_string() (report_to's integrations, the saved
+    training args' JSON) failed on them: "Object of type float32 is not JSON serializable" (an outside probe)."""
+    import json
+
+    import numpy as np
+
+    from hf_zero_offload import ZeroOffloadTrainingArguments
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                 "reduce_bucket_size": np.int64(2 ** 20)},
+           "optimizer": {"type": "AdamW", "params": {"lr": np.float32(1e-3), "betas": [np.float64(0.9), 0.999]}}}
+    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], zero_offload=cfg)
+    back = json.loads(args.to_json_string())["zero_offload"]
+    assert back["optimizer"]["params"]["lr"] == float(np.float32(1e-3))
+    assert back["zero_optimization"]["reduce_bucket_size"] == 2 ** 20 and back["optimizer"]["params"]["betas"] == [0.9, 0.999]
+    assert isinstance(cfg["optimizer"]["params"]["lr"], np.float32)  # the caller's dict is left as it was

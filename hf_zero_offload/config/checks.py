@@ -99,6 +99,18 @@ def non_json(v: Any, where: str = "") -> tuple[str, str] | None:
     return None
 
 
+def plain_numbers(v: Any) -> Any:
+    """``v`` with numpy scalars (any number not an int, float or bool) as Python's int or float, in a copy, so that
+    json.dumps takes it (TrainingArguments.to_json_string, the report_to integrations); anything else as it is."""
+    if isinstance(v, dict):
+        return {k: plain_numbers(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(plain_numbers(x) for x in v)
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+        return int(v) if isinstance(v, numbers.Integral) else float(v)
+    return v
+
+
 def json_type(v: Any) -> str:
     """How JSON names the type of a parsed value (what the user wrote, not Python's name for it)."""
     if v is None or isinstance(v, bool):

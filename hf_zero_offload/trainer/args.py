@@ -8,6 +8,7 @@ from typing import Optional
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from .. import resume
+from ..config.checks import plain_numbers
 from ..launch_checks import check_launch_env
 from ..other_engines import refuse_other_engines, take_launcher_precision
 
@@ -36,6 +37,8 @@ class _ZeroOffloadFields:
 
 def _before_post_init(args) -> None:
     refuse_other_engines(args)  # (which also reads sharded_ddp's legacy spellings as a bool)
+    if isinstance(args.zero_offload, dict):  # numpy numbers, which the config takes, failed args.to_json_string()
+        args.zero_offload = plain_numbers(args.zero_offload)
     take_launcher_precision(args)
     # Before TrainingArguments' __post_init__, which sets up the process group from torchrun's variables (and may
     # hang on an inconsistent set); only when our engine is asked for, as plain runs are transformers' business.
