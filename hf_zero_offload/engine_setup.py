@@ -51,7 +51,7 @@ def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.gradient_clipping,
         fp16=cfg.fp16 if cfg.fp16.enabled else None, bucket_numel=z.reduce_bucket_size, pin_memory=z.pin_memory,
         dpu=z.delayed_param_update.enabled, dpu_warmup_steps=z.delayed_param_update.warmup_steps,
-        state_dtype=z.state_dtype, num_threads=step_threads(z.cpu_threads))
+        state_dtype=z.state_dtype, num_threads=step_threads(z.cpu_threads), skip_nonfinite=cfg.check_grad_overflow)
     shard = ShardOptions(stage=z.stage, offload=z.offload, allgather_bucket_numel=z.allgather_bucket_size,
                          reduce_scatter=z.reduce_scatter)
     return options, shard

@@ -32,7 +32,8 @@ Explicit values are compared with args (every key above except warmup_min_lr and
 scheduler.type with --lr_scheduler_type (the block replaces the Trainer's schedule: WarmupLR goes with linear, the
 default, or constant_with_warmup; WarmupDecayLR with linear; WarmupCosineLR with linear, cosine, cosine_with_min_lr
 or cosine_warmup_with_min_lr); all disagreements are reported in one one-line ConfigError, ``key=value vs --arg
-value`` each, separated by "; ".
+value`` each, separated by "; ". bf16.check_grad_overflow (true/false, DeepSpeed's): with bf16 training, a step
+whose gradients are not finite is skipped (the engines' ``OffloadOptions.skip_nonfinite``).
 
 Schedulers (:mod:`hf_zero_offload.schedulers`). WarmupLR / WarmupDecayLR take warmup_min_lr, warmup_max_lr,
 warmup_num_steps, warmup_type and (WarmupDecayLR, required) total_num_steps. WarmupCosineLR takes total_num_steps
@@ -61,8 +62,7 @@ allgather_partitions true, round_robin_gradients false, both bucket sizes 5e8, s
 Accepted without effect (type-checked; the start log names those a config sets): overlap_comm,
 contiguous_gradients, allgather_partitions, round_robin_gradients, steps_per_print, wall_clock_breakdown, and: zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
 memory_breakdown, dump_state, dataloader_drop_last, checkpoint{...} (transformers writes use_node_local_storage),
-bf16.immediate_grad_update, bf16.check_grad_overflow false (true, DeepSpeed's skip of a step with non-finite bf16
-gradients, is refused), optimizer.params.torch_adam (any bool), data_types.grad_accum_dtype "fp32" (refused at
+bf16.immediate_grad_update, optimizer.params.torch_adam (any bool), data_types.grad_accum_dtype "fp32" (refused at
 ZeRO stage 1 with a 16-bit model and accumulation: it sums in .grad, in 16 bits), zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
 ignore_unused_parameters, use_multi_rank_bucket_allreduce, memory_efficient_linear,
 [stage3_]gather_16bit_weights_on_model_save, stage3_gather_fp16_weights_on_model_save} (accelerate writes the

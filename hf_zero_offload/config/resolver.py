@@ -276,7 +276,8 @@ class _Resolver:
                               float(f.get("min_loss_scale", 1.0)))
         return TrainingConfig(tbs, micro, gas, float(clip), fp16_cfg, bf16, optimizer, scheduler, zero,
                               cfg.get("steps_per_print", 10), cfg.get("wall_clock_breakdown", False), self.source,
-                              grad_accum_fp32=(cfg.get("data_types") or {}).get("grad_accum_dtype") == "fp32")
+                              grad_accum_fp32=(cfg.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
+                              check_grad_overflow=bf16 and (cfg.get("bf16") or {}).get("check_grad_overflow") is True)
 
 
 def resolve(raw_or_path: Any, args: ArgsView | None = None) -> TrainingConfig:

@@ -89,10 +89,8 @@ FP16 = {
 BF16 = {
     "enabled": use(boolean, auto=True),
     "immediate_grad_update": ignore(boolean),
-    # DeepSpeed skips a step whose bf16 gradients are not finite; here such a step is applied, as torch's AdamW does
-    "check_grad_overflow": unsupported("the engine does not check bf16 gradients for overflow: a step with a non-finite "
-                                       "gradient is applied, as torch's AdamW applies it; remove the key or set it "
-                                       "false", harmless=_eq(False)),
+    # as DeepSpeed: a step whose bf16 gradients are not finite is skipped (the LR schedule held, as for fp16)
+    "check_grad_overflow": use(boolean),
 }
 _ONLY_ADAM = "only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
 OPTIMIZER = {

@@ -80,6 +80,7 @@ class TrainingConfig:
     wall_clock_breakdown: bool = False
     source: str = "<dict>"
     grad_accum_fp32: bool = False  # data_types.grad_accum_dtype "fp32" asked for (the engines' own sum is fp32 but ZeRO-1's)
+    check_grad_overflow: bool = False  # bf16 training with bf16.check_grad_overflow: a non-finite step is skipped
 
     def to_dict(self) -> dict:
         """Field names as in the dataclasses; JSON-serialisable (tuples become lists)."""

@@ -220,7 +220,8 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
                 # the count and the loss scaler move with the update: a Ctrl-C between them counted a step never
                 # taken (with DPU the delayed mode then began one step early)
                 self.global_steps += 1
-                self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor)
+                self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor,
+                                                    self.options.skip_nonfinite)
                 self._update(grad_scale)
             except BaseException as e:
                 # some params hold this step's update and some do not: step and save refuse until a load
@@ -236,7 +237,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         # sharded, the publish is a collective every rank issues here: the overflow flag is global)
         self._wait_worker()
         self._publish()
-        if grad_scale is None:  # fp16 overflow: skipped, masters and step counts untouched
+        if grad_scale is None:  # fp16 overflow (or a non-finite step, skip_nonfinite): skipped, state untouched
             self._begin_window()
             self._mark_params()
             return

@@ -162,17 +162,20 @@ def unscaled_norm(scaler: LossScaler, sumsq: float, divisor: float = 1.0) -> flo
     return math.sqrt(sumsq) / (scaler.scale * divisor)
 
 
-def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor: float = 1.0
-                ) -> tuple[StepResult, float | None]:
+def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor: float = 1.0,
+                skip_nonfinite: bool = False) -> tuple[StepResult, float | None]:
     """One optimizer step's verdict from ``sumsq``, the squared norm of the loss-scaled gradient
     ``divisor`` times over (the sum over ranks: ``divisor`` = world size). Updates the scaler.
 
     Returns the result to report and ``grad_scale``, the factor the fused kernel applies to the stored
     gradients (unscale, average, clip: ``torch.nn.utils.clip_grad_norm_``'s coefficient clamped to 1),
-    or None when fp16 overflowed and the step is skipped. Without fp16 a non-finite norm is not a skip,
-    and the step does what torch's ``clip_grad_norm_`` + AdamW do: an inf norm clips by 0 (the inf
-    elements become NaN, every other gradient 0), a NaN norm by NaN; unclipped, the values go through."""
+    or None when fp16 overflowed and the step is skipped. Without fp16 a non-finite norm is a skip only with
+    ``skip_nonfinite`` (DeepSpeed's bf16 ``check_grad_overflow``; the scale stays 1); otherwise the step does what
+    torch's ``clip_grad_norm_`` + AdamW do: an inf norm clips by 0 (the inf elements become NaN, every other
+    gradient 0), a NaN norm by NaN; unclipped, the values go through."""
     finite = math.isfinite(sumsq)
+    if skip_nonfinite and not scaler.enabled and not finite:
+        return StepResult(True, unscaled_norm(scaler, sumsq, divisor), scaler.scale), None
     if scaler.enabled and not finite:
         norm = unscaled_norm(scaler, sumsq, divisor)  # before the update: what grad_norm() reported for this step
         scaler.update(True)

@@ -89,12 +89,15 @@ class OffloadOptions:
     num_threads: int | None = None
     scatter_thread: bool | None = None      # gradient scatter on a helper thread (default: on CUDA)
     state_dtype: str = "fp32"               # Adam moments: "fp32" (exact AdamW), "bf16" or "int8" (blockwise)
+    # without fp16 loss scaling: skip a step whose gradients are not finite (DeepSpeed's bf16 check_grad_overflow);
+    # off, such a step is applied as torch's clip_grad_norm_ + AdamW apply it (fp16 always skips)
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
         _check_fields(self, {"gradient_accumulation_steps": (1, False), "max_grad_norm": (0.0, False),
                              "bucket_numel": (1, False), "tile_numel": (1, False), "dpu_warmup_steps": (0, False),
                              "num_threads": (1, True)})
-        _check_flags(self, ("pin_memory", "dpu", "scatter_thread"), none_ok=("scatter_thread",))
+        _check_flags(self, ("pin_memory", "dpu", "scatter_thread", "skip_nonfinite"), none_ok=("scatter_thread",))
         # checked once, kept as a dict (not a field: equality and repr stay the dataclass's)
         object.__setattr__(self, "_fp16", None if self.fp16 is None else _fp16_fields(self.fp16))
         # the kernels take fewer than 2**31 threads (ops.check_num_threads): refused here, at construction,
