@@ -27,6 +27,7 @@ from .engine.state_dir import check_save_id, check_sources, read_range, sources
 from .marker import MARKER, changed_files, marker_problem, read_marker, recorded_save_id
 from .saved_names import NAMES_FILE, read_json
 
+
 def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[str, torch.Tensor]:
     """Every trainable parameter's fp32 master by name (all aliases), from all rank files. ``expected_save_id``:
     the save the checkpoint's marker records (``resume.recorded_save_id``); a state of another save is refused."""
