@@ -80,7 +80,8 @@ def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_dec
     if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1 and cfg.grad_accum_fp32:
         engine.close()  # (DeepSpeed's BF16_Optimizer sums there in fp32; this engine cannot)
         raise ConfigError(f"{cfg.source}: data_types.grad_accum_dtype \"fp32\" with ZeRO stage 1, a "
-                          f"{str(engine.param_dtype).replace('torch.', '')} model and gradient_accumulation_steps {gas}:"
+                          f"{str(engine.param_dtype).replace('torch.', '')} model and gradient_accumulation_steps "
+                          f"{gas}:"
                           " stage 1 reduces the params' .grad once a step, where autograd sums the micro-batches in "
                           "the params' dtype; use \"stage\": 2 (it sums them in fp32), or drop the key")
     if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1 and engine.rank == 0:

@@ -63,7 +63,8 @@ Accepted without effect (type-checked; the start log names those a config sets):
 contiguous_gradients, allgather_partitions, round_robin_gradients, steps_per_print, wall_clock_breakdown, and: zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
 memory_breakdown, dump_state, dataloader_drop_last, checkpoint{...} (transformers writes use_node_local_storage),
 bf16.immediate_grad_update, optimizer.params.torch_adam (any bool), data_types.grad_accum_dtype "fp32" (refused at
-ZeRO stage 1 with a 16-bit model and accumulation: it sums in .grad, in 16 bits), zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
+ZeRO stage 1 with a 16-bit model and accumulation: it sums in .grad, in 16 bits),
+zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
 ignore_unused_parameters, use_multi_rank_bucket_allreduce, memory_efficient_linear,
 [stage3_]gather_16bit_weights_on_model_save, stage3_gather_fp16_weights_on_model_save} (accelerate writes the
 last for every stage), every other stage-3 tuning key (stage3_* and DeepSpeed's aliases such as prefetch_bucket_size:
@@ -72,7 +73,8 @@ stage 3 too), comms_config{...} and monitor_config{...} (keys DeepSpeed does not
 configs carry), DeepSpeed's observability blocks tensorboard/wandb/csv_monitor/comet (use --report_to),
 flops_profiler and comms_logger (use torch.profiler), and activation_checkpointing (it configures
 deepspeed.checkpointing, which transformers' models never call, under DeepSpeed too: use --gradient_checkpointing)
-(these named in the start log only when switched on), keys starting with "_" ("_comment"; skipped), offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
+(these named in the start log only when switched on), keys starting with "_" ("_comment"; skipped),
+offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
 fast_init}. Legacy spellings: "bfloat16" for "bf16", zero_optimization.cpu_offload (== offload_optimizer.device
 "cpu") and cpu_offload_use_pin_memory (== offload_optimizer.pin_memory).
 

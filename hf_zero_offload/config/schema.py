@@ -21,7 +21,8 @@ import difflib
 from typing import Any, Callable
 
 from .checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, is_off,
-                     non_json, number, section, show, stage, stage3_value, static_loss_scale, str_or_null, unsupported, use)
+                     non_json, number, section, show, stage, stage3_value, static_loss_scale, str_or_null, unsupported,
+                     use)
 
 AUTO = "auto"
 

@@ -79,7 +79,7 @@ class TrainingConfig:
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     source: str = "<dict>"
-    grad_accum_fp32: bool = False  # data_types.grad_accum_dtype "fp32" asked for (the engines' own sum is fp32 but ZeRO-1's)
+    grad_accum_fp32: bool = False  # data_types.grad_accum_dtype "fp32" asked for (the engines sum in fp32, ZeRO-1 not)
     check_grad_overflow: bool = False  # bf16 training with bf16.check_grad_overflow: a non-finite step is skipped
 
     def to_dict(self) -> dict:
