@@ -197,6 +197,9 @@ def _node_local(rank, world_size, out_dir, phase):
     elif (phase, rank) == ("full-shard", 1):
         import hf_zero_offload.engine.checkpoint as ckpt
         ckpt.write_state = no_space
+    elif (phase, rank) == ("full-folder", 0):  # rank 0 clears the folder before the engine's first collective
+        import hf_zero_offload.engine.state_dir as sd
+        sd._clear_previous = no_space
     elif (phase, rank) == ("full-marker", 0):
         import hf_zero_offload.resume as res
         res.write_marker = no_space
@@ -237,19 +240,22 @@ def test_a_save_only_model_over_a_leftover_state_folder_is_not_taken_for_node_lo
         assert r["error"] is None, r
 
 
-@pytest.mark.parametrize("phase, failing", [("full", 1), ("full-weights", 0), ("full-shard", 1), ("full-marker", 0)])
+@pytest.mark.parametrize("phase, failing", [("full", 1), ("full-weights", 0), ("full-shard", 1), ("full-folder", 0),
+                                            ("full-marker", 0)])
 def test_a_save_failing_on_one_rank_stops_every_rank(tmp_path, phase, failing):
     """Reviews: a rank whose part of the save failed raised, while the others waited in the next collective (the
     barrier after the save, the engine's own within it) until the timeout (30 minutes by default), and the cause was
-    replaced by gloo's timeout on both."""
+    replaced by gloo's timeout on both; rank 0 failing to clear the folder left rank 1 in the engine's first barrier
+    (an outside probe)."""
     import time
     start = time.monotonic()
     ours = run_distributed(_node_local, str(tmp_path), phase, timeout=120)
     assert time.monotonic() - start < 60
     assert "No space left on device" in ours[failing]["error"] and not ours[failing]["marked"], ours
     other = ours[1 - failing]["error"]
-    if phase == "full-shard":  # told by the engine's own agreement, within its save: which rank, not why
-        assert other and f"rank(s) {failing} could not write their optimizer state" in other, ours
+    if phase in ("full-shard", "full-folder"):  # told by the engine's own agreement, within its save: which rank
+        what = "write their optimizer state" if phase == "full-shard" else "make the folder ready"
+        assert other and f"rank(s) {failing} could not {what}" in other, ours
     else:
         assert other and f"rank {failing}" in other and "No space left on device" in other, ours
 

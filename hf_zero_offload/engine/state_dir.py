@@ -34,26 +34,32 @@ META_FILE = "meta.json"
 
 def save(directory: str, rank: int, world_size: int, meta: dict, tensors: dict, *, barrier, partition: list,
          agree=None) -> None:
-    """``agree(failed) -> the ranks that failed``: a collective in place of the barrier after the writes (a rank
-    whose write failed left its peers in that barrier until the timeout)."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise NotADirectoryError(f"optimizer checkpoint directory {directory} is a file")
-    os.makedirs(directory, exist_ok=True)
-    if rank == 0:
-        _clear_previous(directory, world_size)
-    if world_size > 1:
-        barrier()  # no rank writes its new file while the old meta.json still declares the directory complete
-    try:
-        checkpoint.write_state(checkpoint.rank_file(directory, rank, world_size), meta, tensors)
-    except Exception:
-        if world_size > 1 and agree is not None:  # the peers hear of it where they wait for every rank's file
-            agree(True)
-        raise
+    """``agree(failed) -> the ranks that failed``: a collective in place of each barrier (a rank whose folder or
+    write failed left its peers in the next barrier until the timeout, silent)."""
+    def phase(work, what: str) -> None:  # work on every rank, then every rank learns whether one failed
+        try:
+            work()
+        except Exception:
+            if world_size > 1 and agree is not None:  # the peers hear of it where they wait for this rank
+                agree(True)
+            raise
+        if world_size > 1 and (failed := (agree(False) if agree is not None else barrier())):
+            raise OSError(f"{directory}: rank(s) {', '.join(map(str, failed))} could not {what}")
+
+    def prepare() -> None:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError(f"optimizer checkpoint directory {directory} is a file")
+        os.makedirs(directory, exist_ok=True)
+        if rank == 0:
+            _clear_previous(directory, world_size)
+
+    # no rank writes its new file while the old meta.json still declares the directory complete
+    phase(prepare, "make the folder ready for their optimizer state")
+    # meta.json marks the checkpoint complete: only after every rank's file is in place
+    phase(lambda: checkpoint.write_state(checkpoint.rank_file(directory, rank, world_size), meta, tensors),
+          "write their optimizer state")
     if world_size == 1:
         return
-    # meta.json marks the checkpoint complete: only after every rank's file is in place
-    if failed := (agree(False) if agree is not None else barrier()):
-        raise OSError(f"{directory}: rank(s) {', '.join(map(str, failed))} could not write their optimizer state")
     if rank == 0:  # (the world size, numel, partition map, slots and dtype, for a load at any world size)
         with checkpoint.atomic_open(os.path.join(directory, META_FILE), "w") as f:
             json.dump({"format": META_FORMAT, "world_size": world_size, "numel": meta["numel"], "partition": partition,
