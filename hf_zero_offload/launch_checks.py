@@ -5,6 +5,7 @@ Nothing here imports transformers: ``args`` is any object with TrainingArguments
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -192,6 +193,18 @@ def refuse_user_optimizer(optimizer, scheduler) -> None:
             "block (per-group values: override create_optimizer, returning a torch.optim.AdamW/Adam, whose groups the "
             "engine takes over), the schedule with --lr_scheduler_type or the ds_config's \"scheduler\" block; to "
             "drive an engine you built yourself, use a plain Trainer with ZeroOffloadCallback.")
+
+
+def refuse_given_optimizer(init, args, kwargs) -> None:
+    """``optimizers=`` / ``optimizer_cls_and_kwargs=`` as the Trainer's ``init`` would take them from ``args`` and
+    ``kwargs``: refused or checked before any model work."""
+    try:
+        given = inspect.signature(init).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return  # the Trainer's own __init__ names the bad argument
+    optimizer, scheduler = given.get("optimizers") or (None, None)
+    refuse_user_optimizer(optimizer, scheduler)
+    check_optimizer_cls(given.get("optimizer_cls_and_kwargs"))
 
 
 def check_optimizer_cls(cls_and_kwargs) -> None:

@@ -302,10 +302,51 @@ def test_a_save_asked_on_one_rank_only_stops_at_once_naming_it(tmp_path, how):
     start = time.monotonic()
     ours = run_distributed(_one_sided_save, str(tmp_path), how, timeout=120)
     assert time.monotonic() - start < 60
-    step = 1 if how == "callback" else 2
-    assert f"RuntimeError: rank(s) 1 went on without saving {tmp_path}/{how}/checkpoint-{step}, which this rank " \
+    if how == "save_steps":  # told at train()'s start since (same_run.py), on both ranks
+        for r in ours:
+            assert "were started for different runs: save_steps: 2 on rank 0, 3 on rank 1" in r["error"], ours
+        return
+    assert f"RuntimeError: rank(s) 1 went on without saving {tmp_path}/callback/checkpoint-1, which this rank " \
            "saves: every rank must save a checkpoint together" in ours[0]["error"], ours
     assert ours[1]["error"], ours  # its peer gone: gloo's error, not a hang
+
+
+def _started_differently(rank, world_size, out_dir, key):
+    """Rank 1 given another value of ``key`` than rank 0 (the shipped WarmupLR schedule: flat after its warm-up)."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    other = {"max_steps": dict(max_steps=3), "save_only_model": dict(save_only_model=True), "seed": dict(seed=1),
+             "logging_steps": dict(logging_steps=2)}.get(key, {}) if rank == 1 else {}
+    targs = ZeroOffloadSeq2SeqTrainingArguments(**{**dict(
+        output_dir=f"{out_dir}/{key}", per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
+        report_to=[], save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True, sharded_ddp=True,
+        zero_offload="zero2-offload"), **other})
+    data = ToyDataset(24 if key == "dataset" and rank == 1 else 32)
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=data)
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("key, said", [
+    ("max_steps", "max_steps: 4 on rank 0, 3 on rank 1"), ("save_only_model", "save_only_model: False on rank 0, "
+                                                                               "True on rank 1"),
+    ("seed", "seed: 0 on rank 0, 1 on rank 1"), ("logging_steps", "logging_steps: 500 on rank 0, 2 on rank 1"),
+    ("dataset", "the training set's length: 32 on rank 0, 24 on rank 1")])
+def test_ranks_started_for_different_runs_stop_at_train_start(tmp_path, key, said):
+    """An outside probe: rank 1 with another --max_steps (a flat schedule: no lr differed) exited while rank 0 died in
+    gloo's words, or waited in evaluation's collective; with --save_only_model both waited in the first save until the
+    timeout; with another --seed or dataset they trained on a mix (0.041 off) and marked checkpoints complete."""
+    import time
+    start = time.monotonic()
+    ours = run_distributed(_started_differently, str(tmp_path), key, timeout=120)
+    assert time.monotonic() - start < 60
+    for r in ours:
+        assert r["error"] and f"ConfigError: the 2 ranks were started for different runs: {said}" in r["error"], ours
+    assert not (tmp_path / key / "checkpoint-2").exists()
 
 
 def _trainers_around_a_reload(rank, world_size, out_dir):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import os
 
@@ -19,12 +18,14 @@ from ..accelerator_patch import patch_accelerator
 from ..engine_setup import (accumulation_problem, build_engine, check_user_groups, groups_from_optimizer,
                             start_line, training_dtype)
 from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_optimizer_cls,
-                             check_trainable, check_world_size, refuse_user_optimizer, refuse_view_ties,
-                             warn_bf16_on_cpu, warn_fp16_on_cpu, warn_full_eval_trains, warn_keep_fp32, warn_upcast)
+                             check_trainable, check_world_size, refuse_given_optimizer, refuse_user_optimizer,
+                             refuse_view_ties, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_full_eval_trains,
+                             warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
 from .buffer_sync import BroadcastBuffers
 from .placement import PlaceWithEngine
+from .same_run import check_same_run
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .trainable_watch import RefuseNewTrainable
@@ -73,7 +74,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
                                                      kwargs.get("model", args[0] if args else None)))
             check_world_size(targs)
             check_arguments(targs, early.scheduler.type if early.scheduler is not None else None)
-            self._zo_refuse_user_optimizer(args, kwargs)
+            refuse_given_optimizer(super().__init__, args, kwargs)
             self._zo_take_lock(targs)
             saved = (targs.fp16, targs.bf16, targs.mixed_precision)
             # Loss scaling and the 16-bit model are ours: Accelerate, created in Trainer.__init__, must
@@ -101,15 +102,6 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
             check_optimizer_cls(getattr(self, "optimizer_cls_and_kwargs", None))
             check_even_batches(self.args, getattr(self, "train_dataset", None))
             patch_accelerator(self.accelerator, lambda: self.zero_engine)
-
-    def _zo_refuse_user_optimizer(self, args, kwargs) -> None:
-        try:
-            given = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            return  # the Trainer's own __init__ names the bad argument
-        optimizer, scheduler = given.get("optimizers") or (None, None)
-        refuse_user_optimizer(optimizer, scheduler)
-        check_optimizer_cls(given.get("optimizer_cls_and_kwargs"))
 
     def _zo_take_lock(self, targs) -> None:
         if targs.output_dir:
@@ -304,6 +296,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         problem = first_problem(problem, self.args.world_size)  # (every rank: one that raised alone left the others)
         if problem:  # a checkpoint-N file met at its save lost the steps since the last one
             raise ValueError(problem)
+        if self._zo_raw is not None:  # before the run lock's collective: every rank raises alike here
+            check_same_run(self.args, self.train_dataset)
         self._zo_take_lock(self.args)
         if self._zo_lock is not None and self._zo_lock.held:
             for path in resume.remove_stale_temp_files(self.args.output_dir):

@@ -17,9 +17,11 @@ import torch.distributed as dist
 _SHOWN = 6  # differences named in the message
 
 
-def check_ranks_agree(setup: dict, process_group, world_size: int) -> None:
+def check_ranks_agree(setup: dict, process_group, world_size: int, built: str = "built different ShardedAdam engines",
+                      advice: str = "Every rank must build the same one (the same ds_config, command line and model on "
+                                    "every node)") -> None:
     """``setup``: this rank's description (key -> a value that compares with ``==`` and prints). Raises ValueError
-    on every rank when any rank's differs from rank 0's."""
+    on every rank when any rank's differs from rank 0's (``built``, ``advice``: what the message says of that)."""
     if world_size == 1:
         return
     every: list = [None] * world_size
@@ -37,8 +39,7 @@ def check_ranks_agree(setup: dict, process_group, world_size: int) -> None:
     diffs += [f"{k}: absent on rank 0" for k in extra]
     if diffs:
         shown = "; ".join(diffs[:_SHOWN]) + (f"; and {len(diffs) - _SHOWN} more" if len(diffs) > _SHOWN else "")
-        raise ValueError(f"the {world_size} ranks built different ShardedAdam engines: {shown}. Every rank must "
-                         "build the same one (the same ds_config, command line and model on every node)")
+        raise ValueError(f"the {world_size} ranks {built}: {shown}. {advice}")
 
 
 def _describe(key: str, first, value, ranks: list) -> str:

@@ -1,0 +1,44 @@
+"""Every rank of a sharded run must run the same ``train()``: the Trainer arguments that decide its steps, its
+collectives (logging's gather of the loss, evaluation, saves) and its data, and the length of its dataset.
+
+The engine compares what each rank built (``engine/sharded/agree.py``) and its hyperparameters at every step; a rank
+given another ``--max_steps`` with a flat schedule, ``--save_only_model``, ``--seed`` or dataset (an outside probe,
+2 gloo ranks) still trained on a mix (another data order on one rank, 0.041 off; its checkpoints marked complete),
+failed in gloo's words ("Connection closed by peer") or waited in a collective its peer never reached until the
+30-minute timeout. One all-gather at each ``train()`` start compares them, and every rank raises the same error.
+"""
+from __future__ import annotations
+
+from collections.abc import Sized
+
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..engine.sharded.agree import check_ranks_agree
+
+# what makes one rank's run another's: step counts, the data each rank draws, and every event with a collective
+SAME_ON_EVERY_RANK = (
+    "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed",
+    "dataloader_drop_last", "group_by_length", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
+    "weight_decay", "max_grad_norm", "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy",
+    "eval_steps", "save_strategy", "save_steps", "save_only_model", "load_best_model_at_end", "metric_for_best_model",
+    "fp16", "bf16")
+
+
+def _plain(value):
+    return getattr(value, "value", value)  # an enum (IntervalStrategy, SchedulerType) by its name
+
+
+def check_same_run(args, train_dataset) -> None:
+    """Raises ConfigError on every rank when the ranks' runs differ (one all-gather; nothing with one process)."""
+    if not (args.world_size > 1 and dist.is_available() and dist.is_initialized()):
+        return
+    setup = {k: _plain(getattr(args, k, None)) for k in SAME_ON_EVERY_RANK}
+    setup["the training set's length"] = len(train_dataset) if isinstance(train_dataset, Sized) else None
+    try:
+        check_ranks_agree(setup, None, args.world_size, "were started for different runs",
+                          "Every rank must run the same train() (the same command line and data on every node): ranks "
+                          "that differ there train on a mix, or wait in a collective their peers never reach (a plain "
+                          "DDP run does the same)")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
