@@ -20,7 +20,7 @@ PRESETS = {
     "zero2-offload": ("zero2-offload.json", "ZeRO-2 + CPU offload of the optimizer (one or several GPUs; "
                                             "fp16/bf16/fp32 and every optimizer value follow the command line)"),
     "zero2-offload-int8": ("zero2-offload-int8.json", "as zero2-offload, with the Adam moments stored in 8 bits on "
-                                                      "the host (blockwise int8: 8.3 instead of 14.3 bytes/param)"),
+                                                      "the host (blockwise int8: 8.1 instead of 14.1 bytes/param)"),
     "zero2": ("zero2.json", "ZeRO-2 without offload: optimizer state and gradients sharded across ranks"),
 }
 # the file names of the HF blog post (and of configs/ in the repository)
@@ -57,6 +57,9 @@ def names() -> list[str]:
     return list(PRESETS)
 
 
+_SAID: set = set()  # (file name, directory) pairs whose stand-in was said
+
+
 def resolve_config(name_or_path: str) -> str:
     """``name_or_path`` if it is an existing file or has a directory part, else the packaged file it names.
 
@@ -67,7 +70,9 @@ def resolve_config(name_or_path: str) -> str:
     if os.path.exists(path) or os.path.dirname(path):
         return path
     shipped = preset_path(path)
-    if path.endswith(".json"):  # a file name: a file of the user's, not found here, would be replaced without a word
+    # a file name: a file of the user's, not found here, would be replaced without a word (said once per process)
+    if path.endswith(".json") and (path, os.getcwd()) not in _SAID:
+        _SAID.add((path, os.getcwd()))
         logging.getLogger("hf_zero_offload").warning(
             "hf_zero_offload: no file %s in the current directory (%s): the shipped config of that name runs (%s); "
             "give ./%s for a file of your own", path, os.getcwd(), shipped, path)

@@ -51,6 +51,17 @@ def _exit_at_once(signum, frame) -> None:
     os._exit(EXIT_INTERRUPTED)  # the interrupt was reported and the state is what the last save wrote
 
 
+def _close_progress_bars() -> None:
+    """tqdm's bars still open end their line first (an outside probe: the interrupted line was printed on the end of a
+    save's "Writing model shards:   0%|" bar, and a bar closed at exit came after it)."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # (a courtesy to the terminal: never in the way of the message)
+            pass
+
+
 def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
                   interrupted: Callable[[], str | None] | None = None) -> object:
     """``fn()``; a user error becomes one line on stderr and ``SystemExit(2)`` (unless ``debug``); Ctrl-C one
@@ -64,6 +75,7 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
             hint = interrupted() if interrupted is not None else None
         except Exception:  # the hint is a courtesy: a failure in it must not bring the traceback back
             hint = None
+        _close_progress_bars()
         # torchrun sends Ctrl-C to every rank: one line per node (its local rank 0), not one per rank
         if os.environ.get("LOCAL_RANK", "0").strip() in ("", "0"):
             print(f"{prog}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)

@@ -455,3 +455,23 @@ def test_a_path_the_locale_cannot_encode_names_the_locale(capsys, monkeypatch):
         usage.run_reporting("finetune_trainer.py", fail, debug=False)
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "non-UTF-8 locale (LC_ALL/LANG=C)" in err and "PYTHONUTF8=1" in err
+
+
+def test_ctrl_c_ends_an_open_progress_bar_before_its_line(capsys):
+    """The interrupted line was printed on the end of a save's unfinished "Writing model shards" bar (an outside
+    probe; test_examples' Ctrl-C test then failed now and then), and a bar closed at exit came after it."""
+    from tqdm import tqdm
+
+    from hf_zero_offload.usage import run_reporting
+
+    bars = []  # held, as the save's frame holds its bar while the interrupt unwinds it
+
+    def interrupted_in_a_save():
+        bars.append(tqdm(total=10, desc="Writing model shards"))  # (stderr, as transformers' bars)
+        bars[0].update(0)
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        run_reporting("prog", interrupted_in_a_save, debug=False, interrupted=lambda: "go on from X")
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err.endswith("\nprog: interrupted; go on from X\n"), repr(err[-200:])

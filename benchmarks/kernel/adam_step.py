@@ -52,8 +52,8 @@ if ARGS.threads is not None:  # before torch (and DeepSpeed's own OpenMP runtime
 
 import torch  # noqa: E402
 
-from benchmarks._common import (ForeignLoad, beside, hardware, hardware_line, median, print_table,  # noqa: E402
-                                write_json)
+from benchmarks._common import (NOT_HERE, ForeignLoad, beside, hardware, hardware_line, median,  # noqa: E402
+                                print_table, verdict, write_json)
 from hf_zero_offload import ops  # noqa: E402
 
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
@@ -174,13 +174,13 @@ def add_peers(spec: dict, b: Bufs, skipped: dict, versions: dict) -> None:
 
 
 def targets(by: dict, skipped: dict) -> list[tuple[str, str, float | None, str]]:
-    """(target, "met" / "not met" / "not meaningful here", value, note, the value as printed)."""
+    """(target, its verdict (``_common``: met / NOT MET / not meaningful here), value, note, the value as printed)."""
     out = []
 
     def check(label, ok, value, note="", target=None):
         # the value shown beside a target it missed must not print as equal to it
         shown = f"{value:.3f}" if target is None else beside(value, target, 3)
-        out.append((label, "met" if ok else "not met", value, note, shown))
+        out.append((label, verdict(ok), value, note, shown))
 
     i8, mx, f32 = by["ours int8-state"], by["ours mixed"], by["ours fp32"]
     check("int8-state step >= 1.5x faster than ours mixed (fp32 state)", mx["ms"] / i8["ms"] >= 1.5,
@@ -200,7 +200,7 @@ def targets(by: dict, skipped: dict) -> list[tuple[str, str, float | None, str]]
               f"DeepSpeed not importable: {skipped.get('DeepSpeed', '?')[:80]}", 1.0)
     tf = by["torch fused fp32"]
     if tf["of_bound"] >= 0.85:
-        out.append(("fp32 <= 0.85x torch fused fp32", "not meaningful here", f32["ms"] / tf["ms"],
+        out.append(("fp32 <= 0.85x torch fused fp32", NOT_HERE, f32["ms"] / tf["ms"],
                     f"torch fused runs at {tf['of_bound']:.0%} of the bound: 0.85x would beat the bandwidth",
                     f"{f32['ms'] / tf['ms']:.3f}"))
     else:
@@ -267,8 +267,8 @@ def main() -> int:
             + ("  (WARNING: shared machine, timings disturbed)" if load.cores > 0.2 else ""))
     checks = targets(by, skipped)
     say("")
-    for label, verdict, _, note, shown in checks:
-        say(f"  [{verdict}] {label}: {shown}" + (f"  ({note})" if note else ""))
+    for label, said, _, note, shown in checks:
+        say(f"  [{said}] {label}: {shown}" + (f"  ({note})" if note else ""))
     per_core = {r["name"]: r["gb_s"] / threads for r in rows if r["name"].startswith("ours")}
     say(f"\n  per core (compute-bound rows): this machine streams {bound_gbs / threads:.1f} GB/s per core; "
         + ", ".join(f"{k[5:]} consumes {v:.1f}" for k, v in per_core.items())
