@@ -471,7 +471,12 @@ def test_ctrl_c_ends_an_open_progress_bar_before_its_line(capsys):
         bars[0].update(0)
         raise KeyboardInterrupt
 
-    with pytest.raises(SystemExit) as e:
-        run_reporting("prog", interrupted_in_a_save, debug=False, interrupted=lambda: "go on from X")
+    import signal
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as e:
+            run_reporting("prog", interrupted_in_a_save, debug=False, interrupted=lambda: "go on from X")
+    finally:  # (it sets an exit-at-once handler for a second Ctrl-C: a later test's SIGINT ended the suite with it)
+        signal.signal(signal.SIGINT, handler)
     err = capsys.readouterr().err
     assert e.value.code == 130 and err.endswith("\nprog: interrupted; go on from X\n"), repr(err[-200:])

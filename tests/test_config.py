@@ -430,6 +430,6 @@ def test_observability_blocks_load_and_are_named_when_on(key, on):
     configs), where none changes what the model computes."""
     from hf_zero_offload import config
     assert config.check({key: on}).no_effect == [key]
-    assert config.check({key: {"enabled": False}}).no_effect == []
+    assert config.check({key: {"enabled": False}}).no_effect == [] == config.check({key: None}).no_effect
     with pytest.raises(config.ConfigError, match=rf"<dict>: {key}: expected an object"):
         config.check({key: 1})

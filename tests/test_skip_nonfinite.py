@@ -99,3 +99,45 @@ def test_the_trainer_skips_holds_the_schedule_and_logs_the_norm(tmp_path):
     assert [math.isfinite(n) for n in norms] == [i != BAD for i in range(5)]  # (an inf loss: NaN gradients)
     assert trainer.lr_scheduler.last_epoch == trainer.state.global_step - 1  # the skipped step did not advance it
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _trainer_job(rank, world, out_dir, stage, dpu, gas):
+    """The Trainer on ``world`` ranks (1: one process), the inf on the last micro-batch of step BAD of the last rank."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    class OneInf(ZeroOffloadSeq2SeqTrainer):
+        calls = 0
+
+        def compute_loss(self, model, inputs, *a, **kw):
+            loss = super().compute_loss(model, inputs, *a, **kw)
+            OneInf.calls += 1
+            return loss * float("inf") if (self.state.global_step == BAD and OneInf.calls % gas == 0
+                                           and rank == world - 1) else loss
+
+    zo = {"stage": stage, "offload_optimizer": {"device": "cpu" if stage == 2 else "none"}}
+    if dpu:
+        zo["delayed_param_update"] = {"enabled": True, "warmup_steps": 0}
+    targs = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=gas, max_steps=5, use_cpu=True,
+        report_to=[], seed=0, logging_steps=1, disable_tqdm=True, learning_rate=1e-3, warmup_steps=3, bf16=True,
+        save_strategy="no", sharded_ddp=world > 1, ddp_backend="gloo" if world > 1 else None,
+        zero_offload={"zero_optimization": zo, "bf16": {"enabled": "auto", "check_grad_overflow": True}})
+    model = tiny_t5(0)
+    trainer = OneInf(model=model, args=targs, train_dataset=ToyDataset(64))
+    trainer.train()
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert [math.isfinite(n) for n in norms] == [i != BAD for i in range(5)], norms
+    assert trainer.lr_scheduler.last_epoch == trainer.state.global_step - 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return True
+
+
+@pytest.mark.parametrize("stage, dpu, gas, world", [(2, True, 2, 1), (1, False, 2, 2), (2, True, 2, 2)])
+def test_accumulation_dpu_and_zero1_skip_alike(tmp_path, stage, dpu, gas, world):
+    """A review ran these beside the tests above: the skip with accumulation (the inf on one micro-batch), with the
+    delayed update, and at ZeRO-1 (which reduces .grad at the step) on 2 ranks."""
+    if world == 1:
+        assert _trainer_job(0, 1, str(tmp_path), stage, dpu, gas)
+    else:
+        assert run_distributed(_trainer_job, str(tmp_path), stage, dpu, gas, timeout=200) == [True, True]

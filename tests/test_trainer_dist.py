@@ -427,3 +427,31 @@ def test_the_save_agreement_is_off_on_a_file_store(tmp_path, monkeypatch):
         wrapped = dist.PrefixStore("default_pg", dist.PrefixStore("attempt0", under))
         monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda w=wrapped: w)
         assert (CheckpointSaving._zo_store(me) is wrapped) is used
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(64):
+            src = torch.randint(2, 64, (8,), generator=g)
+            yield {"input_ids": src, "attention_mask": torch.ones_like(src), "labels": src.flip(0)}
+
+
+def _chained(rank, world_size, out_dir):
+    from _t5 import tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+    targs = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=4, max_steps=2, use_cpu=True, ddp_backend="gloo",
+        report_to=[], save_strategy="no", disable_tqdm=True, sharded_ddp=True, zero_offload="zero2-offload")
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs,
+                                        train_dataset=torch.utils.data.ChainDataset([_Stream()]))
+    trainer.train()
+    return trainer.state.global_step
+
+
+def test_a_dataset_whose_len_raises_trains_on_two_ranks(tmp_path):
+    """A review: the train()-start comparison took len() of a ChainDataset of iterable datasets (Sized, its len()
+    raises TypeError, as transformers' has_length knows) and every rank failed."""
+    with pytest.raises(TypeError):
+        len(torch.utils.data.ChainDataset([_Stream()]))
+    assert run_distributed(_chained, str(tmp_path), timeout=150) == [2, 2]

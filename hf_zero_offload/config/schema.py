@@ -63,6 +63,10 @@ def _GRAD_ACCUM_DTYPE(v: Any) -> str | None:  # null: DeepSpeed's "not set"
 # ---------------------------------------------------------------- the tables
 
 
+def _OBJECT_OR_NULL(v: Any) -> dict | None:  # null: DeepSpeed's "not set" (accepted before these blocks were read)
+    return None if v is None else an_object(v)
+
+
 # ignored blocks that the start log names only when switched on ({"enabled": false} is what DeepSpeed's docs write)
 QUIET_WHEN_OFF = ("activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
                   "comms_logger")
@@ -231,12 +235,12 @@ TOP = {
     # DeepSpeed's observability blocks, and activation_checkpointing (it configures deepspeed.checkpointing, which
     # transformers' models never call): nothing a model computes changes under DeepSpeed either, so a config that
     # ran there runs; switched on, the start log names them (QUIET_WHEN_OFF), and the module docstring says what to use
-    "activation_checkpointing": ignore(an_object),
-    "flops_profiler": ignore(an_object),
-    "tensorboard": ignore(an_object),
-    "wandb": ignore(an_object),
-    "csv_monitor": ignore(an_object),
-    "comet": ignore(an_object),
+    "activation_checkpointing": ignore(_OBJECT_OR_NULL),
+    "flops_profiler": ignore(_OBJECT_OR_NULL),
+    "tensorboard": ignore(_OBJECT_OR_NULL),
+    "wandb": ignore(_OBJECT_OR_NULL),
+    "csv_monitor": ignore(_OBJECT_OR_NULL),
+    "comet": ignore(_OBJECT_OR_NULL),
     "elasticity": unsupported("elastic batch sizes are not implemented; set the batch sizes explicitly"),
     "pipeline": unsupported("pipeline parallelism is not implemented"),
     "sparse_gradients": unsupported("sparse gradients are not implemented; embeddings get dense gradients"),
@@ -259,7 +263,7 @@ TOP = {
     "nebula": unsupported("Nebula checkpointing is not implemented; the Trainer saves checkpoints"),
     "hybrid_engine": unsupported("the RLHF hybrid engine is not implemented"),
     "compile": unsupported("use TrainingArguments --torch_compile"),
-    "comms_logger": ignore(an_object),
+    "comms_logger": ignore(_OBJECT_OR_NULL),
     "graph_harvesting": unsupported("CUDA graph harvesting is not implemented"),
     "sequence_parallel_size": unsupported("sequence parallelism is not implemented", harmless=_eq(1)),
     "tensor_parallel": unsupported("tensor parallelism (AutoTP) is not implemented", harmless=_tp_off),

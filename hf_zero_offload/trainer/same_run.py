@@ -29,12 +29,21 @@ def _plain(value):
     return getattr(value, "value", value)  # an enum (IntervalStrategy, SchedulerType) by its name
 
 
+def _length(dataset) -> int | None:
+    """len() where it has one: a ChainDataset of iterable datasets is Sized but its len() raises (transformers'
+    has_length catches that too)."""
+    try:
+        return len(dataset) if isinstance(dataset, Sized) else None
+    except (TypeError, NotImplementedError):
+        return None
+
+
 def check_same_run(args, train_dataset) -> None:
     """Raises ConfigError on every rank when the ranks' runs differ (one all-gather; nothing with one process)."""
     if not (args.world_size > 1 and dist.is_available() and dist.is_initialized()):
         return
     setup = {k: _plain(getattr(args, k, None)) for k in SAME_ON_EVERY_RANK}
-    setup["the training set's length"] = len(train_dataset) if isinstance(train_dataset, Sized) else None
+    setup["the training set's length"] = _length(train_dataset)
     try:
         check_ranks_agree(setup, None, args.world_size, "were started for different runs",
                           "Every rank must run the same train() (the same command line and data on every node): ranks "
