@@ -10,7 +10,8 @@
 #                    the image already has torch, pybind11, scikit-build-core, cmake; nothing is downloaded)
 #   2. hardware      the hardware line (CPU, cores, RAM, torch, SIMD level of the build, GPU) -> $OUT/hardware.json
 #   3. cuda tests    (a cuda_device step first: it fails where no CUDA device is usable, as on a CPU with SMALL=1,
-#                    since the tests would all skip and pytest say ok) pytest -m cuda tests/test_engine.py tests/test_engine_async.py tests/test_sharding.py
+#                    since the tests would all skip and pytest say ok) pytest -m cuda tests/test_engine.py
+#                    tests/test_engine_async.py tests/test_sharding.py
 #                    tests/test_compact_states.py tests/test_placement.py (every cuda-marked test; GPU parity with torch
 #                    AdamW, gradient accumulation, clipping, fp16 overflow, DPU, resume, the stream-race
 #                    test, gradient memory bounded by the buckets, pinned arena). An image without pytest

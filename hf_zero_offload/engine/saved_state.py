@@ -3,10 +3,9 @@
 world size) and the loads of both.
 
 A load checks everything it can before its first write (``state_contents.check_meta`` / ``check_tensors``, the params'
-names, the loss scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A
-checkpoint's tensors then stream straight into the arena (no second copy of the state); should a chunk fail its
-checksum part way, ``_load_failed`` stays set and ``step``, ``state_meta`` (hence every save) refuse until a load
-succeeds.
+names, the loss scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A checkpoint's
+tensors then stream straight into the arena (no second copy of the state); should a chunk fail its checksum part way,
+``_load_failed`` stays set and ``step``, ``state_meta`` (hence every save) refuse until a load succeeds.
 
 A mixin of the same object, not a helper of another: its methods read the core's fields (``lo``, ``hi``, ``master``,
 ``moments``, ``param_groups``, ``_param_steps``, ``scaler``...) as its own.
