@@ -156,12 +156,14 @@ def check_user_groups(cfg: TrainingConfig, raw: dict, groups: list[dict], where:
         raise ConfigError(f"{cfg.source}: the \"optimizer\" block sets {', '.join(explicit)} and {where} builds "
                           "its own param groups with their own values: set them in one place (\"auto\" in the "
                           "block, or leave the groups to the mixin)")
+    lrs = sorted({float(g["lr"]) for g in groups})
     if cfg.scheduler is not None and cfg.scheduler.type in ("WarmupLR", "WarmupDecayLR") and \
-            len({g["lr"] for g in groups}) > 1:
-        logger.warning("hf_zero_offload: %s gives its param groups different learning rates, and %s's "
-                       "scheduler %s sets one LR for every group (as in DeepSpeed): the groups' LRs are replaced; "
-                       "WarmupCosineLR or --lr_scheduler_type scale each group's own", where, cfg.source,
-                       cfg.scheduler.type)
+            lrs != [cfg.scheduler.warmup_max_lr]:
+        # (one LR that differs from the block's too: optimizer_cls_and_kwargs' lr trained at --learning_rate, silent)
+        logger.warning("hf_zero_offload: %s gives its param groups the learning rate(s) %s, and %s's scheduler %s "
+                       "sets one LR for every group, warmup_max_lr %g (as in DeepSpeed): the groups' LRs are "
+                       "replaced; WarmupCosineLR or --lr_scheduler_type scale each group's own", where,
+                       ", ".join(f"{x:g}" for x in lrs), cfg.source, cfg.scheduler.type, cfg.scheduler.warmup_max_lr)
 
 
 def _bytes(n: int) -> str:

@@ -213,7 +213,11 @@ def check_optimizer_cls(cls_and_kwargs) -> None:
     AdamW and Adam, whose math the engine runs (a subclass may change step()). Refused before any model work."""
     if cls_and_kwargs is None:
         return
-    cls = cls_and_kwargs[0] if isinstance(cls_and_kwargs, (tuple, list)) and len(cls_and_kwargs) == 2 else None
+    if not (isinstance(cls_and_kwargs, (tuple, list)) and len(cls_and_kwargs) == 2
+            and isinstance(cls_and_kwargs[1], dict)):  # (transformers unpacks it as such)
+        raise ConfigError(f"optimizer_cls_and_kwargs is {repr(cls_and_kwargs)[:80]}: it takes a pair (optimizer class, "
+                          "dict of keyword arguments), e.g. (torch.optim.AdamW, {\"lr\": 1e-4})")
+    cls = cls_and_kwargs[0]
     if cls not in (torch.optim.AdamW, torch.optim.Adam):
         shown = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls_and_kwargs)[:80]
         raise ConfigError(f"optimizer_cls_and_kwargs names {shown}: with zero_offload / sharded_ddp the optimizer is "

@@ -433,3 +433,14 @@ def test_observability_blocks_load_and_are_named_when_on(key, on):
     assert config.check({key: {"enabled": False}}).no_effect == [] == config.check({key: None}).no_effect
     with pytest.raises(config.ConfigError, match=rf"<dict>: {key}: expected an object"):
         config.check({key: 1})
+
+
+def test_check_grad_overflow_without_bf16_says_it_does_nothing(caplog):
+    """An fp32 run with the key was silent about it (an outside probe): as in DeepSpeed it only acts with bf16."""
+    from hf_zero_offload import config
+    from hf_zero_offload.config import resolver
+    resolver.reset_warnings()
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        cfg = config.resolve({"bf16": {"enabled": False, "check_grad_overflow": True}})
+    assert not cfg.check_grad_overflow
+    assert "bf16.check_grad_overflow has no effect in a run without bf16" in caplog.text

@@ -34,13 +34,17 @@ def _train(opt, model, data, rank=0, bad_rank=0):
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_a_nonfinite_bf16_step_is_skipped_only_when_asked(skip):
+def test_a_nonfinite_bf16_step_is_skipped_only_when_asked(skip, caplog):
     torch.manual_seed(0)
     model = TinyNet()
     opt = OffloadAdam(param_groups(model, 0.01), lr=1e-2, param_dtype=torch.bfloat16,
                       options=OffloadOptions(num_threads=1, skip_nonfinite=skip))
     model.to(torch.bfloat16)  # frozen params and buffers; the engine cast the trainable ones
-    skipped, finite = _train(opt, model, batches(5))
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        skipped, finite = _train(opt, model, batches(5))
+    said = [r.getMessage() for r in caplog.records if "step skipped" in r.getMessage()]
+    assert said == (["hf_zero_offload: step skipped: its gradients are not finite (bf16.check_grad_overflow); nothing "
+                     "moved"] if skip else [])  # (an outside probe: a run skipping every step said nothing)
     if skip:
         assert skipped == [False, False, True, False, False] and all(finite)
         assert int(opt._param_steps.max()) == 4 and opt.last.grad_norm > 0

@@ -317,13 +317,15 @@ def _started_differently(rank, world_size, out_dir, key):
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
     other = {"max_steps": dict(max_steps=3), "save_only_model": dict(save_only_model=True), "seed": dict(seed=1),
-             "logging_steps": dict(logging_steps=2)}.get(key, {}) if rank == 1 else {}
+             "logging_steps": dict(logging_steps=2), "tokens": dict(include_num_input_tokens_seen=True)}.get(key, {}) \
+        if rank == 1 else {}
     targs = ZeroOffloadSeq2SeqTrainingArguments(**{**dict(
         output_dir=f"{out_dir}/{key}", per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
         report_to=[], save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True, sharded_ddp=True,
         zero_offload="zero2-offload"), **other})
     data = ToyDataset(24 if key == "dataset" and rank == 1 else 32)
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=data)
+    evals = ToyDataset(12 if key == "eval set" and rank == 1 else 16)
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=data, eval_dataset=evals)
     try:
         trainer.train()
     except Exception as e:  # noqa: BLE001
@@ -332,6 +334,8 @@ def _started_differently(rank, world_size, out_dir, key):
 
 
 @pytest.mark.parametrize("key, said", [
+    ("tokens", "include_num_input_tokens_seen: "),  # (gathered at every step on that rank alone: a hang)
+    ("eval set", "the evaluation set's length: {'': 16} on rank 0, {'': 12} on rank 1"),
     ("max_steps", "max_steps: 4 on rank 0, 3 on rank 1"), ("save_only_model", "save_only_model: False on rank 0, "
                                                                                "True on rank 1"),
     ("seed", "seed: 0 on rank 0, 1 on rank 1"), ("logging_steps", "logging_steps: 500 on rank 0, 2 on rank 1"),

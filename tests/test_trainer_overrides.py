@@ -407,6 +407,28 @@ def test_optimizer_cls_and_kwargs_with_torch_adam_runs_in_the_engine(tmp_path, o
     _assert_same(ref_model, ref, model, ours)
 
 
+def test_a_scheduler_block_replacing_the_lr_of_optimizer_cls_and_kwargs_says_so(tmp_path, caplog):
+    """An outside probe: optimizer_cls_and_kwargs' lr 5e-3 with the shipped WarmupLR block ("auto": --learning_rate
+    1e-2) trained at 1e-2 without a word (the warning looked only for groups of different LRs); as DeepSpeed, the
+    block's LR runs, said now. A malformed pair is named as such."""
+    trainer = ZeroOffloadTrainer(model=tiny_t5(), args=_args(tmp_path, "x", zero_offload="zero2-offload", max_steps=1),
+                                 train_dataset=ToyDataset(), optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 5e-3}))
+    with caplog.at_level("WARNING", logger="hf_zero_offload"):
+        trainer.train()
+    assert "gives its param groups the learning rate(s) 0.005, and zero2-offload" in caplog.text.replace(
+        presets_path(), "zero2-offload")
+    assert "sets one LR for every group, warmup_max_lr 0.01" in caplog.text
+    with pytest.raises(ConfigError, match=r"optimizer_cls_and_kwargs is \(<class 'torch.optim.adamw.AdamW'>,\): it "
+                                          r"takes a pair \(optimizer class, dict of keyword arguments\)"):
+        ZeroOffloadTrainer(model=tiny_t5(), args=_args(tmp_path, "y", zero_offload=OFFLOAD),
+                           optimizer_cls_and_kwargs=(torch.optim.AdamW,))
+
+
+def presets_path():
+    from hf_zero_offload import presets
+    return presets.preset_path("zero2-offload")
+
+
 def _constant_lambda(self, num_training_steps, optimizer=None):  # a user's own schedule on self.optimizer
     if self.lr_scheduler is None:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambda i: 0.5 ** i)

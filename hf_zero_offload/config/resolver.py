@@ -268,6 +268,10 @@ class _Resolver:
                               "or to the TrainingArguments values): " + "; ".join(self.mismatches))
         if fp16 and bf16:
             raise ConfigError(f"{self.source}: fp16.enabled and bf16.enabled: cannot both be true")
+        if not bf16 and (cfg.get("bf16") or {}).get("check_grad_overflow") is True:
+            _warn_once(f"hf_zero_offload: {self.source}: bf16.check_grad_overflow has no effect in a run without bf16 "
+                       "(as in DeepSpeed): a step with non-finite gradients is applied"
+                       + ("; fp16's loss scaling skips overflow steps itself" if fp16 else ""))
         if scheduler is not None:
             self.check_schedule(scheduler)
         f = cfg.get("fp16", {})

@@ -11,8 +11,11 @@ only skipped every later step, with no word (a NaN loss: the gradients overflow 
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
+
+logger = logging.getLogger("hf_zero_offload")
 
 
 class LossScaleAtMinimum(RuntimeError):
@@ -174,7 +177,9 @@ def decide_step(scaler: LossScaler, sumsq: float, max_grad_norm: float, divisor:
     torch's ``clip_grad_norm_`` + AdamW do: an inf norm clips by 0 (the inf elements become NaN, every other
     gradient 0), a NaN norm by NaN; unclipped, the values go through."""
     finite = math.isfinite(sumsq)
-    if skip_nonfinite and not scaler.enabled and not finite:
+    if skip_nonfinite and not scaler.enabled and not finite:  # (said, as DeepSpeed says each skipped step)
+        logger.warning("hf_zero_offload: step skipped: its gradients are not finite (bf16.check_grad_overflow); "
+                       "nothing moved")
         return StepResult(True, unscaled_norm(scaler, sumsq, divisor), scaler.scale), None
     if scaler.enabled and not finite:
         norm = unscaled_norm(scaler, sumsq, divisor)  # before the update: what grad_norm() reported for this step

@@ -297,7 +297,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         if problem:  # a checkpoint-N file met at its save lost the steps since the last one
             raise ValueError(problem)
         if self._zo_raw is not None:  # before the run lock's collective: every rank raises alike here
-            check_same_run(self.args, self.train_dataset)
+            check_same_run(self.args, self.train_dataset, self.eval_dataset)
         self._zo_take_lock(self.args)
         if self._zo_lock is not None and self._zo_lock.held:
             for path in resume.remove_stale_temp_files(self.args.output_dir):

@@ -1,5 +1,6 @@
 """Every rank of a sharded run must run the same ``train()``: the Trainer arguments that decide its steps, its
-collectives (logging's gather of the loss, evaluation, saves) and its data, and the length of its dataset.
+collectives (logging's gather of the loss, evaluation, saves, the tokens seen) and its data, and the lengths of its
+datasets.
 
 The engine compares what each rank built (``engine/sharded/agree.py``) and its hyperparameters at every step; a rank
 given another ``--max_steps`` with a flat schedule, ``--save_only_model``, ``--seed`` or dataset (an outside probe,
@@ -21,7 +22,9 @@ SAME_ON_EVERY_RANK = (
     "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed",
     "dataloader_drop_last", "group_by_length", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
     "weight_decay", "max_grad_norm", "logging_strategy", "logging_steps", "logging_first_step", "eval_strategy",
-    "eval_steps", "save_strategy", "save_steps", "save_only_model", "load_best_model_at_end", "metric_for_best_model",
+    "eval_steps", "eval_on_start", "per_device_eval_batch_size", "eval_accumulation_steps", "prediction_loss_only",
+    "save_strategy", "save_steps", "save_only_model", "load_best_model_at_end", "metric_for_best_model",
+    "include_num_input_tokens_seen", "average_tokens_across_devices", "gradient_checkpointing", "torch_compile",
     "fp16", "bf16")
 
 
@@ -38,12 +41,15 @@ def _length(dataset) -> int | None:
         return None
 
 
-def check_same_run(args, train_dataset) -> None:
+def check_same_run(args, train_dataset, eval_dataset=None) -> None:
     """Raises ConfigError on every rank when the ranks' runs differ (one all-gather; nothing with one process)."""
     if not (args.world_size > 1 and dist.is_available() and dist.is_initialized()):
         return
     setup = {k: _plain(getattr(args, k, None)) for k in SAME_ON_EVERY_RANK}
     setup["the training set's length"] = _length(train_dataset)
+    # (evaluation gathers across ranks: a set of another length on one rank averaged two sets, or waited)
+    evals = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
+    setup["the evaluation set's length"] = {name: _length(d) for name, d in evals.items()}
     try:
         check_ranks_agree(setup, None, args.world_size, "were started for different runs",
                           "Every rank must run the same train() (the same command line and data on every node): ranks "
