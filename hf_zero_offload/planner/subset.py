@@ -42,6 +42,8 @@ def with_adapter(model, peft_config: str):
                          "peft's save_pretrained wrote)")
     try:
         config = PeftConfig.from_pretrained(folder)
+        # peft's save_pretrained writes inference_mode true (every param frozen: nothing to plan); this plans training
+        config.inference_mode = False
         return get_peft_model(model, config)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"--peft-config {peft_config}: peft cannot apply it to {type(model).__name__} "
