@@ -300,6 +300,14 @@ def consolidate_main(args) -> int:
     with_optimizer = getattr(args, "with_optimizer", False)
     written = consolidate(args.checkpoint_dir, args.output_dir, with_optimizer)
     print(f"wrote fp32 weights: {', '.join(written)}")
+    folders = peft_names.adapter_folders(args.checkpoint_dir)
+    if len(folders) > 1:  # the one trained is written; the others were left out without a word (an outside probe)
+        kept = {os.path.normpath(os.path.dirname(w)) for w in written}
+        others = sorted(f"{n} ({f})" for n, f in folders.items() if os.path.normpath(os.path.join(
+            args.output_dir, os.path.relpath(f, args.checkpoint_dir))) not in kept)
+        if others:
+            print(f"left out: the checkpoint's other adapter(s) {', '.join(others)}, which this run did not train "
+                  "(their saved weights are theirs as they are: copy the folder if you need them)")
     if with_optimizer:
         print(f"wrote torch.optim.AdamW's state: {os.path.join(args.output_dir, 'optimizer.pt')}, with the "
               "checkpoint's trainer state, scheduler and RNG files: resume it with the plain Trainer "

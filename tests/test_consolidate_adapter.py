@@ -200,3 +200,20 @@ def test_with_peft_a_checkpoint_consolidates(tmp_path, kind):
     loaded = peft.PeftModel.from_pretrained(GPT2LMHeadModel(base.config), str(tmp_path / "out"), adapter_name=name)
     got = {n: p for n, p in loaded.named_parameters() if n in masters}
     assert len(got) == len(masters) and all(torch.equal(p.float(), masters[n]) for n, p in got.items())
+
+
+def test_an_adapter_the_run_did_not_train_is_said_to_be_left_out(tmp_path, capsys):
+    """A second adapter (peft's add_adapter, frozen) saved in its subfolder was left out of the output without a word
+    (an outside probe with peft): said now."""
+    from hf_zero_offload import cli
+    ckpt = _train(tmp_path, _PeftLike())
+    os.makedirs(os.path.join(ckpt, "second"))
+    save_file({"q.lora_A.weight": torch.zeros(2, 16)}, os.path.join(ckpt, "second", "adapter_model.safetensors"))
+    with open(os.path.join(ckpt, "second", "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 2}, f)
+    assert cli.main(["consolidate", ckpt, str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"left out: the checkpoint's other adapter(s) second ({os.path.join(ckpt, 'second')}), which this run " \
+           "did not train" in out
+    assert "left out" not in (cli.main(["consolidate", _train(tmp_path / "b", _PeftLike()), str(tmp_path / "o2")]),
+                              capsys.readouterr().out)[1]
