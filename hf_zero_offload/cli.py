@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.set_defaults(func=_estimate)
 
     con = sub.add_parser("consolidate",
-                         help="a checkpoint's fp32 weights (its per-rank masters) as a model folder from_pretrained loads")
+                         help="a checkpoint's fp32 weights (its per-rank masters) as a model folder "
+                              "from_pretrained loads")
     con.add_argument("checkpoint_dir", help="a Trainer checkpoint-N/ folder holding zero_offload/")
     con.add_argument("output_dir", help="where the consolidated weights are written")
     con.add_argument("--with-optimizer", action="store_true",
