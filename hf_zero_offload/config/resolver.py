@@ -268,7 +268,8 @@ class _Resolver:
                               "or to the TrainingArguments values): " + "; ".join(self.mismatches))
         if fp16 and bf16:
             raise ConfigError(f"{self.source}: fp16.enabled and bf16.enabled: cannot both be true")
-        if not bf16 and (cfg.get("bf16") or {}).get("check_grad_overflow") is True:
+        check_overflow = (cfg.get("bf16") or {}).get("check_grad_overflow") is True
+        if check_overflow and not bf16:
             _warn_once(f"hf_zero_offload: {self.source}: bf16.check_grad_overflow has no effect in a run without bf16 "
                        "(as in DeepSpeed): a step with non-finite gradients is applied"
                        + ("; fp16's loss scaling skips overflow steps itself" if fp16 else ""))
@@ -281,7 +282,7 @@ class _Resolver:
         return TrainingConfig(tbs, micro, gas, float(clip), fp16_cfg, bf16, optimizer, scheduler, zero,
                               cfg.get("steps_per_print", 10), cfg.get("wall_clock_breakdown", False), self.source,
                               grad_accum_fp32=(cfg.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
-                              check_grad_overflow=bf16 and (cfg.get("bf16") or {}).get("check_grad_overflow") is True)
+                              check_grad_overflow=bf16 and check_overflow)
 
 
 def resolve(raw_or_path: Any, args: ArgsView | None = None) -> TrainingConfig:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sized
 
-import torch.distributed as dist
-
 from ..config import ConfigError
 from ..engine.sharded.agree import check_ranks_agree
+from .shared_dir import distributed
 
 # what makes one rank's run another's: step counts, the data each rank draws, and every event with a collective
 SAME_ON_EVERY_RANK = (
@@ -43,7 +42,7 @@ def _length(dataset) -> int | None:
 
 def check_same_run(args, train_dataset, eval_dataset=None) -> None:
     """Raises ConfigError on every rank when the ranks' runs differ (one all-gather; nothing with one process)."""
-    if not (args.world_size > 1 and dist.is_available() and dist.is_initialized()):
+    if not distributed(args.world_size):
         return
     setup = {k: _plain(getattr(args, k, None)) for k in SAME_ON_EVERY_RANK}
     setup["the training set's length"] = _length(train_dataset)

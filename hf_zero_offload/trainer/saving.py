@@ -19,7 +19,7 @@ from .. import resume
 from ..saved_names import write_param_names
 from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
 from ..run_lock import confirm_job_lock
-from .shared_dir import failed_elsewhere, missing_rank_files
+from .shared_dir import distributed, failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class CheckpointSaving:
     def _zo_store(self):
         """The store the ranks' process group shares, with several ranks (None: one process, none to be had, or a
         FileStore, whose file would grow by a line per rank and step)."""
-        if not (self.args.world_size > 1 and dist.is_available() and dist.is_initialized()):
+        if not distributed(self.args.world_size):
             return None
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -155,7 +155,7 @@ class CheckpointSaving:
         limit = self.args.save_total_limit
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-        distributed = self.args.world_size > 1 and dist.is_available() and dist.is_initialized()
+        several = distributed(self.args.world_size)
         self._zo_agree_to_save(output_dir)  # before the first collective of the save
         if self._zo_lock is not None:  # deleted mid-run and another run since: stopped before writing over its files
             confirm_job_lock(self._zo_lock, self.args.process_index, self.args.world_size)
@@ -170,7 +170,7 @@ class CheckpointSaving:
         except Exception as e:  # noqa: BLE001 - every rank raises below, this one its own error
             failed = e
         self._zo_stop_if_failed(failed, output_dir, run_dir)  # no rank writes before its old marker is gone
-        self.args.save_total_limit, self._zo_model_error, self._zo_in_save = None, None, distributed
+        self.args.save_total_limit, self._zo_model_error, self._zo_in_save = None, None, several
         try:
             super()._save_checkpoint(model, trial)
         except Exception as e:  # noqa: BLE001 - a full disk: safetensors', torch.save's own words
@@ -180,7 +180,7 @@ class CheckpointSaving:
         failed = failed or self._zo_model_error
         # node-local output_dirs: each rank's shard in its own node's copy (only a save that wrote state is looked
         # at, not a leftover folder)
-        if failed is None and distributed and self.args.should_save and self.zero_engine is not None and (
+        if failed is None and several and self.args.should_save and self.zero_engine is not None and (
                 not self.args.save_only_model) and (missing := missing_rank_files(
                     output_dir, STATE_DIR, self.args.world_size, bool(getattr(self.args, "save_on_each_node", 0)))):
             failed = CheckpointSaveError(missing)
@@ -225,8 +225,7 @@ class CheckpointSaving:
         if isinstance(failed, (OSError, RuntimeError, SafetensorError)) and not isinstance(failed, CheckpointSaveError):
             wrapped = CheckpointSaveError(save_failed(failed, output_dir, run_dir))
             wrapped.__cause__, failed = failed, wrapped
-        distributed = self.args.world_size > 1 and dist.is_available() and dist.is_initialized()
-        elsewhere = failed_elsewhere(failed, self.args.world_size) if distributed else None
+        elsewhere = failed_elsewhere(failed, self.args.world_size) if distributed(self.args.world_size) else None
         if failed is not None:
             raise failed
         if elsewhere is not None:

@@ -22,7 +22,8 @@ _NOT_SHARED = ("output_dir must be one directory that every node sees (a shared 
                "every rank's optimizer shard")
 
 
-def _distributed(world_size: int) -> bool:
+def distributed(world_size: int) -> bool:
+    """Several ranks in a process group (the Trainer's collectives and the store are there to be had)."""
     return world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
@@ -36,7 +37,7 @@ def agreed_target(target, output_dir: str, world_size: int):
     """``resume.target`` on every rank, then the same outcome on all: one rank's refusal is every rank's (the others
     waited in the next collective, then died on a closed connection), and ranks that chose different checkpoints
     (node-local output_dirs) are refused, naming each rank's choice."""
-    if not _distributed(world_size):
+    if not distributed(world_size):
         return resume.target(target, output_dir)
     try:
         chosen, error = resume.target(target, output_dir), None
@@ -73,7 +74,7 @@ def _first_said(mine: str | None, world_size: int) -> tuple[int, str, str] | Non
 def first_problem(problem: str | None, world_size: int) -> str | None:
     """A check each rank made of its own output_dir: the first rank's problem, on every rank (node-local folders can
     differ: a rank that raised alone left the others waiting in the run lock's broadcast)."""
-    if not _distributed(world_size):
+    if not distributed(world_size):
         return problem
     said = _first_said(problem, world_size)
     return None if said is None else said[2] if said[0] == 0 else f"rank {said[0]} (host {said[1]}): {said[2]}"
