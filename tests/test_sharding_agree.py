@@ -156,5 +156,5 @@ def test_hyperparameters_that_drift_apart_after_the_build_are_refused_on_every_r
         for key in ("nan", "after grad_norm", "group appended"):
             msg, steps = r[key]
             assert steps == 1 and r[key + " untouched"], (rank, key)
-            mine = "lr must be" if key != "group appended" else "the param groups are fixed when the engine is built"
+            mine = "lr must be" if key != "group appended" else "is fixed when it is built"
             assert (mine in msg) if rank else ("another rank's param group hyperparameters are invalid" in msg), msg

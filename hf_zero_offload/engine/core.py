@@ -197,10 +197,8 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         self._check_open()
         self._check_intact()
         self._check_hyper()  # before anything moves: a scheduler may have set them since the last step
-        if changed := layout_change(self._built_groups, self.param_groups):
-            raise ValueError(f"{type(self).__name__}: {changed}: an engine's flat layout (which params, in which group "
-                             "and order) is fixed when it is built, so a step would apply each group's settings to "
-                             "the params it was built with; restore the lists, or build an engine over the new groups")
+        if problem := self._layout_problem():
+            raise ValueError(problem)
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self._adopt_written_params()
@@ -262,6 +260,12 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
             self._after_update()
             self._begin_window()
         self._mark_params()  # the params as this step (or the publish of the last one) left them
+
+    def _layout_problem(self) -> str | None:  # how the groups' param lists changed since the build (None: not)
+        changed = layout_change(self._built_groups, self.param_groups)
+        return changed and (f"{type(self).__name__}: {changed}: an engine's flat layout (which params, in which group "
+                            "and order) is fixed when it is built, so a step would apply each group's settings to the "
+                            "params it was built with; restore the lists, or build an engine over the new groups")
 
     def _check_hyper(self) -> None:
         for i, g in enumerate(self.param_groups):

@@ -17,6 +17,7 @@ import socket
 import torch.distributed as dist
 
 from .. import resume
+from ..engine.checkpoint import rank_file
 
 _NOT_SHARED = ("output_dir must be one directory that every node sees (a shared file system): a checkpoint holds "
                "every rank's optimizer shard")
@@ -101,8 +102,8 @@ def missing_rank_files(checkpoint: str, state_dir: str, world_size: int, each_no
     folder = os.path.join(checkpoint, state_dir)
     if not os.path.isdir(folder):  # (no state_dir: --save_only_model)
         return None
-    missing = [f"rank{r}_of_{world_size}.hzo" for r in range(world_size)
-               if not os.path.isfile(os.path.join(folder, f"rank{r}_of_{world_size}.hzo"))]
+    missing = [os.path.basename(rank_file(folder, r, world_size)) for r in range(world_size)
+               if not os.path.isfile(rank_file(folder, r, world_size))]
     if not missing:
         return None
     each = (" --save_on_each_node makes each node save a copy of its own, holding its own ranks' shards: drop it."

@@ -71,7 +71,6 @@ from ... import ops
 from ..buffers import HostArena, HostPlan
 from ..memory_limits import check_host_ram
 from ..core import AdamCore
-from ..group_flags import layout_change
 from ..options import OffloadOptions
 from ..runs import host_bytes_leaving
 from ..streams import Streams
@@ -281,8 +280,8 @@ class ShardedAdam(AdamCore):
     def _hyper_problem(self) -> str | None:
         name = type(self).__name__
         try:
-            if changed := layout_change(self._built_groups, self.param_groups):  # (step() names it on one rank)
-                return f"{name}: {changed}: the param groups are fixed when the engine is built"
+            if problem := self._layout_problem():  # (step() names it on one rank)
+                return problem
             super()._check_hyper()
         except Exception as e:  # noqa: BLE001 - said on every rank (a key deleted from a group: a KeyError)
             return str(e) if str(e).startswith(name) else f"{name}: {type(e).__name__}: {e}"
