@@ -261,3 +261,36 @@ def test_a_load_says_which_group_values_it_takes_from_the_saved_state(tmp_path, 
     assert other.param_groups[0]["weight_decay"] == 0.01 and other.param_groups[0]["betas"] == (0.9, 0.999)
     for e in (saved, same, other):
         e.close()
+
+
+def test_a_resume_under_a_momentum_cycling_schedule_is_not_said_to_take_other_betas(tmp_path, caplog):
+    """OneCycleLR/CyclicLR with cycle_momentum move betas[0] each step: the usual resume order (optimizer, scheduler,
+    then both loaded) warned that the saved betas were taken (an outside probe); betas[1] and the momentum bounds are
+    still compared."""
+    import logging
+
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    def run(max_momentum=0.95, beta2=0.999):
+        model = torch.nn.Linear(4, 3)
+        eng = OffloadAdam(model.parameters(), lr=1e-2, betas=(0.9, beta2), options=OffloadOptions(num_threads=1))
+        sched = torch.optim.lr_scheduler.OneCycleLR(eng, max_lr=1e-2, total_steps=10, max_momentum=max_momentum)
+        return model, eng, sched
+
+    model, eng, sched = run()
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        eng.step()
+        sched.step()
+    eng.save_checkpoint(str(tmp_path / "s"))
+    _, same, _ = run()
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        same.load_checkpoint(str(tmp_path / "s"))
+    assert "values are taken" not in caplog.text
+    assert same.param_groups[0]["betas"] == eng.param_groups[0]["betas"] != (0.95, 0.999)
+    _, other, _ = run(max_momentum=0.97, beta2=0.99)
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        other.load_checkpoint(str(tmp_path / "s"))
+    assert "group 0 max_momentum 0.97 now, 0.95 saved; group 0 betas[1] (0.99,) now, (0.999,) saved" in caplog.text
+    for e in (eng, same, other):
+        e.close()

@@ -140,8 +140,9 @@ def check_second_moments(exp_avg_sq: torch.Tensor, where: str) -> None:
 
 
 # the group values a load takes from the saved state (as torch.optim's load_state_dict does), which a resumed run may
-# have been asked to change: initial_lr is the schedule's base (lr itself is the schedule's position, which moves)
-_TAKEN_VALUES = ("initial_lr", "betas", "eps", "weight_decay")
+# have been asked to change: initial_lr is the schedule's base (lr itself is the schedule's position, which moves);
+# likewise base_momentum/max_momentum, which torch's OneCycleLR and CyclicLR put in a group whose betas[0] they move
+_TAKEN_VALUES = ("initial_lr", "base_momentum", "max_momentum", "betas", "eps", "weight_decay")
 
 
 def say_taken_values(groups: list[dict], saved_groups: list[dict]) -> None:
@@ -153,6 +154,8 @@ def say_taken_values(groups: list[dict], saved_groups: list[dict]) -> None:
         for key in _TAKEN_VALUES:
             if key in group and key in saved:
                 now, was = (tuple(group[key]), tuple(saved[key])) if key == "betas" else (group[key], saved[key])
+                if key == "betas" and ("max_momentum" in group or "max_momentum" in saved):
+                    key, now, was = "betas[1]", now[1:], was[1:]  # betas[0]: the momentum schedule's position
                 if now != was:
                     out.append(f"group {i} {key} {now} now, {was} saved")
     if out:
