@@ -214,6 +214,29 @@ def _rewrite(src, dst, edit, change=lambda tensors: None):
     checkpoint.write_state(str(dst), edit(meta), tensors)
 
 
+@pytest.mark.parametrize("edit", ["other map in rank 1", "no map in rank 0"])
+def test_rank_files_of_int8_moments_in_different_code_maps_are_refused(tmp_path, edit):
+    """Only rank 0's file said which code map the int8 moments are in: rank 1's another map loaded silently, and rank
+    0's without one (map 1) decoded every file's codes as map 1 (an outside probe, files rewritten by hand)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, "int8")
+    run_steps(model, opt, batches(2))
+    save_as_two_ranks(opt, tmp_path / "s")
+    opt.close()
+    if edit == "other map in rank 1":
+        victim, match = tmp_path / "s" / "rank1_of_2.hzo", "int8_codes 3 against 2"
+        _rewrite(victim, victim, lambda m: {**m, "int8_codes": 3})
+    else:
+        victim, match = tmp_path / "s" / "rank0_of_2.hzo", "int8_codes 2 against None"
+        _rewrite(victim, victim, lambda m: {k: v for k, v in m.items() if k != "int8_codes"})
+    fresh = _engine(copy.deepcopy(model), "int8")
+    with pytest.raises(checkpoint.StateFileError, match=r"rank1_of_2.hzo and \S*rank0_of_2.hzo are of different "
+                                                        rf"saves: {match}"):
+        fresh.load_checkpoint(str(tmp_path / "s"))
+    fresh.close()
+
+
 def _damaged_peer_job(rank, world, directory):
     """Both ranks save a ZeRO-2 offload checkpoint; a byte of rank 1's moments is then damaged: only rank 1 reads
     that chunk, yet both ranks must raise (rank 0 went on training, to fail in its next collective)."""

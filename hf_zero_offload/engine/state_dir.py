@@ -114,8 +114,9 @@ def sources(directory: str) -> tuple[list[tuple[str, int, int]], dict]:
 # What every rank file of one save holds alike: a file that differs in any of them was written by another save (of
 # another model, run or step), whatever its range. save_id (a token the ranks of one save share, absent in files
 # written before it existed) tells apart two saves of the same model at the same step, as from two runs.
-_SAME_IN_EVERY_FILE = ("save_id", "numel", "world_size", "slots", "param_dtype", "state_dtype", "global_steps",
-                       "param_steps")
+# (int8_codes: the code map each file's codes are written in; a load decodes every file with one map)
+_SAME_IN_EVERY_FILE = ("save_id", "numel", "world_size", "slots", "param_dtype", "state_dtype", "int8_codes",
+                       "global_steps", "param_steps")
 _SAME_IN_MAP = ("save_id", "numel", "slots", "param_dtype")
 
 
