@@ -310,6 +310,17 @@ def test_a_complex_param_is_refused_by_name(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_sparse_param_is_refused_by_name(kind):
+    """torch's "Cannot access storage of SparseTensorImpl" came out of the engine's contiguity check (an outside
+    probe; CPUAdam named it)."""
+    lin, w = torch.nn.Linear(3, 3), torch.nn.Parameter(torch.randn(4, 4).to_sparse())
+    cls, extra = KINDS[kind]
+    with pytest.raises(TypeError, match=r"parameter w \(shape \(4, 4\)\) is torch.sparse_coo: the engines train "
+                                        r"dense params.*\.to_dense\(\)"):
+        cls([("lin.weight", lin.weight), ("w", w)], lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("layout", ["transposed", "channels_last"])
 def test_non_contiguous_params_are_made_contiguous_and_step_like_adamw(kind, layout, caplog):
     """They were refused from inside train() ("not contiguous; updates are copied into parameters as flat ranges"),

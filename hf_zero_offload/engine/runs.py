@@ -133,6 +133,10 @@ def make_contiguous(param_groups: list[dict]) -> list[str]:
     changed = []
     for group in param_groups:
         for p in group["params"]:
+            if p.layout != torch.strided:  # (its storage cannot be asked for: torch's NotImplementedError, unnamed)
+                raise TypeError(f"parameter {param_label(group, p)} is {p.layout}: the engines train dense params, "
+                                "copying updates into them as flat ranges (CPUAdam refuses it too); make it dense "
+                                "(.to_dense()), or keep it out of the optimizer")
             if p.requires_grad and p.device.type != "meta" and not p.is_contiguous():
                 other = next(((g, q) for g in param_groups for q in g["params"] if shares_storage(p, q)), None)
                 if other is not None:
