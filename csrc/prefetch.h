@@ -1,5 +1,5 @@
-// Software prefetch for the vector int8 loops (adam_avx2.cpp, adam_avx512.cpp; SSE's prefetcht0, which every
-// x86-64 has). always_inline, not a preference: a prefetch has no effect gcc can see, so gcc 12 judged a
+// Software prefetch for the vector int8 and bf16-moment loops (adam_avx2.cpp, adam_avx512.cpp; SSE's prefetcht0,
+// which every x86-64 has). always_inline, not a preference: a prefetch has no effect gcc can see, so gcc 12 judged a
 // helper made only of prefetches a const function, and deleted its calls (in the 16-bit-gradient variants,
 // where it did not inline the helper early) before inlining could keep them.
 //
@@ -36,6 +36,16 @@ __attribute__((always_inline)) inline void q8_prefetch(const float* params, cons
     prefetch_line(mc, ahead);
     prefetch_line(vc, ahead);
   }
+}
+
+// The bf16-moment step (one pass, 20 B/param) the same way, for a range that starts at any element: one line of an
+// array of Size-byte elements per 64 bytes it advances, at the vector whose first byte lies in the first W * Size
+// bytes of a line (exactly one such vector per line). Its loads were issued late too: on the Intel core of session
+// 32 (2 threads, 50M params, alternated with the build without, medians) the step went 28.4 -> 20.9 ms, 0.68 -> 0.95
+// of its streaming bound; the fp32 step (28 B/param, memory-bound already) was not changed by it.
+template <size_t W, size_t Size>
+__attribute__((always_inline)) inline void prefetch_per_line(const void* base, size_t i) {
+  if (W * Size >= 64 || i * Size % 64 < W * Size) prefetch_line(base, (i + kQPrefetch) * Size);
 }
 
 // The same lines for a span of kQSpan elements (one line of each code array) in one go: a loop over
