@@ -48,6 +48,15 @@ __attribute__((always_inline)) inline void prefetch_per_line(const void* base, s
   if (W * Size >= 64 || i * Size % 64 < W * Size) prefetch_line(base, (i + kQPrefetch) * Size);
 }
 
+template <size_t W, size_t GSize>
+__attribute__((always_inline)) inline void bf16_step_prefetch(const float* params, const void* grad, const void* m,
+                                                              const void* v, size_t i) {
+  prefetch_per_line<W, 4>(params, i);
+  prefetch_per_line<W, GSize>(grad, i);
+  prefetch_per_line<W, 2>(m, i);
+  prefetch_per_line<W, 2>(v, i);
+}
+
 // The same lines for a span of kQSpan elements (one line of each code array) in one go: a loop over
 // spans then needs no test per vector.
 constexpr size_t kQSpan = 64;
