@@ -288,13 +288,16 @@ def test_run_demo_full(tmp_path):
 
 
 def test_sharded_ddp_two_processes(tmp_path, synth_dir):
-    """torchrun with 2 gloo ranks: --sharded_ddp + ZeRO-2 (no offload) trains and writes the legacy results."""
+    """torchrun with 2 gloo ranks: --sharded_ddp + ZeRO-2 (no offload) trains and writes the legacy results; the
+    generations and BLEU are those of the split's examples (the Trainer pads the last batch of 7 examples with a
+    repeat of the first: test_generations.txt had 8 lines and BLEU scored them, an outside probe)."""
     single = tmp_path / "single"
     finetune_trainer.main(_common_args(synth_dir, single) + ["--config_name", TINY, "--do_train"])
     out = tmp_path / "sharded"
     argv = _common_args(synth_dir, out) + [
         "--config_name", TINY, "--tokenizer_name", str(single), "--do_train", "--do_eval", "--predict_with_generate",
-        "--per_device_train_batch_size", "4", "--sharded_ddp", "--zero_offload", "zero2"]  # the README's CPU form:
+        "--per_device_train_batch_size", "4", "--sharded_ddp", "--zero_offload", "zero2",  # the README's CPU form:
+        "--do_predict", "--n_test", "7", "--per_device_eval_batch_size", "2"]
     # --use_cpu (in _common_args) and no --ddp_backend: the backend follows the device
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX])}
     # --standalone: the rendezvous binds a free port itself (the README's form); a port picked here and
@@ -309,6 +312,11 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
     with open(out / "all_results.json") as f:
         metrics = json.load(f)
     assert metrics["train_loss"] == metrics["train_loss"] and "val_bleu" in metrics  # finite, evaluated
+    generated = (out / "test_generations.txt").read_text(encoding="utf-8").splitlines()
+    refs = open(os.path.join(synth_dir, "test.target"), encoding="utf-8").read().splitlines()[:7]
+    import sacrebleu
+
+    assert len(generated) == 7 and metrics["test_bleu"] == round(sacrebleu.corpus_bleu(generated, [refs]).score, 4)
 
 
 

@@ -228,9 +228,11 @@ def _no_model_work(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("model work started before the config was checked")
 
-    monkeypatch.setattr(finetune_trainer, "train_t5_tokenizer", boom)
-    monkeypatch.setattr(finetune_trainer.AutoModelForSeq2SeqLM, "from_config", boom)
-    monkeypatch.setattr(finetune_trainer.AutoModelForSeq2SeqLM, "from_pretrained", boom)
+    import seq2seq_model
+
+    monkeypatch.setattr(seq2seq_model, "train_t5_tokenizer", boom)
+    monkeypatch.setattr(seq2seq_model.AutoModelForSeq2SeqLM, "from_config", boom)
+    monkeypatch.setattr(seq2seq_model.AutoModelForSeq2SeqLM, "from_pretrained", boom)
 
 
 @pytest.mark.parametrize("config,extra,match", [

@@ -64,8 +64,6 @@ try:
     import transformers  # noqa: E402
     from transformers import (  # noqa: E402
         AutoConfig,
-        AutoModelForSeq2SeqLM,
-        AutoTokenizer,
         DataCollatorForSeq2Seq,
         set_seed,
     )
@@ -74,15 +72,14 @@ try:
 
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, resume  # noqa: E402
     from hf_zero_offload.launch_checks import check_world_size  # noqa: E402
-    from hf_zero_offload.run_lock import RunLock, take_job_lock  # noqa: E402
     from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
+    import seq2seq_model as sm  # noqa: E402
     import seq2seq_utils as su  # noqa: E402
     from seq2seq_args import (  # noqa: E402,F401
         DataTrainingArguments, ModelArguments, check_local_paths, check_resume_target, check_values, check_zero_config,
         parse_args,
         repo_config_hint)
-    from train_tokenizer import train_t5_tokenizer  # noqa: E402
 except ImportError as _missing:  # before run_reporting exists: its one line, not a traceback
     if not isinstance(_missing, ModuleNotFoundError) and (_missing.name or "").split(".")[0] != "hf_zero_offload":
         raise  # (a library's own broken import: its traceback)
@@ -125,10 +122,6 @@ def _load_texts(model_args, data_args, split: str, n_obs: int):
         return su.read_split(data_args.data_dir, split, n_obs)
     return su.load_hf_dataset_split(data_args.dataset_name, data_args.dataset_config_name, split,
                                     data_args.src_lang, data_args.tgt_lang, model_args.cache_dir, n_obs)
-
-
-def _round_up(n: int, multiple: int = 8) -> int:
-    return (n + multiple - 1) // multiple * multiple
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
@@ -188,62 +181,21 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
 
     need_eval = training_args.do_eval or training_args.eval_strategy != "no"
     texts = {}
-    train_tokenizer_here = not (model_args.tokenizer_name or model_args.model_name_or_path)
-    if training_args.do_train or train_tokenizer_here:
+    if training_args.do_train or not (model_args.tokenizer_name or model_args.model_name_or_path):
         texts["train"] = _load_texts(model_args, data_args, "train", data_args.n_train)
     if need_eval:
         texts["val"] = _load_texts(model_args, data_args, "val", data_args.n_val)
     if training_args.do_predict:
         texts["test"] = _load_texts(model_args, data_args, "test", data_args.n_test)
 
-    saved_tokenizer = resumed_from and os.path.isfile(os.path.join(resumed_from, "tokenizer.json"))
-    if train_tokenizer_here and not saved_tokenizer and training_args.output_dir:
-        # The tokenizer is written into output_dir before the Trainer exists, and the Trainer takes the run lock:
-        # a second run on a live output_dir overwrote the first run's tokenizer files, then was refused. The lock
-        # first (the Trainer's is the same, re-entered; a job's rank 0 takes it and tells the other ranks).
-        take_job_lock(RunLock(training_args.output_dir), training_args.process_index, training_args.world_size)
-    if train_tokenizer_here and saved_tokenizer:
-        # The tokenizer the resumed model was trained with (every checkpoint saves it): one trained again on this
-        # run's text (another --n_train, other data) gave other ids to the embedding rows the model had learned.
-        tokenizer = AutoTokenizer.from_pretrained(resumed_from)
-        logger.info("tokenizer: %d ids, the one saved in %s (a resume does not train a new one)", len(tokenizer),
-                    resumed_from)
-    elif train_tokenizer_here:
-        if resumed_from:
-            logger.warning("%s holds no tokenizer.json: a tokenizer is trained on this run's training text, and its "
-                           "ids match the resumed model's only if that text is the first run's", resumed_from)
-        vocab_size = model_args.tokenizer_vocab_size or config.vocab_size
-        src, tgt = texts["train"]
-        logger.info("training a SentencePiece unigram tokenizer (vocab <= %d) on %d training pairs",
-                    vocab_size, len(src))
-        # Rank 0 trains and saves; the other ranks then load its files (one tokenizer for all ranks), on every node:
-        # main_process_first's default (local=True) let node 1 load before rank 0 had written (an older run's
-        # tokenizer, or none). With save_on_each_node (no shared file system) each node's first process trains.
-        local = training_args.save_on_each_node
-        with training_args.main_process_first(local=local, desc="tokenizer training"):
-            if (training_args.local_process_index if local else training_args.process_index) == 0:
-                tokenizer = train_t5_tokenizer([prefix + s for s in src] + list(tgt), vocab_size,
-                                               save_dir=training_args.output_dir)
-            else:
-                tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
-        logger.info("tokenizer: %d ids (saved in %s)", len(tokenizer), training_args.output_dir)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path,
-                                                  cache_dir=model_args.cache_dir)
+    tokenizer = sm.make_tokenizer(model_args, training_args, config, texts, prefix, resumed_from)
     for attr, value in (("src_lang", data_args.src_lang), ("tgt_lang", data_args.tgt_lang)):
         if value is not None and hasattr(tokenizer, attr):
             setattr(tokenizer, attr, value)
-
-    if model_args.model_name_or_path:
-        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, config=config,
-                                                      cache_dir=model_args.cache_dir)
-        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
-    else:
-        if len(tokenizer) > config.vocab_size or (train_tokenizer_here and model_args.tokenizer_vocab_size):
-            config.vocab_size = _round_up(len(tokenizer))
-        model = AutoModelForSeq2SeqLM.from_config(config)
-        logger.info("randomly initialised %s from %s", type(model).__name__, model_args.config_name)
+        elif value is not None and data_args.data_dir:  # (--dataset_name: they pick its translation columns)
+            logger.warning("--%s %s has no effect: %s has no %s", attr, value, type(tokenizer).__name__, attr)
+    su.check_source_room(tokenizer, prefix, data_args.max_source_length)
+    model = sm.make_model(model_args, config, tokenizer, resumed_from)
     if model.config.decoder_start_token_id is None:
         raise ValueError("the model config needs decoder_start_token_id")
     gen_params = su.task_generation_params(data_args.task, config)  # legacy use_task_specific_params
@@ -309,6 +261,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         tokenizer, model=model,
         label_pad_token_id=-100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id,
     )
+    if sm.mean_loss_only(model):  # the Trainer then averages accumulated micro-batches (and ranks) itself
+        model.accepts_loss_kwargs = False
     trainer = LegacySeq2SeqTrainer(
         model=model,
         args=training_args,
@@ -316,7 +270,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         eval_dataset=datasets.get("val"),
         data_collator=collator,
         processing_class=tokenizer,
-        compute_metrics=su.build_compute_metrics(tokenizer) if training_args.predict_with_generate else None,
+        compute_metrics=(su.build_compute_metrics(tokenizer, datasets["val"].targets)
+                         if training_args.predict_with_generate and "val" in datasets else None),
         callbacks=[su.StepProgressCallback()] if training_args.disable_tqdm else None,
     )
     if training_args.disable_tqdm:  # our step lines carry the values the printer would repeat as a dict
@@ -353,13 +308,20 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     # ---- evaluate -----------------------------------------------------------------------------------------------
     if training_args.do_eval:
         logger.info("*** Evaluate ***")
-        metrics = trainer.evaluate(metric_key_prefix="val", max_length=data_args.val_max_target_length,
+        # generation_max_length: the evaluations during training generated to it (--val_max_target_length unless
+        # given), the final one to --val_max_target_length: best-model selection and val_results disagreed
+        metrics = trainer.evaluate(metric_key_prefix="val", max_length=training_args.generation_max_length,
                                    num_beams=training_args.generation_num_beams)
         metrics["val_n_objs"] = len(datasets["val"])
         handle_metrics("val", metrics)
 
     if training_args.do_predict:
         logger.info("*** Predict ***")
+        if training_args.predict_with_generate:
+            trainer.compute_metrics = su.build_compute_metrics(tokenizer, datasets["test"].targets)
+        else:
+            logger.warning("--do_predict without --predict_with_generate: test loss only, no test_generations.txt "
+                           "and no BLEU")
         out = trainer.predict(datasets["test"], metric_key_prefix="test",
                               max_length=data_args.test_max_target_length,
                               num_beams=training_args.generation_num_beams)
@@ -368,7 +330,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         handle_metrics("test", metrics)
         if is_main and training_args.predict_with_generate:
             preds = out.predictions[0] if isinstance(out.predictions, tuple) else out.predictions
-            preds = [[t for t in row if t >= 0] for row in preds.tolist()]
+            # (rows past the split's length: the repeats that pad the last batch on several processes)
+            preds = [[t for t in row if t >= 0] for row in preds[:len(datasets["test"])].tolist()]
             lines = [s.strip() for s in tokenizer.batch_decode(preds, skip_special_tokens=True)]
             with open(os.path.join(training_args.output_dir, "test_generations.txt"), "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")

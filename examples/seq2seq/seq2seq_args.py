@@ -4,6 +4,7 @@ the checks that run before any tokenizer, model or plan work."""
 import difflib
 import json
 import os
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -262,6 +263,7 @@ def check_values(model_args, data_args, training_args, config) -> None:
     for name, n in lengths.items():
         if n is not None and n < 1:  # a length of 0 tokenized every example to nothing, found deep in the model
             problems.append(f"--{name} {n}: a length in tokens, >= 1")
+    problems += _generation_problems(data_args, training_args)
     if training_args.gradient_accumulation_steps < 1:  # (the plain Trainer divides by it: ZeroDivisionError)
         problems.append(f"--gradient_accumulation_steps {training_args.gradient_accumulation_steps}: the micro-batches "
                         "of one optimizer step, >= 1")
@@ -291,6 +293,36 @@ def check_values(model_args, data_args, training_args, config) -> None:
     for name in LEGACY_CONFIG_FLAGS:
         if getattr(model_args, name) is not None:
             setattr(config, name, getattr(model_args, name))
+
+
+def _generation_problems(data_args, training_args) -> List[str]:
+    """The task, the best-model metric and the generation lengths: each failed only after training (a KeyError
+    'eval_bleu' when no evaluation computed BLEU; generation asked for 1 token, which the decoder's start token
+    takes) or ran silently (a misspelt --task trained without T5's prefix)."""
+    problems = []
+    task = data_args.task
+    if not re.fullmatch(r"summarization(_\w+)?|translation(_[A-Za-z]+_to_[A-Za-z]+)?", task):
+        close = difflib.get_close_matches(task, list(su.T5_TASK_PREFIXES), n=1)
+        problems.append(f"--task {task}: summarization or translation_<src>_to_<tgt> (e.g. translation_en_to_ro)"
+                        + (f"; did you mean {close[0]}?" if close else ""))
+    generate = training_args.predict_with_generate
+    metric = training_args.metric_for_best_model
+    reported = ("loss", "bleu", "gen_len") if generate else ("loss",)
+    if metric is not None and metric.removeprefix("eval_") not in reported:
+        problems.append(f"--metric_for_best_model {metric}: this script's evaluations report loss"
+                        + (", bleu and gen_len" if generate else " (bleu and gen_len need --predict_with_generate)"))
+    if generate:
+        # (main set an unset --generation_max_length to --val_max_target_length: named as that one then)
+        val = ("generation_max_length" if training_args.generation_max_length != data_args.val_max_target_length
+               else "val_max_target_length")
+        for name, value, used in ((val, training_args.generation_max_length,
+                                   training_args.do_eval or training_args.eval_strategy != "no"),
+                                  ("test_max_target_length", data_args.test_max_target_length,
+                                   training_args.do_predict)):
+            if used and value == 1:
+                problems.append(f"--{name} 1: generation needs 2 tokens at least (the decoder's start token takes "
+                                "one)")
+    return problems
 
 
 def check_resume_target(training_args) -> Optional[str]:
