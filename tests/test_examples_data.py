@@ -99,6 +99,7 @@ def test_accumulated_micro_batches_give_the_loss_of_one_batch(tmp_path, synth_di
      r"--val_max_target_length 1: generation needs 2 tokens at least"),
     (["--do_eval", "--predict_with_generate", "--generation_max_length", "1"], r"--generation_max_length 1"),
     (["--do_predict", "--predict_with_generate", "--test_max_target_length", "1"], r"--test_max_target_length 1"),
+    (["--tokenizer_vocab_size", "5"], r"--tokenizer_vocab_size 5: a tokenizer needs 8 pieces at least"),
 ])
 def test_flags_that_fail_after_training_are_refused_first(tmp_path, synth_dir, extra, match):
     """Each trained, then failed (a KeyError 'eval_bleu'; generation asked for 1 token) or ran without T5's prefix."""

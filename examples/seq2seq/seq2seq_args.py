@@ -264,6 +264,9 @@ def check_values(model_args, data_args, training_args, config) -> None:
         if n is not None and n < 1:  # a length of 0 tokenized every example to nothing, found deep in the model
             problems.append(f"--{name} {n}: a length in tokens, >= 1")
     problems += _generation_problems(data_args, training_args)
+    vocab = model_args.tokenizer_vocab_size
+    if vocab is not None and vocab < 8:  # (train_tokenizer's floor without sentinels; it said "vocab_size 5")
+        problems.append(f"--tokenizer_vocab_size {vocab}: a tokenizer needs 8 pieces at least")
     if training_args.gradient_accumulation_steps < 1:  # (the plain Trainer divides by it: ZeroDivisionError)
         problems.append(f"--gradient_accumulation_steps {training_args.gradient_accumulation_steps}: the micro-batches "
                         "of one optimizer step, >= 1")
