@@ -168,8 +168,7 @@ void adam_range(const AdamArgs& a, size_t begin, size_t end) {
                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256i seed = _mm256_set1_epi32(static_cast<int>(a.round_seed));
   for (; i + W <= end; i += W) {
-    constexpr size_t gsize = G == DType::F32 ? 4 : 2;  // (prefetch.h; the fp32 step is memory-bound without)
-    if constexpr (S == StateKind::BF16) bf16_step_prefetch<W, gsize>(param, a.grad, a.exp_avg, a.exp_avg_sq, i);
+    step_prefetch<W, G == DType::F32 ? 4 : 2, S == StateKind::F32 ? 4 : 2>(param, a.grad, a.exp_avg, a.exp_avg_sq, i);
     const __m256 g = _mm256_mul_ps(load_g<G>(a.grad, i), c.scale);
     __m256 m, v;
     const __m256 p = adam_vec<L2, S != StateKind::F32>(c, g, _mm256_loadu_ps(param + i), load_state<S>(a.exp_avg, i),

@@ -1,4 +1,4 @@
-// Software prefetch for the vector int8 and bf16-moment loops (adam_avx2.cpp, adam_avx512.cpp; SSE's prefetcht0,
+// Software prefetch for the vector Adam loops (adam_avx2.cpp, adam_avx512.cpp; SSE's prefetcht0,
 // which every x86-64 has). always_inline, not a preference: a prefetch has no effect gcc can see, so gcc 12 judged a
 // helper made only of prefetches a const function, and deleted its calls (in the 16-bit-gradient variants,
 // where it did not inline the helper early) before inlining could keep them.
@@ -38,23 +38,25 @@ __attribute__((always_inline)) inline void q8_prefetch(const float* params, cons
   }
 }
 
-// The bf16-moment step (one pass, 20 B/param) the same way, for a range that starts at any element: one line of an
+// The one-pass steps (fp32 and bf16 moments) the same way, for a range that starts at any element: one line of an
 // array of Size-byte elements per 64 bytes it advances, at the vector whose first byte lies in the first W * Size
-// bytes of a line (exactly one such vector per line). Its loads were issued late too: on the Intel core of session
-// 32 (2 threads, 50M params, alternated with the build without, medians) the step went 28.4 -> 20.9 ms, 0.68 -> 0.95
-// of its streaming bound; the fp32 step (28 B/param, memory-bound already) was not changed by it.
+// bytes of a line (exactly one such vector per line). Their loads were issued late too. On the Intel core of
+// session 32 (2 threads, 50M params, bf16 grads and param out, alternated with the build without, medians):
+// bf16 moments 28.4 -> 20.9 ms (0.68 -> 0.95 of the streaming bound), fp32 moments 0.905-0.915x the time (fp32
+// grads, no param out: 0.95-0.98x); the streaming bound's own loop (no arithmetic) gains nothing from it.
 template <size_t W, size_t Size>
 __attribute__((always_inline)) inline void prefetch_per_line(const void* base, size_t i) {
   if (W * Size >= 64 || i * Size % 64 < W * Size) prefetch_line(base, (i + kQPrefetch) * Size);
 }
 
-template <size_t W, size_t GSize>
-__attribute__((always_inline)) inline void bf16_step_prefetch(const float* params, const void* grad, const void* m,
-                                                              const void* v, size_t i) {
+// GSize: bytes per gradient, SSize per moment.
+template <size_t W, size_t GSize, size_t SSize>
+__attribute__((always_inline)) inline void step_prefetch(const float* params, const void* grad, const void* m,
+                                                         const void* v, size_t i) {
   prefetch_per_line<W, 4>(params, i);
   prefetch_per_line<W, GSize>(grad, i);
-  prefetch_per_line<W, 2>(m, i);
-  prefetch_per_line<W, 2>(v, i);
+  prefetch_per_line<W, SSize>(m, i);
+  prefetch_per_line<W, SSize>(v, i);
 }
 
 // The same lines for a span of kQSpan elements (one line of each code array) in one go: a loop over
