@@ -191,18 +191,24 @@ def test_two_ranks_refuse_a_peer_file_cut_in_the_middle_before_the_first_write(t
 def test_an_int8_code_out_of_range_names_the_rank_file_that_holds_it(tmp_path, rank, own):
     """Checked once loaded, on the engine's whole slice: the error named the directory, so with several rank files
     the user could not tell which one was damaged."""
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = _engine(model, "int8")
-    run_steps(model, opt, batches(3))
-    save_as_two_ranks(opt, tmp_path / "ck")
-    opt.close()
+    model = _int8_two_ranks(tmp_path / "ck", 3)
     path = str(tmp_path / "ck" / f"rank{rank}_of_2.hzo")
     _rewrite(path, path, lambda m: m, change=lambda t: t["exp_avg_sq"].__setitem__(-1, 255))
     fresh = _engine(copy.deepcopy(model), own)
     with pytest.raises(checkpoint.StateFileError, match=re.escape(f"{path}: exp_avg_sq codes has code 255, outside")):
         fresh.load_checkpoint(str(tmp_path / "ck"))
     fresh.close()
+
+
+def _int8_two_ranks(directory, steps: int):
+    """A model and its int8 engine's state after ``steps`` steps, saved in ``directory`` as 2 rank files."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, "int8")
+    run_steps(model, opt, batches(steps))
+    save_as_two_ranks(opt, directory)
+    opt.close()
+    return model
 
 
 def _rewrite(src, dst, edit, change=lambda tensors: None):
@@ -218,12 +224,7 @@ def _rewrite(src, dst, edit, change=lambda tensors: None):
 def test_rank_files_of_int8_moments_in_different_code_maps_are_refused(tmp_path, edit):
     """Only rank 0's file said which code map the int8 moments are in: rank 1's another map loaded silently, and rank
     0's without one (map 1) decoded every file's codes as map 1 (an outside probe, files rewritten by hand)."""
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = _engine(model, "int8")
-    run_steps(model, opt, batches(2))
-    save_as_two_ranks(opt, tmp_path / "s")
-    opt.close()
+    model = _int8_two_ranks(tmp_path / "s", 2)
     if edit == "other map in rank 1":
         victim, match = tmp_path / "s" / "rank1_of_2.hzo", "int8_codes 3 against 2"
         _rewrite(victim, victim, lambda m: {**m, "int8_codes": 3})
