@@ -73,17 +73,16 @@ def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_dec
     if opt is not None and not groups_decide:  # the config's weight decay replaces the Trainer's for the decayed group
         param_groups = [{**g, "weight_decay": opt.weight_decay if g["weight_decay"] else 0.0} for g in param_groups]
     options, shard = engine_options(cfg)
+    gas, dtype = options.gradient_accumulation_steps, training_dtype(cfg)
+    if factory.choose(args.world_size, shard, sharded_ddp=args.sharded_ddp)[1] == 1 and dtype != torch.float32 \
+            and gas > 1 and cfg.grad_accum_fp32:  # (DeepSpeed's BF16_Optimizer sums there in fp32; this engine cannot)
+        raise ConfigError(f"{cfg.source}: data_types.grad_accum_dtype \"fp32\" with ZeRO stage 1, a "
+                          f"{str(dtype).replace('torch.', '')} model and gradient_accumulation_steps {gas}: stage 1 "
+                          "reduces the params' .grad once a step, where autograd sums the micro-batches in the params' "
+                          "dtype; use \"stage\": 2 (it sums them in fp32), or drop the key")
     engine = factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
                                   param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, device=device,
                                   **hyper)
-    gas = options.gradient_accumulation_steps
-    if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1 and cfg.grad_accum_fp32:
-        engine.close()  # (DeepSpeed's BF16_Optimizer sums there in fp32; this engine cannot)
-        raise ConfigError(f"{cfg.source}: data_types.grad_accum_dtype \"fp32\" with ZeRO stage 1, a "
-                          f"{str(engine.param_dtype).replace('torch.', '')} model and gradient_accumulation_steps "
-                          f"{gas}:"
-                          " stage 1 reduces the params' .grad once a step, where autograd sums the micro-batches in "
-                          "the params' dtype; use \"stage\": 2 (it sums them in fp32), or drop the key")
     if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1 and engine.rank == 0:
         # stage 1 reduces the full .grad once a step, so torch's autograd sums the micro-batches there, in the param
         # dtype (as a plain DDP run of a 16-bit model does); stage 2 and the one-process engine sum them in fp32

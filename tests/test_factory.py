@@ -93,9 +93,10 @@ def test_stage1_says_it_sums_16bit_micro_batches_in_grad(caplog, stage, dtype, g
 
 @pytest.mark.parametrize("stage,dtype,gas,refused", [(1, "bf16", 4, True), (1, "fp32", 4, False), (1, "bf16", 1, False),
                                                      (2, "bf16", 4, False)])
-def test_grad_accum_dtype_fp32_at_stage1_with_a_16bit_model_is_refused(stage, dtype, gas, refused):
+def test_grad_accum_dtype_fp32_at_stage1_with_a_16bit_model_is_refused(stage, dtype, gas, refused, monkeypatch):
     """data_types.grad_accum_dtype "fp32" was accepted as what the engines do, but ZeRO-1 sums a 16-bit model's
-    micro-batches in .grad, in 16 bits (DeepSpeed's BF16_Optimizer sums them in fp32 there): an outside probe."""
+    micro-batches in .grad, in 16 bits (DeepSpeed's BF16_Optimizer sums them in fp32 there): an outside probe. Refused
+    before an engine (its host arena) is built."""
     from types import SimpleNamespace
     from hf_zero_offload import config
     from hf_zero_offload.engine_setup import build_engine as build_from_config
@@ -105,6 +106,9 @@ def test_grad_accum_dtype_fp32_at_stage1_with_a_16bit_model_is_refused(stage, dt
     args = SimpleNamespace(learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, world_size=1,
                            sharded_ddp=True)
     if refused:
+        from hf_zero_offload.engine import factory
+
+        monkeypatch.setattr(factory, "build_engine", lambda *a, **k: pytest.fail("an engine was built"))
         with pytest.raises(config.ConfigError, match=r"data_types\.grad_accum_dtype \"fp32\" with ZeRO stage 1, a "
                                                      r"bfloat16 model and gradient_accumulation_steps 4"):
             build_from_config(param_groups(TinyNet(), 0.0), config.resolve(raw), args)
