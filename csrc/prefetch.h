@@ -4,13 +4,14 @@
 // where it did not inline the helper early) before inlining could keep them.
 //
 // kQPrefetch elements ahead: one line of each streamed array per 64 bytes it advances (params 4 B, grads GSize,
-// codes 1 B per element; called at every vector of W = 8 or 16 elements, whose bytes per array divide 64).
-// The int8 step does ~4x the arithmetic per byte of the fp32 one, so the cores issue its loads late, and the
-// hardware prefetchers restart at every 4 KiB page. Measured at 50M params, 2 threads, on a Zen 5
-// (benchmarks/kernel/README.md, session 13), paired against the same build without: AVX512 (with its
-// pipelined blocks) 0.96-0.99x the time over four runs, 1024 or 4096 ahead no better; the AVX2 loop (held to
-// AVX2 on that CPU) 0.90-1.03x, mean 0.98, over seven: within the noise there, harmless. A prefetch never
-// faults, so the addresses past a range's end (formed as integers, not pointers) are harmless.
+// moments 4 or 2 B, codes 1 B per element). The int8 step does ~4x the arithmetic per byte of the fp32 one, so the
+// cores issue its loads late, and the hardware prefetchers restart at every 4 KiB page. Measured at 50M params, 2
+// threads, on a Zen 5 (benchmarks/kernel/README.md, session 13), paired against the same build without: AVX512
+// (with its pipelined blocks) 0.96-0.99x the time over four runs, 1024 or 4096 ahead no better; the AVX2 loop (held
+// to AVX2 on that CPU) 0.90-1.03x, mean 0.98, over seven: within the noise there, harmless; on an Intel core
+// (session 30) no prefetch was 1.21x slower. The one-pass fp32/bf16 loops: step_prefetch below (session 32, Intel;
+// not measured on a Zen core). A prefetch never faults, so the addresses past a range's end (formed as integers,
+// not pointers) are harmless.
 #pragma once
 #include <xmmintrin.h>
 
@@ -40,7 +41,8 @@ __attribute__((always_inline)) inline void q8_prefetch(const float* params, cons
 
 // The one-pass steps (fp32 and bf16 moments) the same way, for a range that starts at any element: one line of an
 // array of Size-byte elements per 64 bytes it advances, at the vector whose first byte lies in the first W * Size
-// bytes of a line (exactly one such vector per line). Their loads were issued late too. On the Intel core of
+// bytes of a 64-byte stretch counted from the array's base (exactly one such vector per stretch, so every line of
+// the range ahead is asked for once, whatever the base's alignment). Their loads were issued late too. On the Intel core of
 // session 32 (2 threads, 50M params, bf16 grads and param out, alternated with the build without, medians):
 // bf16 moments 28.4 -> 20.9 ms (0.68 -> 0.95 of the streaming bound), fp32 moments 0.905-0.915x the time (fp32
 // grads, no param out: 0.95-0.98x); the streaming bound's own loop (no arithmetic) gains nothing from it.

@@ -318,6 +318,13 @@ def test_a_sparse_param_is_refused_by_name(kind):
     with pytest.raises(TypeError, match=r"parameter w \(shape \(4, 4\)\) is torch.sparse_coo: the engines train "
                                         r"dense params.*\.to_dense\(\)"):
         cls([("lin.weight", lin.weight), ("w", w)], lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    frozen = torch.nn.Parameter(torch.randn(4, 4).to_sparse(), requires_grad=False)  # owns no range: trains on
+    opt = cls([lin.weight, lin.bias, frozen], lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    before = lin.weight.detach().clone()
+    lin(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert not torch.equal(lin.weight, before)
+    opt.close()
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

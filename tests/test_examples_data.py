@@ -25,14 +25,19 @@ def synth_dir(tmp_path_factory):
     return write_synth(tmp_path_factory)
 
 
-def test_a_lone_carriage_return_does_not_end_a_line(tmp_path):
+@pytest.mark.parametrize("content,line", [(b"one two\rthree\r\nfour\n", 1), (b"a\nb\n\rc\n", 3),
+                                          (b"a b\rc d\re f\r", 1)])
+def test_a_lone_carriage_return_is_named(tmp_path, content, line):
     """Python's universal newlines ended a line at a "\\r" inside it: the pairs after it were shifted against the
-    other side, and training went on (12 pairs from files of 11 lines)."""
+    other side, and training went on (12 pairs from files of 11 lines); read at "\\n" alone, a file of classic-Mac
+    "\\r" endings was one example."""
     path = tmp_path / "train.source"
-    path.write_bytes(b"one two\rthree\r\nfour\n\xef\xbb\xbffive\n")
-    assert su.read_lines(str(path)) == ["one two\rthree", "four", "\ufefffive"]
-    (tmp_path / "bom.source").write_bytes(b"\xef\xbb\xbfa\r\nb\r\n")
-    assert su.read_lines(str(tmp_path / "bom.source")) == ["a", "b"]
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"train.source: line {line} holds a carriage return \(\\r\) that ends no "
+                                         r"line: .*tr '\\r' '\\n'"):
+        su.read_lines(str(path))
+    (tmp_path / "bom.source").write_bytes("\ufeffa\r\nb\r\n\u2028c\n".encode())
+    assert su.read_lines(str(tmp_path / "bom.source")) == ["a", "b", "\u2028c"]
 
 
 def test_a_data_dir_that_is_a_file_is_named(tmp_path):
@@ -59,8 +64,22 @@ def test_bleu_is_scored_against_the_reference_texts_and_padding_rows_are_dropped
     out = su.build_compute_metrics(_Tokenizer(), refs)(type("P", (), {"predictions": preds, "label_ids": labels}))
     want = sacrebleu.corpus_bleu(["a b c d", "b c d a", "c d a"], [refs]).score
     assert out["bleu"] == round(want, 4) and out["gen_len"] == round(11 / 3, 4)
-    with pytest.raises(ValueError, match="2 generations for the 3 examples"):
-        su.build_compute_metrics(_Tokenizer(), refs)(type("P", (), {"predictions": preds[:2], "label_ids": None}))
+    # --dataloader_drop_last leaves evaluation's last partial batch out too: scored against the examples generated
+    out = su.build_compute_metrics(_Tokenizer(), refs)(type("P", (), {"predictions": preds[:2], "label_ids": None}))
+    assert out["bleu"] == round(sacrebleu.corpus_bleu(["a b c d", "b c d a"], [refs[:2]]).score, 4)
+
+
+def test_evaluation_runs_in_dataset_order_whatever_the_train_sampling(tmp_path):
+    """--train_sampling_strategy group_by_length made transformers evaluate grouped by length too: generations
+    scored by position against other examples' references (BLEU 5.56 for a perfect model, a review)."""
+    from torch.utils.data import SequentialSampler
+
+    _, _, args = finetune_trainer.parse_args(["--config_name", TINY, "--data_dir", "x", "--output_dir",
+                                              str(tmp_path), "--use_cpu", "--train_sampling_strategy",
+                                              "group_by_length", "--report_to", "none"])
+    trainer = finetune_trainer.LegacySeq2SeqTrainer.__new__(finetune_trainer.LegacySeq2SeqTrainer)
+    trainer.args = args
+    assert isinstance(trainer._get_eval_sampler(list(range(5))), SequentialSampler)
 
 
 def test_t5_is_told_to_the_trainer_as_a_mean_loss_model():
@@ -90,7 +109,7 @@ def test_accumulated_micro_batches_give_the_loss_of_one_batch(tmp_path, synth_di
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--task", "tranlsation_en_to_ro"], r"--task tranlsation_en_to_ro: summarization or translation_<src>_to_<tgt> "
+    (["--task", "tranlsation_en_to_ro"], r"--task tranlsation_en_to_ro: summarization, translation_<src>_to_<tgt> "
                                          r".*did you mean translation_en_to_ro\?"),
     (["--metric_for_best_model", "bleu"], r"--metric_for_best_model bleu: this script's evaluations report loss "
                                           r"\(bleu and gen_len need --predict_with_generate\)"),
@@ -100,6 +119,8 @@ def test_accumulated_micro_batches_give_the_loss_of_one_batch(tmp_path, synth_di
     (["--do_eval", "--predict_with_generate", "--generation_max_length", "1"], r"--generation_max_length 1"),
     (["--do_predict", "--predict_with_generate", "--test_max_target_length", "1"], r"--test_max_target_length 1"),
     (["--tokenizer_vocab_size", "5"], r"--tokenizer_vocab_size 5: a tokenizer needs 8 pieces at least"),
+    (["--do_eval", "--predict_with_generate", "--dataloader_in_order", "false"],
+     r"--dataloader_in_order false with --predict_with_generate: generations are scored .* by position"),
 ])
 def test_flags_that_fail_after_training_are_refused_first(tmp_path, synth_dir, extra, match):
     """Each trained, then failed (a KeyError 'eval_bleu'; generation asked for 1 token) or ran without T5's prefix."""
@@ -109,11 +130,28 @@ def test_flags_that_fail_after_training_are_refused_first(tmp_path, synth_dir, e
     assert not out.exists() or not os.listdir(out)
 
 
-def test_a_source_length_the_prefix_fills_is_refused(tmp_path, synth_dir):
+@pytest.mark.parametrize("task", ["summarization", "summarization_cnn", "translation_en_XX_to_ro_RO",
+                                  "translation_zh-CN_to_en", "my_task"])
+def test_legitimate_tasks_and_metrics_are_taken(tmp_path, synth_dir, task):
+    """A --task of the config's task_specific_params or with region codes, and the Trainer's own eval metrics, were
+    refused by the first form of the checks (a review)."""
+    import seq2seq_args
+
+    config = type("C", (), {"task_specific_params": {"my_task": {}}})()
+    _, data_args, args = finetune_trainer.parse_args(_common_args(synth_dir, tmp_path) + [
+        "--config_name", TINY, "--task", task, "--metric_for_best_model", "eval_runtime"])
+    assert seq2seq_args._generation_problems(data_args, args, config) == []
+
+
+def test_a_source_length_the_prefix_fills_is_refused_before_anything_is_written(tmp_path, synth_dir):
+    """Checked once the tokenizer was trained and saved into output_dir: the run with a fixed length was then refused
+    for the output_dir that the refused run had filled (a review)."""
+    out = tmp_path / "o"
     with pytest.raises(ValueError, match=r"--max_source_length 3: the task prefix 'translate English to Romanian: ' "
                                          r"and the special tokens take \d+, which leaves no token of the source"):
-        finetune_trainer.main(_common_args(synth_dir, tmp_path / "o") + ["--config_name", TINY, "--do_train",
-                                                                         "--max_source_length", "3"])
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train",
+                                                              "--max_source_length", "3"])
+    assert [f for f in os.listdir(out) if f != "hzo-run.lock"] == []  # (the lock goes at exit)
 
 
 def _saved_run(synth_dir, out, *extra):

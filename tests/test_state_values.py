@@ -292,5 +292,11 @@ def test_a_resume_under_a_momentum_cycling_schedule_is_not_said_to_take_other_be
     with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
         other.load_checkpoint(str(tmp_path / "s"))
     assert "group 0 max_momentum 0.97 now, 0.95 saved; group 0 betas[1] (0.99,) now, (0.999,) saved" in caplog.text
-    for e in (eng, same, other):
+    # resumed without the cycling: the saved mid-cycle betas[0] stays for good, which is said
+    plain = OffloadAdam(torch.nn.Linear(4, 3).parameters(), lr=1e-2, options=OffloadOptions(num_threads=1))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        plain.load_checkpoint(str(tmp_path / "s"))
+    assert f"group 0 betas (0.9, 0.999) now, {eng.param_groups[0]['betas']} saved" in caplog.text
+    for e in (eng, same, other, plain):
         e.close()

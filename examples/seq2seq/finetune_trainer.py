@@ -69,6 +69,7 @@ try:
     )
     from transformers.trainer_callback import PrinterCallback  # noqa: E402
     from transformers.trainer_pt_utils import LengthGroupedSampler  # noqa: E402
+    from torch.utils.data import SequentialSampler  # noqa: E402
 
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, resume  # noqa: E402
     from hf_zero_offload.launch_checks import check_world_size  # noqa: E402
@@ -115,6 +116,14 @@ class LegacySeq2SeqTrainer(ZeroOffloadSeq2SeqTrainer):
                 self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths=ds.src_lens
             )
         return super()._get_train_sampler(train_dataset)
+
+    def _get_eval_sampler(self, eval_dataset):
+        # Generations are scored against the split's texts by position and written in the split's order: evaluation
+        # runs in dataset order (transformers groups it by length under --train_sampling_strategy group_by_length,
+        # which scored BLEU against other examples' references: 5.56 for a perfect model)
+        if eval_dataset is None or not hasattr(eval_dataset, "__len__"):
+            return None
+        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
 
 
 def _load_texts(model_args, data_args, split: str, n_obs: int):
@@ -188,13 +197,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if training_args.do_predict:
         texts["test"] = _load_texts(model_args, data_args, "test", data_args.n_test)
 
-    tokenizer = sm.make_tokenizer(model_args, training_args, config, texts, prefix, resumed_from)
+    tokenizer = sm.make_tokenizer(model_args, training_args, config, texts, prefix, resumed_from,
+                                  check=lambda t: su.check_source_room(t, prefix, data_args.max_source_length))
     for attr, value in (("src_lang", data_args.src_lang), ("tgt_lang", data_args.tgt_lang)):
         if value is not None and hasattr(tokenizer, attr):
             setattr(tokenizer, attr, value)
         elif value is not None and data_args.data_dir:  # (--dataset_name: they pick its translation columns)
             logger.warning("--%s %s has no effect: %s has no %s", attr, value, type(tokenizer).__name__, attr)
-    su.check_source_room(tokenizer, prefix, data_args.max_source_length)
     model = sm.make_model(model_args, config, tokenizer, resumed_from)
     if model.config.decoder_start_token_id is None:
         raise ValueError("the model config needs decoder_start_token_id")

@@ -263,7 +263,7 @@ def check_values(model_args, data_args, training_args, config) -> None:
     for name, n in lengths.items():
         if n is not None and n < 1:  # a length of 0 tokenized every example to nothing, found deep in the model
             problems.append(f"--{name} {n}: a length in tokens, >= 1")
-    problems += _generation_problems(data_args, training_args)
+    problems += _generation_problems(data_args, training_args, config)
     vocab = model_args.tokenizer_vocab_size
     if vocab is not None and vocab < 8:  # (train_tokenizer's floor without sentinels; it said "vocab_size 5")
         problems.append(f"--tokenizer_vocab_size {vocab}: a tokenizer needs 8 pieces at least")
@@ -298,22 +298,27 @@ def check_values(model_args, data_args, training_args, config) -> None:
             setattr(config, name, getattr(model_args, name))
 
 
-def _generation_problems(data_args, training_args) -> List[str]:
+def _generation_problems(data_args, training_args, config) -> List[str]:
     """The task, the best-model metric and the generation lengths: each failed only after training (a KeyError
     'eval_bleu' when no evaluation computed BLEU; generation asked for 1 token, which the decoder's start token
     takes) or ran silently (a misspelt --task trained without T5's prefix)."""
     problems = []
     task = data_args.task
-    if not re.fullmatch(r"summarization(_\w+)?|translation(_[A-Za-z]+_to_[A-Za-z]+)?", task):
-        close = difflib.get_close_matches(task, list(su.T5_TASK_PREFIXES), n=1)
-        problems.append(f"--task {task}: summarization or translation_<src>_to_<tgt> (e.g. translation_en_to_ro)"
-                        + (f"; did you mean {close[0]}?" if close else ""))
+    known = (getattr(config, "task_specific_params", None) or {}) if config is not None else {}
+    if task not in known and not re.fullmatch(r"summarization(_\S+)?|translation(_\S+_to_\S+)?", task):
+        close = difflib.get_close_matches(task, [*su.T5_TASK_PREFIXES, *known], n=1)
+        problems.append(f"--task {task}: summarization, translation_<src>_to_<tgt> (e.g. translation_en_to_ro) or a "
+                        "key of the config's task_specific_params" + (f"; did you mean {close[0]}?" if close else ""))
     generate = training_args.predict_with_generate
     metric = training_args.metric_for_best_model
-    reported = ("loss", "bleu", "gen_len") if generate else ("loss",)
+    reported = ("loss", "runtime", "samples_per_second", "steps_per_second") + (("bleu", "gen_len") if generate else ())
     if metric is not None and metric.removeprefix("eval_") not in reported:
         problems.append(f"--metric_for_best_model {metric}: this script's evaluations report loss"
-                        + (", bleu and gen_len" if generate else " (bleu and gen_len need --predict_with_generate)"))
+                        + (", bleu and gen_len" if generate else " (bleu and gen_len need --predict_with_generate)")
+                        + " (and the Trainer's runtime, samples_per_second, steps_per_second)")
+    if generate and getattr(training_args, "dataloader_in_order", True) is False:
+        problems.append("--dataloader_in_order false with --predict_with_generate: generations are scored against the "
+                        "split's texts by position and written in its order; drop it")
     if generate:
         # (main set an unset --generation_max_length to --val_max_target_length: named as that one then)
         val = ("generation_max_length" if training_args.generation_max_length != data_args.val_max_target_length

@@ -2,9 +2,10 @@
 the training text here, or the one named), checked against the checkpoint it resumes, and the model (pretrained
 weights, or random initialisation from a config), each mistake one line naming the flag."""
 import inspect
+import json
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -30,7 +31,7 @@ def _load_tokenizer(flag: str, name: str, **kwargs):
 def _check_resumed_tokenizer(tokenizer, resumed_from: str, flag: str, name: str) -> None:
     """A resume with another tokenizer gave the learned embedding rows other ids without a word, and its checkpoints
     saved that tokenizer for every later resume."""
-    if not os.path.isfile(os.path.join(resumed_from, "tokenizer_config.json")):
+    if not any(os.path.isfile(os.path.join(resumed_from, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return
     saved = AutoTokenizer.from_pretrained(resumed_from)
     if saved.get_vocab() != tokenizer.get_vocab():
@@ -39,9 +40,11 @@ def _check_resumed_tokenizer(tokenizer, resumed_from: str, flag: str, name: str)
                          f"{flag}, or start a new run")
 
 
-def make_tokenizer(model_args, training_args, config, texts: dict, prefix: str, resumed_from: Optional[str]):
+def make_tokenizer(model_args, training_args, config, texts: dict, prefix: str, resumed_from: Optional[str],
+                   check: Callable = lambda tokenizer: None):
     """The run's tokenizer. With neither --tokenizer_name nor --model_name_or_path: the one a resumed checkpoint
-    saved, else a SentencePiece tokenizer trained on the training text (saved in output_dir)."""
+    saved, else a SentencePiece tokenizer trained on the training text (saved in output_dir). ``check``: refuses a
+    tokenizer the run cannot use, before one trained here is written into output_dir."""
     if model_args.tokenizer_name or model_args.model_name_or_path:
         if model_args.tokenizer_vocab_size:
             raise ValueError(f"--tokenizer_vocab_size {model_args.tokenizer_vocab_size}: the size of a tokenizer "
@@ -51,6 +54,7 @@ def make_tokenizer(model_args, training_args, config, texts: dict, prefix: str, 
         tokenizer = _load_tokenizer(flag, name, cache_dir=model_args.cache_dir)
         if resumed_from:
             _check_resumed_tokenizer(tokenizer, resumed_from, flag, name)
+        check(tokenizer)
         return tokenizer
     if resumed_from and os.path.isfile(os.path.join(resumed_from, "tokenizer.json")):
         # The tokenizer the resumed model was trained with (every checkpoint saves it): one trained again on this
@@ -58,6 +62,7 @@ def make_tokenizer(model_args, training_args, config, texts: dict, prefix: str, 
         tokenizer = AutoTokenizer.from_pretrained(resumed_from)
         logger.info("tokenizer: %d ids, the one saved in %s (a resume does not train a new one)", len(tokenizer),
                     resumed_from)
+        check(tokenizer)
         return tokenizer
     if training_args.output_dir:
         # The tokenizer is written into output_dir before the Trainer exists, and the Trainer takes the run lock:
@@ -77,9 +82,10 @@ def make_tokenizer(model_args, training_args, config, texts: dict, prefix: str, 
     with training_args.main_process_first(local=local, desc="tokenizer training"):
         if (training_args.local_process_index if local else training_args.process_index) == 0:
             tokenizer = train_t5_tokenizer([prefix + s for s in src] + list(tgt), vocab_size,
-                                           save_dir=training_args.output_dir)
+                                           save_dir=training_args.output_dir, check=check)
         else:
             tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
+            check(tokenizer)
     logger.info("tokenizer: %d ids (saved in %s)", len(tokenizer), training_args.output_dir)
     return tokenizer
 
@@ -116,19 +122,25 @@ def make_model(model_args, config, tokenizer, resumed_from: Optional[str]):
 
 def check_resumed_shapes(model, resumed_from: str) -> None:
     """The checkpoint's weights against the model built here (another --config_name than the first run's failed
-    in the Trainer's load with a size-mismatch traceback): one line naming the first that differs."""
-    path = os.path.join(resumed_from, "model.safetensors")
-    if not os.path.isfile(path):
-        return
+    in the Trainer's load with a size-mismatch traceback): one line naming the first that differs. Read from the
+    safetensors headers (one file, or the shards an index lists); a checkpoint of .bin files is left to the Trainer."""
+    index = os.path.join(resumed_from, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f).get("weight_map", {}).values()))
+    else:
+        files = ["model.safetensors"] if os.path.isfile(os.path.join(resumed_from, "model.safetensors")) else []
     from safetensors import safe_open
 
     shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
-    with safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            saved = tuple(f.get_slice(name).get_shape())
-            if name in shapes and shapes[name] != saved:
-                raise ValueError(f"--resume_from_checkpoint {resumed_from}: its {name} is {saved}, the model built "
-                                 f"from --config_name {shapes[name]}: give the config of the run that saved it")
+    for file in files:
+        with safe_open(os.path.join(resumed_from, file), framework="pt") as f:
+            for name in f.keys():
+                saved = tuple(f.get_slice(name).get_shape())
+                if name in shapes and shapes[name] != saved:
+                    raise ValueError(f"--resume_from_checkpoint {resumed_from}: its {name} is {saved}, the model "
+                                     f"built from --config_name {shapes[name]}: give the config of the run that saved "
+                                     "it")
 
 
 def mean_loss_only(model) -> bool:
@@ -143,4 +155,6 @@ def mean_loss_only(model) -> bool:
         source = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
-    return "loss_function" not in source and "num_items_in_batch" not in source
+    # (EncoderDecoderModel passes num_items_in_batch on to its decoder and still takes a mean of its own; a model
+    # judged so wrongly loses only the token-count weighting, as the Trainer then passes it no num_items_in_batch)
+    return "loss_function" not in source

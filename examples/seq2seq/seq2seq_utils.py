@@ -115,16 +115,23 @@ def task_generation_params(task: str, config) -> Dict:
 def read_lines(path: str) -> List[str]:
     """The lines of a UTF-8 text file (a byte-order mark, which Windows editors write, dropped), ended by "\n" alone
     (a "\r\n" ending loses its "\r"), as ``wc -l`` counts them: Python's universal newlines also ended a line at a
-    lone "\r" inside it, which shifted every later pair of a split against the other side without a word. Not UTF-8
+    lone "\r" inside it, which shifted every later pair of a split against the other side without a word; such a
+    "\r" is refused naming the file and line (a file of "\r" endings would be one line). Not UTF-8
     (a file saved as Latin-1, or cut inside a character): refused naming the file, the line and the byte, where
     Python's own error named neither file nor line."""
     try:
         with open(path, encoding="utf-8-sig", newline="\n") as f:
-            return [line.rstrip("\n").removesuffix("\r") for line in f]
+            lines = [line.rstrip("\n").removesuffix("\r") for line in f]
     except UnicodeDecodeError:
         with open(path, "rb") as f:
             data = f.read()
         raise ValueError(not_utf8_text(path, data, "--data_dir files are line-aligned text saved as UTF-8")) from None
+    stray = next((i for i, line in enumerate(lines, 1) if "\r" in line), None)
+    if stray is not None:  # (a file of classic-Mac "\r" endings read as one line: one huge example)
+        raise ValueError(f"{path}: line {stray} holds a carriage return (\\r) that ends no line: lines end at \\n "
+                         "(or \\r\\n) here, as wc -l counts them; convert the file (tr '\\r' '\\n' < old > new for "
+                         "\\r line endings) or remove the stray \\r")
+    return lines
 
 
 def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], List[str]]:
@@ -240,19 +247,19 @@ def build_compute_metrics(tokenizer, references: List[str]) -> Callable:
     """sacrebleu corpus BLEU and the mean generated length (non-pad tokens), as the legacy script reported, for the
     generations of the split whose target texts are ``references``. BLEU is scored against those texts, not against
     the labels decoded back (cut to the split's max target length, characters the tokenizer lacks dropped: 4.15
-    against 2.44 over the same generations in an outside probe). On several processes the Trainer pads the last
-    batch with repeats of the first examples (8 rows for 7): the rows past the split's length are dropped."""
+    against 2.44 over the same generations in an outside probe), in the split's order (the script's evaluation
+    sampler). On several processes the Trainer pads the last batch with repeats of the first examples (8 rows for
+    7): the rows past the split's length are dropped."""
     import sacrebleu
 
     pad = tokenizer.pad_token_id
 
     def compute_metrics(eval_pred) -> Dict[str, float]:
         preds = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
-        if len(preds) < len(references):
-            raise ValueError(f"{len(preds)} generations for the {len(references)} examples of the split")
         preds = np.where(preds != -100, preds, pad)[:len(references)]
+        # (fewer rows: --dataloader_drop_last left the last partial batch out, also of evaluation, in order)
         pred_str = [s.strip() for s in tokenizer.batch_decode(preds, skip_special_tokens=True)]
-        bleu = sacrebleu.corpus_bleu(pred_str, [[r.strip() for r in references]]).score
+        bleu = sacrebleu.corpus_bleu(pred_str, [[r.strip() for r in references[:len(preds)]]]).score
         gen_len = float(np.mean([(row != pad).sum() for row in preds])) if len(preds) else 0.0
         return {"bleu": round(bleu, 4), "gen_len": round(gen_len, 4)}
 

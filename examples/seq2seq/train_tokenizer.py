@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import tempfile
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 __all__ = ["train_t5_tokenizer", "choose_extra_ids"]
 
@@ -34,13 +34,14 @@ def train_t5_tokenizer(
     seed_sentencepiece_size: int = 1_000_000,
     input_sentence_size: int = 2_000_000,
     num_threads: Optional[int] = None,
+    check: Optional[Callable] = None,
 ):
     """Train on ``texts`` and return a ``T5Tokenizer`` with at most ``vocab_size`` ids in total.
 
     ``vocab_size`` counts the sentinels: SentencePiece is asked for ``vocab_size - extra_ids`` pieces, as a soft
     limit (a small corpus yields fewer). ``extra_ids=None`` picks 100 or 0 with :func:`choose_extra_ids`.
     When ``save_dir`` is given the tokenizer is saved there (``tokenizer.json``, ``tokenizer_config.json``, and the
-    raw SentencePiece ``spiece.model``).
+    raw SentencePiece ``spiece.model``), once ``check(tokenizer)`` (when given) has not raised.
     """
     import sentencepiece as spm
     from transformers import T5Tokenizer
@@ -96,6 +97,8 @@ def train_t5_tokenizer(
         # Detach from the temporary directory before it disappears.
         if getattr(tokenizer, "vocab_file", None):
             tokenizer.vocab_file = None
+        if check is not None:
+            check(tokenizer)
         if save_dir is not None:
             os.makedirs(save_dir, exist_ok=True)
             tokenizer.save_pretrained(save_dir)

@@ -133,7 +133,7 @@ def make_contiguous(param_groups: list[dict]) -> list[str]:
     changed = []
     for group in param_groups:
         for p in group["params"]:
-            if p.layout != torch.strided:  # (its storage cannot be asked for: torch's NotImplementedError, unnamed)
+            if p.requires_grad and p.layout != torch.strided:  # (torch's NotImplementedError for its storage)
                 raise TypeError(f"parameter {param_label(group, p)} is {p.layout}: the engines train dense params, "
                                 "copying updates into them as flat ranges (CPUAdam refuses it too); make it dense "
                                 "(.to_dense()), or keep it out of the optimizer")
@@ -161,8 +161,10 @@ def shares_storage(p: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``q``, another tensor than ``p``, views ``p``'s storage. Asked of the tensors the caller knows (the
     groups' params; the model's params and buffers): a user's own reference (a state_dict kept aside) is no tie, and
     torch's storage use count could not tell the two apart."""
+    if q is p or q.layout != torch.strided:  # (a frozen sparse param has no storage to ask for, nor ties)
+        return False
     ptr = p.untyped_storage().data_ptr()
-    return q is not p and ptr != 0 and q.untyped_storage().data_ptr() == ptr
+    return ptr != 0 and q.untyped_storage().data_ptr() == ptr
 
 
 def training_dtype(param_dtype: torch.dtype | None, fp16_on: bool, params: list) -> torch.dtype:

@@ -154,8 +154,8 @@ def say_taken_values(groups: list[dict], saved_groups: list[dict]) -> None:
         for key in _TAKEN_VALUES:
             if key in group and key in saved:
                 now, was = (tuple(group[key]), tuple(saved[key])) if key == "betas" else (group[key], saved[key])
-                if key == "betas" and ("max_momentum" in group or "max_momentum" in saved):
-                    key, now, was = "betas[1]", now[1:], was[1:]  # betas[0]: the momentum schedule's position
+                if key == "betas" and "max_momentum" in group:  # this run cycles betas[0] (a resume without the
+                    key, now, was = "betas[1]", now[1:], was[1:]  # cycling keeps the saved one for good: said)
                 if now != was:
                     out.append(f"group {i} {key} {now} now, {was} saved")
     if out:
