@@ -120,7 +120,9 @@ def test_accumulated_micro_batches_give_the_loss_of_one_batch(tmp_path, synth_di
     (["--do_predict", "--predict_with_generate", "--test_max_target_length", "1"], r"--test_max_target_length 1"),
     (["--tokenizer_vocab_size", "5"], r"--tokenizer_vocab_size 5: a tokenizer needs 8 pieces at least"),
     (["--do_eval", "--predict_with_generate", "--dataloader_in_order", "false"],
-     r"--dataloader_in_order false with --predict_with_generate: generations are scored .* by position"),
+     r"--dataloader_in_order false with --predict_with_generate: the script scores .* by position"),
+    (["--do_eval", "--predict_with_generate", "--eval_do_concat_batches", "false"], r"--eval_do_concat_batches false"),
+    (["--do_eval", "--predict_with_generate", "--batch_eval_metrics"], r"--batch_eval_metrics with"),
 ])
 def test_flags_that_fail_after_training_are_refused_first(tmp_path, synth_dir, extra, match):
     """Each trained, then failed (a KeyError 'eval_bleu'; generation asked for 1 token) or ran without T5's prefix."""
@@ -141,6 +143,54 @@ def test_legitimate_tasks_and_metrics_are_taken(tmp_path, synth_dir, task):
     _, data_args, args = finetune_trainer.parse_args(_common_args(synth_dir, tmp_path) + [
         "--config_name", TINY, "--task", task, "--metric_for_best_model", "eval_runtime"])
     assert seq2seq_args._generation_problems(data_args, args, config) == []
+
+
+def test_a_resume_flag_without_training_is_refused(tmp_path, synth_dir):
+    """--resume_from_checkpoint with --do_eval alone evaluated a freshly initialised model (BLEU 0.0 where the
+    checkpoint scored 1.63), an outside probe."""
+    with pytest.raises(ValueError, match=r"--resume_from_checkpoint \S+ckpt without --do_train: it resumes training; "
+                                         r"to evaluate a checkpoint, give it as --model_name_or_path"):
+        finetune_trainer.main([a for a in _common_args(synth_dir, tmp_path / "o")] + [
+            "--config_name", TINY, "--do_eval", "--resume_from_checkpoint", str(tmp_path / "ckpt")])
+
+
+def test_invisible_only_texts_are_blank(tmp_path):
+    """A line of a zero-width space or a BOM passed the blank-line check and tokenized to </s> alone."""
+    with pytest.raises(ValueError, match=r"2 blank or missing text\(s\) among the 3 used \(line 2, 3\)"):
+        su.check_texts("val.target", ["a", "\u200b", " \ufeff "], "line", 1)
+
+
+def test_bleu_compares_nfkc_forms(tmp_path):
+    """The tokenizer normalizes to NFKC; references in NFD capped a perfect model's BLEU at 49 (an outside probe)."""
+    import unicodedata
+
+    class Echo(_Tokenizer):
+        words = ["<pad>", unicodedata.normalize("NFC", "țară"), "ﬁn", "ok"]
+
+    refs = [unicodedata.normalize("NFD", "țară fin ok ok")]
+    preds = np.array([[1, 2, 3, 3]])
+    assert su.build_compute_metrics(Echo(), refs)(type("P", (), {"predictions": preds}))["bleu"] == 100.0
+
+
+def test_tokenizer_training_keeps_long_lines_and_names_a_too_small_vocabulary(tmp_path):
+    """SentencePiece left lines over 4192 bytes out of training, silently (a summarization document's sources
+    became characters and <unk>); a vocabulary under the text's distinct characters was its raw RuntimeError."""
+    from train_tokenizer import train_t5_tokenizer
+
+    long_line = " ".join(f"word{i % 50}x" for i in range(1000))  # ~8 KB, the only text with 'word'
+    tok = train_t5_tokenizer([long_line, "short line here"], 300)
+    assert tok.unk_token_id not in tok(long_line[:200])["input_ids"]
+    with pytest.raises(ValueError, match=r"vocab_size 20 is too small for this text, which has \d+ distinct "
+                                         r"characters: \d+ ids at least"):
+        train_t5_tokenizer(["abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ 0123456789"], 20)
+
+
+@pytest.mark.parametrize("flag", ["--max_target_length", "--val_max_target_length"])
+def test_a_target_length_of_the_special_tokens_alone_is_refused(tmp_path, synth_dir, flag):
+    """--max_target_length 1 trained on labels of </s> alone, silently (an outside probe)."""
+    with pytest.raises(ValueError, match=rf"{flag} 1: the special tokens take 1, which leaves no token of the target"):
+        finetune_trainer.main(_common_args(synth_dir, tmp_path / "o") + ["--config_name", TINY, "--do_train",
+                                                                         "--do_eval", flag, "1"])
 
 
 def test_a_source_length_the_prefix_fills_is_refused_before_anything_is_written(tmp_path, synth_dir):

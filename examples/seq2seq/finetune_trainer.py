@@ -197,8 +197,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if training_args.do_predict:
         texts["test"] = _load_texts(model_args, data_args, "test", data_args.n_test)
 
+    lengths = {"max_source_length": data_args.max_source_length}  # (the ones this run tokenizes to)
+    for split, name in (("train", "max_target_length"), ("val", "val_max_target_length"),
+                        ("test", "test_max_target_length")):
+        if split in texts and (split != "train" or training_args.do_train):
+            lengths[name] = getattr(data_args, name)
     tokenizer = sm.make_tokenizer(model_args, training_args, config, texts, prefix, resumed_from,
-                                  check=lambda t: su.check_source_room(t, prefix, data_args.max_source_length))
+                                  check=lambda t: su.check_room(t, prefix, lengths))
     for attr, value in (("src_lang", data_args.src_lang), ("tgt_lang", data_args.tgt_lang)):
         if value is not None and hasattr(tokenizer, attr):
             setattr(tokenizer, attr, value)

@@ -316,9 +316,16 @@ def _generation_problems(data_args, training_args, config) -> List[str]:
         problems.append(f"--metric_for_best_model {metric}: this script's evaluations report loss"
                         + (", bleu and gen_len" if generate else " (bleu and gen_len need --predict_with_generate)")
                         + " (and the Trainer's runtime, samples_per_second, steps_per_second)")
-    if generate and getattr(training_args, "dataloader_in_order", True) is False:
-        problems.append("--dataloader_in_order false with --predict_with_generate: generations are scored against the "
-                        "split's texts by position and written in its order; drop it")
+    args = training_args
+    for flag, off in (("--dataloader_in_order false", getattr(args, "dataloader_in_order", True) is False),
+                      ("--eval_do_concat_batches false", getattr(args, "eval_do_concat_batches", True) is False),
+                      ("--batch_eval_metrics", getattr(args, "batch_eval_metrics", False))):
+        if generate and off:  # (each failed at the first evaluation, after any training, or scored other examples)
+            problems.append(f"{flag} with --predict_with_generate: the script scores the split's generations at once, "
+                            "against its texts by position; drop it")
+    if training_args.resume_from_checkpoint and not training_args.do_train:  # (a random model was evaluated)
+        problems.append(f"--resume_from_checkpoint {training_args.resume_from_checkpoint} without --do_train: it "
+                        "resumes training; to evaluate a checkpoint, give it as --model_name_or_path")
     if generate:
         # (main set an unset --generation_max_length to --val_max_target_length: named as that one then)
         val = ("generation_max_length" if training_args.generation_max_length != data_args.val_max_target_length

@@ -62,6 +62,10 @@ def make_tokenizer(model_args, training_args, config, texts: dict, prefix: str, 
         tokenizer = AutoTokenizer.from_pretrained(resumed_from)
         logger.info("tokenizer: %d ids, the one saved in %s (a resume does not train a new one)", len(tokenizer),
                     resumed_from)
+        if model_args.tokenizer_vocab_size:
+            logger.warning("--tokenizer_vocab_size %d is not used at a resume: the checkpoint's tokenizer (%d ids) "
+                           "is, which the resumed model was trained with", model_args.tokenizer_vocab_size,
+                           len(tokenizer))
         check(tokenizer)
         return tokenizer
     if training_args.output_dir:
@@ -81,8 +85,15 @@ def make_tokenizer(model_args, training_args, config, texts: dict, prefix: str, 
     local = training_args.save_on_each_node
     with training_args.main_process_first(local=local, desc="tokenizer training"):
         if (training_args.local_process_index if local else training_args.process_index) == 0:
-            tokenizer = train_t5_tokenizer([prefix + s for s in src] + list(tgt), vocab_size,
-                                           save_dir=training_args.output_dir, check=check)
+            try:
+                tokenizer = train_t5_tokenizer([prefix + s for s in src] + list(tgt), vocab_size,
+                                               save_dir=training_args.output_dir, check=check)
+            except ValueError as e:
+                if not str(e).startswith(f"vocab_size {vocab_size} "):
+                    raise
+                flag = ("--tokenizer_vocab_size" if model_args.tokenizer_vocab_size else
+                        f"the config's vocab_size ({model_args.config_name})")
+                raise ValueError(f"{flag}: {e}") from None
         else:
             tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
             check(tokenizer)

@@ -8,6 +8,7 @@ import os
 import resource
 import sys
 import time
+import unicodedata
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -155,10 +156,16 @@ def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], L
     return src, tgt
 
 
+def _visible(text: str) -> bool:
+    """Whether ``text`` holds a character other than white space and format characters (a zero-width space, a BOM
+    left inside a line: a line of those passed for text and tokenized to </s> alone)."""
+    return any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
+
+
 def check_texts(where: str, texts: list, unit: str, first: int) -> None:
     """Every text of a split's side is a string with something in it: as v4.2's dataset refused them ("empty tgt
     line for index N"); a blank line trained a pair with nothing on one side, without a word."""
-    blank = [i + first for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+    blank = [i + first for i, t in enumerate(texts) if not isinstance(t, str) or not _visible(t)]
     if blank:
         raise ValueError(f"{where}: {len(blank)} blank or missing text(s) among the {len(texts)} used ({unit} "
                          f"{', '.join(map(str, blank[:5]))}{', ...' if len(blank) > 5 else ''}): each is one example, "
@@ -203,16 +210,20 @@ def load_hf_dataset_split(dataset_name: str, config_name: Optional[str], split: 
     return texts[0][1], texts[1][1]
 
 
-def check_source_room(tokenizer, prefix: str, max_source_length: int) -> None:
-    """The task prefix and the tokenizer's special tokens take the first tokens of every source: a
-    --max_source_length no longer than they are truncated every source to the same tokens, and the run trained on
-    identical inputs without a word (an outside probe: T5's translation prefix is 14 tokens here)."""
-    taken = len(tokenizer(prefix)["input_ids"])
-    if max_source_length <= taken:
-        what = f"the task prefix {prefix!r} and the special tokens take {taken}" if prefix else \
-            f"the special tokens take {taken}"
-        raise ValueError(f"--max_source_length {max_source_length}: {what}, which leaves no token of the source "
-                         "text; give a longer length")
+def check_room(tokenizer, prefix: str, lengths: Dict[str, int]) -> None:
+    """The task prefix and the tokenizer's special tokens take the first tokens of every source, the special tokens
+    those of every target: a max length no longer than they are truncated every text to the same tokens, and the run
+    trained on identical inputs, or on targets of </s> alone, without a word (an outside probe: T5's translation
+    prefix is 14 tokens here). ``lengths``: the flags this run uses, by name ("max_source_length": ...)."""
+    for name, length in lengths.items():
+        source = name == "max_source_length"
+        taken = len(tokenizer(prefix)["input_ids"] if source else tokenizer(text_target="")["input_ids"])
+        if length <= taken:
+            what = (f"the task prefix {prefix!r} and the special tokens take {taken}" if source and prefix else
+                    f"the special tokens take {taken}")
+            side = "source" if source else "target"
+            raise ValueError(f"--{name} {length}: {what}, which leaves no token of the {side} text; give a longer "
+                             "length")
 
 
 class Seq2SeqTextDataset(Dataset):
@@ -243,13 +254,20 @@ class Seq2SeqTextDataset(Dataset):
 # Metrics
 
 
+def _nfkc(text: str) -> str:
+    """Both sides of BLEU in Unicode's NFKC form, which SentencePiece's tokenizers (T5's, and the one trained here)
+    normalize their text to: references in decomposed form (NFD) capped a perfect model's BLEU at 49, ligatures and
+    ellipses lost their n-grams likewise."""
+    return unicodedata.normalize("NFKC", text).strip()
+
+
 def build_compute_metrics(tokenizer, references: List[str]) -> Callable:
     """sacrebleu corpus BLEU and the mean generated length (non-pad tokens), as the legacy script reported, for the
     generations of the split whose target texts are ``references``. BLEU is scored against those texts, not against
     the labels decoded back (cut to the split's max target length, characters the tokenizer lacks dropped: 4.15
     against 2.44 over the same generations in an outside probe), in the split's order (the script's evaluation
-    sampler). On several processes the Trainer pads the last batch with repeats of the first examples (8 rows for
-    7): the rows past the split's length are dropped."""
+    sampler), both in NFKC form. On several processes the Trainer pads the last batch with repeats of the first
+    examples (8 rows for 7): the rows past the split's length are dropped."""
     import sacrebleu
 
     pad = tokenizer.pad_token_id
@@ -258,8 +276,8 @@ def build_compute_metrics(tokenizer, references: List[str]) -> Callable:
         preds = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
         preds = np.where(preds != -100, preds, pad)[:len(references)]
         # (fewer rows: --dataloader_drop_last left the last partial batch out, also of evaluation, in order)
-        pred_str = [s.strip() for s in tokenizer.batch_decode(preds, skip_special_tokens=True)]
-        bleu = sacrebleu.corpus_bleu(pred_str, [[r.strip() for r in references[:len(preds)]]]).score
+        pred_str = [_nfkc(s) for s in tokenizer.batch_decode(preds, skip_special_tokens=True)]
+        bleu = sacrebleu.corpus_bleu(pred_str, [[_nfkc(r) for r in references[:len(preds)]]]).score
         gen_len = float(np.mean([(row != pad).sum() for row in preds])) if len(preds) else 0.0
         return {"bleu": round(bleu, 4), "gen_len": round(gen_len, 4)}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import tempfile
 from typing import Callable, Iterable, Optional
@@ -53,7 +54,7 @@ def train_t5_tokenizer(
         raise ValueError(f"vocab_size {vocab_size} is too small for a tokenizer (extra_ids={extra_ids})")
     with tempfile.TemporaryDirectory(prefix="hzo_spm_") as tmp:
         corpus = os.path.join(tmp, "corpus.txt")
-        n_lines = 0
+        n_lines, longest = 0, 0
         rng = random.Random(0)
         with open(corpus, "w", encoding="utf-8") as f:
             for line in texts:
@@ -67,28 +68,39 @@ def train_t5_tokenizer(
                     rng.shuffle(words)
                     f.write(" ".join(words) + "\n")
                     n_lines += 1
+                    longest = max(longest, len(line.encode("utf-8")))
         if n_lines == 0:
             raise ValueError("no training text for the tokenizer")
-        spm.SentencePieceTrainer.train(
-            input=corpus,
-            model_prefix=os.path.join(tmp, "spiece"),
-            model_type="unigram",
-            vocab_size=n_pieces,
-            hard_vocab_limit=False,  # a small corpus gives fewer pieces instead of an error
-            pad_id=0,
-            eos_id=1,
-            unk_id=2,
-            bos_id=-1,
-            pad_piece="<pad>",
-            eos_piece="</s>",
-            unk_piece="<unk>",
-            character_coverage=1.0,
-            seed_sentencepiece_size=seed_sentencepiece_size,
-            input_sentence_size=input_sentence_size,
-            shuffle_input_sentence=True,
-            num_threads=num_threads or max(1, os.cpu_count() or 1),
-            minloglevel=2,
-        )
+        try:
+            spm.SentencePieceTrainer.train(
+                input=corpus,
+                model_prefix=os.path.join(tmp, "spiece"),
+                model_type="unigram",
+                vocab_size=n_pieces,
+                hard_vocab_limit=False,  # a small corpus gives fewer pieces instead of an error
+                pad_id=0,
+                eos_id=1,
+                unk_id=2,
+                bos_id=-1,
+                pad_piece="<pad>",
+                eos_piece="</s>",
+                unk_piece="<unk>",
+                character_coverage=1.0,
+                # its default (4192 bytes) left longer lines (summarization documents) out of training, silently
+                max_sentence_length=max(4192, longest + 1),
+                seed_sentencepiece_size=seed_sentencepiece_size,
+                input_sentence_size=input_sentence_size,
+                shuffle_input_sentence=True,
+                num_threads=num_threads or max(1, os.cpu_count() or 1),
+                minloglevel=2,
+            )
+        except RuntimeError as e:  # (SentencePiece's "Vocabulary size is smaller than required_chars. 20 vs 36.")
+            need = re.search(r"required_chars\. \d+ vs (\d+)", str(e))
+            if not need:
+                raise
+            raise ValueError(f"vocab_size {vocab_size} is too small for this text, which has {need.group(1)} "
+                             f"distinct characters: {int(need.group(1)) + 3 + extra_ids} ids at least (with <pad>, "
+                             f"</s>, <unk> and {extra_ids} sentinels)") from None
         os.replace(os.path.join(tmp, "spiece.model"), os.path.join(tmp, "model_dir_spiece.model"))
         model_dir = os.path.join(tmp, "tok")
         os.makedirs(model_dir)
