@@ -171,6 +171,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
     """Everything is read and checked before the first write; each file is written atomically. ``with_optimizer``:
     also torch AdamW's state (``optimizer.pt``, ``torch_state``) and the Trainer's own files, so that the output
     is a checkpoint the plain Trainer resumes."""
+    state_dir = state_dir_of(checkpoint_dir)  # first: a run folder given (`consolidate . out`) is named as one
     out_real, ckpt_real = os.path.realpath(output_dir), os.path.realpath(checkpoint_dir)
     if out_real == ckpt_real:
         raise ValueError(f"output {output_dir} is the checkpoint itself: its weights would be replaced; "
@@ -186,7 +187,6 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
     # optimizer state, the weights, the model's JSON and tokenizer files): a trainer state or RNG file of another
     # step changes nothing here
     _check_whole(checkpoint_dir, with_optimizer)
-    state_dir = state_dir_of(checkpoint_dir)
     if read_marker(checkpoint_dir) is None and any(_trainer_file(n) for n in os.listdir(checkpoint_dir)) \
             and resume.status(checkpoint_dir) == "incomplete":
         # a Trainer's save cut short (unmarked, as a resume tells): into a checkpoint-N written before, the weights of

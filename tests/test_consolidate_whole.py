@@ -91,3 +91,14 @@ def test_resume_true_passes_over_a_checkpoint_without_its_trainer_state(whole):
     chosen, state, notes = resume.target(True, str(whole))
     assert chosen.endswith("checkpoint-2") and state == "complete"
     assert any("skipping" in m and "trainer_state.json is missing" in m for _, m in notes)
+
+
+def test_a_run_folder_with_the_output_inside_it_is_named_as_a_run_folder(tmp_path):
+    """`consolidate . fp32` from the run folder said "output fp32 is inside the checkpoint ." (an outside probe): the
+    folder's kind is told first."""
+    from hf_zero_offload.consolidate import consolidate
+
+    (tmp_path / "checkpoint-5" / "zero_offload").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"is a run folder, not a checkpoint: pass one of the checkpoint "
+                                                r"folders inside it \(checkpoint-5\)"):
+        consolidate(str(tmp_path), str(tmp_path / "fp32"))

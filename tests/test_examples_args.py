@@ -219,7 +219,7 @@ def test_argument_errors(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(ValueError, match="overwrite_output_dir"):
-        finetune_trainer.main(["--config_name", TINY, "--data_dir", "x", "--output_dir", str(tmp_path / "full"),
+        finetune_trainer.main(["--config_name", TINY, "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "full"),
                                "--do_train", "--use_cpu"])
 
 
@@ -422,7 +422,7 @@ def test_a_hub_id_offline_points_at_the_clone_config(tmp_path, monkeypatch):
     monkeypatch.setattr(finetune_trainer.AutoConfig, "from_pretrained", offline)
     with pytest.raises(OSError, match=r"couldn't connect.*--config_name .*configs/models/t5-3b.json builds a "
                                       r"randomly initialised t5-3b"):
-        finetune_trainer.main(["--model_name_or_path", "t5-3b", "--data_dir", "x", "--output_dir",
+        finetune_trainer.main(["--model_name_or_path", "t5-3b", "--data_dir", str(tmp_path), "--output_dir",
                                str(tmp_path / "o"), "--use_cpu"])
 
 
@@ -454,7 +454,7 @@ def test_gradient_checkpointing_flag_is_mapped_without_a_deprecation_warning(tmp
 def test_script_errors_are_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text('{"zero_optimization": {"stage": 2, "ofload_optimizer": {"device": "cpu"}}}')
-    argv = [sys.executable, os.path.join(EX, "finetune_trainer.py"), "--config_name", TINY, "--data_dir", "x",
+    argv = [sys.executable, os.path.join(EX, "finetune_trainer.py"), "--config_name", TINY, "--data_dir", str(tmp_path),
             "--output_dir", str(tmp_path / "o"), "--use_cpu", "--do_train", "--zero_offload", str(bad)]
     env = {**os.environ, "HF_ZERO_OFFLOAD_DEBUG": "0"}
     r, debug = run_together([argv, argv + ["--debug", "--output_dir", str(tmp_path / "o2")]], timeout=300, cwd=ROOT, env=env)

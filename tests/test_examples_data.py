@@ -240,3 +240,15 @@ def test_resumes_with_another_tokenizer_or_model_are_one_line_and_the_vocabulary
         os.makedirs(tmp_path / "empty")
         finetune_trainer.main(_common_args(synth_dir, tmp_path / "ft3") + [
             "--config_name", TINY, "--tokenizer_name", str(tmp_path / "empty"), "--do_train"])
+
+
+def test_a_missing_data_dir_is_named_before_the_model_config(tmp_path, monkeypatch):
+    """The blog's command offline stopped at the Hub lookup of t5-large's config; the missing --data_dir, the first
+    thing a new user has to fix, came only after (an outside probe)."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model config was looked up first"))
+    with pytest.raises(NotADirectoryError, match=r"--data_dir wmt_en_ro: not found; it names the folder"):
+        finetune_trainer.main(["--model_name_or_path", "t5-large", "--data_dir", "wmt_en_ro", "--output_dir",
+                               str(tmp_path / "o"), "--do_train", "--use_cpu", "--report_to", "none"])

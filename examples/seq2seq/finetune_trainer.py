@@ -146,6 +146,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     check_local_paths(model_args)
     if bool(data_args.data_dir) == bool(data_args.dataset_name):
         raise ValueError("give exactly one of --data_dir (legacy layout) or --dataset_name")
+    if data_args.data_dir:  # before the model's config, whose Hub lookup failed first offline (the blog's command)
+        su.check_data_dir(data_args.data_dir)
     problem = resume.output_dir_problem(training_args.output_dir, training=training_args.do_train)
     if problem:
         raise ValueError(problem)
@@ -189,6 +191,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     prefix = su.task_prefix(data_args.task, config)
 
     need_eval = training_args.do_eval or training_args.eval_strategy != "no"
+    if need_eval and not training_args.predict_with_generate:
+        logger.warning("evaluation without --predict_with_generate: validation loss only, no BLEU")
     texts = {}
     if training_args.do_train or not (model_args.tokenizer_name or model_args.model_name_or_path):
         texts["train"] = _load_texts(model_args, data_args, "train", data_args.n_train)

@@ -135,10 +135,14 @@ def read_lines(path: str) -> List[str]:
     return lines
 
 
-def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], List[str]]:
+def check_data_dir(data_dir: str) -> None:
     if not os.path.isdir(data_dir):
         raise NotADirectoryError(f"--data_dir {data_dir}: {'a file' if os.path.exists(data_dir) else 'not found'}; "
                                  "it names the folder holding train|val|test.source/.target")
+
+
+def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], List[str]]:
+    check_data_dir(data_dir)
     src_path = os.path.join(data_dir, f"{split}.source")
     tgt_path = os.path.join(data_dir, f"{split}.target")
     for path in (src_path, tgt_path):
