@@ -176,13 +176,16 @@ def _not_a_checkpoint(path: str) -> str | None:
     if status(path) != "incomplete":
         return None
     held = set(os.listdir(path))
-    if held & set(_PIECES):
-        return None  # checkpoint files without trainer_state.json: cut short, whatever the folder is called
-    if held & {"config.json", "adapter_config.json"}:
+    if any(n in _PIECES[len(_WEIGHTS):] or n.startswith("rng_state") for n in held):
+        return None  # training state without trainer_state.json: cut short, whatever the folder is called
+    if held & {"config.json", "adapter_config.json"}:  # (its weights beside it: save_model's folder, which was
+        # taken for a checkpoint cut short; not named checkpoint-N, so not one whose save stopped after the weights)
         return (f"resume_from_checkpoint: {path} holds a model (config.json) but no {TRAINER_STATE}, optimizer or "
                 "scheduler state: a saved model (save_model / save_pretrained), not a Trainer checkpoint. To start "
                 "a new run from these weights, load them with from_pretrained and train without "
                 "resume_from_checkpoint")
+    if held & set(_WEIGHTS):
+        return None  # weights alone: a save cut short before its config
     return (f"resume_from_checkpoint: {path} is not a Trainer checkpoint (no {TRAINER_STATE}, model weights or "
             "optimizer state in it); pass a checkpoint-N folder of a run's output_dir")
 

@@ -141,7 +141,8 @@ def test_a_path_that_is_no_checkpoint_says_what_it_is(full, tmp_path, what, matc
     out = full[0]
     (tmp_path / "empty").mkdir()
     (tmp_path / "saved").mkdir()
-    shutil.copy(out / "checkpoint-2" / "config.json", tmp_path / "saved")
+    for name in ("config.json", "model.safetensors", "training_args.bin"):  # what save_model writes (its weights
+        shutil.copy(out / "checkpoint-2" / name, tmp_path / "saved")        # made it a checkpoint cut short: a review)
     target = {"run folder": out, "saved model": tmp_path / "saved", "empty folder": tmp_path / "empty",
               "missing": tmp_path / "nope", "file": out / "checkpoint-2" / resume.TRAINER_STATE}[what]
     _, trainer = _trainer(tmp_path / "x")
