@@ -181,15 +181,17 @@ def warn_bf16_on_cpu(args, bf16: bool) -> None:
                        "drop --bf16 (bf16=True) to train in fp32 on this CPU")
 
 
-def refuse_user_optimizer(optimizer, scheduler) -> None:
+def refuse_user_optimizer(optimizer, scheduler, cls_argument: bool = True) -> None:
     """transformers refuses ``optimizers=`` under DeepSpeed and FSDP; with ``zero_offload`` the engine is the
-    optimizer, so a user's would be kept and never fed gradients."""
+    optimizer, so a user's would be kept and never fed gradients. ``cls_argument``: the Trainer takes
+    ``optimizer_cls_and_kwargs`` (transformers' Seq2SeqTrainer does not)."""
     given = [n for n, v in (("optimizer", optimizer), ("lr scheduler", scheduler)) if v is not None]
     if given:
         raise ConfigError(
             f"Passing {' and '.join(given)} to the Trainer is not allowed with zero_offload / sharded_ddp: "
             "hf_zero_offload builds its own Adam/AdamW engine. Set lr, betas, eps and weight_decay with "
-            "TrainingArguments, optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}) or the ds_config's \"optimizer\" "
+            f"TrainingArguments, {'optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}), ' if cls_argument else ''}"
+            "or the ds_config's \"optimizer\" "
             "block (per-group values: override create_optimizer, returning a torch.optim.AdamW/Adam, whose groups the "
             "engine takes over), the schedule with --lr_scheduler_type or the ds_config's \"scheduler\" block; to "
             "drive an engine you built yourself, use a plain Trainer with ZeroOffloadCallback.")
@@ -203,7 +205,7 @@ def refuse_given_optimizer(init, args, kwargs) -> None:
     except TypeError:
         return  # the Trainer's own __init__ names the bad argument
     optimizer, scheduler = given.get("optimizers") or (None, None)
-    refuse_user_optimizer(optimizer, scheduler)
+    refuse_user_optimizer(optimizer, scheduler, "optimizer_cls_and_kwargs" in inspect.signature(init).parameters)
     check_optimizer_cls(given.get("optimizer_cls_and_kwargs"))
 
 

@@ -52,10 +52,15 @@ def test_users_optimizer_is_refused_up_front(tmp_path):
     model = tiny_t5()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ConfigError, match=r"Passing optimizer and lr scheduler .*not allowed with zero_offload.*"
-                                          r"ZeroOffloadCallback"):
+                                          r"ZeroOffloadCallback") as refused:
         ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "x", zero_offload=OFFLOAD),
                                   train_dataset=ToyDataset(),
                                   optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)))
+    # (transformers' Seq2SeqTrainer takes no optimizer_cls_and_kwargs: not suggested there, a README audit)
+    assert "optimizer_cls_and_kwargs" not in str(refused.value) and "override create_optimizer" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"optimizer_cls_and_kwargs=\(torch.optim.AdamW"):
+        ZeroOffloadTrainer(model=model, args=_args(tmp_path, "z", zero_offload=OFFLOAD), train_dataset=ToyDataset(),
+                           optimizers=(opt, None))
     with pytest.raises(ConfigError, match="optimizer_cls_and_kwargs"):
         ZeroOffloadTrainer(model=model, args=_args(tmp_path, "y", zero_offload=OFFLOAD),
                            optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
