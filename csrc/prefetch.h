@@ -42,8 +42,8 @@ __attribute__((always_inline)) inline void q8_prefetch(const float* params, cons
 // The one-pass steps (fp32 and bf16 moments) the same way, for a range that starts at any element: one line of an
 // array of Size-byte elements per 64 bytes it advances, at the vector whose first byte lies in the first W * Size
 // bytes of a 64-byte stretch counted from the array's base (exactly one such vector per stretch, so every line of
-// the range ahead is asked for once, whatever the base's alignment). Their loads were issued late too. On the Intel core of
-// session 32 (2 threads, 50M params, bf16 grads and param out, alternated with the build without, medians):
+// the range ahead is asked for once, whatever the base's alignment). Their loads were issued late too. On the Intel
+// core of session 32 (2 threads, 50M params, bf16 grads and param out, alternated with the build without, medians):
 // bf16 moments 28.4 -> 20.9 ms (0.68 -> 0.95 of the streaming bound), fp32 moments 0.905-0.915x the time (fp32
 // grads, no param out: 0.95-0.98x); the streaming bound's own loop (no arithmetic) gains nothing from it.
 template <size_t W, size_t Size>

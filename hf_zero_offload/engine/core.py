@@ -1,9 +1,8 @@
 """``AdamCore``: what every engine shares, written once.
 
-An engine is a ``torch.optim.Optimizer`` over the device parameters (LR schedulers work on its
-``param_groups``) that keeps fp32 masters and Adam moments for a *slice* [lo, hi) of the flat
-layout of the trainable parameters: the whole layout for ``OffloadAdam``, one rank's shard for
-``ShardedAdam``. The core owns:
+An engine is a ``torch.optim.Optimizer`` over the device parameters (LR schedulers work on its ``param_groups``) that
+keeps fp32 masters and Adam moments for a *slice* [lo, hi) of the flat layout of the trainable parameters: the whole
+layout for ``OffloadAdam``, one rank's shard for ``ShardedAdam``. The core owns:
 
 - the step outline: wait for this step's gradients (their squared norm, fp64, and which params got
   one), ``decide_step`` (fp16 overflow skip, loss scale, clipping), then Adam over the slice;
@@ -11,14 +10,13 @@ layout of the trainable parameters: the whole layout for ``OffloadAdam``, one ra
   thread reading one of two gradient stores while backward k+1 fills the other; its parameters are
   published at step k+1 (or ``flush``), before anything else touches the masters;
 - the Adam call on a range of the slice, ``_adam``: the one place that reads and writes moments;
-- the state: ``state_meta``/``state_tensors``, one state-file format (``checkpoint``) and one
-  checkpoint directory layout (``state_dir``) that any engine at any world size can load, written in
-  its own file as the mixin ``SavedState`` (saved_state.py).
+- the state: ``state_meta``/``state_tensors``, one state-file format (``checkpoint``) and one checkpoint directory
+  layout (``state_dir``) that any engine at any world size loads, in the mixin ``SavedState`` (saved_state.py).
 
-A subclass supplies what differs: ``_gradients()`` (how gradients arrive and are summed),
-``_begin_window()`` (the next step's gradients go to ``self.store``), ``_after_update()`` (how the
-updated slice reaches the device synchronously), ``_publish_params()`` (same, for a DPU step) and
-``_publish_masters()`` (the parameters set from the masters, after loading a DPU state).
+A subclass supplies what differs: ``_gradients()`` (how gradients arrive and are summed), ``_begin_window()`` (the
+next step's gradients go to ``self.store``), ``_after_update()`` (how the updated slice reaches the device
+synchronously), ``_publish_params()`` (same, for a DPU step) and ``_publish_masters()`` (the parameters set from the
+masters, after loading a DPU state).
 """
 from __future__ import annotations
 
