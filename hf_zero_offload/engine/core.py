@@ -301,8 +301,9 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         window). Sharded: it does already (GradReducer zero-fills what a rank did not produce)."""
 
     def grad_norm(self) -> float:
-        """The global L2 norm of this step's (unscaled, averaged) gradients before clipping: inf with an
-        infinite gradient, nan with a NaN one, as torch's clip_grad_norm_ returns. Computed once per step (``step()`` reuses it), so the Trainer can log it first."""
+        """The global L2 norm of this step's (unscaled, averaged) gradients before clipping: inf with an infinite
+        gradient, nan with a NaN one, as torch's clip_grad_norm_ returns. Computed once per step (``step()`` reuses
+        it), so the Trainer can log it first."""
         return unscaled_norm(self.scaler, self._prepare()[0], self._divisor)
 
     def _adam_pass(self, runs: list[Run], store: torch.Tensor, grad_scale: float, hyper: list[dict],
