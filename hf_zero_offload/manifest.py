@@ -26,7 +26,8 @@ HASHED_UP_TO = 16 << 20  # bytes: files this small get a SHA-256 (trainer state,
 # (trainer_state.json too: without it transformers' resume fails after the checkpoint was chosen, where a resume to the
 # newest whole checkpoint should have passed over it, as over any other file missing)
 REQUIRED = ("rng_state", "model.safetensors", "pytorch_model.bin", "adapter_model", "zero_offload/",
-            "trainer_state.json")
+            "trainer_state.json", "optimizer.pt", "optimizer.bin")  # (optimizer.*: a run without zero_offload's; its
+# deletion resumed with a fresh optimizer without a word, an outside probe)
 
 
 def build(checkpoint: str, skip: tuple[str, ...] = ()) -> dict:

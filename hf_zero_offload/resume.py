@@ -173,10 +173,17 @@ def _not_a_checkpoint(path: str) -> str | None:
         return (f"resume_from_checkpoint: {path} is a run folder, not a checkpoint: it holds "
                 f"{', '.join(os.path.basename(c) for c in inside)} ({use}); pass one of them, or "
                 f"resume_from_checkpoint=True (--resume_from_checkpoint true) with {path} as output_dir")
+    held = set(os.listdir(path))
+    training = any(n in _PIECES[len(_WEIGHTS):] or n.startswith("rng_state") for n in held)
+    if TRAINER_STATE in held and not training and held & {"config.json", "adapter_config.json"}:
+        # a finished run's output_dir (save_model and its trainer_state.json): resumed as a legacy checkpoint, with
+        # a fresh optimizer and schedule, without a word (an outside probe)
+        return (f"resume_from_checkpoint: {path} holds a model and {TRAINER_STATE} but no optimizer, scheduler or "
+                "RNG state: a run's final save (save_model), not a Trainer checkpoint. Pass one of its checkpoint-N "
+                "folders, or start a new run from these weights (from_pretrained) without resume_from_checkpoint")
     if status(path) != "incomplete":
         return None
-    held = set(os.listdir(path))
-    if any(n in _PIECES[len(_WEIGHTS):] or n.startswith("rng_state") for n in held):
+    if training:
         return None  # training state without trainer_state.json: cut short, whatever the folder is called
     if held & {"config.json", "adapter_config.json"}:  # (its weights beside it: save_model's folder, which was
         # taken for a checkpoint cut short; not named checkpoint-N, so not one whose save stopped after the weights)

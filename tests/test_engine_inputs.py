@@ -318,6 +318,9 @@ def test_a_sparse_param_is_refused_by_name(kind):
     with pytest.raises(TypeError, match=r"parameter w \(shape \(4, 4\)\) is torch.sparse_coo: the engines train "
                                         r"dense params.*\.to_dense\(\)"):
         cls([("lin.weight", lin.weight), ("w", w)], lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    from hf_zero_offload.engine.runs import shares_storage
+
+    assert not shares_storage(w, lin.weight) and not shares_storage(lin.weight, w)  # (the Trainer's tie check asks)
     frozen = torch.nn.Parameter(torch.randn(4, 4).to_sparse(), requires_grad=False)  # owns no range: trains on
     opt = cls([lin.weight, lin.bias, frozen], lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
     before = lin.weight.detach().clone()

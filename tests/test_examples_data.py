@@ -252,3 +252,25 @@ def test_a_missing_data_dir_is_named_before_the_model_config(tmp_path, monkeypat
     with pytest.raises(NotADirectoryError, match=r"--data_dir wmt_en_ro: not found; it names the folder"):
         finetune_trainer.main(["--model_name_or_path", "t5-large", "--data_dir", "wmt_en_ro", "--output_dir",
                                str(tmp_path / "o"), "--do_train", "--use_cpu", "--report_to", "none"])
+
+
+def test_texts_the_tokenizer_reduces_to_nothing_are_named(tmp_path):
+    """Control characters (DOS's end-of-file byte), U+FFFD: a line of those passed the blank-text check and trained an
+    example of </s> alone (an outside probe)."""
+    from train_tokenizer import train_t5_tokenizer
+
+    tok = train_t5_tokenizer(["the cat sat on the mat", "a dog ran to the park"] * 20, 200)
+    assert not su._visible("\x1a \x00")
+    su.check_tokenized_texts(tok, {"train": (["the cat", "..."], ["a dog", "- the -"])}, "d")  # nothing to say
+    with pytest.raises(ValueError, match=r"d val.target: 1 text\(s\) that the tokenizer reduces to its special tokens "
+                                         r"alone \(line 2: control characters or symbols it cannot spell\)"):
+        su.check_tokenized_texts(tok, {"val": (["the cat", "a dog"], ["the mat", "\ufffd\u2581"])}, "d")
+
+
+def test_a_config_with_odd_task_specific_params_does_not_break_the_task_check(tmp_path, synth_dir):
+    import seq2seq_args
+
+    _, data_args, args = finetune_trainer.parse_args(_common_args(synth_dir, tmp_path) + ["--config_name", TINY])
+    for odd in (5, "translation", None, []):
+        config = type("C", (), {"task_specific_params": odd})()
+        assert seq2seq_args._generation_problems(data_args, args, config) == []

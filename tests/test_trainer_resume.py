@@ -134,7 +134,9 @@ def test_an_incomplete_checkpoint_is_refused_naming_the_intact_one(full, tmp_pat
     ("empty folder", r"empty\S* is not a Trainer checkpoint \(no trainer_state.json, model weights or optimizer"),
     ("missing", r"nope\S* does not exist"),
     ("file", r"trainer_state.json is a file, not a checkpoint directory"),
-], ids=["run-folder", "saved-model", "empty-folder", "missing", "file"])
+    ("final save", r"final\S* holds a model and trainer_state.json but no optimizer, scheduler or RNG state: a run's "
+                   r"final save \(save_model\), not a Trainer checkpoint"),
+], ids=["run-folder", "saved-model", "empty-folder", "missing", "file", "final-save"])
 def test_a_path_that_is_no_checkpoint_says_what_it_is(full, tmp_path, what, match):
     """transformers' test_can_resume_training_errors: a wrong resume_from_checkpoint is a clear error. The run folder
     or an empty one were reported as 'incomplete ... its writer stopped during the save': the wrong diagnosis."""
@@ -143,7 +145,10 @@ def test_a_path_that_is_no_checkpoint_says_what_it_is(full, tmp_path, what, matc
     (tmp_path / "saved").mkdir()
     for name in ("config.json", "model.safetensors", "training_args.bin"):  # what save_model writes (its weights
         shutil.copy(out / "checkpoint-2" / name, tmp_path / "saved")        # made it a checkpoint cut short: a review)
-    target = {"run folder": out, "saved model": tmp_path / "saved", "empty folder": tmp_path / "empty",
+    shutil.copytree(tmp_path / "saved", tmp_path / "final")  # a finished run's output_dir: save_model and the
+    shutil.copy(out / "checkpoint-2" / resume.TRAINER_STATE, tmp_path / "final")  # state (resumed with fresh Adam)
+    target = {"run folder": out, "saved model": tmp_path / "saved", "final save": tmp_path / "final",
+              "empty folder": tmp_path / "empty",
               "missing": tmp_path / "nope", "file": out / "checkpoint-2" / resume.TRAINER_STATE}[what]
     _, trainer = _trainer(tmp_path / "x")
     with pytest.raises(resume.NotACheckpoint, match=match) as e:
@@ -747,3 +752,16 @@ def test_consolidate_keeps_integer_tensors_integer(full, tmp_path):
     got = load_file(str(tmp_path / "fp32" / "model.safetensors"))
     assert got["bn.num_batches_tracked"].dtype == torch.int64 and got["bn.num_batches_tracked"].item() == 2**24 + 1
     assert all(t.dtype == torch.float32 for k, t in got.items() if k != "bn.num_batches_tracked")
+
+
+def test_a_deleted_optimizer_file_of_a_marked_checkpoint_is_named(tmp_path):
+    """A run without zero_offload keeps torch's optimizer.pt: deleted from a marked checkpoint, the resume went on
+    "complete" with a fresh optimizer, without a word (an outside probe); scheduler.pt may go (said at the resume)."""
+    from hf_zero_offload import manifest
+
+    for name in ("optimizer.pt", "scheduler.pt", "trainer_state.json"):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    recorded = manifest.build(str(tmp_path))
+    (tmp_path / "optimizer.pt").unlink()
+    (tmp_path / "scheduler.pt").unlink()
+    assert manifest.problems(str(tmp_path), recorded) == ["optimizer.pt is missing"]

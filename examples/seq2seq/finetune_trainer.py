@@ -206,8 +206,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                         ("test", "test_max_target_length")):
         if split in texts and (split != "train" or training_args.do_train):
             lengths[name] = getattr(data_args, name)
-    tokenizer = sm.make_tokenizer(model_args, training_args, config, texts, prefix, resumed_from,
-                                  check=lambda t: su.check_room(t, prefix, lengths))
+    def check(tok):  # before a tokenizer trained here is written into output_dir
+        su.check_room(tok, prefix, lengths)
+        su.check_tokenized_texts(tok, texts, data_args.data_dir or data_args.dataset_name)
+
+    tokenizer = sm.make_tokenizer(model_args, training_args, config, texts, prefix, resumed_from, check=check)
     for attr, value in (("src_lang", data_args.src_lang), ("tgt_lang", data_args.tgt_lang)):
         if value is not None and hasattr(tokenizer, attr):
             setattr(tokenizer, attr, value)

@@ -304,7 +304,8 @@ def _generation_problems(data_args, training_args, config) -> List[str]:
     takes) or ran silently (a misspelt --task trained without T5's prefix)."""
     problems = []
     task = data_args.task
-    known = (getattr(config, "task_specific_params", None) or {}) if config is not None else {}
+    known = getattr(config, "task_specific_params", None) if config is not None else None
+    known = known if isinstance(known, dict) else {}
     if task not in known and not re.fullmatch(r"summarization(_\S+)?|translation(_\S+_to_\S+)?", task):
         close = difflib.get_close_matches(task, [*su.T5_TASK_PREFIXES, *known], n=1)
         problems.append(f"--task {task}: summarization, translation_<src>_to_<tgt> (e.g. translation_en_to_ro) or a "

@@ -161,9 +161,9 @@ def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], L
 
 
 def _visible(text: str) -> bool:
-    """Whether ``text`` holds a character other than white space and format characters (a zero-width space, a BOM
-    left inside a line: a line of those passed for text and tokenized to </s> alone)."""
-    return any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
+    """Any character but white space, format and control ones (a zero-width space, a BOM, DOS's end-of-file byte: a
+    line of those passed for text, tokenized to </s> alone; what a tokenizer cannot spell: check_tokenized_texts)."""
+    return any(not c.isspace() and unicodedata.category(c) not in ("Cf", "Cc") for c in text)
 
 
 def check_texts(where: str, texts: list, unit: str, first: int) -> None:
@@ -228,6 +228,27 @@ def check_room(tokenizer, prefix: str, lengths: Dict[str, int]) -> None:
             side = "source" if source else "target"
             raise ValueError(f"--{name} {length}: {what}, which leaves no token of the {side} text; give a longer "
                              "length")
+
+
+def check_tokenized_texts(tokenizer, texts: Dict[str, Tuple[List[str], List[str]]], where: str) -> None:
+    """A text without a letter or digit that the tokenizer reduces to its special tokens alone (control characters,
+    DOS's end-of-file byte, a U+FFFD left by a lossy decoding): an example of nothing on that side, which passed the
+    blank-text check and trained without a word (an outside probe). Only such texts are tokenized here (cheap on a
+    large split). ``where``: the --data_dir, or the dataset's name."""
+    special = set(tokenizer.all_special_ids)
+    for split, pair in texts.items():
+        for side, items in zip(("source", "target"), pair):
+            odd = [i for i, t in enumerate(items) if not any(c.isalnum() for c in t)]
+            if not odd:
+                continue
+            batch = [items[i] for i in odd]
+            rows = tokenizer(batch)["input_ids"] if side == "source" else tokenizer(text_target=batch)["input_ids"]
+            empty = [odd[k] + 1 for k, row in enumerate(rows) if all(t in special for t in row)]
+            if empty:
+                raise ValueError(f"{where} {split}.{side}: {len(empty)} text(s) that the tokenizer reduces to its "
+                                 f"special tokens alone (line {', '.join(map(str, empty[:5]))}"
+                                 f"{', ...' if len(empty) > 5 else ''}: control characters or symbols it cannot "
+                                 "spell): each is one example of nothing; remove the pair from both sides")
 
 
 class Seq2SeqTextDataset(Dataset):

@@ -161,8 +161,8 @@ def shares_storage(p: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether ``q``, another tensor than ``p``, views ``p``'s storage. Asked of the tensors the caller knows (the
     groups' params; the model's params and buffers): a user's own reference (a state_dict kept aside) is no tie, and
     torch's storage use count could not tell the two apart."""
-    if q is p or q.layout != torch.strided:  # (a frozen sparse param has no storage to ask for, nor ties)
-        return False
+    if q is p or q.layout != torch.strided or p.layout != torch.strided:  # (a sparse param has no storage to ask
+        return False                                                       # for; make_contiguous names a trainable one)
     ptr = p.untyped_storage().data_ptr()
     return ptr != 0 and q.untyped_storage().data_ptr() == ptr
 
