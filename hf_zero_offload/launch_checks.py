@@ -230,8 +230,10 @@ def check_optimizer_cls(cls_and_kwargs) -> None:
 
 # ``--optim`` values that name plain AdamW (implementations differ, not the math): the engine is that optimizer,
 # with TrainingArguments' lr, betas, eps and weight decay (or the ds_config's "optimizer" block, as with DeepSpeed).
-ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_apex_fused",
-                "adamw_hf")
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_apex_fused", "adamw_hf")
+# AdamW on an XLA or Ascend NPU device: the engines train on CUDA or CPU devices (on a CPU these names trained as
+# AdamW without a word, where the plain Trainer stops for want of torch_xla / torch_npu)
+OTHER_DEVICE_OPTIMS = ("adamw_torch_xla", "adamw_torch_npu_fused")
 
 
 def check_arguments(args, scheduler_block: str | None = None) -> None:
@@ -249,7 +251,10 @@ def check_arguments(args, scheduler_block: str | None = None) -> None:
                         f"({scheduler_block}) replaces the Trainer's schedule, so these would have no effect; set the "
                         "block's params instead, or drop the block to keep --lr_scheduler_type")
     optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in ADAMW_OPTIMS:
+    if optim in OTHER_DEVICE_OPTIMS:
+        problems.append(f"--optim {optim}: AdamW for an {'XLA' if 'xla' in optim else 'Ascend NPU'} device, where the "
+                        "zero_offload engines do not run (CUDA or CPU devices); drop --optim (the engine is AdamW)")
+    elif optim not in ADAMW_OPTIMS:
         # the names this transformers knows (adamw_hf and adamw_apex_fused are gone from 5.x)
         known = {str(getattr(o, "value", o)) for o in type(args.optim)} if isinstance(args.optim, Enum) else None
         accepted = [o for o in ADAMW_OPTIMS if known is None or o in known]

@@ -221,7 +221,9 @@ def test_load_best_model_at_end_loads_our_state_of_the_best_checkpoint(tmp_path,
 @pytest.mark.parametrize("extra, match", [
     # only the names this transformers accepts (adamw_hf and adamw_apex_fused were listed: 5.x refuses both)
     (dict(optim="sgd"), r"--optim sgd: the zero_offload engine is Adam/AdamW only \(accepted: adamw_torch, "
-                        r"adamw_torch_fused, adamw_torch_xla, adamw_torch_npu_fused\)"),
+                        r"adamw_torch_fused\)"),
+    (dict(optim="adamw_torch_xla"), r"--optim adamw_torch_xla: AdamW for an XLA device, where the zero_offload "
+                                    r"engines do not run"),
     (dict(optim="adafactor"), r"--optim adafactor"),
     (dict(save_only_model=True, load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"),
      r"--save_only_model with --load_best_model_at_end"),
