@@ -179,12 +179,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     )
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
-    logger.warning(
-        "process rank %s (local %s), device %s, n_gpu %s, distributed %s, fp16 %s, bf16 %s, zero_offload %s, "
-        "sharded_ddp %s", training_args.process_index, training_args.local_process_index, training_args.device, training_args.n_gpu,
-        training_args.parallel_mode.value == "distributed", training_args.fp16, training_args.bf16,
-        training_args.zero_offload, training_args.sharded_ddp,
-    )
+    a = training_args
+    logger.warning("process rank %s (local %s), device %s, n_gpu %s, distributed %s, fp16 %s, bf16 %s, zero_offload "
+                   "%s, sharded_ddp %s", a.process_index, a.local_process_index, a.device, a.n_gpu,
+                   a.parallel_mode.value == "distributed", a.fp16, a.bf16, a.zero_offload, a.sharded_ddp)
     set_seed(training_args.seed)
 
     # ---- config, data text, tokenizer, model --------------------------------------------------------------------
@@ -201,14 +199,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if training_args.do_predict:
         texts["test"] = _load_texts(model_args, data_args, "test", data_args.n_test)
 
-    lengths = {"max_source_length": data_args.max_source_length}  # (the ones this run tokenizes to)
+    used = {s: t for s, t in texts.items() if s != "train" or training_args.do_train}  # (examples, not only
+    lengths = {"max_source_length": data_args.max_source_length}                       # a tokenizer's text)
     for split, name in (("train", "max_target_length"), ("val", "val_max_target_length"),
                         ("test", "test_max_target_length")):
-        if split in texts and (split != "train" or training_args.do_train):
+        if split in used:
             lengths[name] = getattr(data_args, name)
+
     def check(tok):  # before a tokenizer trained here is written into output_dir
         su.check_room(tok, prefix, lengths)
-        su.check_tokenized_texts(tok, texts, data_args.data_dir or data_args.dataset_name)
+        su.check_tokenized_texts(tok, used, data_args.data_dir or data_args.dataset_name)
 
     tokenizer = sm.make_tokenizer(model_args, training_args, config, texts, prefix, resumed_from, check=check)
     for attr, value in (("src_lang", data_args.src_lang), ("tgt_lang", data_args.tgt_lang)):
