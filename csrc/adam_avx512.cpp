@@ -218,7 +218,7 @@ inline void q8_update(const AdamArgs& a, const Consts& c, size_t b, size_t e, fl
   const __m512 ms = _mm512_set1_ps(a.exp_avg_scale[k]), vs = _mm512_set1_ps(a.exp_avg_sq_scale[k]);
   __m512 mmax = _mm512_setzero_ps(), vmax = _mm512_setzero_ps();
   auto update = [&](size_t i) {  // the param (returned, for param out), the moments and their maxima
-    q8_prefetch<W, gsize>(params, grad, mc, vc, i);
+    step_prefetch<W, gsize, 1>(params, grad, mc, vc, i);
     const __m512 g = _mm512_mul_ps(load_g<G>(grad, i), c.scale);
     __m512 m, v;
     const __m512 p = adam_vec<L2, true>(c, g, _mm512_loadu_ps(params + i), _mm512_mul_ps(dq_m_vec(mc + i), ms),

@@ -27,18 +27,6 @@ __attribute__((always_inline)) inline void prefetch_line(const void* base, size_
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + byte_offset), _MM_HINT_T0);
 }
 
-template <size_t W, size_t GSize>
-__attribute__((always_inline)) inline void q8_prefetch(const float* params, const void* grad, const int8_t* mc,
-                                                       const uint8_t* vc, size_t i) {
-  const size_t ahead = i + kQPrefetch;
-  if (W * 4 >= 64 || i * 4 % 64 == 0) prefetch_line(params, ahead * 4);
-  if (W * GSize >= 64 || i * GSize % 64 == 0) prefetch_line(grad, ahead * GSize);
-  if (i % 64 == 0) {
-    prefetch_line(mc, ahead);
-    prefetch_line(vc, ahead);
-  }
-}
-
 // The one-pass steps (fp32 and bf16 moments) the same way, for a range that starts at any element: one line of an
 // array of Size-byte elements per 64 bytes it advances, at the vector whose first byte lies in the first W * Size
 // bytes of a 64-byte stretch counted from the array's base (exactly one such vector per stretch, so every line of
@@ -51,7 +39,8 @@ __attribute__((always_inline)) inline void prefetch_per_line(const void* base, s
   if (W * Size >= 64 || i * Size % 64 < W * Size) prefetch_line(base, (i + kQPrefetch) * Size);
 }
 
-// GSize: bytes per gradient, SSize per moment.
+// GSize: bytes per gradient, SSize per moment (1: int8 codes, whose ranges start on a block, so the same lines as
+// a test of i % 64 for them, and of i * 4 % 64 for the params).
 template <size_t W, size_t GSize, size_t SSize>
 __attribute__((always_inline)) inline void step_prefetch(const float* params, const void* grad, const void* m,
                                                          const void* v, size_t i) {
