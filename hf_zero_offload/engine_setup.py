@@ -81,7 +81,7 @@ def build_engine(param_groups: list[dict], cfg: TrainingConfig, args, groups_dec
                           "reduces the params' .grad once a step, where autograd sums the micro-batches in the params' "
                           "dtype; use \"stage\": 2 (it sums them in fp32), or drop the key")
     engine = factory.build_engine(param_groups, world_size=args.world_size, shard=shard, options=options,
-                                  param_dtype=training_dtype(cfg), sharded_ddp=args.sharded_ddp, device=device,
+                                  param_dtype=dtype, sharded_ddp=args.sharded_ddp, device=device,
                                   **hyper)
     if getattr(engine, "stage", None) == 1 and engine.param_dtype != torch.float32 and gas > 1 and engine.rank == 0:
         # stage 1 reduces the full .grad once a step, so torch's autograd sums the micro-batches there, in the param

@@ -147,7 +147,7 @@ def newest_whole(folder: str, below: int | None = None) -> str | None:
 # (nor trainer_state.json, nor a marker) was never a checkpoint, as opposed to one whose writer was cut short.
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
             "adapter_model.safetensors", "adapter_model.bin")
-_PIECES = (*_WEIGHTS, "optimizer.pt", "optimizer.bin", "scheduler.pt", "rng_state.pth", "zero_offload")
+_TRAINING_PIECES = ("optimizer.pt", "optimizer.bin", "scheduler.pt", "rng_state.pth", "zero_offload")
 
 
 class NotACheckpoint(IncompleteCheckpoint):
@@ -174,7 +174,7 @@ def _not_a_checkpoint(path: str) -> str | None:
                 f"{', '.join(os.path.basename(c) for c in inside)} ({use}); pass one of them, or "
                 f"resume_from_checkpoint=True (--resume_from_checkpoint true) with {path} as output_dir")
     held = set(os.listdir(path))
-    training = any(n in _PIECES[len(_WEIGHTS):] or n.startswith("rng_state") for n in held)
+    training = any(n in _TRAINING_PIECES or n.startswith("rng_state") for n in held)
     if TRAINER_STATE in held and not training and held & {"config.json", "adapter_config.json"}:
         # a finished run's output_dir (save_model and its trainer_state.json): resumed as a legacy checkpoint, with
         # a fresh optimizer and schedule, without a word (an outside probe)

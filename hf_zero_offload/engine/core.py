@@ -261,9 +261,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
 
     def _layout_problem(self) -> str | None:  # how the groups' param lists changed since the build (None: not)
         changed = layout_change(self._built_groups, self.param_groups)
-        return changed and (f"{type(self).__name__}: {changed}: an engine's flat layout (which params, in which group "
-                            "and order) is fixed when it is built, so a step would apply each group's settings to the "
-                            "params it was built with; restore the lists, or build an engine over the new groups")
+        return changed and f"{type(self).__name__}: {changed}"
 
     def _check_hyper(self) -> None:
         for i, g in enumerate(self.param_groups):

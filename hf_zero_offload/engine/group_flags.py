@@ -43,12 +43,16 @@ def layout_change(built: list[tuple[int, ...]], groups: list[dict]) -> str | Non
     if now == built:
         return None
     if len(now) != len(built):
-        return f"param_groups has {len(now)} groups; the engine was built with {len(built)}"
-    before, after = {i for g in built for i in g}, {i for g in now for i in g}
-    i = next(k for k, (a, b) in enumerate(zip(built, now)) if a != b)
-    what = ("params added" if after - before else "params removed" if before - after else
-            "params moved between groups or reordered")
-    return f"param group {i}'s params differ from those the engine was built with ({what})"
+        change = f"param_groups has {len(now)} groups; the engine was built with {len(built)}"
+    else:
+        before, after = {i for g in built for i in g}, {i for g in now for i in g}
+        i = next(k for k, (a, b) in enumerate(zip(built, now)) if a != b)
+        what = ("params added" if after - before else "params removed" if before - after else
+                "params moved between groups or reordered")
+        change = f"param group {i}'s params differ from those the engine was built with ({what})"
+    return (f"{change}: an engine's flat layout (which params, in which group and order) is fixed when it is built, so "
+            "a step would apply each group's settings to the params it was built with; restore the lists, or build an "
+            "engine over the new groups")
 
 
 def torch_style_groups(params):
