@@ -200,11 +200,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         texts["test"] = _load_texts(model_args, data_args, "test", data_args.n_test)
 
     used = {s: t for s, t in texts.items() if s != "train" or training_args.do_train}  # (examples, not only
-    lengths = {"max_source_length": data_args.max_source_length}                       # a tokenizer's text)
-    for split, name in (("train", "max_target_length"), ("val", "val_max_target_length"),
-                        ("test", "test_max_target_length")):
-        if split in used:
-            lengths[name] = getattr(data_args, name)
+    target_flag = {"train": "max_target_length", "val": "val_max_target_length",       # a tokenizer's text)
+                   "test": "test_max_target_length"}
+    lengths = {"max_source_length": data_args.max_source_length,
+               **{target_flag[s]: getattr(data_args, target_flag[s]) for s in used}}
 
     def check(tok):  # before a tokenizer trained here is written into output_dir
         su.check_room(tok, prefix, lengths)
@@ -271,13 +270,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     # =============================================================================================================
 
     # ---- datasets and trainer -----------------------------------------------------------------------------------
-    max_len = {"train": data_args.max_target_length, "val": data_args.val_max_target_length,
-               "test": data_args.test_max_target_length}
-    datasets = {
-        split: su.Seq2SeqTextDataset(tokenizer, src, tgt, data_args.max_source_length, max_len[split], prefix)
-        for split, (src, tgt) in texts.items()
-        if split != "train" or training_args.do_train
-    }
+    datasets = {split: su.Seq2SeqTextDataset(tokenizer, src, tgt, data_args.max_source_length,
+                                             lengths[target_flag[split]], prefix) for split, (src, tgt) in used.items()}
     collator = DataCollatorForSeq2Seq(
         tokenizer, model=model,
         label_pad_token_id=-100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id,
