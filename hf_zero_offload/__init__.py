@@ -18,7 +18,7 @@ except ImportError as _e:  # said "partially initialized module ... (most likely
         f"(it comes first on sys.path: run from another directory) [{type(_e).__name__}: {_e}]") from None
 
 from . import ops  # noqa: E402
-from .cpu_adam import CPUAdam  # noqa: E402
+from .adam.cpu_adam import CPUAdam  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from . import ops
 from .config import ConfigError, TrainingConfig
 from .engine import OffloadOptions, ShardOptions, factory
-from .adam_flags import IMPLEMENTATION_FLAGS, MATH_FLAGS, adamw_mode
+from .adam.flags import IMPLEMENTATION_FLAGS, MATH_FLAGS, adamw_mode
 from .engine import param_names
 from .launch_checks import LaunchError, first_names, launch_count
 

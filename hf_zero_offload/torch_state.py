@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .adam_flags import adamw_mode
-from .adam_state_dict import step_tensor
+from .adam.flags import adamw_mode
+from .adam.state_dict import step_tensor
 from .engine.moments import Q, moment_regions
 from .engine.state_contents import check_meta
 from .engine.state_dir import check_save_id, check_sources, read_range, sources

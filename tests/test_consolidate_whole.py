@@ -11,7 +11,7 @@ import pytest
 
 from hf_zero_offload import resume
 from hf_zero_offload.consolidate import consolidate
-from hf_zero_offload.marker import MARKER
+from hf_zero_offload.resume.marker import MARKER
 from test_crash_safety import _trainer
 
 

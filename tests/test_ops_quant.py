@@ -388,7 +388,7 @@ def test_negative_scales_are_refused_before_any_write(bad):
 
 @pytest.mark.parametrize("bad", [-0.5, float("nan")], ids=["negative", "nan"])
 def test_cpu_adam_refuses_a_state_dict_with_negative_scales(bad):
-    from hf_zero_offload.cpu_adam import CPUAdam
+    from hf_zero_offload.adam.cpu_adam import CPUAdam
 
     p = torch.nn.Parameter(torch.randn(600))
     opt = CPUAdam([p], lr=1e-3, state_dtype="int8")

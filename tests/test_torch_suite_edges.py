@@ -110,7 +110,7 @@ def test_cpu_adam_honours_decoupled_weight_decay_in_a_group_and_refuses_a_contra
                                    {"differentiable": True}, {"adamw_mode": False, "decoupled_weight_decay": True},
                                    {"adamw_mode": True, "decoupled_weight_decay": False}])
 def test_cpu_adam_and_the_engine_refuse_a_group_flag_in_the_same_words(group):
-    """One table (adam_flags.py) for both: each had its own, worded apart, and a flag could be refused by one alone."""
+    """One table (adam/flags.py) for both: each had its own, worded apart, and a flag could be refused by one alone."""
     def message(make):
         p = nn.Parameter(torch.ones(4))
         p.grad = torch.ones(4)

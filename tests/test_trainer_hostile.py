@@ -13,7 +13,8 @@ from transformers import Seq2SeqTrainer
 from _t5 import OFFLOAD, ToyDataset, tiny_t5
 from _t5 import logged as _logged
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
-from hf_zero_offload import resume, resume_report
+from hf_zero_offload import resume
+from hf_zero_offload.resume import report as resume_report
 from hf_zero_offload.config import ConfigError
 
 COMMON = dict(per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_to=[], logging_steps=1,

@@ -757,7 +757,7 @@ def test_consolidate_keeps_integer_tensors_integer(full, tmp_path):
 def test_a_deleted_optimizer_file_of_a_marked_checkpoint_is_named(tmp_path):
     """A run without zero_offload keeps torch's optimizer.pt: deleted from a marked checkpoint, the resume went on
     "complete" with a fresh optimizer, without a word (an outside probe); scheduler.pt may go (said at the resume)."""
-    from hf_zero_offload import manifest
+    from hf_zero_offload.resume import manifest
 
     for name in ("optimizer.pt", "scheduler.pt", "trainer_state.json"):
         (tmp_path / name).write_bytes(b"x" * 10)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ..adam_flags import check_decoupled, refused_flag, torch_style
+from ..adam.flags import check_decoupled, refused_flag, torch_style
 
 
 def check_group_flags(g: dict, state_dtype: str) -> None:
     """A ValueError naming the first flag of group ``g`` the engine (moments stored as ``state_dtype``) cannot
-    honour (``adam_flags``' tables, shared with CPUAdam; the engines refuse ``maximize`` too)."""
+    honour (``adam.flags``' tables, shared with CPUAdam; the engines refuse ``maximize`` too)."""
     if not isinstance(g["adamw_mode"], bool):  # "false" would be true
         raise ValueError(f"adamw_mode must be a bool, got {g['adamw_mode']!r}")
     refused = refused_flag(g)
@@ -56,6 +56,6 @@ def layout_change(built: list[tuple[int, ...]], groups: list[dict]) -> str | Non
 
 
 def torch_style_groups(params):
-    """``params`` with each group given the torch way read as CPUAdam reads it (``adam_flags.torch_style``). A lone
+    """``params`` with each group given the torch way read as CPUAdam reads it (``adam.flags.torch_style``). A lone
     tensor is left to torch's own TypeError."""
     return params if isinstance(params, torch.Tensor) else [torch_style(g) for g in params]

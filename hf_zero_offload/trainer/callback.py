@@ -6,7 +6,8 @@ import os
 
 from transformers import TrainerCallback
 
-from .. import resume, resume_report
+from .. import resume
+from ..resume import report as resume_report
 from ..engine_setup import accumulation_problem
 from ..engine.param_names import KEY
 from .last_step import publish_for_final_save, run_ends

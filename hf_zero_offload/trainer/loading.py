@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import resume, resume_report
+from .. import resume
+from ..resume import report as resume_report
 from ..saved_names import names_difference, names_mismatch, trainable_set_mismatch
 from ..engine.state_contents import GroupingMismatch, LayoutMismatch
 from ..engine.state_dir import check_save_id, sources

@@ -9,7 +9,8 @@ import os
 import torch
 from transformers import Seq2SeqTrainer, Trainer
 
-from .. import presets, resume, resume_report
+from .. import presets, resume
+from ..resume import report as resume_report
 from ..args_view import args_view, early_view
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore

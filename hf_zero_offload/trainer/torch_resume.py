@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from ..engine.state_contents import LayoutMismatch
 from ..engine.torch_import import not_adam
-from ..foreign_checkpoint import FRESH_START
+from ..resume.foreign import FRESH_START
 
 logger = logging.getLogger("hf_zero_offload")
 

@@ -15,9 +15,9 @@ import reprlib
 
 import torch
 
-from . import ops
-from .adam_flags import adamw_mode
-from .ops.moments import check_code_range, check_second_moment
+from .. import ops
+from .flags import adamw_mode
+from ..ops.moments import check_code_range, check_second_moment
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 EXACT_KEYS = MOMENT_KEYS + ("master",)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 
-from .engine.checkpoint import read_header
-from .foreign_checkpoint import plain_checkpoint
+from ..engine.checkpoint import read_header
+from .foreign import plain_checkpoint
 from .marker import marker_problem, read_marker
-from .resume import TRAINER_STATE, recorded_step
+from . import TRAINER_STATE, recorded_step
 
 
 def saved_engine(checkpoint: str, state_dir: str) -> dict | None:

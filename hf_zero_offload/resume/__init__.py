@@ -9,6 +9,10 @@ with the marker is whole and one without it may not be. Without one, a directory
 state without a save id with no older sibling marked (written before markers existed; a save id or an older marked
 sibling proves the writer knew the marker, so it was cut short). ``resume_from_checkpoint=True`` refuses a highest
 step written before a lower step's (two runs in one output_dir). Nothing here imports transformers.
+
+The package's other modules: ``marker`` (the completion marker) and ``manifest`` (the files it vouches for),
+``foreign`` (other tools' optimizer state in a checkpoint), ``schedule`` (a saved LR schedule into this run's) and
+``report`` (what a resume says).
 """
 from __future__ import annotations
 
@@ -17,13 +21,13 @@ import logging
 import os
 import re
 
-from .config import ConfigError
-from .engine.checkpoint import read_header, remove_durably, remove_stale_temporaries
+from ..config import ConfigError
+from ..engine.checkpoint import read_header, remove_durably, remove_stale_temporaries
 # the marker itself (resume.MARKER, resume.read_marker, ... stay importable from here)
 from .marker import MARKER, changed_files, marker_problem, read_marker, recorded_save_id, write_marker  # noqa: F401
-from .foreign_checkpoint import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
+from .foreign import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
                                  foreign_state, missing_state_message, plain_checkpoint)
-from .scheduler_resume import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
+from .schedule import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")

@@ -16,7 +16,7 @@ refused by name (at construction, ``add_param_group``, ``load_state_dict`` and e
 state dict saved by torch.optim.AdamW(foreach=True / fused=True / capturable=True) loads: those
 say how that optimizer ran, not what it computes, so this optimizer keeps its own (as it keeps
 its ``state_dtype``). int8 state dicts keep their codes under their own names and do not load into
-torch.optim: convert with ``CPUAdam.to_torch_state_dict`` (adam_state_dict.py says why).
+torch.optim: convert with ``CPUAdam.to_torch_state_dict`` (state_dict.py says why).
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from typing import Iterable
 
 import torch
 
-from . import adam_state_dict as sdict, ops
-from .adam_flags import adamw_mode, check_decoupled, refused_flag, torch_style
-from .adam_state_dict import MOMENT_KEYS as _MOMENT_KEYS
+from .. import ops
+from . import state_dict as sdict
+from .flags import adamw_mode, check_decoupled, refused_flag, torch_style
+from .state_dict import MOMENT_KEYS as _MOMENT_KEYS
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -231,7 +232,7 @@ class CPUAdam(torch.optim.Optimizer):
         return state
 
     def state_dict(self) -> dict:
-        """torch's, with int8 codes under their own names (adam_state_dict.py says why); the
+        """torch's, with int8 codes under their own names (state_dict.py says why); the
         state_dict post hooks see (and may replace) that dict, as in torch."""
         with _hooks_set_aside(self, "_optimizer_state_dict_post_hooks") as (post_hooks,):
             state_dict = super().state_dict()

@@ -10,7 +10,7 @@ import os
 import time
 
 from . import manifest
-from .engine.checkpoint import atomic_open
+from ..engine.checkpoint import atomic_open
 
 MARKER = "hzo_complete.json"
 
