@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from . import peft_names, resume, torch_state
 from .engine import checkpoint
-from .engine.state_dir import check_save_id, check_sources, read_range, sources
+from .engine.checkpoint.folder import check_save_id, check_sources, read_range, sources
 from .resume.marker import MARKER, changed_files, marker_problem, read_marker, recorded_save_id
 from .saved_names import NAMES_FILE, read_json
 

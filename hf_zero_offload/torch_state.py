@@ -16,8 +16,8 @@ from . import ops
 from .adam.flags import adamw_mode
 from .adam.state_dict import step_tensor
 from .engine.moments import Q, moment_regions
-from .engine.state_contents import check_meta
-from .engine.state_dir import check_save_id, check_sources, read_range, sources
+from .engine.checkpoint.contents import check_meta
+from .engine.checkpoint.folder import check_save_id, check_sources, read_range, sources
 
 #: what a torch.optim.AdamW group holds beside lr, betas, eps and weight_decay (torch's defaults; the saved values
 #: replace a group's on load, so a group without them would lose the keys torch's step reads)

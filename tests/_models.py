@@ -7,7 +7,7 @@ import os
 import torch
 from torch import nn
 
-from hf_zero_offload.engine import state_dir
+from hf_zero_offload.engine.checkpoint import folder
 from hf_zero_offload.ops import QUANT_BLOCK as Q
 
 
@@ -118,6 +118,6 @@ def save_as_two_ranks(opt, directory) -> None:
     ranges = [[0, cut], [cut, opt.numel]]
     for r in (1, 0):  # rank 0 writes meta.json after its file: last
         a, b = ranges[r]
-        state_dir.save(str(directory), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
+        folder.save(str(directory), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
                        {k: v[a // Q:-(-b // Q)] if k.endswith("_scale") else v[a:b] for k, v in tensors.items()},
                        barrier=lambda: None, partition=ranges)

@@ -2,7 +2,7 @@
 missing a file, files of two checkpoints mixed, a file only one rank reads damaged): what every rank checks before
 its first write, and how the ranks agree that a load failed.
 
-A 2-rank directory is built here on one process by cutting a 1-rank state in two (``state_dir.save`` once per
+A 2-rank directory is built here on one process by cutting a 1-rank state in two (``folder.save`` once per
 rank, as each rank of a run calls it), so the one-process checks need no spawn.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from _dist import run_distributed
 from _models import TinyNet, batches, param_groups, run_steps, save_as_two_ranks
-from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, checkpoint, state_dir
-from hf_zero_offload.ops import QUANT_BLOCK as Q
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, checkpoint
+from hf_zero_offload.engine.checkpoint import folder
 
 LR, WD = 1e-2, 0.01
 SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
@@ -95,7 +95,7 @@ def test_a_bad_file_is_refused_before_the_first_write(saved, tmp_path, damage, m
             return {k: v for k, v in m.items() if k != "save_id"}
         _rewrite(bad / "rank0_of_2.hzo", bad / "rank0_of_2.hzo", old)
         _rewrite(root / "step5" / "rank1_of_2.hzo", victim, old)
-        (bad / state_dir.META_FILE).write_text(json.dumps(old(json.loads((bad / state_dir.META_FILE).read_text()))))
+        (bad / folder.META_FILE).write_text(json.dumps(old(json.loads((bad / folder.META_FILE).read_text()))))
     fresh = _engine(copy.deepcopy(model))
     before = {k: v.clone() for k, v in fresh.state_tensors().items()}
     with pytest.raises(checkpoint.StateFileError, match=match):

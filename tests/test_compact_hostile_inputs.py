@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from _dist import run_distributed
 from _models import TinyNet, batches, loss_fn, param_groups
 from hf_zero_offload import config, ops
-from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, state_dir
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
+from hf_zero_offload.engine.checkpoint import folder
 
 LR, WD = 1e-2, 0.1
 SMALL = dict(bucket_numel=1000, tile_numel=300)
@@ -135,7 +136,7 @@ def test_a_foreign_checkpoint_is_refused_by_file_and_key_before_any_write(tmp_pa
     saver = engine(model, "int8")
     train(model, saver, batches(2))
     meta, tensors, key = _foreign(case, saver.state_meta(), saver.state_tensors())
-    state_dir.save(str(tmp_path), 0, 1, meta, tensors, barrier=None, partition=None)
+    folder.save(str(tmp_path), 0, 1, meta, tensors, barrier=None, partition=None)
     target_model = copy.deepcopy(model)
     target = engine(target_model, own)
     train(target_model, target, batches(3, seed=1))
@@ -167,7 +168,7 @@ def test_a_checkpoint_with_codes_the_kernel_never_writes_is_refused(tmp_path, ow
     tensors = {k: v.clone() for k, v in saver.state_tensors().items()}
     codes = tensors[key]
     codes[codes.numel() // 2] = code
-    state_dir.save(str(tmp_path), 0, 1, saver.state_meta(), tensors, barrier=None, partition=None)
+    folder.save(str(tmp_path), 0, 1, saver.state_meta(), tensors, barrier=None, partition=None)
     target = engine(copy.deepcopy(model), own)
     path = re.escape(os.path.join(str(tmp_path), "rank0_of_1.hzo"))  # the file, not only the directory
     with pytest.raises(ValueError, match=rf"{path}: {key} codes has code {code}, outside"):

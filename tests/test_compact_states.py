@@ -296,14 +296,14 @@ def test_config_key_reaches_the_engine_options():
 def test_a_state_tensor_longer_than_its_header_says_is_refused(tmp_path, key, target):
     """One element too many in a checksum-valid file loaded without a word (one too few was refused): every
     tensor's length is now checked to equal what the header's numel implies."""
-    from hf_zero_offload.engine import state_dir
+    from hf_zero_offload.engine.checkpoint import folder
     torch.manual_seed(0)
     model = TinyNet()
     opt = engine(None, model, "int8")
     train(model, opt, batches(2))
     tensors = {k: v.clone() for k, v in opt.state_tensors().items()}
     tensors[key] = torch.cat([tensors[key], tensors[key][:1]])
-    state_dir.save(str(tmp_path), 0, 1, opt.state_meta(), tensors, barrier=None, partition=None)
+    folder.save(str(tmp_path), 0, 1, opt.state_meta(), tensors, barrier=None, partition=None)
     other = engine(None, copy.deepcopy(model), target)
     with pytest.raises(ValueError, match=rf"rank0_of_1\.hzo: {key} is \w+, \d+ bytes, expected"):
         other.load_checkpoint(str(tmp_path))

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from hf_zero_offload import resume
-from hf_zero_offload.engine import OffloadAdam, OffloadOptions, checkpoint, state_dir
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, checkpoint
+from hf_zero_offload.engine.checkpoint import folder
 from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -133,7 +134,7 @@ def test_a_directory_saved_again_at_another_world_size_loads_the_new_state(tmp_p
     ranges = [[0, cut], [cut, old.numel]]
     for r in (1, 0):
         a, b = ranges[r]
-        state_dir.save(str(tmp_path), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
+        folder.save(str(tmp_path), r, 2, {**meta, "rank": r, "world_size": 2, "shard_start": a, "shard_end": b},
                        {k: v[a:b] for k, v in tensors.items()}, barrier=lambda: None, partition=ranges)
     new.save_checkpoint(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["rank0_of_1.hzo"]  # the other layout's files are gone

@@ -328,7 +328,7 @@ def test_states_load_across_an_empty_param_group(kind, how, saved_with_empty, tm
 
 def test_the_same_params_in_other_groups_are_refused_naming_the_groups(tmp_path):
     """It read "saved 26 trainable elements in 4 params, this model has 26 in 4": the same count, no word of groups."""
-    from hf_zero_offload.engine.state_contents import GroupingMismatch
+    from hf_zero_offload.engine.checkpoint.contents import GroupingMismatch
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     ps = list(model.parameters())

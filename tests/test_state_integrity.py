@@ -373,21 +373,21 @@ def test_a_resume_in_a_higher_precision_starts_from_the_masters(tmp_path):
 def test_a_rank_file_that_is_a_broken_link_is_named_as_such(tmp_path, link):
     """A dangling link (or a loop of links) in place of rank0_of_1.hzo was reported as "no meta.json: a save was
     interrupted"."""
-    from hf_zero_offload.engine import state_dir
+    from hf_zero_offload.engine.checkpoint import folder
     path = tmp_path / "rank0_of_1.hzo"
     os.symlink(tmp_path / "gone.hzo" if link == "dangling" else path, path)
     with pytest.raises(ValueError, match=r"rank0_of_1.hzo is a link to nothing \(or a loop of links\)"):
-        state_dir.sources(str(tmp_path))
+        folder.sources(str(tmp_path))
 
 
 def test_a_renamed_rank_file_is_named_as_renamed_not_as_an_interrupted_save(tmp_path):
     """rank0_of_1.hzo renamed (say to rank0.hzo.bak.hzo) was reported as "the checkpoint is incomplete (a save was
     interrupted)": a save never writes that name, so the message says the files were renamed or copied in."""
-    from hf_zero_offload.engine import state_dir
+    from hf_zero_offload.engine.checkpoint import folder
     (tmp_path / "rank0_of_1.old.hzo").write_bytes(b"x")
     with pytest.raises(ValueError, match=r"not names a save writes .*renamed"):
-        state_dir.sources(str(tmp_path))
+        folder.sources(str(tmp_path))
     (tmp_path / "rank0_of_1.old.hzo").unlink()
     (tmp_path / "rank1_of_2.hzo").write_bytes(b"x")  # another rank's file alone: a save cut short
     with pytest.raises(ValueError, match=r"incomplete \(a save was interrupted\)"):
-        state_dir.sources(str(tmp_path))
+        folder.sources(str(tmp_path))

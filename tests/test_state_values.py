@@ -19,7 +19,8 @@ import torch
 from _dist import run_distributed
 from _models import TinyNet, batches, loss_fn, param_groups, run_steps as train
 from hf_zero_offload import CPUAdam
-from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam, state_dir
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
+from hf_zero_offload.engine.checkpoint import folder
 from hf_zero_offload.engine.checkpoint import StateFileError
 
 LR, WD = 1e-2, 0.1
@@ -117,7 +118,7 @@ def _save_misaligned(directory, opt, cut):
             part[k] = tensors[k][a:b]
         for k in ("exp_avg_scale", "exp_avg_sq_scale"):
             part[k] = tensors[k][a // 256:-(-b // 256)]
-        state_dir.save(directory, rank, 2, {**meta, "world_size": 2, "rank": rank, "shard_start": a, "shard_end": b,
+        folder.save(directory, rank, 2, {**meta, "world_size": 2, "rank": rank, "shard_start": a, "shard_end": b,
                                             "save_id": "feedfeedfeedfeed"}, part, barrier=lambda: None,
                        partition=[[0, cut], [cut, numel]])
 
@@ -134,9 +135,9 @@ def test_an_int8_checkpoint_cut_off_a_block_is_refused_before_any_write(tmp_path
     assert_unchanged(other, other_model, before)
     train(other_model, other, batches(1))
     # a rank whose slice reads only the first file refuses too (else it loaded while its peer refused)
-    srcs, meta = state_dir.sources(str(tmp_path))
+    srcs, meta = folder.sources(str(tmp_path))
     with pytest.raises(StateFileError, match="rank1_of_2.hzo: its int8 state starts at element 600"):
-        state_dir.check_sources(srcs, "int8", 0, 256)
+        folder.check_sources(srcs, "int8", 0, 256)
     for o in (opt, other):
         o.close()
 

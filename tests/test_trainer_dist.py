@@ -198,7 +198,7 @@ def _node_local(rank, world_size, out_dir, phase):
         import hf_zero_offload.engine.checkpoint as ckpt
         ckpt.write_state = no_space
     elif (phase, rank) == ("full-folder", 0):  # rank 0 clears the folder before the engine's first collective
-        import hf_zero_offload.engine.state_dir as sd
+        import hf_zero_offload.engine.checkpoint.folder as sd
         sd._clear_previous = no_space
     elif (phase, rank) == ("full-marker", 0):
         import hf_zero_offload.resume as res

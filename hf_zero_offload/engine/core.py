@@ -11,7 +11,7 @@ layout for ``OffloadAdam``, one rank's shard for ``ShardedAdam``. The core owns:
   published at step k+1 (or ``flush``), before anything else touches the masters;
 - the Adam call on a range of the slice, ``_adam``: the one place that reads and writes moments;
 - the state: ``state_meta``/``state_tensors``, one state-file format (``checkpoint``) and one checkpoint directory
-  layout (``state_dir``) that any engine at any world size loads, in the mixin ``SavedState`` (saved_state.py).
+  layout (``checkpoint.folder``) that any engine at any world size loads, in the mixin ``SavedState`` (saved_state.py).
 
 A subclass supplies what differs: ``_gradients()`` (how gradients arrive and are summed), ``_begin_window()`` (the
 next step's gradients go to ``self.store``), ``_after_update()`` (how the updated slice reaches the device

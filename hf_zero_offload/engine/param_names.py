@@ -14,7 +14,7 @@ A frozen param added, removed or renamed owns no state and is no difference; nor
 from __future__ import annotations
 
 from .checkpoint import StateFileError
-from .state_contents import LayoutMismatch
+from .checkpoint.contents import LayoutMismatch
 
 KEY = "param_names"  # torch.optim's key, in a param group
 META_KEY = "slot_names"  # in a saved state: per param that owns state, its name

@@ -1,8 +1,8 @@
 """``SavedState``: the state half of ``AdamCore`` (core.py), the part that leaves and re-enters the process:
-``state_meta``/``state_tensors``/``state_dict``, checkpoints (``state_dir``, one file format for every engine and
+``state_meta``/``state_tensors``/``state_dict``, checkpoints (``checkpoint.folder``, one file format for every engine and
 world size) and the loads of both.
 
-A load checks everything it can before its first write (``state_contents.check_meta`` / ``check_tensors``, the params'
+A load checks everything it can before its first write (``contents.check_meta`` / ``check_tensors``, the params'
 names, the loss scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A checkpoint's
 tensors then stream straight into the arena (no second copy of the state); should a chunk fail its checksum part way,
 ``_load_failed`` stays set and ``step``, ``state_meta`` (hence every save) refuse until a load succeeds.
@@ -19,7 +19,8 @@ import torch
 
 from .. import ops
 from ..ops.moments import check_code_range
-from . import param_names, state_contents, state_dir
+from . import param_names
+from .checkpoint import contents, folder
 from .checkpoint import StateFileError
 from .grad_hooks import size_changed
 from .moments import SCALES, Q
@@ -47,7 +48,7 @@ class SavedState:
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
             "state_dtype": self.moments.state_dtype,
             **({"int8_codes": ops.INT8_CODES} if self.moments.state_dtype == "int8" else {}),
-            "param_groups": [{k: state_contents.json_value(v, f"param_groups[{i}].{k}") for k, v in g.items()
+            "param_groups": [{k: contents.json_value(v, f"param_groups[{i}].{k}") for k, v in g.items()
                               if k != "params"} for i, g in enumerate(self.param_groups)],
             "slots": self._slot_meta(),
             **({param_names.META_KEY: names} if (names := param_names.slot_names(self.param_groups, self._slots))
@@ -116,7 +117,7 @@ class SavedState:
                                  f"{self.rank} of {self.world_size}, {self.moments.state_dtype}) holds [{self.lo}, "
                                  f"{self.hi}): load_checkpoint re-cuts a save_checkpoint for any world size or "
                                  "state_dtype")
-            state_contents.check_tensors(meta, self.hi - self.lo, where)
+            contents.check_tensors(meta, self.hi - self.lo, where)
             return meta, self._saved_codes(meta, where)
 
         # a refusal on one rank only left its peers in the collective below until the timeout: all hear of it
@@ -147,8 +148,8 @@ class SavedState:
     def _check_saved(self, meta: dict, where: str, names: bool = True) -> dict:
         """``meta`` checked (refused by name), and returned as this engine's groups hold it. ``names``: compare the
         params' names too (``param_names.check_names``)."""
-        meta = state_contents.with_empty_groups(meta, self._slot_meta(), self.param_groups)
-        state_contents.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
+        meta = contents.with_empty_groups(meta, self._slot_meta(), self.param_groups)
+        contents.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
                              steps=self._param_steps.numel())
         if names:
             param_names.check_names(meta, self.param_groups, self._slots, where)
@@ -175,7 +176,7 @@ class SavedState:
         """load_state_meta's writes, for a meta its caller has checked (``_check_saved``)."""
         self._wait_worker()
         self._prepared = None
-        state_contents.say_taken_values(self.param_groups, meta["param_groups"])
+        contents.say_taken_values(self.param_groups, meta["param_groups"])
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             # never "params" (torch.optim's state dicts list param ids there) nor their names: the engine's own stay
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k not in _OWN_KEYS})
@@ -260,14 +261,14 @@ class SavedState:
         return len(changed)
 
     def save_checkpoint(self, directory: str) -> str:
-        """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``state_dir.save``). Returns the save's id, a
+        """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``folder.save``). Returns the save's id, a
         token every file of this save holds (and ``meta.json``): a load refuses a directory whose files
         disagree on it, and one whose id is not the ``expected_save_id`` its caller recorded for it."""
         if any(self._window_received()):  # torch.optim's state holds no .grad either: said, not silent
             logger.warning("hf_zero_offload: save_checkpoint between two steps: the gradients taken since the last "
                            "step() are not saved (a resume starts that window afresh)")
         meta = {**self.state_meta(), "save_id": self._shared_token()}
-        state_dir.save(directory, self.rank, self.world_size, meta, self.state_tensors(),
+        folder.save(directory, self.rank, self.world_size, meta, self.state_tensors(),
                        barrier=self._barrier, partition=self._partition_ranges(), agree=self._ranks_that_failed)
         self.last_save_id = meta["save_id"]
         return self.last_save_id
@@ -297,7 +298,7 @@ class SavedState:
                                  "one state: resume from an earlier checkpoint")
         self._finish_load(meta)
         self._load_failed = self._step_failed = None
-        self.restored = state_dir.summary(meta, files)
+        self.restored = folder.summary(meta, files)
         return self.restored
 
     def _on_every_rank(self, work):
@@ -319,17 +320,17 @@ class SavedState:
     def _read_checkpoint(self, directory: str, expected_save_id: str | None,
                          names_checked: bool) -> tuple[dict, int]:
         """This rank's part of the checkpoint into the state (no collective); (the saved meta, files)."""
-        srcs, meta = state_dir.sources(directory)
-        state_dir.check_save_id(meta, expected_save_id, directory)
+        srcs, meta = folder.sources(directory)
+        folder.check_save_id(meta, expected_save_id, directory)
         meta = self._check_saved(meta, directory, names=not names_checked)
         codes = self._saved_codes(meta, directory)
-        state_dir.check_sources(srcs, meta.get("state_dtype", "fp32"), self.lo, self.hi)
+        folder.check_sources(srcs, meta.get("state_dtype", "fp32"), self.lo, self.hi)
         # the tensors stream into the arena (no second copy of the state): from here a damaged file
         # leaves a mix of old and new state, which step and save then refuse
         self._load_failed = f"checkpoint {directory}"
         self._apply_meta(meta)
         if self.hi > self.lo:
-            self._load_tensors(meta, codes, lambda lo, dst: state_dir.read_range(srcs, lo, dst), where=directory,
+            self._load_tensors(meta, codes, lambda lo, dst: folder.read_range(srcs, lo, dst), where=directory,
                                files=srcs)
         return meta, len(srcs)
 
@@ -353,13 +354,13 @@ class SavedState:
             read(self.lo, self.state_tensors())
         else:
             self._convert_loaded(saved, codes, read, where, files)
-        if files is None:  # a state dict: its values were checked before the first write (state_contents.check_tensors)
+        if files is None:  # a state dict: its values were checked before the first write (contents.check_tensors)
             return
         if self.moments.state_dtype == "int8":  # absmax scales, as the kernels rely on (a conversion's: our codes)
             self._check_int8(self.moments.state, where, self.lo, files if (saved, codes) == ("int8", ops.INT8_CODES)
                              else None)
         elif saved == self.moments.state_dtype:  # streamed, so checked once loaded (conversions: _convert_loaded)
-            state_contents.check_second_moments(self.moments.tensors(self.hi - self.lo)["exp_avg_sq"], where)
+            contents.check_second_moments(self.moments.tensors(self.hi - self.lo)["exp_avg_sq"], where)
 
     @staticmethod
     def _check_int8(state: dict, where: str, first: int = 0, files: list | None = None) -> None:
@@ -392,7 +393,7 @@ class SavedState:
         if saved == "int8":
             self._check_int8(tmp, where, la, files)
         elif files is not None:  # (a state dict's: checked already) a negative one would encode as its magnitude
-            state_contents.check_second_moments(tmp["exp_avg_sq"], where)
+            contents.check_second_moments(tmp["exp_avg_sq"], where)
         m, v = (t[self.lo - la:self.hi - la] for t in ops.state_to_fp32(tmp, codes))
         for k, t in ops.state_from_fp32(m.contiguous(), v.contiguous(), own).items():
             self.moments.tensors(n)[k].copy_(t)

@@ -6,7 +6,6 @@ import os
 
 from transformers import TrainerCallback
 
-from .. import resume
 from ..resume import report as resume_report
 from ..engine_setup import accumulation_problem
 from ..engine.param_names import KEY

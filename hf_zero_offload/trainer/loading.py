@@ -10,8 +10,8 @@ import os
 from .. import resume
 from ..resume import report as resume_report
 from ..saved_names import names_difference, names_mismatch, trainable_set_mismatch
-from ..engine.state_contents import GroupingMismatch, LayoutMismatch
-from ..engine.state_dir import check_save_id, sources
+from ..engine.checkpoint.contents import GroupingMismatch, LayoutMismatch
+from ..engine.checkpoint.folder import check_save_id, sources
 from .saving import SCHEDULER_NAME, STATE_DIR
 from .torch_resume import TorchStateResume
 

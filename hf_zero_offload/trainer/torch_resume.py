@@ -11,7 +11,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from ..engine.state_contents import LayoutMismatch
+from ..engine.checkpoint.contents import LayoutMismatch
 from ..engine.torch_import import not_adam
 from ..resume.foreign import FRESH_START
 

@@ -1,7 +1,7 @@
 """What a saved optimizer state holds, checked against the engine that loads it: the same trainable params in the
 same groups (``check_model``: ``LayoutMismatch``, ``GroupingMismatch``), the small fields of its header or state
 dict (``check_meta``), its tensors and the values the kernels rely on (``check_tensors``), before the first write;
-and a param group's values as the header holds them (``json_value``). ``state_dir`` reads and writes the files."""
+and a param group's values as the header holds them (``json_value``). ``folder`` reads and writes the files."""
 from __future__ import annotations
 
 import logging
@@ -10,11 +10,11 @@ import reprlib
 
 import torch
 
-from .. import ops
-from ..ops.moments import check_code_range, check_second_moment
-from .checkpoint import StateFileError
-from .moments import SCALES, moment_regions
-from .state_dir import STATE_FORMATS, is_count
+from ... import ops
+from ...ops.moments import check_code_range, check_second_moment
+from . import StateFileError
+from ..moments import SCALES, moment_regions
+from .folder import STATE_FORMATS, is_count
 
 
 def json_value(v, where: str):

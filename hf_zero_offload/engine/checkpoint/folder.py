@@ -7,7 +7,7 @@ Layout of a directory written by W ranks::
     meta.json            W > 1 only, written by rank 0 after every rank's file is complete (a barrier
                          in between): world size, numel, the partition map, param slots, dtype
 
-What a state holds, checked against the engine that loads it, is ``state_contents``. A one-process engine writes
+What a state holds, checked against the engine that loads it, is ``contents``. A one-process engine writes
 ``rank0_of_1.hzo`` alone. Each file is written to a temporary name, fsynced and renamed,
 ``meta.json`` last: a directory with one (or a lone ``rank0_of_1.hzo``) is complete. Any world size and engine loads
 it: each rank reads the elements of every file that overlap its own range, straight into its arena.
@@ -22,10 +22,10 @@ import reprlib
 
 import torch
 
-from .. import ops
-from . import checkpoint
-from .checkpoint import StateFileError
-from .moments import Q, SCALES, moment_regions
+from ... import ops
+from .. import checkpoint
+from . import StateFileError
+from ..moments import Q, SCALES, moment_regions
 
 STATE_FORMATS = ("hf_zero_offload.state/2", "hf_zero_offload.sharded/1", "hf_zero_offload.offload/1")
 META_FORMAT = "hf_zero_offload.sharded-meta/1"
