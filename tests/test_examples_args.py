@@ -136,35 +136,35 @@ def test_transformers_4_sharded_ddp_values_say_the_flag_is_a_switch(tmp_path, fo
 
 
 def test_data_files_that_are_not_utf8_are_named_and_a_bom_is_dropped(tmp_path):
-    import seq2seq_utils as su
+    import seq2seq_data as sd
 
     (tmp_path / "train.source").write_bytes(b"\xef\xbb\xbfone\ntwo\n")
     (tmp_path / "train.target").write_bytes(b"unu\ndoi cu \xe2\x80\n")  # cut inside a character
     with pytest.raises(ValueError, match=r"train.target: not a UTF-8 text file \(line 2: byte 11 is 0xe2\)"):
-        su.read_split(str(tmp_path), "train")
+        sd.read_split(str(tmp_path), "train")
     (tmp_path / "train.target").write_bytes(b"a\rb\r\xe9\r")  # lines end at \r too, as the reader ends them
     with pytest.raises(ValueError, match=r"train.target: not a UTF-8 text file \(line 3: byte 4 is 0xe9\)"):
-        su.read_split(str(tmp_path), "train")
+        sd.read_split(str(tmp_path), "train")
     (tmp_path / "train.target").write_bytes("unu\ndoi \u0219i\n".encode())
-    assert su.read_split(str(tmp_path), "train") == (["one", "two"], ["unu", "doi \u0219i"])
+    assert sd.read_split(str(tmp_path), "train") == (["one", "two"], ["unu", "doi \u0219i"])
 
 
 def test_blank_and_empty_data_files_are_refused_by_name(tmp_path):
     """A blank line trained a pair with an empty side, without a word (v4.2's dataset asserted "empty tgt line for
     index N"); empty files failed later, in the sampler, naming neither."""
-    import seq2seq_utils as su
+    import seq2seq_data as sd
 
     (tmp_path / "train.source").write_text("one\ntwo\nthree\n\n", encoding="utf-8")
     (tmp_path / "train.target").write_text("unu\n  \ntrei\npatru\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"train.source: 1 blank or missing text\(s\) among the 4 used \(line 4\)"):
-        su.read_split(str(tmp_path), "train")
+        sd.read_split(str(tmp_path), "train")
     with pytest.raises(ValueError, match=r"train.target: 1 blank or missing text\(s\) among the 2 used \(line 2\)"):
-        su.read_split(str(tmp_path), "train", n_obs=2)
-    assert su.read_split(str(tmp_path), "train", n_obs=1) == (["one"], ["unu"])  # the lines used are checked
+        sd.read_split(str(tmp_path), "train", n_obs=2)
+    assert sd.read_split(str(tmp_path), "train", n_obs=1) == (["one"], ["unu"])  # the lines used are checked
     for name in ("train.source", "train.target"):
         (tmp_path / name).write_text("", encoding="utf-8")
     with pytest.raises(ValueError, match=r"train.source and .*train.target hold no lines"):
-        su.read_split(str(tmp_path), "train")
+        sd.read_split(str(tmp_path), "train")
 
 
 @pytest.mark.parametrize("rows, match", [
@@ -178,7 +178,7 @@ def test_blank_texts_of_a_hub_dataset_are_refused_by_name(monkeypatch, rows, mat
     import sys
     import types
 
-    import seq2seq_utils as su
+    import seq2seq_data as sd
 
     class Split:
         column_names = list(rows)
@@ -191,9 +191,9 @@ def test_blank_texts_of_a_hub_dataset_are_refused_by_name(monkeypatch, rows, mat
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a, **k: Split()))
     with pytest.raises(ValueError, match=match):
-        su.load_hf_dataset_split("wmt16", "ro-en", "train", "en_XX", "ro_RO", None)
+        sd.load_hf_dataset_split("wmt16", "ro-en", "train", "en_XX", "ro_RO", None)
     rows = {k: v[:1] for k, v in rows.items()}  # the first pair alone is whole
-    got = su.load_hf_dataset_split("wmt16", "ro-en", "train", "en_XX", "ro_RO", None)
+    got = sd.load_hf_dataset_split("wmt16", "ro-en", "train", "en_XX", "ro_RO", None)
     assert got == ((["a"], ["b"]) if "translation" in rows else (["x"], ["y"]))
 
 

@@ -17,7 +17,7 @@ sacrebleu = pytest.importorskip("sacrebleu")
 
 import finetune_trainer  # noqa: E402
 import seq2seq_model as sm  # noqa: E402
-import seq2seq_utils as su  # noqa: E402
+import seq2seq_data as sd  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +35,15 @@ def test_a_lone_carriage_return_is_named(tmp_path, content, line):
     path.write_bytes(content)
     with pytest.raises(ValueError, match=rf"train.source: line {line} holds a carriage return \(\\r\) that ends no "
                                          r"line: .*tr '\\r' '\\n'"):
-        su.read_lines(str(path))
+        sd.read_lines(str(path))
     (tmp_path / "bom.source").write_bytes("\ufeffa\r\nb\r\n\u2028c\n".encode())
-    assert su.read_lines(str(tmp_path / "bom.source")) == ["a", "b", "\u2028c"]
+    assert sd.read_lines(str(tmp_path / "bom.source")) == ["a", "b", "\u2028c"]
 
 
 def test_a_data_dir_that_is_a_file_is_named(tmp_path):
     (tmp_path / "f").write_text("x\n")
     with pytest.raises(NotADirectoryError, match=r"--data_dir \S+f: a file; it names the folder"):
-        su.read_split(str(tmp_path / "f"), "train")
+        sd.read_split(str(tmp_path / "f"), "train")
 
 
 class _Tokenizer:
@@ -61,11 +61,11 @@ def test_bleu_is_scored_against_the_reference_texts_and_padding_rows_are_dropped
     refs = ["a b c d Ωmega", "b c d a", "c d a b"]
     preds = np.array([[1, 2, 3, 4], [2, 3, 4, 1], [3, 4, 1, 0], [1, 2, 3, 4]])  # the 4th: a repeat of the 1st
     labels = np.array([[1, 2, 3, 4], [2, 3, 4, 1], [3, 4, 1, 2], [1, 2, 3, 4]])
-    out = su.build_compute_metrics(_Tokenizer(), refs)(type("P", (), {"predictions": preds, "label_ids": labels}))
+    out = sd.build_compute_metrics(_Tokenizer(), refs)(type("P", (), {"predictions": preds, "label_ids": labels}))
     want = sacrebleu.corpus_bleu(["a b c d", "b c d a", "c d a"], [refs]).score
     assert out["bleu"] == round(want, 4) and out["gen_len"] == round(11 / 3, 4)
     # --dataloader_drop_last leaves evaluation's last partial batch out too: scored against the examples generated
-    out = su.build_compute_metrics(_Tokenizer(), refs)(type("P", (), {"predictions": preds[:2], "label_ids": None}))
+    out = sd.build_compute_metrics(_Tokenizer(), refs)(type("P", (), {"predictions": preds[:2], "label_ids": None}))
     assert out["bleu"] == round(sacrebleu.corpus_bleu(["a b c d", "b c d a"], [refs[:2]]).score, 4)
 
 
@@ -142,7 +142,7 @@ def test_legitimate_tasks_and_metrics_are_taken(tmp_path, synth_dir, task):
     config = type("C", (), {"task_specific_params": {"my_task": {}}})()
     _, data_args, args = finetune_trainer.parse_args(_common_args(synth_dir, tmp_path) + [
         "--config_name", TINY, "--task", task, "--metric_for_best_model", "eval_runtime"])
-    assert seq2seq_args._generation_problems(data_args, args, config) == []
+    assert seq2seq_args._run_problems(data_args, args, config) == []
 
 
 def test_a_resume_flag_without_training_is_refused(tmp_path, synth_dir):
@@ -157,7 +157,7 @@ def test_a_resume_flag_without_training_is_refused(tmp_path, synth_dir):
 def test_invisible_only_texts_are_blank(tmp_path):
     """A line of a zero-width space or a BOM passed the blank-line check and tokenized to </s> alone."""
     with pytest.raises(ValueError, match=r"2 blank or missing text\(s\) among the 3 used \(line 2, 3\)"):
-        su.check_texts("val.target", ["a", "\u200b", " \ufeff "], "line", 1)
+        sd.check_texts("val.target", ["a", "\u200b", " \ufeff "], "line", 1)
 
 
 def test_bleu_compares_nfkc_forms(tmp_path):
@@ -169,7 +169,7 @@ def test_bleu_compares_nfkc_forms(tmp_path):
 
     refs = [unicodedata.normalize("NFD", "țară fin ok ok")]
     preds = np.array([[1, 2, 3, 3]])
-    assert su.build_compute_metrics(Echo(), refs)(type("P", (), {"predictions": preds}))["bleu"] == 100.0
+    assert sd.build_compute_metrics(Echo(), refs)(type("P", (), {"predictions": preds}))["bleu"] == 100.0
 
 
 def test_tokenizer_training_keeps_long_lines_and_names_a_too_small_vocabulary(tmp_path):
@@ -260,11 +260,11 @@ def test_texts_the_tokenizer_reduces_to_nothing_are_named(tmp_path):
     from train_tokenizer import train_t5_tokenizer
 
     tok = train_t5_tokenizer(["the cat sat on the mat", "a dog ran to the park"] * 20, 200)
-    assert not su._visible("\x1a \x00")
-    su.check_tokenized_texts(tok, {"train": (["the cat", "..."], ["a dog", "- the -"])}, "d")  # nothing to say
+    assert not sd._visible("\x1a \x00")
+    sd.check_tokenized_texts(tok, {"train": (["the cat", "..."], ["a dog", "- the -"])}, "d")  # nothing to say
     with pytest.raises(ValueError, match=r"d val.target: 1 text\(s\) that the tokenizer reduces to its special tokens "
                                          r"alone \(line 2: control characters or symbols it cannot spell\)"):
-        su.check_tokenized_texts(tok, {"val": (["the cat", "a dog"], ["the mat", "\ufffd\u2581"])}, "d")
+        sd.check_tokenized_texts(tok, {"val": (["the cat", "a dog"], ["the mat", "\ufffd\u2581"])}, "d")
 
 
 def test_a_config_with_odd_task_specific_params_does_not_break_the_task_check(tmp_path, synth_dir):
@@ -273,4 +273,4 @@ def test_a_config_with_odd_task_specific_params_does_not_break_the_task_check(tm
     _, data_args, args = finetune_trainer.parse_args(_common_args(synth_dir, tmp_path) + ["--config_name", TINY])
     for odd in (5, "translation", None, []):
         config = type("C", (), {"task_specific_params": odd})()
-        assert seq2seq_args._generation_problems(data_args, args, config) == []
+        assert seq2seq_args._run_problems(data_args, args, config) == []

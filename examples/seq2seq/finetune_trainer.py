@@ -76,6 +76,7 @@ try:
     from hf_zero_offload.usage import run_reporting, take_debug_flag  # noqa: E402
 
     import seq2seq_model as sm  # noqa: E402
+    import seq2seq_data as sd  # noqa: E402
     import seq2seq_utils as su  # noqa: E402
     from seq2seq_args import (  # noqa: E402,F401
         DataTrainingArguments, ModelArguments, check_local_paths, check_resume_target, check_values, check_zero_config,
@@ -111,7 +112,7 @@ class LegacySeq2SeqTrainer(ZeroOffloadSeq2SeqTrainer):
 
     def _get_train_sampler(self, train_dataset=None):
         ds = train_dataset if train_dataset is not None else self.train_dataset
-        if getattr(self.args, "sortish_sampler", False) and isinstance(ds, su.Seq2SeqTextDataset):
+        if getattr(self.args, "sortish_sampler", False) and isinstance(ds, sd.Seq2SeqTextDataset):
             return LengthGroupedSampler(
                 self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths=ds.src_lens
             )
@@ -128,8 +129,8 @@ class LegacySeq2SeqTrainer(ZeroOffloadSeq2SeqTrainer):
 
 def _load_texts(model_args, data_args, split: str, n_obs: int):
     if data_args.data_dir:
-        return su.read_split(data_args.data_dir, split, n_obs)
-    return su.load_hf_dataset_split(data_args.dataset_name, data_args.dataset_config_name, split,
+        return sd.read_split(data_args.data_dir, split, n_obs)
+    return sd.load_hf_dataset_split(data_args.dataset_name, data_args.dataset_config_name, split,
                                     data_args.src_lang, data_args.tgt_lang, model_args.cache_dir, n_obs)
 
 
@@ -147,7 +148,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if bool(data_args.data_dir) == bool(data_args.dataset_name):
         raise ValueError("give exactly one of --data_dir (legacy layout) or --dataset_name")
     if data_args.data_dir:  # before the model's config, whose Hub lookup failed first offline (the blog's command)
-        su.check_data_dir(data_args.data_dir)
+        sd.check_data_dir(data_args.data_dir)
     problem = resume.output_dir_problem(training_args.output_dir, training=training_args.do_train)
     if problem:
         raise ValueError(problem)
@@ -206,8 +207,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                **{target_flag[s]: getattr(data_args, target_flag[s]) for s in used}}
 
     def check(tok):  # before a tokenizer trained here is written into output_dir
-        su.check_room(tok, prefix, lengths)
-        su.check_tokenized_texts(tok, used, data_args.data_dir or data_args.dataset_name)
+        sd.check_room(tok, prefix, lengths)
+        sd.check_tokenized_texts(tok, used, data_args.data_dir or data_args.dataset_name)
 
     tokenizer = sm.make_tokenizer(model_args, training_args, config, texts, prefix, resumed_from, check=check)
     for attr, value in (("src_lang", data_args.src_lang), ("tgt_lang", data_args.tgt_lang)):
@@ -270,7 +271,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     # =============================================================================================================
 
     # ---- datasets and trainer -----------------------------------------------------------------------------------
-    datasets = {split: su.Seq2SeqTextDataset(tokenizer, src, tgt, data_args.max_source_length,
+    datasets = {split: sd.Seq2SeqTextDataset(tokenizer, src, tgt, data_args.max_source_length,
                                              lengths[target_flag[split]], prefix) for split, (src, tgt) in used.items()}
     collator = DataCollatorForSeq2Seq(
         tokenizer, model=model,
@@ -285,7 +286,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         eval_dataset=datasets.get("val"),
         data_collator=collator,
         processing_class=tokenizer,
-        compute_metrics=(su.build_compute_metrics(tokenizer, datasets["val"].targets)
+        compute_metrics=(sd.build_compute_metrics(tokenizer, datasets["val"].targets)
                          if training_args.predict_with_generate and "val" in datasets else None),
         callbacks=[su.StepProgressCallback()] if training_args.disable_tqdm else None,
     )
@@ -333,7 +334,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if training_args.do_predict:
         logger.info("*** Predict ***")
         if training_args.predict_with_generate:
-            trainer.compute_metrics = su.build_compute_metrics(tokenizer, datasets["test"].targets)
+            trainer.compute_metrics = sd.build_compute_metrics(tokenizer, datasets["test"].targets)
         else:
             logger.warning("--do_predict without --predict_with_generate: test loss only, no test_generations.txt "
                            "and no BLEU")

@@ -263,7 +263,7 @@ def check_values(model_args, data_args, training_args, config) -> None:
     for name, n in lengths.items():
         if n is not None and n < 1:  # a length of 0 tokenized every example to nothing, found deep in the model
             problems.append(f"--{name} {n}: a length in tokens, >= 1")
-    problems += _generation_problems(data_args, training_args, config)
+    problems += _run_problems(data_args, training_args, config)
     vocab = model_args.tokenizer_vocab_size
     if vocab is not None and vocab < 8:  # (train_tokenizer's floor without sentinels; it said "vocab_size 5")
         problems.append(f"--tokenizer_vocab_size {vocab}: a tokenizer needs 8 pieces at least")
@@ -298,46 +298,62 @@ def check_values(model_args, data_args, training_args, config) -> None:
             setattr(config, name, getattr(model_args, name))
 
 
-def _generation_problems(data_args, training_args, config) -> List[str]:
-    """The task, the best-model metric and the generation lengths: each failed only after training (a KeyError
-    'eval_bleu' when no evaluation computed BLEU; generation asked for 1 token, which the decoder's start token
-    takes) or ran silently (a misspelt --task trained without T5's prefix)."""
-    problems = []
-    task = data_args.task
+def _task_problem(task: str, config) -> Optional[str]:
+    """A misspelt --task trained without T5's prefix, silently: any summarization or translation_<src>_to_<tgt>
+    name is taken, and any key of the config's task_specific_params."""
     known = getattr(config, "task_specific_params", None) if config is not None else None
     known = known if isinstance(known, dict) else {}
-    if task not in known and not re.fullmatch(r"summarization(_\S+)?|translation(_\S+_to_\S+)?", task):
-        close = difflib.get_close_matches(task, [*su.T5_TASK_PREFIXES, *known], n=1)
-        problems.append(f"--task {task}: summarization, translation_<src>_to_<tgt> (e.g. translation_en_to_ro) or a "
-                        "key of the config's task_specific_params" + (f"; did you mean {close[0]}?" if close else ""))
-    generate = training_args.predict_with_generate
-    metric = training_args.metric_for_best_model
+    if task in known or re.fullmatch(r"summarization(_\S+)?|translation(_\S+_to_\S+)?", task):
+        return None
+    close = difflib.get_close_matches(task, [*su.T5_TASK_PREFIXES, *known], n=1)
+    return (f"--task {task}: summarization, translation_<src>_to_<tgt> (e.g. translation_en_to_ro) or a key of the "
+            "config's task_specific_params" + (f"; did you mean {close[0]}?" if close else ""))
+
+
+def _metric_problem(metric: Optional[str], generate: bool) -> Optional[str]:
+    """--metric_for_best_model names what this script's evaluations report (a KeyError 'eval_bleu' after training
+    when no evaluation computed BLEU)."""
     reported = ("loss", "runtime", "samples_per_second", "steps_per_second") + (("bleu", "gen_len") if generate else ())
-    if metric is not None and metric.removeprefix("eval_") not in reported:
-        problems.append(f"--metric_for_best_model {metric}: this script's evaluations report loss"
-                        + (", bleu and gen_len" if generate else " (bleu and gen_len need --predict_with_generate)")
-                        + " (and the Trainer's runtime, samples_per_second, steps_per_second)")
-    args = training_args
+    if metric is None or metric.removeprefix("eval_") in reported:
+        return None
+    return (f"--metric_for_best_model {metric}: this script's evaluations report loss"
+            + (", bleu and gen_len" if generate else " (bleu and gen_len need --predict_with_generate)")
+            + " (and the Trainer's runtime, samples_per_second, steps_per_second)")
+
+
+def _generation_problems(data_args, args) -> List[str]:
+    """With --predict_with_generate: the evaluation flags that break scoring the split's generations at once (each
+    failed at the first evaluation, after any training, or scored other examples), and generation lengths of 1 (the
+    decoder's start token takes it)."""
+    if not args.predict_with_generate:
+        return []
+    problems = []
     for flag, off in (("--dataloader_in_order false", getattr(args, "dataloader_in_order", True) is False),
                       ("--eval_do_concat_batches false", getattr(args, "eval_do_concat_batches", True) is False),
                       ("--batch_eval_metrics", getattr(args, "batch_eval_metrics", False))):
-        if generate and off:  # (each failed at the first evaluation, after any training, or scored other examples)
+        if off:
             problems.append(f"{flag} with --predict_with_generate: the script scores the split's generations at once, "
                             "against its texts by position; drop it")
-    if training_args.resume_from_checkpoint and not training_args.do_train:  # (a random model was evaluated)
+    # (main set an unset --generation_max_length to --val_max_target_length: named as that one then)
+    val = "generation_max_length" if args.generation_max_length != data_args.val_max_target_length else \
+        "val_max_target_length"
+    for name, value, used in ((val, args.generation_max_length, args.do_eval or args.eval_strategy != "no"),
+                              ("test_max_target_length", data_args.test_max_target_length, args.do_predict)):
+        if used and value == 1:
+            problems.append(f"--{name} 1: generation needs 2 tokens at least (the decoder's start token takes one)")
+    return problems
+
+
+def _run_problems(data_args, training_args, config) -> List[str]:
+    """What the run was asked to do that it cannot: the task, the best-model metric, generation, a resume without
+    training (it evaluated a fresh model)."""
+    problems = [p for p in (_task_problem(data_args.task, config),
+                            _metric_problem(training_args.metric_for_best_model, training_args.predict_with_generate))
+                if p]
+    problems += _generation_problems(data_args, training_args)
+    if training_args.resume_from_checkpoint and not training_args.do_train:
         problems.append(f"--resume_from_checkpoint {training_args.resume_from_checkpoint} without --do_train: it "
                         "resumes training; to evaluate a checkpoint, give it as --model_name_or_path")
-    if generate:
-        # (main set an unset --generation_max_length to --val_max_target_length: named as that one then)
-        val = ("generation_max_length" if training_args.generation_max_length != data_args.val_max_target_length
-               else "val_max_target_length")
-        for name, value, used in ((val, training_args.generation_max_length,
-                                   training_args.do_eval or training_args.eval_strategy != "no"),
-                                  ("test_max_target_length", data_args.test_max_target_length,
-                                   training_args.do_predict)):
-            if used and value == 1:
-                problems.append(f"--{name} 1: generation needs 2 tokens at least (the decoder's start token takes "
-                                "one)")
     return problems
 
 
