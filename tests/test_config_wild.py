@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -344,8 +345,30 @@ def test_a_directory_or_something_else_instead_of_a_file(tmp_path):
     assert "cannot read the ds_config file: Is a directory" in error(tmp_path / "cfg.json",
                                                                      source=str(tmp_path / "cfg.json"))
     for thing in (None, 3, b"zero2", ["zero2"]):
-        with pytest.raises(ConfigError, match="expected a ds_config path or dict"):
+        with pytest.raises(ConfigError, match="expected a ds_config path, a shipped config.s name, JSON text or a dict"):
             resolve(thing)
+
+
+def test_json_text_is_read_as_deepspeed_reads_it(tmp_path):
+    """transformers turns a --deepspeed string starting with "{" into a dict; --zero_offload took it for a shipped
+    config's name ("no shipped ds_config named '{...}'", an outside probe porting transformers' DeepSpeed tests)."""
+    from transformers import HfArgumentParser
+
+    from hf_zero_offload import ZeroOffloadTrainingArguments
+
+    text = (WILD / "hf_docs_zero2_offload.json").read_text()
+    assert resolve("  " + text, ARGS) == dataclasses.replace(resolve(WILD / "hf_docs_zero2_offload.json", ARGS),
+                                                              source="<inline JSON>")
+    (args,) = HfArgumentParser(ZeroOffloadTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--zero_offload", '{"zero_optimization": {"stage": 2}}'])
+    assert args.zero_offload == {"zero_optimization": {"stage": 2}}
+    assert json.loads(args.to_json_string())["zero_offload"] == args.zero_offload
+    for bad, says in (('{"zero_optimization": {"stage": 2,}}', "<inline JSON>:1:35: invalid JSON: a trailing comma"),
+                      ('{"train_batch_size": 8, "train_batch_size": 8}', "<inline JSON>: invalid JSON: duplicate key")):
+        with pytest.raises(ConfigError, match=re.escape(says)):  # at the arguments, before any model work
+            ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, zero_offload=bad)
+    with pytest.raises(ConfigError, match="<inline JSON>: zero_optimisation: unknown key"):
+        resolve('{"zero_optimisation": {}}', ARGS)
 
 
 def test_llamafactory_and_openrlhf_configs_load_as_under_deepspeed():

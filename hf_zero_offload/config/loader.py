@@ -50,11 +50,39 @@ def _json_hint(text: str, e: json.JSONDecodeError) -> str:
     return e.msg
 
 
+INLINE = "<inline JSON>"
+
+
+def is_inline(value: Any) -> bool:
+    """A ds_config given as JSON text (``--zero_offload '{"zero_optimization": ...}'``), as transformers takes a
+    ``--deepspeed`` string that starts with ``{``: no file or shipped name starts so."""
+    return isinstance(value, str) and value.lstrip().startswith("{")
+
+
+def parse_inline(text: str) -> dict:
+    """JSON text -> the dict it holds, refused as a file's JSON is (duplicate keys, comments, trailing commas)."""
+    return _parse(text, INLINE)
+
+
+def _parse(text: str, source: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {_json_hint(text, e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid JSON: nested too deeply for a ds_config") from None
+    except ValueError as e:  # duplicate key
+        raise ConfigError(f"{source}: invalid JSON: {e}") from None
+
+
 def _read(path_or_dict: Any) -> tuple[Any, str]:
     if isinstance(path_or_dict, dict):
         return path_or_dict, "<dict>"
+    if is_inline(path_or_dict):
+        return parse_inline(path_or_dict), INLINE
     if not isinstance(path_or_dict, (str, os.PathLike)):
-        raise ConfigError(f"expected a ds_config path or dict, got {type(path_or_dict).__name__}")
+        raise ConfigError(f"expected a ds_config path, a shipped config's name, JSON text or a dict, got "
+                          f"{type(path_or_dict).__name__}")
     source = presets.resolve_config(os.fspath(path_or_dict))  # a shipped config's name -> its packaged file
     try:
         with open(source, "rb") as f:
@@ -68,14 +96,7 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
         bad = first_bad_utf8(data)[1]  # in the file (the decoder's offset left out a byte-order mark)
         raise ConfigError(f"{source}: not a UTF-8 text file (byte {bad} is 0x{data[bad]:02x}); "
                           "a ds_config is JSON saved as UTF-8") from None
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int), source
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {_json_hint(text, e)}") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: invalid JSON: nested too deeply for a ds_config") from None
-    except ValueError as e:  # duplicate key
-        raise ConfigError(f"{source}: invalid JSON: {e}") from None
+    return _parse(text, source), source
 
 
 class Checked(NamedTuple):

@@ -9,6 +9,7 @@ from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from .. import resume
 from ..config.checks import plain_numbers
+from ..config.loader import is_inline, parse_inline
 from ..launch_checks import check_launch_env
 from ..other_engines import refuse_other_engines, take_launcher_precision
 
@@ -18,9 +19,9 @@ class _ZeroOffloadFields:
     # Typed str for HfArgumentParser; code may pass a dict (the dataclass does not enforce the annotation).
     zero_offload: Optional[str] = field(
         default=None,
-        metadata={"help": "A DeepSpeed-style ds_config.json path or a shipped config's name (hf-zero-offload "
-                          "configs; a dict is accepted in code): enables hf_zero_offload's ZeRO-Offload / ZeRO-2 "
-                          "engine."},
+        metadata={"help": "A DeepSpeed-style ds_config.json path, a shipped config's name (hf-zero-offload "
+                          "configs) or the JSON itself ('{...}', as --deepspeed takes it; a dict is accepted in code): "
+                          "enables hf_zero_offload's ZeRO-Offload / ZeRO-2 engine."},
     )
     sharded_ddp: bool = field(
         default=False,
@@ -37,6 +38,8 @@ class _ZeroOffloadFields:
 
 def _before_post_init(args) -> None:
     refuse_other_engines(args)  # (which also reads sharded_ddp's legacy spellings as a bool)
+    if is_inline(args.zero_offload):  # --zero_offload '{...}': a dict, as transformers reads a --deepspeed JSON string
+        args.zero_offload = parse_inline(args.zero_offload)
     if isinstance(args.zero_offload, dict):  # numpy numbers, which the config takes, failed args.to_json_string()
         args.zero_offload = plain_numbers(args.zero_offload)
     take_launcher_precision(args)
