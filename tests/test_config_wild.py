@@ -386,7 +386,6 @@ def test_llamafactory_and_openrlhf_configs_load_as_under_deepspeed():
         ("fp16", {"enabled": True, "auto_cast": True}, r"fp16.auto_cast: true is not supported by hf_zero_offload: "
                                                       r"the engine casts the model to fp16 and runs no autocast"),
     ]:
-        import re
         assert re.search(said, error({key: value})), error({key: value})
 
 
