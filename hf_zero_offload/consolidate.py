@@ -45,7 +45,7 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
         raise ValueError(f"{names_path} is damaged: expected a list of lists of parameter names (one list per "
                          "optimizer slot); use another checkpoint-N of the run")
     # the engine's own reader: the partition map checked, each file's range checked against it
-    srcs, meta = sources(state_dir)  # (every header checked: state_dir.check_header)
+    srcs, meta = sources(state_dir)  # (every header checked: checkpoint.folder.check_header)
     check_save_id(meta, expected_save_id, state_dir)
     check_sources(srcs, meta.get("state_dtype", "fp32"), 0, meta["numel"])  # the bytes are there, before allocating
     flat = torch.empty(meta["numel"])
