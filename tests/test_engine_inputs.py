@@ -420,7 +420,8 @@ def test_a_non_contiguous_param_sharing_its_storage_is_refused_by_name(kind, vie
 @pytest.mark.parametrize("kind", ["offload", "zero2"])
 def test_a_param_cast_after_the_engine_was_built_is_named_at_backward(kind):
     """SwitchTransformers' router casts its classifier to router_dtype (fp32) in forward: a bf16 run failed with
-    "gradient dtype torch.float32 differs from the engine's torch.bfloat16", naming no param."""
+    "gradient dtype torch.float32 differs from the engine's torch.bfloat16", naming no param. A user's own
+    model.to(dtype) after the build was told of router_dtype alone (an outside probe)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).bfloat16()
     cls, extra = KINDS[kind]
@@ -428,7 +429,8 @@ def test_a_param_cast_after_the_engine_was_built_is_named_at_backward(kind):
     net[1].float()
     with pytest.raises(TypeError, match=r"the gradient of parameter 1\.(weight|bias) \(shape \((1, 4|1,)\)\) is "
                                         r"torch.float32, and the engine trains in torch.bfloat16: something cast the "
-                                        r"param after the engine was built.*router_dtype='bfloat16'"):
+                                        r"param after the engine was built: a model\.to\(torch\.float32\) \(cast the "
+                                        r"model first, then build the engine\).*router_dtype='bfloat16'"):
         net[1](net[0](torch.randn(2, 4, dtype=torch.bfloat16)).float()).sum().backward()
     opt.close()
 
@@ -493,3 +495,29 @@ def test_micro_batches_summed_in_16_bits_without_the_option_are_said_once(kind, 
     said = run(1, 3)
     assert len(said) == 1 and "3 or more backward passes" in said[0] and "gradient_accumulation_steps=3" in said[0]
     assert run(3, 3) == [] and run(1, 1) == []
+
+
+def _offload_adam_messages(rank, world_size):
+    import logging
+
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    log = logging.getLogger("hf_zero_offload")
+    log.addHandler(handler)
+    try:
+        OffloadAdam(torch.nn.Linear(4, 2).parameters(), options=OffloadOptions(num_threads=1)).close()
+    finally:
+        log.removeHandler(handler)
+    return said
+
+
+def test_offload_adam_under_a_process_group_says_it_averages_nothing(caplog):
+    """An OffloadAdam per rank of a data-parallel loop trained each rank's own copy, which drifted apart (0.076 after a
+    few steps) without a word (an outside probe); one process says nothing."""
+    from _dist import run_distributed
+
+    for said in run_distributed(_offload_adam_messages, world_size=2):
+        assert any("OffloadAdam is one process's engine and averages no gradient across the 2 ranks of this process "
+                   "group: for data parallelism use ShardedAdam(..., offload=True)" in s for s in said), said
+    assert not any("averages no gradient" in s for s in _offload_adam_messages(0, 1))

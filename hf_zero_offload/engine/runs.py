@@ -118,9 +118,10 @@ def param_label(group: dict, p) -> str:
 def grad_dtype_error(label: str, got: torch.dtype, want: torch.dtype) -> TypeError:
     """A gradient in another dtype than the engine's: its param was cast after the engine was built."""
     return TypeError(f"the gradient of parameter {label} is {got}, and the engine trains in {want}: something cast "
-                     "the param after the engine was built (a module that casts its own weights in forward, e.g. a "
-                     "router kept in float32, as SwitchTransformers' router_dtype does); keep every trainable param "
-                     f"in {want} (router_dtype={str(want).replace('torch.', '')!r}), or freeze it")
+                     f"the param after the engine was built: a model.to({got}) (cast the model first, then build the "
+                     "engine), or a module that casts its own weights in forward (e.g. a router kept in float32, as "
+                     "SwitchTransformers' router_dtype does: keep every trainable param in "
+                     f"{want}, router_dtype={str(want).replace('torch.', '')!r}, or freeze it)")
 
 
 def make_contiguous(param_groups: list[dict]) -> list[str]:
