@@ -36,8 +36,17 @@ def _configs(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's errors (a value of the wrong type, a missing or unknown flag) as one line, as every other mistake
+    here: argparse printed its usage block first (10 lines for estimate) above the line that names the problem.
+    Subparsers are made of the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-zero-offload", description="ZeRO-Offload / ZeRO-1/2 tools",
+    parser = _OneLineParser(prog="hf-zero-offload", description="ZeRO-Offload / ZeRO-1/2 tools",
                                      epilog="A mistake prints one line and exits 2; --debug (anywhere on the line) "
                                             "or HF_ZERO_OFFLOAD_DEBUG=1 shows the traceback.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

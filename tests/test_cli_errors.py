@@ -480,3 +480,21 @@ def test_ctrl_c_ends_an_open_progress_bar_before_its_line(capsys):
         signal.signal(signal.SIGINT, handler)
     err = capsys.readouterr().err
     assert e.value.code == 130 and err.endswith("\nprog: interrupted; go on from X\n"), repr(err[-200:])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["estimate", "--model", TINY, "--gpu-mem-gib", "24GB"], "argument --gpu-mem-gib: invalid float value: '24GB'"),
+    (["estimate", "--model", TINY, "--gpus", "2.5"], "argument --gpus: invalid int value: '2.5'"),
+    (["estimate", "--model", TINY, "--fp16", "--bf16"], "argument --bf16: not allowed with argument --fp16"),
+    (["estimate"], "the following arguments are required: --model"),
+    (["consolidate", "only_one"], "the following arguments are required: output_dir"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_argparse_errors_are_one_line_too(capsys, argv, says):
+    """A value of the wrong type printed argparse's usage block (10 lines for estimate) above the line naming it,
+    where the README promises one line (an outside probe)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+    assert err.rstrip().endswith("--help)")

@@ -345,9 +345,41 @@ def test_cli_refuses_a_model_without_a_language_model_head_in_one_line(capsys, t
                                 "num_attention_heads": 2, "intermediate_size": 64}))
     assert cli.main(["estimate", "--model", str(path)]) != 0
     err = capsys.readouterr().err
-    assert ("estimate plans text models with a language-model head (AutoModelForCausalLM); a ViTConfig (model_type "
-            "'vit') has none (vision, audio and classification models are not planned)") in err
+    assert (f"{path}: estimate plans text models with a language-model head; a ViTConfig (model_type 'vit') has no "
+            "causal or masked one (vision, audio and classification models are not planned)") in err
     assert len(err) < 600
+
+
+def _bert(tmp_path, name, **extra) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"model_type": "bert", "vocab_size": 1000, "hidden_size": 32, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "intermediate_size": 64, **extra}))
+    return str(path)
+
+
+def test_the_configs_architectures_choose_the_head(capsys, tmp_path):
+    """A BertForSequenceClassification config was planned as BertLMHeadModel (a vocabulary's logits, 144,680 params
+    where the classifier has 143,747) without a word, a BertForMaskedLM one as the causal head, and DistilBERT (a
+    masked head, no causal one) was refused as a model without a language-model head (an outside probe)."""
+    cases = [({"architectures": ["BertForMaskedLM"]}, "BertForMaskedLM"),
+             ({"architectures": ["BertLMHeadModel"], "is_decoder": True}, "BertLMHeadModel"),
+             ({"architectures": ["BertModel"]}, "BertLMHeadModel"),      # a bare base model: the default head
+             ({"architectures": ["MyOwnBert"]}, "BertLMHeadModel"),     # a name transformers does not know, too
+             ({}, "BertLMHeadModel")]
+    for i, (extra, planned) in enumerate(cases):
+        path = _bert(tmp_path, f"b{i}", **extra)
+        assert cli.main(["estimate", "--model", path, "--configs", "zero2_offload", "--seq-len", "16"]) == 0
+        assert f"model: {path} (planned as {planned})" in capsys.readouterr().out
+    distil = tmp_path / "distil.json"
+    distil.write_text(json.dumps({"model_type": "distilbert", "vocab_size": 1000, "dim": 32, "n_layers": 1,
+                                  "n_heads": 2, "hidden_dim": 64}))
+    assert cli.main(["estimate", "--model", str(distil), "--configs", "zero2_offload", "--seq-len", "16"]) == 0
+    assert "(planned as DistilBertForMaskedLM)" in capsys.readouterr().out
+    for head in ("BertForSequenceClassification", "BertForQuestionAnswering", "BertForTokenClassification"):
+        path = _bert(tmp_path, head, architectures=[head], num_labels=3)
+        assert cli.main(["estimate", "--model", path]) != 0
+        assert (f"{path}: the config's architectures names {head}, which is not a language-model head: estimate "
+                "plans causal, masked and seq2seq LM heads") in capsys.readouterr().err
 
 
 def test_cli_names_an_op_the_meta_device_cannot_run_not_the_config(capsys, tmp_path):
@@ -508,3 +540,16 @@ def test_cuda_budget_follows_the_per_process_cap(monkeypatch):
     assert cuda_memory_gib(torch.device("cuda:3")) == pytest.approx(24.0) and seen[-1] == 3
     monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")  # an older torch: the card
     assert cuda_memory_gib("cuda:0") == pytest.approx(140.0)
+
+
+def test_a_batch_at_the_search_limit_is_shown_as_a_bound_and_a_missing_adapter_is_named_first(capsys, tmp_path):
+    """A card of 1e30 GiB read "max batch 1048575", the search's limit, as if it were the largest batch; a wrong
+    --peft-config path was reported as peft missing where peft was not installed (an outside probe)."""
+    path = _bert(tmp_path, "b", architectures=["BertForMaskedLM"])
+    assert cli.main(["estimate", "--model", path, "--configs", "zero2_offload", "--seq-len", "16",
+                     "--gpu-mem-gib", "1e30"]) == 0
+    out = capsys.readouterr().out
+    assert ">=1048576" in out and ">=1048576: the search stops there" in out
+    missing = tmp_path / "nowhere"
+    assert cli.main(["estimate", "--model", path, "--peft-config", str(missing)]) != 0
+    assert f"--peft-config {missing}: no adapter_config.json there" in capsys.readouterr().err

@@ -188,7 +188,7 @@ class Plan:
     cuda: bool = True                  # planned as the engines allocate with CUDA present
     run_dtype: str | None = None       # what the run that asked for the plan trains in, when one did
     inputs: dict = field(default_factory=dict)  # the arguments of plan(), echoed by --json
-    model_class: str = ""              # the transformers class planned (a BERT config: BertLMHeadModel)
+    model_class: str = ""              # the transformers class planned (planner/heads.py)
     frozen: int = 0                    # frozen params (--trainable, --peft-config), on the device in the row's dtype
 
     @property
@@ -208,14 +208,19 @@ def device_budget(gpu_mem_gib: float) -> int:
     return int(gpu_mem_gib * GiB * (1 - SAFETY_FRACTION)) - SAFETY_BYTES
 
 
+MAX_BATCH_SEARCHED = 1 << 20  # the largest batch the search tries; a max_batch_size of it means "this or more"
+
+
 def _max_batch(static: int, prof, keep: bool, budget: int) -> int:
     def fits(b):
         return static + prof.peak(b, keep) <= budget
 
     if not fits(1):
         return 0
+    if fits(MAX_BATCH_SEARCHED):
+        return MAX_BATCH_SEARCHED  # at least this: the report prints ">=" (a 1e30 GiB card read 1048575)
     hi = 2
-    while fits(hi) and hi < 1 << 20:
+    while fits(hi):
         hi *= 2
     lo = hi // 2  # fits(lo) holds, fits(hi) does not (or the search cap was hit)
     while hi - lo > 1:
@@ -327,8 +332,14 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
                   batch_size=batch_size, bucket_numel=bucket_numel, tile_numel=tile_numel,
                   gradient_accumulation_steps=gradient_accumulation_steps, configs=configs,
                   state_dtype=state_dtype)
+    if peft_config is not None:
+        subset.adapter_folder(peft_config)  # a wrong path named before the model is built
     src = getattr(model_config_or_path, "config", model_config_or_path)
     config = trace.load_config(src)
+    try:
+        trace.model_class(config)  # (build_model asks again: a head it cannot plan is named with the file here)
+    except ValueError as e:
+        raise ValueError(f"{_model_name(src)}: {e}") from None
     with _model_errors(_model_name(src), "build the model this config describes", "is a key missing or wrong?"):
         model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
     _check_positions(config, model, seq_len, tgt_len, _model_name(src))

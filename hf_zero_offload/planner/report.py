@@ -4,11 +4,15 @@ from __future__ import annotations
 import sys
 
 from . import trace
-from .plan import GiB, SAFETY_BYTES, SAFETY_FRACTION, Plan, device_budget, plan
+from .plan import GiB, MAX_BATCH_SEARCHED, SAFETY_BYTES, SAFETY_FRACTION, Plan, device_budget, plan
 
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"  # a tiny model read "0.000 B"
+
+
+def _batch(n: int) -> str:
+    return f">={n}" if n >= MAX_BATCH_SEARCHED else str(n)  # the search stops there
 
 
 def _subset(p: Plan) -> str:
@@ -25,7 +29,7 @@ def format_plan(p: Plan) -> str:
     cells = []
     for r in p.rows:
         line = [r.name, g(r.device_bytes_model_states), g(r.host_bytes), f"{r.activation_bytes_per_sample / GiB:.3f}",
-                g(r.activation_bytes_const), str(r.max_batch_size), g(r.device_bytes_total)]
+                g(r.activation_bytes_const), _batch(r.max_batch_size), g(r.device_bytes_total)]
         if r.batch_size:
             line += [g(r.device_bytes_at_batch_size), "yes" if r.fits else "no"]
         cells.append(line)
@@ -64,7 +68,8 @@ def _legend(p: Plan) -> list[str]:
             "  act/sample: activation bytes each sample adds at the peak; act const: the fixed part of that peak "
             "(< 0 when the peak comes at the end of forward, before the gradients that 'device states' counts "
             "exist)",
-            "  max batch: the largest batch whose peak fits the budget (0: not even batch 1); "
+            f"  max batch: the largest batch whose peak fits the budget (0: not even batch 1; >={MAX_BATCH_SEARCHED}: the "
+            "search stops there); "
             "device GiB @max|1: the peak at that batch (at batch 1 when nothing fits)",
             *([f"  device GiB @{p.rows[0].batch_size}, fits: the peak at the batch size asked for, and whether it "
                "fits the budget"] if p.rows and p.rows[0].batch_size else [])]

@@ -29,17 +29,24 @@ def freeze_except(model, trainable: str, name: str) -> int:
     return sum(p.numel() for p, _ in aliases.values() if not p.requires_grad)
 
 
-def with_adapter(model, peft_config: str):
-    """``model`` with the PEFT adapter that ``peft_config`` (an ``adapter_config.json`` or its folder) describes, on
-    the model's device (meta: no weights); its trainable params are the adapter's (and its ``modules_to_save``)."""
-    try:
-        from peft import PeftConfig, get_peft_model
-    except ImportError:
-        raise ValueError(f"--peft-config {peft_config}: planning a PEFT adapter needs peft (pip install peft)") from None
+def adapter_folder(peft_config: str) -> str:
+    """The folder holding ``peft_config``'s adapter_config.json (``peft_config``: the file or its folder), checked
+    before the model is built and before peft is asked for: a wrong path was reported as peft missing."""
     folder = os.path.dirname(peft_config) if os.path.isfile(peft_config) else peft_config
     if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
         raise ValueError(f"--peft-config {peft_config}: no adapter_config.json there (give the file, or the folder "
                          "peft's save_pretrained wrote)")
+    return folder
+
+
+def with_adapter(model, peft_config: str):
+    """``model`` with the PEFT adapter that ``peft_config`` (an ``adapter_config.json`` or its folder) describes, on
+    the model's device (meta: no weights); its trainable params are the adapter's (and its ``modules_to_save``)."""
+    folder = adapter_folder(peft_config)
+    try:
+        from peft import PeftConfig, get_peft_model
+    except ImportError:
+        raise ValueError(f"--peft-config {peft_config}: planning a PEFT adapter needs peft (pip install peft)") from None
     try:
         config = PeftConfig.from_pretrained(folder)
         # peft's save_pretrained writes inference_mode true (every param frozen: nothing to plan); this plans training

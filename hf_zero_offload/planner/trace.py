@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..fp32_logits import widen_logits
+from .heads import model_class
 
 TRACE_BATCHES = (2, 4)
 
@@ -164,15 +165,9 @@ def load_config(model_config_or_path):
 
 
 def build_model(config, *, dtype: torch.dtype = torch.float32, device="meta", gradient_checkpointing: bool = False):
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    cls = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    if type(config) not in cls._model_mapping:  # transformers' own error listed ~200 config classes (3.4 KB)
-        raise ValueError(f"estimate plans text models with a language-model head ({cls.__name__}); a "
-                         f"{type(config).__name__} (model_type {getattr(config, 'model_type', '?')!r}) has none "
-                         "(vision, audio and classification models are not planned)")
+    cls = model_class(config)  # (transformers' own error for a config without the head listed ~200 classes)
     with torch.device(device):
-        model = cls.from_config(config, dtype=dtype)
+        model = cls._from_config(config, dtype=dtype)
     if gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")

@@ -1,0 +1,40 @@
+"""Which transformers class ``estimate`` plans for a config: a language-model head, whose labels are token ids and
+whose output is the vocabulary's logits (often the largest activation of a step).
+
+The config's ``architectures`` decides when it names such a head (BERT's ``BertForMaskedLM``, GPT-2's
+``GPT2LMHeadModel``); a bare base model (BART's ``BartModel``), a name transformers does not know, or none falls back
+to the model type's seq2seq head (encoder-decoder configs), else its causal head, else its masked one (DistilBERT has
+no causal head). A named head of another kind (sequence classification, question answering, ...) is refused by name:
+planned as an LM head, its logits (a vocabulary's, not a few labels') made the plan wrong without a word.
+"""
+from __future__ import annotations
+
+
+def _names(table: dict, model_type) -> tuple[str, ...]:
+    names = table.get(model_type, ())
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
+def model_class(config) -> type:
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = getattr(config, "model_type", None)
+    seq2seq = _names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, model_type)
+    causal = _names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, model_type)
+    masked = _names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, model_type)
+    named = (getattr(config, "architectures", None) or [None])[0]
+    if isinstance(named, str) and named in seq2seq + causal + masked and hasattr(transformers, named):
+        return getattr(transformers, named)
+    if (isinstance(named, str) and hasattr(transformers, named)
+            and named not in _names(auto.MODEL_MAPPING_NAMES, model_type)):
+        raise ValueError(f"the config's architectures names {named}, which is not a language-model head: estimate "
+                         "plans causal, masked and seq2seq LM heads (labels are token ids, the output a vocabulary's "
+                         "logits); classification, question-answering and other heads are not planned")
+    encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    for name in (seq2seq if encoder_decoder else ()) + causal + (() if encoder_decoder else masked):
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    kind = "seq2seq" if encoder_decoder else "causal or masked"
+    raise ValueError(f"estimate plans text models with a language-model head; a {type(config).__name__} (model_type "
+                     f"{model_type!r}) has no {kind} one (vision, audio and classification models are not planned)")
