@@ -66,6 +66,15 @@ def test_legacy_scheduler_value_names_are_mapped(form, name):
     (["--val_max_target_length", "-5", "--max_target_length", "0"], r"--max_target_length 0: a length in tokens, "
                                                                       r">= 1; --val_max_target_length -5"),
     (["--learning_rate", "-1", "--zero_offload", "zero2-offload"], r"--learning_rate -1.0: must be a finite number"),
+    # trained on without a word (an outside probe, session 33)
+    (["--label_smoothing", "1.5"], r"--label_smoothing 1.5: the share of the target's probability .* in \[0, 1\)"),
+    (["--label_smoothing_factor", "-0.1"], r"--label_smoothing_factor -0.1: the share"),
+    (["--sortish_sampler", "--train_sampling_strategy", "group_by_length"],
+     r"--sortish_sampler and --train_sampling_strategy group_by_length: both choose the training order"),
+    (["--adafactor=maybe"], r"--adafactor maybe: true or false"),
+    (["--adafactor", "--optim", "adamw_torch"], r"--adafactor and --optim: .*give one"),
+    (["--fp16_opt_level", "O1"], r"--fp16_opt_level \(apex's optimization level: .*removed apex; drop it\)"),
+    (["--evaluate_during_training"], r"--evaluate_during_training \(use --eval_strategy steps and --eval_steps\)"),
 ])
 def test_values_the_run_cannot_use_are_refused_before_any_model_work(tmp_path, synth_dir, monkeypatch, extra, match):
     _no_model_work(monkeypatch)
@@ -73,6 +82,44 @@ def test_values_the_run_cannot_use_are_refused_before_any_model_work(tmp_path, s
     with pytest.raises(ValueError, match=match):
         finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, "--do_train", *extra])
     assert not out.exists() or not os.listdir(out)
+
+
+@pytest.mark.parametrize("flags, adafactor", [(["--adafactor"], True), (["--adafactor", "true"], True),
+                                              (["--adafactor=1"], True), (["--adafactor", "false"], False),
+                                              (["--adafactor=false"], False), (["--adafactor=no"], False)])
+def test_the_legacy_adafactor_flag_reads_its_value(flags, adafactor, tmp_path):
+    """--adafactor=false switched Adafactor on (any mention of the flag did), --adafactor false was "unknown
+    arguments: false", and an arguments file's "adafactor": false was not used (an outside probe)."""
+    base = ["--config_name", TINY, "--data_dir", "x", "--output_dir", "o", "--use_cpu"]
+    _, _, args = finetune_trainer.parse_args(base + flags + ["--do_train"])
+    assert (str(getattr(args.optim, "value", args.optim)) == "adafactor") == adafactor and args.do_train
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"config_name": TINY, "data_dir": "x", "output_dir": "o", "use_cpu": True,
+                                "adafactor": adafactor}))
+    _, _, args = finetune_trainer.parse_args([str(path)])
+    assert (str(getattr(args.optim, "value", args.optim)) == "adafactor") == adafactor
+
+
+def test_removed_per_gpu_batch_flags_are_mapped():
+    _, _, args = finetune_trainer.parse_args(["--config_name", TINY, "--data_dir", "x", "--output_dir", "o",
+                                              "--use_cpu", "--per_gpu_train_batch_size", "3",
+                                              "--per_gpu_eval_batch_size=5"])
+    assert (args.per_device_train_batch_size, args.per_device_eval_batch_size) == (3, 5)
+
+
+@pytest.mark.parametrize("split", ["--do_eval", "--do_predict"])
+def test_an_evaluation_of_a_random_model_is_refused_before_a_trained_runs_tokenizer_is_replaced(
+        tmp_path, synth_dir, monkeypatch, split):
+    """--do_eval with --config_name alone scored a randomly initialised model, and wrote the tokenizer it trained over
+    the trained run's in --output_dir (an outside probe: the folder's model then sat beside a 358-id tokenizer)."""
+    _no_model_work(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "spiece.model").write_bytes(b"the trained run's")
+    with pytest.raises(ValueError, match=r"--do_eval/--do_predict without --do_train and without --model_name_or_path "
+                                         r"would score a randomly initialised model"):
+        finetune_trainer.main(_common_args(synth_dir, out) + ["--config_name", TINY, split])
+    assert (out / "spiece.model").read_bytes() == b"the trained run's" and os.listdir(out) == ["spiece.model"]
 
 
 def test_a_bad_simd_level_is_named_before_any_model_work(tmp_path, synth_dir, monkeypatch):

@@ -209,7 +209,8 @@ def parse_args(argv: Optional[List[str]] = None):
                                                           return_remaining_strings=True)
     if unknown:
         flags = [f for a in parser._actions for f in a.option_strings]
-        hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(u.split("=")[0], flags, n=1))
+        hints = [f"{u} ({su.REMOVED_FLAGS[u.split('=')[0]]})" if u.split("=")[0] in su.REMOVED_FLAGS
+                 else f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(u.split("=")[0], flags, n=1))
                  else u for u in unknown if u.startswith("-") and not _is_number(u)]
         raise ValueError(f"unknown arguments: {', '.join(hints or unknown)} (all flags: --help)")
     return tuple(parsed)
@@ -264,6 +265,11 @@ def check_values(model_args, data_args, training_args, config) -> None:
         if n is not None and n < 1:  # a length of 0 tokenized every example to nothing, found deep in the model
             problems.append(f"--{name} {n}: a length in tokens, >= 1")
     problems += _run_problems(data_args, training_args, config)
+    if (training_args.do_eval or training_args.do_predict) and not training_args.do_train \
+            and model_args.model_name_or_path is None:  # (it wrote a new tokenizer over a trained run's, too)
+        problems.append("--do_eval/--do_predict without --do_train and without --model_name_or_path would score a "
+                        "randomly initialised model (built from --config_name): give the trained model's folder (a "
+                        "run's --output_dir) as --model_name_or_path")
     vocab = model_args.tokenizer_vocab_size
     if vocab is not None and vocab < 8:  # (train_tokenizer's floor without sentinels; it said "vocab_size 5")
         problems.append(f"--tokenizer_vocab_size {vocab}: a tokenizer needs 8 pieces at least")
@@ -275,6 +281,10 @@ def check_values(model_args, data_args, training_args, config) -> None:
         problems.append(f"--eval_beams {data_args.eval_beams} and --generation_num_beams {beams}: the first is the "
                         "legacy spelling of the second; give one")
     given = training_args.label_smoothing_factor
+    for flag, eps in (("--label_smoothing", data_args.label_smoothing), ("--label_smoothing_factor", given)):
+        if eps is not None and not 0.0 <= eps < 1.0:  # (1.5 or -0.1 trained on, transformers takes any float)
+            problems.append(f"{flag} {eps}: the share of the target's probability spread over the vocabulary, in "
+                            "[0, 1)")
     if data_args.label_smoothing is not None and given not in (0.0, data_args.label_smoothing):
         problems.append(f"--label_smoothing {data_args.label_smoothing} and --label_smoothing_factor {given}: the "
                         "first is the legacy spelling of the second; give one")
@@ -351,6 +361,10 @@ def _run_problems(data_args, training_args, config) -> List[str]:
                             _metric_problem(training_args.metric_for_best_model, training_args.predict_with_generate))
                 if p]
     problems += _generation_problems(data_args, training_args)
+    if training_args.sortish_sampler and training_args.train_sampling_strategy != "random":  # (sortish won, silently)
+        problems.append(f"--sortish_sampler and --train_sampling_strategy {training_args.train_sampling_strategy}: "
+                        "both choose the training order (the first: length-grouped mega-batches, the legacy "
+                        "sampler); give one")
     if training_args.resume_from_checkpoint and not training_args.do_train:
         problems.append(f"--resume_from_checkpoint {training_args.resume_from_checkpoint} without --do_train: it "
                         "resumes training; to evaluate a checkpoint, give it as --model_name_or_path")

@@ -31,6 +31,26 @@ LEGACY_FLAG_RENAMES = {
     "--adam_eps": "--adam_epsilon",
     "--lr_scheduler": "--lr_scheduler_type",
     "--no_cuda": "--use_cpu",
+    "--per_gpu_train_batch_size": "--per_device_train_batch_size",
+    "--per_gpu_eval_batch_size": "--per_device_eval_batch_size",
+}
+# v4.x flags that transformers 5.x removed with nothing to map them onto: named with what to do instead (an unknown
+# flag was answered with the nearest name, "--fp16_opt_level (did you mean --fp16_full_eval?)")
+_DROP = "gone in transformers 5.x; drop it"
+REMOVED_FLAGS = {
+    "--fp16_opt_level": "apex's optimization level: --fp16/--bf16 run through torch.amp since transformers 5.x "
+                        "removed apex; drop it",
+    "--fp16_backend": f"one backend (torch.amp) is left: {_DROP}",
+    "--half_precision_backend": f"one backend (torch.amp) is left: {_DROP}",
+    "--evaluate_during_training": "use --eval_strategy steps and --eval_steps",
+    "--group_by_length": "use --train_sampling_strategy group_by_length (or the legacy --sortish_sampler)",
+    "--tpu_num_cores": _DROP, "--tpu_metrics_debug": _DROP, "--past_index": _DROP, "--mp_parameters": _DROP,
+    "--use_mps_device": f"the MPS device is used where present: {_DROP}",
+    "--save_safetensors": f"checkpoints are always safetensors: {_DROP}",
+    "--use_legacy_prediction_loop": _DROP, "--jit_mode_eval": _DROP, "--use_ipex": _DROP, "--xpu_backend": _DROP,
+    "--torchdynamo": "use --torch_compile_backend", "--ray_scope": _DROP, "--push_to_hub_token": "use --hub_token",
+    "--logging_dir": f"TensorBoard's folder is set by its own TENSORBOARD_LOGGING_DIR: {_DROP}",
+    "--overwrite_cache": f"nothing is cached (the data are read from --data_dir at each run): {_DROP}",
 }
 # Still documented names that transformers 5.23+ deprecates with a FutureWarning on every run: renamed quietly, where
 # the new name exists (before 5.23 the rename made "unknown arguments: --activation_checkpointing")
@@ -44,13 +64,32 @@ QUIET_FLAG_RENAMES = {k: v for k, v in {
 LEGACY_SCHEDULER_NAMES = {"constant_w_warmup": "constant_with_warmup", "cosine_w_restarts": "cosine_with_restarts"}
 
 
+_TRUE, _FALSE = ("true", "1", "yes", "y", "t"), ("false", "0", "no", "n", "f")  # transformers' string_to_bool
+
+
+def _adafactor(value, given_optim: bool) -> List[str]:
+    """v4.2's ``--adafactor`` (a bool field: bare, ``true`` or ``false``) as transformers 5's ``--optim adafactor``;
+    false asks for nothing (it was taken for true, as any mention of the flag was)."""
+    word = str(value).strip().lower()
+    if value is not True and word not in _TRUE + _FALSE:
+        raise ValueError(f"--adafactor {value}: true or false (the legacy flag for --optim adafactor)")
+    if value is True or word in _TRUE:
+        if given_optim:
+            raise ValueError("--adafactor and --optim: the first is the legacy spelling of --optim adafactor; give one")
+        return ["--optim", "adafactor"]
+    return []
+
+
 def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
     """Map the v4.2 flag spellings onto today's names (``--flag value`` and ``--flag=value`` forms), and the legacy
     --lr_scheduler's value names."""
     out: List[str] = []
     given = {a.partition("=")[0] for a in argv}
-    for arg in argv:
+    argv = list(argv)
+    for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
+        if i and argv[i - 1] == "--adafactor" and arg.lower() in _TRUE + _FALSE:
+            continue  # (its value, taken with it)
         if out and out[-1] == "--lr_scheduler_type" and arg in LEGACY_SCHEDULER_NAMES:
             out.append(LEGACY_SCHEDULER_NAMES[arg])
         elif name in ("--lr_scheduler", "--lr_scheduler_type") and value in LEGACY_SCHEDULER_NAMES:
@@ -62,7 +101,8 @@ def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
         elif name in QUIET_FLAG_RENAMES and QUIET_FLAG_RENAMES[name] not in given:  # both given: transformers' rule
             out.append(QUIET_FLAG_RENAMES[name] + eq + value)                        # (the new name wins) decides
         elif name == "--adafactor":
-            out += ["--optim", "adafactor"]
+            following = argv[i + 1] if i + 1 < len(argv) and argv[i + 1].lower() in _TRUE + _FALSE else None
+            out += _adafactor(value if eq else (following or True), "--optim" in given)
         else:
             out.append(arg)
     return out
@@ -79,8 +119,10 @@ def rewrite_legacy_keys(args: dict) -> dict:
             logger.warning("legacy key %s is spelled %s in transformers 5.x; mapped", key, new)
         if new == "lr_scheduler_type" and value in LEGACY_SCHEDULER_NAMES:
             value = LEGACY_SCHEDULER_NAMES[value]
-        if key == "adafactor" and value is True:
-            new, value = "optim", "adafactor"
+        if key == "adafactor":
+            if _adafactor(value, "optim" in args):
+                out["optim"] = "adafactor"
+            continue
         out[new] = value
     return out
 
