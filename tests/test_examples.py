@@ -330,7 +330,9 @@ def test_torchrun_on_cpu_without_use_cpu_names_the_flag_before_anything_is_writt
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         os.path.join(EX, "finetune_trainer.py"), *argv],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert r.returncode != 0
+    if r.returncode == 0:  # accelerate 1.3 (the floor) gives the Trainer both gloo ranks: a right run, nothing to stop
+        assert "ranks=2 backend=gloo" in r.stderr, r.stderr[-3000:]
+        return
     assert "WORLD_SIZE=2 (torchrun) but the Trainer sees 1 process" in r.stderr and "--use_cpu" in r.stderr, \
         r.stderr[-3000:]
     assert "hzo-run.lock" not in r.stderr and "another run" not in r.stderr

@@ -1,12 +1,13 @@
 """The Trainer integration on CPU: a tiny random-init T5 through ZeroOffloadSeq2SeqTrainer."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
-from transformers import HfArgumentParser, Seq2SeqTrainer, T5ForConditionalGeneration
+from transformers import HfArgumentParser, Seq2SeqTrainer, T5ForConditionalGeneration, TrainingArguments
 
 from _t5 import ToyDataset, tiny_t5
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
@@ -43,11 +44,16 @@ def test_flags_parse():
     assert b.zero_offload is None and not b.sharded_ddp
 
 
+# --gradient_checkpointing's name from transformers 5.23 on (before it, the old one is the only one)
+_CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in
+                  {f.name for f in dataclasses.fields(TrainingArguments)} else "gradient_checkpointing")
+
+
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "gradient-checkpointing"])
 def test_fp32_equals_plain_trainer_with_accumulation_clipping_and_warmup(tmp_path, ckpt):
     # gradient checkpointing recomputes the forward during backward: each gradient still leaves once
     kw = dict(gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=2,
-              **({"activation_checkpointing": True} if ckpt else {}))  # --gradient_checkpointing's new name
+              **({_CHECKPOINTING: True} if ckpt else {}))
     ref_model, ref = run(Seq2SeqTrainer, args(tmp_path, "ref", optim="adamw_torch", **kw))
     model, ours = run(ZeroOffloadSeq2SeqTrainer, args(tmp_path, "ours", zero_offload=OFFLOAD, **kw))
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
+from transformers.training_args import OptimizerNames
 
-from _t5 import OFFLOAD, ToyDataset, tiny_t5
+from _t5 import OFFLOAD, ToyDataset, best_eval_step, tiny_t5
 from _t5 import logged as _logged
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer
 from hf_zero_offload.config import ConfigError
@@ -201,11 +202,12 @@ def test_load_best_model_at_end_loads_our_state_of_the_best_checkpoint(tmp_path,
     ours = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "ours", zero_offload=cfg, **kw),
                                      train_dataset=ToyDataset(), eval_dataset=ToyDataset(8, seed=1))
     ours.train()
-    assert ours.state.best_model_checkpoint.endswith("checkpoint-2")
+    best_step = best_eval_step(ours.state)
+    assert ours.state.best_model_checkpoint.endswith(f"checkpoint-{best_step}")
     # the model is the evaluated one (DPU: the train() end flush must not publish the last step over it) ...
     assert ours.evaluate()["eval_loss"] == pytest.approx(ours.state.best_metric, rel=1e-6)
     engine = ours.zero_engine
-    assert engine.global_steps == 2  # ... and the optimizer state is the best checkpoint's, not the last step's
+    assert engine.global_steps == best_step  # ... and the optimizer state is the best checkpoint's, not the last's
     if cfg is OFFLOAD:  # the masters are the weights
         for g in engine._slots:
             for p, off, n in g:
@@ -218,10 +220,14 @@ def test_load_best_model_at_end_loads_our_state_of_the_best_checkpoint(tmp_path,
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)  # DEBUG
 
 
+_HAS_APEX_NAME = "adamw_apex_fused" in {o.value for o in OptimizerNames}
+
+
 @pytest.mark.parametrize("extra, match", [
-    # only the names this transformers accepts (adamw_hf and adamw_apex_fused were listed: 5.x refuses both)
+    # only the names this transformers accepts (adamw_hf and adamw_apex_fused were listed: 5.25 refuses both; 5.3, the
+    # floor, still has adamw_apex_fused, and trains it in the engine)
     (dict(optim="sgd"), r"--optim sgd: the zero_offload engine is Adam/AdamW only \(accepted: adamw_torch, "
-                        r"adamw_torch_fused\)"),
+                        r"adamw_torch_fused" + ("" if _HAS_APEX_NAME else r"\)")),
     (dict(optim="adamw_torch_xla"), r"--optim adamw_torch_xla: AdamW for an XLA device, where the zero_offload "
                                     r"engines do not run"),
     (dict(optim="adafactor"), r"--optim adafactor"),
@@ -538,7 +544,7 @@ def test_a_window_left_part_way_is_dropped_as_the_plain_trainer_drops_it(tmp_pat
         if how == "oom-retry":
             _OOMInBackward(model)
             trainer.train()
-            assert trainer._train_batch_size == 7  # it did retry
+            assert trainer._train_batch_size in (7, 4)  # it did retry (accelerate cuts 8 by 10%; 1.3 halved it)
         else:
             trainer.add_callback(_StopMidWindow(how))
             try:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
-from _t5 import OFFLOAD, ToyDataset, logged, tiny_t5
+from _t5 import OFFLOAD, ToyDataset, best_eval_step, logged, tiny_t5
 from hf_zero_offload import (ZeroOffloadCallback, ZeroOffloadMixin, ZeroOffloadSeq2SeqTrainer,
                              ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer)
 from hf_zero_offload.config import ConfigError
@@ -166,7 +166,7 @@ def test_callback_dpu_load_best_model_keeps_the_best_weights(tmp_path):
         tmp_path, "best", dpu=True, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps",
         save_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)
     trainer.train()
-    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")  # not the last: greater is "better"
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best_eval_step(trainer.state)}")
     best = load_file(trainer.state.best_model_checkpoint + "/model.safetensors")
     sd = model.state_dict()
     assert max((sd[k] - v).abs().max().item() for k, v in best.items()) == 0.0
@@ -404,7 +404,11 @@ def test_optimizer_cls_and_kwargs_with_torch_adam_runs_in_the_engine(tmp_path, o
     assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in ours.zero_engine.param_groups] == \
         [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in ref.optimizer.param_groups]
     assert [g["adamw_mode"] for g in ours.zero_engine.param_groups] == [opt_cls is torch.optim.AdamW] * 2
-    _assert_same(ref_model, ref, model, ours)
+    # torch < 2.7's Adam adds the L2 term with a second rounding (no fused multiply-add, which ours and later torch
+    # use): 1 ulp apart where g and wd * p nearly cancel, which Adam's first step turns into 1e-5 (an outside probe
+    # at the floors, torch 2.6)
+    l2_rounded_twice = opt_cls is torch.optim.Adam and torch.torch_version.TorchVersion(torch.__version__) < "2.7"
+    _assert_same(ref_model, ref, model, ours, atol=2e-5 if l2_rounded_twice else 5e-7)
 
 
 def test_a_scheduler_block_replacing_the_lr_of_optimizer_cls_and_kwargs_says_so(tmp_path, caplog):

@@ -278,7 +278,8 @@ def _model_errors(name: str, what: str, hint: str):
         raise
     except Exception as e:  # noqa: BLE001
         message = " ".join(str(e).split())
-        if isinstance(e, NotImplementedError) and ("meta" in message or "data-dependent" in message):
+        # (torch 2.6 says "Meta tensors", later ones "meta")
+        if isinstance(e, NotImplementedError) and ("meta" in message.lower() or "data-dependent" in message):
             # an op whose output shape depends on the values (torch.nonzero: a mixture of experts routing tokens)
             # has no meta form: the config is fine, the tracer cannot run this model without weights
             hint = ("this model runs an op whose output shape depends on the values (a mixture of experts' routing, "

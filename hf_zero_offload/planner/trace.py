@@ -153,7 +153,7 @@ def load_config(model_config_or_path):
     if not os.path.isdir(path) and not os.path.isfile(path):  # /dev/null, a pipe: transformers took it for a Hub id
         raise ValueError(f"{path}: not a regular file (pass a config JSON file or a model folder)")
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return _numbers_checked(AutoConfig.from_pretrained(path, local_files_only=True))
     except Exception as e:  # noqa: BLE001 -- a value of the wrong type is huggingface_hub's own exception class
         if isinstance(e, ImportError):
             raise
@@ -162,6 +162,21 @@ def load_config(model_config_or_path):
             raise  # transformers' own message already names the file
         # every other failure to read the file is the file's fault: say which file (the message may not)
         raise ValueError(f"{path}: not a model config transformers can read ({type(e).__name__}: {message})") from e
+
+
+def _numbers_checked(config):
+    """A number given as text ("d_model": "big") refused by name, as transformers >= 5.x's strict config dataclasses
+    do ("Field 'd_model' expected int"); older ones loaded it and torch failed far inside the model's build with
+    "type must be tuple of ints, but got str", naming no key. Only keys whose class default is a number are read."""
+    try:
+        defaults = type(config)()
+    except Exception:  # noqa: BLE001 -- a class that needs arguments: transformers' own checks only
+        return config
+    for key, value in config.to_dict().items():
+        ref = getattr(defaults, key, None)
+        if isinstance(value, str) and isinstance(ref, (int, float)) and not isinstance(ref, bool):
+            raise TypeError(f"Field {key!r} expected {type(ref).__name__}, got str (value: {value!r})")
+    return config
 
 
 def build_model(config, *, dtype: torch.dtype = torch.float32, device="meta", gradient_checkpointing: bool = False):
