@@ -365,6 +365,7 @@ def test_the_configs_architectures_choose_the_head(capsys, tmp_path):
              ({"architectures": ["BertLMHeadModel"], "is_decoder": True}, "BertLMHeadModel"),
              ({"architectures": ["BertModel"]}, "BertLMHeadModel"),      # a bare base model: the default head
              ({"architectures": ["MyOwnBert"]}, "BertLMHeadModel"),     # a name transformers does not know, too
+             ({"architectures": ["RobertaForMaskedLM"]}, "BertLMHeadModel"),  # another model type's LM head
              ({}, "BertLMHeadModel")]
     for i, (extra, planned) in enumerate(cases):
         path = _bert(tmp_path, f"b{i}", **extra)

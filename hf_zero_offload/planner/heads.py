@@ -2,9 +2,9 @@
 whose output is the vocabulary's logits (often the largest activation of a step).
 
 The config's ``architectures`` decides when it names such a head (BERT's ``BertForMaskedLM``, GPT-2's
-``GPT2LMHeadModel``); a bare base model (BART's ``BartModel``), a name transformers does not know, or none falls back
-to the model type's seq2seq head (encoder-decoder configs), else its causal head, else its masked one (DistilBERT has
-no causal head). A named head of another kind (sequence classification, question answering, ...) is refused by name:
+``GPT2LMHeadModel``); a bare base model (BART's ``BartModel``), another model type's LM head, a name transformers
+does not know, or none falls back to the model type's seq2seq head (encoder-decoder configs), else its causal head,
+else its masked one (DistilBERT has no causal head). A named head of another kind (sequence classification, question answering, ...) is refused by name:
 planned as an LM head, its logits (a vocabulary's, not a few labels') made the plan wrong without a word.
 """
 from __future__ import annotations
@@ -26,8 +26,10 @@ def model_class(config) -> type:
     named = (getattr(config, "architectures", None) or [None])[0]
     if isinstance(named, str) and named in seq2seq + causal + masked and hasattr(transformers, named):
         return getattr(transformers, named)
-    if (isinstance(named, str) and hasattr(transformers, named)
-            and named not in _names(auto.MODEL_MAPPING_NAMES, model_type)):
+    tables = (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+              auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES)
+    lm_or_base = {n for table in tables for key in table for n in _names(table, key)}  # (of any model type)
+    if isinstance(named, str) and hasattr(transformers, named) and named not in lm_or_base:
         raise ValueError(f"the config's architectures names {named}, which is not a language-model head: estimate "
                          "plans causal, masked and seq2seq LM heads (labels are token ids, the output a vocabulary's "
                          "logits); classification, question-answering and other heads are not planned")
