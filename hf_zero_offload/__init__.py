@@ -5,6 +5,7 @@ import transformers) load on first access.
 """
 from __future__ import annotations
 
+import importlib as _importlib
 import importlib.util as _util
 import os as _os
 
@@ -47,4 +48,8 @@ def __getattr__(name: str):
                                       "it with the [trainer] extra (pip install 'hf_zero_offload[trainer]')",
                                       name=e.name) from None
         return getattr(trainer, name)
+    # a submodule used as an attribute after ``import hf_zero_offload`` alone (the README's
+    # ``hf_zero_offload.torch_state.torch_optimizer_state(DIR)`` was an AttributeError), imported on first access
+    if not name.startswith("_") and _util.find_spec(f"{__name__}.{name}") is not None:
+        return _importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'hf_zero_offload' has no attribute {name!r}")

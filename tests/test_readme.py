@@ -63,3 +63,36 @@ def test_what_the_readme_says_an_overflow_step_logs_and_sigterm_does():
         result, grad_scale = decide_step(LossScaler.from_fp16(enabled=True, loss_scale=128), sumsq, 1.0)
         assert result.skipped and grad_scale is None and str(result.grad_norm) == shown.split("`")[1] and shown in flat
     assert "ends it at once with exit 143 and no message" in flat
+
+
+_RESOLVE = """
+import importlib, sys
+import hf_zero_offload
+bad = []
+for name in sys.argv[1:]:
+    parts = name.split(".")
+    try:
+        obj = getattr(hf_zero_offload, parts[1])  # after `import hf_zero_offload` alone, as the docs' code uses it
+        for i in range(2, len(parts)):
+            try:
+                obj = getattr(obj, parts[i])
+            except AttributeError:  # a module of a subpackage, named for `python -m` or an import
+                obj = importlib.import_module(".".join(parts[:i + 1]))
+    except (AttributeError, ImportError) as e:
+        bad.append(f"{name}: {e}")
+print("\\n".join(bad))
+"""
+
+
+def test_every_dotted_name_the_docs_give_resolves():
+    """The README's `hf_zero_offload.torch_state.torch_optimizer_state(DIR)` was an AttributeError after `import
+    hf_zero_offload` (submodules were not attributes until imported), an outside probe; checked for every
+    `hf_zero_offload.x.y` the docs name, in a fresh interpreter (this one has imported most modules)."""
+    docs = [ROOT / "README.md", ROOT / "examples" / "seq2seq" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+            *sorted((ROOT / "benchmarks").glob("*.md"))]
+    names = sorted({n for f in docs for n in re.findall(r"\bhf_zero_offload(?:\.[A-Za-z_]\w*)+",
+                                                        f.read_text(encoding="utf-8"))})
+    assert "hf_zero_offload.torch_state.torch_optimizer_state" in names
+    r = subprocess.run([sys.executable, "-c", _RESOLVE, *names], capture_output=True, text=True, timeout=300,
+                       cwd=str(ROOT / "tests"))
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr[-2000:]
