@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 
 import torch
@@ -27,21 +28,48 @@ def step_threads(explicit: int | None) -> int:
     leave the step on one core per rank while the rest of the host idles (the step is the part of a
     ZeRO-Offload run that needs the host's cores and memory bandwidth); ranks started another way would
     each take all the cores. An OMP_NUM_THREADS other than torchrun's 1 is the user's choice and is kept,
-    as it is alone on the node: torch's own thread count. The result does not depend on it: the kernels
-    give the same bits at any thread count."""
+    as it is alone on the node: torch's own thread count. Ranks that SLURM's ``srun`` started without torchrun
+    take SLURM_CPUS_PER_TASK, else their share as torchrun's (``_slurm_share``). The result does not depend on
+    it: the kernels give the same bits at any thread count."""
     if explicit is not None:
         return explicit
     try:  # read as the launch checks and Accelerate read it: " 2" is two ranks
-        local_ranks = launch_count(os.environ, "LOCAL_WORLD_SIZE") or 1
+        local_ranks = launch_count(os.environ, "LOCAL_WORLD_SIZE")
     except LaunchError:  # not a count: check_launch_env names it before a Trainer run gets here
         local_ranks = 1
-    if local_ranks == 1 or os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1"):
+    user_omp = os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1")
+    if local_ranks is None and "SLURM_LOCALID" in os.environ and not user_omp:  # srun's tasks, no torchrun
+        per_task, local_ranks = _slurm_share(os.environ)
+        if per_task:
+            return per_task
+    local_ranks = local_ranks or 1
+    if local_ranks == 1 or user_omp:
         return max(1, torch.get_num_threads())
     try:
         cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use (taskset, a cpuset)
     except (AttributeError, OSError):  # not on Linux
         cpus = os.cpu_count() or 1
     return max(1, cpus // local_ranks)
+
+
+def _slurm_share(env) -> tuple[int | None, int | None]:
+    """In an ``srun`` step without torchrun (ranks started by SLURM, which sets no LOCAL_WORLD_SIZE and no
+    OMP_NUM_THREADS): (SLURM_CPUS_PER_TASK, this node's task count from SLURM_STEP_TASKS_PER_NODE, "2(x3),1" style),
+    None where unset or unreadable. Each of the node's tasks took every core before, torch's default thread count: 8
+    tasks on 32 cores ran 8 x 32 step threads."""
+    def count(value):
+        return int(value) if value is not None and value.strip().isdecimal() and int(value) > 0 else None
+
+    per_node = []
+    for part in (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "").split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            per_node = []
+            break
+        per_node += [int(match[1])] * int(match[2] or 1)
+    node = count(env.get("SLURM_NODEID")) or 0
+    tasks = per_node[node] if node < len(per_node) and per_node[node] > 0 else None
+    return count(env.get("SLURM_CPUS_PER_TASK")), tasks
 
 
 def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:

@@ -91,8 +91,13 @@ def test_fp16_on_cpu_names_what_to_use_on_this_cpu(tmp_path, caplog, fp16, nativ
     (None, "two", None, 16, 5, 5),   # not a count: as if alone
 ])
 def test_step_threads_share_the_node_between_local_ranks(monkeypatch, explicit, local, omp, cpus, torch_threads,
-                                                          want):
+                                                          want, slurm=None):
     from hf_zero_offload import engine_setup
+    for name in ("SLURM_LOCALID", "SLURM_CPUS_PER_TASK", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                 "SLURM_NODEID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (slurm or {}).items():
+        monkeypatch.setenv(name, value)
     for name, value in (("LOCAL_WORLD_SIZE", local), ("OMP_NUM_THREADS", omp)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
@@ -101,6 +106,22 @@ def test_step_threads_share_the_node_between_local_ranks(monkeypatch, explicit, 
     monkeypatch.setattr(engine_setup.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     monkeypatch.setattr(engine_setup.torch, "get_num_threads", lambda: torch_threads)
     assert engine_setup.step_threads(explicit) == want
+
+
+@pytest.mark.parametrize("slurm, omp, want", [
+    ({"SLURM_STEP_TASKS_PER_NODE": "4"}, None, 8),                            # 4 tasks on 32 CPUs: not 4 x 32
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),8", "SLURM_NODEID": "3"}, None, 4),  # this node (the 4th) runs 8
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),8", "SLURM_NODEID": "1"}, None, 16),
+    ({"SLURM_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "6"}, None, 6),     # the allocation per task
+    ({"SLURM_STEP_TASKS_PER_NODE": "4"}, "3", 3),                            # the user's OMP_NUM_THREADS is kept
+    ({"SLURM_STEP_TASKS_PER_NODE": "bad"}, None, 32),                        # unreadable: as if alone
+    ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "0"}, None, 8),
+])
+def test_step_threads_of_ranks_srun_started(monkeypatch, slurm, omp, want):
+    """Ranks started by SLURM's srun (no torchrun: no LOCAL_WORLD_SIZE, no OMP_NUM_THREADS) each ran torch's default
+    thread count, every core of the node: 4 tasks on 32 CPUs ran 4 x 32 step threads."""
+    test_step_threads_share_the_node_between_local_ranks(
+        monkeypatch, None, None, omp, 32, int(omp) if omp else 32, want, slurm={"SLURM_LOCALID": "0", **slurm})
 
 
 def test_cpu_threads_key_reaches_the_engine_and_the_start_line(tmp_path, caplog):
