@@ -14,6 +14,7 @@ from ..engine.checkpoint.contents import GroupingMismatch, LayoutMismatch
 from ..engine.checkpoint.folder import check_save_id, sources
 from .saving import SCHEDULER_NAME, STATE_DIR
 from .torch_resume import TorchStateResume
+from .unloaded import unloaded_params
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -25,7 +26,10 @@ class CheckpointLoading(TorchStateResume):
         # refused first (the state's param order needs the engine, built later: checked at its load).
         if self._zo_raw is not None and model is None:
             self._zo_check_before_weights(resume_from_checkpoint)
-        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        out = super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._zo_unloaded = unloaded_params(self.model, resume_from_checkpoint) if self._zo_raw is not None and \
+            model is None else []
+        return out
 
     def _zo_check_before_weights(self, checkpoint: str) -> None:
         state_dir = os.path.join(checkpoint, STATE_DIR)
@@ -92,6 +96,7 @@ class CheckpointLoading(TorchStateResume):
             if before is not None:  # a refused file or state leaves the schedule as it was
                 self.lr_scheduler.load_state_dict(before)
             raise
+        self._zo_after_unloaded_weights(checkpoint, from_masters=torch_sd is None)
         if before is None:
             logger.warning(resume_report.missing_scheduler_message(checkpoint, self._get_learning_rate(), SCHEDULER_NAME))
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
@@ -109,6 +114,29 @@ class CheckpointLoading(TorchStateResume):
                            "hold; the next steps differ from an uninterrupted run (t5-tiny, no clipping: 1.2e-3 after "
                            "3 steps), as under the plain Trainer; --average_tokens_across_devices false keeps one scale",
                            saved, self.args.world_size, self.args.world_size / saved)
+
+    def _zo_after_unloaded_weights(self, checkpoint: str, from_masters: bool) -> None:
+        """Params the Trainer's load left as they were (``unloaded``' module says why): our state's masters set them,
+        a DPU state's with its step published now (its lagging weights are gone with the names), and a plain
+        Trainer's checkpoint cannot restore them (as under the plain Trainer)."""
+        unloaded, self._zo_unloaded = getattr(self, "_zo_unloaded", None) or [], []
+        if not unloaded:
+            return
+        names = f"{len(unloaded)} trainable param(s) ({', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''})"
+        why = (f"{checkpoint}'s weight files hold {names} under other names (transformers saves this architecture's "
+               "weights under their older names and the Trainer's resume loads them by name)")
+        if not from_masters:
+            logger.warning("hf_zero_offload: %s: they keep the values they had before the resume (their "
+                           "initialisation), as under the plain Trainer, and the optimizer's moments go on from there",
+                           why)
+        elif self.zero_engine.needs_publish:  # a DPU state: its lagging weights were those params' only copy
+            self.zero_engine.flush()
+            logger.warning("hf_zero_offload: %s: the delayed (DPU) step's lagging weights cannot be restored, so its "
+                           "masters are published now, one step early: the first step after the resume differs from "
+                           "an uninterrupted run's by that lag", why)
+        elif self.args.should_log:
+            logger.info("hf_zero_offload: %s: the engine's fp32 masters set them (transformers' 'missing keys' "
+                        "warning above does not apply: the resume is exact)", why)
 
     def _load_best_model(self) -> None:
         engine = self.zero_engine
