@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import TrainerCallback, ViTConfig, ViTForImageClassification
 
 from hf_zero_offload import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
@@ -49,23 +50,31 @@ class _Weights(TrainerCallback):
             self.at = {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _run(tmp_path, name, cfg, **kw):
+def _run(tmp_path, name, cfg, best=False, **kw):
     model = _vit()
-    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=8, max_steps=5,
+    extra = dict(eval_strategy="steps", eval_steps=3, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                 greater_is_better=True, max_steps=6) if best else dict(max_steps=5)
+    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=8,
                                         learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True,
-                                        save_strategy="steps", save_steps=3, zero_offload=cfg, seed=0)
-    trainer = ZeroOffloadTrainer(model=model, args=args, train_dataset=Images())
+                                        save_strategy="steps", save_steps=3, zero_offload=cfg, seed=0, **extra)
+    trainer = ZeroOffloadTrainer(model=model, args=args, train_dataset=Images(), eval_dataset=Images(16))
     seen = _Weights()
     trainer.add_callback(seen)
     trainer.train(**kw)
-    return model, seen.at
+    return (trainer if best else model), seen.at
+
+
+def _skip_unless_renamed(checkpoint):
+    model = _vit()
+    missing = model.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False).missing_keys
+    if not unloaded_params(model, missing):
+        pytest.skip("this transformers saves ViT's weights under the model's own names")
 
 
 @pytest.mark.parametrize("cfg", [OFFLOAD, DPU], ids=["sync", "dpu"])
 def test_a_resume_whose_weight_names_transformers_renamed(tmp_path, caplog, cfg):
     full, full_at = _run(tmp_path, "full", cfg)
-    if not unloaded_params(_vit(), str(tmp_path / "full" / "checkpoint-3")):
-        pytest.skip("this transformers saves ViT's weights under the model's own names")
+    _skip_unless_renamed(tmp_path / "full" / "checkpoint-3")
     caplog.set_level(logging.INFO, logger="hf_zero_offload")
     resumed, resumed_at = _run(tmp_path, "res", cfg, resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
     said = caplog.text
@@ -81,3 +90,35 @@ def test_a_resume_whose_weight_names_transformers_renamed(tmp_path, caplog, cfg)
         assert not moved, f"resumed on initial weights: {moved[:3]}"
         off = max((full_at[n] - w).abs().max().item() for n, w in resumed_at.items())
         assert 0 < off < 2e-2  # the lag of one step, no more
+
+
+@pytest.mark.parametrize("cfg", [OFFLOAD, DPU], ids=["sync", "dpu"])
+def test_the_best_models_load_with_weight_names_transformers_renamed(tmp_path, caplog, cfg):
+    """load_best_model_at_end reads the best checkpoint's weights by name as the resume does: under DPU the renamed
+    params kept the last step's weights beside the best checkpoint's others, a mix a later save_model wrote (a
+    review). The model ends on the engine's masters, every param."""
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    trainer, _ = _run(tmp_path, "best", cfg, best=True)
+    best = trainer.state.best_model_checkpoint
+    _skip_unless_renamed(tmp_path / "best" / best.rsplit("/", 1)[-1])
+    assert "weight files hold" in caplog.text and "best-model load" in caplog.text
+    assert ("the delayed (DPU) step's lagging weights cannot be restored" in caplog.text) == (cfg is DPU)
+    engine = trainer.zero_engine
+    for g in engine._slots:
+        for p, off, n in g:
+            assert torch.equal(p.detach().reshape(-1), engine.master[off:off + n])
+
+
+def test_a_plain_trainers_checkpoint_says_the_params_it_cannot_restore(tmp_path, caplog):
+    """A plain Trainer's checkpoint (optimizer.pt, no state of ours) has no masters: those params stay at their
+    initialisation as under the plain Trainer, now said by name."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "plain"), per_device_train_batch_size=8, max_steps=3,
+                             learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="steps",
+                             save_steps=3, optim="adamw_torch", seed=0)
+    Trainer(model=_vit(), args=args, train_dataset=Images()).train()
+    _skip_unless_renamed(tmp_path / "plain" / "checkpoint-3")
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    _run(tmp_path, "res", OFFLOAD, resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-3"))
+    assert "weight files hold" in caplog.text and "they keep the values they had before the resume" in caplog.text

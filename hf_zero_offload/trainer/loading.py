@@ -26,10 +26,15 @@ class CheckpointLoading(TorchStateResume):
         # refused first (the state's param order needs the engine, built later: checked at its load).
         if self._zo_raw is not None and model is None:
             self._zo_check_before_weights(resume_from_checkpoint)
+        self._zo_missing = []
         out = super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._zo_unloaded = unloaded_params(self.model, resume_from_checkpoint) if self._zo_raw is not None and \
-            model is None else []
+        self._zo_unloaded = unloaded_params(self.model, self._zo_missing) if model is None else []
         return out
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # what the Trainer's load of a checkpoint's weights did not find (unloaded.py says when that happens)
+        self._zo_missing = list(getattr(load_result, "missing_keys", None) or ())
+        return super()._issue_warnings_after_load(load_result)
 
     def _zo_check_before_weights(self, checkpoint: str) -> None:
         state_dir = os.path.join(checkpoint, STATE_DIR)
@@ -115,16 +120,17 @@ class CheckpointLoading(TorchStateResume):
                            "3 steps), as under the plain Trainer; --average_tokens_across_devices false keeps one scale",
                            saved, self.args.world_size, self.args.world_size / saved)
 
-    def _zo_after_unloaded_weights(self, checkpoint: str, from_masters: bool) -> None:
+    def _zo_after_unloaded_weights(self, checkpoint: str, from_masters: bool, best: bool = False) -> None:
         """Params the Trainer's load left as they were (``unloaded``' module says why): our state's masters set them,
         a DPU state's with its step published now (its lagging weights are gone with the names), and a plain
-        Trainer's checkpoint cannot restore them (as under the plain Trainer)."""
+        Trainer's checkpoint cannot restore them (as under the plain Trainer). ``best``: the best model's load."""
         unloaded, self._zo_unloaded = getattr(self, "_zo_unloaded", None) or [], []
-        if not unloaded:
+        if not unloaded or self._zo_raw is None:
             return
         names = f"{len(unloaded)} trainable param(s) ({', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''})"
         why = (f"{checkpoint}'s weight files hold {names} under other names (transformers saves this architecture's "
-               "weights under their older names and the Trainer's resume loads them by name)")
+               f"weights under their older names and the Trainer's {'best-model load' if best else 'resume'} reads "
+               "them by name)")
         if not from_masters:
             logger.warning("hf_zero_offload: %s: they keep the values they had before the resume (their "
                            "initialisation), as under the plain Trainer, and the optimizer's moments go on from there",
@@ -132,20 +138,25 @@ class CheckpointLoading(TorchStateResume):
         elif self.zero_engine.needs_publish:  # a DPU state: its lagging weights were those params' only copy
             self.zero_engine.flush()
             logger.warning("hf_zero_offload: %s: the delayed (DPU) step's lagging weights cannot be restored, so its "
-                           "masters are published now, one step early: the first step after the resume differs from "
-                           "an uninterrupted run's by that lag", why)
+                           "masters are published now, one step early: %s", why,
+                           "the model holds the weights one step after those that checkpoint was evaluated with"
+                           if best else "the first step after the resume differs from an uninterrupted run's by that "
+                           "lag")
         elif self.args.should_log:
             logger.info("hf_zero_offload: %s: the engine's fp32 masters set them (transformers' 'missing keys' "
-                        "warning above does not apply: the resume is exact)", why)
+                        "warning above does not apply: the load is exact)", why)
 
     def _load_best_model(self) -> None:
         engine = self.zero_engine
         if engine is None:
             return super()._load_best_model()
         engine.flush()  # DPU: the step in flight lands first, so nothing overwrites the best weights later
+        self._zo_missing = []
         super()._load_best_model()
         # The model holds the best checkpoint's weights: its masters, moments and step counts follow (the masters
         # are the weights in fp32), so that a save, consolidate or more training goes on from the best state.
         best = self.state.best_model_checkpoint
+        self._zo_unloaded = unloaded_params(self.model, self._zo_missing)  # (left at the last step's values)
         engine.load_checkpoint(os.path.join(best, STATE_DIR), expected_save_id=resume.recorded_save_id(best))
+        self._zo_after_unloaded_weights(best, from_masters=True, best=True)
         self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step
