@@ -29,7 +29,7 @@ def step_threads(explicit: int | None) -> int:
     ZeRO-Offload run that needs the host's cores and memory bandwidth); ranks started another way would
     each take all the cores. An OMP_NUM_THREADS other than torchrun's 1 is the user's choice and is kept,
     as it is alone on the node: torch's own thread count. Ranks that SLURM's ``srun`` started without torchrun
-    take SLURM_CPUS_PER_TASK, else their share as torchrun's (``_slurm_share``). The result does not depend on
+    take SLURM_CPUS_PER_TASK, else their share as torchrun's (``_slurm_tasks``). The result does not depend on
     it: the kernels give the same bits at any thread count."""
     if explicit is not None:
         return explicit
@@ -38,38 +38,58 @@ def step_threads(explicit: int | None) -> int:
     except LaunchError:  # not a count: check_launch_env names it before a Trainer run gets here
         local_ranks = 1
     user_omp = os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1")
-    if local_ranks is None and "SLURM_LOCALID" in os.environ and not user_omp:  # srun's tasks, no torchrun
-        per_task, local_ranks = _slurm_share(os.environ)
-        if per_task:
-            return per_task
+    if local_ranks is None and not user_omp:  # srun's tasks, no torchrun
+        local_ranks = _slurm_tasks(os.environ)
+        if local_ranks:
+            return _slurm_threads(os.environ, local_ranks)
     local_ranks = local_ranks or 1
     if local_ranks == 1 or user_omp:
         return max(1, torch.get_num_threads())
+    return max(1, _usable_cpus() // local_ranks)
+
+
+def _usable_cpus() -> int:
     try:
-        cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use (taskset, a cpuset)
+        return len(os.sched_getaffinity(0))  # the CPUs this process may use (taskset, a cpuset, srun's binding)
     except (AttributeError, OSError):  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // local_ranks)
+        return os.cpu_count() or 1
 
 
-def _slurm_share(env) -> tuple[int | None, int | None]:
-    """In an ``srun`` step without torchrun (ranks started by SLURM, which sets no LOCAL_WORLD_SIZE and no
-    OMP_NUM_THREADS): (SLURM_CPUS_PER_TASK, this node's task count from SLURM_STEP_TASKS_PER_NODE, "2(x3),1" style),
-    None where unset or unreadable. Each of the node's tasks took every core before, torch's default thread count: 8
-    tasks on 32 cores ran 8 x 32 step threads."""
-    def count(value):
-        return int(value) if value is not None and value.strip().isdecimal() and int(value) > 0 else None
+def _count(value) -> int | None:
+    return int(value) if value is not None and value.strip().isdecimal() and int(value) > 0 else None
 
+
+def _slurm_tasks(env) -> int | None:
+    """This node's task count in an ``srun`` step of several tasks per node started without torchrun (SLURM sets
+    no LOCAL_WORLD_SIZE and no OMP_NUM_THREADS: each task took every core, torch's default, 8 x 32 step threads for
+    8 tasks on 32 cores), from SLURM_STEP_TASKS_PER_NODE ("2(x3),1": per node, SLURM_NODEID's entry); None outside
+    such a step (a batch script's one process, the job-wide SLURM_TASKS_PER_NODE notwithstanding), for one task,
+    or where unreadable."""
+    if "SLURM_LOCALID" not in env:
+        return None
     per_node = []
-    for part in (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "").split(","):
+    for part in (env.get("SLURM_STEP_TASKS_PER_NODE") or "").split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not match:
-            per_node = []
-            break
+            return None
         per_node += [int(match[1])] * int(match[2] or 1)
-    node = count(env.get("SLURM_NODEID")) or 0
-    tasks = per_node[node] if node < len(per_node) and per_node[node] > 0 else None
-    return count(env.get("SLURM_CPUS_PER_TASK")), tasks
+    node = _count(env.get("SLURM_NODEID")) or 0
+    tasks = per_node[node] if node < len(per_node) else 0
+    return tasks if tasks > 1 else None
+
+
+def _slurm_threads(env, tasks: int) -> int:
+    """A task's step threads among ``tasks`` on the node: SLURM_CPUS_PER_TASK (no more than the CPUs it may use: from
+    SLURM 22.05 srun no longer takes sbatch's value, which stays in the environment); else, when srun bound the task
+    to fewer CPUs than the node has, those CPUs; else the node's share."""
+    cpus = _usable_cpus()
+    per_task = _count(env.get("SLURM_CPUS_PER_TASK"))
+    if per_task:
+        return max(1, min(per_task, cpus))
+    on_node = _count(env.get("SLURM_CPUS_ON_NODE"))
+    if on_node and cpus < on_node:
+        return cpus
+    return max(1, cpus // tasks)
 
 
 def engine_options(cfg: TrainingConfig) -> tuple[OffloadOptions, ShardOptions]:

@@ -94,7 +94,7 @@ def test_step_threads_share_the_node_between_local_ranks(monkeypatch, explicit, 
                                                           want, slurm=None):
     from hf_zero_offload import engine_setup
     for name in ("SLURM_LOCALID", "SLURM_CPUS_PER_TASK", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
-                 "SLURM_NODEID"):
+                 "SLURM_NODEID", "SLURM_CPUS_ON_NODE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in (slurm or {}).items():
         monkeypatch.setenv(name, value)
@@ -112,14 +112,20 @@ def test_step_threads_share_the_node_between_local_ranks(monkeypatch, explicit, 
     ({"SLURM_STEP_TASKS_PER_NODE": "4"}, None, 8),                            # 4 tasks on 32 CPUs: not 4 x 32
     ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),8", "SLURM_NODEID": "3"}, None, 4),  # this node (the 4th) runs 8
     ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),8", "SLURM_NODEID": "1"}, None, 16),
-    ({"SLURM_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "6"}, None, 6),     # the allocation per task
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),8", "SLURM_NODEID": "9"}, None, 32),  # no entry for it: as if alone
+    ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "6"}, None, 6),  # the allocation per task
+    ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "64"}, None, 32),  # no more than it may use
+    ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPUS_ON_NODE": "128"}, None, 32),  # bound to its own 32 CPUs
     ({"SLURM_STEP_TASKS_PER_NODE": "4"}, "3", 3),                            # the user's OMP_NUM_THREADS is kept
     ({"SLURM_STEP_TASKS_PER_NODE": "bad"}, None, 32),                        # unreadable: as if alone
+    ({"SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_CPUS_PER_TASK": "4"}, None, 32),  # one task: alone on the node
+    ({"SLURM_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8"}, None, 32),   # a batch script's one process
     ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "0"}, None, 8),
 ])
 def test_step_threads_of_ranks_srun_started(monkeypatch, slurm, omp, want):
     """Ranks started by SLURM's srun (no torchrun: no LOCAL_WORLD_SIZE, no OMP_NUM_THREADS) each ran torch's default
-    thread count, every core of the node: 4 tasks on 32 CPUs ran 4 x 32 step threads."""
+    thread count, every core of the node: 4 tasks on 32 CPUs ran 4 x 32 step threads. A batch script's one process
+    keeps every core it has (the job-wide variables are not a step's tasks: a review)."""
     test_step_threads_share_the_node_between_local_ranks(
         monkeypatch, None, None, omp, 32, int(omp) if omp else 32, want, slurm={"SLURM_LOCALID": "0", **slurm})
 
