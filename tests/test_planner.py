@@ -366,6 +366,7 @@ def test_the_configs_architectures_choose_the_head(capsys, tmp_path):
              ({"architectures": ["BertModel"]}, "BertLMHeadModel"),      # a bare base model: the default head
              ({"architectures": ["MyOwnBert"]}, "BertLMHeadModel"),     # a name transformers does not know, too
              ({"architectures": ["RobertaForMaskedLM"]}, "BertLMHeadModel"),  # another model type's LM head
+             ({"architectures": ["BertForPreTraining"]}, "BertLMHeadModel"),  # a pretraining head (MLM + NSP)
              ({}, "BertLMHeadModel")]
     for i, (extra, planned) in enumerate(cases):
         path = _bert(tmp_path, f"b{i}", **extra)
@@ -376,6 +377,13 @@ def test_the_configs_architectures_choose_the_head(capsys, tmp_path):
                                   "n_heads": 2, "hidden_dim": 64}))
     assert cli.main(["estimate", "--model", str(distil), "--configs", "zero2_offload", "--seq-len", "16"]) == 0
     assert "(planned as DistilBertForMaskedLM)" in capsys.readouterr().out
+    bart = tmp_path / "bart.json"  # a causal head named on an encoder-decoder config: its seq2seq one (the traced
+    bart.write_text(json.dumps({"model_type": "bart", "vocab_size": 1000, "d_model": 32,  # labels are the decoder's)
+                                "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+                                "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+                                "architectures": ["BartForCausalLM"]}))
+    assert cli.main(["estimate", "--model", str(bart), "--configs", "zero2_offload", "--seq-len", "16"]) == 0
+    assert "(planned as BartForConditionalGeneration)" in capsys.readouterr().out
     for head in ("BertForSequenceClassification", "BertForQuestionAnswering", "BertForTokenClassification"):
         path = _bert(tmp_path, head, architectures=[head], num_labels=3)
         assert cli.main(["estimate", "--model", path]) != 0
