@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib as _importlib
 import importlib.util as _util
+import pkgutil as _pkgutil
 import os as _os
 
 try:
@@ -37,19 +38,23 @@ __all__ = ["ops", "CPUAdam", "__version__",
            *(sorted(_TRAINER_NAMES) if _util.find_spec("transformers") is not None else [])]
 
 
+def _import(module: str, wanted: str):
+    try:
+        return _importlib.import_module(f"{__name__}.{module}")
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "transformers":
+            raise
+        raise ModuleNotFoundError(f"hf_zero_offload.{wanted} needs transformers, an optional dependency: install it "
+                                  "with the [trainer] extra (pip install 'hf_zero_offload[trainer]')",
+                                  name=e.name) from None
+
+
 def __getattr__(name: str):
     if name in _TRAINER_NAMES:
-        try:
-            from . import trainer
-        except ModuleNotFoundError as e:
-            if (e.name or "").split(".")[0] != "transformers":
-                raise
-            raise ModuleNotFoundError(f"hf_zero_offload.{name} needs transformers, an optional dependency: install "
-                                      "it with the [trainer] extra (pip install 'hf_zero_offload[trainer]')",
-                                      name=e.name) from None
-        return getattr(trainer, name)
+        return getattr(_import("trainer", name), name)
     # a submodule used as an attribute after ``import hf_zero_offload`` alone (the README's
-    # ``hf_zero_offload.torch_state.torch_optimizer_state(DIR)`` was an AttributeError), imported on first access
-    if not name.startswith("_") and _util.find_spec(f"{__name__}.{name}") is not None:
-        return _importlib.import_module(f"{__name__}.{name}")
+    # ``hf_zero_offload.torch_state.torch_optimizer_state(DIR)`` was an AttributeError), imported on first access;
+    # only the package's own modules and subpackages (not a folder of data files, a namespace package to Python)
+    if not name.startswith("_") and name in {m.name for m in _pkgutil.iter_modules(__path__)}:
+        return _import(name, name)
     raise AttributeError(f"module 'hf_zero_offload' has no attribute {name!r}")

@@ -369,6 +369,9 @@ def test_json_text_is_read_as_deepspeed_reads_it(tmp_path):
             ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, zero_offload=bad)
     with pytest.raises(ConfigError, match="<inline JSON>: zero_optimisation: unknown key"):
         resolve('{"zero_optimisation": {}}', ARGS)
+    odd = tmp_path / "{run}.json"  # a file whose name starts so is a file (a review)
+    odd.write_text(text)
+    assert resolve(str(odd), ARGS).source == str(odd)
 
 
 def test_llamafactory_and_openrlhf_configs_load_as_under_deepspeed():

@@ -100,11 +100,19 @@ def test_the_legacy_adafactor_flag_reads_its_value(flags, adafactor, tmp_path):
     assert (str(getattr(args.optim, "value", args.optim)) == "adafactor") == adafactor
 
 
-def test_removed_per_gpu_batch_flags_are_mapped():
-    _, _, args = finetune_trainer.parse_args(["--config_name", TINY, "--data_dir", "x", "--output_dir", "o",
-                                              "--use_cpu", "--per_gpu_train_batch_size", "3",
-                                              "--per_gpu_eval_batch_size=5"])
+def test_removed_per_gpu_batch_flags_are_mapped_and_a_legacy_spelling_beside_its_new_one_refused(tmp_path):
+    base = ["--config_name", TINY, "--data_dir", "x", "--output_dir", "o", "--use_cpu"]
+    _, _, args = finetune_trainer.parse_args(base + ["--per_gpu_train_batch_size", "3", "--per_gpu_eval_batch_size=5"])
     assert (args.per_device_train_batch_size, args.per_device_eval_batch_size) == (3, 5)
+    # both spellings: the later one won without a word (a review); refused as for --eval_beams
+    with pytest.raises(ValueError, match=r"--per_gpu_train_batch_size and --per_device_train_batch_size: the first "
+                                         r"is the legacy spelling of the second; give one"):
+        finetune_trainer.parse_args(base + ["--per_gpu_train_batch_size", "3", "--per_device_train_batch_size=4"])
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"config_name": TINY, "data_dir": "x", "output_dir": "o", "use_cpu": True,
+                                "adam_eps": 1e-7, "adam_epsilon": 1e-6}))
+    with pytest.raises(ValueError, match=r"adam_eps and adam_epsilon: .*give one"):
+        finetune_trainer.parse_args([str(path)])
 
 
 @pytest.mark.parametrize("split", ["--do_eval", "--do_predict"])

@@ -544,7 +544,7 @@ def test_a_window_left_part_way_is_dropped_as_the_plain_trainer_drops_it(tmp_pat
         if how == "oom-retry":
             _OOMInBackward(model)
             trainer.train()
-            assert trainer._train_batch_size in (7, 4)  # it did retry (accelerate cuts 8 by 10%; 1.3 halved it)
+            assert trainer._train_batch_size < 8  # it did retry (to 7: accelerate cuts by 10%; 1.3 halved it: 4)
         else:
             trainer.add_callback(_StopMidWindow(how))
             try:
@@ -555,6 +555,7 @@ def test_a_window_left_part_way_is_dropped_as_the_plain_trainer_drops_it(tmp_pat
             trainer.train()
         runs.append((model, trainer))
     (ref_model, ref), (model, ours) = runs
+    assert ours._train_batch_size == ref._train_batch_size  # the same retry as the plain Trainer's
     assert _logged(ours, "grad_norm") == pytest.approx(_logged(ref, "grad_norm"), rel=1e-5)
     # batches of 7 (the retry's) differ from the plain Trainer by up to 3.8e-6 without any OOM, by reduction order
     atol = 1e-5 if how == "oom-retry" else 1e-6

@@ -85,6 +85,9 @@ def rewrite_legacy_argv(argv: Sequence[str]) -> List[str]:
     --lr_scheduler's value names."""
     out: List[str] = []
     given = {a.partition("=")[0] for a in argv}
+    for old, new in LEGACY_FLAG_RENAMES.items():  # (the later of the two won, without a word)
+        if old in given and new in given:
+            raise ValueError(f"{old} and {new}: the first is the legacy spelling of the second; give one")
     argv = list(argv)
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
@@ -112,6 +115,9 @@ def rewrite_legacy_keys(args: dict) -> dict:
     """The same mapping for a JSON arguments file: keys are the flags without their dashes."""
     quiet = {k: v for k, v in QUIET_FLAG_RENAMES.items() if v[2:] not in args}  # both given: as on the command line
     renames = {k[2:]: v[2:] for k, v in {**LEGACY_FLAG_RENAMES, **quiet}.items()}
+    for old, new in LEGACY_FLAG_RENAMES.items():
+        if old[2:] in args and new[2:] in args:
+            raise ValueError(f"{old[2:]} and {new[2:]}: the first is the legacy spelling of the second; give one")
     out = {}
     for key, value in args.items():
         new = renames.get(key, key)

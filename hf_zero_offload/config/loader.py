@@ -55,8 +55,8 @@ INLINE = "<inline JSON>"
 
 def is_inline(value: Any) -> bool:
     """A ds_config given as JSON text (``--zero_offload '{"zero_optimization": ...}'``), as transformers takes a
-    ``--deepspeed`` string that starts with ``{``: no file or shipped name starts so."""
-    return isinstance(value, str) and value.lstrip().startswith("{")
+    ``--deepspeed`` string that starts with ``{``; a file of that name (``{run}.json``) is a file."""
+    return isinstance(value, str) and value.lstrip().startswith("{") and not os.path.exists(value)
 
 
 def parse_inline(text: str) -> dict:
