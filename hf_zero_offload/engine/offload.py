@@ -87,7 +87,7 @@ class OffloadAdam(AdamCore):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             logger.warning("hf_zero_offload: OffloadAdam is one process's engine and averages no gradient across the "
                            "%d ranks of this process group: for data parallelism use ShardedAdam(..., offload=True) "
-                           "(ZeRO-2 with offload, what the Trainer builds on several ranks); ranks that each train "
+                           "(ZeRO-2 with offload); ranks that each train "
                            "their own params may ignore this", dist.get_world_size())
 
     # -- what differs from the core ------------------------------------------------------------
