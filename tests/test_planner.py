@@ -384,6 +384,14 @@ def test_the_configs_architectures_choose_the_head(capsys, tmp_path):
                                 "architectures": ["BartForCausalLM"]}))
     assert cli.main(["estimate", "--model", str(bart), "--configs", "zero2_offload", "--seq-len", "16"]) == 0
     assert "(planned as BartForConditionalGeneration)" in capsys.readouterr().out
+    path = _bert(tmp_path, "two", architectures=["BertForSequenceClassification", "BertForMaskedLM"])
+    assert cli.main(["estimate", "--model", path, "--configs", "zero2_offload", "--seq-len", "16"]) == 0
+    assert "(planned as BertForMaskedLM)" in capsys.readouterr().out  # the LM head listed, not the first entry
+    for odd in (5, {"a": 1}, "BertForSequenceClassification", [None]):  # (a traceback, or read by its letters)
+        path = _bert(tmp_path, "odd", architectures=odd)
+        assert cli.main(["estimate", "--model", path]) != 0
+        err = capsys.readouterr().err
+        assert "the config's architectures is" in err and "a list of transformers class names" in err, err
     for head in ("BertForSequenceClassification", "BertForQuestionAnswering", "BertForTokenClassification"):
         path = _bert(tmp_path, head, architectures=[head], num_labels=3)
         assert cli.main(["estimate", "--model", path]) != 0
@@ -562,3 +570,18 @@ def test_a_batch_at_the_search_limit_is_shown_as_a_bound_and_a_missing_adapter_i
     missing = tmp_path / "nowhere"
     assert cli.main(["estimate", "--model", path, "--peft-config", str(missing)]) != 0
     assert f"--peft-config {missing}: no adapter_config.json there" in capsys.readouterr().err
+
+
+def test_a_moe_whose_expert_matmul_is_bf16_only_is_told_to_plan_with_bf16(capsys, tmp_path):
+    """Mixtral at the default --fp16: torch's grouped matmul wants bf16, and the hint asked whether the lengths were
+    too long or a config key wrong (an outside probe)."""
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 256,
+                                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 2,
+                                "num_experts_per_tok": 1, "max_position_embeddings": 64}))
+    small = ["--configs", "zero2_offload", "--seq-len", "16", "--tgt-len", "16"]
+    if cli.main(["estimate", "--model", str(path), *small]) == 0:
+        pytest.skip("this torch runs the experts' grouped matmul in fp16")
+    assert "grouped expert matmul runs in bf16 only: plan it with --bf16" in capsys.readouterr().err
+    assert cli.main(["estimate", "--model", str(path), *small, "--bf16"]) == 0

@@ -37,9 +37,14 @@ def model_class(config) -> type:
     masked = _names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, model_type)
     # an encoder-decoder config plans a seq2seq head only: the traced batch has its labels on the decoder's side
     heads = seq2seq if encoder_decoder else seq2seq + causal + masked
-    named = (getattr(config, "architectures", None) or [None])[0]
-    if isinstance(named, str) and named in heads and _class(transformers, named) is not None:
-        return _class(transformers, named)
+    listed = getattr(config, "architectures", None) or []
+    if not isinstance(listed, (list, tuple)) or not all(isinstance(n, str) for n in listed):
+        raise ValueError(f"the config's architectures is {listed!r}: a list of transformers class names (e.g. "
+                         "[\"GPT2LMHeadModel\"]) is expected")
+    for named in listed:  # the first LM head listed (several: a model saved with more than one head)
+        if named in heads and _class(transformers, named) is not None:
+            return _class(transformers, named)
+    named = listed[0] if listed else None
     tables = (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
               auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, auto.MODEL_FOR_PRETRAINING_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES)
     # LM heads of any type, pretraining heads (an LM head and another: BertForPreTraining) and base models fall back

@@ -285,6 +285,8 @@ def _model_errors(name: str, what: str, hint: str):
             hint = ("this model runs an op whose output shape depends on the values (a mixture of experts' routing, "
                     "torch.nonzero), which the meta device cannot run without weights: estimate cannot plan it; "
                     "measure a real step instead")
+        elif "Expected inputs of BF16 type" in message:  # torch's grouped matmul (Mixtral's experts) is bf16 only
+            hint = "this model's grouped expert matmul runs in bf16 only: plan it with --bf16"
         raise ValueError(f"{name}: cannot {what} ({type(e).__name__}: {message}); {hint}") from e
 
 
