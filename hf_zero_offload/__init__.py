@@ -55,6 +55,6 @@ def __getattr__(name: str):
     # a submodule used as an attribute after ``import hf_zero_offload`` alone (the README's
     # ``hf_zero_offload.torch_state.torch_optimizer_state(DIR)`` was an AttributeError), imported on first access;
     # only the package's own modules and subpackages (not a folder of data files, a namespace package to Python)
-    if not name.startswith("_") and name in {m.name for m in _pkgutil.iter_modules(__path__)}:
+    if name.isidentifier() and not name.startswith("_") and name in {m.name for m in _pkgutil.iter_modules(__path__)}:
         return _import(name, name)
     raise AttributeError(f"module 'hf_zero_offload' has no attribute {name!r}")

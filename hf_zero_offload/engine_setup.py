@@ -38,7 +38,8 @@ def step_threads(explicit: int | None) -> int:
     except LaunchError:  # not a count: check_launch_env names it before a Trainer run gets here
         local_ranks = 1
     user_omp = os.environ.get("OMP_NUM_THREADS", "1").strip() not in ("", "1")
-    if local_ranks is None and not user_omp:  # srun's tasks, no torchrun
+    # srun's tasks, no torchrun: an OMP_NUM_THREADS there, 1 included, is the user's (only torchrun sets 1 itself)
+    if local_ranks is None and "OMP_NUM_THREADS" not in os.environ:
         local_ranks = _slurm_tasks(os.environ)
         if local_ranks:
             return _slurm_threads(os.environ, local_ranks)
@@ -67,15 +68,19 @@ def _slurm_tasks(env) -> int | None:
     or where unreadable."""
     if "SLURM_LOCALID" not in env:
         return None
-    per_node = []
-    for part in (env.get("SLURM_STEP_TASKS_PER_NODE") or "").split(","):
+    node = env.get("SLURM_NODEID", "0").strip()
+    if not node.isdecimal():  # (-1: unreadable, not node 0)
+        return None
+    node = int(node)
+    for part in (env.get("SLURM_STEP_TASKS_PER_NODE") or "").split(","):  # walked, not expanded: "2(x3000000000)"
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not match:
             return None
-        per_node += [int(match[1])] * int(match[2] or 1)
-    node = _count(env.get("SLURM_NODEID")) or 0
-    tasks = per_node[node] if node < len(per_node) else 0
-    return tasks if tasks > 1 else None
+        if node < int(match[2] or 1):
+            tasks = int(match[1])
+            return tasks if tasks > 1 else None
+        node -= int(match[2] or 1)
+    return None
 
 
 def _slurm_threads(env, tasks: int) -> int:

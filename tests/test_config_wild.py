@@ -345,7 +345,8 @@ def test_a_directory_or_something_else_instead_of_a_file(tmp_path):
     assert "cannot read the ds_config file: Is a directory" in error(tmp_path / "cfg.json",
                                                                      source=str(tmp_path / "cfg.json"))
     for thing in (None, 3, b"zero2", ["zero2"]):
-        with pytest.raises(ConfigError, match="expected a ds_config path, a shipped config.s name, JSON text or a dict"):
+        with pytest.raises(ConfigError, match="expected a ds_config path, a shipped config.s name, JSON text or a "
+                                              "dict"):
             resolve(thing)
 
 

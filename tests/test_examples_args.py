@@ -94,10 +94,14 @@ def test_the_legacy_adafactor_flag_reads_its_value(flags, adafactor, tmp_path):
     _, _, args = finetune_trainer.parse_args(base + flags + ["--do_train"])
     assert (str(getattr(args.optim, "value", args.optim)) == "adafactor") == adafactor and args.do_train
     path = tmp_path / "args.json"
-    path.write_text(json.dumps({"config_name": TINY, "data_dir": "x", "output_dir": "o", "use_cpu": True,
-                                "adafactor": adafactor}))
-    _, _, args = finetune_trainer.parse_args([str(path)])
-    assert (str(getattr(args.optim, "value", args.optim)) == "adafactor") == adafactor
+    for value in (adafactor, str(adafactor).lower()) + ((None,) if not adafactor else ()):  # null: v4's default
+        path.write_text(json.dumps({"config_name": TINY, "data_dir": "x", "output_dir": "o", "use_cpu": True,
+                                    "adafactor": value}))
+        _, _, args = finetune_trainer.parse_args([str(path)])
+        assert (str(getattr(args.optim, "value", args.optim)) == "adafactor") == adafactor
+    path.write_text(json.dumps({"config_name": TINY, "fp16_opt_level": "O1"}))  # advice, as on the command line
+    with pytest.raises(ValueError, match=r"args.json: keys of transformers 4.x: fp16_opt_level \(apex's"):
+        finetune_trainer.parse_args([str(path)])
 
 
 def test_removed_per_gpu_batch_flags_are_mapped_and_a_legacy_spelling_beside_its_new_one_refused(tmp_path):

@@ -24,7 +24,7 @@ def test_torchrun_on_cpu_without_use_cpu_stops_with_one_line(tmp_path):
     # --standalone: each launch binds its own free rendezvous port, so the two run side by side
     bad, good = run_together([_torchrun(tmp_path / "bad"), _torchrun(tmp_path / "good", "--use_cpu")],
                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if bad.returncode == 0:  # accelerate 1.3 (the floor) gives the Trainer both gloo ranks: a right run, nothing to stop
+    if bad.returncode == 0:  # accelerate 1.3 (the floor) gives the Trainer both gloo ranks: a right run, no stop
         assert "ranks=2 backend=gloo" in bad.stderr, bad.stderr[-3000:]
     else:
         assert "WORLD_SIZE=2 (torchrun) but the Trainer sees 1 process" in bad.stderr
@@ -116,7 +116,10 @@ def test_step_threads_share_the_node_between_local_ranks(monkeypatch, explicit, 
     ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "6"}, None, 6),  # the allocation per task
     ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "64"}, None, 32),  # no more than it may use
     ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPUS_ON_NODE": "128"}, None, 32),  # bound to its own 32 CPUs
-    ({"SLURM_STEP_TASKS_PER_NODE": "4"}, "3", 3),                            # the user's OMP_NUM_THREADS is kept
+    ({"SLURM_STEP_TASKS_PER_NODE": "4"}, "3", 3),                            # the user's OMP_NUM_THREADS is kept,
+    ({"SLURM_STEP_TASKS_PER_NODE": "4"}, "1", 1),                            # 1 too (no torchrun set it here)
+    ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_NODEID": "-1"}, None, 32),   # unreadable: as if alone (not node 0)
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3000000000)", "SLURM_NODEID": "7"}, None, 16),  # (was a MemoryError)
     ({"SLURM_STEP_TASKS_PER_NODE": "bad"}, None, 32),                        # unreadable: as if alone
     ({"SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_CPUS_PER_TASK": "4"}, None, 32),  # one task: alone on the node
     ({"SLURM_TASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8"}, None, 32),   # a batch script's one process

@@ -570,6 +570,8 @@ def test_a_batch_at_the_search_limit_is_shown_as_a_bound_and_a_missing_adapter_i
     missing = tmp_path / "nowhere"
     assert cli.main(["estimate", "--model", path, "--peft-config", str(missing)]) != 0
     assert f"--peft-config {missing}: no adapter_config.json there" in capsys.readouterr().err
+    assert cli.main(["estimate", "--model", path, "--configs", "zero2-offload"]) == 2  # a shipped config's name
+    assert "unknown row(s) 'zero2-offload' (did you mean zero2_offload?)" in capsys.readouterr().err
 
 
 def test_a_moe_whose_expert_matmul_is_bf16_only_is_told_to_plan_with_bf16(capsys, tmp_path):

@@ -96,3 +96,13 @@ def test_every_dotted_name_the_docs_give_resolves():
     r = subprocess.run([sys.executable, "-c", _RESOLVE, *names], capture_output=True, text=True, timeout=300,
                        cwd=str(ROOT / "tests"))
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr[-2000:]
+
+
+def test_only_the_packages_own_modules_are_lazy_attributes():
+    """Dotted or odd names raised ModuleNotFoundError (hasattr raised), "engine.core" returned the module and the
+    configs folder imported as a namespace package (an outside probe)."""
+    import hf_zero_offload
+
+    for name in (".", "a..b", "py.typed", "engine.core", "configs", "nothing", "_C2"):
+        assert not hasattr(hf_zero_offload, name), name
+    assert hf_zero_offload.torch_state.__name__ == "hf_zero_offload.torch_state"

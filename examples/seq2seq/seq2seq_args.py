@@ -148,6 +148,9 @@ def _read_args_json(path: str) -> dict:
     if not isinstance(args, dict):
         raise ValueError(f"{path}: expected one JSON object of flags (without their dashes), got a "
                          f"{type(args).__name__}")
+    removed = [f"{k} ({su.REMOVED_FLAGS['--' + k]})" for k in args if "--" + k in su.REMOVED_FLAGS]
+    if removed:  # (transformers' "Some keys are not used by the HfArgumentParser" gave no advice)
+        raise ValueError(f"{path}: keys of transformers 4.x: {', '.join(removed)}")
     return args
 
 

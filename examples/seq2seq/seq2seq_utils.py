@@ -1,4 +1,5 @@
-"""Helpers for ``finetune_trainer.py``: task prefixes, legacy flags, freezing, sizes and timing (its data: seq2seq_data.py)."""
+"""Helpers for ``finetune_trainer.py``: task prefixes, legacy flags, freezing, sizes and timing (its data:
+``seq2seq_data.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -70,9 +71,12 @@ _TRUE, _FALSE = ("true", "1", "yes", "y", "t"), ("false", "0", "no", "n", "f")  
 def _adafactor(value, given_optim: bool) -> List[str]:
     """v4.2's ``--adafactor`` (a bool field: bare, ``true`` or ``false``) as transformers 5's ``--optim adafactor``;
     false asks for nothing (it was taken for true, as any mention of the flag was)."""
+    if value is None:  # (an arguments file's null: v4's default, false)
+        return []
     word = str(value).strip().lower()
     if value is not True and word not in _TRUE + _FALSE:
-        raise ValueError(f"--adafactor {value}: true or false (the legacy flag for --optim adafactor)")
+        raise ValueError(f"--adafactor {json.dumps(value) if not isinstance(value, str) else value}: true or false "
+                         "(the legacy flag for --optim adafactor)")
     if value is True or word in _TRUE:
         if given_optim:
             raise ValueError("--adafactor and --optim: the first is the legacy spelling of --optim adafactor; give one")

@@ -56,12 +56,16 @@ INLINE = "<inline JSON>"
 def is_inline(value: Any) -> bool:
     """A ds_config given as JSON text (``--zero_offload '{"zero_optimization": ...}'``), as transformers takes a
     ``--deepspeed`` string that starts with ``{``; a file of that name (``{run}.json``) is a file."""
-    return isinstance(value, str) and value.lstrip().startswith("{") and not os.path.exists(value)
+    return isinstance(value, str) and value.lstrip("\ufeff \t\r\n").startswith(("{", "[")) and \
+        not os.path.exists(value)  # (an array: JSON too, refused as not an object)
 
 
 def parse_inline(text: str) -> dict:
     """JSON text -> the dict it holds, refused as a file's JSON is (duplicate keys, comments, trailing commas)."""
-    return _parse(text, INLINE)
+    value = _parse(text.lstrip("\ufeff"), INLINE)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{INLINE}: a ds_config is a JSON object ({{...}}), got a JSON {type(value).__name__}")
+    return value
 
 
 def _parse(text: str, source: str) -> Any:

@@ -1,6 +1,6 @@
 """``SavedState``: the state half of ``AdamCore`` (core.py), the part that leaves and re-enters the process:
-``state_meta``/``state_tensors``/``state_dict``, checkpoints (``checkpoint.folder``, one file format for every engine and
-world size) and the loads of both.
+``state_meta``/``state_tensors``/``state_dict``, checkpoints (``checkpoint.folder``, one file format for every engine
+and world size) and the loads of both.
 
 A load checks everything it can before its first write (``contents.check_meta`` / ``check_tensors``, the params'
 names, the loss scaler's values, the int8 code map), so a refused state leaves the optimizer as it was. A checkpoint's

@@ -46,7 +46,8 @@ def model_class(config) -> type:
             return _class(transformers, named)
     named = listed[0] if listed else None
     tables = (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-              auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, auto.MODEL_FOR_PRETRAINING_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES)
+              auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, auto.MODEL_FOR_PRETRAINING_MAPPING_NAMES,
+              auto.MODEL_MAPPING_NAMES)
     # LM heads of any type, pretraining heads (an LM head and another: BertForPreTraining) and base models fall back
     lm_or_base = {n for table in tables for key in table for n in _names(table, key)}
     if isinstance(named, str) and named not in lm_or_base and _class(transformers, named) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -263,7 +264,10 @@ def _check_inputs(*, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, batch_size, buc
         known = [s.name for s in row_specs(dtype)]
         unknown = [c for c in configs if c not in known]
         if unknown or not configs:
-            raise ValueError(f"--configs: unknown row(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+            # a shipped ds_config's name (zero2-offload) given for a row (zero2_offload): say which row it is
+            close = [m[0] for c in unknown if (m := difflib.get_close_matches(c.replace("-", "_"), known, n=1))]
+            raise ValueError(f"--configs: unknown row(s) {', '.join(map(repr, unknown)) or '(none given)'}"
+                             f"{' (did you mean ' + ', '.join(close) + '?)' if close else ''}; "
                              f"rows for {dtype}: {', '.join(known)}")
 
 

@@ -68,8 +68,8 @@ def _legend(p: Plan) -> list[str]:
             "  act/sample: activation bytes each sample adds at the peak; act const: the fixed part of that peak "
             "(< 0 when the peak comes at the end of forward, before the gradients that 'device states' counts "
             "exist)",
-            f"  max batch: the largest batch whose peak fits the budget (0: not even batch 1; >={MAX_BATCH_SEARCHED}: the "
-            "search stops there); "
+            f"  max batch: the largest batch whose peak fits the budget (0: not even batch 1; "
+            f">={MAX_BATCH_SEARCHED}: the search stops there); "
             "device GiB @max|1: the peak at that batch (at batch 1 when nothing fits)",
             *([f"  device GiB @{p.rows[0].batch_size}, fits: the peak at the batch size asked for, and whether it "
                "fits the budget"] if p.rows and p.rows[0].batch_size else [])]

@@ -131,18 +131,21 @@ class CheckpointLoading(TorchStateResume):
         why = (f"{checkpoint}'s weight files hold {names} under other names (transformers saves this architecture's "
                f"weights under their older names and the Trainer's {'best-model load' if best else 'resume'} reads "
                "them by name)")
+        say = self.args.should_log  # once per job (per node with log_on_each_node); the flush is every rank's
         if not from_masters:
-            logger.warning("hf_zero_offload: %s: they keep the values they had before the resume (their "
-                           "initialisation), as under the plain Trainer, and the optimizer's moments go on from there",
-                           why)
+            if say:
+                logger.warning("hf_zero_offload: %s: they keep the values they had before the resume (their "
+                               "initialisation), as under the plain Trainer, and the optimizer's moments go on from "
+                               "there", why)
         elif self.zero_engine.needs_publish:  # a DPU state: its lagging weights were those params' only copy
             self.zero_engine.flush()
-            logger.warning("hf_zero_offload: %s: the delayed (DPU) step's lagging weights cannot be restored, so its "
-                           "masters are published now, one step early: %s", why,
-                           "the model holds the weights one step after those that checkpoint was evaluated with"
-                           if best else "the first step after the resume differs from an uninterrupted run's by that "
-                           "lag")
-        elif self.args.should_log:
+            if say:
+                logger.warning("hf_zero_offload: %s: the delayed (DPU) step's lagging weights cannot be restored, so "
+                               "its masters are published now, one step early: %s", why,
+                               "the model holds the weights one step after those that checkpoint was evaluated with"
+                               if best else "the first step after the resume differs from an uninterrupted run's by "
+                               "that lag")
+        elif say:
             logger.info("hf_zero_offload: %s: the engine's fp32 masters set them (transformers' 'missing keys' "
                         "warning above does not apply: the load is exact)", why)
 
