@@ -370,6 +370,12 @@ def test_json_text_is_read_as_deepspeed_reads_it(tmp_path):
             ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, zero_offload=bad)
     with pytest.raises(ConfigError, match="<inline JSON>: zero_optimisation: unknown key"):
         resolve('{"zero_optimisation": {}}', ARGS)
+    with pytest.raises(ConfigError, match=r"<inline JSON>: a ds_config is a JSON object \(\{...\}\), got a JSON list"):
+        resolve('[{"zero_optimization": {"stage": 2}}]', ARGS)  # (was: "no shipped ds_config named '[...'")
+    assert resolve("\ufeff" + text, ARGS).source == "<inline JSON>"
+    with pytest.raises(ConfigError, match=r"<inline JSON>: zero_optimization.bogus: unknown key"):  # (was <dict>)
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                     zero_offload='{"zero_optimization": {"stage": 2, "bogus": 1}}')
     odd = tmp_path / "{run}.json"  # a file whose name starts so is a file (a review)
     odd.write_text(text)
     assert resolve(str(odd), ARGS).source == str(odd)
