@@ -80,6 +80,10 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
+        except OSError as e:  # a read-only or foreign folder: said as the output_dir's, before any model work
+            raise OSError(e.errno, f"output_dir {os.path.dirname(self.path)} is not writable (the run lock "
+                                   f"{LOCK_NAME} cannot be created there: {e.strerror or e}); checkpoints and results "
+                                   "go there: give a writable --output_dir") from None
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)

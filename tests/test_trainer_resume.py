@@ -616,6 +616,42 @@ def test_a_lock_deleted_mid_run_is_checked_at_each_save(tmp_path, caplog, meanwh
         other.wait()
 
 
+def test_a_checkpoint_of_another_models_shapes_is_refused_in_one_line(tmp_path, full):
+    """Another config's model with the same names (d_model 64 vs 32) got transformers' RuntimeError with ~60 "size
+    mismatch" lines: param_names.json compares names only (an outside probe)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from _t5 import TINY
+    from hf_zero_offload.engine.checkpoint.contents import LayoutMismatch
+
+    model = T5ForConditionalGeneration(T5Config(**{**TINY, "d_model": 64}))
+    trainer = ZeroOffloadSeq2SeqTrainer(model=model, args=ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "out"), **{**COMMON, "zero_offload": OFFLOAD}), train_dataset=ToyDataset())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(LayoutMismatch, match=r"checkpoint-2 was saved for another model: \d+ tensor\(s\) of another "
+                                             r"shape \(decoder.block.0.layer.0.SelfAttention.k.weight \(saved \(32, 32\), this "
+                                             r"model \(32, 64\)\); .*Resume with that run's model config"):
+        trainer.train(resume_from_checkpoint=str(_copy(full, tmp_path) / "checkpoint-2"))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
+
+
+def test_an_unwritable_output_dir_is_named_as_such(tmp_path, monkeypatch):
+    """A read-only output_dir gave "[Errno 30] Read-only file system: '.../hzo-run.lock'" (an outside probe)."""
+    import errno
+
+    real = os.open
+
+    def read_only(path, *args, **kw):
+        if str(path).endswith(LOCK_NAME):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(OSError, match=r"output_dir .* is not writable \(the run lock hzo-run.lock cannot be created "
+                                      r"there: Read-only file system\); .* give a writable --output_dir"):
+        RunLock(str(tmp_path)).acquire()
+
+
 def test_a_second_lock_of_the_same_process_leaves_the_first_ones_file(tmp_path):
     first, second = RunLock(str(tmp_path)), RunLock(str(tmp_path))
     first.acquire()

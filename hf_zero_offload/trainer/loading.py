@@ -14,7 +14,7 @@ from ..engine.checkpoint.contents import GroupingMismatch, LayoutMismatch
 from ..engine.checkpoint.folder import check_save_id, sources
 from .saving import SCHEDULER_NAME, STATE_DIR
 from .torch_resume import TorchStateResume
-from .unloaded import unloaded_params
+from .unloaded import other_shapes, unloaded_params
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -37,6 +37,10 @@ class CheckpointLoading(TorchStateResume):
         return super()._issue_warnings_after_load(load_result)
 
     def _zo_check_before_weights(self, checkpoint: str) -> None:
+        if shapes := other_shapes(self.model, checkpoint):  # (names alike: the names' check below took it)
+            raise LayoutMismatch(f"{checkpoint} was saved for another model: {len(shapes)} tensor(s) of another shape "
+                                 f"({'; '.join(shapes[:2])}{'; ...' if len(shapes) > 2 else ''}). Resume with that "
+                                 f"run's model config. {resume.FRESH_START}")
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             if self._zo_torch_state(checkpoint) is None:  # a plain Trainer's optimizer.pt is taken over

@@ -11,6 +11,11 @@ names. Frozen params are left out: nothing trains them, so they are what the run
 """
 from __future__ import annotations
 
+import glob
+import os
+
+from safetensors import safe_open
+
 
 def unloaded_params(model, missing_keys) -> list[str]:
     """The trainable params of ``model`` (one name each) that every name of theirs (tied aliases included) is among
@@ -23,3 +28,18 @@ def unloaded_params(model, missing_keys) -> list[str]:
         if p.requires_grad:
             aliases.setdefault(id(p), []).append(name)
     return [names[0] for names in aliases.values() if all(n in missing for n in names)]
+
+
+def other_shapes(model, checkpoint: str) -> list[str]:
+    """The tensors of ``checkpoint``'s ``model*.safetensors`` (headers only) that ``model`` has under the same name in
+    another shape, as "name (saved (a, b), this model (c, d))": a checkpoint of another model (another config) whose
+    names match, which the Trainer's load met with a "size mismatch" line per tensor."""
+    own = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    out = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(checkpoint), "model*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                saved = tuple(f.get_slice(key).get_shape())
+                if key in own and own[key] != saved:
+                    out.append(f"{key} (saved {saved}, this model {own[key]})")
+    return out
