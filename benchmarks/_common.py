@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -287,4 +288,48 @@ def model_config(name: str) -> str:
     if not os.path.isfile(path):
         names = ", ".join(sorted(f[:-5] for f in os.listdir(MODELS) if f.endswith(".json")))
         raise argparse.ArgumentTypeError(f"no {path}; names: {names}, or a path to a config JSON")
+    return path
+
+
+def _number(kind, least: float, what: str):
+    """An argparse ``type``: a ``kind`` number >= ``least``, else a usage error naming the value (0 rounds or a
+    negative size failed deep in a run with a traceback, and a rank's failure left its peer waiting)."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not {what}") from None
+        if not value >= least:  # (NaN too)
+            raise argparse.ArgumentTypeError(f"{text}: {what} expected")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its message
+    return parse
+
+
+positive_int = _number(int, 1, "an integer >= 1")
+positive_float = _number(float, 1e-12, "a positive number")
+nonnegative_float = _number(float, 0.0, "a number >= 0")
+
+
+def json_target(path: str) -> str:
+    """``--json PATH`` checked before the run: its folder must be creatable and writable (an unwritable path failed
+    only after the whole run, with a traceback)."""
+    import argparse
+
+    if path == "-":
+        return path
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    probe = folder
+    while not os.path.exists(probe):  # the nearest existing folder decides whether the rest can be created
+        probe = os.path.dirname(probe)
+    try:
+        if not os.path.isdir(probe) or os.path.isdir(path):
+            raise OSError("not a file path")
+        with tempfile.TemporaryFile(dir=probe):  # (os.access says yes to root, and to /proc)
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{path}: cannot write a JSON file there ({e.strerror or e})") from None
     return path

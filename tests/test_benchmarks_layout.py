@@ -2,9 +2,12 @@
 (no sys.path edits, no private ``_C``), and target lines that say met / NOT MET / not meaningful here."""
 import os
 import re
+import subprocess
+import sys
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,3 +184,17 @@ def test_offload_rows_say_where_their_step_time_goes():
         phases = row["phases_ms"]
         assert list(phases) == ["fwd+bwd", "wait grads", "norm", "adam", "step", "end sync"]
         assert phases["adam"] > 0 and phases["step"] > 0 and all(v >= 0 for v in phases.values()), phases
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["kernel.adam_step", "--rounds", "0"], "argument --rounds: 0: an integer >= 1 expected"),
+    (["sharding.sharded_step", "--repeat", "0"], "argument --repeat: 0: an integer >= 1 expected"),  # (a rank hung)
+    (["engine.state_checksum", "--gib", "-1"], "argument --gib: -1: a positive number expected"),
+    (["kernel.adam_step", "--json", "/proc/x.json"], "argument --json: /proc/x.json: cannot write a JSON file there"),
+])
+def test_benchmark_arguments_are_checked_before_any_work(argv, says):
+    """0 rounds, a negative size or an unwritable --json failed with a traceback deep in a run (an unwritable path
+    after the whole run; a 0-round sharded run left its peer rank waiting), an outside probe."""
+    r = subprocess.run([sys.executable, "-m", f"benchmarks.{argv[0]}", *argv[1:]], capture_output=True, text=True,
+                       timeout=120, cwd=str(ROOT))
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

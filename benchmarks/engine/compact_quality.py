@@ -287,17 +287,18 @@ def plot(runs: list[dict], path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
+    from benchmarks._common import positive_int, json_target
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=model_config, default=model_config("t5-demo"),
                     help="a name of configs/models/ or a config JSON")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=positive_int, default=300)
+    ap.add_argument("--batch", type=positive_int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--n-train", type=int, default=4000)
-    ap.add_argument("--n-val", type=int, default=200)
-    ap.add_argument("--max-len", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--eval-every", type=positive_int, default=50)
+    ap.add_argument("--n-train", type=positive_int, default=4000)
+    ap.add_argument("--n-val", type=positive_int, default=200)
+    ap.add_argument("--max-len", type=positive_int, default=24)
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first); "
                     "'torchao' adds torchao's AdamW8bit (its blockwise 8-bit Adam) when importable; 'fp32-ulp' is "
                     "fp32 with every initial weight one ulp off: how far chaos alone moves the final loss")
@@ -307,7 +308,7 @@ def main(argv=None) -> int:
     ap.add_argument("--open-loop", action="store_true", help="chaos-free variant: one fp32-moment run drives the "
                     "model and every other dtype steps its own copy of the params with its gradients; also prints "
                     "each copy's drift from the fp32 params")
-    ap.add_argument("--json", default=None, help="write the results as JSON to PATH (- for stdout)")
+    ap.add_argument("--json", type=json_target, default=None, help="write the results as JSON to PATH (- for stdout)")
     ap.add_argument("--png", default=None, help="plot the eval-loss curves to PATH")
     args = ap.parse_args(argv)
     if args.threads:

@@ -62,13 +62,14 @@ def run_one(state_dtype: str, args, work: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from benchmarks._common import positive_int, json_target
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=model_config, default=model_config("t5-large"),
                     help="a name of configs/models/ or a config JSON")
     ap.add_argument("--dtypes", default="fp32,int8")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--min-free-gib", type=float, default=18.0)
-    ap.add_argument("--json", default=None, help="write the results as JSON to PATH (- for stdout)")
+    ap.add_argument("--json", type=json_target, default=None, help="write the results as JSON to PATH (- for stdout)")
     args = ap.parse_args(argv)
     info = hardware()
     print(hardware_line(info), flush=True)

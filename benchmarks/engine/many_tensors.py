@@ -114,13 +114,14 @@ def _sharded_builds(counts: list[int], world: int) -> list[float]:
 
 
 def main() -> None:
+    from benchmarks._common import positive_int, json_target
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensors", default="1000,4000,16000", help="comma-separated tensor counts")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                     help="OffloadAdam's moments (offload_optimizer.state_dtype)")
     ap.add_argument("--world", type=int, default=2, help="ranks of the ShardedAdam build (0: skip it)")
-    ap.add_argument("--json", default=None, help="write the rows as JSON to PATH, or '-' for stdout")
+    ap.add_argument("--json", type=json_target, default=None, help="write the rows as JSON to PATH, or '-' for stdout")
     a = ap.parse_args()
     counts = [int(x) for x in a.tensors.split(",") if x]
     if not counts or min(counts) < 1 or a.rounds < 1 or a.world < 0:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 import zlib
 
 import torch
 
-from benchmarks._common import json_stdout, write_json
+from benchmarks._common import hardware, hardware_line, json_stdout, write_json
 from hf_zero_offload.engine import checkpoint
 
 
@@ -33,11 +34,12 @@ def _time(fn, repeat: int) -> float:
 
 
 def main() -> None:
+    from benchmarks._common import positive_int, positive_float, json_target
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--gib", type=positive_float, default=1.0)
+    ap.add_argument("--repeat", type=positive_int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    ap.add_argument("--json", default=None, help="write the rows as JSON to PATH, or '-' for stdout")
+    ap.add_argument("--json", type=json_target, default=None, help="write the rows as JSON to PATH, or '-' for stdout")
     a = ap.parse_args()
     if a.dir is not None and not os.path.isdir(a.dir):
         ap.error(f"--dir {a.dir}: no such directory")  # before allocating the state
@@ -60,12 +62,16 @@ def main() -> None:
                          "save_gbps": nbytes / save / 1e9, "load_gbps": nbytes / load / 1e9})
         assert all(torch.equal(src[k], dst[k]) for k in src)
         crc_rate = nbytes / _time(lambda: [real(memoryview(t.numpy())) for t in src.values()], a.repeat) / 1e9
+    info = hardware()
+    print(hardware_line(info))
     print(f"state of {nbytes / 2**30:.2f} GiB in {os.path.abspath(a.dir or tempfile.gettempdir())}; "
           f"zlib.crc32 alone: {crc_rate:.2f} GB/s; threads={torch.get_num_threads()}")
     print(f"{'checksum':<12} {'save s':>8} {'load s':>8} {'save GB/s':>10} {'load GB/s':>10}")
     for r in rows:
         print(f"{r['checksum']:<12} {r['save_s']:8.2f} {r['load_s']:8.2f} {r['save_gbps']:10.2f} {r['load_gbps']:10.2f}")
-    write_json(a.json, {"crc32_gbps": crc_rate, "rows": rows})
+    write_json(a.json, {"benchmark": "state_checksum", "hardware": info, "hardware_line": hardware_line(info),
+                        "command": "python -m benchmarks.engine.state_checksum " + " ".join(sys.argv[1:]),
+                        "crc32_gbps": crc_rate, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -31,18 +31,19 @@ import time
 
 
 def _parse() -> argparse.Namespace:
+    from benchmarks._common import positive_int, nonnegative_float, json_target
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--numel", type=int, default=50_000_000)
-    ap.add_argument("--threads", type=int, default=None, help="default: torch.get_num_threads() (all cores)")
-    ap.add_argument("--rounds", type=int, default=25, help="timed rounds (each row once per round)")
-    ap.add_argument("--pause", type=float, default=0.05,
+    ap.add_argument("--numel", type=positive_int, default=50_000_000)
+    ap.add_argument("--threads", type=positive_int, default=None, help="default: torch.get_num_threads() (all cores)")
+    ap.add_argument("--rounds", type=positive_int, default=25, help="timed rounds (each row once per round)")
+    ap.add_argument("--pause", type=nonnegative_float, default=0.05,
                     help="seconds between calls, so OpenMP workers of the previous row stop spinning")
     ap.add_argument("--skip", nargs="*", default=[], choices=["deepspeed", "torchao"],
                     help="leave out a peer (DeepSpeed JIT-builds its CPU Adam on first use, minutes)")
     ap.add_argument("--also-level", default=None, metavar="LEVEL",
                     help="also time our mixed and int8 rows at this instruction set (e.g. avx512 beside the default "
                          "avx512_bf16), interleaved with the rest")
-    ap.add_argument("--json", default=None, help="write the results as JSON to PATH, or '-' for stdout")
+    ap.add_argument("--json", type=json_target, default=None, help="write the results as JSON to PATH, or '-' for stdout")
     return ap.parse_args()
 
 

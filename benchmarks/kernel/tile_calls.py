@@ -20,10 +20,11 @@ ROWS = [(1 << 18, 200, "fp32"), (1 << 20, 60, "fp32"), (1 << 20, 60, "int8"), (1
 
 
 def _parse() -> argparse.Namespace:
+    from benchmarks._common import positive_int, json_target
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=None, help="default: torch.get_num_threads() (all cores)")
-    ap.add_argument("--rounds", type=int, default=7, help="timed rounds per thread count")
-    ap.add_argument("--json", default=None, help="write the results as JSON to PATH, or '-' for stdout")
+    ap.add_argument("--threads", type=positive_int, default=None, help="default: torch.get_num_threads() (all cores)")
+    ap.add_argument("--rounds", type=positive_int, default=7, help="timed rounds per thread count")
+    ap.add_argument("--json", type=json_target, default=None, help="write the results as JSON to PATH, or '-' for stdout")
     return ap.parse_args()
 
 

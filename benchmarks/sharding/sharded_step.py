@@ -31,16 +31,17 @@ import time
 
 
 def _parse() -> argparse.Namespace:
+    from benchmarks._common import positive_int, json_target
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--numel", type=int, default=20_000_000, help="approximate model size in parameters")
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=16, help="rows per rank per step")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / world)")
-    ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--bucket", type=int, default=1 << 21, help="reduce bucket, elements")
-    ap.add_argument("--allgather-bucket", type=int, default=1 << 22, help="all-gather bucket, elements")
-    ap.add_argument("--json", default=None, help="write the rows as JSON to PATH, or '-' for stdout")
+    ap.add_argument("--numel", type=positive_int, default=20_000_000, help="approximate model size in parameters")
+    ap.add_argument("--width", type=positive_int, default=1024)
+    ap.add_argument("--batch", type=positive_int, default=16, help="rows per rank per step")
+    ap.add_argument("--world", type=positive_int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / world)")
+    ap.add_argument("--repeat", type=positive_int, default=10)
+    ap.add_argument("--bucket", type=positive_int, default=1 << 21, help="reduce bucket, elements")
+    ap.add_argument("--allgather-bucket", type=positive_int, default=1 << 22, help="all-gather bucket, elements")
+    ap.add_argument("--json", type=json_target, default=None, help="write the rows as JSON to PATH, or '-' for stdout")
     return ap.parse_args()
 
 

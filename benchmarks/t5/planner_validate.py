@@ -140,17 +140,18 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
 
 
 def main(argv=None) -> int:
+    from benchmarks._common import positive_int, json_target
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="t5-tiny,t5-small",
                     help="CPU tier models: names of configs/models/NAME.json or paths to config JSON files")
     ap.add_argument("--batches", default="2,8")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--tgt-len", type=int, default=128)
+    ap.add_argument("--seq-len", type=positive_int, default=128)
+    ap.add_argument("--tgt-len", type=positive_int, default=128)
     ap.add_argument("--gpu", action="store_true", help="run the GPU tier (needs CUDA; untested so far)")
     ap.add_argument("--gpu-models", default="t5-large,t5-3b")
     ap.add_argument("--gpu-rows", default="baseline,fp16,zero2_offload")
-    ap.add_argument("--gpu-batch", type=int, default=4)
-    ap.add_argument("--json", "--out", dest="json", default=None,
+    ap.add_argument("--gpu-batch", type=positive_int, default=4)
+    ap.add_argument("--json", "--out", dest="json", type=json_target, default=None,
                     help="write the results as JSON to PATH, or '-' for stdout (the published run: "
                          "benchmarks/results/planner_validate.json)")
     args = ap.parse_args(argv)

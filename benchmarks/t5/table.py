@@ -69,15 +69,16 @@ SYNTH = os.path.join(ROOT, "examples", "seq2seq", "synthetic_data.py")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from benchmarks._common import positive_int
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="config JSON (random init). Default: configs/models/t5-large.json "
                                                   "on GPU, t5-demo.json on CPU, t5-tiny.json with --smoke")
     ap.add_argument("--data_dir", default=None, help="legacy layout (train|val.source/.target); default: a "
                                                      "SYNTHETIC corpus from synthetic_data.py in a temp dir")
     ap.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
-    ap.add_argument("--nproc", type=int, default=None,
+    ap.add_argument("--nproc", type=positive_int, default=None,
                     help="processes for the multi-process rows (default: min(2, GPUs) on GPU, 2 on CPU)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="OMP_NUM_THREADS per process (default: cores / procs with a GPU, 1 on CPU)")
     ap.add_argument("--rows", default=None, help="comma-separated subset of row names")
     ap.add_argument("--n_train", type=int, default=None)
@@ -94,10 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--learning_rate", type=float, default=3e-5)
     ap.add_argument("--warmup_steps", type=int, default=None, help="default 500 on GPU (the blog), 4 on CPU")
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--batch_size", type=int, default=None,
+    ap.add_argument("--batch_size", type=positive_int, default=None,
                     help="per-process batch size when not searching (default 16 on CPU, the blog's baseline 16 on "
                          "GPU); the search's start when the planner has no guess")
-    ap.add_argument("--eval_batch_size", type=int, default=None, help="default: the train batch size")
+    ap.add_argument("--eval_batch_size", type=positive_int, default=None, help="default: the train batch size")
     ap.add_argument("--sharded_stage", type=int, choices=(1, 2), default=1,
                     help="ZeRO stage of the --sharded_ddp rows (1 = optimizer states only, as the planner's rows)")
     ap.add_argument("--dpu_warmup_steps", type=int, default=None,
@@ -114,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="when the full run at the size found runs out of memory, retry this often 10 %% lower")
     ap.add_argument("--probe_steps", type=int, default=3, help="optimizer steps of a train-only probe run")
     ap.add_argument("--run_timeout", type=float, default=3600.0, help="seconds before a run is killed")
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--repeat", type=positive_int, default=1,
                     help="full runs per row, in round-robin rounds; the table shows the median (ranges in the JSON)")
     ap.add_argument("--t5_3b_recipe", action="store_true",
                     help="the blog's single-GPU t5-3b run (GPU only) instead of the table")
