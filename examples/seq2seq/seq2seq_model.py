@@ -1,7 +1,6 @@
 """``finetune_trainer.py``'s tokenizer and model: the tokenizer a run uses (a resumed checkpoint's, one trained on
 the training text here, or the one named), checked against the checkpoint it resumes, and the model (pretrained
 weights, or random initialisation from a config), each mistake one line naming the flag."""
-import inspect
 import json
 import logging
 import os
@@ -10,6 +9,7 @@ from typing import Callable, Optional
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from hf_zero_offload.run_lock import RunLock, take_job_lock
+from hf_zero_offload.trainer.mean_loss import mean_loss_only  # noqa: F401 - (the script's sm.mean_loss_only)
 from train_tokenizer import train_t5_tokenizer
 
 logger = logging.getLogger("finetune_trainer")
@@ -152,20 +152,3 @@ def check_resumed_shapes(model, resumed_from: str) -> None:
                     raise ValueError(f"--resume_from_checkpoint {resumed_from}: its {name} is {saved}, the model "
                                      f"built from --config_name {shapes[name]}: give the config of the run that saved "
                                      "it")
-
-
-def mean_loss_only(model) -> bool:
-    """Whether the model's forward computes its loss as a plain mean of its own (T5, BART: ``CrossEntropyLoss()``)
-    while taking ``**kwargs``, from which the Trainer concludes that it sums over ``num_items_in_batch`` and then
-    neither divides the loss by --gradient_accumulation_steps nor leaves it per-rank (an outside probe: train_loss
-    23.5 against ~7.7 with 3 accumulation steps, and gradients 3x larger)."""
-    forward = type(model).forward
-    if not any(p.kind == p.VAR_KEYWORD for p in inspect.signature(forward).parameters.values()):
-        return False
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):  # (unreadable: taken for a mean, the wrong guess that costs least, see below)
-        return True
-    # (EncoderDecoderModel passes num_items_in_batch on to its decoder and still takes a mean of its own; a model
-    # judged so wrongly loses only the token-count weighting, as the Trainer then passes it no num_items_in_batch)
-    return "loss_function" not in source

@@ -29,6 +29,7 @@ from .placement import PlaceWithEngine
 from .same_run import check_same_run
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
+from .mean_loss import LossScaleNote
 from .trainable_watch import RefuseNewTrainable
 from .loading import CheckpointLoading
 from .saving import CheckpointSaving
@@ -52,7 +53,8 @@ def _users_create_optimizer(cls):
     return None
 
 
-class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, BroadcastBuffers, PlaceWithEngine):
+class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, BroadcastBuffers, PlaceWithEngine,
+                       LossScaleNote):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
@@ -362,6 +364,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         engine.options = dataclasses.replace(engine.options, gradient_accumulation_steps=gas)
 
     def _inner_training_loop(self, *args, **kwargs):
+        self._zo_say_loss_scale(logger)
         if self.zero_engine is not None:
             # transformers' model.zero_grad() here misses the gradients the engine took from .grad: a window left
             # part way (stop, interrupt, a failed auto_find_batch_size attempt) was summed into the next first step
