@@ -165,7 +165,7 @@ def test_json_on_stdout_is_the_json_alone(capsys):
     for path in ROOT.glob("benchmarks/**/*.py"):
         text = path.read_text()
         if '"--json"' in text and "for stdout" in text:
-            assert "json_stdout()" in text or "sys.stderr if" in text, path
+            assert "json_stdout(" in text or "sys.stderr if" in text, path
 
 
 def test_offload_rows_say_where_their_step_time_goes():
