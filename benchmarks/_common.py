@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -81,6 +82,30 @@ def hardware_line(info: Mapping[str, Any] | None = None) -> str:
     if info.get("ram_gib"):
         parts.insert(2, f"{info['ram_gib']} GiB RAM")
     return " | ".join(parts)
+
+
+# the kernels' and engines' switches as the process started (a benchmark may set one itself later, from a flag)
+_START_ENV = {k: v for k, v in os.environ.items() if k.startswith("HF_ZERO_OFFLOAD_")}
+
+
+def command_line(module: str, argv: Sequence[str] | None = None) -> str:
+    """The command that reproduces this run: ``python -m module args``, after the HF_ZERO_OFFLOAD_* variables it
+    started with (HF_ZERO_OFFLOAD_SIMD chose the kernels); ``argv`` when ``main(argv)`` was called in-process."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return shlex.join([f"{k}={v}" for k, v in sorted(_START_ENV.items())] + ["python", "-m", module, *argv])
+
+
+def provenance(module: str, argv: Sequence[str] | None = None, info: Mapping[str, Any] | None = None) -> dict:
+    """The fields every benchmark's JSON starts with: which benchmark, the command, when (UTC), torch's version and
+    the hardware (``info``: a ``hardware()`` already taken, so the line and the dict agree)."""
+    import datetime
+
+    import torch
+
+    info = dict(info or hardware())
+    return {"benchmark": module.removeprefix("benchmarks."), "command": command_line(module, argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "hardware_line": hardware_line(info), "hardware": info}
 
 
 def time_calls(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> list[float]:
@@ -309,27 +334,73 @@ def _number(kind, least: float, what: str):
     return parse
 
 
-positive_int = _number(int, 1, "an integer >= 1")
+def int_at_least(least: int):
+    return _number(int, least, f"an integer >= {least}")
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
 positive_float = _number(float, 1e-12, "a positive number")
 nonnegative_float = _number(float, 0.0, "a number >= 0")
 
 
-def json_target(path: str) -> str:
-    """``--json PATH`` checked before the run: its folder must be creatable and writable (an unwritable path failed
-    only after the whole run, with a traceback)."""
+def int_list(least: int = 1):
+    """``--tensors 1000,4000``: comma-separated integers, each >= ``least``, as a list (a bad one failed later with
+    a traceback, or a 0 ran a meaningless row)."""
     import argparse
 
-    if path == "-":
-        return path
-    folder = os.path.dirname(os.path.abspath(path)) or "."
-    probe = folder
+    one, what = int_at_least(least), f"comma-separated integers >= {least}"
+
+    def parse(text: str) -> list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        try:
+            if not items:
+                raise argparse.ArgumentTypeError("")
+            return [one(x) for x in items]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} expected") from None
+
+    parse.__name__ = what
+    return parse
+
+
+def _writable(path: str, what: str, folder: bool = False) -> str:
+    """``path`` if a ``what`` can be written there (the nearest existing folder, of it or of its parent, takes a
+    file), else a usage error: an unwritable path failed only after the whole run, with a traceback."""
+    import argparse
+
+    probe = os.path.abspath(path) if folder else os.path.dirname(os.path.abspath(path))
     while not os.path.exists(probe):  # the nearest existing folder decides whether the rest can be created
         probe = os.path.dirname(probe)
     try:
-        if not os.path.isdir(probe) or os.path.isdir(path):
-            raise OSError("not a file path")
+        if not os.path.isdir(probe) or (not folder and os.path.isdir(path)):
+            raise OSError("not a folder" if folder else "not a file path")
         with tempfile.TemporaryFile(dir=probe):  # (os.access says yes to root, and to /proc)
             pass
     except OSError as e:
-        raise argparse.ArgumentTypeError(f"{path}: cannot write a JSON file there ({e.strerror or e})") from None
+        raise argparse.ArgumentTypeError(f"{path}: cannot write {what} there ({e.strerror or e})") from None
+    return path
+
+
+def json_target(path: str) -> str:
+    """``--json PATH`` (or ``-``, stdout) checked before the run."""
+    return path if path == "-" else _writable(path, "a JSON file")
+
+
+def output_file(path: str) -> str:
+    """An output file's path (``--png``) checked before the run, as ``--json``'s."""
+    return _writable(path, "a file")
+
+
+def output_dir(path: str) -> str:
+    """An output folder (``--out_dir``), created by the run: it, or its nearest existing parent, must take files."""
+    return _writable(path, "files", folder=True)
+
+
+def existing_dir(path: str) -> str:
+    """An input folder (``--data_dir``, ``--dir``) that must exist before any work."""
+    import argparse
+
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path}: no such folder")
     return path

@@ -23,10 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 import torch  # noqa: E402
 
-from benchmarks._common import (NOT_HERE, hardware, hardware_line, json_stdout, load_example,  # noqa: E402
-                               model_config, print_table, target_line, verdict, write_json)
-
-synthetic_data = load_example("synthetic_data")
+from benchmarks._common import (NOT_HERE, hardware, hardware_line, int_list, json_stdout, json_target,  # noqa: E402
+                               load_example, model_config, output_file, positive_float, positive_int, print_table,
+                               provenance, target_line, verdict, write_json)
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "int8")
@@ -53,7 +52,7 @@ def encode(corpus, vocab: dict, max_len: int):
 
 
 def corpus_tensors(n_train: int, n_val: int, max_len: int):
-    c = synthetic_data.make_corpus(n_train=n_train, n_val=n_val, n_test=1, seed=0)
+    c = load_example("synthetic_data").make_corpus(n_train=n_train, n_val=n_val, n_test=1, seed=0)
     words = sorted({w for split in ("train", "val") for pair in c[split] for text in pair for w in text.split()})
     vocab = {w: i + 2 for i, w in enumerate(words)}
     return encode(c["train"], vocab, max_len), encode(c["val"], vocab, max_len), len(vocab) + 2
@@ -286,31 +285,35 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> int:
-    from benchmarks._common import positive_int, json_target
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    # the whole docstring: its first line alone stopped mid-sentence ("... bytes per param from the engine's plan,")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=model_config, default=model_config("t5-demo"),
                     help="a name of configs/models/ or a config JSON")
-    ap.add_argument("--steps", type=positive_int, default=300)
-    ap.add_argument("--batch", type=positive_int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every", type=positive_int, default=50)
-    ap.add_argument("--n-train", type=positive_int, default=4000)
-    ap.add_argument("--n-val", type=positive_int, default=200)
-    ap.add_argument("--max-len", type=positive_int, default=24)
+    ap.add_argument("--steps", type=positive_int, default=300, help="training steps per run")
+    ap.add_argument("--batch", type=positive_int, default=16, help="sentences per batch")
+    ap.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
+    ap.add_argument("--eval-every", type=positive_int, default=50, help="eval loss every N steps")
+    ap.add_argument("--n-train", type=positive_int, default=4000, help="training sentences")
+    ap.add_argument("--n-val", type=positive_int, default=200, help="held-out sentences")
+    ap.add_argument("--max-len", type=positive_int, default=24, help="tokens per sentence, at most")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first); "
                     "'torchao' adds torchao's AdamW8bit (its blockwise 8-bit Adam) when importable; 'fp32-ulp' is "
                     "fp32 with every initial weight one ulp off: how far chaos alone moves the final loss")
-    ap.add_argument("--seeds", default="0", help="comma-separated seeds (model init and batch order): one run of "
+    ap.add_argument("--seeds", type=int_list(0), default=[0], help="comma-separated seeds (model init and batch order): one run of "
                     "each state dtype per seed; the summary gives each dtype's mean, min and max ratio to fp32's run "
                     "of the same seed, so one seed's chaotic divergence is not taken for a systematic effect")
     ap.add_argument("--open-loop", action="store_true", help="chaos-free variant: one fp32-moment run drives the "
                     "model and every other dtype steps its own copy of the params with its gradients; also prints "
                     "each copy's drift from the fp32 params")
     ap.add_argument("--json", type=json_target, default=None, help="write the results as JSON to PATH (- for stdout)")
-    ap.add_argument("--png", default=None, help="plot the eval-loss curves to PATH")
-    args = ap.parse_args(argv)
+    ap.add_argument("--png", type=output_file, default=None, help="plot the eval-loss curves to PATH")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     info = hardware()
@@ -320,7 +323,7 @@ def main(argv=None) -> int:
     print_table(mem, [("state_dtype", "state_dtype", "s"), ("host_GiB", "host GiB", ".2f"),
                       ("B_per_param", "B/param", ".2f")])
     train, val, vocab_size = corpus_tensors(args.n_train, args.n_val, args.max_len)
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = args.seeds
     dtypes = args.dtypes.split(",")
     if args.open_loop:
         runs = [r for seed in seeds for r in train_open_loop(dtypes, args, train, val, vocab_size, seed)]
@@ -345,7 +348,7 @@ def main(argv=None) -> int:
         plot([r for r in runs if r["seed"] == seeds[0]], args.png,
              f"{os.path.basename(args.model)}: synthetic corpus, {args.steps} steps, seed {seeds[0]}"
              + (", open loop" if args.open_loop else ""))
-    write_json(args.json, {"hardware_line": hardware_line(info), "hardware": info, "args": vars(args),
+    write_json(args.json, {**provenance("benchmarks.engine.compact_quality", argv, info), "args": vars(args),
                            "host_memory_t5_3b": mem, "runs": runs, "summary": summary,
                            "targets": targets})
     return 0

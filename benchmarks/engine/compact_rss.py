@@ -21,12 +21,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import psutil  # noqa: E402
-
-from benchmarks._common import (hardware, hardware_line, json_stdout, load_example, model_config,  # noqa: E402
-                               print_table, write_json)
-
-synthetic_data = load_example("synthetic_data")
+from benchmarks._common import (hardware, hardware_line, json_stdout, json_target, load_example,  # noqa: E402
+                               model_config, nonnegative_float, positive_int, print_table, provenance, write_json)
 
 SCRIPT = os.path.join(ROOT, "examples", "seq2seq", "finetune_trainer.py")
 
@@ -41,6 +37,8 @@ def ds_config(path: str, state_dtype: str) -> str:
 
 
 def run_one(state_dtype: str, args, work: str) -> dict:
+    import psutil
+
     free = psutil.virtual_memory().available / 2**30
     if free < args.min_free_gib:
         return {"state_dtype": state_dtype, "skipped": f"only {free:.1f} GiB available (< {args.min_free_gib})"}
@@ -61,20 +59,24 @@ def run_one(state_dtype: str, args, work: str) -> dict:
             "train_loss": res.get("train_loss"), "train_runtime_s": res.get("train_runtime")}
 
 
-def main(argv=None) -> int:
-    from benchmarks._common import positive_int, json_target
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=model_config, default=model_config("t5-large"),
                     help="a name of configs/models/ or a config JSON")
-    ap.add_argument("--dtypes", default="fp32,int8")
-    ap.add_argument("--steps", type=positive_int, default=3)
-    ap.add_argument("--min-free-gib", type=float, default=18.0)
+    ap.add_argument("--dtypes", default="fp32,int8", help="state dtypes, one Trainer run each")
+    ap.add_argument("--steps", type=positive_int, default=3, help="optimizer steps per run")
+    ap.add_argument("--min-free-gib", type=nonnegative_float, default=18.0,
+                    help="start a run only with this many GiB available (0: always)")
     ap.add_argument("--json", type=json_target, default=None, help="write the results as JSON to PATH (- for stdout)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     info = hardware()
     print(hardware_line(info), flush=True)
     with tempfile.TemporaryDirectory(prefix="hzo_rss_") as work:
-        synthetic_data.write_corpus(os.path.join(work, "data"), 64, 8, 8, seed=0)
+        load_example("synthetic_data").write_corpus(os.path.join(work, "data"), 64, 8, 8, seed=0)
         rows = []
         for sd in args.dtypes.split(","):
             rows.append(run_one(sd, args, work))
@@ -88,7 +90,8 @@ def main(argv=None) -> int:
                 [("state_dtype", "state_dtype", "s"), ("peak_rss_GB", "peak RSS GB", ".2f"),
                  ("vs_fp32", "vs fp32", ".3f"), ("train_loss", "train loss", ".4f"),
                  ("train_runtime_s", "train s", ".0f")])
-    write_json(args.json, {"hardware_line": hardware_line(info), "hardware": info, "args": vars(args), "runs": rows})
+    write_json(args.json, {**provenance("benchmarks.engine.compact_rss", argv, info), "args": vars(args),
+                           "runs": rows})
     return 0
 
 

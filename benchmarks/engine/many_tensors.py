@@ -19,12 +19,12 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 
 import torch
 
-from benchmarks._common import hardware, hardware_line, json_stdout, print_table, write_json
+from benchmarks._common import (hardware, hardware_line, int_list, json_stdout, json_target, nonnegative_int,
+                               positive_int, print_table, provenance, write_json)
 
 
 def _tensors(n: int) -> list[torch.nn.Parameter]:
@@ -113,20 +113,21 @@ def _sharded_builds(counts: list[int], world: int) -> list[float]:
     return [max(per_rank[r][i] for r in per_rank) for i in range(len(counts))]
 
 
-def main() -> None:
-    from benchmarks._common import positive_int, json_target
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tensors", default="1000,4000,16000", help="comma-separated tensor counts")
-    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--tensors", type=int_list(1), default=[1000, 4000, 16000], help="comma-separated tensor counts")
+    ap.add_argument("--rounds", type=positive_int, default=5, help="timed steps per row (median reported)")
     ap.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                     help="OffloadAdam's moments (offload_optimizer.state_dtype)")
-    ap.add_argument("--world", type=int, default=2, help="ranks of the ShardedAdam build (0: skip it)")
+    ap.add_argument("--world", type=nonnegative_int, default=2, help="ranks of the ShardedAdam build (0 or 1: skip it)")
     ap.add_argument("--json", type=json_target, default=None, help="write the rows as JSON to PATH, or '-' for stdout")
-    a = ap.parse_args()
-    counts = [int(x) for x in a.tensors.split(",") if x]
-    if not counts or min(counts) < 1 or a.rounds < 1 or a.world < 0:
-        ap.error("--tensors needs positive counts, --rounds >= 1, --world >= 0")
-    with json_stdout():
+    return ap
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
+    counts = a.tensors
+    with json_stdout(argv):
         info = hardware()
         print(hardware_line(info))
         from hf_zero_offload.engine import OffloadAdam
@@ -141,9 +142,7 @@ def main() -> None:
         if a.world > 1:
             cols.append((f"sharded_build_s_{a.world}ranks", f"sharded build s ({a.world} ranks)", ".2f"))
         print_table(rows, cols)
-    write_json(a.json, {"benchmark": "engine/many_tensors",
-                        "command": " ".join(["python -m benchmarks.engine.many_tensors", *sys.argv[1:]]),
-                        "hardware": info, "hardware_line": hardware_line(info), "rows": rows})
+    write_json(a.json, {**provenance("benchmarks.engine.many_tensors", argv, info), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -42,27 +42,27 @@ import traceback
 
 import torch
 
-from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, json_stdout, phases_text,  # noqa: E402
-                                print_table, target_line, verdict, write_json)
+from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, int_at_least, json_stdout,  # noqa: E402
+                                json_target, phases_text, positive_float, positive_int, print_table, provenance,
+                                target_line, verdict, write_json)
 from benchmarks.engine.rows import DTYPES, ROWS, Ctx, Skip  # noqa: E402
 
 TARGETS = {"offload_ratio": 1.3, "dpu_ratio": 1.1, "host_bpp": 18.0, "device_state_bpp": 2.0, "pcie_bpp_16bit": 4}
 
 
-def parse() -> argparse.Namespace:
-    from benchmarks._common import positive_int, positive_float, json_target
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=positive_float, default=None, help="trainable params (default 20M on CPU, 1B on GPU)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--steps", type=positive_int, default=10, help="timed steps per row (median reported)")
     ap.add_argument("--rounds", type=positive_int, default=1,
                     help="run the whole row list this many times and pool each row's timed steps (noisy hosts)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (at least 3: DPU starts after 2)")
+    ap.add_argument("--warmup", type=int_at_least(3), default=3, help="untimed steps first (at least 3: DPU starts after 2)")
     ap.add_argument("--tokens", type=positive_int, default=None, help="rows of the synthetic batch (default 32 CPU, 4096 GPU)")
     ap.add_argument("--width", type=positive_int, default=None, help="hidden size (default from --params)")
     ap.add_argument("--rows", default="a,b,c,d,e", help="which rows to run, e.g. a,b,c")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--gpu_mem_gib", type=float, default=None,
+    ap.add_argument("--gpu_mem_gib", type=positive_float, default=None,
                     help="cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--bucket_numel", type=positive_int, default=None, help="engine gradient bucket (default: engine's)")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch / CPU Adam threads (default: torch's)")
@@ -70,7 +70,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--blocking_waits", action="store_true",
                     help="our rows' host waits sleep instead of spinning (HF_ZERO_OFFLOAD_BLOCKING_WAITS=1)")
     ap.add_argument("--json", type=json_target, default=None, help="write rows + hardware as JSON to PATH, or '-' for stdout")
-    return ap.parse_args()
+    return ap
 
 
 def _fmt_targets(rows: list[dict], ctx: Ctx) -> list[str]:
@@ -121,8 +121,12 @@ def _fmt_targets(rows: list[dict], ctx: Ctx) -> list[str]:
     return lines
 
 
-def main() -> int:
-    args = parse()
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    unknown = sorted({k.strip() for k in args.rows.split(",") if k.strip()} - set(ROWS))
+    if unknown:  # (a KeyError traceback after the model was built)
+        ap.error(f"argument --rows: {','.join(unknown)}: not a row; rows are {','.join(ROWS)}")
     if args.blocking_waits:
         os.environ["HF_ZERO_OFFLOAD_BLOCKING_WAITS"] = "1"  # read when each engine makes its Streams
     if args.threads:
@@ -194,7 +198,7 @@ def main() -> int:
         print(line)
     if args.json:
         write_json(args.json, {
-            "benchmark": "offload_step", "hardware": info, "hardware_line": hardware_line(info),
+            **provenance("benchmarks.engine.offload_step", argv, info),
             "config": {"params_target": ctx.n_target, "width": ctx.width, "tokens": ctx.tokens, "dtype": args.dtype,
                        "blocking_waits": args.blocking_waits,
                        "device": str(ctx.device), "steps": ctx.steps, "warmup": ctx.warmup,

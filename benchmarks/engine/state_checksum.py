@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 import zlib
 
 import torch
 
-from benchmarks._common import hardware, hardware_line, json_stdout, write_json
+from benchmarks._common import (existing_dir, hardware, hardware_line, json_stdout, json_target, positive_float,
+                               positive_int, provenance, write_json)
 from hf_zero_offload.engine import checkpoint
 
 
@@ -33,16 +33,17 @@ def _time(fn, repeat: int) -> float:
     return statistics.median(out)
 
 
-def main() -> None:
-    from benchmarks._common import positive_int, positive_float, json_target
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=positive_float, default=1.0)
-    ap.add_argument("--repeat", type=positive_int, default=3)
-    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--gib", type=positive_float, default=1.0, help="state size in GiB")
+    ap.add_argument("--repeat", type=positive_int, default=3, help="runs per row (median reported)")
+    ap.add_argument("--dir", type=existing_dir, default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--json", type=json_target, default=None, help="write the rows as JSON to PATH, or '-' for stdout")
-    a = ap.parse_args()
-    if a.dir is not None and not os.path.isdir(a.dir):
-        ap.error(f"--dir {a.dir}: no such directory")  # before allocating the state
+    return ap
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
     n = int(a.gib * 2**30) // 12
     src = {k: torch.randn(n) for k in ("master", "exp_avg", "exp_avg_sq")}
     dst = {k: torch.empty(n) for k in src}
@@ -69,9 +70,8 @@ def main() -> None:
     print(f"{'checksum':<12} {'save s':>8} {'load s':>8} {'save GB/s':>10} {'load GB/s':>10}")
     for r in rows:
         print(f"{r['checksum']:<12} {r['save_s']:8.2f} {r['load_s']:8.2f} {r['save_gbps']:10.2f} {r['load_gbps']:10.2f}")
-    write_json(a.json, {"benchmark": "state_checksum", "hardware": info, "hardware_line": hardware_line(info),
-                        "command": "python -m benchmarks.engine.state_checksum " + " ".join(sys.argv[1:]),
-                        "crc32_gbps": crc_rate, "rows": rows})
+    write_json(a.json, {**provenance("benchmarks.engine.state_checksum", argv, info), "crc32_gbps": crc_rate,
+                        "rows": rows})
 
 
 if __name__ == "__main__":

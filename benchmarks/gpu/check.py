@@ -9,6 +9,7 @@ to the machine (``make gpu-wheels`` downloads them into ``.gpu_wheels/``; the ma
 """
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -19,9 +20,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # -- hardware --------------------------------------------------------------------------------------
-def cmd_hardware(args: list[str]) -> int:
+def cmd_hardware(args: argparse.Namespace) -> int:
     import torch
-    from benchmarks._common import hardware, hardware_line
+
+    from benchmarks._common import hardware, hardware_line, provenance
 
     info = hardware()
     if torch.cuda.is_available():
@@ -30,18 +32,17 @@ def cmd_hardware(args: list[str]) -> int:
                     capability=f"{p.major}.{p.minor}", gpu_count=torch.cuda.device_count())
     print(hardware_line(info))
     print(json.dumps(info, default=str))
-    if "--json" in args:
-        path = args[args.index("--json") + 1]
-        with open(path, "w") as f:
-            json.dump({"hardware": info, "hardware_line": hardware_line(info)}, f, indent=2, default=str)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(provenance("benchmarks.gpu.check", args.argv, info), f, indent=2, default=str)
     return 0
 
 
 # -- summary ---------------------------------------------------------------------------------------
-def cmd_summary(args: list[str]) -> int:
+def cmd_summary(args: argparse.Namespace) -> int:
     from benchmarks._common import phases_text
 
-    out = args[0] if args else "."
+    out = args.dir
     for path in sorted(glob.glob(os.path.join(out, "offload_step*.json"))):
         try:
             with open(path) as f:
@@ -67,14 +68,14 @@ def cmd_summary(args: list[str]) -> int:
 
 
 # -- a corpus at full length -----------------------------------------------------------------------
-def cmd_long_corpus(args: list[str], n: int = 200, join: int = 16) -> int:
+def cmd_long_corpus(args: argparse.Namespace, n: int = 200, join: int = 16) -> int:
     """The synthetic corpus with ``join`` sentences per line (source and target alike): every line is longer than
     the recipe's 128 tokens, so every batch is truncated to full length and the activations are the planner's. The
     first GPU run's short sentences (batches padded to their longest, a few tokens) measured only the weights."""
     import runpy
 
     write_corpus = runpy.run_path(str(ROOT / "examples" / "seq2seq" / "synthetic_data.py"))["write_corpus"]
-    out = args[0]
+    out = args.dir
     write_corpus(out, n_train=n * join, n_val=8 * join, n_test=8 * join, seed=0)
     for split in ("train", "val", "test"):
         for side in ("source", "target"):
@@ -87,12 +88,27 @@ def cmd_long_corpus(args: list[str], n: int = 200, join: int = 16) -> int:
     return 0
 
 
-def main() -> int:
-    cmds = {"hardware": cmd_hardware, "summary": cmd_summary, "long_corpus": cmd_long_corpus}
-    if len(sys.argv) < 2 or sys.argv[1] not in cmds:
-        print(__doc__)
-        return 2
-    return cmds[sys.argv[1]](sys.argv[2:])
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks._common import existing_dir, json_target, output_dir
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{hardware,summary,long_corpus}")
+    hw = sub.add_parser("hardware", help="the hardware line + CUDA facts")
+    hw.add_argument("--json", type=json_target, default=None, help="also write them as JSON to PATH")
+    hw.set_defaults(fn=cmd_hardware)
+    sm = sub.add_parser("summary", help="the target lines of every offload_step*.json in DIR")
+    sm.add_argument("dir", type=existing_dir, nargs="?", default=".", metavar="DIR")
+    sm.set_defaults(fn=cmd_summary)
+    lc = sub.add_parser("long_corpus", help="a synthetic corpus whose every line fills 128 tokens, into DIR")
+    lc.add_argument("dir", type=output_dir, metavar="DIR")
+    lc.set_defaults(fn=cmd_long_corpus)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    return args.fn(args)
 
 
 if __name__ == "__main__":

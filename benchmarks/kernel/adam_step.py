@@ -30,8 +30,9 @@ import sys
 import time
 
 
-def _parse() -> argparse.Namespace:
-    from benchmarks._common import positive_int, nonnegative_float, json_target
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks._common import json_target, nonnegative_float, positive_int
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=positive_int, default=50_000_000)
     ap.add_argument("--threads", type=positive_int, default=None, help="default: torch.get_num_threads() (all cores)")
@@ -44,17 +45,19 @@ def _parse() -> argparse.Namespace:
                     help="also time our mixed and int8 rows at this instruction set (e.g. avx512 beside the default "
                          "avx512_bf16), interleaved with the rest")
     ap.add_argument("--json", type=json_target, default=None, help="write the results as JSON to PATH, or '-' for stdout")
-    return ap.parse_args()
+    return ap
 
 
-ARGS = _parse()
-if ARGS.threads is not None:  # before torch (and DeepSpeed's own OpenMP runtime) start their pools
-    os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+ARGS = None  # parsed before torch is imported when run (importing the module, e.g. for its parser, parses nothing)
+if __name__ == "__main__":
+    ARGS = build_parser().parse_args()
+    if ARGS.threads is not None:  # before torch (and DeepSpeed's own OpenMP runtime) start their pools
+        os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
 
 import torch  # noqa: E402
 
 from benchmarks._common import (NOT_HERE, ForeignLoad, beside, hardware, hardware_line, median,  # noqa: E402
-                                print_table, verdict, write_json)
+                                print_table, provenance, verdict, write_json)
 from hf_zero_offload import ops  # noqa: E402
 
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
@@ -212,7 +215,10 @@ def targets(by: dict, skipped: dict) -> list[tuple[str, str, float | None, str]]
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    global ARGS
+    if ARGS is None or argv is not None:  # (in-process: OMP_NUM_THREADS is then torch's as it was)
+        ARGS = build_parser().parse_args(argv)
     n, rounds = ARGS.numel, ARGS.rounds
     threads = ARGS.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -276,13 +282,9 @@ def main() -> int:
         + ". A row is bandwidth-bound wherever the memory system gives each core less than it consumes, e.g. "
         "8+ cores on two channels: the compact rows' speedup over mixed then approaches their byte ratio "
         "(a projection from these figures, not a measurement)")
-    simd = os.environ.get("HF_ZERO_OFFLOAD_SIMD")  # part of the command: it chose the kernels
-    simd_env = [f"HF_ZERO_OFFLOAD_SIMD={simd}"] if simd else []
     write_json(ARGS.json, {
-        "benchmark": "kernel/adam_step",
-        "command": " ".join(simd_env + [os.path.basename(sys.executable), "-m", "benchmarks.kernel.adam_step"]
-                            + sys.argv[1:]),
-        "hardware_line": hardware_line(info), "hardware": info, "numel": n, "threads": threads, "rounds": rounds,
+        **provenance("benchmarks.kernel.adam_step", argv, info),  # the command names HF_ZERO_OFFLOAD_SIMD when set
+        "numel": n, "threads": threads, "rounds": rounds,
         "stream_bound_gb_s": bound_gbs, "stream_bound_gb_s_per_core": bound_gbs / threads, "rows": rows, "skipped": skipped, "peer_versions": versions,
         "foreign_load_cores": load.cores,
         "targets": [dict(target=lb, verdict=vd, value=v, note=nt) for lb, vd, v, nt, _ in checks],

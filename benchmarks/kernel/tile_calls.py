@@ -19,13 +19,14 @@ ROWS = [(1 << 18, 200, "fp32"), (1 << 20, 60, "fp32"), (1 << 20, 60, "int8"), (1
         (1 << 22, 20, "int8")]
 
 
-def _parse() -> argparse.Namespace:
-    from benchmarks._common import positive_int, json_target
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks._common import json_target, positive_int
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=positive_int, default=None, help="default: torch.get_num_threads() (all cores)")
     ap.add_argument("--rounds", type=positive_int, default=7, help="timed rounds per thread count")
     ap.add_argument("--json", type=json_target, default=None, help="write the results as JSON to PATH, or '-' for stdout")
-    return ap.parse_args()
+    return ap
 
 
 def _step_fn(tile: int, calls: int, kind: str, threads: int):
@@ -46,14 +47,15 @@ def _step_fn(tile: int, calls: int, kind: str, threads: int):
     return step
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)  # before torch's import: --help and a usage error need none of it
     import torch
 
-    from benchmarks._common import hardware, hardware_line, median, print_table, write_json
+    from benchmarks._common import hardware, hardware_line, median, print_table, provenance, write_json
 
-    args = _parse()
     threads = args.threads or torch.get_num_threads()
-    print(hardware_line())
+    info = hardware()
+    print(hardware_line(info))
     rows = []
     for tile, calls, kind in ROWS:
         steps = {t: _step_fn(tile, calls, kind, t) for t in (1, threads)}
@@ -70,8 +72,8 @@ def main() -> None:
                      "speedup": one / many})
     print_table(rows, [("tile", "tile elements"), "calls", "moments", ("ns_1", "ns/param 1 thread", ".3f"),
                        ("ns_n", f"ns/param {threads} threads", ".3f"), ("speedup", "speed-up", ".2f")])
-    write_json(args.json, {"benchmark": "kernel.tile_calls", "hardware_line": hardware_line(), "hardware": hardware(),
-                           "threads": threads, "rounds": args.rounds, "rows": rows})
+    write_json(args.json, {**provenance("benchmarks.kernel.tile_calls", argv, info), "threads": threads,
+                           "rounds": args.rounds, "rows": rows})
 
 
 if __name__ == "__main__":

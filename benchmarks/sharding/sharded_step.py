@@ -30,8 +30,9 @@ import sys
 import time
 
 
-def _parse() -> argparse.Namespace:
-    from benchmarks._common import positive_int, json_target
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks._common import json_target, positive_int
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=positive_int, default=20_000_000, help="approximate model size in parameters")
     ap.add_argument("--width", type=positive_int, default=1024)
@@ -42,7 +43,7 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--bucket", type=positive_int, default=1 << 21, help="reduce bucket, elements")
     ap.add_argument("--allgather-bucket", type=positive_int, default=1 << 22, help="all-gather bucket, elements")
     ap.add_argument("--json", type=json_target, default=None, help="write the rows as JSON to PATH, or '-' for stdout")
-    return ap.parse_args()
+    return ap
 
 
 def _model(args):
@@ -116,13 +117,13 @@ def _rank_main(rank, world, port, args, out_q):
         dist.destroy_process_group()
 
 
-def main() -> int:
-    args = _parse()
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch.multiprocessing as mp
 
-    from benchmarks._common import hardware, hardware_line, print_table, write_json
+    from benchmarks._common import hardware, hardware_line, print_table, provenance, write_json
 
     info = hardware()
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json == "-" else print
@@ -159,8 +160,8 @@ def main() -> int:
                        ("pbufs_MB", "param bufs MB", ".1f"), ("total_MB", "total MB", ".1f"),
                        ("mem_vs_ddp", "mem/ddp", ".2f"), ("iter_ms", "iter ms", ".1f"), ("step_ms", "step ms", ".1f"),
                        ("time_vs_ddp", "time/ddp", ".2f")], file=sys.stderr if args.json == "-" else None)
-    write_json(args.json, {"benchmark": "sharded_step", "hardware_line": hardware_line(info), "hardware": info,
-                           "args": vars(args), "load_average": [load_before, os.getloadavg()[0]], "rows": rows})
+    write_json(args.json, {**provenance("benchmarks.sharding.sharded_step", argv, info), "args": vars(args),
+                           "load_average": [load_before, os.getloadavg()[0]], "rows": rows})
     return 0
 
 

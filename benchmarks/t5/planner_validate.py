@@ -31,7 +31,8 @@ import torch  # noqa: E402
 from hf_zero_offload import planner  # noqa: E402
 from hf_zero_offload.planner import measure, trace  # noqa: E402
 
-from benchmarks._common import hardware, hardware_line, json_stdout, model_config, print_table, write_json  # noqa: E402
+from benchmarks._common import (hardware, hardware_line, int_list, json_stdout, json_target, model_config,  # noqa: E402
+                               positive_int, print_table, provenance, write_json)
 
 MiB = 2 ** 20
 KEEP = {"fp32": True, "half": False, "amp": True}  # the gradient policy of the rows that train in each mode
@@ -139,21 +140,25 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
             "planned_GiB": round(pred / 2**30, 3), "err_%": _pct(pred, real)}
 
 
-def main(argv=None) -> int:
-    from benchmarks._common import positive_int, json_target
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="t5-tiny,t5-small",
                     help="CPU tier models: names of configs/models/NAME.json or paths to config JSON files")
-    ap.add_argument("--batches", default="2,8")
-    ap.add_argument("--seq-len", type=positive_int, default=128)
-    ap.add_argument("--tgt-len", type=positive_int, default=128)
+    ap.add_argument("--batches", type=int_list(1), default=[2, 8], help="CPU tier batch sizes, comma-separated")
+    ap.add_argument("--seq-len", type=positive_int, default=128, help="source tokens")
+    ap.add_argument("--tgt-len", type=positive_int, default=128, help="target tokens")
     ap.add_argument("--gpu", action="store_true", help="run the GPU tier (needs CUDA; untested so far)")
-    ap.add_argument("--gpu-models", default="t5-large,t5-3b")
-    ap.add_argument("--gpu-rows", default="baseline,fp16,zero2_offload")
-    ap.add_argument("--gpu-batch", type=positive_int, default=4)
+    ap.add_argument("--gpu-models", default="t5-large,t5-3b", help="GPU tier models, as --models")
+    ap.add_argument("--gpu-rows", default="baseline,fp16,zero2_offload", help="GPU tier rows, comma-separated")
+    ap.add_argument("--gpu-batch", type=positive_int, default=4, help="GPU tier batch size")
     ap.add_argument("--json", "--out", dest="json", type=json_target, default=None,
                     help="write the results as JSON to PATH, or '-' for stdout (the published run: "
                          "benchmarks/results/planner_validate.json)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:  # every model before any work, naming what exists
         [model_config(m) for m in args.models.split(",") + (args.gpu_models.split(",") if args.gpu else []) if m]
@@ -163,8 +168,8 @@ def main(argv=None) -> int:
     info = hardware()
     print(hardware_line(info))
     models = [m for m in args.models.split(",") if m]
-    batches = [int(b) for b in args.batches.split(",")]
-    result = {"hardware": info, "hardware_line": hardware_line(info), "seq_len": args.seq_len,
+    batches = args.batches
+    result = {**provenance("benchmarks.t5.planner_validate", argv, info), "seq_len": args.seq_len,
               "tgt_len": args.tgt_len}
 
     params = [cpu_params(m) for m in models]

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
-import shlex
 import shutil
 import sys
 import tempfile
@@ -56,7 +55,8 @@ from typing import Any, Dict, List
 
 # The parts, one module each: rows and running one (runs), the batch-size search (bs_search), the outputs
 # (report). The names tests/test_t5_table.py uses stay importable from here.
-from benchmarks._common import hardware, hardware_line, write_json  # noqa: E402
+from benchmarks._common import (existing_dir, model_config, nonnegative_float, nonnegative_int,  # noqa: E402
+                               output_dir, positive_float, positive_int, provenance, write_json)
 from benchmarks.t5.bs_search import find_max_bs, planner_guesses, round_bs  # noqa: E402
 from benchmarks.t5.report import BLOG_T5_3B, BLOG_T5_LARGE, chart, combine, fmt, markdown, params_m  # noqa: E402
 from benchmarks.t5.runs import CONFIGS, ROOT, SCRIPT, RowSpec, Runner, build_rows  # noqa: E402,F401  (SCRIPT: tests)
@@ -68,53 +68,61 @@ SYNTH = os.path.join(ROOT, "examples", "seq2seq", "synthetic_data.py")
 # main
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    from benchmarks._common import positive_int
+def _model_path(name: str) -> str:
+    """--model: a name of configs/models/ or a config JSON (checked before any run), made absolute."""
+    return os.path.abspath(model_config(name))
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="config JSON (random init). Default: configs/models/t5-large.json "
-                                                  "on GPU, t5-demo.json on CPU, t5-tiny.json with --smoke")
-    ap.add_argument("--data_dir", default=None, help="legacy layout (train|val.source/.target); default: a "
-                                                     "SYNTHETIC corpus from synthetic_data.py in a temp dir")
-    ap.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--model", type=_model_path, default=None,
+                    help="a name of configs/models/ or a config JSON (random init). Default: t5-large on GPU, "
+                         "t5-demo on CPU, t5-tiny with --smoke")
+    ap.add_argument("--data_dir", type=existing_dir, default=None,
+                    help="legacy layout (train|val.source/.target); default: a SYNTHETIC corpus from "
+                         "synthetic_data.py in a temp dir")
+    ap.add_argument("--out_dir", type=output_dir, default=os.path.join(ROOT, "benchmarks", "results"),
+                    help="where the JSON, markdown and PNG go (created)")
     ap.add_argument("--nproc", type=positive_int, default=None,
                     help="processes for the multi-process rows (default: min(2, GPUs) on GPU, 2 on CPU)")
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="OMP_NUM_THREADS per process (default: cores / procs with a GPU, 1 on CPU)")
     ap.add_argument("--rows", default=None, help="comma-separated subset of row names")
-    ap.add_argument("--n_train", type=int, default=None)
-    ap.add_argument("--n_val", type=int, default=None)
-    ap.add_argument("--max_source_length", type=int, default=None)
-    ap.add_argument("--max_target_length", type=int, default=None)
-    ap.add_argument("--val_max_target_length", type=int, default=None)
-    ap.add_argument("--num_train_epochs", type=float, default=1.0)
-    ap.add_argument("--max_steps", type=int, default=None, help="instead of --num_train_epochs")
-    ap.add_argument("--eval_beams", type=int, default=None, help="default 4 (the blog's t5 setting); 2 with --smoke")
+    for flag, what in (("--n_train", "training examples"), ("--n_val", "validation examples"),
+                       ("--max_source_length", "source tokens"), ("--max_target_length", "target tokens"),
+                       ("--val_max_target_length", "target tokens in evaluation")):
+        ap.add_argument(flag, type=positive_int, default=None, help=f"{what} (default: the mode's)")
+    ap.add_argument("--num_train_epochs", type=positive_float, default=1.0)
+    ap.add_argument("--max_steps", type=positive_int, default=None, help="instead of --num_train_epochs")
+    ap.add_argument("--eval_beams", type=positive_int, default=None,
+                    help="default 4 (the blog's t5 setting); 2 with --smoke")
     ap.add_argument("--no_predict_with_generate", dest="predict_with_generate", action="store_false",
                     help="evaluate the loss only (default: generate with beam search, as the blog)")
     ap.add_argument("--no_freeze_embeds", dest="freeze_embeds", action="store_false")
-    ap.add_argument("--learning_rate", type=float, default=3e-5)
-    ap.add_argument("--warmup_steps", type=int, default=None, help="default 500 on GPU (the blog), 4 on CPU")
-    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--learning_rate", type=positive_float, default=3e-5)
+    ap.add_argument("--warmup_steps", type=nonnegative_int, default=None,
+                    help="default 500 on GPU (the blog), 4 on CPU")
+    ap.add_argument("--seed", type=int, default=42, help="any integer")
     ap.add_argument("--batch_size", type=positive_int, default=None,
                     help="per-process batch size when not searching (default 16 on CPU, the blog's baseline 16 on "
                          "GPU); the search's start when the planner has no guess")
     ap.add_argument("--eval_batch_size", type=positive_int, default=None, help="default: the train batch size")
     ap.add_argument("--sharded_stage", type=int, choices=(1, 2), default=1,
                     help="ZeRO stage of the --sharded_ddp rows (1 = optimizer states only, as the planner's rows)")
-    ap.add_argument("--dpu_warmup_steps", type=int, default=None,
+    ap.add_argument("--dpu_warmup_steps", type=nonnegative_int, default=None,
                     help="steps before DPU starts (default: 40 on GPU as the paper, 10 on CPU)")
     ap.add_argument("--find_max_bs", action=argparse.BooleanOptionalAction, default=None,
                     help="search the largest batch per row (default on with a GPU, off on CPU)")
-    ap.add_argument("--gpu_mem_gib", type=float, default=24.0, help="per-process GPU memory cap (0: none)")
-    ap.add_argument("--host_mem_gib", type=float, default=None, help="CPU search: RLIMIT_AS per process")
-    ap.add_argument("--bs_multiple", type=int, default=1, help="probe batch sizes in multiples of this")
-    ap.add_argument("--max_bs", type=int, default=1024)
-    ap.add_argument("--bs_rel_tol", type=float, default=0.05,
+    ap.add_argument("--gpu_mem_gib", type=nonnegative_float, default=24.0, help="per-process GPU memory cap (0: none)")
+    ap.add_argument("--host_mem_gib", type=positive_float, default=None, help="CPU search: RLIMIT_AS per process")
+    ap.add_argument("--bs_multiple", type=positive_int, default=1, help="probe batch sizes in multiples of this")
+    ap.add_argument("--max_bs", type=positive_int, default=1024)
+    ap.add_argument("--bs_rel_tol", type=nonnegative_float, default=0.05,
                     help="stop bisecting when the failing size is within this fraction of the passing one")
-    ap.add_argument("--final_oom_retries", type=int, default=2,
+    ap.add_argument("--final_oom_retries", type=nonnegative_int, default=2,
                     help="when the full run at the size found runs out of memory, retry this often 10 %% lower")
-    ap.add_argument("--probe_steps", type=int, default=3, help="optimizer steps of a train-only probe run")
-    ap.add_argument("--run_timeout", type=float, default=3600.0, help="seconds before a run is killed")
+    ap.add_argument("--probe_steps", type=positive_int, default=3, help="optimizer steps of a train-only probe run")
+    ap.add_argument("--run_timeout", type=positive_float, default=3600.0, help="seconds before a run is killed")
     ap.add_argument("--repeat", type=positive_int, default=1,
                     help="full runs per row, in round-robin rounds; the table shows the median (ranges in the JSON)")
     ap.add_argument("--t5_3b_recipe", action="store_true",
@@ -126,7 +134,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--keep_run_dirs", action="store_true", help="keep each run's output_dir (models) in the temp dir")
     ap.add_argument("extra_args", nargs=argparse.REMAINDER,
                     help="after --: passed to every finetune_trainer.py run")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    a = build_parser().parse_args(argv)
     if a.extra_args and a.extra_args[0] == "--":
         a.extra_args = a.extra_args[1:]
     return a
@@ -298,15 +310,12 @@ def main(argv=None) -> int:
         notes.append("data: SYNTHETIC (made-up toy language): BLEU/loss say nothing about translation quality; "
                      "short sentences, so max_source_length rarely truncates")
     payload = {
+        **provenance("benchmarks.t5.table", argv),
         "title": ("t5-3b single-GPU recipe" if a.t5_3b_recipe else
                   f"t5 table ({mode}): the HF blog's ZeRO rows rerun with hf_zero_offload"),
         "mode": mode if not a.smoke else "cpu" if not cuda else "gpu",
         "smoke": bool(a.smoke),
         "recipe": bool(a.t5_3b_recipe),
-        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(
-            [sys.executable, "-m", "benchmarks.t5.table", *argv]),
-        "hardware": hardware(),
-        "hardware_line": hardware_line(),
         "loadavg_before": load_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "total_wall_s": round(time.perf_counter() - t_start, 1),
