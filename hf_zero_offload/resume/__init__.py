@@ -212,11 +212,44 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
     if state != "incomplete":
         _check_trainer_state(checkpoint)
         return state, read_marker(checkpoint)
-    step = _step(checkpoint)
-    fallback = newest_whole(os.path.dirname(os.path.normpath(checkpoint)), below=step)
+    step, held = _step(checkpoint), held_step(checkpoint)
+    folder = os.path.dirname(os.path.normpath(checkpoint))
+    below = step if held is None or held[0] == step else held[0]
+    fallback = newest_whole(folder, below=below)
     hint = (f"the newest complete checkpoint is {fallback}: resume from it" if fallback else
             "no complete checkpoint was found beside it")
+    if held is not None and held[0] != step:  # renamed (checkpoint-500-old, ckpt500): the name tells no step
+        later = newest_whole(folder) if fallback is None else None
+        hint = (f"{checkpoint} holds step {held[0]} (by its {held[1]}; a renamed checkpoint-{held[0]}); "
+                + (f"no complete checkpoint of an earlier step is beside it (the newest complete one, {later}, is "
+                   "later): resume from it or start without resume_from_checkpoint" if later else hint))
+    elif held is None and step is None:
+        hint = f"{checkpoint} records no step ({MARKER}, {TRAINER_STATE} and optimizer state missing); {hint}"
     raise IncompleteCheckpoint(f"{checkpoint} is {_not_whole(checkpoint)}; {hint}")
+
+
+def held_step(checkpoint: str) -> tuple[int, str] | None:
+    """(step, what says so) of a checkpoint folder whatever its name: its marker's step, else its trainer_state.json's
+    global_step, else its optimizer state's step count (a save cut short before trainer_state.json); None if none."""
+    marked = (read_marker(checkpoint) or {}).get("step")
+    if isinstance(marked, int) and not isinstance(marked, bool):
+        return marked, MARKER
+    try:
+        with open(os.path.join(checkpoint, TRAINER_STATE), encoding="utf-8") as f:
+            said = json.load(f).get("global_step")
+        if isinstance(said, int) and not isinstance(said, bool):
+            return said, TRAINER_STATE
+    except (OSError, ValueError, AttributeError):
+        pass
+    folder = os.path.join(checkpoint, "zero_offload")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        try:
+            steps = read_header(os.path.join(folder, name))[0].get("global_steps") if name.endswith(".hzo") else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(steps, int) and not isinstance(steps, bool):
+            return steps, f"optimizer state zero_offload/{name}"
+    return None
 
 
 def _check_trainer_state(checkpoint: str) -> None:
@@ -280,8 +313,10 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
                              "step saves beside the later ones), and the highest step is the older run's. Pass the "
                              f"checkpoint to go on from (--resume_from_checkpoint {go or 'PATH'}), or remove the "
                              "other run's checkpoints")
-        notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: {_not_whole(c)}; "
-                                    f"resuming from {requested}") for c in skipped]
+        if skipped:  # one line, however many: each named with why
+            notes.append((logging.WARNING, "hf_zero_offload: " + "; ".join(f"skipping {c}: {_not_whole(c)}"
+                                                                            for c in skipped)
+                          + f"; resuming from {requested}"))
         if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
             notes.append((logging.INFO, f"hf_zero_offload: --resume_from_checkpoint {word}: the newest complete "
                                         f"checkpoint of {output_dir}, {requested}"))
