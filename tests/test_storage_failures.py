@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,45 @@ def test_a_failed_scheduler_write_is_named_though_its_temporary_is_gone(tmp_path
     assert isinstance(e.value, OSError)
     assert re.match(r"saving \S*checkpoint-2 failed writing \S*checkpoint-2/scheduler\.pt \(RuntimeError: .*unexpected "
                     r"pos.*; no complete checkpoint exists yet$", str(e.value)), str(e.value)
+
+
+# ---------------------------------------------------------------- 3. an output_dir too long for the file system
+
+def _deep(base, total: int):
+    """A directory under ``base`` whose absolute path is ``total`` bytes long (components of up to 200)."""
+    path = os.path.abspath(base)
+    while len(path) < total:
+        path = os.path.join(path, "d" * min(200, total - len(path) - 1))
+    os.makedirs(path)
+    assert len(path) == total
+    return path
+
+
+def test_an_output_dir_too_long_for_the_checkpoint_paths_is_refused_before_training(tmp_path):
+    """Within PATH_MAX for output_dir/hzo-run.lock, over it for checkpoint-2/zero_offload/rank0_of_1.hzo's temporary:
+    the run trained 2 steps and failed at their save ("File name too long")."""
+    path_max = os.pathconf(tmp_path, "PC_PATH_MAX")
+    out = _deep(tmp_path, path_max - 30)
+    with pytest.raises(ValueError) as e:
+        _trainer(out, max_steps=2)[1].train()
+    said = str(e.value)
+    assert "\n" not in said
+    assert re.fullmatch(rf"--output_dir {re.escape(out)}: the path of checkpoint-2/\S+ under it would be \d+ bytes "
+                        rf"\(absolute, with its NUL\), over the file system's PC_PATH_MAX of {path_max} bytes; the "
+                        r"first checkpoint save would fail after training: use a shorter --output_dir \(at most \d+ "
+                        r"bytes as an absolute path\)", said), said
+    assert not any(p.name.startswith("checkpoint-") for p in Path(out).iterdir())
+
+
+def test_a_name_over_name_max_is_refused(tmp_path, monkeypatch):
+    from hf_zero_offload.resume import path_limits
+
+    real = os.pathconf
+    monkeypatch.setattr(os, "pathconf", lambda p, n: 30 if n == "PC_NAME_MAX" else real(p, n))
+    said = path_limits.problem(str(tmp_path / "out"), 500, 2)
+    assert re.fullmatch(r"--output_dir \S+/out: the name rank1_of_2\.hzo\.hzo-tmp\.\S+ \(\d+ bytes\) is over the file "
+                        r"system's PC_NAME_MAX of 30 bytes \(os.pathconf of \S+\); the first checkpoint save would fail "
+                        r"after training: use a shorter --output_dir", said), said
+    assert path_limits.problem(str(tmp_path / "out"), 500, 2) is not None
+    monkeypatch.undo()
+    assert path_limits.problem(str(tmp_path / ("x" * 200)), 500, 2) is None

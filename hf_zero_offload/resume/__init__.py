@@ -28,6 +28,7 @@ from .marker import MARKER, changed_files, marker_problem, read_marker, recorded
 from .foreign import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
                                  foreign_state, missing_state_message, plain_checkpoint)
 from .schedule import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
+from . import path_limits
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -51,13 +52,19 @@ def _in_the_way(path: str) -> str:
             "move or rename it")
 
 
-def output_dir_problem(output_dir: str, training: bool = True) -> str | None:
+def output_dir_problem(output_dir: str, training: bool = True, max_steps: int | None = None,
+                       world_size: int = 1) -> str | None:
     """What keeps a run from writing ``output_dir`` (None: nothing), before any model work: a file where the
-    directory belongs (os.makedirs said only "[Errno 17] File exists"), or, for training, a file named like a
-    checkpoint (found only at that save, after the steps since the last one were lost)."""
+    directory belongs (os.makedirs said only "[Errno 17] File exists"), or, for training, checkpoint paths over the
+    file system's limits (``path_limits``) or a file named like a checkpoint (both found only at that save, after the
+    steps since the last one were lost)."""
     if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
         return f"--output_dir {output_dir} is a file, not a directory"
-    if not training or not os.path.isdir(output_dir):
+    if not training:
+        return None
+    if too_long := path_limits.problem(output_dir, max_steps, world_size):
+        return too_long
+    if not os.path.isdir(output_dir):
         return None
     in_the_way = sorted((p for p in (os.path.join(output_dir, n) for n in os.listdir(output_dir))
                          if _step(p) is not None and not os.path.isdir(p)), key=_step)
