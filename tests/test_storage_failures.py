@@ -215,8 +215,8 @@ def test_a_name_over_name_max_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "pathconf", lambda p, n: 30 if n == "PC_NAME_MAX" else real(p, n))
     said = path_limits.problem(str(tmp_path / "out"), 500, 2)
     assert re.fullmatch(r"--output_dir \S+/out: the name rank1_of_2\.hzo\.hzo-tmp\.\S+ \(\d+ bytes\) is over the file "
-                        r"system's PC_NAME_MAX of 30 bytes \(os.pathconf of \S+\); the first checkpoint save would fail "
-                        r"after training: use a shorter --output_dir", said), said
+                        r"system's PC_NAME_MAX of 30 bytes \(os.pathconf of \S+\); the first checkpoint save would "
+                        r"fail after training: use a shorter --output_dir", said), said
     assert path_limits.problem(str(tmp_path / "out"), 500, 2) is not None
     monkeypatch.undo()
     assert path_limits.problem(str(tmp_path / ("x" * 200)), 500, 2) is None
