@@ -28,6 +28,7 @@ from .marker import MARKER, changed_files, marker_problem, read_marker, recorded
 from .foreign import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
                                  foreign_state, missing_state_message, plain_checkpoint)
 from .schedule import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
+from . import path_limits
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -51,13 +52,19 @@ def _in_the_way(path: str) -> str:
             "move or rename it")
 
 
-def output_dir_problem(output_dir: str, training: bool = True) -> str | None:
+def output_dir_problem(output_dir: str, training: bool = True, max_steps: int | None = None,
+                       world_size: int = 1) -> str | None:
     """What keeps a run from writing ``output_dir`` (None: nothing), before any model work: a file where the
-    directory belongs (os.makedirs said only "[Errno 17] File exists"), or, for training, a file named like a
-    checkpoint (found only at that save, after the steps since the last one were lost)."""
+    directory belongs (os.makedirs said only "[Errno 17] File exists"), or, for training, checkpoint paths over the
+    file system's limits (``path_limits``) or a file named like a checkpoint (both found only at that save, after the
+    steps since the last one were lost)."""
     if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
         return f"--output_dir {output_dir} is a file, not a directory"
-    if not training or not os.path.isdir(output_dir):
+    if not training:
+        return None
+    if too_long := path_limits.problem(output_dir, max_steps, world_size):
+        return too_long
+    if not os.path.isdir(output_dir):
         return None
     in_the_way = sorted((p for p in (os.path.join(output_dir, n) for n in os.listdir(output_dir))
                          if _step(p) is not None and not os.path.isdir(p)), key=_step)
@@ -212,11 +219,44 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
     if state != "incomplete":
         _check_trainer_state(checkpoint)
         return state, read_marker(checkpoint)
-    step = _step(checkpoint)
-    fallback = newest_whole(os.path.dirname(os.path.normpath(checkpoint)), below=step)
+    step, held = _step(checkpoint), held_step(checkpoint)
+    folder = os.path.dirname(os.path.normpath(checkpoint))
+    below = step if held is None or held[0] == step else held[0]
+    fallback = newest_whole(folder, below=below)
     hint = (f"the newest complete checkpoint is {fallback}: resume from it" if fallback else
             "no complete checkpoint was found beside it")
+    if held is not None and held[0] != step:  # renamed (checkpoint-500-old, ckpt500): the name tells no step
+        later = newest_whole(folder) if fallback is None else None
+        hint = (f"{checkpoint} holds step {held[0]} (by its {held[1]}; a renamed checkpoint-{held[0]}); "
+                + (f"no complete checkpoint of an earlier step is beside it (the newest complete one, {later}, is "
+                   "later): resume from it or start without resume_from_checkpoint" if later else hint))
+    elif held is None and step is None:
+        hint = f"{checkpoint} records no step ({MARKER}, {TRAINER_STATE} and optimizer state missing); {hint}"
     raise IncompleteCheckpoint(f"{checkpoint} is {_not_whole(checkpoint)}; {hint}")
+
+
+def held_step(checkpoint: str) -> tuple[int, str] | None:
+    """(step, what says so) of a checkpoint folder whatever its name: its marker's step, else its trainer_state.json's
+    global_step, else its optimizer state's step count (a save cut short before trainer_state.json); None if none."""
+    marked = (read_marker(checkpoint) or {}).get("step")
+    if isinstance(marked, int) and not isinstance(marked, bool):
+        return marked, MARKER
+    try:
+        with open(os.path.join(checkpoint, TRAINER_STATE), encoding="utf-8") as f:
+            said = json.load(f).get("global_step")
+        if isinstance(said, int) and not isinstance(said, bool):
+            return said, TRAINER_STATE
+    except (OSError, ValueError, AttributeError):
+        pass
+    folder = os.path.join(checkpoint, "zero_offload")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        try:
+            steps = read_header(os.path.join(folder, name))[0].get("global_steps") if name.endswith(".hzo") else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(steps, int) and not isinstance(steps, bool):
+            return steps, f"optimizer state zero_offload/{name}"
+    return None
 
 
 def _check_trainer_state(checkpoint: str) -> None:
@@ -280,8 +320,10 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
                              "step saves beside the later ones), and the highest step is the older run's. Pass the "
                              f"checkpoint to go on from (--resume_from_checkpoint {go or 'PATH'}), or remove the "
                              "other run's checkpoints")
-        notes += [(logging.WARNING, f"hf_zero_offload: skipping {c}: {_not_whole(c)}; "
-                                    f"resuming from {requested}") for c in skipped]
+        if skipped:  # one line, however many: each named with why
+            notes.append((logging.WARNING, "hf_zero_offload: " + "; ".join(f"skipping {c}: {_not_whole(c)}"
+                                                                            for c in skipped)
+                          + f"; resuming from {requested}"))
         if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
             notes.append((logging.INFO, f"hf_zero_offload: --resume_from_checkpoint {word}: the newest complete "
                                         f"checkpoint of {output_dir}, {requested}"))

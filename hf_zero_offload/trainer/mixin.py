@@ -107,7 +107,9 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
             patch_accelerator(self.accelerator, lambda: self.zero_engine)
 
     def _zo_take_lock(self, targs) -> None:
-        if targs.output_dir:
+        if targs.output_dir:  # (paths over the file system's limits: before the lock, at __init__ too)
+            if too_long := resume.path_limits.problem(targs.output_dir, targs.max_steps, targs.world_size):
+                raise ValueError(too_long)
             lock = self._zo_lock
             if lock is None or not lock.held:  # a relative output_dir is where it points now (after any chdir)
                 lock = RunLock(targs.output_dir)
@@ -295,7 +297,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
-        problem = resume.output_dir_problem(self.args.output_dir) if self.args.output_dir else None
+        problem = resume.output_dir_problem(self.args.output_dir, max_steps=self.args.max_steps,
+                                            world_size=self.args.world_size) if self.args.output_dir else None
         problem = first_problem(problem, self.args.world_size)  # (every rank: one that raised alone left the others)
         if problem:  # a checkpoint-N file met at its save lost the steps since the last one
             raise ValueError(problem)

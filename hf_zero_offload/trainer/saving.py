@@ -13,37 +13,20 @@ import time
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
-from transformers.trainer_utils import rotate_checkpoints
 
 from .. import resume
+from ..resume import rotation
 from ..saved_names import write_param_names
 from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
 from ..run_lock import confirm_job_lock
 from .shared_dir import distributed, failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
+from .save_errors import CheckpointSaveError, wrap  # noqa: F401 (CheckpointSaveError: the API)
 
 logger = logging.getLogger(__name__)
 
 STATE_DIR = "zero_offload"
 SCHEDULER_NAME = "scheduler.pt"
-
-
-class CheckpointSaveError(OSError):
-    """A checkpoint's save failed (a full disk, a file too large): names the checkpoint, the cause and the newest
-    complete checkpoint, where safetensors ("Error while serializing: I/O error"), torch.save ("unexpected pos 8384
-    vs 8278") and json (a bare "[Errno 28]") named none."""
-
-
-def save_failed(e: BaseException, target: str, run_dir: str) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    errno = getattr(e, "errno", None)
-    why = ("no space left on device" if errno == 28 or "No space left" in text or "os error 28" in text else
-           "file too large for this process's limit (RLIMIT_FSIZE)" if errno == 27 or "os error 27" in text
-           or "File too large" in text else "")
-    newest = resume.newest_whole(run_dir)
-    return (f"saving {target} failed" + (f": {why}" if why else "") + f" ({type(e).__name__}: {text[:300]}); it is not "
-            "complete and a resume skips it; " + (f"the newest complete checkpoint is {newest}" if newest else
-                                                  "no complete checkpoint exists yet"))
 
 
 # Where each rank is, in the store every rank shares: "<g>:<n>:saving" or "<g>:<n>:passed", n counting the Trainer's
@@ -205,8 +188,21 @@ class CheckpointSaving:
         saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
         resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
                                          "engine": self._zo_engine_info() if saved else None})
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
-                           best_model_checkpoint=self.state.best_model_checkpoint)
+        self._zo_rotate(run_dir, limit, output_dir)
+
+    def _zo_rotate(self, run_dir: str, limit, saved: str) -> None:
+        """save_total_limit over complete checkpoints only (``resume.rotation``): an incomplete folder is neither
+        counted nor removed, and named once per Trainer; each removal is logged."""
+        remove, left = rotation.plan(run_dir, limit, (saved, self.state.best_model_checkpoint))
+        said = self.__dict__.setdefault("_zo_left_said", set())
+        for c, why in left:
+            if c not in said:
+                said.add(c)
+                logger.warning("hf_zero_offload: save_total_limit %s: %s is %s; not counted and not removed (a resume "
+                               "skips it): delete it yourself once you no longer need it", limit, c, why)
+        for c in remove:
+            logger.info("hf_zero_offload: save_total_limit %s: removing %s, an older complete checkpoint", limit, c)
+            shutil.rmtree(c, ignore_errors=True)
 
     def save_model(self, output_dir=None, _internal_call=False):
         """Within a checkpoint save on several ranks, rank 0's failure to write the weights (a full disk) is kept,
@@ -223,8 +219,7 @@ class CheckpointSaving:
         """Where the save had a barrier: every rank learns whether any failed (a collective on several ranks) and all
         raise, the failing rank its own error (one rank that raised alone left the others in the next collective)."""
         if isinstance(failed, (OSError, RuntimeError, SafetensorError)) and not isinstance(failed, CheckpointSaveError):
-            wrapped = CheckpointSaveError(save_failed(failed, output_dir, run_dir))
-            wrapped.__cause__, failed = failed, wrapped
+            failed = wrap(failed, output_dir, run_dir)
         elsewhere = failed_elsewhere(failed, self.args.world_size) if distributed(self.args.world_size) else None
         if failed is not None:
             raise failed
