@@ -78,7 +78,8 @@ def test_torch_adamw_goes_on_from_it_as_the_engine_does(tmp_path):
     run_steps(twin, torch_opt, data)
     run_steps(fresh_twin, fresh, data)
     for (name, a), b, c in zip(model.named_parameters(), twin.parameters(), fresh_twin.parameters()):
-        torch.testing.assert_close(b, a, rtol=0, atol=2e-7, msg=name)
+        # (a last-bit difference of torch's own AdamW between CPUs: 1 ulp of a weight in [2, 4) is 2.4e-7 on AVX2)
+        torch.testing.assert_close(b, a, rtol=2 ** -23, atol=2e-7, msg=name)
     assert max((a - c).abs().max().item() for a, c in zip(model.parameters(), fresh_twin.parameters())) > 1e-3
     opt.close()
 
@@ -206,7 +207,8 @@ def _import_job(rank, world, stage, offload, state_dtype):
     run_steps(ours, engine, data)
     engine.close()
     dist.barrier()
-    return [(a - b).abs().max().item() for a, b in zip(model.parameters(), ours.parameters())]
+    # the distance beyond 1 ulp of each weight (torch's AdamW rounds its last bit differently on AVX2 and AVX512)
+    return [((a - b).abs() - 2 ** -23 * a.abs()).max().item() for a, b in zip(model.parameters(), ours.parameters())]
 
 
 @pytest.mark.parametrize("stage, offload, state_dtype", [(2, True, "fp32"), (1, False, "fp32"), (2, True, "int8")])
