@@ -67,6 +67,15 @@ def test_estimate_a_folder_without_config_json_says_so(tmp_path, capsys):
     _one_line_error(capsys, ["estimate", "--model", str(tmp_path)], str(tmp_path), "no config.json")
 
 
+@pytest.mark.parametrize("given", ["configs/models/t5-tiny.json", "t5-tiny"])
+def test_estimate_a_relative_config_path_outside_the_clone_points_into_it(tmp_path, capsys, monkeypatch, given):
+    """Run from another directory, the README's `--model configs/models/t5-3b.json` said only "no such config file"
+    (the example script's --config_name names the clone's file); a Hub name gets the shipped config too."""
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, ["estimate", "--model", given], given, f"current directory, {tmp_path}",
+                    f"did you mean {TINY}?")
+
+
 def test_estimate_a_device_file_given_as_the_model(capsys):
     """/dev/null was taken for a Hub id ("Repo id must be in the form 'repo_name' or 'namespace/repo_name'")."""
     _one_line_error(capsys, ["estimate", "--model", "/dev/null"], "/dev/null: not a regular file")

@@ -142,10 +142,16 @@ def load_config(model_config_or_path):
         return AutoConfig.for_model(d.pop("model_type", "t5"), **d)
     path = os.fspath(model_config_or_path)
     if not os.path.exists(path):
-        guess = os.path.join("configs", "models", f"{path}.json")  # the repository's architecture configs
-        hint = f"; did you mean {guess}?" if os.path.isfile(guess) else ""
-        raise FileNotFoundError(f"{path}: no such config file or model directory (the planner works offline: "
-                                f"pass a local config.json or a directory holding one{hint})")
+        # the repository's architecture configs, from here or from the clone this package runs from (a relative
+        # path typed outside the clone: the example script's --config_name says the same)
+        clone = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        guesses = [os.path.join("configs", "models", f"{path}.json")]
+        if not os.path.isabs(path):
+            guesses += [os.path.join(clone, path), os.path.join(clone, "configs", "models", f"{path}.json")]
+        hint = next((f"; did you mean {g}?" for g in guesses if os.path.isfile(g)), "")
+        where = "" if os.path.isabs(path) else f", read from the current directory, {os.getcwd()}"
+        raise FileNotFoundError(f"{path}: no such config file or model directory{where} (the planner works "
+                                f"offline: pass a local config.json or a directory holding one{hint})")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         # transformers would say "Should have a `model_type` key in its config.json", of a file that is not there
         raise FileNotFoundError(f"{path}: a folder with no config.json in it (pass a model folder holding "
