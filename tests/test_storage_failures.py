@@ -44,17 +44,6 @@ def test_a_renamed_incomplete_checkpoint_is_refused_naming_the_step_it_holds(ful
                      r"complete one, \S*checkpoint-4, is later\): resume from it", said), said
 
 
-def test_a_renamed_complete_checkpoint_resumes_from_the_step_it_holds(full, tmp_path, caplog):
-    out = _copy(full, tmp_path)
-    shutil.rmtree(out / "checkpoint-4")
-    (out / "checkpoint-2").rename(out / "checkpoint-2-old")
-    caplog.set_level(logging.INFO, logger="hf_zero_offload")
-    model, trainer = _trainer(out, seed=1)
-    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2-old"))
-    assert _same(model, full[1])
-    assert any("checkpoint-2-old (step 2, complete)" in r.getMessage() for r in caplog.records)
-
-
 # ---------------------------------------------------------------- 4. incomplete folders left by a crash
 
 def test_resume_true_skips_incomplete_folders_in_one_line_and_rotation_keeps_complete_ones(full, tmp_path, caplog):

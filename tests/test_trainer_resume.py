@@ -758,19 +758,21 @@ def test_true_skips_a_damaged_checkpoint_for_the_one_before_it(full, tmp_path, c
     assert len(said) == 1 and "checkpoint-4: damaged (rng_state.pth is missing" in said[0], said
 
 
-def test_a_renamed_checkpoint_is_described_by_the_step_its_marker_records(full, tmp_path, caplog):
+@pytest.mark.parametrize("name", ["checkpoint-4", "checkpoint-2-old"])
+def test_a_renamed_checkpoint_is_described_by_the_step_its_marker_records(full, tmp_path, caplog, name):
     """checkpoint-2 renamed checkpoint-4 was said to be at step 4, and to leave nothing to train in a 4-step run
-    (transformers, reading trainer_state.json, trained steps 3 and 4 as it should)."""
+    (transformers, reading trainer_state.json, trained steps 3 and 4 as it should); a name without a step resumes
+    from the step it holds too."""
     out = _copy(full, tmp_path)
     shutil.rmtree(out / "checkpoint-4")
-    (out / "checkpoint-2").rename(out / "checkpoint-4")
+    (out / "checkpoint-2").rename(out / name)
     caplog.set_level(logging.INFO, logger="hf_zero_offload")
     model, trainer = _trainer(out, seed=1)
-    trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    trainer.train(resume_from_checkpoint=str(out / name))
     assert _same(model, full[1])
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "nothing left to train" in m]
-    assert any("checkpoint-4 (step 2, complete)" in m for m in messages), messages
+    assert any(f"{name} (step 2, complete)" in m for m in messages), messages
 
 
 def test_consolidate_keeps_integer_tensors_integer(full, tmp_path):
