@@ -74,6 +74,8 @@ def _bad_values(action) -> list[str]:
     if m:
         least = int(m.group(1) or m.group(2) or 0) if "integer" in name else (1 if "positive" in name else 0)
         values = sorted({"-1", str(least - 1) if least > 0 else "-1"})
+        if "integer" not in name:
+            values.append("inf")  # (--params inf: an OverflowError traceback at int())
         return [f"1,{v}" for v in values] if name.startswith("comma") else values
     if action.type in (_common.json_target, _common.output_file, _common.output_dir):
         return ["/proc/hzo_no/x.json"]
