@@ -55,9 +55,18 @@ class _SumsItself(torch.nn.Module):
         return self.loss_function(x, labels, **kwargs)
 
 
+class _SumsInAHelper(torch.nn.Module):
+    def forward(self, x, labels=None, **kwargs):
+        return self._loss(x, labels, **kwargs)
+
+    def _loss(self, x, labels, **kwargs):
+        return self.loss_function(x, labels, **kwargs)
+
+
 def test_the_rule():
     t5 = tiny_t5()
     assert mean_loss_only(t5) and not mean_loss_only(_SumsItself()) and not mean_loss_only(torch.nn.Linear(2, 2))
+    assert not mean_loss_only(_SumsInAHelper())  # (a review's false positive)
     note = loss_scale_note(t5, True, False, None, 1, 4, True)
     assert "4 ranks with average_tokens_across_devices" in note and "4x" in note
     assert "8x" in loss_scale_note(t5, True, False, None, 2, 4, True)
