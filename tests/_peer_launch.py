@@ -102,3 +102,5 @@ if a.do_train:
     trainer.save_state()
 if a.do_eval:
     trainer.save_metrics("eval", trainer.evaluate())
+if torch.distributed.is_initialized():  # a group left to the interpreter's exit can abort a rank (SIGABRT)
+    torch.distributed.destroy_process_group()
