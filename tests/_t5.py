@@ -29,6 +29,15 @@ class ToyDataset(torch.utils.data.Dataset):
                 "labels": self.src[i].flip(0)}
 
 
+class WithDecoderInputs(ToyDataset):
+    """label_smoothing_factor takes the labels away from the model: the decoder inputs come with the batch."""
+
+    def __getitem__(self, i):
+        d = super().__getitem__(i)
+        d["decoder_input_ids"] = torch.cat([torch.zeros(1, dtype=torch.long), d["labels"][:-1]])
+        return d
+
+
 #: the shortest ds_config that turns the engine on: ZeRO-2 with the optimizer offloaded to the CPU
 OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 

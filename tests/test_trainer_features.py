@@ -7,7 +7,7 @@ import torch
 from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 from transformers.training_args import OptimizerNames
 
-from _t5 import OFFLOAD, ToyDataset, best_eval_step, tiny_t5
+from _t5 import OFFLOAD, ToyDataset, WithDecoderInputs, best_eval_step, tiny_t5
 from _t5 import logged as _logged
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainer
 from hf_zero_offload.config import ConfigError
@@ -319,15 +319,6 @@ def test_resuming_a_save_only_model_checkpoint_names_it(tmp_path):
         consolidate(str(tmp_path / "s" / "checkpoint-2"), str(tmp_path / "out"))
 
 
-class _WithDecoderInputs(ToyDataset):
-    """label_smoothing_factor takes the labels away from the model: the decoder inputs come with the batch."""
-
-    def __getitem__(self, i):
-        d = super().__getitem__(i)
-        d["decoder_input_ids"] = torch.cat([torch.zeros(1, dtype=torch.long), d["labels"][:-1]])
-        return d
-
-
 def _frozen_t5():
     model = tiny_t5()
     model.shared.requires_grad_(False)  # tied: the lm_head is frozen with it
@@ -337,7 +328,7 @@ def _frozen_t5():
 @pytest.mark.parametrize("kw, model_fn, data", [
     # 8 micro-batches in windows of 3: the last window of the epoch has 2
     (dict(max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=3), tiny_t5, ToyDataset),
-    (dict(label_smoothing_factor=0.1, lr_scheduler_type="cosine", warmup_steps=0.3), tiny_t5, _WithDecoderInputs),
+    (dict(label_smoothing_factor=0.1, lr_scheduler_type="cosine", warmup_steps=0.3), tiny_t5, WithDecoderInputs),
     (dict(max_steps=4), _frozen_t5, ToyDataset),
 ], ids=["partial-accumulation-window", "label-smoothing-cosine-warmup-fraction", "frozen-tied-embedding"])
 def test_trainer_features_equal_the_plain_trainer(tmp_path, kw, model_fn, data):
