@@ -21,7 +21,7 @@ from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durab
 from ..run_lock import confirm_job_lock
 from .shared_dir import distributed, failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
-from .save_errors import CheckpointSaveError, wrap  # noqa: F401 (CheckpointSaveError: the API)
+from .save_errors import CheckpointSaveError, failed_on, wrap  # noqa: F401 (CheckpointSaveError: the API)
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class CheckpointSaving:
         if failed is not None:
             raise failed
         if elsewhere is not None:
-            raise CheckpointSaveError(f"saving {output_dir} failed on {elsewhere}; it is not complete")
+            raise CheckpointSaveError(failed_on(output_dir, elsewhere))
 
     def _zo_remove_foreign(self, output_dir: str) -> None:
         """checkpoint-N saved again over another run's save of it (a run without --zero_offload, or DeepSpeed, in
