@@ -5,16 +5,101 @@ pickling, another rank's failure)."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import pickle
 import re
+import shutil
+import time
 
 import pytest
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
 
+from _t5 import ToyDataset, tiny_t5
 from hf_zero_offload import resume
+from hf_zero_offload.resume import rotation
 from hf_zero_offload.trainer import save_errors
-from test_trainer_resume import _trainer
+from test_trainer_resume import COMMON, _trainer
+
+
+def _dirs(out):
+    return sorted(p.name for p in out.iterdir() if p.is_dir())
+
+
+class _Annotate(TrainerCallback):
+    """A user's on_save that adds a note to the checkpoint's config.json."""
+
+    def on_save(self, args, state, control, **kw):
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg["my_note"] = f"saved at step {state.global_step}"
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
+
+
+def test_checkpoints_an_on_save_callback_edited_are_rotated_without_a_warning_each(tmp_path, caplog):
+    """config.json edited after the marker: every checkpoint read "damaged", none was counted or removed (the disk
+    filled), with one warning per folder. Their saves finished: they rotate, oldest first."""
+    out = tmp_path / "out"
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    _, trainer = _trainer(out, max_steps=8, save_steps=2, save_total_limit=2)
+    trainer.add_callback(_Annotate())
+    trainer.train()
+    assert _dirs(out) == ["checkpoint-6", "checkpoint-8"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "save_total_limit" in r.getMessage()]
+
+
+def test_a_plain_trainers_save_only_model_checkpoints_are_rotated_and_not_called_killed(tmp_path, caplog):
+    out = tmp_path / "out"
+    targs = Seq2SeqTrainingArguments(output_dir=str(out), **{**COMMON, "max_steps": 4, "save_only_model": True})
+    Seq2SeqTrainer(model=tiny_t5(0), args=targs, train_dataset=ToyDataset()).train()
+    assert _dirs(out) == ["checkpoint-2", "checkpoint-4"]
+    time.sleep(1.1)  # (rotation orders by folder time, as transformers)
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    _, trainer = _trainer(out, max_steps=6, save_steps=3, save_total_limit=2)
+    trainer.train()
+    assert _dirs(out) == ["checkpoint-3", "checkpoint-6"]
+    assert not [r for r in caplog.records if "killed" in r.getMessage()]
+    # the message a resume gives for such a folder beside ours does not call it killed either
+    shutil.copytree(out / "checkpoint-3", tmp_path / "plain" / "checkpoint-1")
+    shutil.copytree(out / "checkpoint-6", tmp_path / "plain" / "checkpoint-2")
+    plain = tmp_path / "plain" / "checkpoint-2"
+    (plain / resume.MARKER).unlink()
+    shutil.rmtree(plain / "zero_offload")
+    said = resume.not_whole(str(plain))
+    assert "killed" not in said and "--save_only_model" in said, said
+    assert rotation.left_out(str(plain)) is None
+
+
+def test_a_folder_removed_while_rotation_looks_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
+    """The user's rm of checkpoint-2 while rotation went through the folders: the save was reported failed (naming
+    checkpoint-2 as the file it was writing, and checkpoint-6 both not complete and the newest complete one)."""
+    real = rotation.left_out
+
+    def left_out(c):
+        if c.endswith("checkpoint-2") and os.path.isdir(os.path.join(os.path.dirname(c), "checkpoint-6")):
+            shutil.rmtree(c)
+        return real(c)
+    monkeypatch.setattr(rotation, "left_out", left_out)
+    out = tmp_path / "out"
+    _trainer(out, max_steps=8, save_steps=2, save_total_limit=2)[1].train()
+    assert _dirs(out) == ["checkpoint-6", "checkpoint-8"]
+
+
+def test_an_error_of_rotation_is_a_warning(tmp_path, monkeypatch, caplog):
+    def plan(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "out"))
+    monkeypatch.setattr(rotation, "plan", plan)
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    out = tmp_path / "out"
+    _trainer(out, max_steps=4, save_steps=2, save_total_limit=1)[1].train()
+    assert _dirs(out) == ["checkpoint-2", "checkpoint-4"]
+    assert resume.status(str(out / "checkpoint-4")) == "complete"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "could not go" in
+              r.getMessage()]
+    assert len(warned) == 2 and "none removed this time" in warned[0], warned
 
 
 def test_the_file_named_is_one_of_the_checkpoint_saved_and_not_a_temporary(tmp_path):

@@ -64,6 +64,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         self._zo_precision = (False, False)
         self._zo_dtype: torch.dtype | None = None  # the 16-bit training dtype once the model is cast
         self._zo_lock: RunLock | None = None
+        self._zo_left_said: set[str] = set()  # folders a rotation left out, named once (saving.py)
         if targs is not None and (getattr(targs, "zero_offload", None) is not None or getattr(targs, "sharded_ddp", False)):
             if targs.zero_offload is not None:
                 self._zo_raw = check(targs.zero_offload)  # validated once: fail fast, before any model work

@@ -171,12 +171,14 @@ class CheckpointSaving:
         self._zo_stop_if_failed(failed, output_dir, run_dir)
         try:
             if self.args.should_save:
-                self._zo_mark_complete(output_dir, run_dir, limit)
+                self._zo_mark_complete(output_dir)
         except Exception as e:  # noqa: BLE001 - said to every rank below
             failed = e
         self._zo_stop_if_failed(failed, output_dir, run_dir)  # rank 0's marker: the others learn how it went
+        if self.args.should_save:  # the save is complete: what rotation meets (a folder gone) is no failure of it
+            self._zo_rotate(run_dir, limit, output_dir)
 
-    def _zo_mark_complete(self, output_dir: str, run_dir: str, limit) -> None:
+    def _zo_mark_complete(self, output_dir: str) -> None:
         if self._zo_raw is not None:
             self._zo_remove_foreign(output_dir)
         elif os.path.isdir(os.path.join(output_dir, STATE_DIR)):  # no engine here: an earlier save's state, which a
@@ -188,13 +190,18 @@ class CheckpointSaving:
         saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
         resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
                                          "engine": self._zo_engine_info() if saved else None})
-        self._zo_rotate(run_dir, limit, output_dir)
 
-    def _zo_rotate(self, run_dir: str, limit, saved: str) -> None:
-        """save_total_limit over complete checkpoints only (``resume.rotation``): an incomplete folder is neither
-        counted nor removed, and named once per Trainer; each removal is logged."""
-        remove, left = rotation.plan(run_dir, limit, (saved, self.state.best_model_checkpoint))
-        said = self.__dict__.setdefault("_zo_left_said", set())
+    def _zo_rotate(self, run_dir: str, limit, saved: str | None, keep_newest: bool = True) -> None:
+        """save_total_limit over finished checkpoints only (``resume.rotation``): a folder cut short is neither
+        counted nor removed, and named once per Trainer; each removal is logged. Never raises for the file system:
+        the save it follows is complete (a warning says what kept it from looking)."""
+        try:
+            remove, left = rotation.plan(run_dir, limit, (saved, self.state.best_model_checkpoint), keep_newest)
+        except OSError as e:
+            logger.warning("hf_zero_offload: save_total_limit %s: could not go through the checkpoints of %s (%s: "
+                           "%s); none removed this time", limit, run_dir, type(e).__name__, e)
+            return
+        said = self._zo_left_said
         for c, why in left:
             if c not in said:
                 said.add(c)
