@@ -27,6 +27,26 @@ def _dirs(out):
     return sorted(p.name for p in out.iterdir() if p.is_dir())
 
 
+def test_best_with_limit_1_end_cleanup_follows_our_rule(tmp_path, caplog):
+    """transformers' end of train() ("Delete the last checkpoint when save_total_limit=1") removed every checkpoint-*
+    but the best: a user's checkpoint-1-old and a folder cut short (checkpoint-50) too."""
+    out = tmp_path / "out"
+    (out / "checkpoint-1-old").mkdir(parents=True)
+    (out / "checkpoint-1-old" / "users_backup.txt").write_text("keep me")
+    (out / "checkpoint-50").mkdir()
+    (out / "checkpoint-50" / "model.safetensors").write_text("x")
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    _, trainer = _trainer(out, max_steps=6, save_steps=2, save_total_limit=1, eval_strategy="steps", eval_steps=2,
+                          load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
+                          eval_dataset=ToyDataset(8, seed=1))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and os.path.isdir(best)
+    assert _dirs(out) == sorted(["checkpoint-1-old", "checkpoint-50", os.path.basename(best)])
+    assert any(r.getMessage().endswith("checkpoint-6, an older complete checkpoint") and "save_total_limit 1" in
+               r.getMessage() for r in caplog.records) or os.path.basename(best) == "checkpoint-6"
+
+
 class _Annotate(TrainerCallback):
     """A user's on_save that adds a note to the checkpoint's config.json."""
 
@@ -154,3 +174,18 @@ def test_another_ranks_failure_is_said_once():
     assert said.startswith(f"saving {target} failed on rank 1 (host vm): no space left on device writing"), said
     assert save_errors.failed_on(target, "rank 1 (host vm): boom") == (
         f"saving {target} failed on rank 1 (host vm): boom; it is not complete and a resume skips it")
+
+
+def test_path_limits_checked_once_per_train_and_agreed_at_init(tmp_path, monkeypatch):
+    from hf_zero_offload.resume import path_limits
+    from hf_zero_offload.trainer import mixin
+
+    calls, agreed = [], []
+    real, real_first = path_limits.problem, mixin.first_problem
+    monkeypatch.setattr(path_limits, "problem", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(mixin, "first_problem", lambda p, w: agreed.append(p) or real_first(p, w))
+    _, trainer = _trainer(tmp_path / "out", max_steps=2)
+    assert len(calls) == 1 and len(agreed) == 1  # __init__: through the ranks' agreement
+    assert trainer._zo_left_said == set()
+    trainer.train()
+    assert len(calls) == 2  # train(): once (output_dir_problem), not again in the run lock

@@ -211,6 +211,22 @@ class CheckpointSaving:
             logger.info("hf_zero_offload: save_total_limit %s: removing %s, an older complete checkpoint", limit, c)
             shutil.rmtree(c, ignore_errors=True)
 
+    def _zo_end_listing(self, run_dir: str, best: str | None) -> list[str]:
+        """transformers' end of train() with save_total_limit=1 and a best checkpoint removes every ``checkpoint-*``
+        folder its listing (``trainer.sort_checkpoints``, ours while our train() runs: ``end_rotation``) gives but
+        the best: a user's checkpoint-1-old and a folder cut short went too. Our rule does it instead (every finished
+        checkpoint but the best, each removal logged) and the listing holds the finished ones left, in its order."""
+        if self.args.should_save and best is not None and self.args.save_total_limit == 1:
+            self._zo_rotate(run_dir, 1, None, keep_newest=False)
+        try:
+            found = [c for c in resume.checkpoints(run_dir) if rotation.left_out(c) is None]
+        except OSError:
+            return []
+        if best is not None and best in found and found[-1] != best:  # (transformers' order: the best next to last)
+            found = [c for c in found if c != best] + [best]
+            found[-2:] = found[-1:] + found[-2:-1]
+        return found
+
     def save_model(self, output_dir=None, _internal_call=False):
         """Within a checkpoint save on several ranks, rank 0's failure to write the weights (a full disk) is kept,
         not raised: the optimizer state's save after it has collectives every rank must reach (the others waited
