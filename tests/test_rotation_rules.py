@@ -189,3 +189,21 @@ def test_path_limits_checked_once_per_train_and_agreed_at_init(tmp_path, monkeyp
     assert trainer._zo_left_said == set()
     trainer.train()
     assert len(calls) == 2  # train(): once (output_dir_problem), not again in the run lock
+
+
+def test_the_end_listing_of_another_folder_is_transformers_own(tmp_path):
+    """Only the folder our Trainer saves into is listed by our rule: a plain Trainer run from a callback keeps
+    transformers' listing of its own output_dir."""
+    from types import SimpleNamespace
+
+    from hf_zero_offload.trainer import end_rotation
+
+    other = tmp_path / "other"
+    for name in ("checkpoint-1-old", "checkpoint-2"):
+        (other / name).mkdir(parents=True)
+    ours = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path / "ours")),
+                           _zo_end_listing=lambda *a: pytest.fail("our listing for another folder"))
+    with end_rotation.running(ours):
+        import transformers.trainer as tt
+        listed = tt.sort_checkpoints(output_dir=str(other), best_model_checkpoint=None)
+    assert sorted(os.path.basename(p) for p in listed) == ["checkpoint-1-old", "checkpoint-2"]

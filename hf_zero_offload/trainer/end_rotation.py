@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 
 import transformers.trainer as _trainer_module
 
@@ -17,9 +18,16 @@ _ORIGINAL = _trainer_module.sort_checkpoints
 
 def sort_checkpoints(output_dir, *args, best_model_checkpoint=None, **kwargs):
     trainer = _RUNNING.get()
-    if trainer is None or args or kwargs:  # (called otherwise than that cleanup does: transformers' own)
+    if trainer is None or args or kwargs or not _within(str(output_dir), str(trainer.args.output_dir)):
+        # (called otherwise than that cleanup does, or for another folder: a plain Trainer run from a callback)
         return _ORIGINAL(output_dir, *args, best_model_checkpoint=best_model_checkpoint, **kwargs)
     return trainer._zo_end_listing(str(output_dir), best_model_checkpoint)
+
+
+def _within(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or under it (a hyperparameter search's run-N folders)."""
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 @contextlib.contextmanager
