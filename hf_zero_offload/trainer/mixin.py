@@ -367,6 +367,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, L
             logger.warning(done)
         return path
 
+
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
     pass
 
