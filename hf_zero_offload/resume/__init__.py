@@ -71,7 +71,7 @@ def output_dir_problem(output_dir: str, training: bool = True, max_steps: int | 
     return _in_the_way(in_the_way[0]) if in_the_way else None
 
 
-def _not_whole(checkpoint: str) -> str:
+def not_whole(checkpoint: str) -> str:
     """Why ``checkpoint`` is not whole: "incomplete (what: why)" or "damaged (what: why)"; or, for a complete
     checkpoint of a plain (or DeepSpeed) Trainer among ours, what it is ("written without --zero_offload ...")."""
     changed, marker = changed_files(checkpoint), read_marker(checkpoint)
@@ -86,16 +86,35 @@ def _not_whole(checkpoint: str) -> str:
         return (f"written without --zero_offload ({foreign}) among checkpoints of ours (the steps after the "
                 "checkpoint chosen are trained again)")
     problem = marker_problem(checkpoint)
+    if problem is None and looks_plain(checkpoint):
+        return (f"incomplete (no {MARKER}: {TRAINER_STATE} and the weights without optimizer state, as a Trainer "
+                "without --zero_offload saves with --save_only_model, among checkpoints of ours; or a save of ours "
+                "with --save_only_model stopped just before its marker)")
     what = f"{problem}, nothing else proves it whole" if problem else f"no {MARKER}"
     return f"incomplete ({what}: {_WHY})"
 
 
 _WHY = "its writer may have stopped before finishing it, e.g. killed during the save"
+_not_whole = not_whole
 
 
-def _step(path: str) -> int | None:
+def looks_plain(checkpoint: str) -> bool:
+    """No marker (not even a damaged one), no optimizer state of ours, and ``trainer_state.json``, which transformers
+    writes last: what a Trainer without --zero_offload leaves with --save_only_model. Our own save clears
+    trainer_state.json first and writes zero_offload/ before it (but with --save_only_model: cut short after
+    trainer_state.json, such a save of ours looks the same)."""
+    held = os.path.join(checkpoint, MARKER), os.path.join(checkpoint, TRAINER_STATE)
+    return (not os.path.lexists(held[0]) and os.path.isfile(held[1])
+            and not os.path.lexists(os.path.join(checkpoint, "zero_offload")))
+
+
+def checkpoint_step(path: str) -> int | None:
+    """N of a folder named exactly ``checkpoint-N`` (None otherwise: checkpoint-500-old, ckpt500)."""
     m = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
     return int(m.group(1)) if m else None
+
+
+_step = checkpoint_step
 
 
 def recorded_step(checkpoint: str) -> int | None:

@@ -16,10 +16,10 @@ from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
 from ..engine.param_names import smallest_names
 from ..accelerator_patch import patch_accelerator
-from ..engine_setup import (accumulation_problem, build_engine, check_user_groups, groups_from_optimizer,
+from ..engine_setup import (build_engine, check_user_groups, groups_from_optimizer,
                             start_line, training_dtype)
 from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_optimizer_cls,
-                             check_trainable, check_world_size, refuse_given_optimizer, refuse_user_optimizer,
+                             check_world_size, refuse_given_optimizer, refuse_user_optimizer,
                              refuse_view_ties, warn_bf16_on_cpu, warn_fp16_on_cpu, warn_full_eval_trains,
                              warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
@@ -33,6 +33,8 @@ from .mean_loss import LossScaleNote
 from .trainable_watch import RefuseNewTrainable
 from .loading import CheckpointLoading
 from .saving import CheckpointSaving
+from .next_train import CarriedOverEngine, adopt_changed_params  # noqa: F401 (adopt_changed_params: callback.py's)
+from . import end_rotation
 from .shared_dir import agreed_target, first_problem
 
 logger = logging.getLogger("hf_zero_offload")
@@ -53,8 +55,8 @@ def _users_create_optimizer(cls):
     return None
 
 
-class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, BroadcastBuffers, PlaceWithEngine,
-                       LossScaleNote):
+class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, LossInFp32, BroadcastBuffers,
+                       PlaceWithEngine, LossScaleNote):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
@@ -64,6 +66,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         self._zo_precision = (False, False)
         self._zo_dtype: torch.dtype | None = None  # the 16-bit training dtype once the model is cast
         self._zo_lock: RunLock | None = None
+        self._zo_left_said: set[str] = set()  # folders a rotation left out, named once (saving.py)
         if targs is not None and (getattr(targs, "zero_offload", None) is not None or getattr(targs, "sharded_ddp", False)):
             if targs.zero_offload is not None:
                 self._zo_raw = check(targs.zero_offload)  # validated once: fail fast, before any model work
@@ -78,7 +81,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
             check_world_size(targs)
             check_arguments(targs, early.scheduler.type if early.scheduler is not None else None)
             refuse_given_optimizer(super().__init__, args, kwargs)
-            self._zo_take_lock(targs)
+            self._zo_take_lock(targs, check_paths=True)  # (train(): its output_dir_problem checks them)
             saved = (targs.fp16, targs.bf16, targs.mixed_precision)
             # Loss scaling and the 16-bit model are ours: Accelerate, created in Trainer.__init__, must
             # neither autocast nor run a GradScaler (it would find no gradients: they already left the
@@ -106,9 +109,10 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
             check_even_batches(self.args, getattr(self, "train_dataset", None))
             patch_accelerator(self.accelerator, lambda: self.zero_engine)
 
-    def _zo_take_lock(self, targs) -> None:
-        if targs.output_dir:  # (paths over the file system's limits: before the lock, at __init__ too)
-            if too_long := resume.path_limits.problem(targs.output_dir, targs.max_steps, targs.world_size):
+    def _zo_take_lock(self, targs, check_paths: bool = False) -> None:
+        if targs.output_dir:  # (paths over the file system's limits at __init__: before the lock, ranks agreeing)
+            if check_paths and (too_long := first_problem(resume.path_limits.problem(
+                    targs.output_dir, targs.max_steps, targs.world_size), targs.world_size)):
                 raise ValueError(too_long)
             lock = self._zo_lock
             if lock is None or not lock.held:  # a relative output_dir is where it points now (after any chdir)
@@ -289,11 +293,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         if engine is not None and self.model_init is not None:
             engine.close()  # transformers builds a new model, so a new engine: this one is done
             engine = None
-        elif engine is not None:  # a second train(): the engine of the first one goes on
-            check_trainable(engine.slot_params(), self.model.named_parameters())
-            adopt_changed_params(engine)
-            self._zo_update_clipping(engine)
-            self._zo_update_accumulation(engine)
+        elif engine is not None:  # a second train(): the engine of the first one goes on (next_train.py)
+            self._zo_carry_over(engine)
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
@@ -313,7 +314,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         try:
             if engine is not None:  # refused, naming why, when another engine has taken the model since
                 engine.attach_hooks()
-            out = super().train(resume_from_checkpoint, *args, **kwargs)
+            with end_rotation.running(self):  # (transformers' end-of-training cleanup under our rotation's rule)
+                out = super().train(resume_from_checkpoint, *args, **kwargs)
             self._zo_publish_last()  # (done already unless training stopped before on_train_end)
         except BaseException:
             self._zo_publish_after_failure()
@@ -345,27 +347,6 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
             logger.warning("hf_zero_offload: the last delayed (DPU) step could not be published (%s: %s)",
                            type(e).__name__, e)
 
-    def _zo_update_clipping(self, engine) -> None:
-        # the plain Trainer reads --max_grad_norm at every step: a value changed since the engine was built applies
-        # (resolved again: a ds_config's own "gradient_clipping" still wins over the argument)
-        clip = self._zo_resolve().gradient_clipping
-        if clip != engine.options.max_grad_norm:
-            logger.info("hf_zero_offload: gradient clipping %g -> %g for this train()", engine.options.max_grad_norm,
-                        clip)
-            engine.options = dataclasses.replace(engine.options, max_grad_norm=clip)
-            if self.zero_config is not None:
-                self.zero_config = dataclasses.replace(self.zero_config, gradient_clipping=clip)
-
-    def _zo_update_accumulation(self, engine) -> None:
-        gas, was = self._zo_resolve().gradient_accumulation_steps, engine.options.gradient_accumulation_steps
-        if gas == was:
-            return
-        if problem := accumulation_problem(engine, gas):
-            raise ConfigError(f"{problem}, in the first train() of this Trainer. Build a new Trainer for this train() "
-                              "(the model carries over; load the engine's state_dict() into the new one to keep the "
-                              f"moments), or keep gradient_accumulation_steps={was}")
-        engine.options = dataclasses.replace(engine.options, gradient_accumulation_steps=gas)
-
     def _inner_training_loop(self, *args, **kwargs):
         self._zo_say_loss_scale(logger)
         if self.zero_engine is not None:
@@ -385,13 +366,6 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, LossInFp32, Broadcas
         if done is not None:
             logger.warning(done)
         return path
-
-def adopt_changed_params(engine) -> None:
-    changed = engine.adopt_changed_params()
-    if changed:
-        logger.warning("hf_zero_offload: %d parameter(s) changed since this optimizer last set them (another "
-                       "optimizer trained the model, or its weights were loaded): training goes on from the model's "
-                       "weights, with this optimizer's moments", changed)
 
 
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):

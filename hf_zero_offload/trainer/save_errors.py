@@ -19,8 +19,32 @@ class CheckpointSaveError(OSError):
     """A checkpoint's save failed (a full disk, a file too large): names the checkpoint, the file, the cause, the
     free space and the newest complete checkpoint."""
 
+    _cause_class: type | None = None  # (the class made for a cause's class: that class)
+
+    def __reduce__(self):  # the class made for a cause's class is found again by that class (pickle, multiprocessing)
+        return _remake, (type(self)._cause_class, str(self), self.errno), dict(self.__dict__)
+
 
 _CLASSES: dict[type, type] = {}
+
+
+def _class_for(base: type | None) -> type:
+    """:class:`CheckpointSaveError` that is also a ``base`` (one class per base)."""
+    if base is None or issubclass(base, CheckpointSaveError):
+        return CheckpointSaveError
+    if base not in _CLASSES:
+        try:
+            _CLASSES[base] = type("CheckpointSaveError", (CheckpointSaveError, base),
+                                  {"__module__": __name__, "_cause_class": base})
+        except TypeError:  # a class that cannot be a base (a layout of its own): the OSError alone
+            _CLASSES[base] = CheckpointSaveError
+    return _CLASSES[base]
+
+
+def _remake(base: type | None, message: str, errno: int | None) -> CheckpointSaveError:
+    e = _class_for(base)(message)
+    e.errno = errno
+    return e
 
 
 def file_written(e: BaseException, folder: str) -> str | None:
@@ -32,8 +56,8 @@ def file_written(e: BaseException, folder: str) -> str | None:
     seen, x = set(), e
     while x is not None and id(x) not in seen:
         seen.add(id(x))
-        if isinstance(x, OSError) and isinstance(x.filename, str) and x.filename:
-            return x.filename
+        if isinstance(x, OSError) and isinstance(x.filename, str) and _under(x.filename, root):
+            return x.filename.split(TMP_TAG)[0]  # (a temporary of ours: the file it replaces)
         x = x.__cause__ or x.__context__
     seen, x = set(), e
     while x is not None and id(x) not in seen:
@@ -46,10 +70,16 @@ def file_written(e: BaseException, folder: str) -> str | None:
             for value in list(frame.f_locals.values()):
                 if isinstance(value, (str, os.PathLike)):
                     path = os.fspath(value)
-                    if isinstance(path, str) and os.path.abspath(path).startswith(root) and not os.path.isdir(path):
+                    if isinstance(path, str) and _under(path, root) and not os.path.isdir(path):
                         return path.split(TMP_TAG)[0]
         x = x.__cause__ or x.__context__
     return None
+
+
+def _under(path: str, root: str) -> bool:
+    """Whether ``path`` names a file under ``root`` (a folder's path ending in os.sep): an error about another folder
+    (an older checkpoint) names no file of this save."""
+    return bool(path) and os.path.abspath(path).startswith(root)
 
 
 def _free(folder: str) -> str:
@@ -73,28 +103,46 @@ def save_failed(e: BaseException, target: str, run_dir: str, file: str | None = 
     why = ("no space left on device" if errno == 28 or "No space left" in text or "os error 28" in text else
            "file too large for this process's limit (RLIMIT_FSIZE)" if errno == 27 or "os error 27" in text
            or "File too large" in text else "")
-    newest = resume.newest_whole(run_dir)  # its files checked against its marker (sizes, small files' SHA-256)
+    try:
+        newest = resume.newest_whole(run_dir)  # its files checked against its marker (sizes, small files' SHA-256)
+        last = (f"the newest complete checkpoint is {newest}, intact (its files match its marker): a resume takes it"
+                if newest else "no complete checkpoint exists yet")
+    except Exception as looking:  # noqa: BLE001 - the save's own error is the one to report
+        last = f"the newest complete checkpoint could not be looked for ({type(looking).__name__}: {looking})"
     return (f"saving {target} failed" + (f": {why}" if why else "") + (f" writing {file}" if file else "")
             + f" ({type(e).__name__}: {text[:300]}); {_free(target)} free on that file system; it is not complete and "
-            "a resume skips it; " + (f"the newest complete checkpoint is {newest}, intact (its files match its "
-                                     "marker): a resume takes it" if newest else
-                                     "no complete checkpoint exists yet"))
+            f"a resume skips it; {last}")
 
 
 def wrap(e: BaseException, target: str, run_dir: str) -> CheckpointSaveError:
-    """``e`` as a :class:`CheckpointSaveError` of its own class too (its errno kept), chained to it."""
-    cls = CheckpointSaveError
-    if not issubclass(type(e), cls):
-        try:
-            cls = _CLASSES.get(type(e)) or _CLASSES.setdefault(type(e), type("CheckpointSaveError", (cls, type(e)),
-                                                                             {"__module__": __name__}))
-        except TypeError:  # a class that cannot be a base (a layout of its own): the OSError alone
-            cls = CheckpointSaveError
+    """``e`` as a :class:`CheckpointSaveError` of its own class too (its errno kept), chained to it. What the message
+    needs (the file, the free space, the newest complete checkpoint) is looked up with care: a failure there (a
+    folder not readable) is said in it, never raised in place of ``e``."""
     try:
-        wrapped = cls(save_failed(e, target, run_dir, file_written(e, target)))
+        file = file_written(e, target)
+    except Exception:  # noqa: BLE001 - the file is a detail; the cause is not
+        file = None
+    try:
+        message = save_failed(e, target, run_dir, file)
+    except Exception as looking:  # noqa: BLE001 - as above
+        message = f"saving {target} failed ({type(e).__name__}: {e}; and describing it: {looking!r})"
+    try:
+        wrapped = _class_for(type(e))(message)
     except TypeError:  # a cause class whose constructor takes other arguments
-        wrapped = CheckpointSaveError(save_failed(e, target, run_dir, file_written(e, target)))
+        wrapped = CheckpointSaveError(message)
     if isinstance(getattr(e, "errno", None), int):
         wrapped.errno = e.errno
     wrapped.__cause__ = e
     return wrapped
+
+
+def failed_on(target: str, elsewhere: str) -> str:
+    """What a rank says of another rank's failed save (``elsewhere``: "rank R (host H): its message"): that rank's
+    message, its "saving <target> failed" said once."""
+    who, _, said = elsewhere.partition("): ")
+    who, head = who + ")", f"saving {target} failed"
+    if not said:
+        return f"{head} on {elsewhere}; it is not complete"
+    if said.startswith(head):
+        return f"{head} on {who}{said[len(head):]}"
+    return f"{head} on {who}: {said}; it is not complete and a resume skips it"

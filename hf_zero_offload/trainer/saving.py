@@ -21,7 +21,7 @@ from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durab
 from ..run_lock import confirm_job_lock
 from .shared_dir import distributed, failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
-from .save_errors import CheckpointSaveError, wrap  # noqa: F401 (CheckpointSaveError: the API)
+from .save_errors import CheckpointSaveError, failed_on, wrap  # noqa: F401 (CheckpointSaveError: the API)
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +171,14 @@ class CheckpointSaving:
         self._zo_stop_if_failed(failed, output_dir, run_dir)
         try:
             if self.args.should_save:
-                self._zo_mark_complete(output_dir, run_dir, limit)
+                self._zo_mark_complete(output_dir)
         except Exception as e:  # noqa: BLE001 - said to every rank below
             failed = e
         self._zo_stop_if_failed(failed, output_dir, run_dir)  # rank 0's marker: the others learn how it went
+        if self.args.should_save:  # the save is complete: what rotation meets (a folder gone) is no failure of it
+            self._zo_rotate(run_dir, limit, output_dir)
 
-    def _zo_mark_complete(self, output_dir: str, run_dir: str, limit) -> None:
+    def _zo_mark_complete(self, output_dir: str) -> None:
         if self._zo_raw is not None:
             self._zo_remove_foreign(output_dir)
         elif os.path.isdir(os.path.join(output_dir, STATE_DIR)):  # no engine here: an earlier save's state, which a
@@ -188,13 +190,18 @@ class CheckpointSaving:
         saved = os.path.isdir(os.path.join(output_dir, STATE_DIR))  # not with --save_only_model
         resume.write_marker(output_dir, {"step": self.state.global_step, "world_size": self.args.world_size,
                                          "engine": self._zo_engine_info() if saved else None})
-        self._zo_rotate(run_dir, limit, output_dir)
 
-    def _zo_rotate(self, run_dir: str, limit, saved: str) -> None:
-        """save_total_limit over complete checkpoints only (``resume.rotation``): an incomplete folder is neither
-        counted nor removed, and named once per Trainer; each removal is logged."""
-        remove, left = rotation.plan(run_dir, limit, (saved, self.state.best_model_checkpoint))
-        said = self.__dict__.setdefault("_zo_left_said", set())
+    def _zo_rotate(self, run_dir: str, limit, saved: str | None, keep_newest: bool = True) -> None:
+        """save_total_limit over finished checkpoints only (``resume.rotation``): a folder cut short is neither
+        counted nor removed, and named once per Trainer; each removal is logged. Never raises for the file system:
+        the save it follows is complete (a warning says what kept it from looking)."""
+        try:
+            remove, left = rotation.plan(run_dir, limit, (saved, self.state.best_model_checkpoint), keep_newest)
+        except OSError as e:
+            logger.warning("hf_zero_offload: save_total_limit %s: could not go through the checkpoints of %s (%s: "
+                           "%s); none removed this time", limit, run_dir, type(e).__name__, e)
+            return
+        said = self._zo_left_said
         for c, why in left:
             if c not in said:
                 said.add(c)
@@ -203,6 +210,22 @@ class CheckpointSaving:
         for c in remove:
             logger.info("hf_zero_offload: save_total_limit %s: removing %s, an older complete checkpoint", limit, c)
             shutil.rmtree(c, ignore_errors=True)
+
+    def _zo_end_listing(self, run_dir: str, best: str | None) -> list[str]:
+        """transformers' end of train() with save_total_limit=1 and a best checkpoint removes every ``checkpoint-*``
+        folder its listing (``trainer.sort_checkpoints``, ours while our train() runs: ``end_rotation``) gives but
+        the best: a user's checkpoint-1-old and a folder cut short went too. Our rule does it instead (every finished
+        checkpoint but the best, each removal logged) and the listing holds the finished ones left, in its order."""
+        if self.args.should_save and best is not None and self.args.save_total_limit == 1:
+            self._zo_rotate(run_dir, 1, None, keep_newest=False)
+        try:
+            found = [c for c in resume.checkpoints(run_dir) if rotation.left_out(c) is None]
+        except OSError:
+            return []
+        if best is not None and best in found and found[-1] != best:  # (transformers' order: the best next to last)
+            found = [c for c in found if c != best] + [best]
+            found[-2:] = found[-1:] + found[-2:-1]
+        return found
 
     def save_model(self, output_dir=None, _internal_call=False):
         """Within a checkpoint save on several ranks, rank 0's failure to write the weights (a full disk) is kept,
@@ -224,7 +247,7 @@ class CheckpointSaving:
         if failed is not None:
             raise failed
         if elsewhere is not None:
-            raise CheckpointSaveError(f"saving {output_dir} failed on {elsewhere}; it is not complete")
+            raise CheckpointSaveError(failed_on(output_dir, elsewhere))
 
     def _zo_remove_foreign(self, output_dir: str) -> None:
         """checkpoint-N saved again over another run's save of it (a run without --zero_offload, or DeepSpeed, in
