@@ -52,6 +52,10 @@ def dist_env_1(monkeypatch):
         port = s.getsockname()[1]
     for k, v in dict(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
         monkeypatch.setenv(k, v)
+    was = torch.distributed.is_initialized()
+    yield
+    if not was and torch.distributed.is_initialized():  # the Trainer's one-rank group: later tests run without one
+        torch.distributed.destroy_process_group()
 
 
 def check_against_plain(trainer, tmp_path, dtype, ds_scheduler=True, **kw):
