@@ -207,3 +207,78 @@ def test_the_end_listing_of_another_folder_is_transformers_own(tmp_path):
         import transformers.trainer as tt
         listed = tt.sort_checkpoints(output_dir=str(other), best_model_checkpoint=None)
     assert sorted(os.path.basename(p) for p in listed) == ["checkpoint-1-old", "checkpoint-2"]
+
+
+def test_the_end_listing_of_a_run_under_ours_or_of_another_best_is_transformers_own(tmp_path):
+    """A plain Trainer run from a callback into a folder *under* ours (a review: its checkpoints, its best included,
+    went by our rule and limit) and a call naming another best checkpoint get transformers' own listing; our run
+    and a hyperparameter search's run folder under our output_dir, by any spelling, get ours."""
+    from types import SimpleNamespace
+
+    from hf_zero_offload.trainer import end_rotation
+    import transformers.trainer as tt
+
+    ours_dir = tmp_path / "ours"
+    for run in ("", "probe", "run-0"):
+        for name in ("checkpoint-1-old", "checkpoint-2", "checkpoint-4"):
+            (ours_dir / run / name).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "link").symlink_to(ours_dir)
+
+    def listing(best_ours, run, best):
+        trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(ours_dir)),
+                                  state=SimpleNamespace(best_model_checkpoint=best_ours),
+                                  _zo_end_listing=lambda *a: ["ours"])
+        with end_rotation.running(trainer):
+            return tt.sort_checkpoints(output_dir=str(run), best_model_checkpoint=best)
+
+    own = str(ours_dir / "checkpoint-2")
+    assert listing(own, ours_dir, own) == ["ours"]
+    assert listing(own, tmp_path / "link", str(tmp_path / "link" / "checkpoint-2")) == ["ours"]  # another spelling
+    assert listing(str(ours_dir / "run-0" / "checkpoint-2"), ours_dir / "run-0",
+                   str(ours_dir / "run-0" / "checkpoint-2")) == ["ours"]
+    plain = listing(own, ours_dir / "probe", str(ours_dir / "probe" / "checkpoint-4"))  # a nested plain run's
+    assert sorted(os.path.basename(p) for p in plain) == ["checkpoint-1-old", "checkpoint-2", "checkpoint-4"]
+    assert listing(own, ours_dir, str(ours_dir / "checkpoint-4")) != ["ours"]  # not our best: not our cleanup
+
+
+def test_the_best_is_kept_by_what_its_path_names_not_its_spelling(tmp_path):
+    """Recorded through a symlink (or relative), the best checkpoint was removed by the end cleanup (transformers
+    compares with os.path.samefile)."""
+    real = tmp_path / "real"
+    for step in (2, 4, 6):
+        c = real / f"checkpoint-{step}"
+        c.mkdir(parents=True)
+        resume.write_marker(str(c), {"step": step, "world_size": 1, "engine": None})
+        os.utime(c, (step * 10, step * 10))
+    (tmp_path / "link").symlink_to(real)
+    remove, _ = rotation.plan(str(real), 1, (str(tmp_path / "link" / "checkpoint-2"),), keep_newest=False)
+    assert sorted(os.path.basename(c) for c in remove) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_a_save_over_a_plain_run_s_checkpoint_cut_short_is_not_taken_for_it(tmp_path):
+    """Our --save_only_model save of checkpoint-4 over a plain Trainer's, cut right after trainer_state.json: the
+    plain run's optimizer.pt stayed until the end of the save, so the folder looked like that run's checkpoint and a
+    resume took its Adam moments over onto our weights (a review). Another run's optimizer state goes first."""
+    from transformers import TrainerState
+
+    out = tmp_path / "out"
+    Seq2SeqTrainer(model=tiny_t5(0), args=Seq2SeqTrainingArguments(output_dir=str(out), **COMMON),
+                   train_dataset=ToyDataset()).train()
+    assert (out / "checkpoint-4" / "optimizer.pt").is_file()
+    _, trainer = _trainer(out, max_steps=4, save_steps=2, save_only_model=True)
+    real = TrainerState.save_to_json
+
+    def cut(state, path):
+        real(state, path)
+        if "checkpoint-4" in str(path):
+            raise KeyboardInterrupt("killed during the save")
+
+    TrainerState.save_to_json = cut
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        TrainerState.save_to_json = real
+    c4 = str(out / "checkpoint-4")
+    assert not os.path.exists(os.path.join(c4, "optimizer.pt"))
+    assert resume.status(c4) == "incomplete" and resume.newest_whole(str(out)) == str(out / "checkpoint-2")

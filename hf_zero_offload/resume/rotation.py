@@ -44,13 +44,15 @@ def plan(run_dir: str, limit: int | None, keep: tuple = (), keep_newest: bool = 
     by_time = sorted(whole, key=lambda c: (when[c], checkpoint_step(c)))
     spread = when[by_time[-1]] - when[by_time[0]]
     order = by_time if spread >= 1.0 else sorted(whole, key=checkpoint_step)
-    protected = {os.path.normpath(k) for k in keep if k} | ({os.path.normpath(order[-1])} if keep_newest else set())
-    to_keep = max(limit, len([c for c in whole if os.path.normpath(c) in protected]))
+    # by what the paths name, not how they are spelled (a best checkpoint recorded through a symlink or a relative
+    # output_dir was removed: transformers compares with os.path.samefile)
+    protected = {os.path.realpath(k) for k in keep if k} | ({os.path.realpath(order[-1])} if keep_newest else set())
+    to_keep = max(limit, len([c for c in whole if os.path.realpath(c) in protected]))
     remove, remaining = [], len(order)
     for c in order:
         if remaining <= to_keep:
             break
-        if os.path.normpath(c) not in protected:
+        if os.path.realpath(c) not in protected:
             remove.append(c)
             remaining -= 1
     return remove, left

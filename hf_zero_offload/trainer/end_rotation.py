@@ -18,16 +18,22 @@ _ORIGINAL = _trainer_module.sort_checkpoints
 
 def sort_checkpoints(output_dir, *args, best_model_checkpoint=None, **kwargs):
     trainer = _RUNNING.get()
-    if trainer is None or args or kwargs or not _within(str(output_dir), str(trainer.args.output_dir)):
-        # (called otherwise than that cleanup does, or for another folder: a plain Trainer run from a callback)
+    if trainer is None or args or kwargs or not _ours(str(output_dir), best_model_checkpoint, trainer):
+        # (called otherwise than that cleanup does, or for another run: a plain Trainer run from a callback, into
+        # a folder under ours, had its checkpoints removed by our rule)
         return _ORIGINAL(output_dir, *args, best_model_checkpoint=best_model_checkpoint, **kwargs)
     return trainer._zo_end_listing(str(output_dir), best_model_checkpoint)
 
 
-def _within(path: str, folder: str) -> bool:
-    """``path`` is ``folder`` or under it (a hyperparameter search's run-N folders)."""
-    path, folder = os.path.abspath(path), os.path.abspath(folder)
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+def _ours(run_dir: str, best, trainer) -> bool:
+    """The cleanup of ``trainer``'s own run: its best checkpoint, in ``run_dir``, which is its output_dir or a
+    hyperparameter search's run folder under it (by what the paths name, not their spelling)."""
+    own = None if best is None else trainer.state.best_model_checkpoint
+    if own is None or os.path.realpath(str(best)) != os.path.realpath(str(own)):
+        return False
+    run, folder = os.path.realpath(run_dir), os.path.realpath(str(trainer.args.output_dir))
+    return os.path.dirname(os.path.realpath(str(best))) == run and (
+        run == folder or os.path.dirname(run) == folder)
 
 
 @contextlib.contextmanager

@@ -150,6 +150,10 @@ class CheckpointSaving:
                 # checkpoint-N written again (a restarted run, a second train()): its old marker would declare the
                 # mix of new and old files complete should this save stop part way
                 resume.clear_marker(output_dir)
+                if self._zo_raw is not None and os.path.isdir(output_dir):
+                    # and another run's optimizer state: a save cut short after trainer_state.json looked like that
+                    # run's plain checkpoint, whose optimizer.pt a resume then took over onto these weights
+                    self._zo_remove_foreign(output_dir)
         except Exception as e:  # noqa: BLE001 - every rank raises below, this one its own error
             failed = e
         self._zo_stop_if_failed(failed, output_dir, run_dir)  # no rank writes before its old marker is gone
@@ -217,7 +221,7 @@ class CheckpointSaving:
         the best: a user's checkpoint-1-old and a folder cut short went too. Our rule does it instead (every finished
         checkpoint but the best, each removal logged) and the listing holds the finished ones left, in its order."""
         if self.args.should_save and best is not None and self.args.save_total_limit == 1:
-            self._zo_rotate(run_dir, 1, None, keep_newest=False)
+            self._zo_rotate(run_dir, 1, best, keep_newest=False)
         try:
             found = [c for c in resume.checkpoints(run_dir) if rotation.left_out(c) is None]
         except OSError:
