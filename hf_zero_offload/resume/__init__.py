@@ -67,7 +67,7 @@ def output_dir_problem(output_dir: str, training: bool = True, max_steps: int | 
     if not os.path.isdir(output_dir):
         return None
     in_the_way = sorted((p for p in (os.path.join(output_dir, n) for n in os.listdir(output_dir))
-                         if _step(p) is not None and not os.path.isdir(p)), key=_step)
+                         if checkpoint_step(p) is not None and not os.path.isdir(p)), key=checkpoint_step)
     return _in_the_way(in_the_way[0]) if in_the_way else None
 
 
@@ -95,7 +95,6 @@ def not_whole(checkpoint: str) -> str:
 
 
 _WHY = "its writer may have stopped before finishing it, e.g. killed during the save"
-_not_whole = not_whole
 
 
 def looks_plain(checkpoint: str) -> bool:
@@ -114,21 +113,19 @@ def checkpoint_step(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-_step = checkpoint_step
-
 
 def recorded_step(checkpoint: str) -> int | None:
     """The step its marker records (the folder's name when there is none): a checkpoint-3 renamed checkpoint-6 was
     said to be at step 6, and to leave nothing to train in a 6-step run."""
     step = (read_marker(checkpoint) or {}).get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else _step(checkpoint)
+    return step if isinstance(step, int) and not isinstance(step, bool) else checkpoint_step(checkpoint)
 
 
 def checkpoints(folder: str) -> list[str]:
     """``checkpoint-N`` directories of ``folder``, oldest step first."""
     if not os.path.isdir(folder):
         return []
-    found = [(_step(n), os.path.join(folder, n)) for n in os.listdir(folder)]
+    found = [(checkpoint_step(n), os.path.join(folder, n)) for n in os.listdir(folder)]
     return [p for s, p in sorted((s, p) for s, p in found if s is not None and os.path.isdir(p))]
 
 
@@ -144,31 +141,37 @@ def status(checkpoint: str) -> str:
         return "incomplete"
     if plain_checkpoint(checkpoint):  # a plain Trainer's (trainer_state.json written after optimizer.pt): taken over
         return "legacy"
-    step = _step(checkpoint)
+    step = checkpoint_step(checkpoint)
     older = [c for c in checkpoints(os.path.dirname(os.path.normpath(checkpoint)))
-             if step is not None and (_step(c) or 0) < step]
+             if step is not None and (checkpoint_step(c) or 0) < step]
     return "incomplete" if any(read_marker(c) is not None for c in older) else "legacy"
 
 
-def _saved_with_markers(checkpoint: str) -> bool:
-    """Whether its optimizer state carries a save id (written since markers exist): then no marker means cut short."""
+def _state_headers(checkpoint: str):
+    """(file name, header) of each readable rank file of its optimizer state, in name order (a file cut short or
+    damaged is passed over: the next one may tell)."""
     folder = os.path.join(checkpoint, "zero_offload")
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".hzo"))
     except OSError:
-        return False
+        return
     for name in names:
         try:
-            return "save_id" in read_header(os.path.join(folder, name))[0]
-        except (OSError, ValueError):  # a file cut short or damaged: the next one may tell
+            header = read_header(os.path.join(folder, name))[0]
+        except (OSError, ValueError):
             continue
-    return False
+        yield name, header
+
+
+def _saved_with_markers(checkpoint: str) -> bool:
+    """Whether its optimizer state carries a save id (written since markers exist): then no marker means cut short."""
+    return next(("save_id" in header for _, header in _state_headers(checkpoint)), False)
 
 
 def newest_whole(folder: str, below: int | None = None) -> str | None:
     """The newest checkpoint of ``folder`` (with a step < ``below``) that is complete or legacy."""
     for c in reversed(checkpoints(folder)):
-        if (below is None or _step(c) < below) and status(c) != "incomplete":
+        if (below is None or checkpoint_step(c) < below) and status(c) != "incomplete":
             return c
     return None
 
@@ -192,7 +195,7 @@ def _not_a_checkpoint(path: str) -> str | None:
         return f"resume_from_checkpoint: {path} does not exist"
     if not os.path.isdir(path):
         return f"resume_from_checkpoint: {path} is a file, not a checkpoint directory (checkpoint-N)"
-    if _step(path) is not None or read_marker(path) is not None:
+    if checkpoint_step(path) is not None or read_marker(path) is not None:
         return None
     inside = checkpoints(path)
     # checkpoint-N folders inside: a run's output_dir, even when it holds trainer_state.json and the final model
@@ -238,7 +241,7 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
     if state != "incomplete":
         _check_trainer_state(checkpoint)
         return state, read_marker(checkpoint)
-    step, held = _step(checkpoint), held_step(checkpoint)
+    step, held = checkpoint_step(checkpoint), held_step(checkpoint)
     folder = os.path.dirname(os.path.normpath(checkpoint))
     below = step if held is None or held[0] == step else held[0]
     fallback = newest_whole(folder, below=below)
@@ -251,7 +254,7 @@ def check(checkpoint: str) -> tuple[str, dict | None]:
                    "later): resume from it or start without resume_from_checkpoint" if later else hint))
     elif held is None and step is None:
         hint = f"{checkpoint} records no step ({MARKER}, {TRAINER_STATE} and optimizer state missing); {hint}"
-    raise IncompleteCheckpoint(f"{checkpoint} is {_not_whole(checkpoint)}; {hint}")
+    raise IncompleteCheckpoint(f"{checkpoint} is {not_whole(checkpoint)}; {hint}")
 
 
 def held_step(checkpoint: str) -> tuple[int, str] | None:
@@ -267,12 +270,8 @@ def held_step(checkpoint: str) -> tuple[int, str] | None:
             return said, TRAINER_STATE
     except (OSError, ValueError, AttributeError):
         pass
-    folder = os.path.join(checkpoint, "zero_offload")
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        try:
-            steps = read_header(os.path.join(folder, name))[0].get("global_steps") if name.endswith(".hzo") else None
-        except (OSError, ValueError):
-            continue
+    for name, header in _state_headers(checkpoint):
+        steps = header.get("global_steps")
         if isinstance(steps, int) and not isinstance(steps, bool):
             return steps, f"optimizer state zero_offload/{name}"
     return None
@@ -307,7 +306,7 @@ def choose(folder: str) -> tuple[str, list[str]]:
                                    "resume_from_checkpoint=True found no complete checkpoint there"
                                    + (f" (incomplete: {', '.join(os.path.basename(c) for c in found)})"
                                       if found else ""))
-    return chosen, [c for c in found if _step(c) > _step(chosen)]
+    return chosen, [c for c in found if checkpoint_step(c) > checkpoint_step(chosen)]
 
 
 def no_resume_word(value):
@@ -332,7 +331,7 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
         later = _written_after(requested, output_dir)
         if later:  # the highest step is another run's: a requeued job went on with it, the newer run's steps lost
             cut = status(later[-1]) != "complete"
-            go = newest_whole(os.path.dirname(later[-1]), below=_step(later[-1])) if cut else later[-1]
+            go = newest_whole(os.path.dirname(later[-1]), below=checkpoint_step(later[-1])) if cut else later[-1]
             raise ValueError(f"resume_from_checkpoint=True: {requested} has the highest step, but {later[-1]} was "
                              f"written after it{' (and cut short)' if cut else ''}: output_dir holds checkpoints of "
                              "more than one run (--overwrite_output_dir removes nothing; a run resumed from an earlier "
@@ -340,7 +339,7 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
                              f"checkpoint to go on from (--resume_from_checkpoint {go or 'PATH'}), or remove the "
                              "other run's checkpoints")
         if skipped:  # one line, however many: each named with why
-            notes.append((logging.WARNING, "hf_zero_offload: " + "; ".join(f"skipping {c}: {_not_whole(c)}"
+            notes.append((logging.WARNING, "hf_zero_offload: " + "; ".join(f"skipping {c}: {not_whole(c)}"
                                                                             for c in skipped)
                           + f"; resuming from {requested}"))
         if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
@@ -374,7 +373,7 @@ def _written_after(chosen: str, folder: str) -> list[str]:
     if t[0] is None and plain_checkpoint(chosen):  # a plain Trainer's: no marker clock, its last file's time instead
         t = (os.stat(os.path.join(chosen, TRAINER_STATE)).st_mtime_ns, None)
     later = []
-    for c in (c for c in checkpoints(folder) if _step(c) < _step(chosen)):
+    for c in (c for c in checkpoints(folder) if checkpoint_step(c) < checkpoint_step(chosen)):
         # the cheap reads first (marker clocks, file times): a checkpoint's own check (its manifest) only if they tell
         newer = any(isinstance(a, type(b)) and b is not None and a > b for a, b in zip(when(c), t) if a is not None)
         state = status(c) if newer else None

@@ -183,10 +183,10 @@ class CheckpointSaving:
             self._zo_rotate(run_dir, limit, output_dir)
 
     def _zo_mark_complete(self, output_dir: str) -> None:
-        if self._zo_raw is not None:
-            self._zo_remove_foreign(output_dir)
-        elif os.path.isdir(os.path.join(output_dir, STATE_DIR)):  # no engine here: an earlier save's state, which a
-            shutil.rmtree(os.path.join(output_dir, STATE_DIR))   # resume with one loaded onto these weights
+        # (with an engine, another run's optimizer state went before this save wrote anything: _save_checkpoint)
+        if self._zo_raw is None and os.path.isdir(os.path.join(output_dir, STATE_DIR)):
+            # no engine here: an earlier save's state, which a resume with one loaded onto these weights
+            shutil.rmtree(os.path.join(output_dir, STATE_DIR))
             fsync_dir(output_dir)
             logger.info("hf_zero_offload: removed %s/ from %s, left there by an earlier save of that checkpoint (this "
                         "run trains without an engine)", STATE_DIR, output_dir)
