@@ -2,7 +2,6 @@
 (see the package docstring)."""
 from __future__ import annotations
 
-import contextlib
 import difflib
 import math
 import time
@@ -16,6 +15,7 @@ from ..ops import STATE_DTYPES
 from ..engine.options import OffloadOptions
 from ..engine.sharded.plan import plan_for
 from . import subset, trace
+from .model_checks import check_positions, model_errors
 
 GiB = 2 ** 30
 SAFETY_BYTES = GiB // 2
@@ -271,48 +271,6 @@ def _check_inputs(*, gpus, gpu_mem_gib, dtype, seq_len, tgt_len, batch_size, buc
                              f"rows for {dtype}: {', '.join(known)}")
 
 
-@contextlib.contextmanager
-def _model_errors(name: str, what: str, hint: str):
-    """A config that parses but describes no model that can be built or run (a negative size, a key its model
-    needs left out: AttributeError, RuntimeError, ...) is the config's fault: one ValueError naming it, the
-    original chained (``--debug``)."""
-    try:
-        yield
-    except (ValueError, OSError, ImportError):
-        raise
-    except Exception as e:  # noqa: BLE001
-        message = " ".join(str(e).split())
-        # (torch 2.6 says "Meta tensors", later ones "meta")
-        if isinstance(e, NotImplementedError) and ("meta" in message.lower() or "data-dependent" in message):
-            # an op whose output shape depends on the values (torch.nonzero: a mixture of experts routing tokens)
-            # has no meta form: the config is fine, the tracer cannot run this model without weights
-            hint = ("this model runs an op whose output shape depends on the values (a mixture of experts' routing, "
-                    "torch.nonzero), which the meta device cannot run without weights: estimate cannot plan it; "
-                    "measure a real step instead")
-        elif "Expected inputs of BF16 type" in message:  # torch's grouped matmul (Mixtral's experts) is bf16 only
-            hint = "this model's grouped expert matmul runs in bf16 only: plan it with --bf16"
-        raise ValueError(f"{name}: cannot {what} ({type(e).__name__}: {message}); {hint}") from e
-
-
-def _check_positions(config, model, seq_len: int, tgt_len: int, name: str) -> None:
-    """Learned absolute positions (GPT-2's wpe, BART's and BERT's position embeddings) cap the sequence length: a
-    real step beyond them fails, but meta tensors index without bounds checks, so the trace would not. Rotary and
-    relative models (Llama, T5) have no such table (no position-sized embedding besides the tokens') and no cap."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if not isinstance(limit, int) or limit <= 0:
-        return
-    rows = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    rows.discard(getattr(config, "vocab_size", None))
-    if not rows & {limit, limit + 2}:  # BART's table has 2 extra rows (its offset); the usable length is the limit
-        return
-    lengths = [("--seq-len", seq_len)] + ([("--tgt-len", tgt_len)] if getattr(config, "is_encoder_decoder", False)
-                                          else [])
-    for flag, length in lengths:
-        if length > limit:
-            raise ValueError(f"{flag} {length} is longer than the {limit} positions of this model "
-                             f"(max_position_embeddings in {name}): a real step would fail; give {flag} <= {limit}")
-
-
 def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtype: str = "fp16",
          seq_len: int = 128, tgt_len: int = 128, batch_size: int | None = None, bucket_numel: int | None = None,
          tile_numel: int | None = None, gradient_accumulation_steps: int = 1, cuda: bool = True,
@@ -347,9 +305,9 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
         trace.model_class(config)  # (build_model asks again: a head it cannot plan is named with the file here)
     except ValueError as e:
         raise ValueError(f"{_model_name(src)}: {e}") from None
-    with _model_errors(_model_name(src), "build the model this config describes", "is a key missing or wrong?"):
+    with model_errors(_model_name(src), "build the model this config describes", "is a key missing or wrong?"):
         model = trace.build_model(config, gradient_checkpointing=gradient_checkpointing)
-    _check_positions(config, model, seq_len, tgt_len, _model_name(src))
+    check_positions(config, model, seq_len, tgt_len, _model_name(src))
     if peft_config is not None:
         model = subset.with_adapter(model, peft_config)
     if trainable is not None:
@@ -371,7 +329,7 @@ def plan(model_config_or_path, *, gpus: int = 1, gpu_mem_gib: float = 24.0, dtyp
     if progress is not None:
         progress(f"tracing {_model_name(src)} ({n / 1e6:.1f}M params) on the meta device, no weights: seconds to "
                  "minutes")
-    with _model_errors(_model_name(src), f"trace a training step at --seq-len {seq_len} --tgt-len {tgt_len}",
+    with model_errors(_model_name(src), f"trace a training step at --seq-len {seq_len} --tgt-len {tgt_len}",
                        "are the lengths too long, or is a key of the config missing or wrong?"):
         profiles = trace.profile_modes(config, {s.mode for s in specs}, half_dtype=settings.half_dtype,
                                        seq_len=seq_len, tgt_len=tgt_len, model=model)
