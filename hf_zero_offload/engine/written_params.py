@@ -1,0 +1,71 @@
+"""``WrittenParams``: which params were written since the engine last set them (a version counter and a storage per
+param), and their masters taken from the model then, as torch.optim starts from the params it finds. A mixin of
+``AdamCore`` (core.py), through ``SavedState``: its methods read the core's fields (``_flat``, ``master``, ``lo``,
+``hi``, ``needs_publish``...) as their own."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .grad_hooks import size_changed
+from .runs import FlatIndex, make_contiguous
+
+logger = logging.getLogger("hf_zero_offload")
+
+
+class WrittenParams:
+    _param_marks: list | None = None  # per param (version counter, storage) when this engine last set or took it
+
+    def _mark_params(self) -> None:
+        self._param_marks = [(p._version, p.data_ptr()) for p, _, _ in self._flat]
+
+    def _adopt_written_params(self) -> None:
+        """At each step: a parameter written since this engine last set it, in place (``load_state_dict``, an
+        edit under ``no_grad``) or rebound (``p.data = t``), is what this step starts from, as with torch.optim
+        (the stale master was published over it). A look at each param's version counter and storage (no pass
+        over the values unless one moved). A write through ``p.data.<op>_()`` moves neither: call
+        ``adopt_changed_params()`` after such a write."""
+        if self.needs_publish:
+            return  # a delayed step is in flight: its publish, in this step, looks for writes and keeps them (_publish)
+        if not self._written_params():
+            return
+        if n := self.adopt_changed_params():
+            logger.info("hf_zero_offload: %d parameter(s) written since the last step; the step starts from them", n)
+        self._mark_params()
+
+    def _written_params(self) -> list[torch.nn.Parameter]:
+        """The params whose version counter or storage moved since this engine last set them (refused by name
+        when one was resized: its masters and moments are laid out for the old size)."""
+        marks = self._param_marks
+        if marks is None:
+            return []
+        written = [p for m, (p, _, _) in zip(marks, self._flat) if m != (p._version, p.data_ptr())]
+        for p, _, numel in self._flat if written else ():
+            if p.numel() != numel:
+                raise ValueError(size_changed(p, numel))
+        return written
+
+    @torch.no_grad()
+    def adopt_changed_params(self) -> int:
+        """Parameters written since this engine last set them (another optimizer trained the model, or
+        ``load_state_dict`` between two ``train()`` calls), found by comparing this slice of the model with its
+        masters rounded as the kernel rounds them: their masters take the model's values (the moments stay, as
+        CPUAdam and torch.optim keep theirs). Without this the next step published the stale masters over them,
+        without a word. Returns how many params of this slice changed. A DPU state one step ahead is left as is."""
+        self._wait_worker()
+        make_contiguous(self.param_groups)  # a rebind since (model.to(memory_format=...)) left one strided
+        if self.needs_publish:
+            return 0
+        changed, lo = set(), self.lo
+        for p, off, a, b in FlatIndex(self._flat).pieces(lo, self.hi):
+            now = p.detach().reshape(-1)[a - off:b - off]
+            master = self.master[a - lo:b - lo]
+            held = master.to(device=now.device, dtype=now.dtype)
+            if not bool(((now == held) | (now.isnan() & held.isnan())).all()):
+                master.copy_(now)
+                changed.add(id(p))
+        if changed:
+            self._sync_mirror()
+        self._mark_params()
+        return len(changed)
