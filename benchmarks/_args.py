@@ -57,6 +57,53 @@ def int_list(least: int = 1):
     return parse
 
 
+def name_list(names, what: str):
+    """``--rows a,b``: comma-separated names, each one of ``names`` (a row, a dtype), none twice, as a list in the
+    order given (a wrong one failed with a KeyError after the model was built, or its run failed and the rest went
+    on; a repeated one ran twice). Empty items (``a,,b``, a trailing comma) are skipped, as ``int_list``'s."""
+    import argparse
+
+    allowed = tuple(names)
+
+    def parse(text: str) -> list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: one or more {what}s expected, of {','.join(allowed)}")
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{','.join(bad)}: not a {what}; {what}s are {','.join(allowed)}")
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{','.join(twice)}: given twice")
+        return items
+
+    parse.__name__ = f"list of {what}s"
+    parse.allowed = allowed  # (the tests feed each list option a name outside it)
+    return parse
+
+
+def torch_device(text: str) -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` that this machine has (a typo or a missing GPU failed after the
+    model was built, with a traceback from deep inside torch)."""
+    import argparse
+
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r}: not a device (cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text}: this benchmark runs on cpu or cuda, not {dev.type}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device here (torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s), cuda:0..{count - 1}")
+    return text
+
+
 def _writable(path: str, what: str, folder: bool = False) -> str:
     """``path`` if a ``what`` can be written there (the nearest existing folder, of it or of its parent, takes a
     file), else a usage error: an unwritable path failed only after the whole run, with a traceback."""

@@ -317,5 +317,6 @@ def model_config(name: str) -> str:
 
 
 # the argparse types, where the benchmarks import them from
-from benchmarks._args import (existing_dir, int_at_least, int_list, json_target, nonnegative_float,  # noqa: E402,F401
-                              nonnegative_int, output_dir, output_file, positive_float, positive_int)
+from benchmarks._args import (existing_dir, int_at_least, int_list, json_target, name_list,  # noqa: E402,F401
+                              nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
+                              positive_int, torch_device)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import _common
 
@@ -19,6 +20,13 @@ ENTRY_POINTS = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p 
 PLAIN_NUMBER_OK = {("benchmarks.t5.table", "--seed"): "a seed may be any integer"}
 # options naming a file or folder: each needs a type that checks it before the run
 PATH_DESTS = {"json", "png", "out_dir", "data_dir", "dir", "model"}
+# text options without a checking type: each checked in main() before any work, or any text is meaningful
+FREE_TEXT_OK = {
+    ("benchmarks.kernel.adam_step", "--also-level"): "the levels come from the compiled module, imported after the "
+                                                     "parse (torch must not start before --threads is set)",
+    ("benchmarks.t5.planner_validate", "--models"): "each a name or a path, checked by model_config before any work",
+    ("benchmarks.t5.planner_validate", "--gpu-models"): "as --models",
+}
 
 
 def _parsers(module: str):
@@ -64,6 +72,18 @@ def test_every_number_and_path_option_has_a_checked_type():
     assert not unchecked_paths, f"path options without a checking type: {unchecked_paths}"
 
 
+def test_every_text_option_is_checked_or_said_free():
+    """A list of rows or dtypes, a device: a typo failed after the model was built (a KeyError), or the rest of the
+    run went on without it; checked by name_list / torch_device, or listed in FREE_TEXT_OK with the reason."""
+    free = []
+    for module, label, _, action in _options():
+        text = (action.type is None and action.choices is None and action.nargs != 0 and action.const is None
+                and action.option_strings and not isinstance(action.default, (bool, int, float)))
+        if text and (module, _flag(action).split("/")[0]) not in FREE_TEXT_OK:
+            free.append(f"{label} {_flag(action)}")
+    assert not free, f"text options without a checking type (benchmarks._args: name_list, torch_device): {free}"
+
+
 _NUMBER_TYPE = re.compile(r"an integer >= (\d+)|a positive number|a number >= 0|comma-separated integers >= (\d+)")
 
 
@@ -83,6 +103,11 @@ def _bad_values(action) -> list[str]:
         return [str(ROOT / "no_such_folder_hzo")]
     if action.type is _common.model_config or name == "_model_path":
         return ["t5-tinny"]
+    allowed = getattr(action.type, "allowed", None)
+    if allowed:  # a name outside the list, one given twice, none at all
+        return ["nosuchname", f"{allowed[0]},{allowed[0]}", ","]
+    if action.type is _common.torch_device:
+        return ["tpu", "cuda:99"]
     return []
 
 
@@ -98,7 +123,8 @@ def test_bad_numbers_and_paths_are_one_usage_line_naming_the_flag(capsys):
             err = capsys.readouterr().err.strip().splitlines()
             errors = [ln for ln in err if "error:" in ln]
             assert e.value.code == 2 and len(errors) == 1 and errors == err[-1:], (label, argv, err)
-            named = f"argument {_flag(action)}: " in errors[0] and value.split("/")[-1] in errors[0]
+            shown = value.split("/")[-1].split(",")[0]  # (a list's error names the bad item)
+            named = f"argument {_flag(action)}: " in errors[0] and shown in errors[0]
             assert named and "Traceback" not in "\n".join(err), errors
             tried.append(f"{label} {argv[0]}")
     assert len(tried) >= 40 and any("--repeat=0" in t for t in tried), tried  # the walk reached the options
@@ -111,6 +137,14 @@ def test_bad_numbers_and_paths_are_one_usage_line_naming_the_flag(capsys):
     (["engine.offload_step", "--warmup", "2"], "argument --warmup: 2: an integer >= 3 expected"),
     (["engine.compact_quality", "--lr", "0"], "argument --lr: 0: a positive number expected"),
     (["t5.table", "--bs_rel_tol", "nan"], "argument --bs_rel_tol: nan: a number >= 0 expected"),
+    (["engine.offload_step", "--rows", "a,x"], "argument --rows: x: not a row; rows are a,b,c,d,e"),
+    (["engine.compact_rss", "--dtypes", "fp32,fp16"], "argument --dtypes: fp16: not a state dtype; state dtypes are "
+                                                      "fp32,bf16,int8"),
+    (["engine.compact_quality", "--dtypes", "fp32,int8,int8"], "argument --dtypes: int8: given twice"),
+    (["t5.table", "--rows", "zero2-offload"], "argument --rows: zero2-offload: not a row; rows are baseline,"),
+    (["t5.planner_validate", "--gpu-rows", ""], "argument --gpu-rows: '': one or more GPU tier rows expected"),
+    (["engine.offload_step", "--device", "cuda:99"], "argument --device: cuda:99: " +
+     ("no CUDA device here" if not torch.cuda.is_available() else "this machine has")),
 ])
 def test_sample_flags(argv, says, capsys):
     parser = importlib.import_module(f"benchmarks.{argv[0]}").build_parser()

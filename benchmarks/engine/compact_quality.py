@@ -15,6 +15,7 @@ follow fp32 AdamW's trajectory, nothing about real translation quality.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 import torch  # noqa: E402
 
 from benchmarks._common import (NOT_HERE, hardware, hardware_line, int_list, json_stdout, json_target,  # noqa: E402
-                               load_example, model_config, output_file, positive_float, positive_int, print_table,
+                               load_example, model_config, name_list, output_file, positive_float, positive_int, print_table,
                                provenance, target_line, verdict, write_json)
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
 
@@ -298,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-val", type=positive_int, default=200, help="held-out sentences")
     ap.add_argument("--max-len", type=positive_int, default=24, help="tokens per sentence, at most")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--dtypes", default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first); "
+    ap.add_argument("--dtypes", type=name_list((*DTYPES, "torchao", "fp32-ulp"), "state dtype"),
+                    default=",".join(DTYPES), help="state dtypes to train (vs fp32 needs fp32 first); "
                     "'torchao' adds torchao's AdamW8bit (its blockwise 8-bit Adam) when importable; 'fp32-ulp' is "
                     "fp32 with every initial weight one ulp off: how far chaos alone moves the final loss")
     ap.add_argument("--seeds", type=int_list(0), default=[0], help="comma-separated seeds (model init and batch order): one run of "
@@ -313,7 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if "torchao" in args.dtypes and importlib.util.find_spec("torchao") is None:  # (failed after the fp32 run)
+        ap.error("argument --dtypes: torchao: torchao is not installed here (pip install torchao, or leave it out)")
     if args.threads:
         torch.set_num_threads(args.threads)
     info = hardware()
@@ -324,7 +329,7 @@ def main(argv=None) -> int:
                       ("B_per_param", "B/param", ".2f")])
     train, val, vocab_size = corpus_tensors(args.n_train, args.n_val, args.max_len)
     seeds = args.seeds
-    dtypes = args.dtypes.split(",")
+    dtypes = args.dtypes
     if args.open_loop:
         runs = [r for seed in seeds for r in train_open_loop(dtypes, args, train, val, vocab_size, seed)]
     else:

@@ -22,7 +22,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import (hardware, hardware_line, json_stdout, json_target, load_example,  # noqa: E402
-                               model_config, nonnegative_float, positive_int, print_table, provenance, write_json)
+                               model_config, name_list, nonnegative_float, positive_int, print_table, provenance, write_json)
 
 SCRIPT = os.path.join(ROOT, "examples", "seq2seq", "finetune_trainer.py")
 
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=model_config, default=model_config("t5-large"),
                     help="a name of configs/models/ or a config JSON")
-    ap.add_argument("--dtypes", default="fp32,int8", help="state dtypes, one Trainer run each")
+    ap.add_argument("--dtypes", type=name_list(("fp32", "bf16", "int8"), "state dtype"), default="fp32,int8",
+                    help="state dtypes, one Trainer run each")
     ap.add_argument("--steps", type=positive_int, default=3, help="optimizer steps per run")
     ap.add_argument("--min-free-gib", type=nonnegative_float, default=18.0,
                     help="start a run only with this many GiB available (0: always)")
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="hzo_rss_") as work:
         load_example("synthetic_data").write_corpus(os.path.join(work, "data"), 64, 8, 8, seed=0)
         rows = []
-        for sd in args.dtypes.split(","):
+        for sd in args.dtypes:
             rows.append(run_one(sd, args, work))
             print(rows[-1], flush=True)
     ok = {r["state_dtype"]: r["peak_rss_GB"] for r in rows if "peak_rss_GB" in r}

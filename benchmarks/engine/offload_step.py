@@ -43,8 +43,8 @@ import traceback
 import torch
 
 from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, int_at_least, json_stdout,  # noqa: E402
-                                json_target, phases_text, positive_float, positive_int, print_table, provenance,
-                                target_line, verdict, write_json)
+                                json_target, name_list, phases_text, positive_float, positive_int, print_table, provenance,
+                                target_line, torch_device, verdict, write_json)
 from benchmarks.engine.rows import DTYPES, ROWS, Ctx, Skip  # noqa: E402
 
 SMALL = 20_000_000  # params under which the host bytes per param are not the model's (_fmt_targets)
@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int_at_least(3), default=3, help="untimed steps first (at least 3: DPU starts after 2)")
     ap.add_argument("--tokens", type=positive_int, default=None, help="rows of the synthetic batch (default 32 CPU, 4096 GPU)")
     ap.add_argument("--width", type=positive_int, default=None, help="hidden size (default from --params)")
-    ap.add_argument("--rows", default="a,b,c,d,e", help="which rows to run, e.g. a,b,c")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--rows", type=name_list(ROWS, "row"), default=",".join(ROWS), help="which rows to run, e.g. a,b,c")
+    ap.add_argument("--device", type=torch_device, default=None,
+                    help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--gpu_mem_gib", type=positive_float, default=None,
                     help="cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--bucket_numel", type=positive_int, default=None, help="engine gradient bucket (default: engine's)")
@@ -137,9 +138,6 @@ def _fmt_targets(rows: list[dict], ctx: Ctx) -> list[str]:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    unknown = sorted({k.strip() for k in args.rows.split(",") if k.strip()} - set(ROWS))
-    if unknown:  # (a KeyError traceback after the model was built)
-        ap.error(f"argument --rows: {','.join(unknown)}: not a row; rows are {','.join(ROWS)}")
     if args.dtype == "auto":
         args.dtype = _auto_dtype(args.device)
     if args.blocking_waits:
@@ -160,7 +158,7 @@ def main(argv=None) -> int:
           f"{ctx.steps} timed steps after {ctx.warmup}, {args.rounds} round(s)" +
           (f", CUDA memory capped at {args.gpu_mem_gib} GiB" if ctx.cuda and args.gpu_mem_gib else ""), flush=True)
     rows, skipped = {}, {}
-    keys = [k.strip() for k in args.rows.split(",") if k.strip()]
+    keys = args.rows
     for rnd in range(max(1, args.rounds)):
         for key in keys:
             name, fn = ROWS[key]

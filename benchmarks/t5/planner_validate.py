@@ -32,7 +32,7 @@ from hf_zero_offload import planner  # noqa: E402
 from hf_zero_offload.planner import measure, trace  # noqa: E402
 
 from benchmarks._common import (hardware, hardware_line, int_list, json_stdout, json_target, model_config,  # noqa: E402
-                               positive_int, print_table, provenance, write_json)
+                               name_list, positive_int, print_table, provenance, write_json)
 
 MiB = 2 ** 20
 KEEP = {"fp32": True, "half": False, "amp": True}  # the gradient policy of the rows that train in each mode
@@ -96,6 +96,9 @@ def cpu_activations(name: str, batches, seq_len: int, tgt_len: int) -> list[dict
 
 
 # -- GPU tier (untested: no GPU on the build machine) -------------------------------------------------
+GPU_ROWS = ("baseline", "fp16", "zero2_offload")  # what gpu_measure trains (any other ran plain AdamW)
+
+
 def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, steps: int = 3) -> dict:
     """max_memory_allocated over steps 2..steps of real training on cuda:0, vs the planner."""
     from hf_zero_offload.engine import OffloadAdam, OffloadOptions
@@ -149,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tgt-len", type=positive_int, default=128, help="target tokens")
     ap.add_argument("--gpu", action="store_true", help="run the GPU tier (needs CUDA; untested so far)")
     ap.add_argument("--gpu-models", default="t5-large,t5-3b", help="GPU tier models, as --models")
-    ap.add_argument("--gpu-rows", default="baseline,fp16,zero2_offload", help="GPU tier rows, comma-separated")
+    ap.add_argument("--gpu-rows", type=name_list(GPU_ROWS, "GPU tier row"), default=",".join(GPU_ROWS),
+                    help="GPU tier rows, comma-separated (gpu_measure trains these three)")
     ap.add_argument("--gpu-batch", type=positive_int, default=4, help="GPU tier batch size")
     ap.add_argument("--json", "--out", dest="json", type=json_target, default=None,
                     help="write the results as JSON to PATH, or '-' for stdout (the published run: "
@@ -191,7 +195,7 @@ def main(argv=None) -> int:
         else:
             gpu = []
             for m in args.gpu_models.split(","):
-                for row in args.gpu_rows.split(","):
+                for row in args.gpu_rows:
                     try:
                         gpu.append(gpu_measure(m, row, args.gpu_batch, args.seq_len, args.tgt_len))
                     except torch.OutOfMemoryError as exc:

@@ -55,11 +55,11 @@ from typing import Any, Dict, List
 
 # The parts, one module each: rows and running one (runs), the batch-size search (bs_search), the outputs
 # (report). The names tests/test_t5_table.py uses stay importable from here.
-from benchmarks._common import (existing_dir, model_config, nonnegative_float, nonnegative_int,  # noqa: E402
+from benchmarks._common import (existing_dir, model_config, name_list, nonnegative_float, nonnegative_int,  # noqa: E402
                                output_dir, positive_float, positive_int, provenance, write_json)
 from benchmarks.t5.bs_search import find_max_bs, planner_guesses, round_bs  # noqa: E402
 from benchmarks.t5.report import BLOG_T5_3B, BLOG_T5_LARGE, chart, combine, fmt, markdown, params_m  # noqa: E402
-from benchmarks.t5.runs import CONFIGS, ROOT, SCRIPT, RowSpec, Runner, build_rows  # noqa: E402,F401  (SCRIPT: tests)
+from benchmarks.t5.runs import CONFIGS, ROOT, ROW_NAMES, SCRIPT, RowSpec, Runner, build_rows  # noqa: E402,F401  (SCRIPT: tests)
 
 SYNTH = os.path.join(ROOT, "examples", "seq2seq", "synthetic_data.py")
 
@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="processes for the multi-process rows (default: min(2, GPUs) on GPU, 2 on CPU)")
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="OMP_NUM_THREADS per process (default: cores / procs with a GPU, 1 on CPU)")
-    ap.add_argument("--rows", default=None, help="comma-separated subset of row names")
+    ap.add_argument("--rows", type=name_list(ROW_NAMES, "row"), default=None,
+                    help=f"comma-separated subset of the rows: {','.join(ROW_NAMES)}")
     for flag, what in (("--n_train", "training examples"), ("--n_val", "validation examples"),
                        ("--max_source_length", "source tokens"), ("--max_target_length", "target tokens"),
                        ("--val_max_target_length", "target tokens in evaluation")):
