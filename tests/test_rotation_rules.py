@@ -43,7 +43,7 @@ def test_best_with_limit_1_end_cleanup_follows_our_rule(tmp_path, caplog):
     best = trainer.state.best_model_checkpoint
     assert best is not None and os.path.isdir(best)
     assert _dirs(out) == sorted(["checkpoint-1-old", "checkpoint-50", os.path.basename(best)])
-    assert any(r.getMessage().endswith("checkpoint-6, an older complete checkpoint") and "save_total_limit 1" in
+    assert any(r.getMessage().endswith("checkpoint-6, an older finished checkpoint") and "save_total_limit 1" in
                r.getMessage() for r in caplog.records) or os.path.basename(best) == "checkpoint-6"
 
 
@@ -120,6 +120,36 @@ def test_an_error_of_rotation_is_a_warning(tmp_path, monkeypatch, caplog):
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "could not go" in
               r.getMessage()]
     assert len(warned) == 2 and "none removed this time" in warned[0], warned
+
+
+def test_a_removal_that_fails_is_said_and_leaves_a_folder_that_reads_as_cut_short(tmp_path, monkeypatch, caplog):
+    """rmtree(ignore_errors=True) of an old checkpoint: a file it could not delete (read-only storage, an NFS
+    silly-rename) left a folder with its marker and files missing, in silence; the marker could be the file left.
+    Now the completion records go first (durably), the rest is removed where it can be, and a warning names the file
+    and the folder; the next rotation leaves the remains alone (cut short), and a resume skips them."""
+    real_unlink = os.unlink
+
+    def unlink(path, *a, **k):
+        if os.path.basename(str(path)) == "model.safetensors" and (k.get("dir_fd") is not None  # (rmtree's)
+                                                                  or "checkpoint-2" in str(path)):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_unlink(path, *a, **k)
+
+    out = tmp_path / "out"
+    trainer = _trainer(out, max_steps=2, save_steps=2, save_total_limit=1)[1]
+    trainer.train()
+    monkeypatch.setattr(os, "unlink", unlink)
+    caplog.set_level(logging.INFO, logger="hf_zero_offload")
+    trainer = _trainer(out, max_steps=4, save_steps=2, save_total_limit=1)[1]
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert _dirs(out) == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(os.listdir(out / "checkpoint-2")) == ["model.safetensors"]
+    assert resume.status(str(out / "checkpoint-2")) == "incomplete"
+    warned = [r.getMessage() for r in caplog.records if "could not remove all of" in r.getMessage()]
+    assert len(warned) == 1 and re.search(r"could not remove all of \S*checkpoint-2 \(\S*model\.safetensors: "
+                                          r"Operation not permitted\); what is left reads as cut short", warned[0]), warned
+    assert rotation.plan(str(out), 1) == ([], [(str(out / "checkpoint-2"), rotation.left_out(str(out / "checkpoint-2")))])
 
 
 def test_the_file_named_is_one_of_the_checkpoint_saved_and_not_a_temporary(tmp_path):

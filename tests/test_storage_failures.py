@@ -69,7 +69,7 @@ def test_resume_true_skips_incomplete_folders_in_one_line_and_rotation_keeps_com
         "complete", "incomplete", "complete", "incomplete"]
     left = [r.getMessage() for r in caplog.records if "not counted and not removed" in r.getMessage()]
     assert len(left) == 2 and all("save_total_limit 2" in m for m in left), left
-    assert any("removing" in r.getMessage() and r.getMessage().endswith("checkpoint-2, an older complete checkpoint")
+    assert any("removing" in r.getMessage() and r.getMessage().endswith("checkpoint-2, an older finished checkpoint")
                for r in caplog.records)
 
 

@@ -26,6 +26,15 @@ def _names(world_size: int) -> list[str]:
     return [n + tmp for n in ours] + trainers
 
 
+def existing_folder(path: str) -> str:
+    """The nearest folder that exists on ``path`` (itself, or the first parent that does): what the file system's
+    limits and free space are read from before the rest is created."""
+    at = os.path.abspath(path)
+    while not os.path.isdir(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    return at
+
+
 def _limit(at: str, name: str) -> int | None:
     try:
         value = os.pathconf(at, name)
@@ -37,9 +46,7 @@ def _limit(at: str, name: str) -> int | None:
 def problem(output_dir: str, max_steps: int | None, world_size: int = 1) -> str | None:
     """One line naming the path (or name) that would not fit, and the limit; None when all fit."""
     root = os.path.abspath(output_dir)
-    at = root
-    while not os.path.isdir(at) and os.path.dirname(at) != at:
-        at = os.path.dirname(at)
+    at = existing_folder(root)
     steps = max_steps if isinstance(max_steps, int) and max_steps > 0 else int("9" * _STEP_DIGITS)
     step_dir = f"checkpoint-{steps}"
     name_max, path_max = _limit(at, "PC_NAME_MAX"), _limit(at, "PC_PATH_MAX")

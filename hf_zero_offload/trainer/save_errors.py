@@ -13,6 +13,7 @@ import shutil
 
 from .. import resume
 from ..engine.checkpoint import TMP_TAG
+from ..resume import path_limits
 
 
 class CheckpointSaveError(OSError):
@@ -83,11 +84,8 @@ def _under(path: str, root: str) -> bool:
 
 
 def _free(folder: str) -> str:
-    at = folder
-    while at and not os.path.isdir(at):
-        at = os.path.dirname(at)
     try:
-        free = shutil.disk_usage(at or ".").free
+        free = shutil.disk_usage(path_limits.existing_folder(folder)).free
     except OSError as e:
         return f"free space unknown ({e.strerror or e})"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -5,9 +5,11 @@ the Trainer's fields (``args``, ``state``, ``zero_engine``, ``_zo_raw``) as thei
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -42,6 +44,29 @@ def _parse(seen: str) -> tuple[tuple[int, int], str]:
     g, n, state = seen.split(":")
     return (int(g), int(n)), state
 
+
+
+def _remove_checkpoint(folder: str) -> list[str]:
+    """rmtree of an old checkpoint, its completion records first (our marker, then trainer_state.json, durably): a
+    removal cut short (a crash, a file it cannot delete) leaves a folder that reads as cut short, which a resume
+    skips, never one that looks finished with files missing. The errors, one line each (a folder gone meanwhile:
+    none)."""
+    failed: list[str] = []
+
+    def said(_fn, path, exc):
+        exc = exc if isinstance(exc, BaseException) else exc[1]
+        # (a folder left non-empty by a file named already is that file's failure, not another)
+        if not isinstance(exc, FileNotFoundError) and not (failed and getattr(exc, "errno", None) == errno.ENOTEMPTY):
+            failed.append(f"{path}: {exc.strerror or exc}" if isinstance(exc, OSError) else f"{path}: {exc}")
+
+    try:
+        resume.clear_marker(folder)
+    except FileNotFoundError:  # removed meanwhile
+        return failed
+    except OSError as e:
+        said(None, folder, e)
+    shutil.rmtree(folder, **({"onexc": said} if sys.version_info >= (3, 12) else {"onerror": said}))
+    return failed
 
 class CheckpointSaving:
     def _maybe_log_save_evaluate(self, *args, **kwargs):
@@ -212,8 +237,13 @@ class CheckpointSaving:
                 logger.warning("hf_zero_offload: save_total_limit %s: %s is %s; not counted and not removed (a resume "
                                "skips it): delete it yourself once you no longer need it", limit, c, why)
         for c in remove:
-            logger.info("hf_zero_offload: save_total_limit %s: removing %s, an older complete checkpoint", limit, c)
-            shutil.rmtree(c, ignore_errors=True)
+            # (finished: ours with its marker, or a plain Trainer's that looks finished; rotation.left_out)
+            logger.info("hf_zero_offload: save_total_limit %s: removing %s, an older finished checkpoint", limit, c)
+            failed = _remove_checkpoint(c)
+            if failed:  # (a read-only file, a mount point): said, not ignored; the save itself stands
+                logger.warning("hf_zero_offload: save_total_limit %s: could not remove all of %s (%s%s); what is "
+                               "left reads as cut short: delete it yourself", limit, c, failed[0],
+                               f", and {len(failed) - 1} more" if failed[1:] else "")
 
     def _zo_end_listing(self, run_dir: str, best: str | None) -> list[str]:
         """transformers' end of train() with save_total_limit=1 and a best checkpoint removes every ``checkpoint-*``
