@@ -99,8 +99,8 @@ is an error naming where it belongs (not ignored with the switched-off section).
 
 Layout: :mod:`.training` holds the frozen dataclasses (and :class:`ArgsView`), :mod:`.loader` reads and validates a
 file (:func:`check`, :func:`load_config`), :mod:`.resolver` turns a validated dict into a :class:`TrainingConfig`,
-:mod:`.schema` holds the key tables and their walker, :mod:`.checks` the value checks those tables use, :mod:`.rules`
-the rules across keys (and :func:`validate`, which applies both).
+:mod:`.schema` holds the key tables, :mod:`.walker` walks a config through them, :mod:`.checks` the value checks
+those tables use, :mod:`.rules` the rules across keys (and :func:`validate`, which applies both).
 
 fp16 loss scaling: the engine unscales by 1/scale in fp32, so every scale and its reciprocal must be normal fp32
 numbers: ``loss_scale`` is 0 (dynamic) or a static scale in [1, 2**126] (below 1 a static scale only pushes fp16
