@@ -41,6 +41,16 @@ def _device_none(v: Any) -> bool:
     return isinstance(v, dict) and v.get("device", "none") in ("none", None)
 
 
+def _never(v: Any) -> bool:
+    """Never harmless (but null, which the walker reads as not set): a block that is on whenever given."""
+    return False
+
+
+def _enabled_off(v: Any) -> bool:
+    """A section whose "enabled" is false or left out (DeepSpeed's default: off)."""
+    return isinstance(v, dict) and v.get("enabled", False) is False
+
+
 def _tp_off(v: Any) -> bool:
     """DeepSpeed's tensor_parallel section with a size of 1 (OpenRLHF's default writes autotp_size 1): no TP. Only
     its size keys: any other (a misspelt "autotp_szie": 2) is not known to be off."""
@@ -94,11 +104,16 @@ BF16 = {
     "immediate_grad_update": ignore(boolean),
     # as DeepSpeed: a step whose bf16 gradients are not finite is skipped (the LR schedule held, as for fp16)
     "check_grad_overflow": use(boolean),
+    # DeepSpeed's low-precision masters (0.18): here the masters and the moments' default are fp32 on the host
+    "bf16_master_weights_and_grads": unsupported("master weights and gradients are always fp32 on the host"),
+    "bf16_optimizer_states": unsupported('for bf16 Adam moments on the host use "offload_optimizer": {"device": '
+                                         '"cpu", "state_dtype": "bf16"}'),
 }
 _ONLY_ADAM = "only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
 OPTIMIZER = {
     # DeepSpeed's own (OneBitAdam, Lamb, Lion, ...) and any torch.optim name it would import: all refused alike
     "type": use(choice("Adam", "AdamW", casefold=True, other=_ONLY_ADAM)),
+    "legacy_fusion": ignore(boolean),  # DeepSpeed's older fused fp16 optimizer: the same Adam
     "params": section({
         "lr": use(number(0, what="a number >= 0"), auto=True),
         "betas": use(betas, auto=True),
@@ -108,6 +123,13 @@ OPTIMIZER = {
         "torch_adam": ignore(boolean),  # only picks DeepSpeed's implementation; the math is the same
         "bias_correction": unsupported("Adam always applies bias correction here", harmless=_eq(True)),
         "amsgrad": unsupported("AMSGrad has no kernel here; set it to false"),
+        # DeepSpeedCPUAdam's: false keeps the moments in the parameters' 16-bit dtype
+        "fp32_optimizer_states": unsupported('for 16-bit Adam moments on the host use "offload_optimizer": '
+                                             '{"device": "cpu", "state_dtype": "bf16"}', harmless=_eq(True)),
+        "set_grad_none": ignore(boolean),  # FusedAdam's: how zero_grad clears, not what the step computes
+        # DeepSpeed raises for it, whatever its value: clipping is the config's top-level key
+        "max_grad_norm": unsupported("no optimizer parameter (DeepSpeed refuses it too); use the top-level "
+                                     "gradient_clipping, or --max_grad_norm", harmless=_never),
     }),
 }
 # The params each scheduler type takes (DeepSpeed builds its class with **params: another key is a TypeError there).
@@ -154,6 +176,10 @@ OFFLOAD_OPTIMIZER = {
     "pipeline_read": ignore(boolean),
     "pipeline_write": ignore(boolean),
     "fast_init": ignore(boolean),
+    "super_offload": unsupported("SuperOffload (for Superchips) is not implemented; \"device\": \"cpu\" is the CPU "
+                                 "offload"),
+    # the CPU share of SuperOffload's Adam worker, read by nothing else (under DeepSpeed too): see cpu_threads
+    "cpuadam_cores_perc": ignore(number(0, 1, what="a number in (0, 1]", lo_open=True, hi_open=False)),
     "ratio": unsupported("partial offload (ratio < 1) is not implemented; the whole optimizer state is "
                          "offloaded", harmless=_eq(1)),
 }
@@ -199,7 +225,15 @@ ZERO = {
                                      harmless=lambda v: v is None),
     **{k: STAGE3_KEY for k in ("log_trace_cache_warnings", "prefetch_bucket_size", "param_persistence_threshold",
                                "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-                               "pipeline_loading_checkpoint", "override_module_apply")},
+                               "pipeline_loading_checkpoint", "override_module_apply",
+                               # (DeepSpeed's names of stage3_module_granularity_threshold, ...; the last two are
+                               # arguments of its stage-3 optimizer only)
+                               "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+                               "allgather_sequential", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory")},
+    "leaf_module": ignore(_OBJECT_OR_NULL),  # ZeRO-3's leaf modules (its parameter fetching)
+    # ZenFlow is on whenever the block is given (DeepSpeed checks "is not None")
+    "zenflow": unsupported("ZenFlow (importance-aware offloaded updates) is not implemented; remove the block",
+                           harmless=_never),
 }
 
 TOP = {
@@ -249,7 +283,10 @@ TOP = {
     "gradient_predivide_factor": unsupported("gradients are averaged after the reduction", harmless=_eq(1)),
     "disable_allgather": unsupported("ZeRO-1/2 always all-gathers the updated parameters"),
     # kept (not dropped as harmless): ZeRO-1 of a 16-bit model sums in .grad, so "fp32" is refused there (engine_setup)
-    "data_types": section({"grad_accum_dtype": use(_GRAD_ACCUM_DTYPE)}),
+    "data_types": section({"grad_accum_dtype": use(_GRAD_ACCUM_DTYPE),
+                           "param_dtype": unsupported("the model is cast to the training dtype: --bf16/--fp16 (or "
+                                                      "the fp16/bf16 sections), fp32 otherwise"),
+                           "buffer_dtype": unsupported("buffers keep the dtype the model has them in")}),
     "progressive_layer_drop": unsupported("progressive layer drop is not implemented"),
     "curriculum_learning": unsupported("curriculum learning is not implemented"),
     "data_efficiency": unsupported("DeepSpeed's data efficiency library is not implemented"),
@@ -266,6 +303,16 @@ TOP = {
     "sequence_parallel_size": unsupported("sequence parallelism is not implemented", harmless=_eq(1)),
     "tensor_parallel": unsupported("tensor parallelism (AutoTP) is not implemented", harmless=_tp_off),
     "use_data_before_expert_parallelism": unsupported("expert parallelism is not implemented"),
+    "expert_parallel": unsupported("expert parallelism (AutoEP) is not implemented", harmless=_enabled_off),
+    # false (not DeepSpeed's default, true): every step() call would be an update, whatever the accumulation
+    "managed_gradient_accumulation": unsupported("the Trainer steps the optimizer once per --gradient_accumulation_"
+                                                 "steps micro-batches (DeepSpeed's default, true)", harmless=_eq(True)),
+    "gradient_allreduce_op": unsupported('gradients are averaged across ranks ("mean", DeepSpeed\'s default)',
+                                         harmless=lambda v: v == "mean"),
+    "log_level": ignore(str_or_null),  # DeepSpeed's own logger's level
+    "datastates_ckpt": unsupported("DataStates checkpointing is not implemented; the Trainer saves checkpoints",
+                                   harmless=_eq(False)),  # (on whenever given, unless false)
+    "weight_quantization": unsupported("weight quantization is not implemented"),
 }
 
 
