@@ -94,7 +94,7 @@ elasticity, pipeline, tensor_parallel
 (autotp_size/tp_size above 1),
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
 only), ZeRO++ / MiCS keys (but hpZ, above) and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config.schema`.
-Unknown keys are errors, with "did you mean" for near misses. A section set to null ("offload_optimizer": null,
+Unknown keys are errors, with "did you mean" for near misses (case too) or the section a key one level off belongs to. A section set to null ("offload_optimizer": null,
 "scheduler": null) is a section not given, as DeepSpeed reads its optional blocks; a null leaf value is an error.
 A dict built in Python may hold numpy scalars (numbers) but no arrays, tensors or non-string keys. The extension
 ``zero_optimization.delayed_param_update {enabled, warmup_steps}`` (the paper's DPU) needs CPU offload, and so

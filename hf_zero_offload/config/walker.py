@@ -10,7 +10,7 @@ import difflib
 from typing import Any
 
 from .checks import BadValue, Spec, UnsupportedValue, is_off, non_json, show
-from .schema import AUTO, NO_EFFECT, QUIET_WHEN_OFF, STAGE3_KEY, ZERO, ConfigError
+from .schema import AUTO, NO_EFFECT, QUIET_WHEN_OFF, STAGE3_KEY, TOP, ZERO, ConfigError
 
 
 _FIRST = ("stage", "type", "device", "enabled")  # checked first so their messages win
@@ -28,14 +28,30 @@ def _unknown(source: str, prefix: str, key: str, table: dict[str, Spec]) -> Conf
     # (did you mean 'fp16'?)", which reads as nonsense; the path too, where such a character would print raw.
     visible = "".join(c for c in key if c.isprintable() and not c.isspace())
     close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.6)
+    case = [k for k in table if k.lower() == key.lower()]  # "FP16", "LR": too short for difflib's ratio
+    elsewhere = [w for w in _places(key) if w != prefix[:-1]]
     if visible != key and visible in table:
         hint = f" (it differs from {visible!r} only by spaces or invisible characters)"
+    elif case:
+        hint = f" (did you mean {case[0]!r}? keys are case-sensitive)"
+    elif 0 < len(elsewhere) <= 2:  # "lr" beside "type", "device" in zero_optimization: a level off
+        hint = " (it is a key of " + " or ".join("the top level" if not w else repr(w) for w in elsewhere) + ")"
     else:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
     where = "top level" if not prefix else f"'{prefix[:-1]}'"
     path = prefix + (key if key and key == visible else repr(key))
     return ConfigError(f"{source}: {path}: unknown key {key!r} at {where}{hint}; supported keys there: "
                        + ", ".join(k for k, s in table.items() if s.kind == "use"))
+
+
+def _places(key: str, table: dict[str, Spec] | None = None, prefix: str = "") -> list[str]:
+    """The sections (dotted paths, "" for the top level) whose table holds ``key``."""
+    table = TOP if table is None else table
+    found = [prefix] if key in table else []
+    for name, spec in table.items():
+        if spec.children is not None:
+            found += _places(key, spec.children, f"{prefix}.{name}" if prefix else name)
+    return found
 
 
 def _expected(spec: Spec) -> str:
