@@ -72,13 +72,15 @@ ignore_unused_parameters, use_multi_rank_bucket_allreduce, memory_efficient_line
 last for every stage), every other stage-3 tuning key (stage3_* and DeepSpeed's aliases such as prefetch_bucket_size:
 and sub_group_size, zero_hpz_partition_size: a number, a boolean, null or "auto"; DeepSpeed ignores them below
 stage 3 too; also module_granularity_threshold, use_all_reduce_for_fetch_params, allgather_sequential,
-enable_sanity_checks, save_muon_momentum_buffer_in_memory and leaf_module{...}), comms_config{...} and monitor_config{...} (keys DeepSpeed does not read, which LLaMA-Factory's
+enable_sanity_checks, save_muon_momentum_buffer_in_memory and leaf_module{...}), comms_config{...} and
+monitor_config{...} (keys DeepSpeed does not read, which LLaMA-Factory's
 configs carry), DeepSpeed's observability blocks tensorboard/wandb/csv_monitor/comet (use --report_to),
 flops_profiler and comms_logger (use torch.profiler), and activation_checkpointing (it configures
 deepspeed.checkpointing, which transformers' models never call, under DeepSpeed too: use --gradient_checkpointing)
 (these named in the start log only when switched on), keys starting with "_" ("_comment"; skipped),
 offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
-fast_init, cpuadam_cores_perc (SuperOffload's only)}. Legacy spellings: "bfloat16" for "bf16", zero_optimization.cpu_offload (== offload_optimizer.device
+fast_init, cpuadam_cores_perc (SuperOffload's only)}. Legacy spellings: "bfloat16" for "bf16",
+zero_optimization.cpu_offload (== offload_optimizer.device
 "cpu") and cpu_offload_use_pin_memory (== offload_optimizer.pin_memory).
 
 Unsupported DeepSpeed features are a ConfigError "not supported by hf_zero_offload: <why / what to use>" while they
@@ -94,7 +96,8 @@ elasticity, pipeline, tensor_parallel
 (autotp_size/tp_size above 1),
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
 only), ZeRO++ / MiCS keys (but hpZ, above) and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config.schema`.
-Unknown keys are errors, with "did you mean" for near misses (case too) or the section a key one level off belongs to. A section set to null ("offload_optimizer": null,
+Unknown keys are errors, with "did you mean" for near misses (case too) or the section a key one level off
+belongs to. A section set to null ("offload_optimizer": null,
 "scheduler": null) is a section not given, as DeepSpeed reads its optional blocks; a null leaf value is an error.
 A dict built in Python may hold numpy scalars (numbers) but no arrays, tensors or non-string keys. The extension
 ``zero_optimization.delayed_param_update {enabled, warmup_steps}`` (the paper's DPU) needs CPU offload, and so
