@@ -30,6 +30,14 @@ def _is_width(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
+def training_precision(args) -> tuple[bool, bool]:
+    """(fp16, bf16): the 16-bit format the engine trains in. As transformers' DeepSpeed integration reads them,
+    --fp16_full_eval / --bf16_full_eval mean the 16-bit model too (the model evaluated is the one trained); the
+    Trainer and the example script's early config check read them here, so both resolve a config alike."""
+    return (bool(args.fp16 or getattr(args, "fp16_full_eval", False)),
+            bool(args.bf16 or getattr(args, "bf16_full_eval", False)))
+
+
 def args_view(args, *, fp16: bool, bf16: bool, max_steps: int | None, model=None) -> ArgsView:
     warmup = args.get_warmup_steps(max_steps) if max_steps else int(args.warmup_steps or 0)
     return ArgsView(

@@ -316,6 +316,25 @@ def test_config_errors_come_before_any_model_work(tmp_path, synth_dir, monkeypat
     assert not out.exists() or not os.listdir(out)  # no tokenizer written
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_early_config_check_reads_full_eval_as_the_trainer_does(tmp_path, enabled):
+    """--bf16_full_eval trains the bf16 model (transformers' DeepSpeed rule, the Trainer's): the script's early check
+    read --bf16 alone, so it refused "bf16": {"enabled": true}, which the Trainer runs, and let "enabled": false
+    through to fail in the Trainer after the tokenizer and the model."""
+    import seq2seq_args
+
+    from hf_zero_offload.config import ConfigError
+
+    cfg = json.dumps({"bf16": {"enabled": enabled}, "zero_optimization": {"stage": 2}})
+    _, _, targs = seq2seq_args.parse_args(["--output_dir", str(tmp_path / "o"), "--data_dir", "x", "--use_cpu",
+                                           "--zero_offload", cfg, "--bf16_full_eval"])
+    if enabled:
+        seq2seq_args.check_zero_config(targs, None)
+    else:
+        with pytest.raises(ConfigError, match="bf16.enabled=False vs --bf16 True"):
+            seq2seq_args.check_zero_config(targs, None)
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--zero_offload", "zero2-offload", "--optim", "adafactor"], "--optim adafactor"),
     (["--sharded_ddp", "--optim", "adafactor"], "--optim adafactor"),

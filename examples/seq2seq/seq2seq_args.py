@@ -13,7 +13,7 @@ from typing import List, Optional
 from transformers import HfArgumentParser
 
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ops, resume
-from hf_zero_offload.args_view import early_view
+from hf_zero_offload.args_view import early_view, training_precision
 from hf_zero_offload.config import check, resolve
 from hf_zero_offload.launch_checks import check_arguments
 from hf_zero_offload.other_engines import legacy_sharded_ddp
@@ -237,7 +237,8 @@ def check_zero_config(training_args, config) -> None:
             check_arguments(training_args)
         return
     checked = check(training_args.zero_offload)  # a path or a shipped config's name
-    cfg = resolve(checked, early_view(training_args, checked.cfg, training_args.fp16, training_args.bf16,
+    # the Trainer's precision (--bf16_full_eval is bf16 too): "enabled": true was refused here and the Trainer took it
+    cfg = resolve(checked, early_view(training_args, checked.cfg, *training_precision(training_args),
                                       types.SimpleNamespace(config=config) if config is not None else None))
     check_arguments(training_args, cfg.scheduler.type if cfg.scheduler is not None else None)
 

@@ -62,32 +62,42 @@ allgather_partitions true, round_robin_gradients false, both bucket sizes 5e8, s
 Accepted without effect (type-checked; the start log names those a config sets): overlap_comm,
 contiguous_gradients, allgather_partitions, round_robin_gradients, steps_per_print, wall_clock_breakdown, and: zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
 memory_breakdown, dump_state, dataloader_drop_last, checkpoint{...} (transformers writes use_node_local_storage),
-bf16.immediate_grad_update, optimizer.params.torch_adam (any bool), data_types.grad_accum_dtype "fp32" (refused at
+bf16.immediate_grad_update, optimizer.params.torch_adam and set_grad_none (any bool), optimizer.legacy_fusion,
+log_level, managed_gradient_accumulation true and gradient_allreduce_op "mean" (DeepSpeed's defaults),
+data_types.grad_accum_dtype "fp32" (refused at
 ZeRO stage 1 with a 16-bit model and accumulation: it sums in .grad, in 16 bits),
 zero_optimization.{load_from_fp32_weights, elastic_checkpoint,
 ignore_unused_parameters, use_multi_rank_bucket_allreduce, memory_efficient_linear,
 [stage3_]gather_16bit_weights_on_model_save, stage3_gather_fp16_weights_on_model_save} (accelerate writes the
 last for every stage), every other stage-3 tuning key (stage3_* and DeepSpeed's aliases such as prefetch_bucket_size:
 and sub_group_size, zero_hpz_partition_size: a number, a boolean, null or "auto"; DeepSpeed ignores them below
-stage 3 too), comms_config{...} and monitor_config{...} (keys DeepSpeed does not read, which LLaMA-Factory's
+stage 3 too; also module_granularity_threshold, use_all_reduce_for_fetch_params, allgather_sequential,
+enable_sanity_checks, save_muon_momentum_buffer_in_memory and leaf_module{...}), comms_config{...} and
+monitor_config{...} (keys DeepSpeed does not read, which LLaMA-Factory's
 configs carry), DeepSpeed's observability blocks tensorboard/wandb/csv_monitor/comet (use --report_to),
 flops_profiler and comms_logger (use torch.profiler), and activation_checkpointing (it configures
 deepspeed.checkpointing, which transformers' models never call, under DeepSpeed too: use --gradient_checkpointing)
 (these named in the start log only when switched on), keys starting with "_" ("_comment"; skipped),
 offload_optimizer.{nvme_path, buffer_count, pipeline, pipeline_read, pipeline_write,
-fast_init}. Legacy spellings: "bfloat16" for "bf16", zero_optimization.cpu_offload (== offload_optimizer.device
+fast_init, cpuadam_cores_perc (SuperOffload's only)}. Legacy spellings: "bfloat16" for "bf16",
+zero_optimization.cpu_offload (== offload_optimizer.device
 "cpu") and cpu_offload_use_pin_memory (== offload_optimizer.pin_memory).
 
 Unsupported DeepSpeed features are a ConfigError "not supported by hf_zero_offload: <why / what to use>" while they
 are switched on, and ignored while switched off (false/null/0, ``{"enabled": false}``, offload_param
 ``{"device": "none"}``, ratio 1, gradient_predivide_factor 1...): ZeRO stage 3, offload_param, NVMe offload, optimizer types other than Adam/AdamW,
 schedulers other than WarmupLR/WarmupDecayLR/WarmupCosineLR (OneCycle, LRRangeTest, torch's by name),
-fp16.{consecutive_hysteresis, auto_cast, fp16_master_weights_and_grads}, amp, torch_autocast,
+fp16.{consecutive_hysteresis, auto_cast, fp16_master_weights_and_grads}, bf16.{bf16_master_weights_and_grads,
+bf16_optimizer_states}, optimizer.params.fp32_optimizer_states false (use offload_optimizer.state_dtype),
+optimizer.params.max_grad_norm (DeepSpeed refuses it too: gradient_clipping), managed_gradient_accumulation false,
+gradient_allreduce_op "sum", data_types.{param_dtype, buffer_dtype}, zero_optimization.zenflow (on whenever given),
+offload_optimizer.super_offload, expert_parallel, datastates_ckpt, weight_quantization, amp, torch_autocast,
 elasticity, pipeline, tensor_parallel
 (autotp_size/tp_size above 1),
 sparse_gradients, sparse_attention, communication_data_type, prescale_gradients, data_types (fp32 accumulation
 only), ZeRO++ / MiCS keys (but hpZ, above) and the other DeepSpeed-only libraries; see :mod:`hf_zero_offload.config.schema`.
-Unknown keys are errors, with "did you mean" for near misses. A section set to null ("offload_optimizer": null,
+Unknown keys are errors, with "did you mean" for near misses (case too) or the section a key one level off
+belongs to. A section set to null ("offload_optimizer": null,
 "scheduler": null) is a section not given, as DeepSpeed reads its optional blocks; a null leaf value is an error.
 A dict built in Python may hold numpy scalars (numbers) but no arrays, tensors or non-string keys. The extension
 ``zero_optimization.delayed_param_update {enabled, warmup_steps}`` (the paper's DPU) needs CPU offload, and so
@@ -99,8 +109,8 @@ is an error naming where it belongs (not ignored with the switched-off section).
 
 Layout: :mod:`.training` holds the frozen dataclasses (and :class:`ArgsView`), :mod:`.loader` reads and validates a
 file (:func:`check`, :func:`load_config`), :mod:`.resolver` turns a validated dict into a :class:`TrainingConfig`,
-:mod:`.schema` holds the key tables and their walker, :mod:`.checks` the value checks those tables use, :mod:`.rules`
-the rules across keys (and :func:`validate`, which applies both).
+:mod:`.schema` holds the key tables, :mod:`.walker` walks a config through them, :mod:`.checks` the value checks
+those tables use, :mod:`.rules` the rules across keys (and :func:`validate`, which applies both).
 
 fp16 loss scaling: the engine unscales by 1/scale in fp32, so every scale and its reciprocal must be normal fp32
 numbers: ``loss_scale`` is 0 (dynamic) or a static scale in [1, 2**126] (below 1 a static scale only pushes fp16

@@ -87,6 +87,8 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
     if not isinstance(path_or_dict, (str, os.PathLike)):
         raise ConfigError(f"expected a ds_config path, a shipped config's name, JSON text or a dict, got "
                           f"{type(path_or_dict).__name__}")
+    if "\0" in os.fspath(path_or_dict):  # (from code or an arguments file) open() raised a bare "embedded null byte"
+        raise ConfigError(f"{os.fspath(path_or_dict)!r}: not a ds_config path: it holds a NUL character")
     source = presets.resolve_config(os.fspath(path_or_dict))  # a shipped config's name -> its packaged file
     try:
         with open(source, "rb") as f:

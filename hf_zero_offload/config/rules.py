@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from .checks import json_type
-from .schema import SCHEDULER_PARAMS, TOP, ConfigError, _err, _walk
+from .schema import SCHEDULER_PARAMS, TOP, ConfigError
+from .walker import _err, _walk
 
 # Our extensions of offload_optimizer, placed under DeepSpeed's offload_param: with its "device" "none" (or none
 # given) offload_param is switched off and used to be ignored whole, so the moments silently stayed fp32.

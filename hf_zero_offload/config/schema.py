@@ -1,4 +1,4 @@
-"""The ``ds_config.json`` key tables and the validator behind :mod:`hf_zero_offload.config`.
+"""The ``ds_config.json`` key tables behind :mod:`hf_zero_offload.config`.
 
 Every key hf_zero_offload knows is listed here with one of four kinds:
 
@@ -11,18 +11,16 @@ Every key hf_zero_offload knows is listed here with one of four kinds:
 * ``section``: a nested object with its own table.
 
 The kinds (:class:`~hf_zero_offload.config.checks.Spec`) and the value checks live in
-:mod:`hf_zero_offload.config.checks`; this module holds the tables and walks a config through them.
+:mod:`hf_zero_offload.config.checks`; this module holds the tables, :mod:`.walker` walks a config through them.
 
 Stdlib only: no torch, no transformers.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Any, Callable
 
-from .checks import (BadValue, Spec, UnsupportedValue, an_object, betas, boolean, choice, ignore, integer, is_off,
-                     non_json, number, section, show, stage, stage3_value, static_loss_scale, str_or_null, unsupported,
-                     use)
+from .checks import (Spec, an_object, betas, boolean, choice, ignore, integer, number, section, stage,
+                     stage3_value, static_loss_scale, str_or_null, unsupported, use)
 
 AUTO = "auto"
 
@@ -41,6 +39,16 @@ def _eq(value: Any) -> Callable[[Any], bool]:
 
 def _device_none(v: Any) -> bool:
     return isinstance(v, dict) and v.get("device", "none") in ("none", None)
+
+
+def _never(v: Any) -> bool:
+    """Never harmless (but null, which the walker reads as not set): a block that is on whenever given."""
+    return False
+
+
+def _enabled_off(v: Any) -> bool:
+    """A section whose "enabled" is false or left out (DeepSpeed's default: off)."""
+    return isinstance(v, dict) and v.get("enabled", False) is False
 
 
 def _tp_off(v: Any) -> bool:
@@ -96,11 +104,16 @@ BF16 = {
     "immediate_grad_update": ignore(boolean),
     # as DeepSpeed: a step whose bf16 gradients are not finite is skipped (the LR schedule held, as for fp16)
     "check_grad_overflow": use(boolean),
+    # DeepSpeed's low-precision masters (0.18): here the masters and the moments' default are fp32 on the host
+    "bf16_master_weights_and_grads": unsupported("master weights and gradients are always fp32 on the host"),
+    "bf16_optimizer_states": unsupported('for bf16 Adam moments on the host use "offload_optimizer": {"device": '
+                                         '"cpu", "state_dtype": "bf16"}'),
 }
 _ONLY_ADAM = "only Adam/AdamW have a CPU kernel here; remove the 'optimizer' block to use TrainingArguments' AdamW"
 OPTIMIZER = {
     # DeepSpeed's own (OneBitAdam, Lamb, Lion, ...) and any torch.optim name it would import: all refused alike
     "type": use(choice("Adam", "AdamW", casefold=True, other=_ONLY_ADAM)),
+    "legacy_fusion": ignore(boolean),  # DeepSpeed's older fused fp16 optimizer: the same Adam
     "params": section({
         "lr": use(number(0, what="a number >= 0"), auto=True),
         "betas": use(betas, auto=True),
@@ -110,6 +123,13 @@ OPTIMIZER = {
         "torch_adam": ignore(boolean),  # only picks DeepSpeed's implementation; the math is the same
         "bias_correction": unsupported("Adam always applies bias correction here", harmless=_eq(True)),
         "amsgrad": unsupported("AMSGrad has no kernel here; set it to false"),
+        # DeepSpeedCPUAdam's: false keeps the moments in the parameters' 16-bit dtype
+        "fp32_optimizer_states": unsupported('for 16-bit Adam moments on the host use "offload_optimizer": '
+                                             '{"device": "cpu", "state_dtype": "bf16"}', harmless=_eq(True)),
+        "set_grad_none": ignore(boolean),  # FusedAdam's: how zero_grad clears, not what the step computes
+        # DeepSpeed raises for it, whatever its value: clipping is the config's top-level key
+        "max_grad_norm": unsupported("no optimizer parameter (DeepSpeed refuses it too); use the top-level "
+                                     "gradient_clipping, or --max_grad_norm", harmless=_never),
     }),
 }
 # The params each scheduler type takes (DeepSpeed builds its class with **params: another key is a TypeError there).
@@ -156,6 +176,10 @@ OFFLOAD_OPTIMIZER = {
     "pipeline_read": ignore(boolean),
     "pipeline_write": ignore(boolean),
     "fast_init": ignore(boolean),
+    "super_offload": unsupported("SuperOffload (for Superchips) is not implemented; \"device\": \"cpu\" is the CPU "
+                                 "offload"),
+    # the CPU share of SuperOffload's Adam worker, read by nothing else (under DeepSpeed too): see cpu_threads
+    "cpuadam_cores_perc": ignore(number(0, 1, what="a number in (0, 1]", lo_open=True, hi_open=False)),
     "ratio": unsupported("partial offload (ratio < 1) is not implemented; the whole optimizer state is "
                          "offloaded", harmless=_eq(1)),
 }
@@ -201,7 +225,15 @@ ZERO = {
                                      harmless=lambda v: v is None),
     **{k: STAGE3_KEY for k in ("log_trace_cache_warnings", "prefetch_bucket_size", "param_persistence_threshold",
                                "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-                               "pipeline_loading_checkpoint", "override_module_apply")},
+                               "pipeline_loading_checkpoint", "override_module_apply",
+                               # (DeepSpeed's names of stage3_module_granularity_threshold, ...; the last two are
+                               # arguments of its stage-3 optimizer only)
+                               "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+                               "allgather_sequential", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory")},
+    "leaf_module": ignore(_OBJECT_OR_NULL),  # ZeRO-3's leaf modules (its parameter fetching)
+    # ZenFlow is on whenever the block is given (DeepSpeed checks "is not None")
+    "zenflow": unsupported("ZenFlow (importance-aware offloaded updates) is not implemented; remove the block",
+                           harmless=_never),
 }
 
 TOP = {
@@ -251,7 +283,10 @@ TOP = {
     "gradient_predivide_factor": unsupported("gradients are averaged after the reduction", harmless=_eq(1)),
     "disable_allgather": unsupported("ZeRO-1/2 always all-gathers the updated parameters"),
     # kept (not dropped as harmless): ZeRO-1 of a 16-bit model sums in .grad, so "fp32" is refused there (engine_setup)
-    "data_types": section({"grad_accum_dtype": use(_GRAD_ACCUM_DTYPE)}),
+    "data_types": section({"grad_accum_dtype": use(_GRAD_ACCUM_DTYPE),
+                           "param_dtype": unsupported("the model is cast to the training dtype: --bf16/--fp16 (or "
+                                                      "the fp16/bf16 sections), fp32 otherwise"),
+                           "buffer_dtype": unsupported("buffers keep the dtype the model has them in")}),
     "progressive_layer_drop": unsupported("progressive layer drop is not implemented"),
     "curriculum_learning": unsupported("curriculum learning is not implemented"),
     "data_efficiency": unsupported("DeepSpeed's data efficiency library is not implemented"),
@@ -268,34 +303,17 @@ TOP = {
     "sequence_parallel_size": unsupported("sequence parallelism is not implemented", harmless=_eq(1)),
     "tensor_parallel": unsupported("tensor parallelism (AutoTP) is not implemented", harmless=_tp_off),
     "use_data_before_expert_parallelism": unsupported("expert parallelism is not implemented"),
+    "expert_parallel": unsupported("expert parallelism (AutoEP) is not implemented", harmless=_enabled_off),
+    # false (not DeepSpeed's default, true): every step() call would be an update, whatever the accumulation
+    "managed_gradient_accumulation": unsupported("the Trainer steps the optimizer once per --gradient_accumulation_"
+                                                 "steps micro-batches (DeepSpeed's default, true)", harmless=_eq(True)),
+    "gradient_allreduce_op": unsupported('gradients are averaged across ranks ("mean", DeepSpeed\'s default)',
+                                         harmless=lambda v: v == "mean"),
+    "log_level": ignore(str_or_null),  # DeepSpeed's own logger's level
+    "datastates_ckpt": unsupported("DataStates checkpointing is not implemented; the Trainer saves checkpoints",
+                                   harmless=_eq(False)),  # (on whenever given, unless false)
+    "weight_quantization": unsupported("weight quantization is not implemented"),
 }
-
-
-# ---------------------------------------------------------------- the walker
-
-_FIRST = ("stage", "type", "device", "enabled")  # checked first so their messages win
-
-
-_show = show
-
-
-def _err(source: str, path: str, msg: str) -> ConfigError:
-    return ConfigError(f"{source}: {path}: {msg}")
-
-
-def _unknown(source: str, prefix: str, key: str, table: dict[str, Spec]) -> ConfigError:
-    # The key quoted with repr(): a trailing space, a NUL or a zero-width space printed bare made "unknown key fp16
-    # (did you mean 'fp16'?)", which reads as nonsense; the path too, where such a character would print raw.
-    visible = "".join(c for c in key if c.isprintable() and not c.isspace())
-    close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.6)
-    if visible != key and visible in table:
-        hint = f" (it differs from {visible!r} only by spaces or invisible characters)"
-    else:
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-    where = "top level" if not prefix else f"'{prefix[:-1]}'"
-    path = prefix + (key if key and key == visible else repr(key))
-    return ConfigError(f"{source}: {path}: unknown key {key!r} at {where}{hint}; supported keys there: "
-                       + ", ".join(k for k, s in table.items() if s.kind == "use"))
 
 
 # Keys of kind "use" that are read into TrainingConfig but change nothing in hf_zero_offload: the start
@@ -308,68 +326,3 @@ NO_EFFECT = {
     "steps_per_print": "use TrainingArguments --logging_steps",
     "wall_clock_breakdown": "use benchmarks/ or torch.profiler",
 }
-
-
-def _expected(spec: Spec) -> str:
-    """"; expected <the values the key takes>" for an error about "auto" (offload_optimizer.state_dtype: "auto" used
-    to be refused without saying that fp32, bf16 and int8 are what it takes)."""
-    try:
-        if spec.check is not None:
-            spec.check(AUTO)
-    except BadValue as e:
-        return f"; expected {e.expected}"
-    except UnsupportedValue:
-        pass
-    return ""
-
-
-def _walk(node: dict, table: dict[str, Spec], prefix: str, source: str, ignored: list | None = None) -> dict:
-    out: dict[str, Any] = {}
-    for key in sorted(node, key=lambda k: k not in _FIRST):
-        value, path = node[key], f"{prefix}{key}"
-        bad = non_json({key: value})  # a dict built in Python: an int key, a numpy array, a tensor...
-        if bad is not None:
-            raise _err(source, prefix + bad[0][1:], bad[1])
-        if key.startswith("_") and key.lstrip("_"):  # "_comment": JSON has no comments; DeepSpeed ignores such keys
-            continue
-        spec = table.get(key)
-        if spec is None and table is ZERO and key.startswith("stage3_"):
-            spec = STAGE3_KEY
-        if spec is None:
-            raise _unknown(source, prefix, key, table)
-        if spec.kind == "unsupported":
-            # null is DeepSpeed's "not set" for its optional features (offload_param: null, ...)
-            if value is None or (spec.harmless is not None and spec.harmless(value)):
-                continue
-            raise _err(source, path, f"{_show(value)} is not supported by hf_zero_offload: {spec.why}")
-        if value == AUTO:
-            if spec.auto:
-                if spec.kind == "use":
-                    out[key] = AUTO
-                elif ignored is not None:
-                    ignored.append(path)
-                continue
-            raise _err(source, path, '"auto" is not accepted for this key (only for batch sizes, gradient_'
-                       'clipping, the optimizer\'s numbers, the scheduler\'s LRs and step counts, fp16/bf16.enabled '
-                       'and the bucket sizes)' + _expected(spec))
-        if spec.children is not None:
-            if value is None:  # a section set to null is a section not given (DeepSpeed's optional blocks)
-                continue
-            if not isinstance(value, dict):
-                legacy = (f' (DeepSpeed\'s legacy form of {{"stage": {int(value)}}}: write that)'
-                          if path == "zero_optimization" and isinstance(value, bool) else "")
-                raise _err(source, path, f"expected an object, got {_show(value)}{legacy}")
-            sub = _walk(value, spec.children, path + ".", source, ignored)
-        else:
-            try:
-                sub = spec.check(value)
-            except BadValue as e:
-                raise _err(source, path, f"expected {e.expected}, got {_show(value)}") from None
-            except UnsupportedValue as e:
-                raise _err(source, path, f"{_show(value)} is not supported by hf_zero_offload: {e}") from None
-        if spec.kind == "use":
-            out[key] = sub
-        if ignored is not None and (spec.kind == "ignore" or path in NO_EFFECT) and not (path in QUIET_WHEN_OFF
-                                                                                        and is_off(value)):
-            ignored.append(path)
-    return out

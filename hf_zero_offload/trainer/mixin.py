@@ -11,7 +11,7 @@ from transformers import Seq2SeqTrainer, Trainer
 
 from .. import presets, resume
 from ..resume import report as resume_report
-from ..args_view import args_view, early_view
+from ..args_view import args_view, early_view, training_precision
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
 from ..engine.param_names import smallest_names
@@ -73,7 +73,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, L
             else:  # --sharded_ddp alone: ZeRO-2 without offload, named so in the start line
                 self._zo_raw = check({"zero_optimization": {"stage": 2}})._replace(source="--sharded_ddp (stage 2)")
             # as transformers' DeepSpeed integration: --fp16_full_eval means the fp16 model (ours trains as it evals)
-            self._zo_precision = (bool(targs.fp16 or targs.fp16_full_eval), bool(targs.bf16 or targs.bf16_full_eval))
+            self._zo_precision = training_precision(targs)
             # The whole config, resolved against the arguments, before any model work (values that depend
             # on a step count not known yet are checked again at train start).
             early = resolve(self._zo_raw, early_view(targs, self._zo_raw.cfg, *self._zo_precision,

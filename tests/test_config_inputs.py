@@ -1,0 +1,47 @@
+"""What --zero_offload (or ``zero_offload=`` in code, or an arguments file) may hold besides a well-formed file: each
+mistake one ConfigError naming the input, before any model work."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from hf_zero_offload.config import ConfigError, resolve
+
+
+@pytest.mark.parametrize("path", ["/tmp/ds\0config.json", "ds\0config.json", "zero2\0",
+                                  pathlib.Path("/tmp/ds\0config.json")])
+def test_a_path_holding_a_nul_character_is_named(path):
+    """A NUL (from code or a JSON arguments file; no command line carries one) failed in open() with a bare
+    "ValueError: embedded null byte" naming no file, or printed the name with the NUL raw in it."""
+    with pytest.raises(ConfigError) as e:
+        resolve(path)
+    assert "\0" not in str(e.value) and "\\x00" in str(e.value) and "NUL" in str(e.value)
+
+
+@pytest.mark.parametrize("raw, path, hint", [
+    # a slip of case: difflib's ratio is too low for short keys, and nothing was suggested
+    ({"FP16": {"enabled": False}}, "FP16", "(did you mean 'fp16'? keys are case-sensitive)"),
+    ({"optimizer": {"type": "AdamW", "params": {"LR": 1e-4}}}, "optimizer.params.LR", "(did you mean 'lr'?"),
+    # a key one level off: the message listed the keys of the wrong section, without the one meant
+    ({"optimizer": {"type": "AdamW", "lr": 1e-4}}, "optimizer.lr", "(it is a key of 'optimizer.params')"),
+    ({"stage": 2}, "stage", "(it is a key of 'zero_optimization')"),
+    ({"zero_optimization": {"stage": 2, "device": "cpu"}}, "zero_optimization.device",
+     "(it is a key of 'zero_optimization.offload_optimizer')"),
+    ({"scheduler": {"type": "WarmupLR", "warmup_num_steps": 5}}, "scheduler.warmup_num_steps",
+     "(it is a key of 'scheduler.params')"),
+    ({"zero_optimization": {"stage": 2, "fp16": {"enabled": False}}}, "zero_optimization.fp16",
+     "(it is a key of the top level)"),
+    ({"type": "AdamW"}, "type", "(it is a key of 'optimizer' or 'scheduler')"),
+])
+def test_an_unknown_key_says_where_it_belongs(raw, path, hint):
+    with pytest.raises(ConfigError) as e:
+        resolve(raw)
+    msg = str(e.value)
+    assert msg.startswith(f"<dict>: {path}: unknown key") and hint in msg, msg
+
+
+def test_a_key_of_many_sections_gets_no_guess():
+    with pytest.raises(ConfigError) as e:
+        resolve({"enabled": True})  # fp16, bf16, bfloat16, delayed_param_update...
+    assert "(" not in str(e.value).split(";")[0]
