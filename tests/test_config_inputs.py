@@ -45,3 +45,17 @@ def test_a_key_of_many_sections_gets_no_guess():
     with pytest.raises(ConfigError) as e:
         resolve({"enabled": True})  # fp16, bf16, bfloat16, delayed_param_update...
     assert "(" not in str(e.value).split(";")[0]
+
+
+def test_eps_0_is_taken_alike_from_the_file_and_from_adam_epsilon():
+    """``"eps": 0`` in the file was refused ("a number > 0") while ``--adam_epsilon 0`` (torch's AdamW and DeepSpeed
+    take 0 too) resolved ``"eps": "auto"`` to 0: one value, two verdicts by where it came from."""
+    from hf_zero_offload.config import ArgsView
+
+    block = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 0}}}
+    assert resolve(block).optimizer.eps == 0
+    auto = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": "auto"}}}
+    assert resolve(auto, ArgsView(adam_epsilon=0.0, learning_rate=1e-3)).optimizer.eps == 0
+    for bad in (-1e-8, float("nan"), "0"):
+        with pytest.raises(ConfigError, match="optimizer.params.eps"):
+            resolve({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": bad}}})

@@ -117,7 +117,8 @@ OPTIMIZER = {
     "params": section({
         "lr": use(number(0, what="a number >= 0"), auto=True),
         "betas": use(betas, auto=True),
-        "eps": use(number(0, what="a number > 0", lo_open=True), auto=True),
+        # >= 0, as torch.optim.AdamW, DeepSpeed and --adam_epsilon take it (0 was refused here alone, not from "auto")
+        "eps": use(number(0, what="a number >= 0"), auto=True),
         "weight_decay": use(number(0, what="a number >= 0"), auto=True),
         "adam_w_mode": use(boolean),
         "torch_adam": ignore(boolean),  # only picks DeepSpeed's implementation; the math is the same
