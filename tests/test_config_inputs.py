@@ -59,3 +59,45 @@ def test_eps_0_is_taken_alike_from_the_file_and_from_adam_epsilon():
     for bad in (-1e-8, float("nan"), "0"):
         with pytest.raises(ConfigError, match="optimizer.params.eps"):
             resolve({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": bad}}})
+
+
+def test_a_pipe_is_read_once_per_process(tmp_path):
+    """``--zero_offload <(jq ... ds_config.json)``: the example's early check read the pipe, then the Trainer found
+    it empty ("the file is empty"); a named FIFO's second open waited for a writer that had gone."""
+    import os
+    import threading
+
+    from hf_zero_offload.config import check
+
+    r, w = os.pipe()
+    os.write(w, b'{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}')
+    os.close(w)
+    try:
+        path = f"/dev/fd/{r}"
+        first, second = check(path), check(path)
+        assert first.cfg == second.cfg and first.cfg["gradient_clipping"] == 0.5
+    finally:
+        os.close(r)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def write_once():  # another process's `cat ds_config.json > fifo`: it opens, writes, closes, and is gone
+        with open(fifo, "wb") as f:
+            f.write(b'{"zero_optimization": {"stage": 1}}')
+    writer = threading.Thread(target=write_once, daemon=True)
+    writer.start()
+    assert check(str(fifo)).cfg["zero_optimization"]["stage"] == 1
+    writer.join(timeout=10)
+    assert check(str(fifo)).cfg["zero_optimization"]["stage"] == 1  # (no writer now: an open() would wait forever)
+
+
+@pytest.mark.parametrize("make", ["sparse", "device"])
+def test_a_huge_file_is_refused_without_reading_it_whole(tmp_path, make):
+    from hf_zero_offload.config import loader
+
+    path = "/dev/zero" if make == "device" else str(tmp_path / "big.json")
+    if make == "sparse":
+        with open(path, "wb") as f:
+            f.truncate(loader.MAX_BYTES * 4)
+    with pytest.raises(ConfigError, match=r"over 16 MiB, not a ds_config"):
+        resolve(path)

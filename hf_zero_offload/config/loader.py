@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any, NamedTuple
 
 # the module, not its names: presets raises ConfigError from .schema, so presets and this package import
@@ -79,6 +80,31 @@ def _parse(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: invalid JSON: {e}") from None
 
 
+MAX_BYTES = 16 << 20  # a ds_config is a few KB: /dev/zero or a dataset given by mistake was read whole (memory, time)
+# What a pipe held (--zero_offload <(jq ... ds_config.json), /dev/stdin), by its path and (st_dev, st_ino): the example script's
+# early check read it and the Trainer then read an empty pipe ("the file is empty"), or blocked on a named FIFO whose
+# writer had gone. A regular file is read each time.
+_STREAMS: dict[tuple[str, int, int], bytes] = {}
+
+
+def _read_bytes(source: str) -> bytes:
+    try:
+        st = os.stat(source)
+        key = (source, st.st_dev, st.st_ino) if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) else None
+    except (OSError, ValueError):  # (open() says why)
+        key = None
+    if key in _STREAMS:  # (before open(): a second open of a FIFO waits for a writer)
+        return _STREAMS[key]
+    with open(source, "rb") as f:
+        data = f.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise ConfigError(f"{source}: over {MAX_BYTES >> 20} MiB, not a ds_config (a JSON object of a few KB); read "
+                          f"no further")
+    if key is not None:
+        _STREAMS[key] = data
+    return data
+
+
 def _read(path_or_dict: Any) -> tuple[Any, str]:
     if isinstance(path_or_dict, dict):
         return path_or_dict, "<dict>"
@@ -91,8 +117,7 @@ def _read(path_or_dict: Any) -> tuple[Any, str]:
         raise ConfigError(f"{os.fspath(path_or_dict)!r}: not a ds_config path: it holds a NUL character")
     source = presets.resolve_config(os.fspath(path_or_dict))  # a shipped config's name -> its packaged file
     try:
-        with open(source, "rb") as f:
-            data = f.read()
+        data = _read_bytes(source)
     except OSError as e:
         hint = presets.missing_file_hint(source) if isinstance(e, FileNotFoundError) else ""
         raise ConfigError(f"{source}: cannot read the ds_config file: {e.strerror or e}{hint}") from None
