@@ -47,6 +47,14 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
                                             for a in names)):
         raise ValueError(f"{names_path} is damaged: expected a list of lists of parameter names (one list per "
                          "optimizer slot); use another checkpoint-N of the run")
+    # a name in two slots: the later slot's master was written under it and the earlier one's dropped, so one weight
+    # took another param's master (of the same shape) and the param it belongs to kept its 16-bit value, silently
+    slot_of: dict[str, int] = {}
+    for i, aliases in enumerate(names):
+        for name in aliases:
+            if slot_of.setdefault(name, i) != i:
+                raise ValueError(f"{names_path} is damaged: {name} names optimizer slots {slot_of[name]} and {i} "
+                                 "(each parameter has one slot); use another checkpoint-N of the run")
     # the engine's own reader: the partition map checked, each file's range checked against it
     srcs, meta = sources(state_dir)  # (every header checked: checkpoint.folder.check_header)
     check_save_id(meta, expected_save_id, state_dir)

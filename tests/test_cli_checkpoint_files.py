@@ -52,3 +52,46 @@ def test_a_stray_weight_file_beside_the_weights_is_named(ckpt_model, tmp_path, c
     _one_line_error(capsys, ["consolidate", str(ckpt), str(tmp_path / "out")], str(ckpt / "notes.safetensors"),
                     "cannot be read as safetensors model weights")
     assert not (tmp_path / "out").exists()
+
+
+def _checkpoint_of_two_same_shaped_layers(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    engine = OffloadAdam(model.parameters(), lr=1e-2, options=OffloadOptions(num_threads=1))
+    model(torch.randn(2, 4)).sum().backward()
+    engine.step()
+    ckpt = tmp_path / "checkpoint-1"
+    engine.save_checkpoint(str(ckpt / "zero_offload"))
+    engine.close()
+    save_file({"0.weight": torch.zeros(4, 4, dtype=torch.bfloat16), "1.weight": torch.zeros(4, 4, dtype=torch.bfloat16)},
+              str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "two", "torch_dtype": "bfloat16"}))
+    return ckpt, model
+
+
+@pytest.mark.parametrize("names", [[["0.weight"], ["0.weight"]], [["0.weight", "1.weight"], ["1.weight"]]],
+                         ids=["one-name-twice", "an-alias-of-another-slot"])
+def test_param_names_naming_one_param_in_two_slots_is_refused(tmp_path, capsys, names):
+    """The later slot's master was written under the name and the earlier one's dropped: 0.weight took 1.weight's
+    master and 1.weight kept its 16-bit zeros, and consolidate said it wrote the fp32 weights."""
+    from safetensors.torch import load_file
+
+    from hf_zero_offload import cli
+    from hf_zero_offload.saved_names import write_param_names
+
+    ckpt, model = _checkpoint_of_two_same_shaped_layers(tmp_path)
+    write_param_names(str(ckpt / "zero_offload"), names)
+    _one_line_error(capsys, ["consolidate", str(ckpt), str(tmp_path / "out")],
+                    str(ckpt / "zero_offload" / "param_names.json"), "names optimizer slots 0 and 1")
+    assert not (tmp_path / "out").exists()
+    write_param_names(str(ckpt / "zero_offload"), [["0.weight"], ["1.weight"]])  # as the save wrote it: consolidated
+    assert cli.main(["consolidate", str(ckpt), str(tmp_path / "out")]) == 0
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(out[f"{i}.weight"].equal(model[i].weight.detach()) for i in (0, 1))
