@@ -18,7 +18,6 @@ import shlex
 import shutil
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import peft_names, resume, torch_state
@@ -26,6 +25,10 @@ from .engine import checkpoint
 from .engine.checkpoint.folder import check_save_id, check_sources, read_range, sources
 from .resume.marker import MARKER, changed_files, marker_problem, read_marker, recorded_save_id
 from .saved_names import NAMES_FILE, read_json
+from .weight_files import open_weights
+
+
+_EARLIER = "consolidate an earlier checkpoint"
 
 
 def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[str, torch.Tensor]:
@@ -44,6 +47,14 @@ def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[st
                                             for a in names)):
         raise ValueError(f"{names_path} is damaged: expected a list of lists of parameter names (one list per "
                          "optimizer slot); use another checkpoint-N of the run")
+    # a name in two slots: the later slot's master was written under it and the earlier one's dropped, so one weight
+    # took another param's master (of the same shape) and the param it belongs to kept its 16-bit value, silently
+    slot_of: dict[str, int] = {}
+    for i, aliases in enumerate(names):
+        for name in aliases:
+            if slot_of.setdefault(name, i) != i:
+                raise ValueError(f"{names_path} is damaged: {name} names optimizer slots {slot_of[name]} and {i} "
+                                 "(each parameter has one slot); use another checkpoint-N of the run")
     # the engine's own reader: the partition map checked, each file's range checked against it
     srcs, meta = sources(state_dir)  # (every header checked: checkpoint.folder.check_header)
     check_save_id(meta, expected_save_id, state_dir)
@@ -202,7 +213,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
         raise FileNotFoundError(f"no *.safetensors model weights in {source}")
     used = set()  # the masters (by tensor: tied aliases share one) that replace some tensor of the weight files
     for path in weight_files:  # a master must replace a tensor of its own shape (another model's file?)
-        with safe_open(path, framework="pt") as f:
+        with open_weights(path, _EARLIER) as f:
             for key in f.keys():
                 if key in masters:
                     used.add(id(masters[key]))
@@ -254,7 +265,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
             weights = []
             for path, dst in zip(weight_files, written):
                 tensors, taken = {}, set()
-                with safe_open(path, framework="pt") as f:
+                with open_weights(path, _EARLIER) as f:
                     metadata = f.metadata()
                     for key in f.keys():
                         t = masters.get(key)

@@ -15,7 +15,8 @@ import glob
 import os
 
 import torch
-from safetensors import safe_open
+
+from .weight_files import open_weights
 
 CONFIG, DEFAULT = "adapter_config.json", "default"
 
@@ -43,7 +44,7 @@ def adapter_source(checkpoint_dir: str, folders: dict[str, str],
     folder = folders[name]
     keys = set()
     for path in glob.glob(os.path.join(glob.escape(folder), "*.safetensors")):
-        with safe_open(path, framework="pt") as f:
+        with open_weights(path, "consolidate an earlier checkpoint") as f:
             keys.update(f.keys())
     prompts = [n for n in masters if n.split(".")[0] == "prompt_encoder"]
     out: dict[str, torch.Tensor] = {}

@@ -6,6 +6,7 @@ resumable and was not; a resume by True stopped at a missing trainer_state.json 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -102,3 +103,28 @@ def test_a_run_folder_with_the_output_inside_it_is_named_as_a_run_folder(tmp_pat
     with pytest.raises(FileNotFoundError, match=r"is a run folder, not a checkpoint: pass one of the checkpoint "
                                                 r"folders inside it \(checkpoint-5\)"):
         consolidate(str(tmp_path), str(tmp_path / "fp32"))
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda m: m["engine"].update(save_id=5), r'"engine.save_id" is 5, not a string'),
+    (lambda m: m.update(step="4"), r"\"step\" is '4', not an int >= 0"),
+    (lambda m: m["files"].update({"config.json": [757]}), r'the "files" entry of config.json is \[757\], not \{"size"'),
+    (lambda m: m["files"]["config.json"].update(size="757"), r"the \"files\" entry of config.json is \{'size': '757'"),
+], ids=["save-id-int", "step-str", "entry-list", "size-str"])
+def test_a_marker_field_of_another_type_is_damage_not_nothing_recorded(whole, tmp_path, edit, said):
+    """A field of the wrong type (a hand edit: the README has users delete entries of "files") was read as nothing
+    recorded and the check it feeds passed over in silence: a save id of 5 let consolidate take any save's optimizer
+    state, a "files" entry that is no object left its file unchecked, and a size of "757" was refused as "757 bytes
+    where its save wrote 757"."""
+    ckpt = whole / "checkpoint-4"
+    marker = ckpt / MARKER
+    content = json.loads(marker.read_text())
+    edit(content)
+    marker.write_text(json.dumps(content))
+    assert re.search(said, resume.marker_problem(str(ckpt)))  # what a resume's summary names
+    with pytest.raises(ValueError, match=rf"checkpoint-4 is damaged \(its {MARKER} is damaged \({said}"):
+        consolidate(str(ckpt), str(tmp_path / "cons"))
+    assert not (tmp_path / "cons").exists()
+    if "entry" in said:  # a resume cannot check that file: it says so, not a count of bytes
+        with pytest.raises(resume.IncompleteCheckpoint, match=r"its entry in the marker is damaged \(config.json: "):
+            resume.check(str(ckpt))

@@ -60,7 +60,10 @@ def problems(checkpoint: str, recorded, read=None, required=None) -> list[str]:
     required = required or (lambda rel: any(rel.startswith(r) for r in REQUIRED))
     found = []
     for rel, want in sorted(recorded.items()):
-        if not isinstance(want, dict) or not read(rel):
+        if not read(rel):
+            continue
+        if entry_problem(want):  # (said as such, not as a file of "757" bytes where it has 757)
+            found.append(f"its entry in the marker is damaged ({rel}: {want!r}, not {ENTRY})")
             continue
         path = os.path.join(checkpoint, *rel.split("/"))
         if not os.path.isfile(path):
@@ -73,6 +76,19 @@ def problems(checkpoint: str, recorded, read=None, required=None) -> list[str]:
         elif "sha256" in want and _sha256(path) != want["sha256"]:
             found.append(f"{rel} is not the file its save wrote (damaged, or copied from another save)")
     return found
+
+
+ENTRY = '{"size": bytes[, "sha256": hex digest]}'  # a "files" entry, as build writes it
+
+
+def is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def entry_problem(want) -> bool:
+    """Whether a "files" entry is not what ``build`` writes (a size, and a SHA-256 for a small file)."""
+    return not (isinstance(want, dict) and is_count(want.get("size"))
+                and isinstance(want.get("sha256", ""), str))
 
 
 def _sha256(path: str) -> str:

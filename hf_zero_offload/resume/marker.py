@@ -51,6 +51,22 @@ def marker_problem(checkpoint: str) -> str | None:
         return f"its {MARKER} is damaged (\"files\" is {marker['files']!r}, not the files its save wrote)"
     if marker.get("engine") is not None and not isinstance(marker["engine"], dict):
         return f"its {MARKER} is damaged (\"engine\" is a {type(marker['engine']).__name__}, not an object)"
+    # the fields the checks read, of the type a save writes: one of another type (a hand edit: the README has users
+    # delete an entry of "files") was read as nothing recorded, and the check it feeds passed over in silence (a
+    # save id of 5 let consolidate take any save's optimizer state; a size of "757" read "757 bytes where its save
+    # wrote 757")
+    save_id = (marker.get("engine") or {}).get("save_id")
+    for field, value, ok, want in (
+            ("step", marker.get("step"), manifest.is_count(marker.get("step")), "an int >= 0"),
+            ("world_size", marker.get("world_size"), manifest.is_count(marker.get("world_size"))
+             and marker.get("world_size") >= 1, "an int >= 1"),
+            ("engine.save_id", save_id, isinstance(save_id, str), "a string")):
+        if value is not None and not ok:
+            return f"its {MARKER} is damaged (\"{field}\" is {value!r}, not {want})"
+    bad = next((rel for rel, want in (marker.get("files") or {}).items() if manifest.entry_problem(want)), None)
+    if bad is not None:
+        return (f"its {MARKER} is damaged (the \"files\" entry of {bad} is {marker['files'][bad]!r}, not "
+                f"{manifest.ENTRY})")
     return None
 
 
