@@ -455,14 +455,15 @@ def test_a_step_edited_out_of_agreement_with_its_save_is_refused(full, tmp_path,
 @pytest.mark.parametrize("marker, said", [
     ({"files": {}}, r'its hzo_complete.json is damaged \("files" is \{\}, not the files its save wrote\)'),
     ({"engine": "x"}, r'its hzo_complete.json is damaged \("engine" is a str, not an object\)'),
+    ({"step": "4"}, r'its hzo_complete.json is damaged \("step" is \'4\', not an int >= 0\)'),
     ([1], r"its hzo_complete.json is damaged \(a JSON list, not an object\)"),
     ("{bad", r"its hzo_complete.json cannot be read \(JSONDecodeError")],
-    ids=["files-empty", "engine-str", "list", "not-json"])
+    ids=["files-empty", "engine-str", "step-str", "list", "not-json"])
 def test_a_damaged_marker_is_named_as_damaged_not_missing(full, tmp_path, caplog, marker, said):
     """An "engine" that is no object crashed the resume's summary (AttributeError); a marker that is no object
     was reported as missing. The resume goes on as before (the state files say what was saved) and says so."""
     out = _copy(full, tmp_path)
-    path = out / "checkpoint-2" / resume.MARKER
+    path, damage = out / "checkpoint-2" / resume.MARKER, marker
     if isinstance(marker, dict):
         marker = {**json.loads(path.read_text()), **marker}
     path.write_text(marker if isinstance(marker, str) else json.dumps(marker))
@@ -473,12 +474,16 @@ def test_a_damaged_marker_is_named_as_damaged_not_missing(full, tmp_path, caplog
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_zero_offload: resumed")]
     assert re.search(said, line) and "hf_zero_offload.state/2 saved by 1 rank(s)" in line
     assert "no completion marker" not in caplog.text and "written before completion markers" not in caplog.text
-    if not isinstance(marker, dict):  # newer than a marked checkpoint, such a marker is no proof: said so
-        shutil.copy(full[0] / "checkpoint-2" / resume.MARKER, path)
-        (out / "checkpoint-4" / resume.MARKER).write_text(marker if isinstance(marker, str) else json.dumps(marker))
-        with pytest.raises(resume.IncompleteCheckpoint, match=said + r".*, nothing else proves it whole: its "
-                                                                   r"writer may"):
-            resume.check(str(out / "checkpoint-4"))
+    # newer than a marked checkpoint, such a marker is no proof: said so (one that reads as an object but has a
+    # field of another type too: taken as complete, with the file checks it feeds skipped)
+    shutil.copy(full[0] / "checkpoint-2" / resume.MARKER, path)
+    newer = out / "checkpoint-4" / resume.MARKER
+    if isinstance(damage, dict):
+        marker = {**json.loads(newer.read_text()), **damage}
+    newer.write_text(marker if isinstance(marker, str) else json.dumps(marker))
+    assert resume.status(str(out / "checkpoint-4")) == "incomplete"
+    with pytest.raises(resume.IncompleteCheckpoint, match=said + r".*, nothing else proves it whole: its writer may"):
+        resume.check(str(out / "checkpoint-4"))
 
 
 def test_an_fp32_run_resumed_in_fp16_scales_its_loss(full, tmp_path, caplog):

@@ -131,7 +131,9 @@ def checkpoints(folder: str) -> list[str]:
 
 def status(checkpoint: str) -> str:
     """"complete" (marker), "legacy" (no marker, written before markers existed) or "incomplete"."""
-    if read_marker(checkpoint) is not None:
+    # a marker that reads but is damaged (a field of another type: "files": 5) proves nothing either: judged below as
+    # an unreadable one is (taken was a newer checkpoint whose file checks it skipped, where an unreadable one was not)
+    if read_marker(checkpoint) is not None and marker_problem(checkpoint) is None:
         return "incomplete" if changed_files(checkpoint) else "complete"
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return "incomplete"
