@@ -15,7 +15,6 @@ from ..args_view import args_view, early_view, training_precision
 from ..config import ConfigError, TrainingConfig, check, resolve
 from ..engine.core import AdamCore
 from ..engine.param_names import smallest_names
-from ..accelerator_patch import patch_accelerator
 from ..engine_setup import (build_engine, check_user_groups, groups_from_optimizer,
                             start_line, training_dtype)
 from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batches, check_optimizer_cls,
@@ -31,6 +30,7 @@ from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .mean_loss import LossScaleNote
 from .trainable_watch import RefuseNewTrainable
+from .later_args import ArgsAfterInit, no_mixed_precision
 from .loading import CheckpointLoading
 from .saving import CheckpointSaving
 from .next_train import CarriedOverEngine, adopt_changed_params  # noqa: F401 (adopt_changed_params: callback.py's)
@@ -56,7 +56,7 @@ def _users_create_optimizer(cls):
 
 
 class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, LossInFp32, BroadcastBuffers,
-                       PlaceWithEngine, LossScaleNote):
+                       PlaceWithEngine, LossScaleNote, ArgsAfterInit):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
@@ -82,16 +82,14 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, L
             check_arguments(targs, early.scheduler.type if early.scheduler is not None else None)
             refuse_given_optimizer(super().__init__, args, kwargs)
             self._zo_take_lock(targs, check_paths=True)  # (train(): its output_dir_problem checks them)
-            saved = (targs.fp16, targs.bf16, targs.mixed_precision)
             # Loss scaling and the 16-bit model are ours: Accelerate, created in Trainer.__init__, must
             # neither autocast nor run a GradScaler (it would find no gradients: they already left the
-            # device). The caller's arguments get their values back once the accelerator exists.
-            targs.fp16 = targs.bf16 = False
-            targs.mixed_precision = "no"
+            # device). The caller's arguments get their values back once the accelerator exists (created
+            # again later, by a hyperparameter search trial, it is created alike: later_args.py).
             try:
-                super().__init__(*args, **kwargs)
+                with no_mixed_precision(targs):
+                    super().__init__(*args, **kwargs)
             finally:
-                targs.fp16, targs.bf16, targs.mixed_precision = saved
                 if self._zo_lock is not None:  # taken above to refuse a live run before any work; held in train()
                     self._zo_lock.release()  # only: a Trainer built for evaluate() or dropped kept other runs out
         else:
@@ -107,7 +105,8 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, L
             refuse_user_optimizer(getattr(self, "optimizer", None), getattr(self, "lr_scheduler", None))
             check_optimizer_cls(getattr(self, "optimizer_cls_and_kwargs", None))
             check_even_batches(self.args, getattr(self, "train_dataset", None))
-            patch_accelerator(self.accelerator, lambda: self.zero_engine)
+            if not getattr(self.accelerator, "_zo_patched", False):  # (create_accelerator_and_postprocess's own)
+                self._zo_patch_accelerator()
 
     def _zo_take_lock(self, targs, check_paths: bool = False) -> None:
         if targs.output_dir:  # (paths over the file system's limits at __init__: before the lock, ranks agreeing)
@@ -201,6 +200,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, L
         """The engine over ``groups`` (``where``: the user's create_optimizer they come from, whose per-group
         values the engine keeps), and the model in the training dtype."""
         check_optimizer_cls(getattr(self, "optimizer_cls_and_kwargs", None))  # (set after __init__)
+        self._zo_check_args_again()  # (--optim and the like set after __init__)
         self.zero_config = cfg = self._zo_resolve()
         if where is not None:
             check_user_groups(cfg, self._zo_raw.cfg, groups, where)
@@ -348,6 +348,7 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, L
                            type(e).__name__, e)
 
     def _inner_training_loop(self, *args, **kwargs):
+        self._zo_check_args_again()  # (after a hyperparameter search trial set its values: later_args.py)
         self._zo_say_loss_scale(logger)
         if self.zero_engine is not None:
             # transformers' model.zero_grad() here misses the gradients the engine took from .grad: a window left
