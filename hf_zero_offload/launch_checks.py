@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
+from .switches import switch_problems
 from .engine.runs import shares_storage, view_tie_message
 
 logger = logging.getLogger("hf_zero_offload")
@@ -278,6 +279,8 @@ def check_arguments(args, scheduler_block: str | None = None) -> None:
                         "--save_on_each_node")
     if problems:
         raise ConfigError("Not supported with zero_offload / sharded_ddp: " + "; ".join(problems))
+    if bad := switch_problems():  # (the environment, not an argument: said apart)
+        raise ConfigError("; ".join(bad))
 
 
 def check_even_batches(args, train_dataset) -> None:

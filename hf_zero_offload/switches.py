@@ -19,3 +19,19 @@ def env_switch(name: str) -> bool:
         return False
     raise ValueError(f"{name}={raw!r} is not an on/off value: on is one of {', '.join(ON_WORDS)}; off is one of "
                      f"{', '.join(w for w in OFF_WORDS if w)} (or unset)")
+
+
+#: Every on/off variable this package reads (the engine reads the last two when it builds its streams, at train()).
+SWITCHES = ("HF_ZERO_OFFLOAD_DEBUG", "HF_ZERO_OFFLOAD_SIMULATE_STREAMS", "HF_ZERO_OFFLOAD_BLOCKING_WAITS")
+
+
+def switch_problems() -> list[str]:
+    """Each switch whose value is neither on nor off, one line each: checked with the arguments, a typo in one the
+    engine reads at train() was found only after the model and the data were loaded."""
+    problems = []
+    for name in SWITCHES:
+        try:
+            env_switch(name)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems

@@ -106,6 +106,17 @@ def test_other_optimizers_are_refused_by_name(tmp_path, optim):
     assert ("zero2-offload-int8" in str(e.value)) == (optim in ("adamw_bnb_8bit", "adamw_torch_4bit"))
 
 
+@pytest.mark.parametrize("name", ["HF_ZERO_OFFLOAD_SIMULATE_STREAMS", "HF_ZERO_OFFLOAD_BLOCKING_WAITS"])
+def test_a_switch_the_engine_reads_at_train_is_checked_at_init(tmp_path, monkeypatch, name):
+    """A typo in a switch the engine reads when it builds its streams (at train()) was found only after the model
+    and the data were loaded; now with the arguments, before any model work."""
+    monkeypatch.setenv(name, "ture")
+    with pytest.raises(ConfigError, match=rf"^{name}='ture' is not an on/off value"):
+        _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "s", zero_offload=OFFLOAD)
+    monkeypatch.setenv(name, "off")
+    _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "s2", zero_offload=OFFLOAD)
+
+
 def test_max_grad_norm_none_is_refused_at_init_naming_it(tmp_path):
     # transformers' loop compares max_grad_norm with 0 after the first backward (TypeError); say it up front
     with pytest.raises(ConfigError, match=r"--max_grad_norm None: .*use 0 to turn clipping off"):
