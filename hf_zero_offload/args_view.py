@@ -38,11 +38,23 @@ def training_precision(args) -> tuple[bool, bool]:
             bool(args.bf16 or getattr(args, "bf16_full_eval", False)))
 
 
+def accumulation_steps(args) -> int:
+    """--gradient_accumulation_steps, or ``accelerator_config``'s ``gradient_accumulation_kwargs`` ``num_steps``,
+    which the Trainer copies into it when the flag is 1 (``create_accelerator_and_postprocess``, inside its
+    ``__init__``): a ds_config's explicit gradient_accumulation_steps equal to num_steps was refused before it, as
+    contradicting "--gradient_accumulation_steps 1"."""
+    ga = args.gradient_accumulation_steps
+    kwargs = getattr(getattr(args, "accelerator_config", None), "gradient_accumulation_kwargs", None)
+    if ga == 1 and isinstance(kwargs, dict) and "num_steps" in kwargs:
+        return kwargs["num_steps"]
+    return ga
+
+
 def args_view(args, *, fp16: bool, bf16: bool, max_steps: int | None, model=None) -> ArgsView:
     warmup = args.get_warmup_steps(max_steps) if max_steps else int(args.warmup_steps or 0)
     return ArgsView(
         per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size,
+        gradient_accumulation_steps=accumulation_steps(args), world_size=args.world_size,
         max_grad_norm=args.max_grad_norm or 0.0, learning_rate=args.learning_rate, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, weight_decay=args.weight_decay,
         warmup_steps=int(warmup), max_steps=max_steps, fp16=fp16, bf16=bf16,

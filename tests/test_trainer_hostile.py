@@ -150,6 +150,23 @@ def test_numpy_training_argument_values_are_taken_as_the_plain_trainer_takes_the
     assert trainer.zero_config.gradient_accumulation_steps == 2 and trainer.state.global_step > 0
 
 
+@pytest.mark.parametrize("ga", [2, "auto"])
+def test_accumulation_given_through_accelerator_config_equals_the_plain_trainer(tmp_path, ga):
+    """accelerator_config's gradient_accumulation_kwargs num_steps, which the Trainer copies into
+    --gradient_accumulation_steps inside its __init__: a ds_config saying the same (2) was refused before it, as
+    contradicting "--gradient_accumulation_steps 1"."""
+    def acc():  # a new dict each: transformers sets its num_steps to 1 in place once it has copied it
+        return {"gradient_accumulation_kwargs": {"num_steps": 2}}
+    ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", accelerator_config=acc())
+    ref.train()
+    cfg = {**OFFLOAD, "gradient_accumulation_steps": ga}
+    model, ours = _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "ours", zero_offload=cfg, accelerator_config=acc())
+    ours.train()
+    assert ours.zero_config.gradient_accumulation_steps == ref.args.gradient_accumulation_steps == 2
+    _close(ref_model, model)
+    assert _logged(ours, "loss") == pytest.approx(_logged(ref, "loss"), rel=1e-5)
+
+
 def test_max_grad_norm_zero_equals_the_plain_trainer(tmp_path):
     ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", max_grad_norm=0.0)
     ref.train()
