@@ -452,6 +452,13 @@ def test_torch_grad_scaler_is_refused_naming_the_engines_own_scaling(kind):
                                            r"engine.scale_loss\(loss\)"):
         scaler.step(opt)
     assert all(torch.equal(a, b) for a, b in zip(before, lin.parameters()))
+    # the refusal leaves the engine as it was: GradScaler's found_inf/grad_scale (it deletes them only after a step
+    # that returns) made every later plain step() refused as GradScaler's, in a notebook that dropped the scaler
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    opt.zero_grad()
+    lin(torch.randn(2, 4)).square().mean().backward()
+    opt.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, lin.parameters()))
     opt.close()
 
 
