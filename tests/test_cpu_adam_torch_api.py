@@ -293,3 +293,31 @@ def test_a_state_dict_loaded_into_adam_with_decoupled_weight_decay_stays_adamw()
         ref.step()
     torch.testing.assert_close(p2, q, rtol=1e-6, atol=1e-7)
     ours.load_state_dict(copy.deepcopy(ours.state_dict()))  # and back into CPUAdam
+
+
+@pytest.mark.parametrize("bad", ["sparse_grad", "nan_lr", "state_of_another_size"])
+def test_a_refused_step_creates_or_converts_no_state(bad):
+    """Every check of a step comes before any state is made: a step refused by a later group or param had made
+    the earlier params' states (step 0, in the state dict) and converted their moments to an edited state_dtype
+    (int8, lossy) first."""
+    params = _params()
+    opt = CPUAdam([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2)
+    _run(opt, params[:1], _grads(params[:1], 2))  # only the first param has a state
+    before = copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["state_dtype"] = "int8"  # converted at the next step that goes ahead
+    for p, g in zip(params, _grads(params, 1, seed=5)[0]):
+        p.grad = g
+    if bad == "sparse_grad":
+        params[2].grad = params[2].grad.to_sparse()
+    elif bad == "nan_lr":
+        opt.param_groups[1]["lr"] = float("nan")
+    else:  # a state loaded for a param of another size
+        opt.state[params[2]].update(step=torch.tensor(1.0), exp_avg=torch.zeros(5), exp_avg_sq=torch.zeros(5))
+    with pytest.raises((TypeError, ValueError), match="sparse gradients|lr must be|exp_avg has 5 elements"):
+        opt.step()
+    after = opt.state_dict()
+    ids = [0] if bad != "state_of_another_size" else [0, 2]
+    assert sorted(after["state"]) == ids and sorted(before["state"]) == [0]
+    st, was = after["state"][0], before["state"][0]
+    assert st.keys() == was.keys() and all(torch.equal(st[k], was[k]) for k in was)
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.float32

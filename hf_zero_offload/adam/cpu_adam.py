@@ -154,15 +154,18 @@ class CPUAdam(torch.optim.Optimizer):
                                     f"{tuple(p.grad.shape)} on {p.grad.device}: expected its shape in float32, "
                                     "bfloat16 or float16 on the CPU")
                 try:
-                    state = self._prepare_state(p, group["state_dtype"])
+                    self._check_state(p)
                 except (TypeError, ValueError) as e:  # a state of another size (p.data replaced, a foreign load)
                     raise type(e)(f"CPUAdam state of a {tuple(p.shape)} param: {e}") from None
                 try:  # here, not only in adam_step: a grad sharing its param's memory was refused after the
-                    arrays = {k: v for k, v in state.items() if k != "step" and torch.is_tensor(v)}
+                    arrays = {k: v for k, v in self.state.get(p, {}).items() if k != "step" and torch.is_tensor(v)}
                     ops.check_separate(param=p, grad=p.grad, **arrays)
                 except ValueError as e:  # params before it in the step were updated
                     raise ValueError(f"CPUAdam: a {tuple(p.shape)} param in group {gi}: {e}") from None
-                todo.append((group, p, state, index - p.numel()))
+                todo.append((group, p, index - p.numel()))
+        # Only now are states created or converted: a step refused by a later param or group left the earlier
+        # params' states made (step 0) or converted to an edited state_dtype (int8 rounds them for good)
+        todo = [(group, p, self._prepare_state(p, group["state_dtype"]), first) for group, p, first in todo]
         for group, p, state, first in todo:
             beta1, beta2 = (float(b) for b in group["betas"])
             half = p.dtype != torch.float32
@@ -194,6 +197,15 @@ class CPUAdam(torch.optim.Optimizer):
                 self._versions[p] = (p._version, p.data_ptr())
             state["step"] += 1  # after the update: a refused call leaves the count as it was
         return loss
+
+    def _check_state(self, p: torch.Tensor) -> None:
+        """What ``_prepare_state`` would refuse in ``p``'s state, found without changing it."""
+        state = self.state.get(p)
+        if state:
+            ops.state_dtype_of(_flat(state), p.numel())
+            master = state.get("master")
+            if p.dtype != torch.float32 and torch.is_tensor(master) and master.numel() != p.numel():
+                raise ValueError(f"master has {master.numel()} elements, expected {p.numel()}")
 
     def _prepare_state(self, p: torch.Tensor, state_dtype: str) -> dict:
         """The state of ``p``, created (zeros, fp32 master of a 16-bit param) or converted to
