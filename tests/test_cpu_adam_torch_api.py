@@ -321,3 +321,27 @@ def test_a_refused_step_creates_or_converts_no_state(bad):
     st, was = after["state"][0], before["state"][0]
     assert st.keys() == was.keys() and all(torch.equal(st[k], was[k]) for k in was)
     assert opt.state[params[0]]["exp_avg"].dtype == torch.float32
+
+
+def test_frozen_params_the_kernel_cannot_step_are_accepted_as_torch_accepts_them():
+    """``CPUAdam(model.parameters())`` over a model with a frozen int8 weight, a float64 or complex table or a sparse
+    param was refused when built, though no step would touch them (torch.optim.AdamW and the engines take them); one
+    unfrozen and given a gradient is refused at that step, by name, before any param moves."""
+    frozen = [torch.nn.Parameter(t, requires_grad=False) for t in (
+        torch.arange(3, dtype=torch.int8), torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.complex64),
+        torch.eye(2).to_sparse())]
+    ours_p, ref_p = _params(), _params()
+    ours = CPUAdam(ours_p + frozen, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_p + frozen, lr=1e-2, weight_decay=0.1, foreach=False)
+    grads = _grads(ours_p, 3)
+    _run(ours, ours_p, grads)
+    _run(ref, ref_p, grads)
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    table = frozen[1]
+    table.requires_grad_(True)
+    table.grad = torch.ones(2, dtype=torch.float64)
+    before = [p.detach().clone() for p in ours_p]
+    with pytest.raises(TypeError, match=r"needs float32, bfloat16 or float16 parameters; got torch.float64"):
+        _run(ours, ours_p, grads[:1])
+    assert all(torch.equal(a, b) for a, b in zip(before, ours_p))

@@ -78,7 +78,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)  # each group through add_param_group, checked there
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, then this group's params (CPU, float32/bfloat16/float16), ``state_dtype`` and
+        """torch's, then this group's trainable params (CPU, float32/bfloat16/float16), ``state_dtype`` and
         hyper-parameters are checked: a group added after construction is refused whole, here,
         rather than at a later step. A param listed twice is refused (torch only warns: each step
         would update it twice)."""
@@ -97,7 +97,8 @@ class CPUAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             for p in group["params"]:
-                _check_param(p, index)
+                if p.requires_grad:  # a frozen one (an int8 weight, a float64 table) is never stepped, as in torch:
+                    _check_param(p, index)  # refused at a step if it gets a gradient after all
             _check_group(group, index)
         except (TypeError, ValueError):
             self.param_groups.pop()
