@@ -293,3 +293,55 @@ def test_a_state_dict_loaded_into_adam_with_decoupled_weight_decay_stays_adamw()
         ref.step()
     torch.testing.assert_close(p2, q, rtol=1e-6, atol=1e-7)
     ours.load_state_dict(copy.deepcopy(ours.state_dict()))  # and back into CPUAdam
+
+
+@pytest.mark.parametrize("bad", ["sparse_grad", "nan_lr", "state_of_another_size"])
+def test_a_refused_step_creates_or_converts_no_state(bad):
+    """Every check of a step comes before any state is made: a step refused by a later group or param had made
+    the earlier params' states (step 0, in the state dict) and converted their moments to an edited state_dtype
+    (int8, lossy) first."""
+    params = _params()
+    opt = CPUAdam([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2)
+    _run(opt, params[:1], _grads(params[:1], 2))  # only the first param has a state
+    before = copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["state_dtype"] = "int8"  # converted at the next step that goes ahead
+    for p, g in zip(params, _grads(params, 1, seed=5)[0]):
+        p.grad = g
+    if bad == "sparse_grad":
+        params[2].grad = params[2].grad.to_sparse()
+    elif bad == "nan_lr":
+        opt.param_groups[1]["lr"] = float("nan")
+    else:  # a state loaded for a param of another size
+        opt.state[params[2]].update(step=torch.tensor(1.0), exp_avg=torch.zeros(5), exp_avg_sq=torch.zeros(5))
+    with pytest.raises((TypeError, ValueError), match="sparse gradients|lr must be|exp_avg has 5 elements"):
+        opt.step()
+    after = opt.state_dict()
+    ids = [0] if bad != "state_of_another_size" else [0, 2]
+    assert sorted(after["state"]) == ids and sorted(before["state"]) == [0]
+    st, was = after["state"][0], before["state"][0]
+    assert st.keys() == was.keys() and all(torch.equal(st[k], was[k]) for k in was)
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.float32
+
+
+def test_frozen_params_the_kernel_cannot_step_are_accepted_as_torch_accepts_them():
+    """``CPUAdam(model.parameters())`` over a model with a frozen int8 weight, a float64 or complex table or a sparse
+    param was refused when built, though no step would touch them (torch.optim.AdamW and the engines take them); one
+    unfrozen and given a gradient is refused at that step, by name, before any param moves."""
+    frozen = [torch.nn.Parameter(t, requires_grad=False) for t in (
+        torch.arange(3, dtype=torch.int8), torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.complex64),
+        torch.eye(2).to_sparse())]
+    ours_p, ref_p = _params(), _params()
+    ours = CPUAdam(ours_p + frozen, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_p + frozen, lr=1e-2, weight_decay=0.1, foreach=False)
+    grads = _grads(ours_p, 3)
+    _run(ours, ours_p, grads)
+    _run(ref, ref_p, grads)
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    table = frozen[1]
+    table.requires_grad_(True)
+    table.grad = torch.ones(2, dtype=torch.float64)
+    before = [p.detach().clone() for p in ours_p]
+    with pytest.raises(TypeError, match=r"needs float32, bfloat16 or float16 parameters; got torch.float64"):
+        _run(ours, ours_p, grads[:1])
+    assert all(torch.equal(a, b) for a, b in zip(before, ours_p))

@@ -435,6 +435,23 @@ def test_a_param_cast_after_the_engine_was_built_is_named_at_backward(kind):
     opt.close()
 
 
+@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="Tensor.grad_dtype is torch's from 2.9")
+@pytest.mark.parametrize("kind", ["offload", "zero2"])
+def test_a_grad_dtype_other_than_the_params_is_named_at_backward(kind):
+    """p.grad_dtype = torch.float32 on a bf16 param (torch's way to accumulate in fp32) was told as a cast of the
+    param after the build (model.to, router_dtype), which had not happened."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1).bfloat16()
+    cls, extra = KINDS[kind]
+    opt = cls(list(net.named_parameters()), lr=1e-2, options=OffloadOptions(num_threads=1), **extra)
+    net.weight.grad_dtype = torch.float32
+    with pytest.raises(TypeError, match=r"the gradient of parameter weight \(shape \(1, 4\)\) is torch.float32, and "
+                                        r"the engine trains in torch.bfloat16: the param is torch.bfloat16, but its "
+                                        r"grad_dtype is torch.float32 .*set p.grad_dtype = torch.bfloat16"):
+        net(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.close()
+
+
 @pytest.mark.parametrize("kind", ["offload", "zero2", "zero0"])
 def test_torch_grad_scaler_is_refused_naming_the_engines_own_scaling(kind):
     """GradScaler.step failed with torch's "No inf checks were recorded for this optimizer" (the engine had taken and
@@ -452,6 +469,13 @@ def test_torch_grad_scaler_is_refused_naming_the_engines_own_scaling(kind):
                                            r"engine.scale_loss\(loss\)"):
         scaler.step(opt)
     assert all(torch.equal(a, b) for a, b in zip(before, lin.parameters()))
+    # the refusal leaves the engine as it was: GradScaler's found_inf/grad_scale (it deletes them only after a step
+    # that returns) made every later plain step() refused as GradScaler's, in a notebook that dropped the scaler
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    opt.zero_grad()
+    lin(torch.randn(2, 4)).square().mean().backward()
+    opt.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, lin.parameters()))
     opt.close()
 
 

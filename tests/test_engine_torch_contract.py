@@ -339,3 +339,33 @@ def test_the_same_params_in_other_groups_are_refused_naming_the_groups(tmp_path)
     with pytest.raises(GroupingMismatch, match=r"the same params, in 2 group\(s\) of \[2, 2\] params when saved and "
                                                r"2 of \[1, 3\] here"):
         second.load_checkpoint(str(tmp_path / "state"))
+
+
+@pytest.mark.parametrize("kind", ["offload", "sharded2"])
+def test_a_torch_state_over_the_same_params_with_a_frozen_one_loads(kind):
+    """AdamW and the engine both built over ``model.parameters()`` with one param frozen: torch's groups list it, the
+    engine's layout does not, and load_torch_state_dict refused the state as that of an optimizer "built otherwise"."""
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    ref_model[0].weight.requires_grad_(False)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    for k in range(3):
+        ((ref_model(x * k) - y) ** 2).mean().backward()
+        ref.step()
+        ref.zero_grad()
+    model = copy.deepcopy(ref_model)
+    opt = engine(kind, model.parameters())
+    opt.load_torch_state_dict(ref.state_dict())
+    for k in range(3):
+        for m, o in ((ref_model, ref), (model, opt)):
+            ((m(x - k) - y) ** 2).mean().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7)
+    other = torch.optim.AdamW(list(ref_model.parameters())[1:3], lr=LR)  # neither the groups nor their trainable part
+    with pytest.raises(ValueError, match=r"param groups of \[2\] params; this engine's are \[4\], of which \[3\] "
+                                         r"trainable when it was built"):
+        opt.load_torch_state_dict(other.state_dict())
+    opt.close()

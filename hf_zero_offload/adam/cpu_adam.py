@@ -78,7 +78,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)  # each group through add_param_group, checked there
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, then this group's params (CPU, float32/bfloat16/float16), ``state_dtype`` and
+        """torch's, then this group's trainable params (CPU, float32/bfloat16/float16), ``state_dtype`` and
         hyper-parameters are checked: a group added after construction is refused whole, here,
         rather than at a later step. A param listed twice is refused (torch only warns: each step
         would update it twice)."""
@@ -97,7 +97,8 @@ class CPUAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             for p in group["params"]:
-                _check_param(p, index)
+                if p.requires_grad:  # a frozen one (an int8 weight, a float64 table) is never stepped, as in torch:
+                    _check_param(p, index)  # refused at a step if it gets a gradient after all
             _check_group(group, index)
         except (TypeError, ValueError):
             self.param_groups.pop()
@@ -154,15 +155,18 @@ class CPUAdam(torch.optim.Optimizer):
                                     f"{tuple(p.grad.shape)} on {p.grad.device}: expected its shape in float32, "
                                     "bfloat16 or float16 on the CPU")
                 try:
-                    state = self._prepare_state(p, group["state_dtype"])
+                    self._check_state(p)
                 except (TypeError, ValueError) as e:  # a state of another size (p.data replaced, a foreign load)
                     raise type(e)(f"CPUAdam state of a {tuple(p.shape)} param: {e}") from None
                 try:  # here, not only in adam_step: a grad sharing its param's memory was refused after the
-                    arrays = {k: v for k, v in state.items() if k != "step" and torch.is_tensor(v)}
+                    arrays = {k: v for k, v in self.state.get(p, {}).items() if k != "step" and torch.is_tensor(v)}
                     ops.check_separate(param=p, grad=p.grad, **arrays)
                 except ValueError as e:  # params before it in the step were updated
                     raise ValueError(f"CPUAdam: a {tuple(p.shape)} param in group {gi}: {e}") from None
-                todo.append((group, p, state, index - p.numel()))
+                todo.append((group, p, index - p.numel()))
+        # Only now are states created or converted: a step refused by a later param or group left the earlier
+        # params' states made (step 0) or converted to an edited state_dtype (int8 rounds them for good)
+        todo = [(group, p, self._prepare_state(p, group["state_dtype"]), first) for group, p, first in todo]
         for group, p, state, first in todo:
             beta1, beta2 = (float(b) for b in group["betas"])
             half = p.dtype != torch.float32
@@ -194,6 +198,15 @@ class CPUAdam(torch.optim.Optimizer):
                 self._versions[p] = (p._version, p.data_ptr())
             state["step"] += 1  # after the update: a refused call leaves the count as it was
         return loss
+
+    def _check_state(self, p: torch.Tensor) -> None:
+        """What ``_prepare_state`` would refuse in ``p``'s state, found without changing it."""
+        state = self.state.get(p)
+        if state:
+            ops.state_dtype_of(_flat(state), p.numel())
+            master = state.get("master")
+            if p.dtype != torch.float32 and torch.is_tensor(master) and master.numel() != p.numel():
+                raise ValueError(f"master has {master.numel()} elements, expected {p.numel()}")
 
     def _prepare_state(self, p: torch.Tensor, state_dtype: str) -> dict:
         """The state of ``p``, created (zeros, fp32 master of a 16-bit param) or converted to

@@ -186,12 +186,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
     @torch.no_grad()
     def step(self, closure=None):
         if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step just before this call
-            raise RuntimeError(f"torch.amp.GradScaler with {type(self).__name__}: " + ("the engine takes each gradient "
-                               "during backward and frees .grad, so GradScaler's unscale_ and inf checks see none" if
-                               self._grads_from_backward else "the engine unscales .grad and checks it for overflow at "
-                               "step(), across the ranks") + "; scale the loss with the engine's own scaler instead: "
-                               "OffloadOptions(fp16={\"loss_scale\": 0, ...}), engine.scale_loss(loss).backward(), "
-                               "engine.step() (it unscales, skips overflow steps and adjusts the scale)")
+            self._refuse_torch_grad_scaler(self._grads_from_backward)
         self._check_open()
         self._check_intact()
         self._check_hyper()  # before anything moves: a scheduler may have set them since the last step

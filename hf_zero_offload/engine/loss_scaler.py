@@ -204,3 +204,16 @@ class LossScaled:
 
     def scale_loss(self, loss):
         return self.scaler.scale_loss(loss)
+
+    def _refuse_torch_grad_scaler(self, grads_from_backward: bool) -> None:
+        """The error for a ``step()`` called by ``torch.amp.GradScaler.step``, which sets ``found_inf`` and
+        ``grad_scale`` on the optimizer and deletes them only after a step that returns: left there, every later
+        plain ``step()`` (the scaler dropped, as the error advises) was refused as GradScaler's."""
+        for name in ("found_inf", "grad_scale"):
+            self.__dict__.pop(name, None)
+        raise RuntimeError(f"torch.amp.GradScaler with {type(self).__name__}: " + (
+            "the engine takes each gradient during backward and frees .grad, so GradScaler's unscale_ and inf checks "
+            "see none" if grads_from_backward else "the engine unscales .grad and checks it for overflow at step(), "
+            "across the ranks") + "; scale the loss with the engine's own scaler instead: "
+            "OffloadOptions(fp16={\"loss_scale\": 0, ...}), engine.scale_loss(loss).backward(), "
+            "engine.step() (it unscales, skips overflow steps and adjusts the scale)")

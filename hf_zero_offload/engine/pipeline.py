@@ -61,7 +61,7 @@ class GradPipeline:
         if g is None:
             return
         if g.dtype != self.buckets.dtype:
-            raise grad_dtype_error(self._label(p), g.dtype, self.buckets.dtype)
+            raise grad_dtype_error(self._label(p), g.dtype, self.buckets.dtype, p)
         i, offset, numel = self._index[p]
         self.arrivals += 1
         if self._cursor + numel > self.bucket_numel:

@@ -115,8 +115,14 @@ def param_label(group: dict, p) -> str:
     return f"of shape {tuple(p.shape)}"
 
 
-def grad_dtype_error(label: str, got: torch.dtype, want: torch.dtype) -> TypeError:
-    """A gradient in another dtype than the engine's: its param was cast after the engine was built."""
+def grad_dtype_error(label: str, got: torch.dtype, want: torch.dtype, param: torch.Tensor | None = None) -> TypeError:
+    """A gradient in another dtype than the engine's: its param was cast after the engine was built, or (``param``
+    still in ``want``) torch's ``grad_dtype`` asked autograd for gradients in another dtype, which was called a cast."""
+    if param is not None and param.dtype == want:
+        return TypeError(f"the gradient of parameter {label} is {got}, and the engine trains in {want}: the param is "
+                         f"{want}, but its grad_dtype is {getattr(param, 'grad_dtype', None)} (torch accumulates its "
+                         f"gradients in another dtype); set p.grad_dtype = {want} (the engine sums several backward "
+                         "passes in fp32 itself: OffloadOptions(gradient_accumulation_steps=k))")
     return TypeError(f"the gradient of parameter {label} is {got}, and the engine trains in {want}: something cast "
                      f"the param after the engine was built: a model.to({got}) (cast the model first, then build the "
                      "engine), or a module that casts its own weights in forward (e.g. a router kept in float32, as "

@@ -33,13 +33,13 @@ class TorchStateImport:
         params, in the same order; torch numbers them group after group). ``weights``: the fp32 values of the
         params in that order (the masters; None: the params as they are). Every rank calls it with the whole dict."""
         where = "torch optimizer state dict"
-        groups = self._torch_groups(state_dict, where)
+        groups, ids = self._torch_groups(state_dict, where)
         flat = [p for p, _, _ in self._flat]
         if weights is not None and (len(weights) != len(flat) or any(
                 not torch.is_tensor(w) or w.numel() != p.numel() for w, p in zip(weights, flat))):
             raise ValueError(f"load_torch_state_dict: weights must be {len(flat)} tensors of the params' sizes")
         steps, moments = [], []
-        for pid, p in zip((i for g in groups for i in g["params"]), flat):
+        for pid, p in zip(ids, flat):
             st = state_dict["state"].get(pid, {})
             steps.append(self._torch_step(st, pid, p, where))
             moments.append(self._torch_moments(st, pid, p, where) if steps[-1] else None)
@@ -61,7 +61,11 @@ class TorchStateImport:
         logger.info("hf_zero_offload: loaded a torch optimizer's state (%d of %d params with moments, step %d)",
                     sum(1 for s in steps if s), len(steps), meta["global_steps"])
 
-    def _torch_groups(self, state_dict, where: str) -> list[dict]:
+    def _torch_groups(self, state_dict, where: str) -> tuple[list[dict], list]:
+        """The torch groups, checked, and the torch id of each param of the engine's flat layout (``_flat`` order).
+        The torch optimizer may list the params frozen when the engine was built, as the engine's own groups do (both
+        built over ``model.parameters()``: a frozen param has its id there, and no state the engine could step), or
+        the trainable ones alone (the Trainer's groups); such an optimizer was refused as "built otherwise"."""
         if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
                 and isinstance(state_dict.get("param_groups"), list)) or "format" in state_dict:
             got = ("this engine's own state_dict(): load it with load_state_dict" if isinstance(state_dict, dict)
@@ -70,12 +74,17 @@ class TorchStateImport:
                             f"'param_groups': [...]}}), got {got}")
         groups = state_dict["param_groups"]
         sizes = [len(g.get("params", ())) if isinstance(g, dict) else None for g in groups]
-        mine = [len(g) for g in self._slots]
-        if sizes != mine:
-            raise ValueError(f"{where}: param groups of {sizes} params; this engine's are {mine} (the same params in "
+        mine, listed = [len(g) for g in self._slots], [len(g["params"]) for g in self.param_groups]
+        if sizes not in (mine, listed):
+            counts = f"{mine}" if mine == listed else f"{listed}, of which {mine} trainable when it was built"
+            raise ValueError(f"{where}: param groups of {sizes} params; this engine's are {counts} (the same params in "
                              "the same groups, in order: the optimizer the state was saved from was built otherwise)")
         not_adam(state_dict, where)
-        return groups
+        if sizes == mine:
+            return groups, [i for g in groups for i in g["params"]]
+        trainable = {id(p) for p, _, _ in self._flat}
+        return groups, [i for g, mine_g in zip(groups, self.param_groups)
+                        for i, p in zip(g["params"], mine_g["params"]) if id(p) in trainable]
 
     @staticmethod
     def _torch_step(st, pid, p, where: str) -> int:

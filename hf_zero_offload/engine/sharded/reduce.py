@@ -122,7 +122,7 @@ class GradReducer:
         if p.grad is None:
             return
         if p.grad.dtype != self.param_dtype:
-            raise grad_dtype_error(self._label(p), p.grad.dtype, self.param_dtype)
+            raise grad_dtype_error(self._label(p), p.grad.dtype, self.param_dtype, p)
         i = self.slot_of[id(p)]
         if not self._in_backward:
             self._in_backward = True
