@@ -128,3 +128,19 @@ def test_a_marker_field_of_another_type_is_damage_not_nothing_recorded(whole, tm
     if "entry" in said:  # a resume cannot check that file: it says so, not a count of bytes
         with pytest.raises(resume.IncompleteCheckpoint, match=r"its entry in the marker is damaged \(config.json: "):
             resume.check(str(ckpt))
+
+
+def test_a_damaged_marker_still_has_its_files_checked(whole):
+    """A marker whose "step" is "2" (damage: it proves nothing) on the oldest checkpoint resumes as legacy, with the
+    damage named; the files its marker records were no longer checked then: a deleted rng_state.pth (another dropout
+    and data order after the resume) resumed without a word, where the same folder was refused before."""
+    ckpt = whole / "checkpoint-2"
+    marker = ckpt / MARKER
+    content = json.loads(marker.read_text())
+    content["step"] = "2"
+    marker.write_text(json.dumps(content))
+    assert resume.status(str(ckpt)) == "legacy"  # (damage alone: resumed as is, as before)
+    next(ckpt.glob("rng_state*")).unlink()
+    assert resume.status(str(ckpt)) == "incomplete"
+    with pytest.raises(resume.IncompleteCheckpoint, match=r"checkpoint-2 is damaged \(rng_state\S* is missing"):
+        resume.check(str(ckpt))

@@ -132,9 +132,14 @@ def checkpoints(folder: str) -> list[str]:
 def status(checkpoint: str) -> str:
     """"complete" (marker), "legacy" (no marker, written before markers existed) or "incomplete"."""
     # a marker that reads but is damaged (a field of another type: "files": 5) proves nothing either: judged below as
-    # an unreadable one is (taken was a newer checkpoint whose file checks it skipped, where an unreadable one was not)
-    if read_marker(checkpoint) is not None and marker_problem(checkpoint) is None:
-        return "incomplete" if changed_files(checkpoint) else "complete"
+    # an unreadable one is (taken was a newer checkpoint whose file checks it skipped, where an unreadable one was not).
+    # What it still records is checked all the same: the oldest such checkpoint resumed as legacy with a file its save
+    # wrote deleted or cut short (rng_state.pth gone: another dropout and data order), where it was refused before
+    if read_marker(checkpoint) is not None:
+        if changed_files(checkpoint):
+            return "incomplete"
+        if marker_problem(checkpoint) is None:
+            return "complete"
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return "incomplete"
     # no marker at all (a damaged one is judged below): a run's first checkpoint had no older marker to tell it by,
