@@ -144,3 +144,17 @@ def test_a_damaged_marker_still_has_its_files_checked(whole):
     assert resume.status(str(ckpt)) == "incomplete"
     with pytest.raises(resume.IncompleteCheckpoint, match=r"checkpoint-2 is damaged \(rng_state\S* is missing"):
         resume.check(str(ckpt))
+
+
+def test_a_weight_file_a_resume_cannot_read_is_named(whole):
+    """A resume reads every model*.safetensors header before the weights load (other_shapes): a stray or damaged one
+    (a file added beside a marked checkpoint is no manifest problem) failed with safetensors' "Error while
+    deserializing header", naming no file, where consolidate names it (weight_files.open_weights)."""
+    from hf_zero_offload.weight_files import WeightFileError
+    from test_crash_safety import _trainer
+
+    ckpt = whole / "checkpoint-4"
+    (ckpt / "model-notes.safetensors").write_bytes(b"not a weight file")
+    with pytest.raises(WeightFileError, match=r"model-notes\.safetensors cannot be read as safetensors model weights"
+                                              r".*resume from an earlier checkpoint"):
+        _trainer(whole, max_steps=6).train(resume_from_checkpoint=str(ckpt))

@@ -9,11 +9,11 @@ import logging
 import os
 
 import torch
-from safetensors import safe_open
 
 from ..engine.checkpoint.contents import LayoutMismatch
 from ..engine.torch_import import not_adam
 from ..resume.foreign import FRESH_START
+from ..weight_files import open_weights
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -69,7 +69,7 @@ class TorchStateResume:
         names = self._zo_slot_names()
         wanted = {n for aliases in names for n in aliases}
         for path in sorted(glob.glob(os.path.join(glob.escape(checkpoint), "*.safetensors"))):
-            with safe_open(path, framework="pt") as f:
+            with open_weights(path, "resume from an earlier checkpoint") as f:
                 for key in wanted.intersection(f.keys()):
                     found[key] = f.get_tensor(key)
         out = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import glob
 import os
 
-from safetensors import safe_open
+from ..weight_files import open_weights
 
 
 def unloaded_params(model, missing_keys) -> list[str]:
@@ -37,7 +37,8 @@ def other_shapes(model, checkpoint: str) -> list[str]:
     own = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     out = []
     for path in sorted(glob.glob(os.path.join(glob.escape(checkpoint), "model*.safetensors"))):
-        with safe_open(path, framework="pt") as f:
+        # (a stray or damaged file: one line naming it, not safetensors' header error naming no file)
+        with open_weights(path, "resume from an earlier checkpoint") as f:
             for key in f.keys():
                 saved = tuple(f.get_slice(key).get_shape())
                 if key in own and own[key] != saved:
