@@ -366,6 +366,31 @@ def test_a_checkpoint_written_again_is_not_complete_until_its_new_marker(tmp_pat
         resume.target(True, str(out))
 
 
+def test_clearing_a_marker_cut_between_its_two_files_never_leaves_a_finished_looking_folder(tmp_path, monkeypatch):
+    """Before a save over a checkpoint, and before rotation removes one, its completion records go: the marker was
+    unlinked first, so a crash before trainer_state.json went left trainer_state.json without a marker, which reads
+    as a plain Trainer's finished --save_only_model checkpoint (rotation counts it, a resume may take it over). Now
+    trainer_state.json goes first (durably): cut there, the marker records a file that is missing (incomplete)."""
+    out = tmp_path / "out"
+    _trainer(out, save_only_model=True).train()
+    ckpt = out / "checkpoint-2"
+    assert resume.status(str(ckpt)) == "complete"
+    real, calls = os.unlink, []
+
+    def unlink(path, *a, **k):
+        calls.append(os.path.basename(str(path)))
+        if len(calls) == 2:  # (the crash: the second of the two never happens)
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(KeyboardInterrupt):
+        resume.clear_marker(str(ckpt))
+    monkeypatch.undo()
+    assert calls == [resume.TRAINER_STATE, resume.MARKER]
+    assert resume.status(str(ckpt)) == "incomplete" and not resume.looks_plain(str(ckpt))
+
+
 @pytest.mark.parametrize("error, said", [
     (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8384 vs 8278"), "RuntimeError"),
     (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),

@@ -44,7 +44,11 @@ def clear_marker(checkpoint: str) -> None:
     if os.path.lexists(checkpoint) and not os.path.isdir(checkpoint):
         # else "Not a directory: .../hzo_complete.json", naming our marker rather than the file in the way
         raise NotADirectoryError(_in_the_way(checkpoint))
-    remove_durably(checkpoint, (MARKER, TRAINER_STATE))
+    # trainer_state.json first, durably, then the marker: cut between the two, the folder holds a marker whose
+    # recorded trainer_state.json is missing (incomplete), never trainer_state.json without a marker (a plain
+    # Trainer's finished --save_only_model checkpoint, to rotation and resume)
+    remove_durably(checkpoint, (TRAINER_STATE,))
+    remove_durably(checkpoint, (MARKER,))
 
 
 def _in_the_way(path: str) -> str:
