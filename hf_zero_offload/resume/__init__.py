@@ -44,9 +44,8 @@ def clear_marker(checkpoint: str) -> None:
     if os.path.lexists(checkpoint) and not os.path.isdir(checkpoint):
         # else "Not a directory: .../hzo_complete.json", naming our marker rather than the file in the way
         raise NotADirectoryError(_in_the_way(checkpoint))
-    # trainer_state.json first, durably, then the marker: cut between the two, the folder holds a marker whose
-    # recorded trainer_state.json is missing (incomplete), never trainer_state.json without a marker (a plain
-    # Trainer's finished --save_only_model checkpoint, to rotation and resume)
+    # trainer_state.json first, durably: cut before the marker goes, it reads incomplete (a file it records is
+    # missing), never as a plain Trainer's finished --save_only_model checkpoint (trainer_state.json, no marker)
     remove_durably(checkpoint, (TRAINER_STATE,))
     remove_durably(checkpoint, (MARKER,))
 
@@ -85,7 +84,8 @@ def not_whole(checkpoint: str) -> str:
                 "state of an earlier step: the model and trainer state are that run's now)")
     if changed:
         shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
-        return f"damaged ({shown}: it no longer holds what its save wrote)"
+        what = "its marker" if all(c.startswith("its entry in the marker") for c in changed) else "it"
+        return f"damaged ({shown}: {what} no longer holds what its save wrote)"
     if foreign is not None and marker is None and os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return (f"written without --zero_offload ({foreign}) among checkpoints of ours (the steps after the "
                 "checkpoint chosen are trained again)")
