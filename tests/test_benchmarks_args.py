@@ -24,8 +24,6 @@ PATH_DESTS = {"json", "png", "out_dir", "data_dir", "dir", "model"}
 FREE_TEXT_OK = {
     ("benchmarks.kernel.adam_step", "--also-level"): "the levels come from the compiled module, imported after the "
                                                      "parse (torch must not start before --threads is set)",
-    ("benchmarks.t5.planner_validate", "--models"): "each a name or a path, checked by model_config before any work",
-    ("benchmarks.t5.planner_validate", "--gpu-models"): "as --models",
 }
 
 
@@ -101,6 +99,8 @@ def _bad_values(action) -> list[str]:
         return ["/proc/hzo_no/x.json"]
     if action.type is _common.existing_dir:
         return [str(ROOT / "no_such_folder_hzo")]
+    if action.type is _common.model_list:
+        return ["t5-tinny", "t5-tiny,t5-tiny", ","]
     if action.type is _common.model_config or name == "_model_path":
         return ["t5-tinny"]
     allowed = getattr(action.type, "allowed", None)

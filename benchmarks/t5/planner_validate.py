@@ -32,7 +32,7 @@ from hf_zero_offload import planner  # noqa: E402
 from hf_zero_offload.planner import measure, trace  # noqa: E402
 
 from benchmarks._common import (hardware, hardware_line, int_list, json_stdout, json_target, model_config,  # noqa: E402
-                               name_list, positive_int, print_table, provenance, write_json)
+                               model_list, name_list, positive_int, print_table, provenance, write_json)
 
 MiB = 2 ** 20
 KEEP = {"fp32": True, "half": False, "amp": True}  # the gradient policy of the rows that train in each mode
@@ -145,13 +145,13 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="t5-tiny,t5-small",
+    ap.add_argument("--models", type=model_list, default="t5-tiny,t5-small",
                     help="CPU tier models: names of configs/models/NAME.json or paths to config JSON files")
     ap.add_argument("--batches", type=int_list(1), default=[2, 8], help="CPU tier batch sizes, comma-separated")
     ap.add_argument("--seq-len", type=positive_int, default=128, help="source tokens")
     ap.add_argument("--tgt-len", type=positive_int, default=128, help="target tokens")
     ap.add_argument("--gpu", action="store_true", help="run the GPU tier (needs CUDA; untested so far)")
-    ap.add_argument("--gpu-models", default="t5-large,t5-3b", help="GPU tier models, as --models")
+    ap.add_argument("--gpu-models", type=model_list, default="t5-large,t5-3b", help="GPU tier models, as --models")
     ap.add_argument("--gpu-rows", type=name_list(GPU_ROWS, "GPU tier row"), default=",".join(GPU_ROWS),
                     help="GPU tier rows, comma-separated (gpu_measure trains these three)")
     ap.add_argument("--gpu-batch", type=positive_int, default=4, help="GPU tier batch size")
@@ -164,14 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    try:  # every model before any work, naming what exists
-        [model_config(m) for m in args.models.split(",") + (args.gpu_models.split(",") if args.gpu else []) if m]
-    except argparse.ArgumentTypeError as e:
-        ap.error(f"--models: {e}")
-
     info = hardware()
     print(hardware_line(info))
-    models = [m for m in args.models.split(",") if m]
+    models = args.models  # (each checked by model_list, before any work)
     batches = args.batches
     result = {**provenance("benchmarks.t5.planner_validate", argv, info), "seq_len": args.seq_len,
               "tgt_len": args.tgt_len}
@@ -194,7 +189,7 @@ def main(argv=None) -> int:
             print("--gpu: no CUDA device; GPU tier skipped", file=sys.stderr)
         else:
             gpu = []
-            for m in args.gpu_models.split(","):
+            for m in args.gpu_models:
                 for row in args.gpu_rows:
                     try:
                         gpu.append(gpu_measure(m, row, args.gpu_batch, args.seq_len, args.tgt_len))
