@@ -149,7 +149,8 @@ def test_a_removal_that_fails_is_said_and_leaves_a_folder_that_reads_as_cut_shor
     warned = [r.getMessage() for r in caplog.records if "could not remove all of" in r.getMessage()]
     assert len(warned) == 1 and re.search(r"could not remove all of \S*checkpoint-2 \(\S*model\.safetensors: "
                                           r"Operation not permitted\); what is left reads as cut short", warned[0]), warned
-    assert rotation.plan(str(out), 1) == ([], [(str(out / "checkpoint-2"), rotation.left_out(str(out / "checkpoint-2")))])
+    left = str(out / "checkpoint-2")
+    assert rotation.plan(str(out), 1) == ([], [(left, rotation.left_out(left))])
 
 
 def test_the_file_named_is_one_of_the_checkpoint_saved_and_not_a_temporary(tmp_path):

@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 import torch  # noqa: E402
 
 from benchmarks._common import (NOT_HERE, hardware, hardware_line, int_list, json_stdout, json_target,  # noqa: E402
-                               load_example, model_config, name_list, output_file, positive_float, positive_int, print_table,
-                               provenance, target_line, verdict, write_json)
+                               load_example, model_config, name_list, output_file, positive_float, positive_int,
+                               print_table, provenance, target_line, verdict, write_json)
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, plan_host_memory  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "int8")

@@ -22,7 +22,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import (hardware, hardware_line, json_stdout, json_target, load_example,  # noqa: E402
-                               model_config, name_list, nonnegative_float, positive_int, print_table, provenance, write_json)
+                               model_config, name_list, nonnegative_float, positive_int, print_table, provenance,
+                               write_json)
 
 SCRIPT = os.path.join(ROOT, "examples", "seq2seq", "finetune_trainer.py")
 

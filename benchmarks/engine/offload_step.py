@@ -43,8 +43,8 @@ import traceback
 import torch
 
 from benchmarks._common import (NOT_HERE, beside, hardware, hardware_line, int_at_least, json_stdout,  # noqa: E402
-                                json_target, name_list, phases_text, positive_float, positive_int, print_table, provenance,
-                                target_line, torch_device, verdict, write_json)
+                                json_target, name_list, phases_text, positive_float, positive_int, print_table,
+                                provenance, target_line, torch_device, verdict, write_json)
 from benchmarks.engine.rows import DTYPES, ROWS, Ctx, Skip  # noqa: E402
 
 SMALL = 20_000_000  # params under which the host bytes per param are not the model's (_fmt_targets)

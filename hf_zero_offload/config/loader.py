@@ -81,9 +81,9 @@ def _parse(text: str, source: str) -> Any:
 
 
 MAX_BYTES = 16 << 20  # a ds_config is a few KB: /dev/zero or a dataset given by mistake was read whole (memory, time)
-# What a pipe held (--zero_offload <(jq ... ds_config.json), /dev/stdin), by its path and (st_dev, st_ino): the example script's
-# early check read it and the Trainer then read an empty pipe ("the file is empty"), or blocked on a named FIFO whose
-# writer had gone. A regular file is read each time.
+# What a pipe held (--zero_offload <(jq ... ds_config.json), /dev/stdin), by its path and (st_dev, st_ino): the
+# example script's early check read it and the Trainer then read an empty pipe ("the file is empty"), or blocked on a
+# named FIFO whose writer had gone. A regular file is read each time.
 _STREAMS: dict[tuple[str, int, int], bytes] = {}
 
 
