@@ -1,0 +1,69 @@
+"""--sharded_ddp through the Trainer on 2 gloo ranks whose models or runs differ in what the engine does not own:
+frozen params, buffers, and a rank that fails on its own."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from _dist import run_distributed
+
+
+def _states_apart(rank, world_size, out_dir, case):
+    """Rank 1's model given one more frozen param (``frozen``), an integer buffer of another dtype (``buffer``: the cast to the training
+    dtype leaves it), or run with
+    --ddp_broadcast_buffers false beside a buffer (``flag``)."""
+    from _t5 import OFFLOAD, ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    model = tiny_t5()
+    if case == "frozen" and rank == 1:
+        model.register_parameter("extra", torch.nn.Parameter(torch.zeros(3), requires_grad=False))
+    if case in ("buffer", "flag"):
+        model.register_buffer("counts", torch.zeros(4, dtype=torch.int32 if rank == 1 and case == "buffer"
+                                                    else torch.int64))
+    args = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=f"{out_dir}/{case}", per_device_train_batch_size=4, max_steps=2, use_cpu=True, ddp_backend="gloo",
+        report_to=[], save_strategy="no", disable_tqdm=True, sharded_ddp=True, zero_offload=OFFLOAD,
+        ddp_broadcast_buffers=not (case == "flag" and rank == 1))
+    try:
+        ZeroOffloadSeq2SeqTrainer(model=model, args=args, train_dataset=ToyDataset()).train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize("case, said", [
+    ("frozen", "frozen params and buffers: 0 on rank 0, 1 on rank 1"),
+    ("buffer", "frozen param or buffer 0: '(4,) int64' on rank 0, '(4,) int32' on rank 1"),
+    ("flag", "ddp_broadcast_buffers: True on rank 0, False on rank 1")])
+def test_ranks_with_other_frozen_params_or_buffers_stop_at_once_naming_them(tmp_path, case, said):
+    """An outside probe: the engine compared the trainable params only, so one frozen param more on rank 1 (or a
+    buffer of another dtype) left both ranks in the coalesced broadcast of rank 0's frozen params and buffers until
+    the collective timeout (30 minutes by default), which then named neither."""
+    start = time.monotonic()
+    ours = run_distributed(_states_apart, str(tmp_path), case, timeout=120, collective_timeout=60)
+    assert time.monotonic() - start < 40
+    for r in ours:
+        assert r and "the 2 ranks hold different frozen params or buffers" in r and said in r, ours
+    if case == "frozen":
+        assert "(0: extra (3,) float32 on this rank)" in ours[1], ours
+
+
+def _buffer_equal(rank, world_size, out_dir):
+    from _t5 import OFFLOAD, ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    model = tiny_t5()
+    model.register_buffer("counts", torch.full((4,), float(rank)))
+    model.register_parameter("frozen", torch.nn.Parameter(torch.full((2,), float(rank)), requires_grad=False))
+    args = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=f"{out_dir}/same", per_device_train_batch_size=4, max_steps=1, use_cpu=True, ddp_backend="gloo",
+        report_to=[], save_strategy="no", disable_tqdm=True, sharded_ddp=True, zero_offload=OFFLOAD)
+    ZeroOffloadSeq2SeqTrainer(model=model, args=args, train_dataset=ToyDataset()).train()
+    return model.counts.tolist() + model.frozen.tolist()
+
+
+def test_ranks_with_the_same_frozen_params_and_buffers_still_take_rank_0s(tmp_path):
+    assert run_distributed(_buffer_equal, str(tmp_path), timeout=120) == [[0.0] * 6, [0.0] * 6]
