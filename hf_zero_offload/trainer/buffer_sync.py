@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..engine.sharded.agree import check_ranks_agree
+from .same_model import check_same_model
 
 _BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast bucket
 
@@ -35,32 +35,13 @@ class BroadcastBuffers:
         engine, model = self.zero_engine, self.model if model is None else model
         if engine is None or getattr(engine, "world_size", 1) < 2:
             return
-        named = [(n, p) for n, p in model.named_parameters() if not p.requires_grad] if frozen else []
-        if self.args.ddp_broadcast_buffers is not False:
-            named += list(model.named_buffers())
-        named = list({id(t): (n, t) for n, t in named}.values())  # a tied tensor once
         if frozen:  # once, before the first broadcast: every later one sends the same tensors
-            _check_same_states(named, self.args.ddp_broadcast_buffers is not False, engine)
-        states = [t for _, t in named]
+            check_same_model(model, self.args.ddp_broadcast_buffers is not False, engine.process_group,
+                             engine.world_size)
+        states = [p for p in model.parameters() if not p.requires_grad] if frozen else []
+        if self.args.ddp_broadcast_buffers is not False:
+            states += [b for b in model.buffers()]
+        states = list({id(t): t for t in states}.values())  # a tied tensor once
         if states:
             with torch.no_grad():
                 dist._broadcast_coalesced(engine.process_group or dist.group.WORLD, states, _BUCKET_BYTES, 0)
-
-
-def _check_same_states(named: list, buffers: bool, engine) -> None:
-    """Every rank must broadcast the same tensors: a frozen param or a buffer more (or of another shape or dtype) on
-    one rank, or ``--ddp_broadcast_buffers`` on some ranks only, left every rank in the coalesced broadcast until
-    the collective timeout (30 minutes by default), where the engine had checked the trainable params alone. One
-    all-gather compares them; every rank raises naming the first that differs."""
-    setup = {"ddp_broadcast_buffers": buffers, "frozen params and buffers": len(named)}
-    for i, (name, t) in enumerate(named):  # by position: the broadcast pairs them by position, not by name
-        setup[f"frozen param or buffer {i}"] = f"{name} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
-    every = {k: v.split(" ", 1)[1] if k.startswith("frozen param or buffer ") else v for k, v in setup.items()}
-    try:  # the shapes and dtypes compared, not the names (a module renamed on one rank broadcasts alike)
-        check_ranks_agree(every, engine.process_group, engine.world_size, "hold different frozen params or buffers",
-                          "Every rank sets rank 0's frozen params and buffers as DDP's wrap does, which needs the same "
-                          "ones, in the same order, on every rank (the same model and the same freezing on every node)")
-    except ValueError as e:
-        names = "; ".join(f"{k[len('frozen param or buffer '):]}: {v} on this rank" for k, v in setup.items()
-                          if k.startswith("frozen param or buffer ") and f"{k}:" in str(e))
-        raise ValueError(f"{e}{' (' + names + ')' if names else ''}") from None
