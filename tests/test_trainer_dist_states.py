@@ -74,3 +74,46 @@ def _buffer_equal(rank, world_size, out_dir):
 
 def test_ranks_with_the_same_frozen_params_and_buffers_still_take_rank_0s(tmp_path):
     assert run_distributed(_buffer_equal, str(tmp_path), timeout=120) == [[0.0] * 6, [0.0] * 6]
+
+
+def _weights_refused(rank, world_size, out_dir):
+    """Rank 0's save_pretrained refuses the weights at step 4 with a ValueError (as it does an invalid generation
+    config); checkpoint-2 was saved before."""
+    import os
+
+    from _t5 import OFFLOAD, ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    args = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
+        report_to=[], save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True, sharded_ddp=True,
+        zero_offload=OFFLOAD)
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=ToyDataset())
+    save = trainer._save
+
+    def refuse(*a, **k):
+        if rank == 0 and trainer.state.global_step == 4:
+            raise ValueError("The generation config instance is invalid")
+        return save(*a, **k)
+
+    trainer._save = refuse
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return {"error": f"{type(e).__name__}: {e}",
+                "marked": sorted(d for d in os.listdir(out_dir) if os.path.isfile(f"{out_dir}/{d}/hzo_complete.json"))}
+    return {"error": None}
+
+
+def test_weights_refused_by_a_value_error_on_rank_0_stop_every_rank_at_once(tmp_path):
+    """An outside probe: rank 0's weights save kept a full disk's OSError for the end of the save, but a ValueError
+    (save_pretrained refusing an invalid generation config, safetensors a non-contiguous tensor) went out of it on
+    rank 0 alone, while rank 1 waited in the engine's save until the collective timeout (30 minutes by default)."""
+    start = time.monotonic()
+    ours = run_distributed(_weights_refused, str(tmp_path), timeout=120, collective_timeout=60)
+    assert time.monotonic() - start < 40
+    assert ours[0]["error"].startswith("ValueError: The generation config instance is invalid"), ours
+    assert f"saving {tmp_path}/checkpoint-4 failed on rank 0 (host" in ours[1]["error"], ours
+    assert "The generation config instance is invalid" in ours[1]["error"], ours
+    for r in ours:
+        assert r["marked"] == ["checkpoint-2"], ours

@@ -264,12 +264,14 @@ class CheckpointSaving:
     def save_model(self, output_dir=None, _internal_call=False):
         """Within a checkpoint save on several ranks, rank 0's failure to write the weights (a full disk) is kept,
         not raised: the optimizer state's save after it has collectives every rank must reach (the others waited
-        in them until the timeout), and ``_save_checkpoint`` raises it on every rank afterwards."""
+        in them until the timeout), and ``_save_checkpoint`` raises it on every rank afterwards. Any error, not
+        only a file system's: a ValueError there (an invalid generation config that save_pretrained refuses, a
+        non-contiguous tensor safetensors refuses) left the other ranks in the engine's save until the timeout."""
         if not getattr(self, "_zo_in_save", False):
             return super().save_model(output_dir, _internal_call)
         try:
             return super().save_model(output_dir, _internal_call)
-        except (OSError, RuntimeError, SafetensorError) as e:
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _save_checkpoint
             self._zo_model_error = e
 
     def _zo_stop_if_failed(self, failed, output_dir: str, run_dir: str) -> None:
