@@ -117,3 +117,51 @@ def test_weights_refused_by_a_value_error_on_rank_0_stop_every_rank_at_once(tmp_
     assert "The generation config instance is invalid" in ours[1]["error"], ours
     for r in ours:
         assert r["marked"] == ["checkpoint-2"], ours
+
+
+def _raises_mid_step(rank, world_size, out_dir, where):
+    """Rank 1 raises at its third training forward (``forward``), in the backward of its third step (``backward``:
+    while its gradient hooks reduce), or rank 0 in a callback at step 2's end (``callback``)."""
+    from transformers import TrainerCallback
+
+    from _t5 import OFFLOAD, ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    model, calls = tiny_t5(), []
+
+    def forward_hook(module, inputs, output):
+        calls.append(1)
+        if rank == 1 and len(calls) == 3 and module.training:
+            if where == "forward":
+                raise RuntimeError("boom in forward")
+            output.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom in backward")))
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 0 and state.global_step == 2 and where == "callback":
+                raise KeyError("boom in callback")
+
+    model.lm_head.register_forward_hook(forward_hook)
+    args = ZeroOffloadSeq2SeqTrainingArguments(
+        output_dir=f"{out_dir}/{where}", per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
+        report_to=[], save_strategy="no", disable_tqdm=True, sharded_ddp=True, zero_offload=OFFLOAD)
+    try:
+        ZeroOffloadSeq2SeqTrainer(model=model, args=args, train_dataset=ToyDataset(), callbacks=[Stop()]).train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize("where, failing, said", [("forward", 1, "RuntimeError: boom in forward"),
+                                                  ("backward", 1, "RuntimeError: boom in backward"),
+                                                  ("callback", 0, "KeyError: 'boom in callback'")])
+def test_a_rank_failing_mid_step_is_named_by_the_others(tmp_path, where, failing, said):
+    """An outside probe: rank 1 raising mid-step ended its process, and rank 0 failed in the collective it waited in
+    with gloo's words alone ("Connection closed by peer [127.0.0.1]:37056 ... GLHF!"), naming neither the rank nor
+    its error."""
+    start = time.monotonic()
+    ours = run_distributed(_raises_mid_step, str(tmp_path), where, timeout=120, collective_timeout=60)
+    assert time.monotonic() - start < 40
+    assert ours[failing].startswith(said), ours
+    assert ours[1 - failing].startswith(f"RuntimeError: rank {failing} (host ") and f"failed: {said}" in \
+        ours[1 - failing] and f"this rank (rank {1 - failing}) stopped in the collective" in ours[1 - failing], ours
