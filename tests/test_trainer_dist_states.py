@@ -2,6 +2,7 @@
 frozen params, buffers, and a rank that fails on its own."""
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -121,7 +122,8 @@ def test_weights_refused_by_a_value_error_on_rank_0_stop_every_rank_at_once(tmp_
 
 def _raises_mid_step(rank, world_size, out_dir, where):
     """Rank 1 raises at its third training forward (``forward``), in the backward of its third step (``backward``:
-    while its gradient hooks reduce), or rank 0 in a callback at step 2's end (``callback``)."""
+    while its gradient hooks reduce), or in a callback at step 2's end (``before_save``: where rank 0 goes on to
+    save checkpoint-2), or rank 0 in a callback at step 2's end (``callback``)."""
     from transformers import TrainerCallback
 
     from _t5 import OFFLOAD, ToyDataset, tiny_t5
@@ -140,11 +142,14 @@ def _raises_mid_step(rank, world_size, out_dir, where):
         def on_step_end(self, args, state, control, **kwargs):
             if rank == 0 and state.global_step == 2 and where == "callback":
                 raise KeyError("boom in callback")
+            if rank == 1 and state.global_step == 2 and where == "before_save":  # rank 0 then waits to save
+                raise KeyError("boom before the save")
 
     model.lm_head.register_forward_hook(forward_hook)
     args = ZeroOffloadSeq2SeqTrainingArguments(
         output_dir=f"{out_dir}/{where}", per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
-        report_to=[], save_strategy="no", disable_tqdm=True, sharded_ddp=True, zero_offload=OFFLOAD)
+        report_to=[], save_strategy="steps" if where == "before_save" else "no", save_steps=2, disable_tqdm=True,
+        sharded_ddp=True, zero_offload=OFFLOAD)
     try:
         ZeroOffloadSeq2SeqTrainer(model=model, args=args, train_dataset=ToyDataset(), callbacks=[Stop()]).train()
     except Exception as e:  # noqa: BLE001 - the message is the result
@@ -154,14 +159,20 @@ def _raises_mid_step(rank, world_size, out_dir, where):
 
 @pytest.mark.parametrize("where, failing, said", [("forward", 1, "RuntimeError: boom in forward"),
                                                   ("backward", 1, "RuntimeError: boom in backward"),
-                                                  ("callback", 0, "KeyError: 'boom in callback'")])
+                                                  ("callback", 0, "KeyError: 'boom in callback'"),
+                                                  ("before_save", 1, "KeyError: 'boom before the save'")])
 def test_a_rank_failing_mid_step_is_named_by_the_others(tmp_path, where, failing, said):
     """An outside probe: rank 1 raising mid-step ended its process, and rank 0 failed in the collective it waited in
     with gloo's words alone ("Connection closed by peer [127.0.0.1]:37056 ... GLHF!"), naming neither the rank nor
-    its error."""
+    its error; with a save at that step rank 0 looked for rank 1 to reach it until --ddp_timeout (30 minutes)."""
     start = time.monotonic()
     ours = run_distributed(_raises_mid_step, str(tmp_path), where, timeout=120, collective_timeout=60)
     assert time.monotonic() - start < 40
     assert ours[failing].startswith(said), ours
+    if where == "before_save":
+        assert ours[0] == f"RuntimeError: rank 1 (host {socket.gethostname()}) failed: {said}; this rank waited for " \
+            f"it to save {tmp_path}/before_save/checkpoint-2, which it never will; nothing was written", ours
+        assert not (tmp_path / "before_save" / "checkpoint-2").exists()
+        return
     assert ours[1 - failing].startswith(f"RuntimeError: rank {failing} (host ") and f"failed: {said}" in \
         ours[1 - failing] and f"this rank (rank {1 - failing}) stopped in the collective" in ours[1 - failing], ours

@@ -44,17 +44,27 @@ def peer_failed(e: BaseException, store, generation: int, rank: int, world_size:
         with contextlib.suppress(Exception):  # (the store gone with rank 0: this rank's error is the one to see)
             store.set(_KEY.format(generation, rank), f"{socket.gethostname()}\n{_said(e)}")
         return None
-    keys = {r: _KEY.format(generation, r) for r in range(world_size) if r != rank}
     give_up = time.monotonic() + _WAIT_S
     try:
         while True:
-            found = [r for r, k in keys.items() if store.check([k])]
+            found = failed_peer(store, generation, [r for r in range(world_size) if r != rank])
             if found:
-                host, _, why = store.get(keys[found[0]]).decode().partition("\n")
-                return RuntimeError(f"rank {found[0]} (host {host}) failed: {why}; this rank (rank {rank}) stopped in "
-                                    f"the collective it was waiting in for it ({_said(e)[:200]})")
+                return RuntimeError(f"{found}; this rank (rank {rank}) stopped in the collective it was waiting in for "
+                                    f"it ({_said(e)[:200]})")
             if time.monotonic() > give_up:
                 return None
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store gone with its host: this rank's error is the one to see
         return None
+
+
+def failed_peer(store, generation: int, ranks) -> str | None:
+    """"rank R (host H) failed: <its error>" for the first of ``ranks`` whose train() of this ``generation`` raised
+    (None: none). Also for a rank that waits on its peers through the store rather than in a collective (the saves'
+    agreement: a peer that failed before the save point left it looking until --ddp_timeout)."""
+    for r in ranks:
+        key = _KEY.format(generation, r)
+        if store.check([key]):
+            host, _, why = store.get(key).decode().partition("\n")
+            return f"rank {r} (host {host}) failed: {why}"
+    return None

@@ -23,6 +23,7 @@ from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durab
 from ..run_lock import confirm_job_lock
 from .shared_dir import distributed, failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
+from .peer_failure import failed_peer
 from .save_errors import CheckpointSaveError, failed_on, wrap  # noqa: F401 (CheckpointSaveError: the API)
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,9 @@ class CheckpointSaving:
                 elif there > point or (there == point and state == "passed"):
                     waiting.remove(r)
                     not_saving.append(r)
+            if waiting and (gone := failed_peer(store, point[0], waiting)):  # it will never come (peer_failure.py)
+                raise RuntimeError(f"{gone}; this rank waited for it to save {output_dir}, which it never will; "
+                                   "nothing was written")
             if waiting and time.monotonic() > give_up:
                 raise TimeoutError(f"rank(s) {', '.join(map(str, waiting))} did not reach the save of {output_dir} "
                                    f"within --ddp_timeout {getattr(self.args, 'ddp_timeout', 1800)} s")
