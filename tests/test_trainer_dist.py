@@ -317,7 +317,9 @@ def _started_differently(rank, world_size, out_dir, key):
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 
     other = {"max_steps": dict(max_steps=3), "save_only_model": dict(save_only_model=True), "seed": dict(seed=1),
-             "logging_steps": dict(logging_steps=2), "tokens": dict(include_num_input_tokens_seen=True)}.get(key, {}) \
+             "logging_steps": dict(logging_steps=2), "tokens": dict(include_num_input_tokens_seen=True),
+             "eval_delay": dict(eval_delay=3), "smoothing": dict(label_smoothing_factor=0.1),
+             "split_batches": dict(accelerator_config={"split_batches": True})}.get(key, {}) \
         if rank == 1 else {}
     targs = ZeroOffloadSeq2SeqTrainingArguments(**{**dict(
         output_dir=f"{out_dir}/{key}", per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
@@ -339,7 +341,12 @@ def _started_differently(rank, world_size, out_dir, key):
     ("max_steps", "max_steps: 4 on rank 0, 3 on rank 1"), ("save_only_model", "save_only_model: False on rank 0, "
                                                                                "True on rank 1"),
     ("seed", "seed: 0 on rank 0, 1 on rank 1"), ("logging_steps", "logging_steps: 500 on rank 0, 2 on rank 1"),
-    ("dataset", "the training set's length: 32 on rank 0, 24 on rank 1")])
+    ("dataset", "the training set's length: 32 on rank 0, 24 on rank 1"),
+    # an outside probe: one rank's --eval_delay left both in evaluation's gather until the timeout; its
+    # --label_smoothing_factor or split_batches trained on a mix of the two runs
+    ("eval_delay", "eval_delay: 0 on rank 0, 3 on rank 1"), ("smoothing", "label_smoothing_factor: 0.0 on rank 0, "
+                                                                          "0.1 on rank 1"),
+    ("split_batches", "accelerator_config.split_batches: False on rank 0, True on rank 1")])
 def test_ranks_started_for_different_runs_stop_at_train_start(tmp_path, key, said):
     """An outside probe: rank 1 with another --max_steps (a flat schedule: no lr differed) exited while rank 0 died in
     gloo's words, or waited in evaluation's collective; with --save_only_model both waited in the first save until the

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .same_model import check_same_model
+
 _BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast bucket
 
 
@@ -33,6 +35,9 @@ class BroadcastBuffers:
         engine, model = self.zero_engine, self.model if model is None else model
         if engine is None or getattr(engine, "world_size", 1) < 2:
             return
+        if frozen:  # once, before the first broadcast: every later one sends the same tensors
+            check_same_model(model, self.args.ddp_broadcast_buffers is not False, engine.process_group,
+                             engine.world_size)
         states = [p for p in model.parameters() if not p.requires_grad] if frozen else []
         if self.args.ddp_broadcast_buffers is not False:
             states += [b for b in model.buffers()]

@@ -26,6 +26,7 @@ from ..schedulers import build_scheduler
 from .buffer_sync import BroadcastBuffers
 from .placement import PlaceWithEngine
 from .same_run import check_same_run
+from .peer_failure import peer_failed
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .mean_loss import LossScaleNote
@@ -317,8 +318,11 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, L
             with end_rotation.running(self):  # (transformers' end-of-training cleanup under our rotation's rule)
                 out = super().train(resume_from_checkpoint, *args, **kwargs)
             self._zo_publish_last()  # (done already unless training stopped before on_train_end)
-        except BaseException:
+        except BaseException as e:
             self._zo_publish_after_failure()
+            named = self._zo_peer_failed(e)
+            if named is not None:  # (peer_failure.py) a peer's failure, by its rank, in place of gloo's words
+                raise named from e
             raise
         finally:
             self.callback_handler.callbacks.remove(first)
@@ -334,6 +338,13 @@ class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, L
         that load_best_model_at_end loaded."""
         if self.zero_engine is not None and not self._zo_best:
             self.zero_engine.flush()
+
+    def _zo_peer_failed(self, e: BaseException) -> BaseException | None:
+        try:  # (the saves' store and this train()'s generation: saving.py)
+            store, count = self._zo_store(), self._zo_count()
+        except Exception:  # noqa: BLE001 - the store gone: the error in flight is the one to see
+            return None
+        return peer_failed(e, store, count[0], self.args.process_index, self.args.world_size) if count else None
 
     def _zo_publish_after_failure(self) -> None:
         """A callback's error or a Ctrl-C out of train(): the model takes the last whole step (for save_model(),

@@ -10,6 +10,7 @@ failed in gloo's words ("Connection closed by peer") or waited in a collective i
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sized
 
 from ..config import ConfigError
@@ -24,10 +25,18 @@ SAME_ON_EVERY_RANK = (
     "eval_steps", "eval_on_start", "per_device_eval_batch_size", "eval_accumulation_steps", "prediction_loss_only",
     "save_strategy", "save_steps", "save_only_model", "load_best_model_at_end", "metric_for_best_model",
     "include_num_input_tokens_seen", "average_tokens_across_devices", "gradient_checkpointing", "torch_compile",
-    "fp16", "bf16")
+    "fp16", "bf16",
+    # an outside probe: --eval_delay on one rank left both in evaluation's gather until the 30-minute timeout; a
+    # --label_smoothing_factor or accelerator_config split_batches on one rank trained on a mix of the two runs
+    "eval_delay", "label_smoothing_factor", "neftune_noise_alpha", "ignore_data_skip", "accelerator_config",
+    "lr_scheduler_kwargs", "label_names", "past_index", "torch_compile_backend", "torch_compile_mode",
+    "eval_use_gather_object", "include_for_metrics", "include_inputs_for_metrics", "batch_eval_metrics",
+    "eval_do_concat_batches", "predict_with_generate", "generation_max_length", "generation_num_beams")
 
 
 def _plain(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # accelerator_config: its fields
+        return dataclasses.asdict(value)
     return getattr(value, "value", value)  # an enum (IntervalStrategy, SchedulerType) by its name
 
 
@@ -44,7 +53,13 @@ def check_same_run(args, train_dataset, eval_dataset=None) -> None:
     """Raises ConfigError on every rank when the ranks' runs differ (one all-gather; nothing with one process)."""
     if not distributed(args.world_size):
         return
-    setup = {k: _plain(getattr(args, k, None)) for k in SAME_ON_EVERY_RANK}
+    setup = {}
+    for k in SAME_ON_EVERY_RANK:
+        value = _plain(getattr(args, k, None))
+        if dataclasses.is_dataclass(getattr(args, k, None)):  # each field by its name: the one that differs named
+            setup.update({f"{k}.{field}": v for field, v in value.items()})
+        else:
+            setup[k] = value
     setup["the training set's length"] = _length(train_dataset)
     # (evaluation gathers across ranks: a set of another length on one rank averaged two sets, or waited)
     evals = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}

@@ -23,6 +23,7 @@ from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durab
 from ..run_lock import confirm_job_lock
 from .shared_dir import distributed, failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
+from .peer_failure import failed_peer
 from .save_errors import CheckpointSaveError, failed_on, wrap  # noqa: F401 (CheckpointSaveError: the API)
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,9 @@ class CheckpointSaving:
                 elif there > point or (there == point and state == "passed"):
                     waiting.remove(r)
                     not_saving.append(r)
+            if waiting and (gone := failed_peer(store, point[0], waiting)):  # it will never come (peer_failure.py)
+                raise RuntimeError(f"{gone}; this rank waited for it to save {output_dir}, which it never will; "
+                                   "nothing was written")
             if waiting and time.monotonic() > give_up:
                 raise TimeoutError(f"rank(s) {', '.join(map(str, waiting))} did not reach the save of {output_dir} "
                                    f"within --ddp_timeout {getattr(self.args, 'ddp_timeout', 1800)} s")
@@ -264,12 +268,14 @@ class CheckpointSaving:
     def save_model(self, output_dir=None, _internal_call=False):
         """Within a checkpoint save on several ranks, rank 0's failure to write the weights (a full disk) is kept,
         not raised: the optimizer state's save after it has collectives every rank must reach (the others waited
-        in them until the timeout), and ``_save_checkpoint`` raises it on every rank afterwards."""
+        in them until the timeout), and ``_save_checkpoint`` raises it on every rank afterwards. Any error, not
+        only a file system's: a ValueError there (an invalid generation config that save_pretrained refuses, a
+        non-contiguous tensor safetensors refuses) left the other ranks in the engine's save until the timeout."""
         if not getattr(self, "_zo_in_save", False):
             return super().save_model(output_dir, _internal_call)
         try:
             return super().save_model(output_dir, _internal_call)
-        except (OSError, RuntimeError, SafetensorError) as e:
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _save_checkpoint
             self._zo_model_error = e
 
     def _zo_stop_if_failed(self, failed, output_dir: str, run_dir: str) -> None:
