@@ -277,6 +277,50 @@ def _sharded(model, groups, cfg, state_dtype="fp32"):
     return ShardedAdam(groups(model), lr=LR, options=opts, allgather_bucket_numel=1000, **cfg)
 
 
+ENGINES = {"offload": lambda m, wd: OffloadAdam(param_groups(m, wd), lr=LR, options=OffloadOptions(**SMALL)),
+           "sharded1": lambda m, wd: _sharded(m, lambda q: param_groups(q, wd), dict(stage=1, offload=True)),
+           "sharded2": lambda m, wd: _sharded(m, lambda q: param_groups(q, wd), dict(stage=2, offload=False))}
+
+
+@pytest.mark.parametrize("then", ["close", "replace", "torch"])
+@pytest.mark.parametrize("kind", list(ENGINES))
+def test_an_optimizer_built_next_steps_the_zero_grads_torch_keeps(kind, then):
+    """zero_grad(set_to_none=False), then a new optimizer over the same params (after close(), or replacing the
+    engine alive): torch's steps the params holding a zero .grad (the branch, unused from step 2 on). The engines
+    free each .grad they take, so the next engine found none and skipped them: 0.198 off AdamW with weight decay
+    0.5, silently. Element by element against AdamW(foreach=False) rebuilt at the same point."""
+    wd = 0.5
+    data = [(ids, labels, i == 0) for i, (ids, labels, _) in enumerate(batches(5))]
+    torch.manual_seed(0)
+    ref_model = TinyNet()
+    model = copy.deepcopy(ref_model)
+    for m, make in ((ref_model, lambda: torch.optim.AdamW(param_groups(ref_model, wd), lr=LR, foreach=False)),
+                    (model, lambda: ENGINES[kind](model, wd))):
+        opt = make()
+        run(m, opt, data[:2], keep_zero=True, lr_at=-1)
+        if m is model and then == "close":
+            opt.close()
+        opt = make() if m is ref_model or then != "torch" else (opt.close(), torch.optim.AdamW(
+            param_groups(model, wd), lr=LR, foreach=False))[1]
+        run(m, opt, data[2:], keep_zero=True, lr_at=-1)
+        if m is model and then != "torch":
+            assert all(p.grad is None for p in model.parameters())  # taken: the zeros live in the engine's flags
+            opt.close()
+    assert model.branch.weight.grad is not None and not model.branch.weight.grad.any()  # handed back at close
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, **TIGHT, msg=name)
+
+
+def test_closing_after_zero_grad_to_none_hands_back_no_grads():
+    """torch's default zero_grad(): a close allocates no .grad (nothing torch would hold is a zero)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = ENGINES["offload"](model, WD)
+    run(model, opt, batches(2), lr_at=-1)
+    opt.close()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _two_rank_job(rank, world, ckpt):
     out = {}
     same = batches(6)                   # the same data on both ranks: the one-process gradient

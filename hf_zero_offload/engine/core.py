@@ -114,6 +114,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         steps: the flags join the step's one all-reduce, see ShardedAdam._global_stats.)"""
         super().zero_grad(set_to_none)
         self._drain_window()  # no copy still in flight may land in the window started next
+        self._zeros_kept = not set_to_none  # (what a close hands back: ParamOwner._hand_back_zero_grads)
         if set_to_none:  # torch: every .grad is None now, the last step's too
             self._kept_grad = [False] * len(self._flat)
             self._last_received = [False] * len(self._flat)
@@ -384,6 +385,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
                            "weights of one step before the masters; call flush() before close()", type(self).__name__)
         self._done_why = "closed"
         self.detach_hooks()
+        self._hand_back_zero_grads()
         try:
             self._wait_worker()
         except Exception as e:  # noqa: BLE001 - no reason to keep the worker and the arena: said, not raised

@@ -136,6 +136,7 @@ class ParamOwner:
     ``_wait_worker``) as their own."""
     _done_why: str | None = None  # closed or replaced: why it may no longer step
     _said_16bit_sum = False       # summed_in_16_bits said once per engine
+    _zeros_kept = False           # the last zero_grad() kept zeros (set_to_none=False): torch's .grad stay
 
     def _say_if_summed_in_16_bits(self, store: torch.Tensor, counts: list[int]) -> None:
         """Once: several backward passes of this window summed into a 16-bit store (``buffers.summed_in_16_bits``)."""
@@ -147,6 +148,38 @@ class ParamOwner:
         """The subclass calls this once its memory is allocated, before it reads the params: an engine that
         held them is replaced (its hooks go; it publishes nothing, see ``_replaced``)."""
         claim(self, [p for p, _, _ in self._flat])
+        self._take_zero_grads()
+
+    def _take_zero_grads(self) -> None:
+        """The zero ``.grad`` a param holds when the engine is built (torch's ``zero_grad(set_to_none=False)``,
+        or one handed back by the engine this one replaces, ``_hand_back_zero_grads``): torch's AdamW steps that
+        param with it (weight decay, the moments' decay), so the engine does until a ``zero_grad(set_to_none=True)``
+        (``_kept_grad``), and frees it as it frees every gradient it takes. A new engine did not step them: one
+        that takes gradients during backward frees .grad, so the next engine found none (0.198 off AdamW with
+        weight_decay 0.5). An engine that reads .grad at step() (ZeRO-1) counts it there itself."""
+        if not self._grads_from_backward:
+            return
+        for i, (p, _, _) in enumerate(self._flat):
+            g = p.grad
+            if g is not None and g.layout == torch.strided and g.numel() == p.numel() and not bool(g.any()):
+                self._kept_grad[i], p.grad = True, None
+                self._zeros_kept = True
+
+    def _hand_back_zero_grads(self) -> None:
+        """At close or replacement, after zero_grad(set_to_none=False): a zero ``.grad`` again on each param torch
+        would hold one for (its gradient since the last zero_grad(set_to_none=True) freed by the engine), so the
+        optimizer built next over these params (another engine, torch's AdamW) steps them as torch's would. Not
+        after zero_grad(set_to_none=True), torch's default, nor before any zero_grad: no memory is allocated."""
+        if not self._zeros_kept:
+            return
+        try:
+            window = self._window_received()
+        except Exception:  # noqa: BLE001 - a window that cannot be read (a failed build): the steps' own flags
+            window = [False] * len(self._flat)
+        with torch.no_grad():
+            for (p, _, _), k, r, w in zip(self._flat, self._kept_grad, self._last_received, window):
+                if (k or r or w) and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     def _hooks(self) -> GradHooks | None:
         """The subclass's gradient hooks (None: it reads ``.grad`` at ``step()``)."""
@@ -164,6 +197,7 @@ class ParamOwner:
             logger.warning("hf_zero_offload: the replaced %s's last delayed step failed (%s)", type(self).__name__, e)
             self._pending = None
         self.detach_hooks()
+        self._hand_back_zero_grads()
         self._done_why = (f"replaced by a new {type(by).__name__} built on the same parameters (e.g. another Trainer "
                           "on this model): its masters no longer describe the model")
 
