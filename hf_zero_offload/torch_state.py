@@ -7,6 +7,11 @@ them, group after group in the order the engine held them, which is the order of
 (the Trainer's decay / no-decay groups, or the groups a user passed). Moments are fp32 in each param's shape (bf16
 widened, int8 decoded with its code map), one tensor each (a slice of one flat array would drag the whole array
 along into every param's state); a param that never took a step has no state, as in torch.
+
+Frozen params own no state and are not in the groups (the Trainer's AdamW leaves them out too). An AdamW built over
+``model.parameters()`` lists them in its groups, and torch refuses that state ("doesn't match the size of optimizer's
+group"); the checkpoint does not record where they sat, so give the params it goes into: ``params=`` here, or
+``for_params(state_dict, params)`` on an exported one (``optimizer.pt``), numbers it for them.
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ _TORCH_GROUP_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "
 _OUR_GROUP_KEYS = ("adamw_mode", "param_names", "params")
 
 
-def torch_optimizer_state(state_dir: str, expected_save_id: str | None = None) -> dict:
+def torch_optimizer_state(state_dir: str, expected_save_id: str | None = None, params=None) -> dict:
     """The state under ``state_dir`` (every rank's file, any world size) as torch.optim.AdamW's ``state_dict()``,
-    after every header, the partition map and the save id (``expected_save_id``: the marker's) are checked."""
+    after every header, the partition map and the save id (``expected_save_id``: the marker's) are checked.
+    ``params``: what the AdamW that loads it was built over, frozen params included (``for_params``); without it,
+    numbered for the trainable params alone, group after group."""
     srcs, meta = sources(state_dir)
     check_save_id(meta, expected_save_id, state_dir)
     slots = meta["slots"]
@@ -60,7 +67,61 @@ def torch_optimizer_state(state_dir: str, expected_save_id: str | None = None) -
                               "exp_avg_sq": exp_avg_sq.view(shape)}
             pid += 1
         groups.append(group)
-    return {"state": state, "param_groups": groups}
+    sd = {"state": state, "param_groups": groups}
+    return sd if params is None else for_params(sd, params)
+
+
+def for_params(state_dict: dict, params) -> dict:
+    """``state_dict`` (``torch_optimizer_state``'s, or ``optimizer.pt`` of ``consolidate --with-optimizer``:
+    the trainable params alone) numbered for a torch.optim.AdamW over ``params``: what it was built over (an
+    iterable of params such as ``model.parameters()``, or a list of param groups) or the optimizer itself.
+    Frozen params (``requires_grad=False``) get a number and no state, as torch keeps none for them; the trainable
+    ones of each group must be the run's, in order (their count, and the shapes of their moments, are checked)."""
+    groups = _given_groups(params)
+    saved = state_dict["param_groups"]
+    if len(groups) != len(saved):
+        raise ValueError(f"the optimizer state has {len(saved)} param group(s) (trainable params per group: "
+                         f"{[len(g['params']) for g in saved]}), the params given {len(groups)}: build the AdamW "
+                         "over the run's groups (the Trainer's: weight decay / no weight decay), frozen params "
+                         "in them or not")
+    state, out, new = {}, [], 0
+    for i, (given, group) in enumerate(zip(groups, saved)):
+        trainable = [p for p in given if p.requires_grad]
+        if len(trainable) != len(group["params"]):
+            raise ValueError(f"param group {i}: {len(trainable)} trainable param(s) given (requires_grad), the "
+                             f"optimizer state has {len(group['params'])}: freeze the params the run froze "
+                             "(requires_grad_(False)) before building the optimizer, and give its groups in order")
+        old = iter(group["params"])
+        ids = []
+        for p in given:
+            if p.requires_grad:
+                pid = next(old)
+                if pid in state_dict["state"]:
+                    st = state_dict["state"][pid]
+                    if tuple(st["exp_avg"].shape) != tuple(p.shape):
+                        raise ValueError(f"param group {i}: a trainable param of shape {tuple(p.shape)} where the "
+                                         f"optimizer state has moments of shape {tuple(st['exp_avg'].shape)}: give "
+                                         "the run's params, in its order")
+                    state[new] = st
+            ids.append(new)
+            new += 1
+        out.append({**group, "params": ids})
+    return {"state": state, "param_groups": out}
+
+
+def _given_groups(params) -> list[list[torch.Tensor]]:
+    """Each group's params, as torch.optim takes them: an optimizer, an iterable of params or of param groups."""
+    if isinstance(params, torch.optim.Optimizer):
+        return [list(g["params"]) for g in params.param_groups]
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    given = list(params)
+    if given and all(isinstance(g, dict) for g in given):
+        return [[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]) for g in given]
+    if not given or not all(isinstance(p, torch.Tensor) for p in given):
+        raise TypeError("params: the params the AdamW was built over (model.parameters()), its param groups (a "
+                        "list of dicts with 'params'), or the optimizer itself")
+    return [given]
 
 
 def _moments(held: dict, offset: int, numel: int, state_dtype: str, codes: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from _t5 import ToyDataset, tiny_t5
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments, ops
 from hf_zero_offload.cli import main as cli_main
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
-from hf_zero_offload.torch_state import torch_optimizer_state
+from hf_zero_offload.torch_state import for_params, torch_optimizer_state
 
 LR, WD = 1e-2, 0.01
 
@@ -82,6 +82,70 @@ def test_torch_adamw_goes_on_from_it_as_the_engine_does(tmp_path):
         torch.testing.assert_close(b, a, rtol=2 ** -23, atol=2e-7, msg=name)
     assert max((a - c).abs().max().item() for a, c in zip(model.parameters(), fresh_twin.parameters())) > 1e-3
     opt.close()
+
+
+def _with_frozen(model, wd):  # the run's groups with the frozen params listed too, as a hand-built AdamW has them
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    return [{"params": decay, "weight_decay": wd}, {"params": [p for p in model.parameters() if p.dim() < 2],
+                                                     "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("built_over", ["parameters", "groups-with-frozen", "optimizer", "trainable-only"])
+def test_an_adamw_with_the_frozen_params_in_its_groups_loads_it_and_goes_on_as_the_engine(tmp_path, built_over):
+    """TinyNet has a frozen layer: the export numbered the trainable params alone, so an AdamW over
+    model.parameters() (frozen ones listed) refused it with torch's group-size error. ``params=`` numbers it for
+    the AdamW's params; element by element it then goes on as the engine does (AdamW(foreach=False))."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    one_group = built_over == "parameters"
+    opt = OffloadAdam(model.parameters() if one_group else param_groups(model, WD), lr=LR, weight_decay=WD,
+                      options=OffloadOptions(bucket_numel=1200, tile_numel=300, num_threads=1))
+    run_steps(model, opt, _no_branch(batches(3)))
+    save_as_two_ranks(opt, tmp_path / "state")
+    twin = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(twin.parameters() if one_group else _with_frozen(twin, WD)
+                                  if built_over != "trainable-only" else param_groups(twin, WD), lr=LR, foreach=False)
+    given = {"parameters": twin.parameters(), "groups-with-frozen": _with_frozen(twin, WD),
+             "optimizer": torch_opt, "trainable-only": None}[built_over]
+    if built_over != "trainable-only":
+        with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):  # torch's own words
+            copy.deepcopy(torch_opt).load_state_dict(torch_optimizer_state(str(tmp_path / "state")))
+    sd = torch_optimizer_state(str(tmp_path / "state"), params=given)
+    torch_opt.load_state_dict(sd)
+    frozen = {id(p) for p in twin.frozen.parameters()}
+    assert all(p not in torch_opt.state for g in torch_opt.param_groups for p in g["params"] if id(p) in frozen)
+    data = batches(4, seed=3)
+    run_steps(model, opt, data)
+    run_steps(twin, torch_opt, data)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(b, a, rtol=2 ** -23, atol=2e-7, msg=name)
+    opt.close()
+
+
+def test_params_that_are_not_the_runs_are_refused_by_name(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _engine(model, "fp32")
+    run_steps(model, opt, batches(2))
+    sd = torch_optimizer_state(str(_saved(opt, tmp_path)))
+    with pytest.raises(ValueError, match=r"2 param group\(s\) .*the params given 1: build the AdamW over the run"):
+        for_params(sd, model.parameters())
+    model.frozen.requires_grad_(True)  # not frozen as in the run
+    with pytest.raises(ValueError, match=r"param group 0: 5 trainable param\(s\) given .*freeze the params"):
+        for_params(sd, _with_frozen(model, WD))
+    model.frozen.requires_grad_(False)
+    groups = _with_frozen(model, WD)
+    groups[0]["params"] = groups[0]["params"][::-1]
+    with pytest.raises(ValueError, match=r"a trainable param of shape .*give the run's params, in its order"):
+        for_params(sd, groups)
+    with pytest.raises(TypeError, match="params: the params the AdamW was built over"):
+        for_params(sd, [1, 2])
+    opt.close()
+
+
+def _saved(opt, path):
+    opt.save_checkpoint(str(path / "s"))
+    return path / "s"
 
 
 def test_an_early_state_without_steps_is_refused_by_name(tmp_path):
