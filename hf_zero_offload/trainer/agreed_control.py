@@ -12,7 +12,8 @@ any rank is taken by every rank (as accelerate's ``set_trigger``/``check_trigger
 ``train()``, on rank 0, names the ranks that differed. Agreed again after the point's log (its ``on_log`` callbacks
 may ask for an evaluation or a save), after its evaluation (``on_evaluate``) and at its end (``on_save``: a stop).
 One all-reduce of ``world_size x 5`` ints per step (about 0.9 ms with gloo on 2 ranks of a 2-core VM; up to three
-more at a step that logs, evaluates or saves); nothing with one process, or without the engine (the plain Trainer's behaviour is kept).
+more at a step that logs, evaluates or saves); nothing with one process, or without the engine (the plain
+Trainer's behaviour is kept).
 """
 from __future__ import annotations
 
