@@ -279,13 +279,16 @@ def _one_sided_save(rank, world_size, out_dir, how):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_save = control.should_save or (rank == 0 and state.global_step == 1)
 
+    if how == "unagreed":  # the control flags' agreement (agreed_control.py) off: the save's own agreement is met
+        from hf_zero_offload.trainer.agreed_control import AgreedControl
+        AgreedControl._zo_agreeing = lambda self: False
     save_steps = 3 if how == "save_steps" and rank == 1 else 2 if how == "save_steps" else 100
     targs = ZeroOffloadSeq2SeqTrainingArguments(
         output_dir=f"{out_dir}/{how}", per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
         report_to=[], save_strategy="steps", save_steps=save_steps, seed=0, disable_tqdm=True, sharded_ddp=True,
         zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=ToyDataset(),
-                                        callbacks=[SaveHere()] if how == "callback" else [])
+                                        callbacks=[SaveHere()] if how != "save_steps" else [])
     try:
         trainer.train()
     except Exception as e:  # noqa: BLE001 - the peer's connection closed under it, in gloo's words
@@ -293,20 +296,24 @@ def _one_sided_save(rank, world_size, out_dir, how):
     return {"error": None}
 
 
-@pytest.mark.parametrize("how", ["callback", "save_steps"])
+@pytest.mark.parametrize("how", ["callback", "save_steps", "unagreed"])
 def test_a_save_asked_on_one_rank_only_stops_at_once_naming_it(tmp_path, how):
     """An outside probe: a callback setting control.should_save on rank 0 alone (or ranks given other --save_steps)
     left rank 0 in the save's first collective and rank 1 in the next step's until the 30-minute timeout, where a
     plain DDP run fails at once."""
     import time
     start = time.monotonic()
-    ours = run_distributed(_one_sided_save, str(tmp_path), how, timeout=120)
+    ours = run_distributed(_one_sided_save, str(tmp_path), how, timeout=120, collective_timeout=20)
     assert time.monotonic() - start < 60
     if how == "save_steps":  # told at train()'s start since (same_run.py), on both ranks
         for r in ours:
             assert "were started for different runs: save_steps: 2 on rank 0, 3 on rank 1" in r["error"], ours
         return
-    assert f"RuntimeError: rank(s) 1 went on without saving {tmp_path}/callback/checkpoint-1, which this rank " \
+    if how == "callback":  # every rank takes the flag since (agreed_control.py; tests/test_trainer_dist_control.py)
+        assert ours == [{"error": None}] * 2, ours
+        assert (tmp_path / "callback" / "checkpoint-1" / "zero_offload").is_dir()
+        return
+    assert f"RuntimeError: rank(s) 1 went on without saving {tmp_path}/unagreed/checkpoint-1, which this rank " \
            "saves: every rank must save a checkpoint together" in ours[0]["error"], ours
     assert ours[1]["error"], ours  # its peer gone: gloo's error, not a hang
 

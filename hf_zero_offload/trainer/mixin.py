@@ -23,6 +23,7 @@ from ..launch_checks import (check_arguments, check_dpu_writers, check_even_batc
                              warn_keep_fp32, warn_upcast)
 from ..run_lock import RunLock, take_job_lock
 from ..schedulers import build_scheduler
+from .agreed_control import AgreedControl
 from .buffer_sync import BroadcastBuffers
 from .placement import PlaceWithEngine
 from .same_run import check_same_run
@@ -56,8 +57,8 @@ def _users_create_optimizer(cls):
     return None
 
 
-class ZeroOffloadMixin(CheckpointSaving, CheckpointLoading, CarriedOverEngine, LossInFp32, BroadcastBuffers,
-                       PlaceWithEngine, LossScaleNote, ArgsAfterInit):
+class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, CarriedOverEngine, LossInFp32,
+                       BroadcastBuffers, PlaceWithEngine, LossScaleNote, ArgsAfterInit):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
