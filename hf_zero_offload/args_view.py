@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import ArgsView
+from .config import ArgsView, ConfigError
 
 
 def hidden_size_of(model) -> int | None:
@@ -46,7 +46,11 @@ def accumulation_steps(args) -> int:
     ga = args.gradient_accumulation_steps
     kwargs = getattr(getattr(args, "accelerator_config", None), "gradient_accumulation_kwargs", None)
     if ga == 1 and isinstance(kwargs, dict) and "num_steps" in kwargs:
-        return kwargs["num_steps"]
+        n = kwargs["num_steps"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # (was named as --gradient_accumulation_steps)
+            raise ConfigError(f"accelerator_config gradient_accumulation_kwargs num_steps {n!r}: must be an int >= 1 "
+                              "(the Trainer takes it for --gradient_accumulation_steps)")
+        return n
     return ga
 
 

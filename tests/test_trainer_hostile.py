@@ -167,6 +167,14 @@ def test_accumulation_given_through_accelerator_config_equals_the_plain_trainer(
     assert _logged(ours, "loss") == pytest.approx(_logged(ref, "loss"), rel=1e-5)
 
 
+@pytest.mark.parametrize("steps", [0, "2", 1.5])
+def test_a_bad_accumulation_in_accelerator_config_is_named_as_such(tmp_path, steps):
+    acc = {"gradient_accumulation_kwargs": {"num_steps": steps}}
+    with pytest.raises(ConfigError, match=rf"^accelerator_config gradient_accumulation_kwargs num_steps {steps!r}: "
+                                          r"must be an int >= 1"):
+        _trainer(ZeroOffloadSeq2SeqTrainer, tmp_path, "n", zero_offload=OFFLOAD, accelerator_config=acc)
+
+
 def test_max_grad_norm_zero_equals_the_plain_trainer(tmp_path):
     ref_model, ref = _trainer(Seq2SeqTrainer, tmp_path, "ref", optim="adamw_torch", max_grad_norm=0.0)
     ref.train()
