@@ -11,7 +11,12 @@ import types
 
 
 def patch_accelerator(accelerator, engine_of) -> None:
-    """``engine_of()``: the engine once it exists (None before ``create_optimizer``)."""
+    """``engine_of()``: the engine once it exists (None before ``create_optimizer``). Once per Accelerator (the
+    Trainer's ``create_accelerator_and_postprocess`` and the end of its ``__init__`` both ask): a second wrap would
+    scale the loss twice."""
+    if getattr(accelerator, "_zo_patched", False):
+        return
+    accelerator._zo_patched = True
     backward = accelerator.backward
 
     def scaled_backward(loss, **kw):

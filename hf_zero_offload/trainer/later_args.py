@@ -59,8 +59,7 @@ class ArgsAfterInit:
         return out
 
     def _zo_patch_accelerator(self) -> None:
-        patch_accelerator(self.accelerator, lambda: self.zero_engine)
-        self.accelerator._zo_patched = True
+        patch_accelerator(self.accelerator, lambda: self.zero_engine)  # (once per Accelerator)
 
     def _zo_check_args_again(self) -> None:
         """``check_arguments`` as at ``__init__``, on the arguments as they are now (a hyperparameter search trial's

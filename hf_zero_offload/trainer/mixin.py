@@ -107,8 +107,7 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
             refuse_user_optimizer(getattr(self, "optimizer", None), getattr(self, "lr_scheduler", None))
             check_optimizer_cls(getattr(self, "optimizer_cls_and_kwargs", None))
             check_even_batches(self.args, getattr(self, "train_dataset", None))
-            if not getattr(self.accelerator, "_zo_patched", False):  # (create_accelerator_and_postprocess's own)
-                self._zo_patch_accelerator()
+            self._zo_patch_accelerator()  # (done already by create_accelerator_and_postprocess: once per Accelerator)
 
     def _zo_take_lock(self, targs, check_paths: bool = False) -> None:
         if targs.output_dir:  # (paths over the file system's limits at __init__: before the lock, ranks agreeing)
