@@ -52,6 +52,9 @@ def _ranks(ranks: list[int]) -> str:
 
 class AgreedControl:
     """Mixed into ``ZeroOffloadMixin``: reads the Trainer's ``args``, ``state``, ``control`` and ``_zo_raw``."""
+    _zo_agree_after: set | frozenset = frozenset()  # the phases of the point in progress still to agree after
+    _zo_acted = False  # whether a phase agreed since the point began logs, evaluates or saves
+    _zo_control_said: tuple | None = None  # (the train()'s state, the flags said in it)
 
     def _zo_agreeing(self) -> bool:
         return getattr(self, "_zo_raw", None) is not None and distributed(self.args.world_size)
@@ -60,7 +63,7 @@ class AgreedControl:
         """The ranks' flags agreed; whether the point logs, evaluates or saves (the same on every rank)."""
         differed = agree(self.control, self.args.process_index, self.args.world_size, self.args.device)
         if differed and self.args.process_index == 0:
-            said = getattr(self, "_zo_control_said", None)
+            said = self._zo_control_said
             if said is None or said[0] is not self.state:  # once per flag and train() (each builds its state)
                 said = self._zo_control_said = (self.state, set())
             for flag, on, off in differed:
@@ -85,17 +88,16 @@ class AgreedControl:
         try:
             out = super()._maybe_log_save_evaluate(*args, **kwargs)
         finally:
-            acted = acted or getattr(self, "_zo_acted", False)
-            self._zo_agree_after, self._zo_acted = set(), False
+            acted = acted or self._zo_acted
+            self._zo_agree_after, self._zo_acted = frozenset(), False
         if acted:  # a stop asked by on_log, on_evaluate or on_save on some ranks: taken before the loop reads it
             self._zo_agree_control("after on_log/on_evaluate/on_save")
         return out
 
     def _zo_agree_after_phase(self, phase: str, where: str) -> None:
-        after = getattr(self, "_zo_agree_after", None)
-        if after and phase in after:
-            after.discard(phase)
-            self._zo_acted = self._zo_agree_control(where) or getattr(self, "_zo_acted", False)
+        if phase in self._zo_agree_after:
+            self._zo_agree_after.discard(phase)
+            self._zo_acted = self._zo_agree_control(where) or self._zo_acted
 
     def log(self, logs: dict, *args, **kwargs):
         out = super().log(logs, *args, **kwargs)
@@ -103,7 +105,8 @@ class AgreedControl:
         return out
 
     def _evaluate(self, *args, **kwargs):
-        self._zo_agree_after.discard("log") if getattr(self, "_zo_agree_after", None) else None  # (evaluate's own log)
+        if self._zo_agree_after:  # (evaluate's own log: agreed after the evaluation, not at its log)
+            self._zo_agree_after.discard("log")
         out = super()._evaluate(*args, **kwargs)
         self._zo_agree_after_phase("evaluate", "after on_evaluate")
         return out
