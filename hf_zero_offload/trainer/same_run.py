@@ -35,8 +35,6 @@ SAME_ON_EVERY_RANK = (
 
 
 def _plain(value):
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # accelerator_config: its fields
-        return dataclasses.asdict(value)
     return getattr(value, "value", value)  # an enum (IntervalStrategy, SchedulerType) by its name
 
 
@@ -55,11 +53,11 @@ def check_same_run(args, train_dataset, eval_dataset=None) -> None:
         return
     setup = {}
     for k in SAME_ON_EVERY_RANK:
-        value = _plain(getattr(args, k, None))
-        if dataclasses.is_dataclass(getattr(args, k, None)):  # each field by its name: the one that differs named
-            setup.update({f"{k}.{field}": v for field, v in value.items()})
+        value = getattr(args, k, None)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):  # accelerator_config: each field by its
+            setup.update({f"{k}.{f}": v for f, v in dataclasses.asdict(value).items()})  # name, the one that differs
         else:
-            setup[k] = value
+            setup[k] = _plain(value)
     setup["the training set's length"] = _length(train_dataset)
     # (evaluation gathers across ranks: a set of another length on one rank averaged two sets, or waited)
     evals = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
