@@ -37,6 +37,26 @@ positive_float = _number(float, 1e-12, "a positive number")
 nonnegative_float = _number(float, 0.0, "a number >= 0")
 
 
+def items_of(text: str, expected: str) -> list[str]:
+    """The comma-separated items of a list flag, empty ones (``a,,b``, a trailing comma) skipped; none at all is a
+    usage error saying ``expected``."""
+    import argparse
+
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: {expected}")
+    return items
+
+
+def refuse_repeats(items: list[str]) -> None:
+    """A usage error naming the items given twice (a repeated row or model ran twice)."""
+    import argparse
+
+    twice = sorted({x for x in items if items.count(x) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{','.join(twice)}: given twice")
+
+
 def int_list(least: int = 1):
     """``--tensors 1000,4000``: comma-separated integers, each >= ``least``, as a list (a bad one failed later with
     a traceback, or a 0 ran a meaningless row)."""
@@ -45,10 +65,8 @@ def int_list(least: int = 1):
     one, what = int_at_least(least), f"comma-separated integers >= {least}"
 
     def parse(text: str) -> list:
-        items = [x.strip() for x in text.split(",") if x.strip()]
+        items = items_of(text, f"{what} expected")
         try:
-            if not items:
-                raise argparse.ArgumentTypeError("")
             return [one(x) for x in items]
         except argparse.ArgumentTypeError:
             raise argparse.ArgumentTypeError(f"{text!r}: {what} expected") from None
@@ -66,15 +84,11 @@ def name_list(names, what: str):
     allowed = tuple(names)
 
     def parse(text: str) -> list:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: one or more {what}s expected, of {','.join(allowed)}")
+        items = items_of(text, f"one or more {what}s expected, of {','.join(allowed)}")
         bad = [x for x in items if x not in allowed]
         if bad:
             raise argparse.ArgumentTypeError(f"{','.join(bad)}: not a {what}; {what}s are {','.join(allowed)}")
-        twice = sorted({x for x in items if items.count(x) > 1})
-        if twice:
-            raise argparse.ArgumentTypeError(f"{','.join(twice)}: given twice")
+        refuse_repeats(items)
         return items
 
     parse.__name__ = f"list of {what}s"

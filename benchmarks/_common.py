@@ -319,20 +319,14 @@ def model_config(name: str) -> str:
 def model_list(text: str) -> list[str]:
     """``--models t5-tiny,t5-small``: comma-separated ``model_config`` names or paths, none twice, at least one (``,``
     ran nothing and said nothing; a name given twice ran twice), as the list of names given."""
-    import argparse
-
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{text!r}: one or more model names or config paths expected")
-    twice = sorted({x for x in items if items.count(x) > 1})
-    if twice:
-        raise argparse.ArgumentTypeError(f"{','.join(twice)}: given twice")
+    items = items_of(text, "one or more model names or config paths expected")
+    refuse_repeats(items)
     for x in items:
         model_config(x)
     return items
 
 
 # the argparse types, where the benchmarks import them from
-from benchmarks._args import (existing_dir, int_at_least, int_list, json_target, name_list,  # noqa: E402,F401
-                              nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
-                              positive_int, torch_device)
+from benchmarks._args import (existing_dir, int_at_least, int_list, items_of, json_target,  # noqa: E402,F401
+                              name_list, nonnegative_float, nonnegative_int, output_dir, output_file, positive_float,
+                              positive_int, refuse_repeats, torch_device)
