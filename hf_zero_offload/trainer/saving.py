@@ -46,7 +46,6 @@ def _parse(seen: str) -> tuple[tuple[int, int], str]:
     return (int(g), int(n)), state
 
 
-
 def _remove_checkpoint(folder: str) -> list[str]:
     """rmtree of an old checkpoint, its completion records first (our marker, then trainer_state.json, durably): a
     removal cut short (a crash, a file it cannot delete) leaves a folder that reads as cut short, which a resume
@@ -68,6 +67,7 @@ def _remove_checkpoint(folder: str) -> list[str]:
         said(None, folder, e)
     shutil.rmtree(folder, **({"onexc": said} if sys.version_info >= (3, 12) else {"onerror": said}))
     return failed
+
 
 class CheckpointSaving:
     def _maybe_log_save_evaluate(self, *args, **kwargs):
