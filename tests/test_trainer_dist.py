@@ -269,7 +269,10 @@ def test_a_problem_one_node_sees_in_its_output_dir_stops_every_rank(tmp_path):
 
 
 def _one_sided_save(rank, world_size, out_dir, how):
-    """A save asked on rank 0 alone: by a callback (``callback``) or by other --save_steps (``save_steps``)."""
+    """A save asked on rank 0 alone: by a callback (``callback``), by other --save_steps (``save_steps``), by a
+    callback in a run without the engine, whose control flags are not agreed (``no_engine``), or by
+    --save_strategy best on a metric that differs between the ranks (``best``: transformers sets should_save from
+    it after the last agreement of the flags)."""
     from transformers import TrainerCallback
 
     from _t5 import ToyDataset, tiny_t5
@@ -279,16 +282,25 @@ def _one_sided_save(rank, world_size, out_dir, how):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_save = control.should_save or (rank == 0 and state.global_step == 1)
 
-    if how == "unagreed":  # the control flags' agreement (agreed_control.py) off: the save's own agreement is met
-        from hf_zero_offload.trainer.agreed_control import AgreedControl
-        AgreedControl._zo_agreeing = lambda self: False
+    class LocalMetric(TrainerCallback):  # a rank's own figure: a new best at step 2 on rank 0 only
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_local"] = float([0, 5][rank] if state.global_step == 1 else [1, 4][rank])
+
     save_steps = 3 if how == "save_steps" and rank == 1 else 2 if how == "save_steps" else 100
-    targs = ZeroOffloadSeq2SeqTrainingArguments(
-        output_dir=f"{out_dir}/{how}", per_device_train_batch_size=4, max_steps=4, use_cpu=True, ddp_backend="gloo",
-        report_to=[], save_strategy="steps", save_steps=save_steps, seed=0, disable_tqdm=True, sharded_ddp=True,
-        zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=targs, train_dataset=ToyDataset(),
-                                        callbacks=[SaveHere()] if how != "save_steps" else [])
+    kw = dict(output_dir=f"{out_dir}/{how}", per_device_train_batch_size=4, max_steps=4, use_cpu=True,
+              ddp_backend="gloo", report_to=[], save_strategy="steps", save_steps=save_steps, seed=0,
+              disable_tqdm=True)
+    if how == "no_engine":  # the mixin's Trainer as a plain DDP one: its save still agrees on its outcome (gathers)
+        kw.update(optim="adamw_torch")
+    else:
+        kw.update(sharded_ddp=True, zero_offload={"zero_optimization": {"stage": 2, "offload_optimizer": {
+            "device": "cpu"}}})
+    if how == "best":
+        kw.update(save_strategy="best", eval_strategy="steps", eval_steps=1, metric_for_best_model="local",
+                  greater_is_better=True)
+    callbacks = {"save_steps": [], "best": [LocalMetric()]}.get(how, [SaveHere()])
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=ZeroOffloadSeq2SeqTrainingArguments(**kw),
+                                        train_dataset=ToyDataset(), eval_dataset=ToyDataset(8), callbacks=callbacks)
     try:
         trainer.train()
     except Exception as e:  # noqa: BLE001 - the peer's connection closed under it, in gloo's words
@@ -296,14 +308,16 @@ def _one_sided_save(rank, world_size, out_dir, how):
     return {"error": None}
 
 
-@pytest.mark.parametrize("how", ["callback", "save_steps", "unagreed"])
+@pytest.mark.parametrize("how", ["callback", "save_steps", "no_engine", "best"])
 def test_a_save_asked_on_one_rank_only_stops_at_once_naming_it(tmp_path, how):
     """An outside probe: a callback setting control.should_save on rank 0 alone (or ranks given other --save_steps)
     left rank 0 in the save's first collective and rank 1 in the next step's until the 30-minute timeout, where a
-    plain DDP run fails at once."""
+    plain DDP run fails at once. Where the control flags are not agreed (no engine) or should_save is set after
+    their agreement (--save_strategy best), the save's own agreement (saving.py) says so; without it both ranks
+    waited in gloo until the collective timeout."""
     import time
     start = time.monotonic()
-    ours = run_distributed(_one_sided_save, str(tmp_path), how, timeout=120, collective_timeout=20)
+    ours = run_distributed(_one_sided_save, str(tmp_path), how, timeout=120, collective_timeout=15)
     assert time.monotonic() - start < 60
     if how == "save_steps":  # told at train()'s start since (same_run.py), on both ranks
         for r in ours:
@@ -313,9 +327,11 @@ def test_a_save_asked_on_one_rank_only_stops_at_once_naming_it(tmp_path, how):
         assert ours == [{"error": None}] * 2, ours
         assert (tmp_path / "callback" / "checkpoint-1" / "zero_offload").is_dir()
         return
-    assert f"RuntimeError: rank(s) 1 went on without saving {tmp_path}/unagreed/checkpoint-1, which this rank " \
+    step = 2 if how == "best" else 1
+    assert f"RuntimeError: rank(s) 1 went on without saving {tmp_path}/{how}/checkpoint-{step}, which this rank " \
            "saves: every rank must save a checkpoint together" in ours[0]["error"], ours
     assert ours[1]["error"], ours  # its peer gone: gloo's error, not a hang
+    assert not (tmp_path / how / f"checkpoint-{step}").exists()
 
 
 def _started_differently(rank, world_size, out_dir, key):

@@ -13,7 +13,8 @@ any rank is taken by every rank (as accelerate's ``set_trigger``/``check_trigger
 may ask for an evaluation or a save), after its evaluation (``on_evaluate``) and at its end (``on_save``: a stop).
 One all-reduce of ``world_size x 5`` ints per step (about 0.9 ms with gloo on 2 ranks of a 2-core VM; up to three
 more at a step that logs, evaluates or saves); nothing with one process, or without the engine (the plain
-Trainer's behaviour is kept).
+Trainer's behaviour is kept). A save still one-sided past this (no engine; ``--save_strategy best`` sets should_save
+after the last agreement) is stopped, naming the ranks, by the save's own agreement (``saving._zo_agree_to_save``).
 """
 from __future__ import annotations
 

@@ -127,7 +127,16 @@ class CheckpointSaving:
     def _zo_agree_to_save(self, output_dir: str) -> None:
         """Every rank saves this checkpoint, or every saving rank raises before its first collective: one rank's save
         waited in its first collective for a peer that had gone on to the next step, until the 30-minute timeout (a
-        plain DDP run fails there at once, in gloo's words)."""
+        plain DDP run fails there at once, in gloo's words).
+
+        Kept beside the control flags' all-reduce (agreed_control.py), which it does not duplicate: only this one
+        catches (1) a run of the mixin without the engine on several ranks, whose flags are not agreed (the plain
+        Trainer's behaviour) while this save still gathers its outcome (``_zo_stop_if_failed``), so a callback's
+        should_save on one rank, or a peer that failed before the save point, left the ranks in gloo until the
+        collective timeout; (2) ``--save_strategy best``, where transformers sets should_save from each rank's
+        ``_determine_best_metric`` after the last agreement (a metric an ``on_evaluate`` callback adds on each rank
+        from rank-local figures). tests/test_trainer_dist.py (``no_engine``, ``best``), test_trainer_dist_states.py
+        (``before_save_no_engine``). A save outside the Trainer's log/evaluate/save point is not looked at."""
         point, store = getattr(self, "_zo_point", None), self._zo_store()
         if point is None or store is None:  # (a save from elsewhere than the Trainer's log/evaluate/save point)
             return
