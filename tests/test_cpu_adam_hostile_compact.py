@@ -38,7 +38,8 @@ def _snapshot(opt):
 
 def _same(a, b):
     if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return (torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+                and (a.device.type == "meta" or torch.equal(a, b)))  # (a meta tensor has no values)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
@@ -279,3 +280,60 @@ def test_a_group_added_after_a_load_starts_fresh_beside_the_loaded_ones():
         assert st["step"].item() == 1 and st["exp_avg"].dtype == torch.int8 and st["exp_avg"].shape == p.shape
     again = CPUAdam([{"params": _clone(mine)}, {"params": _clone(extra)}], state_dtype="int8")
     again.load_state_dict(fresh.state_dict())
+
+
+LIVE_BAD = {  # a hand edit of param 1's state in the optimizer itself (no load): (mutation, error, message)
+    "exp_avg code -128": (_poke("exp_avg", 0, -128), ValueError, r"exp_avg has code -128, outside \[-120, 120\]"),
+    "exp_avg code 121": (_poke("exp_avg", 5, 121), ValueError, r"exp_avg has code 121, outside \[-120, 120\]"),
+    "exp_avg_sq code 249": (_poke("exp_avg_sq", 2, 249), ValueError, r"exp_avg_sq has code 249, outside \[0, 248\]"),
+    "exp_avg_sq code 255": (_poke("exp_avg_sq", 0, 255), ValueError, r"exp_avg_sq has code 255, outside \[0, 248\]"),
+    "uint8 exp_avg codes": (_set("exp_avg", torch.zeros(6, dtype=torch.uint8)), TypeError, "exp_avg must have dtype"),
+    "float exp_avg codes": (_set("exp_avg", torch.zeros(6)), TypeError, "exp_avg_sq must be float32"),
+    "codes of another shape": (lambda st: st.__setitem__("exp_avg", st["exp_avg"].view(2, 3)), ValueError,
+                               r"exp_avg has shape \(2, 3\), expected the param's \(6,\)"),
+    "meta codes": (lambda st: st.__setitem__("exp_avg", st["exp_avg"].to("meta")), ValueError,
+                   "exp_avg is on the meta device"),
+    "long scales": (_set("exp_avg_scale", torch.zeros(2)), ValueError, "exp_avg_scale has 2 elements, expected 1"),
+    "negative scale": (_poke("exp_avg_sq_scale", 0, -1.0), ValueError, "exp_avg_sq_scale has negative or NaN"),
+    "code map as a string": (_set("int8_codes", "2"), ValueError, "code map '2'"),
+    "step past the kernel's count": (_set("step", torch.tensor(1e19)), ValueError, r"step must be .* < 2\*\*53"),
+    "uint8 step": (_set("step", torch.tensor(255, dtype=torch.uint8)), TypeError, "step .*uint8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIVE_BAD))
+def test_a_hand_edited_compact_state_is_refused_at_the_next_step_and_changes_nothing(case):
+    """A review: the pre-step check looked at the moments' dtypes and sizes only, so an int8 state edited in the
+    optimizer (not through load_state_dict, which refused the same damage) stepped: a code of -128 or above the top
+    code decoded past its block's absmax, a string code map was decoded with the old map, a step count past the
+    kernel's stopped the step after the params before it were updated. Now refused, naming the param and the field,
+    before anything changes (param 0, stepped before param 1, included)."""
+    mutate, error, message = LIVE_BAD[case]
+    params, opt = _trained()
+    mutate(opt.state[params[1]])
+    gen = torch.Generator().manual_seed(7)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    before = _snapshot(opt)
+    with pytest.raises(error, match=rf"CPUAdam state of param 1 \(shape \(6,\)\): .*{message}"):
+        opt.step()
+    assert _same(_snapshot(opt), before)
+
+
+def test_a_state_is_checked_whole_only_after_an_edit(monkeypatch):
+    """The whole check (a pass over every code) runs for a state edited since its last step, not at every step."""
+    from hf_zero_offload.adam import state_dict as sdict
+    params, opt = _trained()
+    calls = []
+    real = sdict.check_saved_state
+    monkeypatch.setattr(sdict, "check_saved_state", lambda *a, **k: (calls.append(a[2]), real(*a, **k)))
+    _run(opt, params, 2, seed=3)
+    assert calls == []
+    opt.state[params[1]]["exp_avg"].view(-1)[0] = 3  # a valid code, written in place
+    _run(opt, params, 2, seed=4)
+    assert calls == [1]
+    fresh = CPUAdam(_clone(params), lr=1e-2, state_dtype="int8")
+    fresh.load_state_dict(opt.state_dict())  # (checked by the load: not again at the step)
+    calls.clear()
+    _run(fresh, [p for g in fresh.param_groups for p in g["params"]], 1, seed=5)
+    assert calls == []

@@ -65,6 +65,7 @@ class CPUAdam(torch.optim.Optimizer):
         ops.check_state_dtype(state_dtype)
         self.num_threads = num_threads
         self._versions = {}  # 16-bit param -> (version counter, storage) after our last write (_prepare_state)
+        self._checked = {}  # param -> its state as last checked and stepped (sdict.snapshot; _check_state)
         self._converted = set()  # (saved moments, state_dtype) conversions logged (_prepare_state)
         ops.check_num_threads(num_threads)  # the kernels' check, now rather than at the first step
         self._state_dtype = state_dtype
@@ -114,6 +115,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("num_threads", None)  # unpickled from a version that did not save it
         self.__dict__.setdefault("_versions", {})
+        self._checked = {}  # (also load_state_dict's path: states replaced)
         self.__dict__.setdefault("_converted", set())
         for group in self.param_groups:
             group["adamw_mode"] = adamw_mode(group)
@@ -138,10 +140,11 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         # Every check and state conversion first, then the updates: a refused step updates no param.
         todo, index = [], 0  # index: a param's first element among the optimizer's params (rounding counter)
+        pids = itertools.count()  # a param's number in state_dict(), which errors name
         for gi, group in enumerate(self.param_groups):
             _check_group(group, gi)  # a scheduler (or an edit) may have changed it since the last step
             for p in group["params"]:
-                index += p.numel()
+                index, pid = index + p.numel(), next(pids)
                 if p.grad is None:
                     continue
                 _check_param(p, gi)  # again: p.data may have been replaced since the group was added
@@ -154,10 +157,7 @@ class CPUAdam(torch.optim.Optimizer):
                     raise TypeError(f"the grad of a {tuple(p.shape)} param is {str(p.grad.dtype)[6:]} "
                                     f"{tuple(p.grad.shape)} on {p.grad.device}: expected its shape in float32, "
                                     "bfloat16 or float16 on the CPU")
-                try:
-                    self._check_state(p)
-                except (TypeError, ValueError) as e:  # a state of another size (p.data replaced, a foreign load)
-                    raise type(e)(f"CPUAdam state of a {tuple(p.shape)} param: {e}") from None
+                self._check_state(p, pid)
                 try:  # here, not only in adam_step: a grad sharing its param's memory was refused after the
                     arrays = {k: v for k, v in self.state.get(p, {}).items() if k != "step" and torch.is_tensor(v)}
                     ops.check_separate(param=p, grad=p.grad, **arrays)
@@ -197,16 +197,25 @@ class CPUAdam(torch.optim.Optimizer):
             if half:
                 self._versions[p] = (p._version, p.data_ptr())
             state["step"] += 1  # after the update: a refused call leaves the count as it was
+            self._checked[p] = sdict.snapshot(state)
         return loss
 
-    def _check_state(self, p: torch.Tensor) -> None:
-        """What ``_prepare_state`` would refuse in ``p``'s state, found without changing it."""
+    def _check_state(self, p: torch.Tensor, pid: int) -> None:
+        """What ``_prepare_state`` would refuse in ``p``'s state, found without changing it: all that a load
+        refuses in a state edited since its last check (a hand edit: codes outside the map, a scale of another
+        length; one pass), else its sizes against ``p`` (``p.data`` may have been replaced)."""
         state = self.state.get(p)
-        if state:
+        if not state:
+            return
+        if sdict.edited(state, self._checked.get(p)):
+            return sdict.check_saved_state(state, p, pid, live=True)
+        try:
             ops.state_dtype_of(_flat(state), p.numel())
             master = state.get("master")
             if p.dtype != torch.float32 and torch.is_tensor(master) and master.numel() != p.numel():
                 raise ValueError(f"master has {master.numel()} elements, expected {p.numel()}")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"CPUAdam state of param {pid} (shape {tuple(p.shape)}): {e}") from None
 
     def _prepare_state(self, p: torch.Tensor, state_dtype: str) -> dict:
         """The state of ``p``, created (zeros, fp32 master of a 16-bit param) or converted to
@@ -301,6 +310,7 @@ class CPUAdam(torch.optim.Optimizer):
             for pid, st in state_dict["state"].items():  # torch keeps a step's kind; an int64 one stayed int64
                 if pid in by_id and "step" in st:
                     self.state[by_id[pid]]["step"] = sdict.step_tensor(st["step"])
+            self._checked = {p: sdict.snapshot(self.state[p]) for p in by_id.values() if self.state.get(p)}  # above
         for hook in post_hooks:
             hook(self)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+import weakref
 
 import torch
 
@@ -68,12 +69,13 @@ def readable(state_dict) -> dict:
     return {**state_dict, "state": state}
 
 
-def check_saved_state(st, p: torch.Tensor, pid) -> None:
+def check_saved_state(st, p: torch.Tensor, pid, live: bool = False) -> None:
     """One param's saved state (after ``readable``) against its param: a step count (an int >= 0,
     as a number or a one-element tensor), moments that pair up and have its size, an fp32 master of
     its size. Anything else was not written by an Adam (or is damaged): refused, naming the param
-    and the entry."""
-    where = f"optimizer state of param {pid} (shape {tuple(p.shape)})"
+    and the entry. ``live``: a CPUAdam's own state before a step (``edited``), its codes under the
+    moments' names."""
+    where = f"{'CPUAdam state' if live else 'optimizer state'} of param {pid} (shape {tuple(p.shape)})"
     if not st:
         return
     for k, v in st.items():  # torch's load would fail on it, or ours after torch's had loaded the rest
@@ -103,7 +105,7 @@ def check_saved_state(st, p: torch.Tensor, pid) -> None:
             ops.check_scales(flat["exp_avg_scale"], flat["exp_avg_sq_scale"])
             ops.check_int8_codes(st.get("int8_codes", 1))
             for k in ("exp_avg", "exp_avg_sq"):
-                check_code_range(CODE_KEYS[k], flat[k])
+                check_code_range(k if live else CODE_KEYS[k], flat[k])
         else:  # a negative one (torch's AdamW takes it) turns its param NaN at the next step
             check_second_moment("exp_avg_sq", flat["exp_avg_sq"])
     except (TypeError, ValueError) as e:
@@ -113,6 +115,31 @@ def check_saved_state(st, p: torch.Tensor, pid) -> None:
                                    and master.numel() == p.numel()):
         got = f"{str(master.dtype)[6:]} of {master.numel()} elements" if torch.is_tensor(master) else repr(master)
         raise TypeError(f"{where}: master must be float32 of {p.numel()} elements, got {got}")
+
+
+def snapshot(state: dict) -> dict:
+    """A param's state as a step (or a load) checked and left it, for ``edited``: each tensor by a weak
+    reference (a replaced one cannot pass for it at a reused address) and its version counter, which
+    a write through it or a view moves (the kernel's writes through its pointer do not); each other
+    value as it is."""
+    return {k: (weakref.ref(v), v._version) if torch.is_tensor(v) else (None, v) for k, v in state.items()}
+
+
+def edited(state: dict, seen: dict | None) -> bool:
+    """Whether ``state`` changed since its ``snapshot`` ``seen`` (None: never taken): an entry added,
+    dropped or replaced, or a tensor written in place (``state["exp_avg"][0] = -128``). A write
+    through ``t.data`` moves no counter and is not seen (as for the params, cpu_adam.py)."""
+    if seen is None or seen.keys() != state.keys():
+        return True
+    for k, v in state.items():
+        ref, mark = seen[k]
+        if torch.is_tensor(v):
+            if ref is None or ref() is not v or v._version != mark:
+                return True
+        elif ref is not None or v is not mark and not (type(v) is type(mark) and isinstance(v, (int, float, str))
+                                                       and v == mark):
+            return True
+    return False
 
 
 def to_torch_state_dict(state_dict: dict) -> dict:
