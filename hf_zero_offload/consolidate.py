@@ -28,7 +28,7 @@ from .saved_names import NAMES_FILE, read_json
 from .weight_files import open_weights
 
 
-_EARLIER = "consolidate an earlier checkpoint"
+_EARLIER = peft_names.EARLIER  # (defined there: peft_names gives the same advice, and cannot import this module)
 
 
 def full_masters(state_dir: str, expected_save_id: str | None = None) -> dict[str, torch.Tensor]:
@@ -169,13 +169,12 @@ def _check_whole(checkpoint_dir: str, with_optimizer: bool) -> None:
     resumable). With its marker damaged nothing proves it whole."""
     problem = marker_problem(checkpoint_dir)
     if problem is not None:
-        raise ValueError(f"{checkpoint_dir} is damaged ({problem}, nothing else proves it whole); consolidate an "
-                         "earlier checkpoint")
+        raise ValueError(f"{checkpoint_dir} is damaged ({problem}, nothing else proves it whole); {_EARLIER}")
     reads = lambda rel: _read_here(rel) or (with_optimizer and _trainer_file(rel))  # noqa: E731
     changed = changed_files(checkpoint_dir, read=reads, required=lambda rel: reads(rel) and rel != "training_args.bin")
     if changed:
         raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
-                         "wrote); consolidate an earlier checkpoint")
+                         f"wrote); {_EARLIER}")
 
 
 def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = False) -> list[str]:
@@ -203,7 +202,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, with_optimizer: bool = Fal
         # a Trainer's save cut short (unmarked, as a resume tells): into a checkpoint-N written before, the weights of
         # one run beside the state of another. (Without the Trainer's files: a folder saved by hand.)
         raise ValueError(f"{checkpoint_dir} is incomplete (no {MARKER}: its save may have stopped before finishing "
-                         "it, e.g. killed during the save); consolidate an earlier checkpoint")
+                         f"it, e.g. killed during the save); {_EARLIER}")
     masters = full_masters(state_dir, recorded_save_id(checkpoint_dir))
     source, adapter = checkpoint_dir, peft_names.adapter_folders(checkpoint_dir)
     if adapter:  # the trained adapter's folder (a subfolder for one not named "default"), peft's tensor names

@@ -19,6 +19,8 @@ import torch
 from .weight_files import open_weights
 
 CONFIG, DEFAULT = "adapter_config.json", "default"
+#: consolidate's advice on a checkpoint it cannot use (its own refusals, and a damaged adapter weight file here)
+EARLIER = "consolidate an earlier checkpoint"
 
 
 def adapter_folders(checkpoint_dir: str) -> dict[str, str]:
@@ -44,7 +46,7 @@ def adapter_source(checkpoint_dir: str, folders: dict[str, str],
     folder = folders[name]
     keys = set()
     for path in glob.glob(os.path.join(glob.escape(folder), "*.safetensors")):
-        with open_weights(path, "consolidate an earlier checkpoint") as f:
+        with open_weights(path, EARLIER) as f:
             keys.update(f.keys())
     prompts = [n for n in masters if n.split(".")[0] == "prompt_encoder"]
     out: dict[str, torch.Tensor] = {}

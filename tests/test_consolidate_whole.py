@@ -159,3 +159,18 @@ def test_a_weight_file_a_resume_cannot_read_is_named(whole):
     with pytest.raises(WeightFileError, match=r"model-notes\.safetensors cannot be read as safetensors model weights"
                                               r".*resume from an earlier checkpoint"):
         _trainer(whole, max_steps=6).train(resume_from_checkpoint=str(ckpt))
+
+
+def test_consolidates_advice_is_one_sentence_in_one_place():
+    """A review: "consolidate an earlier checkpoint" was written out in consolidate.py and peft_names.py (and in
+    three of consolidate's messages beside its own constant): defined once (peft_names.EARLIER), used by both."""
+    from pathlib import Path
+
+    import hf_zero_offload
+    from hf_zero_offload import peft_names
+
+    package = Path(hf_zero_offload.__file__).parent
+    holding = sorted(p.name for p in package.rglob("*.py") if "consolidate an earlier checkpoint" in p.read_text()
+                     or "consolidate an \"\n" in p.read_text())
+    assert holding == ["peft_names.py"], holding
+    assert peft_names.EARLIER == "consolidate an earlier checkpoint"
