@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from . import peft_names, resume, torch_state
 from .engine import checkpoint
 from .engine.checkpoint.folder import check_save_id, check_sources, read_range, sources
-from .resume.marker import MARKER, changed_files, marker_problem, read_marker, recorded_save_id
+from .resume.marker import MARKER, changed_files, load_marker, marker_problem, read_marker, recorded_save_id
 from .saved_names import NAMES_FILE, read_json
 from .weight_files import open_weights
 
@@ -167,11 +167,13 @@ def _check_whole(checkpoint_dir: str, with_optimizer: bool) -> None:
     """The checkpoint as its save finished it, judged on the files consolidate reads, every one of them there (an
     output without the config, or a --with-optimizer output without trainer_state.json, was written and said to be
     resumable). With its marker damaged nothing proves it whole."""
-    problem = marker_problem(checkpoint_dir)
+    found = load_marker(checkpoint_dir)  # (read once: both checks judge one marker)
+    problem = marker_problem(checkpoint_dir, found)
     if problem is not None:
         raise ValueError(f"{checkpoint_dir} is damaged ({problem}, nothing else proves it whole); {_EARLIER}")
     reads = lambda rel: _read_here(rel) or (with_optimizer and _trainer_file(rel))  # noqa: E731
-    changed = changed_files(checkpoint_dir, read=reads, required=lambda rel: reads(rel) and rel != "training_args.bin")
+    changed = changed_files(checkpoint_dir, read=reads, required=lambda rel: reads(rel) and rel != "training_args.bin",
+                            marker_read=found)
     if changed:
         raise ValueError(f"{checkpoint_dir} is damaged: {'; '.join(changed)} (it no longer holds what its save "
                          f"wrote); {_EARLIER}")

@@ -161,6 +161,51 @@ def test_a_weight_file_a_resume_cannot_read_is_named(whole):
         _trainer(whole, max_steps=6).train(resume_from_checkpoint=str(ckpt))
 
 
+def _marked(tmp_path):
+    """A checkpoint folder its marker declares whole (no optimizer state: a --save_only_model save's outline)."""
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    (ckpt / resume.TRAINER_STATE).write_text("{}")
+    (ckpt / "config.json").write_text("{}")
+    resume.write_marker(str(ckpt), {"step": 2, "world_size": 1, "engine": None})
+    return ckpt
+
+
+@pytest.mark.parametrize("judge", ["status", "not_whole", "consolidate"])
+def test_a_checkpoints_marker_is_read_once_per_judgement(tmp_path, monkeypatch, judge):
+    """A review: resume.status read the marker three times (read_marker, changed_files, marker_problem), so a marker
+    replaced between the reads (that checkpoint saved again, a hand edit) was whole to the first and damaged to the
+    next: here the file is cut short just after its first read, and status said "legacy" (3 reads). Read once, the
+    answers are one marker's (so are not_whole's and consolidate's checks)."""
+    import builtins
+    import io
+
+    from hf_zero_offload import consolidate as consolidate_module
+    from hf_zero_offload.resume import marker as marker_module
+
+    ckpt = _marked(tmp_path)
+    reads = []
+
+    def open_then_damage(path, *a, **k):
+        if not str(path).endswith(MARKER):
+            return builtins.open(path, *a, **k)
+        reads.append(path)
+        with builtins.open(path, *a, **k) as f:
+            text = f.read()
+        with builtins.open(path, "w", encoding="utf-8") as f:
+            f.write(text[:10])  # (the next read of it: damaged)
+        return io.StringIO(text)
+
+    monkeypatch.setattr(marker_module, "open", open_then_damage, raising=False)
+    if judge == "status":
+        assert resume.status(str(ckpt)) == "complete"
+    elif judge == "not_whole":
+        assert resume.not_whole(str(ckpt)).startswith("incomplete")
+    else:
+        consolidate_module._check_whole(str(ckpt), False)  # (whole: raises nothing)
+    assert len(reads) == 1
+
+
 def test_consolidates_advice_is_one_sentence_in_one_place():
     """A review: "consolidate an earlier checkpoint" was written out in consolidate.py and peft_names.py (and in
     three of consolidate's messages beside its own constant): defined once (peft_names.EARLIER), used by both."""

@@ -24,7 +24,8 @@ import re
 from ..config import ConfigError
 from ..engine.checkpoint import read_header, remove_durably, remove_stale_temporaries
 # the marker itself (resume.MARKER, resume.read_marker, ... stay importable from here)
-from .marker import MARKER, changed_files, marker_problem, read_marker, recorded_save_id, write_marker  # noqa: F401
+from .marker import (MARKER, changed_files, load_marker, marker_problem, read_marker,  # noqa: F401
+                     recorded_save_id, write_marker)
 from .foreign import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
                                  foreign_state, missing_state_message, plain_checkpoint)
 from .schedule import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
@@ -77,7 +78,8 @@ def output_dir_problem(output_dir: str, training: bool = True, max_steps: int | 
 def not_whole(checkpoint: str) -> str:
     """Why ``checkpoint`` is not whole: "incomplete (what: why)" or "damaged (what: why)"; or, for a complete
     checkpoint of a plain (or DeepSpeed) Trainer among ours, what it is ("written without --zero_offload ...")."""
-    changed, marker = changed_files(checkpoint), read_marker(checkpoint)
+    found = load_marker(checkpoint)  # (read once: below, one marker's answers)
+    changed, marker = changed_files(checkpoint, marker_read=found), read_marker(checkpoint, found)
     foreign = foreign_state(checkpoint)
     if changed and foreign is not None and foreign not in (marker or {}).get("files", {}):
         return (f"saved again by a run without --zero_offload ({foreign}, which our save did not write, beside our "
@@ -89,7 +91,7 @@ def not_whole(checkpoint: str) -> str:
     if foreign is not None and marker is None and os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return (f"written without --zero_offload ({foreign}) among checkpoints of ours (the steps after the "
                 "checkpoint chosen are trained again)")
-    problem = marker_problem(checkpoint)
+    problem = marker_problem(checkpoint, found)
     if problem is None and looks_plain(checkpoint):
         return (f"incomplete (no {MARKER}: {TRAINER_STATE} and the weights without optimizer state, as a Trainer "
                 "without --zero_offload saves with --save_only_model, among checkpoints of ours; or a save of ours "
@@ -117,7 +119,6 @@ def checkpoint_step(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-
 def recorded_step(checkpoint: str) -> int | None:
     """The step its marker records (the folder's name when there is none): a checkpoint-3 renamed checkpoint-6 was
     said to be at step 6, and to leave nothing to train in a 6-step run."""
@@ -138,17 +139,18 @@ def status(checkpoint: str) -> str:
     # a marker that reads but is damaged (a field of another type: "files": 5) proves nothing either: judged below as
     # an unreadable one is (taken was a newer checkpoint whose file checks it skipped, where an unreadable one was not).
     # What it still records is checked all the same: the oldest such checkpoint resumed as legacy with a file its save
-    # wrote deleted or cut short (rng_state.pth gone: another dropout and data order), where it was refused before
-    if read_marker(checkpoint) is not None:
-        if changed_files(checkpoint):
+    # wrote deleted or cut short (rng_state.pth gone: another dropout and data order), where it was refused before.
+    # The marker is read once: read three times, a marker replaced meanwhile was judged whole and damaged at once
+    if read_marker(checkpoint, found := load_marker(checkpoint)) is not None:
+        if changed_files(checkpoint, marker_read=found):
             return "incomplete"
-        if marker_problem(checkpoint) is None:
+        if marker_problem(checkpoint, found) is None:
             return "complete"
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return "incomplete"
     # no marker at all (a damaged one is judged below): a run's first checkpoint had no older marker to tell it by,
     # and 2 ranks killed mid-save (rank 1's RNG file not written yet) resumed as legacy, 0.109 off
-    if not os.path.lexists(os.path.join(checkpoint, MARKER)) and _saved_with_markers(checkpoint):
+    if not found.present and _saved_with_markers(checkpoint):
         return "incomplete"
     if plain_checkpoint(checkpoint):  # a plain Trainer's (trainer_state.json written after optimizer.pt): taken over
         return "legacy"

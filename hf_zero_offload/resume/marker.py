@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import NamedTuple
 
 from . import manifest
 from ..engine.checkpoint import atomic_open
@@ -23,25 +24,41 @@ def write_marker(checkpoint: str, info: dict) -> None:
                    **info, "files": files}, f, indent=1)
 
 
-def read_marker(checkpoint: str) -> dict | None:
+class MarkerRead(NamedTuple):
+    """One read of a checkpoint's marker, which ``read_marker``, ``marker_problem`` and ``changed_files`` each judge
+    when given it: read once, their answers cannot disagree (a marker replaced or damaged between three reads was
+    complete to one and damaged to the next). ``present``: something is at its path (a link to nothing too)."""
+    present: bool
+    value: object = None  # its JSON
+    error: Exception | None = None  # why it could not be read
+
+
+def load_marker(checkpoint: str) -> MarkerRead:
+    path = os.path.join(checkpoint, MARKER)
     try:
-        with open(os.path.join(checkpoint, MARKER), encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):  # missing, or unreadable: not a proof of completeness either way
-        return None
+        with open(path, encoding="utf-8") as f:
+            return MarkerRead(True, json.load(f))
+    except FileNotFoundError as e:  # (absent, or a link to nothing: there, and unreadable)
+        return MarkerRead(os.path.lexists(path), error=e)
+    except (OSError, ValueError) as e:
+        return MarkerRead(True, error=e)
+
+
+def read_marker(checkpoint: str, marker_read: MarkerRead | None = None) -> dict | None:
+    """The marker's record when it is whole (None: missing, or unreadable: not a proof of completeness either way);
+    ``marker_read``: ``load_marker``'s, else the file is read here (as in the two below)."""
+    marker = (load_marker(checkpoint) if marker_read is None else marker_read).value
     return marker if isinstance(marker, dict) and marker.get("complete") is True else None
 
 
-def marker_problem(checkpoint: str) -> str | None:
+def marker_problem(checkpoint: str, marker_read: MarkerRead | None = None) -> str | None:
     """What is wrong with a marker that is there (None: whole, or absent): said as such, not as a missing one."""
-    path = os.path.join(checkpoint, MARKER)
-    if not os.path.lexists(path):
+    read = load_marker(checkpoint) if marker_read is None else marker_read
+    if not read.present:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"its {MARKER} cannot be read ({type(e).__name__}: {e})"
+    if read.error is not None:
+        return f"its {MARKER} cannot be read ({type(read.error).__name__}: {read.error})"
+    marker = read.value
     if not isinstance(marker, dict):
         return f"its {MARKER} is damaged (a JSON {type(marker).__name__}, not an object)"
     if marker.get("complete") is not True:
@@ -70,10 +87,10 @@ def marker_problem(checkpoint: str) -> str | None:
     return None
 
 
-def changed_files(checkpoint: str, read=None, required=None) -> list[str]:
+def changed_files(checkpoint: str, read=None, required=None, marker_read: MarkerRead | None = None) -> list[str]:
     """How a marked checkpoint differs from what its save wrote (``manifest``; ``read``/``required``: the files the
     operation reads / cannot do without, default a resume's); [] when it does not, or unmarked."""
-    marker = read_marker(checkpoint)
+    marker = read_marker(checkpoint, marker_read)
     return manifest.problems(checkpoint, marker.get("files"), read, required) if marker is not None else []
 
 
