@@ -136,10 +136,15 @@ def edited(state: dict, seen: dict | None) -> bool:
         if torch.is_tensor(v):
             if ref is None or ref() is not v or v._version != mark:
                 return True
-        elif ref is not None or v is not mark and not (type(v) is type(mark) and isinstance(v, (int, float, str))
-                                                       and v == mark):
+        elif ref is not None or not (v is mark or _equal_scalars(v, mark)):
             return True
     return False
+
+
+def _equal_scalars(a, b) -> bool:
+    """Two plain values that are equal (an int code map set again to itself); anything else compares by identity
+    (an object's ``==`` may raise or answer an array)."""
+    return type(a) is type(b) and isinstance(a, (int, float, str)) and a == b
 
 
 def to_torch_state_dict(state_dict: dict) -> dict:
