@@ -66,6 +66,34 @@ def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | No
             "Pass the same --zero_offload config to continue the run as it was")
 
 
+def unloaded_reason(checkpoint: str, state_dir: str) -> str | None:
+    """Why a plain Trainer's resume from ``checkpoint`` loads no optimizer state into an engine, or None when it
+    would load one (optimizer.pt and scheduler.pt both there, no hf_zero_offload state)."""
+    held = saved_engine(checkpoint, state_dir)
+    if held is not None:
+        return (f"it holds hf_zero_offload optimizer state ({state_dir}/, saved by {held.get('world_size', '?')} "
+                "rank(s)): a plain Trainer does not load it; resume it with ZeroOffloadTrainer / ZeroOffloadMixin")
+    missing = [n for n in ("optimizer.pt", "scheduler.pt") if not os.path.isfile(os.path.join(checkpoint, n))]
+    if missing:
+        return (f"it has no {' and no '.join(missing)} (a --save_only_model checkpoint, or one a file was lost "
+                "from), and transformers loads the two together or neither")
+    return None
+
+
+def unloaded_engine_message(checkpoint: str | None, step: int, engine: str, engine_steps: int,
+                            state_dir: str) -> str:
+    """The warning for a plain Trainer's resume (ZeroOffloadCallback) that left the engine as it was. ``checkpoint``:
+    the one resumed, None when no callback can tell which (train()'s argument reaches none)."""
+    why = unloaded_reason(checkpoint, state_dir) if checkpoint else None
+    if why is None:
+        why = ("transformers loads a checkpoint's optimizer.pt and scheduler.pt together or neither (a "
+               f"--save_only_model checkpoint has neither), and never an hf_zero_offload {state_dir}/")
+    moments = ("Adam restarts from zero moments" if engine_steps == 0 else "Adam goes on from the engine's own "
+               f"moments (its step count is {engine_steps}), not the checkpoint's")
+    return (f"hf_zero_offload: this run resumed {checkpoint or 'a checkpoint'} (step {step}), but its optimizer state "
+            f"was not loaded into the {engine}: {why}. {moments}, and the LR schedule restarts from its first step")
+
+
 def saved_learning_rate(checkpoint: str) -> float | None:
     """The last logged learning rate in the checkpoint's trainer_state.json."""
     try:
