@@ -45,10 +45,10 @@ def _scores(*values):
     return lambda _: {"score": next(it)}
 
 
-def _train(out, zero, max_steps, scores, resume=None):
+def _train(out, zero, max_steps, scores, resume=None, **extra):
     torch.manual_seed(0)
     model = _Two(_Cfg())
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps",
+    kw = dict(**extra, output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps",
               save_steps=2, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
               metric_for_best_model="score", greater_is_better=True, report_to="none", use_cpu=True,
               learning_rate=1e-2, disable_tqdm=True, label_names=["y"])
@@ -84,3 +84,32 @@ def test_the_best_checkpoint_of_the_plain_run_this_one_resumed_loads(tmp_path, c
         assert set(engine.state_dict()["param_steps"]) == {8}
         (msg,) = [m for m in said if "load_best_model_at_end" in m]
         assert f"{best} holds no optimizer state" in msg and "stay the last step's" in msg, msg
+
+
+def _two_ranks(rank, world_size, base):
+    """The plain run under DDP, resumed by ZeRO-2 on both ranks; per case, (best as expected, weights of the best,
+    masters equal to this rank's slice of the weights, the step counts)."""
+    import torch.distributed as dist
+    out = []
+    for case, optimizer_pt in (("opt", True), ("none", False)):
+        run = f"{base}/{case}"
+        _train(run, False, 4, _scores(10.0, 5.0), ddp_backend="gloo")
+        dist.barrier()
+        if not optimizer_pt and rank == 0:
+            os.remove(f"{run}/checkpoint-2/optimizer.pt")
+        dist.barrier()
+        model, trainer = _train(run, True, 8, _scores(1.0, 1.0), resume=f"{run}/checkpoint-4", ddp_backend="gloo",
+                                sharded_ddp=True)
+        weights = load_file(f"{run}/checkpoint-2/model.safetensors")
+        engine, sd = trainer.zero_engine, trainer.zero_engine.state_dict()
+        flat = torch.cat([p.detach().reshape(-1) for g in engine.slot_params() for p in g])
+        out.append((trainer.state.best_model_checkpoint == f"{run}/checkpoint-2",
+                    all(torch.equal(p, weights[n]) for n, p in model.named_parameters()),
+                    torch.equal(sd["master"], flat[sd["shard_start"]:sd["shard_end"]]), sorted(set(sd["param_steps"]))))
+    return out
+
+
+def test_the_best_plain_checkpoint_loads_on_two_ranks(tmp_path):
+    from _dist import run_distributed
+    for rank in run_distributed(_two_ranks, str(tmp_path), timeout=300):
+        assert rank == [(True, True, True, [2]), (True, True, True, [8])]
