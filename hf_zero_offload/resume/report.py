@@ -7,9 +7,9 @@ import json
 import os
 
 from ..engine.checkpoint import read_header
-from .foreign import plain_checkpoint
+from .foreign import missing_state_message, plain_checkpoint
 from .marker import marker_problem, read_marker
-from . import TRAINER_STATE, recorded_step
+from . import TRAINER_STATE, checkpoint_step, checkpoints, held_step, recorded_step, status
 
 
 def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
@@ -64,6 +64,23 @@ def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | No
             f"that this run drops ({why}): Adam restarts from zero moments and, without optimizer.pt, "
             "transformers does not load scheduler.pt either, so the LR schedule restarts from its first step. "
             "Pass the same --zero_offload config to continue the run as it was")
+
+
+def no_state_message(checkpoint: str, state_dir: str) -> str:
+    """``missing_state_message``, and the newest earlier checkpoint beside it that a resume can take: a run switched
+    to --save_only_model part way (a requeued job's --resume_from_checkpoint true found the model-only one) was told
+    to start afresh, its earlier full checkpoints not named."""
+    message = missing_state_message(checkpoint, state_dir)
+    step = held_step(checkpoint)
+    if step is None:
+        return message
+    folder = os.path.dirname(os.path.normpath(checkpoint))
+    for c in reversed(checkpoints(folder)):
+        if checkpoint_step(c) < step[0] and status(c) != "incomplete" and (
+                os.path.isdir(os.path.join(c, state_dir)) or plain_checkpoint(c)):
+            return (f"{message}. Or go on from the newest earlier checkpoint beside it that holds optimizer state, {c} "
+                    f"(step {checkpoint_step(c)}: the steps after it train again)")
+    return message
 
 
 def unloaded_reason(checkpoint: str, state_dir: str) -> str | None:

@@ -44,7 +44,7 @@ class CheckpointLoading(TorchStateResume):
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             if self._zo_torch_state(checkpoint) is None:  # a plain Trainer's optimizer.pt is taken over
-                raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+                raise FileNotFoundError(resume_report.no_state_message(checkpoint, STATE_DIR))
             return
         _, meta = sources(state_dir)  # every header checked: a damaged or foreign state file is named here
         check_save_id(meta, resume.recorded_save_id(checkpoint), state_dir)
@@ -81,7 +81,7 @@ class CheckpointLoading(TorchStateResume):
         state_dir = os.path.join(checkpoint, STATE_DIR)
         torch_sd = None if os.path.isdir(state_dir) else self._zo_torch_state(checkpoint)
         if torch_sd is None and not os.path.isdir(state_dir):
-            raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+            raise FileNotFoundError(resume_report.no_state_message(checkpoint, STATE_DIR))
         moved = None if torch_sd is not None else names_mismatch(state_dir, self._zo_slot_names())  # (None: no file)
         self._zo_refuse_other_params(state_dir, moved)
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
