@@ -99,10 +99,10 @@ class ArgsAfterInit:
         """``check_arguments`` as at ``__init__``, on the arguments as they are now (a hyperparameter search trial's
         values, a field set by hand), and the training precision and engine config unchanged since ``__init__``."""
         given = getattr(self, "_zo_engine_args", None)  # (every Trainer of the mixin: one made without an engine too)
-        now = engine_args(self.args) if given is not None else None
-        if changed := [f for f in ENGINE_FIELDS if given is not None and now[f] != given[f]]:
+        current = engine_args(self.args) if given is not None else None
+        if changed := [f for f in ENGINE_FIELDS if given is not None and current[f] != given[f]]:
             raise ConfigError(f"{' and '.join(changed)} changed after the Trainer was created ("
-                              + "; ".join(_changes(f, given[f], now[f]) for f in changed)
+                              + "; ".join(_changes(f, given[f], current[f]) for f in changed)
                               + ", e.g. a hyperparameter search trial's value or a field set by hand): whether the "
                               "Trainer runs an engine, and which, is decided at __init__, and this train() would "
                               "have run that one; create the Trainer with the values to train with (leave "
