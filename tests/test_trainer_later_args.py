@@ -123,3 +123,40 @@ def test_a_trial_changing_the_training_precision_is_refused(tmp_path, first, tri
     with pytest.raises(ConfigError, match=r"training precision changed after the Trainer was created \(" + match):
         _as_search(trainer).train(trial=_Trial(**trial))
     assert trainer.state.global_step == 0
+
+
+_INT8 = {"zero_optimization": {**OFFLOAD["zero_optimization"],
+                               "offload_optimizer": {"device": "cpu", "state_dtype": "int8"}}}
+_DPU = {"zero_optimization": {**OFFLOAD["zero_optimization"], "delayed_param_update": {"enabled": True}}}
+
+
+@pytest.mark.parametrize("how, first, later, match", [
+    ("trial", OFFLOAD, _INT8, r"zero_offload\.zero_optimization\.offload_optimizer\.state_dtype: absent then, "
+                              r"'int8' now"),
+    ("by hand", OFFLOAD, _DPU, r"zero_offload\.zero_optimization\.delayed_param_update\.enabled: absent then, True"),
+    ("by hand", OFFLOAD, None, r"zero_offload: \{.*\} then, None now"),
+    ("by hand", None, OFFLOAD, r"zero_offload: None then, \{.*\} now"),
+    ("in place", OFFLOAD, None, r"zero_offload\.zero_optimization\.stage: 2 then, 1 now"),
+    ("sharded_ddp", None, None, r"sharded_ddp: True then, False now"),
+])
+def test_an_engine_config_changed_after_init_is_refused(tmp_path, how, first, later, match):
+    """zero_offload and sharded_ddp decide at __init__ whether there is an engine, and which: changed since (a
+    trial's int8 moments or DPU, a config removed, or given to a Trainer made without one) the run trained with
+    __init__'s choice without a word (a plain AdamW where zero_offload was asked for)."""
+    import copy
+    first = copy.deepcopy(first)
+    model, trainer = _trainer(tmp_path, "ours", zero_offload=first, sharded_ddp=how == "sharded_ddp")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=r"changed after the Trainer was created \(" + match):
+        if how == "trial":
+            _as_search(trainer).train(trial=_Trial(zero_offload=later))
+        else:
+            if how == "in place":
+                trainer.args.zero_offload["zero_optimization"]["stage"] = 1
+            elif how == "sharded_ddp":
+                trainer.args.sharded_ddp = False
+            else:
+                trainer.args.zero_offload = later
+            trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -7,9 +7,9 @@ import json
 import os
 
 from ..engine.checkpoint import read_header
-from .foreign import plain_checkpoint
+from .foreign import missing_state_message, plain_checkpoint
 from .marker import marker_problem, read_marker
-from . import TRAINER_STATE, recorded_step
+from . import TRAINER_STATE, checkpoint_step, checkpoints, held_step, recorded_step, status
 
 
 def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
@@ -64,6 +64,51 @@ def dropped_state_message(checkpoint: str, state_dir: str, why: str) -> str | No
             f"that this run drops ({why}): Adam restarts from zero moments and, without optimizer.pt, "
             "transformers does not load scheduler.pt either, so the LR schedule restarts from its first step. "
             "Pass the same --zero_offload config to continue the run as it was")
+
+
+def no_state_message(checkpoint: str, state_dir: str) -> str:
+    """``missing_state_message``, and the newest earlier checkpoint beside it that a resume can take: a run switched
+    to --save_only_model part way (a requeued job's --resume_from_checkpoint true found the model-only one) was told
+    to start afresh, its earlier full checkpoints not named."""
+    message = missing_state_message(checkpoint, state_dir)
+    step = held_step(checkpoint)
+    if step is None:
+        return message
+    folder = os.path.dirname(os.path.normpath(checkpoint))
+    for c in reversed(checkpoints(folder)):
+        if checkpoint_step(c) < step[0] and status(c) != "incomplete" and (
+                os.path.isdir(os.path.join(c, state_dir)) or plain_checkpoint(c)):
+            return (f"{message}. Or go on from the newest earlier checkpoint beside it that holds optimizer state, {c} "
+                    f"(step {checkpoint_step(c)}: the steps after it train again)")
+    return message
+
+
+def unloaded_reason(checkpoint: str, state_dir: str) -> str | None:
+    """Why a plain Trainer's resume from ``checkpoint`` loads no optimizer state into an engine, or None when it
+    would load one (optimizer.pt and scheduler.pt both there, no hf_zero_offload state)."""
+    held = saved_engine(checkpoint, state_dir)
+    if held is not None:
+        return (f"it holds hf_zero_offload optimizer state ({state_dir}/, saved by {held.get('world_size', '?')} "
+                "rank(s)): a plain Trainer does not load it; resume it with ZeroOffloadTrainer / ZeroOffloadMixin")
+    missing = [n for n in ("optimizer.pt", "scheduler.pt") if not os.path.isfile(os.path.join(checkpoint, n))]
+    if missing:
+        return (f"it has no {' and no '.join(missing)} (a --save_only_model checkpoint, or one a file was lost "
+                "from), and transformers loads the two together or neither")
+    return None
+
+
+def unloaded_engine_message(checkpoint: str | None, step: int, engine: str, engine_steps: int,
+                            state_dir: str) -> str:
+    """The warning for a plain Trainer's resume (ZeroOffloadCallback) that left the engine as it was. ``checkpoint``:
+    the one resumed, None when no callback can tell which (train()'s argument reaches none)."""
+    why = unloaded_reason(checkpoint, state_dir) if checkpoint else None
+    if why is None:
+        why = ("transformers loads a checkpoint's optimizer.pt and scheduler.pt together or neither (a "
+               f"--save_only_model checkpoint has neither), and never an hf_zero_offload {state_dir}/")
+    moments = ("Adam restarts from zero moments" if engine_steps == 0 else "Adam goes on from the engine's own "
+               f"moments (its step count is {engine_steps}), not the checkpoint's")
+    return (f"hf_zero_offload: this run resumed {checkpoint or 'a checkpoint'} (step {step}), but its optimizer state "
+            f"was not loaded into the {engine}: {why}. {moments}, and the LR schedule restarts from its first step")
 
 
 def saved_learning_rate(checkpoint: str) -> float | None:

@@ -6,6 +6,7 @@ import os
 
 from transformers import TrainerCallback
 
+from .. import resume
 from ..resume import report as resume_report
 from ..engine_setup import accumulation_problem
 from ..engine.param_names import KEY
@@ -92,16 +93,29 @@ class ZeroOffloadCallback(TrainerCallback):
         if engine is not None and model is not None:  # the params its builder left out of it, as they are now
             self._watch = TrainableWatch()
             self._watch.left_out = frozenset(id(p) for p in self._watch.outside(engine, model))
-        # A plain Trainer never loads zero_offload/: say so when it resumed a checkpoint that holds it.
-        if state.global_step == 0:
-            return
-        ckpt = args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else \
-            os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(ckpt) and (engine is None or engine.global_steps == 0):
-            message = resume_report.dropped_state_message(ckpt, STATE_DIR, "a plain Trainer does not load it; use "
-                                                   "ZeroOffloadTrainer / ZeroOffloadMixin")
-            if message:
-                logger.warning(message)
+        if state.global_step > 0 and state.is_world_process_zero:  # a resume (its trainer_state.json loaded)
+            self._say_unloaded_state(args, state, engine)
+
+    @staticmethod
+    def _say_unloaded_state(args, state, engine) -> None:
+        """A plain Trainer loads optimizer.pt and scheduler.pt only when both are there, and never zero_offload/:
+        a resume that left the engine as it was (its step count is not the checkpoint's) is said. Which checkpoint
+        it was reaches no callback (train()'s argument is not in args): named when args or output_dir tell."""
+        if engine is not None and engine.global_steps == state.global_step:
+            return  # its optimizer.pt was loaded (the engine counts every step() call, as the Trainer its steps)
+        named = [args.resume_from_checkpoint] if isinstance(args.resume_from_checkpoint, str) else []
+        # a folder of that step that would not load (one that would, left unloaded, is not the one resumed)
+        ckpt = next((c for c in named + [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
+                     if os.path.isdir(c) and (resume.held_step(c) or (None,))[0] == state.global_step
+                     and resume_report.unloaded_reason(c, STATE_DIR)), None)
+        if engine is not None:
+            message = resume_report.unloaded_engine_message(ckpt, state.global_step, type(engine).__name__,
+                                                            engine.global_steps, STATE_DIR)
+        else:  # another optimizer than an engine: only our state is ours to name
+            message = ckpt and resume_report.dropped_state_message(ckpt, STATE_DIR, "a plain Trainer does not load "
+                                                                   "it; use ZeroOffloadTrainer / ZeroOffloadMixin")
+        if message:
+            logger.warning(message)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         # a param made trainable since the run began (a callback's unfreezing): refused, as the mixin does; one left

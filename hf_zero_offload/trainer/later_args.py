@@ -17,11 +17,15 @@ transformers' hyperparameter search sets each trial's values on ``trainer.args``
 Here the Accelerator is created again as at ``__init__``, and before each training loop (and each engine build)
 the arguments are checked again: refused in one line, naming the flag, before any training work. The training
 precision (``--bf16``/``--fp16``) is read at ``__init__`` (the engine's dtype, Accelerate's mixed precision off):
-changed since, it is refused in the same way.
+changed since, it is refused in the same way, and so are ``zero_offload`` and ``sharded_ddp`` (which decide whether
+there is an engine and which: set after ``__init__``, another config, none, or one on a Trainer made without, trained
+with ``__init__``'s choice without a word).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 
 from ..args_view import training_precision
 from ..accelerator_patch import patch_accelerator
@@ -40,6 +44,36 @@ def no_mixed_precision(targs):
         yield
     finally:
         targs.fp16, targs.bf16, targs.mixed_precision = saved
+
+
+#: the arguments that decide whether the Trainer runs an engine, and which, as ``__init__`` reads them
+ENGINE_FIELDS = ("zero_offload", "sharded_ddp")
+
+
+def engine_args(args) -> dict:
+    """``ENGINE_FIELDS``' values (copies: a config dict edited in place after ``__init__`` is a change too)."""
+    return {f: copy.deepcopy(getattr(args, f, None)) for f in ENGINE_FIELDS}
+
+
+def _leaves(value, path: str) -> dict:
+    if isinstance(value, dict) and value:
+        return {k: v for key, sub in value.items() for k, v in _leaves(sub, f"{path}.{key}").items()}
+    return {path: value}
+
+
+def _changes(field: str, then, now) -> str:
+    """What differs, leaf by leaf where both are config dicts (the key that changed, not two whole configs)."""
+    a, b = (_leaves(then, field), _leaves(now, field)) if isinstance(then, dict) and isinstance(now, dict) else \
+        ({field: then}, {field: now})
+    absent = object()
+    return "; ".join(f"{k}: {'absent' if a.get(k, absent) is absent else _shown(a[k])} then, "
+                     f"{'absent' if b.get(k, absent) is absent else _shown(b[k])} now"
+                     for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent))
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, sort_keys=True, default=str) if isinstance(value, dict) else repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def _flags(precision) -> str:
@@ -63,7 +97,16 @@ class ArgsAfterInit:
 
     def _zo_check_args_again(self) -> None:
         """``check_arguments`` as at ``__init__``, on the arguments as they are now (a hyperparameter search trial's
-        values, a field set by hand), and the training precision unchanged since ``__init__``."""
+        values, a field set by hand), and the training precision and engine config unchanged since ``__init__``."""
+        given = getattr(self, "_zo_engine_args", None)  # (every Trainer of the mixin: one made without an engine too)
+        current = engine_args(self.args) if given is not None else None
+        if changed := [f for f in ENGINE_FIELDS if given is not None and current[f] != given[f]]:
+            raise ConfigError(f"{' and '.join(changed)} changed after the Trainer was created ("
+                              + "; ".join(_changes(f, given[f], current[f]) for f in changed)
+                              + ", e.g. a hyperparameter search trial's value or a field set by hand): whether the "
+                              "Trainer runs an engine, and which, is decided at __init__, and this train() would "
+                              "have run that one; create the Trainer with the values to train with (leave "
+                              f"{' and '.join(changed)} out of a search space)")
         if self._zo_raw is None:
             return
         now = training_precision(self.args)

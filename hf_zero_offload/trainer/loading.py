@@ -44,7 +44,7 @@ class CheckpointLoading(TorchStateResume):
         state_dir = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(state_dir):
             if self._zo_torch_state(checkpoint) is None:  # a plain Trainer's optimizer.pt is taken over
-                raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+                raise FileNotFoundError(resume_report.no_state_message(checkpoint, STATE_DIR))
             return
         _, meta = sources(state_dir)  # every header checked: a damaged or foreign state file is named here
         check_save_id(meta, resume.recorded_save_id(checkpoint), state_dir)
@@ -81,7 +81,7 @@ class CheckpointLoading(TorchStateResume):
         state_dir = os.path.join(checkpoint, STATE_DIR)
         torch_sd = None if os.path.isdir(state_dir) else self._zo_torch_state(checkpoint)
         if torch_sd is None and not os.path.isdir(state_dir):
-            raise FileNotFoundError(resume.missing_state_message(checkpoint, STATE_DIR))
+            raise FileNotFoundError(resume_report.no_state_message(checkpoint, STATE_DIR))
         moved = None if torch_sd is not None else names_mismatch(state_dir, self._zo_slot_names())  # (None: no file)
         self._zo_refuse_other_params(state_dir, moved)
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
@@ -164,6 +164,20 @@ class CheckpointLoading(TorchStateResume):
         # are the weights in fp32), so that a save, consolidate or more training goes on from the best state.
         best = self.state.best_model_checkpoint
         self._zo_unloaded = unloaded_params(self.model, self._zo_missing)  # (left at the last step's values)
-        engine.load_checkpoint(os.path.join(best, STATE_DIR), expected_save_id=resume.recorded_save_id(best))
-        self._zo_after_unloaded_weights(best, from_masters=True, best=True)
+        state_dir = os.path.join(best, STATE_DIR)
+        # the best may be a checkpoint of the plain run this one resumed (its optimizer.pt taken over, as at a
+        # resume): it failed at the end of train(), the whole run done, looking for a zero_offload/ it never had
+        torch_sd = None if os.path.isdir(state_dir) else self._zo_torch_state(best)
+        if torch_sd is not None:
+            self._zo_load_torch_state(best, torch_sd)
+        elif os.path.isdir(state_dir) or resume.read_marker(best) is not None:  # (ours without it: damage, named)
+            engine.load_checkpoint(state_dir, expected_save_id=resume.recorded_save_id(best))
+        else:  # a plain checkpoint without optimizer state: as the plain Trainer, its weights with this run's moments
+            engine.adopt_changed_params()
+            if self.args.should_log:
+                logger.warning("hf_zero_offload: load_best_model_at_end: %s holds no optimizer state (no %s/, no "
+                               "optimizer.pt): the model and the engine's masters take its weights, Adam's "
+                               "moments and step counts stay the last step's, as the plain Trainer's optimizer "
+                               "keeps its own", best, STATE_DIR)
+        self._zo_after_unloaded_weights(best, from_masters=os.path.isdir(state_dir), best=True)
         self._zo_best = True  # no flush at the end of train(): a DPU state's masters publish at its next step

@@ -32,7 +32,7 @@ from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .mean_loss import LossScaleNote
 from .trainable_watch import RefuseNewTrainable
-from .later_args import ArgsAfterInit, no_mixed_precision
+from .later_args import ArgsAfterInit, engine_args, no_mixed_precision
 from .loading import CheckpointLoading
 from .saving import CheckpointSaving
 from .next_train import CarriedOverEngine, adopt_changed_params  # noqa: F401 (adopt_changed_params: callback.py's)
@@ -102,6 +102,7 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
             warn_bf16_on_cpu(targs, bool(bf16))
             if self._zo_raw is not None:
                 warn_full_eval_trains(targs)
+        self._zo_engine_args = engine_args(self.args)  # (checked again before training: later_args.py)
         if self._zo_raw is not None:
             # what __init__ kept, however it was passed (a base class's own (*args, **kwargs) hides the names)
             refuse_user_optimizer(getattr(self, "optimizer", None), getattr(self, "lr_scheduler", None))
