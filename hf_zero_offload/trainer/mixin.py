@@ -27,7 +27,7 @@ from .agreed_control import AgreedControl
 from .buffer_sync import BroadcastBuffers
 from .placement import PlaceWithEngine
 from .same_run import check_same_run
-from .peer_failure import peer_failed
+from .peer_failure import NamedPeerFailures
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .mean_loss import LossScaleNote
@@ -57,11 +57,15 @@ def _users_create_optimizer(cls):
     return None
 
 
-class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, CarriedOverEngine, LossInFp32,
-                       BroadcastBuffers, PlaceWithEngine, LossScaleNote, ArgsAfterInit):
+class ZeroOffloadMixin(NamedPeerFailures, CheckpointSaving, AgreedControl, CheckpointLoading,
+                       CarriedOverEngine, LossInFp32, BroadcastBuffers, PlaceWithEngine, LossScaleNote, ArgsAfterInit):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
+        # (a rank failing here, its peers at the run lock's broadcast or in train(): peer_failure.py)
+        self._zo_named("the Trainer's constructor", functools.partial(self._zo_init, *args, **kwargs), next_train=True)
+
+    def _zo_init(self, *args, **kwargs):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         self.zero_config: TrainingConfig | None = None
         self._zo_raw = None
@@ -288,6 +292,12 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
         return super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # (its checks before the loop too: a rank that failed there left the others in the next gather)
+        out = self._zo_named("train()", functools.partial(self._zo_train, resume_from_checkpoint, *args, **kwargs))
+        self._zo_returned()  # (a peer left in a call this rank never makes names it: peer_failure.py)
+        return out
+
+    def _zo_train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._zo_resume, self._zo_best, self._zo_buffers_stale = None, False, True
         self._zo_new_run()  # (the saves' agreement: saving.py)
         engine = self.zero_engine
@@ -318,11 +328,8 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
             with end_rotation.running(self):  # (transformers' end-of-training cleanup under our rotation's rule)
                 out = super().train(resume_from_checkpoint, *args, **kwargs)
             self._zo_publish_last()  # (done already unless training stopped before on_train_end)
-        except BaseException as e:
+        except BaseException:
             self._zo_publish_after_failure()
-            named = self._zo_peer_failed(e)
-            if named is not None:  # (peer_failure.py) a peer's failure, by its rank, in place of gloo's words
-                raise named from e
             raise
         finally:
             self.callback_handler.callbacks.remove(first)
@@ -338,13 +345,6 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
         that load_best_model_at_end loaded."""
         if self.zero_engine is not None and not self._zo_best:
             self.zero_engine.flush()
-
-    def _zo_peer_failed(self, e: BaseException) -> BaseException | None:
-        try:  # (the saves' store and this train()'s generation: saving.py)
-            store, count = self._zo_store(), self._zo_count()
-        except Exception:  # noqa: BLE001 - the store gone: the error in flight is the one to see
-            return None
-        return peer_failed(e, store, count[0], self.args.process_index, self.args.world_size) if count else None
 
     def _zo_publish_after_failure(self) -> None:
         """A callback's error or a Ctrl-C out of train(): the model takes the last whole step (for save_model(),
