@@ -63,15 +63,21 @@ def test_a_rank_failing_in_the_constructor_is_named_by_the_others(tmp_path, case
 
 
 def _one_sided(rank, world_size, out_dir, case):
-    """After a train() on both ranks, rank 0 alone evaluates or saves a checkpoint."""
+    """After a train() on both ranks, rank 0 alone evaluates, saves a checkpoint or trains again (``resume``: a
+    second run resumed on rank 0 only)."""
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
 
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, case),
+    saves = dict(save_strategy="steps", save_steps=2) if case == "resume" else {}
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, case, **saves),
                                         train_dataset=ToyDataset(), eval_dataset=ToyDataset(8))
     trainer.train()
     try:
-        if rank == 0:
+        if case == "resume":
+            again = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "again", max_steps=4),
+                                              train_dataset=ToyDataset())
+            again.train(resume_from_checkpoint=f"{out_dir}/resume/checkpoint-2" if rank == 0 else None)
+        elif rank == 0:
             {"evaluate": trainer.evaluate, "save": lambda: trainer._save_checkpoint(trainer.model, None)}[case]()
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
@@ -86,6 +92,15 @@ def test_a_call_made_on_one_rank_only_names_the_rank_that_did_not(tmp_path, case
     assert ours[1] is None, ours
     assert ours[0].startswith(f"RuntimeError: rank 1 (host {HOST}) had returned from its train() (at step 2) and "
                               f"was not in the collective this rank (rank 0) waited in, in {doing}: "), ours
+
+
+def test_a_resume_given_on_one_rank_only_is_refused_on_every_rank(tmp_path):
+    """An outside probe: resume_from_checkpoint on rank 0 only paired its resume's gather with rank 1's next one,
+    and each failed unpacking the other's ("ValueError: not enough values to unpack (expected 5, got 2)")."""
+    ours = run_distributed(_one_sided, str(tmp_path), "resume", timeout=120, collective_timeout=60)
+    for r in ours:
+        assert r == ("ValueError: resume_from_checkpoint was given on rank(s) 0 and not on rank(s) 1: every rank "
+                     "must resume from the same checkpoint, or none (the same train() call on every rank)"), ours
 
 
 def _killed(rank, world_size, out_dir):

@@ -37,7 +37,7 @@ from .loading import CheckpointLoading
 from .saving import CheckpointSaving
 from .next_train import CarriedOverEngine, adopt_changed_params  # noqa: F401 (adopt_changed_params: callback.py's)
 from . import end_rotation
-from .shared_dir import agreed_target, first_problem
+from .shared_dir import agreed_target, distributed, first_problem
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -307,8 +307,9 @@ class ZeroOffloadMixin(NamedPeerFailures, CheckpointSaving, AgreedControl, Check
         elif engine is not None:  # a second train(): the engine of the first one goes on (next_train.py)
             self._zo_carry_over(engine)
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
-        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-            resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
+        given = resume_from_checkpoint is not None and resume_from_checkpoint is not False
+        if given or distributed(self.args.world_size):  # (every rank's gather: given on some only, it is named)
+            resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint if given else None)
         problem = resume.output_dir_problem(self.args.output_dir, max_steps=self.args.max_steps,
                                             world_size=self.args.world_size) if self.args.output_dir else None
         problem = first_problem(problem, self.args.world_size)  # (every rank: one that raised alone left the others)
@@ -369,7 +370,7 @@ class ZeroOffloadMixin(NamedPeerFailures, CheckpointSaving, AgreedControl, Check
 
     def _zo_resume_target(self, target) -> str:
         path, self._zo_resume, notes = agreed_target(target, self.args.output_dir, self.args.world_size)
-        if not self.args.should_log:  # every rank chooses the same checkpoint: said once per job, not per rank
+        if target is None or not self.args.should_log:  # every rank chooses the same one: said once per job
             return path
         for level, note in notes:
             logger.log(level, note)
