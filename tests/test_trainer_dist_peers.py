@@ -137,3 +137,32 @@ def test_a_peer_killed_mid_run_is_named_as_stopped_without_an_error(tmp_path):
                            "waited for it in a collective, in train(): killed (SIGKILL, the out-of-memory "
                            "killer)"), said
 
+
+def _batches_apart(rank, world_size, out_dir, schedule):
+    """Rank 1's sampler yields 24 samples, rank 0's 16 (2 and 3 batches of 4 per rank), for one epoch."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    class PerRankSampler(ZeroOffloadSeq2SeqTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return list(range(16 if rank == 0 else 24))
+
+    args = _args(out_dir, schedule, max_steps=-1, num_train_epochs=1, lr_scheduler_type=schedule)
+    try:
+        PerRankSampler(model=tiny_t5(), args=args, train_dataset=ToyDataset()).train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize("schedule", ["linear", "constant"])
+def test_samplers_yielding_other_batch_counts_stop_at_train_start(tmp_path, schedule):
+    """An outside probe: each rank took its own step count from its own sampler; under a decaying schedule the run
+    stopped at step 2 blaming the schedule ("param group 0 lr differs across ranks"), under a constant one rank 1
+    trained on 2 of its 3 batches (plain DDP: gloo's "Connection reset by peer")."""
+    ours = run_distributed(_batches_apart, str(tmp_path), schedule, timeout=120, collective_timeout=60)
+    for r in ours:
+        assert r == ("ConfigError: the 2 ranks were started for different runs: the training dataloader's batches "
+                     "per epoch: 2 on rank 0, 3 on rank 1. Every rank's sampler must yield the same number of batches: "
+                     "each rank derives its step count and epoch ends from it, and ranks that differ there train on a "
+                     "mix or wait in a collective their peers never reach"), ours

@@ -26,7 +26,7 @@ from ..schedulers import build_scheduler
 from .agreed_control import AgreedControl
 from .buffer_sync import BroadcastBuffers
 from .placement import PlaceWithEngine
-from .same_run import check_same_run
+from .same_run import SameBatches, check_same_run
 from .peer_failure import NamedPeerFailures
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
@@ -57,7 +57,7 @@ def _users_create_optimizer(cls):
     return None
 
 
-class ZeroOffloadMixin(NamedPeerFailures, CheckpointSaving, AgreedControl, CheckpointLoading,
+class ZeroOffloadMixin(NamedPeerFailures, SameBatches, CheckpointSaving, AgreedControl, CheckpointLoading,
                        CarriedOverEngine, LossInFp32, BroadcastBuffers, PlaceWithEngine, LossScaleNote, ArgsAfterInit):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 

@@ -69,3 +69,29 @@ def check_same_run(args, train_dataset, eval_dataset=None) -> None:
                           "DDP run does the same)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+class SameBatches:
+    """Mixed into ``ZeroOffloadMixin``: the training dataloader's batches per epoch compared across the ranks (one
+    all-gather per dataloader built, once per ``train()``). Its length comes from each rank's own sampler: one that
+    yields another count on one rank (a ``_get_train_sampler`` override, a per-rank sampler) gave each rank its own
+    ``max_steps``; an outside probe (2 gloo ranks, 2 and 3 batches) stopped at a lr that "differs across ranks"
+    under a decaying schedule, blaming the schedule, and under a constant one trained rank 1 on 2 of its 3 batches
+    (plain DDP: gloo's "Connection reset by peer")."""
+
+    def get_train_dataloader(self, *args, **kwargs):
+        loader = super().get_train_dataloader(*args, **kwargs)
+        if getattr(self, "_zo_raw", None) is not None and distributed(self.args.world_size):
+            try:
+                n = _length(loader)
+            except Exception:  # noqa: BLE001 - a loader whose len() fails in another way: nothing to compare
+                n = None
+            try:
+                check_ranks_agree({"the training dataloader's batches per epoch": n}, None, self.args.world_size,
+                                  "were started for different runs",
+                                  "Every rank's sampler must yield the same number of batches: each rank derives "
+                                  "its step count and epoch ends from it, and ranks that differ there train on a mix "
+                                  "or wait in a collective their peers never reach")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        return loader
