@@ -8,6 +8,8 @@ import socket
 import time
 
 import pytest
+from torch import equal as torch_equal
+from torch.testing import assert_close
 
 from _dist import DistributedError, run_distributed
 
@@ -166,3 +168,43 @@ def test_samplers_yielding_other_batch_counts_stop_at_train_start(tmp_path, sche
                      "per epoch: 2 on rank 0, 3 on rank 1. Every rank's sampler must yield the same number of batches: "
                      "each rank derives its step count and epoch ends from it, and ranks that differ there train on a "
                      "mix or wait in a collective their peers never reach"), ours
+
+
+def _uneven_shards(rank, world_size, out_dir, mode):
+    """Each rank reads its own IterableDataset shard (8 and 12 samples; dispatch_batches off): its epochs end at its
+    own steps. 6 steps, a log at each, a checkpoint at step 3."""
+    import torch
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+    from transformers import Seq2SeqTrainer
+
+    data = ToyDataset()
+
+    class Shard(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return (data[i] for i in range(8 if rank == 0 else 12))
+
+    kw = dict(max_steps=6, logging_steps=1, save_strategy="steps", save_steps=3, learning_rate=1e-3, seed=0,
+              accelerator_config={"dispatch_batches": False})
+    if mode == "ddp":
+        args = _args(out_dir, mode, sharded_ddp=False, zero_offload=None, optim="adamw_torch", **kw)
+        trainer = Seq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=Shard())
+    else:
+        trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, mode, **kw), train_dataset=Shard())
+    trainer.train()
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()],
+            "saved": sorted(os.listdir(f"{out_dir}/{mode}"))}
+
+
+def test_iterable_shards_ending_their_epochs_at_other_steps_train_as_ddp(tmp_path):
+    """An outside probe: with each rank's own iterable shard, rank 0's epoch end (no collective in the plain
+    Trainer) met the control flags' agreement against rank 1's gradient reduction, and both waited until the
+    collective timeout; plain DDP trained on. Now such an epoch end is each rank's own, and the run equals DDP's."""
+    ref = run_distributed(_uneven_shards, str(tmp_path), "ddp", timeout=120, collective_timeout=30)
+    ours = run_distributed(_uneven_shards, str(tmp_path), "offload", timeout=120, collective_timeout=30)
+    for a, b in zip(ours[0]["params"], ours[1]["params"]):
+        assert torch_equal(a, b)  # the ranks stay identical
+    for a, b in zip(ref[0]["params"], ours[0]["params"]):
+        assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert ours[0]["saved"] == ["checkpoint-3", "checkpoint-6"], ours[0]["saved"]

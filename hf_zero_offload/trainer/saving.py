@@ -98,8 +98,10 @@ class CheckpointSaving:
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         # each rank says when it has passed this point, saved or not, so that a save asked on some ranks only (a
         # callback's control.should_save on one rank) is told apart from a peer that is slower to get there
-        count = self._zo_count()
         self._zo_point = None
+        if getattr(self, "_zo_own_end", False):  # (an epoch end at each rank's own step: same_run.SameBatches)
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        count = self._zo_count()
         if count is not None:
             count[1] += 1
             self._zo_point = tuple(count)
