@@ -65,8 +65,8 @@ def test_a_rank_failing_in_the_constructor_is_named_by_the_others(tmp_path, case
 
 
 def _one_sided(rank, world_size, out_dir, case):
-    """After a train() on both ranks, rank 0 alone evaluates, saves a checkpoint or trains again (``resume``: a
-    second run resumed on rank 0 only)."""
+    """After a train() on both ranks, rank 0 alone evaluates or saves a checkpoint, or (``resume``) a second run is
+    resumed on rank 0 only."""
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
 
