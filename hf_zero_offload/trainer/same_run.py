@@ -91,12 +91,12 @@ class SameBatches:
 
     def get_train_dataloader(self, *args, **kwargs):
         loader = super().get_train_dataloader(*args, **kwargs)
-        self._zo_no_length = _length(loader) is None
+        try:
+            n = _length(loader)
+        except Exception:  # noqa: BLE001 - a len() that fails in another way than _length's: taken as none
+            n = None
+        self._zo_no_length = n is None
         if getattr(self, "_zo_raw", None) is not None and distributed(self.args.world_size):
-            try:
-                n = _length(loader)
-            except Exception:  # noqa: BLE001 - a loader whose len() fails in another way: nothing to compare
-                n = None
             try:
                 check_ranks_agree({"the training dataloader's batches per epoch": n}, None, self.args.world_size,
                                   "were started for different runs",
