@@ -80,7 +80,7 @@ class AgreedControl:
         return bool(c.should_log or c.should_evaluate or c.should_save)
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
-        if not self._zo_agreeing():
+        if not self._zo_agreeing() or getattr(self, "_zo_own_end", False):  # (own_end: same_run.SameBatches)
             return super()._maybe_log_save_evaluate(*args, **kwargs)
         acted = self._zo_agree_control("after on_step_end/on_epoch_end")
         # the point's own log and evaluation (the same on every rank, the flags agreed): their callbacks may set flags

@@ -26,8 +26,8 @@ from ..schedulers import build_scheduler
 from .agreed_control import AgreedControl
 from .buffer_sync import BroadcastBuffers
 from .placement import PlaceWithEngine
-from .same_run import check_same_run
-from .peer_failure import peer_failed
+from .same_run import SameBatches, check_same_run
+from .peer_failure import NamedPeerFailures
 from .last_step import PublishBeforeTrainEnd
 from .loss_precision import LossInFp32
 from .mean_loss import LossScaleNote
@@ -37,7 +37,7 @@ from .loading import CheckpointLoading
 from .saving import CheckpointSaving
 from .next_train import CarriedOverEngine, adopt_changed_params  # noqa: F401 (adopt_changed_params: callback.py's)
 from . import end_rotation
-from .shared_dir import agreed_target, first_problem
+from .shared_dir import agreed_target, distributed, first_problem
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -57,11 +57,15 @@ def _users_create_optimizer(cls):
     return None
 
 
-class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, CarriedOverEngine, LossInFp32,
-                       BroadcastBuffers, PlaceWithEngine, LossScaleNote, ArgsAfterInit):
+class ZeroOffloadMixin(NamedPeerFailures, SameBatches, CheckpointSaving, AgreedControl, CheckpointLoading,
+                       CarriedOverEngine, LossInFp32, BroadcastBuffers, PlaceWithEngine, LossScaleNote, ArgsAfterInit):
     """Mix into any ``transformers.Trainer`` subclass (before it in the bases) to gain the feature."""
 
     def __init__(self, *args, **kwargs):
+        # (a rank failing here, its peers at the run lock's broadcast or in train(): peer_failure.py)
+        self._zo_named("the Trainer's constructor", functools.partial(self._zo_init, *args, **kwargs), next_train=True)
+
+    def _zo_init(self, *args, **kwargs):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         self.zero_config: TrainingConfig | None = None
         self._zo_raw = None
@@ -289,6 +293,12 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
         return super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # (its checks before the loop too: a rank that failed there left the others in the next gather)
+        out = self._zo_named("train()", functools.partial(self._zo_train, resume_from_checkpoint, *args, **kwargs))
+        self._zo_returned()  # (a peer left in a call this rank never makes names it: peer_failure.py)
+        return out
+
+    def _zo_train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._zo_resume, self._zo_best, self._zo_buffers_stale = None, False, True
         self._zo_new_run()  # (the saves' agreement: saving.py)
         engine = self.zero_engine
@@ -298,8 +308,9 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
         elif engine is not None:  # a second train(): the engine of the first one goes on (next_train.py)
             self._zo_carry_over(engine)
         resume_from_checkpoint = resume.no_resume_word(resume_from_checkpoint)
-        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-            resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint)
+        given = resume_from_checkpoint is not None and resume_from_checkpoint is not False
+        if given or distributed(self.args.world_size):  # (every rank's gather: given on some only, it is named)
+            resume_from_checkpoint = self._zo_resume_target(resume_from_checkpoint if given else None)
         problem = resume.output_dir_problem(self.args.output_dir, max_steps=self.args.max_steps,
                                             world_size=self.args.world_size) if self.args.output_dir else None
         problem = first_problem(problem, self.args.world_size)  # (every rank: one that raised alone left the others)
@@ -319,11 +330,8 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
             with end_rotation.running(self):  # (transformers' end-of-training cleanup under our rotation's rule)
                 out = super().train(resume_from_checkpoint, *args, **kwargs)
             self._zo_publish_last()  # (done already unless training stopped before on_train_end)
-        except BaseException as e:
+        except BaseException:
             self._zo_publish_after_failure()
-            named = self._zo_peer_failed(e)
-            if named is not None:  # (peer_failure.py) a peer's failure, by its rank, in place of gloo's words
-                raise named from e
             raise
         finally:
             self.callback_handler.callbacks.remove(first)
@@ -339,13 +347,6 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
         that load_best_model_at_end loaded."""
         if self.zero_engine is not None and not self._zo_best:
             self.zero_engine.flush()
-
-    def _zo_peer_failed(self, e: BaseException) -> BaseException | None:
-        try:  # (the saves' store and this train()'s generation: saving.py)
-            store, count = self._zo_store(), self._zo_count()
-        except Exception:  # noqa: BLE001 - the store gone: the error in flight is the one to see
-            return None
-        return peer_failed(e, store, count[0], self.args.process_index, self.args.world_size) if count else None
 
     def _zo_publish_after_failure(self) -> None:
         """A callback's error or a Ctrl-C out of train(): the model takes the last whole step (for save_model(),
@@ -370,7 +371,7 @@ class ZeroOffloadMixin(CheckpointSaving, AgreedControl, CheckpointLoading, Carri
 
     def _zo_resume_target(self, target) -> str:
         path, self._zo_resume, notes = agreed_target(target, self.args.output_dir, self.args.world_size)
-        if not self.args.should_log:  # every rank chooses the same checkpoint: said once per job, not per rank
+        if target is None or not self.args.should_log:  # every rank chooses the same one: said once per job
             return path
         for level, note in notes:
             logger.log(level, note)

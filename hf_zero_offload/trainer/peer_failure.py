@@ -6,17 +6,29 @@ by peer [127.0.0.1]:37056 ... GLHF!"), naming neither the rank nor the cause (an
 rank whose ``train()`` raises writes its error to the store the process group shares (one key, before its process
 ends), and a rank whose own error is such a collective failure looks there for a moment and raises one line naming
 the rank that failed first and its error, chained to its own. Nothing with one process or without a shared store
-(a ``file://`` one: ``CheckpointSaving._zo_store``).
+(a ``file://`` one: ``saving.shared_store``).
+
+The same holds around every call of the Trainer with collectives (``NamedPeerFailures``): its constructor (a
+ds_config file one node cannot read, a ``model_init`` raising on one rank: the others failed in gloo's words at the
+run lock's broadcast or at ``train()``'s first gather), ``train()``'s own checks before its loop, and ``evaluate()``,
+``predict()`` and a checkpoint save called from user code. A peer that raised nothing is told apart too: one that
+had returned from its ``train()`` (a call made on one rank only, ``if rank == 0: trainer.evaluate()``, which fails
+or hangs as under plain DDP) is named as such, and one that wrote nothing at all as stopped without an error of its
+own (a SIGKILL, the out-of-memory killer). One store write per call that fails and one per ``train()`` that returns;
+nothing per step.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import time
 
 import torch.distributed as dist
 
 _KEY = "hf_zero_offload/failed/{}/rank{}"  # train() generation, rank
+_LOST_KEY = "hf_zero_offload/lost/{}/rank{}"  # a rank that met a collective failure (it is alive: not the one gone)
+_LEFT_KEY = "hf_zero_offload/left/rank{}"  # "<generation>\n<step>\n<host>" at each train() that returned
 _WAIT_S = 3.0  # for the failing rank's key: it is written before its process ends and closes the connection
 # what gloo and NCCL say when a peer is gone or never came (torch raises some of them as a plain RuntimeError)
 _COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
@@ -34,28 +46,63 @@ def _said(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
 
 
-def peer_failed(e: BaseException, store, generation: int, rank: int, world_size: int) -> BaseException | None:
-    """At ``e`` leaving this rank's ``train()``: this rank's own failure written to ``store`` (None: a collective
-    failure, or nothing to write); a collective failure answered with the error to raise in its place, naming the
-    first peer that wrote one within a moment (None: none did)."""
+def _ranks(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def peer_failed(e: BaseException, store, generation: int, rank: int, world_size: int,
+                doing: str = "train()") -> BaseException | None:
+    """At ``e`` leaving this rank's ``doing`` (a Trainer call): this rank's own failure written to ``store`` (None: a
+    collective failure, or nothing to write); a collective failure answered with the error to raise in its place,
+    naming the first peer that wrote one within a moment, else the peers that had returned from their train() or
+    wrote nothing (None: none of these)."""
     if store is None or not isinstance(e, Exception):
         return None
+    host = socket.gethostname()
     if not collective_failure(e):
         with contextlib.suppress(Exception):  # (the store gone with rank 0: this rank's error is the one to see)
-            store.set(_KEY.format(generation, rank), f"{socket.gethostname()}\n{_said(e)}")
+            store.set(_KEY.format(generation, rank), f"{host}\n{_said(e)}")
         return None
+    peers = [r for r in range(world_size) if r != rank]
     give_up = time.monotonic() + _WAIT_S
     try:
+        store.set(_LOST_KEY.format(generation, rank), host)
         while True:
-            found = failed_peer(store, generation, [r for r in range(world_size) if r != rank])
+            found = failed_peer(store, generation, peers)
             if found:
                 return RuntimeError(f"{found}; this rank (rank {rank}) stopped in the collective it was waiting in for "
                                     f"it ({_said(e)[:200]})")
-            if time.monotonic() > give_up:
-                return None
+            if time.monotonic() > give_up:  # (the other survivors have said they are alive by now)
+                return _absent(store, generation, rank, peers, doing, _said(e)[:200])
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store gone with its host: this rank's error is the one to see
         return None
+
+
+def _absent(store, generation: int, rank: int, peers: list, doing: str, said: str) -> BaseException | None:
+    """The peers of a collective failure that raised nothing: those whose train() of this generation returned, else
+    those that said nothing at all (None: every peer is alive, or returned from another generation's train())."""
+    left, silent = [], []
+    for r in peers:
+        key = _LEFT_KEY.format(r)
+        if store.check([key]):
+            g, step, host = store.get(key).decode().split("\n")
+            if int(g) == generation:
+                left.append(f"rank {r} (host {host}) had returned from its train() (at step {step})")
+                continue
+        if not store.check([_LOST_KEY.format(generation, r)]):
+            silent.append(r)
+    if left:
+        return RuntimeError(f"{'; '.join(left)} and was not in the collective this rank (rank {rank}) waited in, in "
+                            f"{doing}: train(), evaluate(), predict() and checkpoint saves of a sharded run gather "
+                            "from every rank, so every rank must make the same calls (under plain DDP a call made on "
+                            f"some ranks only fails or hangs alike) ({said})")
+    if silent:
+        return RuntimeError(f"{_ranks(silent)} stopped without an error of its own while this rank (rank {rank}) "
+                            f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory killer), "
+                            "or its script ended or went elsewhere without making this call; see that rank's log "
+                            f"({said})")
+    return None
 
 
 def failed_peer(store, generation: int, ranks) -> str | None:
@@ -68,3 +115,60 @@ def failed_peer(store, generation: int, ranks) -> str | None:
             host, _, why = store.get(key).decode().partition("\n")
             return f"rank {r} (host {host}) failed: {why}"
     return None
+
+
+class NamedPeerFailures:
+    """Mixed into ``ZeroOffloadMixin``: its calls with collectives run in ``_zo_named``. Reads the process group and
+    its store only (the constructor runs it before the Trainer has ``args``)."""
+
+    def _zo_named(self, doing: str, call, next_train: bool = False):
+        """``call()``; an error out of it said to the peers, or a peer's failure raised in place of gloo's words.
+        ``next_train``: the constructor, whose peers look in the generation of their next train()."""
+        try:
+            return call()
+        except BaseException as e:
+            named = self._zo_peer_failed(e, doing, next_train)
+            if named is not None:
+                raise named from e
+            raise
+
+    def _zo_peer_failed(self, e: BaseException, doing: str, next_train: bool = False) -> BaseException | None:
+        if getattr(e, "_zo_seen", False):  # (met already by a call within this one: evaluate() within train())
+            return None
+        with contextlib.suppress(Exception):
+            e._zo_seen = True
+        from .saving import progress_count, shared_store  # (saving's store and train() generations; it imports us)
+        try:
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            rank, world = dist.get_rank(), dist.get_world_size()
+            store = shared_store(world)
+            count = progress_count(store, rank)
+        except Exception:  # noqa: BLE001 - the store gone: the error in flight is the one to see
+            return None
+        if count is None:
+            return None
+        named = peer_failed(e, store, count[0] + int(next_train), rank, world, doing)
+        if named is not None:
+            named._zo_seen = True
+        return named
+
+    def _zo_returned(self) -> None:
+        """After a train() that returned: its generation and step, for a peer left in a collective this rank never
+        joins (a call made on one rank only)."""
+        from .saving import progress_count, shared_store
+        with contextlib.suppress(Exception):  # (nothing to say it in: nothing lost)
+            store = shared_store(dist.get_world_size()) if dist.is_initialized() else None
+            count = progress_count(store, dist.get_rank()) if store is not None else None
+            if count is not None:
+                store.set(_LEFT_KEY.format(dist.get_rank()),
+                          f"{count[0]}\n{self.state.global_step}\n{socket.gethostname()}")
+
+    def evaluate(self, *args, **kwargs):
+        return self._zo_named("evaluate()", functools.partial(super().evaluate, *args, **kwargs))
+
+    def predict(self, *args, **kwargs):
+        return self._zo_named("predict()", functools.partial(super().predict, *args, **kwargs))
+
+    def _save_checkpoint(self, *args, **kwargs):
+        return self._zo_named("a checkpoint save", functools.partial(super()._save_checkpoint, *args, **kwargs))

@@ -69,3 +69,50 @@ def check_same_run(args, train_dataset, eval_dataset=None) -> None:
                           "DDP run does the same)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+class SameBatches:
+    """Mixed into ``ZeroOffloadMixin``: the training dataloader's batches per epoch compared across the ranks (one
+    all-gather per dataloader built, once per ``train()``). Its length comes from each rank's own sampler: one that
+    yields another count on one rank (a ``_get_train_sampler`` override, a per-rank sampler) gave each rank its own
+    ``max_steps``; an outside probe (2 gloo ranks, 2 and 3 batches) stopped at a lr that "differs across ranks"
+    under a decaying schedule, blaming the schedule, and under a constant one trained rank 1 on 2 of its 3 batches
+    (plain DDP: gloo's "Connection reset by peer").
+
+    A loader without a length (an IterableDataset each rank reads its own shard of, ``dispatch_batches`` off) ends
+    its epochs where its rank's shard ends: at such an epoch end the log/evaluate/save point is each rank's own
+    (``_zo_own_end``), where the control flags' agreement and the saves' point count are not taken, as the plain
+    Trainer takes no collective there. They were: an outside probe's shards of 8 and 12 samples sent rank 0's
+    epoch-end agreement against rank 1's gradient reduction, and both waited until the collective timeout (plain
+    DDP trained on)."""
+    _zo_no_length = False  # this train()'s dataloader has no length
+    _zo_own_end = False  # within a point at such a loader's epoch end
+    _zo_last_point: tuple | None = None  # (the train()'s state, its global_step) at the last point
+
+    def get_train_dataloader(self, *args, **kwargs):
+        loader = super().get_train_dataloader(*args, **kwargs)
+        try:
+            n = _length(loader)
+        except Exception:  # noqa: BLE001 - a len() that fails in another way than _length's: taken as none
+            n = None
+        self._zo_no_length = n is None
+        if getattr(self, "_zo_raw", None) is not None and distributed(self.args.world_size):
+            try:
+                check_ranks_agree({"the training dataloader's batches per epoch": n}, None, self.args.world_size,
+                                  "were started for different runs",
+                                  "Every rank's sampler must yield the same number of batches: each rank derives "
+                                  "its step count and epoch ends from it, and ranks that differ there train on a mix "
+                                  "or wait in a collective their peers never reach")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        return loader
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        last, now = self._zo_last_point, (self.state, self.state.global_step)
+        self._zo_last_point = now
+        # no step since the last point of this train(): its epoch end, at a step of this rank's own
+        self._zo_own_end = self._zo_no_length and last is not None and last[0] is now[0] and last[1] == now[1]
+        try:
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        finally:
+            self._zo_own_end = False

@@ -69,12 +69,39 @@ def _remove_checkpoint(folder: str) -> list[str]:
     return failed
 
 
+def shared_store(world_size: int):
+    """The store the ranks' process group shares, with several ranks (None: one process, none to be had, or a
+    FileStore, whose file would grow by a line per rank and step)."""
+    if not distributed(world_size):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    under = store
+    while hasattr(under, "underlying_store"):  # (PrefixStores over the TCPStore or FileStore, 2 deep under torchrun)
+        under = under.underlying_store
+    return None if isinstance(under, dist.FileStore) else store
+
+
+def progress_count(store, rank: int) -> list | None:
+    """[g, n] of ``rank`` (this process): its train() generation and its point in it (None: no ``store``)."""
+    if store is None:
+        return None
+    key = _PROGRESS_KEY.format(rank)
+    if key not in _COUNT:
+        _COUNT[key] = list(_parse(store.get(key).decode())[0]) if store.check([key]) else [0, 0]
+    return _COUNT[key]
+
+
 class CheckpointSaving:
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         # each rank says when it has passed this point, saved or not, so that a save asked on some ranks only (a
         # callback's control.should_save on one rank) is told apart from a peer that is slower to get there
-        count = self._zo_count()
         self._zo_point = None
+        if getattr(self, "_zo_own_end", False):  # (an epoch end at each rank's own step: same_run.SameBatches)
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        count = self._zo_count()
         if count is not None:
             count[1] += 1
             self._zo_point = tuple(count)
@@ -88,13 +115,7 @@ class CheckpointSaving:
         return out
 
     def _zo_count(self) -> list | None:
-        store = self._zo_store()
-        if store is None:
-            return None
-        key = _PROGRESS_KEY.format(self.args.process_index)
-        if key not in _COUNT:
-            _COUNT[key] = list(_parse(store.get(key).decode())[0]) if store.check([key]) else [0, 0]
-        return _COUNT[key]
+        return progress_count(self._zo_store(), self.args.process_index)
 
     def _zo_new_run(self) -> None:
         """At each train(): this rank's points counted from 0 again, in a new generation."""
@@ -111,18 +132,7 @@ class CheckpointSaving:
         self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{g}:{n}:{state}")
 
     def _zo_store(self):
-        """The store the ranks' process group shares, with several ranks (None: one process, none to be had, or a
-        FileStore, whose file would grow by a line per rank and step)."""
-        if not distributed(self.args.world_size):
-            return None
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except (AttributeError, RuntimeError, ValueError):
-            return None
-        under = store
-        while hasattr(under, "underlying_store"):  # (PrefixStores over the TCPStore or FileStore, 2 deep under torchrun)
-            under = under.underlying_store
-        return None if isinstance(under, dist.FileStore) else store
+        return shared_store(self.args.world_size)
 
     def _zo_agree_to_save(self, output_dir: str) -> None:
         """Every rank saves this checkpoint, or every saving rank raises before its first collective: one rank's save

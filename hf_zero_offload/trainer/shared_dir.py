@@ -37,18 +37,30 @@ def _gather(mine, world_size: int) -> list:
 def agreed_target(target, output_dir: str, world_size: int):
     """``resume.target`` on every rank, then the same outcome on all: one rank's refusal is every rank's (the others
     waited in the next collective, then died on a closed connection), and ranks that chose different checkpoints
-    (node-local output_dirs) are refused, naming each rank's choice."""
+    (node-local output_dirs) are refused, naming each rank's choice. Called on every rank of several, ``target``
+    None where none was given (``None, None, []`` back): a resume given on some ranks only (a script reading it from
+    a per-node file) paired this gather with the peers' next one, and each rank failed unpacking the other's
+    ("ValueError: not enough values to unpack (expected 5, got 2)"), or would have resumed alone."""
     if not distributed(world_size):
         return resume.target(target, output_dir)
     try:
-        chosen, error = resume.target(target, output_dir), None
+        chosen, error = (resume.target(target, output_dir) if target is not None else None), None
     except Exception as e:  # (any: a rank that skipped the gather below left the others waiting in it)
         chosen, error = None, e
     path = chosen[0] if chosen else None
     mine = (socket.gethostname(), None if error is None else f"{type(error).__name__}: {error}",
             path and os.path.abspath(path), path and resume.recorded_step(path),
             path and (resume.recorded_save_id(path) or _written(path)))
-    every = _gather(mine, world_size)
+    every = _gather(("resume_from_checkpoint", target is not None, *mine), world_size)
+    if len({given for _, given, *_ in every}) > 1:
+        given = [r for r, (_, g, *_) in enumerate(every) if g]
+        not_given = [r for r, (_, g, *_) in enumerate(every) if not g]
+        raise ValueError(f"resume_from_checkpoint was given on rank(s) {', '.join(map(str, given))} and not on rank(s) "
+                         f"{', '.join(map(str, not_given))}: every rank must resume from the same checkpoint, or none "
+                         "(the same train() call on every rank)")
+    every = [rest for _, _, *rest in every]
+    if target is None:
+        return None, None, []
     failed = [(r, host, why) for r, (host, why, *_) in enumerate(every) if why is not None]
     if failed:
         if error is not None:

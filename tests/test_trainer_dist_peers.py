@@ -1,0 +1,210 @@
+"""--sharded_ddp on 2 gloo ranks where one rank fails outside the training loop, makes a call its peer does not, or
+is killed: the other rank names it (peer_failure.py) instead of failing in gloo's words."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+from torch import equal as torch_equal
+from torch.testing import assert_close
+
+from _dist import DistributedError, run_distributed
+
+HOST = socket.gethostname()
+
+
+def _args(out_dir, case, **kw):
+    from _t5 import OFFLOAD
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments
+
+    base = dict(output_dir=f"{out_dir}/{case}", per_device_train_batch_size=4, max_steps=2, use_cpu=True,
+                ddp_backend="gloo", report_to=[], save_strategy="no", disable_tqdm=True, sharded_ddp=True,
+                zero_offload=OFFLOAD)
+    return ZeroOffloadSeq2SeqTrainingArguments(**{**base, **kw})
+
+
+def _fails_before_train(rank, world_size, out_dir, case):
+    """Rank 1's ``model_init`` raises in the Trainer's constructor (rank 0 goes on to train()), or rank 1's ds_config
+    file is not there (rank 0 waits in the constructor's run-lock broadcast)."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    def model_init():
+        if rank == 1:
+            raise KeyError("boom in model_init")
+        return tiny_t5()
+
+    try:
+        if case == "model_init":
+            trainer = ZeroOffloadSeq2SeqTrainer(model_init=model_init, args=_args(out_dir, case),
+                                                train_dataset=ToyDataset())
+        else:
+            cfg = {"zero_offload": f"{out_dir}/absent.json"} if rank == 1 else {}
+            trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, case, **cfg),
+                                                train_dataset=ToyDataset())
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize("case, said", [
+    ("model_init", "KeyError: 'boom in model_init'"),
+    ("config_file", "ConfigError: {}/absent.json: cannot read the ds_config file")])
+def test_a_rank_failing_in_the_constructor_is_named_by_the_others(tmp_path, case, said):
+    """An outside probe: rank 1 raising in the Trainer's constructor left rank 0 to fail in gloo's words at its next
+    collective ("Connection closed by peer [127.0.0.1]:8082 ... GLHF!"), naming neither rank 1 nor its error."""
+    said = said.format(tmp_path)
+    ours = run_distributed(_fails_before_train, str(tmp_path), case, timeout=120, collective_timeout=60)
+    assert ours[1].startswith(said), ours
+    assert ours[0].startswith(f"RuntimeError: rank 1 (host {HOST}) failed: {said}"), ours
+    assert "this rank (rank 0) stopped in the collective it was waiting in for it" in ours[0], ours
+
+
+def _one_sided(rank, world_size, out_dir, case):
+    """After a train() on both ranks, rank 0 alone evaluates or saves a checkpoint, or (``resume``) a second run is
+    resumed on rank 0 only."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    saves = dict(save_strategy="steps", save_steps=2) if case == "resume" else {}
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, case, **saves),
+                                        train_dataset=ToyDataset(), eval_dataset=ToyDataset(8))
+    trainer.train()
+    try:
+        if case == "resume":
+            again = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "again", max_steps=4),
+                                              train_dataset=ToyDataset())
+            again.train(resume_from_checkpoint=f"{out_dir}/resume/checkpoint-2" if rank == 0 else None)
+        elif rank == 0:
+            {"evaluate": trainer.evaluate, "save": lambda: trainer._save_checkpoint(trainer.model, None)}[case]()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize("case, doing", [("evaluate", "evaluate()"), ("save", "a checkpoint save")])
+def test_a_call_made_on_one_rank_only_names_the_rank_that_did_not(tmp_path, case, doing):
+    """An outside probe: rank 0's evaluate() (or checkpoint save) after train(), which rank 1 did not call, failed
+    in gloo's words when rank 1's process ended (plain DDP does the same); now it names rank 1 as returned."""
+    ours = run_distributed(_one_sided, str(tmp_path), case, timeout=120, collective_timeout=60)
+    assert ours[1] is None, ours
+    assert ours[0].startswith(f"RuntimeError: rank 1 (host {HOST}) had returned from its train() (at step 2) and "
+                              f"was not in the collective this rank (rank 0) waited in, in {doing}: "), ours
+
+
+def test_a_resume_given_on_one_rank_only_is_refused_on_every_rank(tmp_path):
+    """An outside probe: resume_from_checkpoint on rank 0 only paired its resume's gather with rank 1's next one,
+    and each failed unpacking the other's ("ValueError: not enough values to unpack (expected 5, got 2)")."""
+    ours = run_distributed(_one_sided, str(tmp_path), "resume", timeout=120, collective_timeout=60)
+    for r in ours:
+        assert r == ("ValueError: resume_from_checkpoint was given on rank(s) 0 and not on rank(s) 1: every rank "
+                     "must resume from the same checkpoint, or none (the same train() call on every rank)"), ours
+
+
+def _killed(rank, world_size, out_dir):
+    """Rank 1 killed (SIGKILL) at step 2's end; rank 0 writes what it raised to a file (its peer's death fails the
+    test's run)."""
+    from transformers import TrainerCallback
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    class Kill(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 1 and state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "killed", max_steps=4),
+                                        train_dataset=ToyDataset(), callbacks=[Kill()])
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        with open(f"{out_dir}/rank{rank}.txt", "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+
+
+def test_a_peer_killed_mid_run_is_named_as_stopped_without_an_error(tmp_path):
+    """An outside probe: rank 1 killed by SIGKILL (the out-of-memory killer's signal) left rank 0 with gloo's words
+    only ("Connection closed by peer ... GLHF!")."""
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match="rank 1 ---\nprocess exited with code -9"):
+        run_distributed(_killed, str(tmp_path), timeout=120, collective_timeout=60)
+    assert time.monotonic() - start < 60
+    said = (tmp_path / "rank0.txt").read_text()
+    assert said.startswith("RuntimeError: rank 1 stopped without an error of its own while this rank (rank 0) "
+                           "waited for it in a collective, in train(): killed (SIGKILL, the out-of-memory "
+                           "killer)"), said
+
+
+def _batches_apart(rank, world_size, out_dir, schedule):
+    """Rank 1's sampler yields 24 samples, rank 0's 16 (2 and 3 batches of 4 per rank), for one epoch."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    class PerRankSampler(ZeroOffloadSeq2SeqTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return list(range(16 if rank == 0 else 24))
+
+    args = _args(out_dir, schedule, max_steps=-1, num_train_epochs=1, lr_scheduler_type=schedule)
+    try:
+        PerRankSampler(model=tiny_t5(), args=args, train_dataset=ToyDataset()).train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize("schedule", ["linear", "constant"])
+def test_samplers_yielding_other_batch_counts_stop_at_train_start(tmp_path, schedule):
+    """An outside probe: each rank took its own step count from its own sampler; under a decaying schedule the run
+    stopped at step 2 blaming the schedule ("param group 0 lr differs across ranks"), under a constant one rank 1
+    trained on 2 of its 3 batches (plain DDP: gloo's "Connection reset by peer")."""
+    ours = run_distributed(_batches_apart, str(tmp_path), schedule, timeout=120, collective_timeout=60)
+    for r in ours:
+        assert r == ("ConfigError: the 2 ranks were started for different runs: the training dataloader's batches "
+                     "per epoch: 2 on rank 0, 3 on rank 1. Every rank's sampler must yield the same number of batches: "
+                     "each rank derives its step count and epoch ends from it, and ranks that differ there train on a "
+                     "mix or wait in a collective their peers never reach"), ours
+
+
+def _uneven_shards(rank, world_size, out_dir, mode):
+    """Each rank reads its own IterableDataset shard (8 and 12 samples; dispatch_batches off): its epochs end at its
+    own steps. 6 steps, a log at each, a checkpoint at step 3."""
+    import torch
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+    from transformers import Seq2SeqTrainer
+
+    data = ToyDataset()
+
+    class Shard(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return (data[i] for i in range(8 if rank == 0 else 12))
+
+    kw = dict(max_steps=6, logging_steps=1, save_strategy="steps", save_steps=3, learning_rate=1e-3, seed=0,
+              accelerator_config={"dispatch_batches": False})
+    if mode == "ddp":
+        args = _args(out_dir, mode, sharded_ddp=False, zero_offload=None, optim="adamw_torch", **kw)
+        trainer = Seq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=Shard())
+    else:
+        trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, mode, **kw), train_dataset=Shard())
+    trainer.train()
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()],
+            "saved": sorted(os.listdir(f"{out_dir}/{mode}"))}
+
+
+def test_iterable_shards_ending_their_epochs_at_other_steps_train_as_ddp(tmp_path):
+    """An outside probe: with each rank's own iterable shard, rank 0's epoch end (no collective in the plain
+    Trainer) met the control flags' agreement against rank 1's gradient reduction, and both waited until the
+    collective timeout; plain DDP trained on. Now such an epoch end is each rank's own, and the run equals DDP's."""
+    ref = run_distributed(_uneven_shards, str(tmp_path), "ddp", timeout=120, collective_timeout=30)
+    ours = run_distributed(_uneven_shards, str(tmp_path), "offload", timeout=120, collective_timeout=30)
+    for a, b in zip(ours[0]["params"], ours[1]["params"]):
+        assert torch_equal(a, b)  # the ranks stay identical
+    for a, b in zip(ref[0]["params"], ours[0]["params"]):
+        assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert ours[0]["saved"] == ["checkpoint-3", "checkpoint-6"], ours[0]["saved"]
