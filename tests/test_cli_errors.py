@@ -65,6 +65,24 @@ def test_estimate_takes_the_trainers_underscore_spellings_and_suggests_a_near_fl
     assert e.value.code == 2 and "--seq_lenx (did you mean --seq-len?)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, needles", [
+    (["estimate", "--modle", TINY, "--gpus", "2"], ["--modle (did you mean --model?)", "required: --model"]),
+    (["consolidate", "ckpt", "--with-optimiser"], ["--with-optimiser (did you mean --with-optimizer?)",
+                                                   "required: output_dir"]),
+    (["--verison"], ["unrecognized arguments: --verison", "required: COMMAND"]),
+])
+def test_a_misspelled_required_flag_is_named_not_only_the_missing_one(capsys, argv, needles):
+    """argparse checks required arguments before it returns unknown ones: `--modle X` said only "the following
+    arguments are required: --model", with no word of the typo on the same line."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.index(needles[0]) < err.index(needles[1]), err
+    # an abbreviation argparse takes is not unknown
+    assert cli.unknown_flags(cli.build_parser().subcommands["estimate"], ["--mod", "x", "--", "--zzz"]) == []
+
+
 def test_estimate_unknown_model_names_the_repo_config(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     _one_line_error(capsys, ["estimate", "--model", "t5-3b"], "t5-3b", "configs/models/t5-3b.json")
