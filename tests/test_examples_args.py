@@ -521,6 +521,27 @@ def test_plot_curves_cli(tmp_path, capsys):
         assert err.startswith("plot_curves.py: error: ") and needle in err, err
 
 
+@pytest.mark.parametrize("script, blocked, args", [
+    ("run_demo.py", "torch", ["--smoke", "--cpu"]),
+    ("run_demo.py", "matplotlib", ["--smoke", "--cpu"]),  # the plot came last, after the whole training
+    ("plot_curves.py", "matplotlib", []),
+    ("plot_curves.py", "hf_zero_offload", []),
+])
+def test_an_example_run_by_a_python_without_its_dependencies_says_so_in_one_line(tmp_path, script, blocked, args):
+    """The system's python3 instead of the .venv's (the README's `source .venv/bin/activate` forgotten): run_demo.py
+    wrote its data, then died in a traceback; plot_curves.py died in one at its first import."""
+    path = os.path.join(EX, script)
+    argv = [path, *args, *(["--output_root", str(tmp_path)] if script == "run_demo.py" else [str(tmp_path)])]
+    code = (f"import runpy, sys; sys.modules[{blocked!r}] = None; sys.argv = {argv!r}; "
+            f"runpy.run_path({path!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{script}: error: this Python ({sys.executable}) has no module named ") and \
+        repr(blocked) in err and ".venv/bin/python" in err, err
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
 def test_gradient_checkpointing_flag_is_mapped_without_a_deprecation_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -71,6 +71,10 @@ def plot(output_dir: str, name: str = "curves.png") -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import example_deps
+
+    example_deps.require(os.path.basename(__file__), ("hf_zero_offload", "matplotlib"))
     from hf_zero_offload.usage import run_reporting, take_debug_flag
 
     debug, argv = take_debug_flag(sys.argv[1:] if argv is None else argv)

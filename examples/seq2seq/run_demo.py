@@ -27,8 +27,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import example_deps  # noqa: E402
 import plot_curves  # noqa: E402
 import synthetic_data  # noqa: E402
+
+# what the demo's two steps import: finetune_trainer.py (run by this same Python) and the plot at the end, which
+# came after minutes of training when matplotlib was missing
+NEEDS = ("torch", "transformers", "accelerate", "safetensors", "sentencepiece", "sacrebleu", "hf_zero_offload",
+         "matplotlib")
 
 # Full demo: sized so that it finishes in well under 5 minutes on a 2-core CPU and BLEU rises clearly from ~0.
 # (Measured: the legacy --sortish_sampler slows convergence on this toy task a lot, 38 vs 62 BLEU, so it is off;
@@ -93,6 +99,7 @@ def main(argv=None) -> dict:
     p.add_argument("--model_config", default=os.path.join(ROOT, "configs", "models", "t5-demo.json"))
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even when CUDA is available")
     a = p.parse_args(argv)
+    example_deps.require("run_demo.py", NEEDS)  # before any data is written
 
     t0 = time.time()
     if not a.smoke:
