@@ -234,6 +234,15 @@ def test_consolidate_on_a_run_folder_points_at_its_checkpoints(tmp_path, capsys)
     _one_line_error(capsys, ["consolidate", str(tmp_path / "nothing"), str(tmp_path / "out")], "no such checkpoint")
 
 
+def test_consolidate_of_a_relative_path_from_another_directory_says_where_it_looked(tmp_path, capsys, monkeypatch):
+    """The README's `consolidate output/checkpoint-500 output/fp32` typed from another directory said only
+    "output/checkpoint-500: no such checkpoint folder"."""
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, ["consolidate", "output/checkpoint-500", "output/fp32"],
+                    f"output/checkpoint-500: no such checkpoint folder (a relative path is read from the current "
+                    f"directory, {tmp_path})")
+
+
 def test_consolidate_without_param_names(tmp_path, capsys):
     state = tmp_path / "checkpoint-3" / "zero_offload"
     state.mkdir(parents=True)
