@@ -316,6 +316,10 @@ def test_optimizers_other_than_adam(name):
     (b'{"zero_optimization": {"stage": 2} /* offload */}', ":1:36", "JSON has no comments"),
     (b'{"zero_optimization": {"stage": 2}, # offload\n}', ":1:37", "JSON has no comments"),
     (b"", ":1:1", "the file is empty"),
+    # the README's extension block pasted as the file: "invalid JSON: Extra data", no more
+    (b'"zero_optimization": {"stage": 2,\n  "offload_optimizer": {"device": "cpu"}}\n', ":1:20",
+     '"key": value outside any object (a fragment pasted as the whole file?): a ds_config is one JSON object, so '
+     "wrap the file's content in { }"),
     (b"  \n\n", ":3:1", "the file is empty"),
     ('{"zero_optimization": {"stage": 2}, "r\xe9sum\xe9": 1}'.encode("latin-1"), "",
      "not a UTF-8 text file (byte 38 is 0xe9)"),
