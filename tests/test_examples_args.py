@@ -542,6 +542,25 @@ def test_an_example_run_by_a_python_without_its_dependencies_says_so_in_one_line
     assert os.listdir(tmp_path) == []  # nothing written
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["synthetic_data.py", "--n-train=5"], "unrecognized arguments: --n-train=5 (did you mean --n_train?); the "
+                                           "following arguments are required: out_dir"),
+    (["synthetic_data.py", "OUT", "--n_trian", "5"], "unrecognized arguments: --n_trian (did you mean --n_train?)"),
+    (["synthetic_data.py", "OUT", "--n_train", "x"], "argument --n_train: invalid int value: 'x'"),
+    (["run_demo.py", "--cpuu"], "unrecognized arguments: --cpuu (did you mean --cpu?)"),
+    (["plot_curves.py"], "the following arguments are required: output_dir"),
+])
+def test_the_small_example_scripts_say_a_command_line_mistake_in_one_line(tmp_path, argv, says):
+    """argparse printed its usage block above the error, and a misspelled flag beside a missing positional was
+    reported as the missing positional alone (`synthetic_data.py --n-train=5`: "required: out_dir")."""
+    r = subprocess.run([sys.executable, os.path.join(EX, argv[0]), *argv[1:]], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err == f"{argv[0]}: error: {says} (usage: {argv[0]} --help)", err
+    assert os.listdir(tmp_path) == []
+
+
 def test_gradient_checkpointing_flag_is_mapped_without_a_deprecation_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import example_deps  # noqa: E402
+import example_cli  # noqa: E402
 import plot_curves  # noqa: E402
 import synthetic_data  # noqa: E402
 
@@ -91,7 +91,7 @@ def build_command(data_dir: str, output_dir: str, sizes: dict, model_config: str
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = example_cli.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="toy sizes and 6 training steps (for tests)")
     p.add_argument("--output_root", default=os.path.join(ROOT, "output"),
                    help="where demo_data/ and demo/ go (demo_smoke_data/ and demo_smoke/ with --smoke; "
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     p.add_argument("--model_config", default=os.path.join(ROOT, "configs", "models", "t5-demo.json"))
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even when CUDA is available")
     a = p.parse_args(argv)
-    example_deps.require("run_demo.py", NEEDS)  # before any data is written
+    example_cli.require("run_demo.py", NEEDS)  # before any data is written
 
     t0 = time.time()
     if not a.smoke:
