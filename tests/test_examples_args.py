@@ -561,6 +561,35 @@ def test_the_small_example_scripts_say_a_command_line_mistake_in_one_line(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def test_a_ctrl_c_during_the_demo_waits_for_finetune_trainer_and_says_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in `make demo` reaches run_demo.py and its finetune_trainer.py child alike: the child said its line,
+    then run_demo.py died in a KeyboardInterrupt traceback (and could exit before the child had finished)."""
+    import run_demo
+
+    waits = []
+
+    class Child:  # the child as a Ctrl-C finds it: the parent's wait interrupted, the child ends on its own (130)
+        def __init__(self, cmd, **kwargs):
+            assert cmd[1].endswith("finetune_trainer.py")
+
+        def wait(self):
+            waits.append(1)
+            if len(waits) == 1:
+                raise KeyboardInterrupt
+            return 130
+
+        def kill(self):
+            raise AssertionError("the child was killed instead of awaited")
+
+    monkeypatch.setattr(run_demo.subprocess, "Popen", Child)
+    with pytest.raises(SystemExit) as e:
+        run_demo.main(["--smoke", "--cpu", "--output_root", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and len(waits) == 2, (e.value.code, waits)
+    assert err.strip().splitlines() == [f"[demo] interrupted: make demo starts again from the first step (its data "
+                                        f"in {tmp_path / 'demo_smoke_data'} is kept)"], err
+
+
 def test_gradient_checkpointing_flag_is_mapped_without_a_deprecation_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -90,6 +90,29 @@ def build_command(data_dir: str, output_dir: str, sizes: dict, model_config: str
     return cmd
 
 
+def interrupted(data_dir: str | None = None) -> None:
+    """Ctrl-C: one line and 130, as finetune_trainer.py says its own (run_demo.py died in a KeyboardInterrupt
+    traceback under the child's line). The demo saves no checkpoint: `make demo` starts again, its data kept."""
+    kept = f" (its data in {data_dir} is kept)" if data_dir and os.path.isdir(data_dir) else ""
+    sys.stderr.write(f"[demo] interrupted: make demo starts again from the first step{kept}\n")
+    raise SystemExit(130)
+
+
+def run_child(cmd: list, env: dict, data_dir: str) -> int:
+    """finetune_trainer.py's exit status. A Ctrl-C reaches the child too (one process group): wait for it to say
+    its line and end, then say ours (a second Ctrl-C stops it at once)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+        interrupted(data_dir)
+
+
 def main(argv=None) -> dict:
     p = example_cli.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="toy sizes and 6 training steps (for tests)")
@@ -129,7 +152,7 @@ def main(argv=None) -> dict:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
-    rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    rc = run_child(cmd, env, data_dir)
     if rc:
         raise SystemExit(f"[demo] FAILED: finetune_trainer.py exited with {rc} (its message is above)")
 
@@ -149,4 +172,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # (while writing the data or drawing the curves)
+        interrupted()
