@@ -385,6 +385,25 @@ def test_json_text_is_read_as_deepspeed_reads_it(tmp_path):
     assert resolve(str(odd), ARGS).source == str(odd)
 
 
+def test_json_text_keeps_its_name_after_the_arguments(tmp_path):
+    """--zero_offload '{...}' is a dict from the arguments on: a value contradicting the command line, found when the
+    Trainer resolves it, was named "<dict>" (and so was the start line's config=), a name the user never wrote."""
+    import torch
+
+    from hf_zero_offload import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
+
+    for given, name in (('{"zero_optimization": {"stage": 0}}', "<inline JSON>"),
+                        ({"zero_optimization": {"stage": 0}}, "<dict>")):
+        args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, sharded_ddp=True,
+                                            report_to="none", zero_offload=given)
+        with pytest.raises(ConfigError, match=rf"^{name}: ds_config values contradict TrainingArguments"):
+            ZeroOffloadTrainer(model=torch.nn.Linear(2, 2), args=args)
+    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                        zero_offload='{"zero_optimization": {"stage": 2}}')
+    args.zero_offload = {"zero_optimization": {"stage": 0}}  # a dict set in its place since: a dict again
+    assert ZeroOffloadTrainer(model=torch.nn.Linear(2, 2), args=args)._zo_raw.source == "<dict>"
+
+
 def test_llamafactory_and_openrlhf_configs_load_as_under_deepspeed():
     """Refused before: LLaMA-Factory's comms_config and monitor_config (keys DeepSpeed itself does not read), OpenRLHF's
     sub_group_size "auto", its zero_hpz_partition_size 8 at stage 2 (a ZeRO-3 setting) and tensor_parallel.autotp_size 1
