@@ -41,8 +41,38 @@ class _OneLineParser(argparse.ArgumentParser):
     here: argparse printed its usage block first (10 lines for estimate) above the line that names the problem.
     Subparsers are made of the same class."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)  # for error(): a subparser is given only its own
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
+        # argparse checks the required arguments before it returns the unknown ones, so `--modle X` was reported
+        # as "required: --model" without a word of the typo that caused it: name the typo first
+        unknown = unknown_flags(self, getattr(self, "_argv", []))
+        if unknown and message.startswith("the following arguments are required"):
+            message = f"unrecognized arguments: {with_hints(self, unknown)}; {message}"
         self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
+def unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The ``--flags`` in ``argv`` that ``parser`` would not take: neither one of its options nor a prefix of one
+    (argparse's abbreviations); what follows a bare ``--`` is values."""
+    known = list(parser._option_string_actions)
+    out = []
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.partition("=")[0]
+        if name.startswith("--") and len(name) > 2 and not any(o.startswith(name) for o in known):
+            out.append(arg)
+    return out
+
+
+def with_hints(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """``--x (did you mean --y?)`` for each unknown flag close to one of ``parser``'s options."""
+    return " ".join(f"{x} (did you mean {m[0]}?)" if x.startswith("--") and (
+        m := difflib.get_close_matches(x.partition("=")[0], list(parser._option_string_actions), n=1)) else x
+        for x in extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(_dash_spellings(parser, argv))
     if extra:  # argparse would blame the top-level command and print its usage, not the subcommand's
         sub = parser.subcommands[args.command]
-        hints = [f"{x} (did you mean {m[0]}?)" if x.startswith("--") and (
-            m := difflib.get_close_matches(x.partition("=")[0], list(sub._option_string_actions), n=1)) else x
-            for x in extra]
-        sub.error(f"unrecognized arguments: {' '.join(hints)}")
+        sub.error(f"unrecognized arguments: {with_hints(sub, extra)}")
     try:
         return int(run_reporting(f"hf-zero-offload {args.command}", lambda: args.func(args), debug=debug) or 0)
     except SystemExit as e:  # the one-line report of a user error

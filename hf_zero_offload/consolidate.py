@@ -84,7 +84,9 @@ def state_dir_of(checkpoint_dir: str) -> str:
         raise NotADirectoryError(f"{checkpoint_dir} is a file, not a checkpoint folder: give the checkpoint-N "
                                  "folder that holds zero_offload/")
     if not os.path.isdir(checkpoint_dir):
-        raise FileNotFoundError(f"{checkpoint_dir}: no such checkpoint folder")
+        where = "" if os.path.isabs(checkpoint_dir) else f" (a relative path is read from the current directory, " \
+            f"{os.getcwd()})"  # `output/checkpoint-500` typed from another directory named no directory at all
+        raise FileNotFoundError(f"{checkpoint_dir}: no such checkpoint folder{where}")
     state_dir = os.path.join(checkpoint_dir, "zero_offload")
     if os.path.isdir(state_dir):
         return state_dir

@@ -65,6 +65,24 @@ def test_estimate_takes_the_trainers_underscore_spellings_and_suggests_a_near_fl
     assert e.value.code == 2 and "--seq_lenx (did you mean --seq-len?)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, needles", [
+    (["estimate", "--modle", TINY, "--gpus", "2"], ["--modle (did you mean --model?)", "required: --model"]),
+    (["consolidate", "ckpt", "--with-optimiser"], ["--with-optimiser (did you mean --with-optimizer?)",
+                                                   "required: output_dir"]),
+    (["--verison"], ["unrecognized arguments: --verison", "required: COMMAND"]),
+])
+def test_a_misspelled_required_flag_is_named_not_only_the_missing_one(capsys, argv, needles):
+    """argparse checks required arguments before it returns unknown ones: `--modle X` said only "the following
+    arguments are required: --model", with no word of the typo on the same line."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.index(needles[0]) < err.index(needles[1]), err
+    # an abbreviation argparse takes is not unknown
+    assert cli.unknown_flags(cli.build_parser().subcommands["estimate"], ["--mod", "x", "--", "--zzz"]) == []
+
+
 def test_estimate_unknown_model_names_the_repo_config(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     _one_line_error(capsys, ["estimate", "--model", "t5-3b"], "t5-3b", "configs/models/t5-3b.json")
@@ -214,6 +232,15 @@ def test_consolidate_on_a_run_folder_points_at_its_checkpoints(tmp_path, capsys)
     assert line.split("e.g. ")[1].startswith(str(tmp_path / "run" / "checkpoint-200"))
     assert not (tmp_path / "out").exists()
     _one_line_error(capsys, ["consolidate", str(tmp_path / "nothing"), str(tmp_path / "out")], "no such checkpoint")
+
+
+def test_consolidate_of_a_relative_path_from_another_directory_says_where_it_looked(tmp_path, capsys, monkeypatch):
+    """The README's `consolidate output/checkpoint-500 output/fp32` typed from another directory said only
+    "output/checkpoint-500: no such checkpoint folder"."""
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, ["consolidate", "output/checkpoint-500", "output/fp32"],
+                    f"output/checkpoint-500: no such checkpoint folder (a relative path is read from the current "
+                    f"directory, {tmp_path})")
 
 
 def test_consolidate_without_param_names(tmp_path, capsys):

@@ -316,6 +316,10 @@ def test_optimizers_other_than_adam(name):
     (b'{"zero_optimization": {"stage": 2} /* offload */}', ":1:36", "JSON has no comments"),
     (b'{"zero_optimization": {"stage": 2}, # offload\n}', ":1:37", "JSON has no comments"),
     (b"", ":1:1", "the file is empty"),
+    # the README's extension block pasted as the file: "invalid JSON: Extra data", no more
+    (b'"zero_optimization": {"stage": 2,\n  "offload_optimizer": {"device": "cpu"}}\n', ":1:20",
+     '"key": value outside any object (a fragment pasted as the whole file?): a ds_config is one JSON object, so '
+     "wrap the file's content in { }"),
     (b"  \n\n", ":3:1", "the file is empty"),
     ('{"zero_optimization": {"stage": 2}, "r\xe9sum\xe9": 1}'.encode("latin-1"), "",
      "not a UTF-8 text file (byte 38 is 0xe9)"),
@@ -379,6 +383,25 @@ def test_json_text_is_read_as_deepspeed_reads_it(tmp_path):
     odd = tmp_path / "{run}.json"  # a file whose name starts so is a file (a review)
     odd.write_text(text)
     assert resolve(str(odd), ARGS).source == str(odd)
+
+
+def test_json_text_keeps_its_name_after_the_arguments(tmp_path):
+    """--zero_offload '{...}' is a dict from the arguments on: a value contradicting the command line, found when the
+    Trainer resolves it, was named "<dict>" (and so was the start line's config=), a name the user never wrote."""
+    import torch
+
+    from hf_zero_offload import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
+
+    for given, name in (('{"zero_optimization": {"stage": 0}}', "<inline JSON>"),
+                        ({"zero_optimization": {"stage": 0}}, "<dict>")):
+        args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, sharded_ddp=True,
+                                            report_to="none", zero_offload=given)
+        with pytest.raises(ConfigError, match=rf"^{name}: ds_config values contradict TrainingArguments"):
+            ZeroOffloadTrainer(model=torch.nn.Linear(2, 2), args=args)
+    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                        zero_offload='{"zero_optimization": {"stage": 2}}')
+    args.zero_offload = {"zero_optimization": {"stage": 0}}  # a dict set in its place since: a dict again
+    assert ZeroOffloadTrainer(model=torch.nn.Linear(2, 2), args=args)._zo_raw.source == "<dict>"
 
 
 def test_llamafactory_and_openrlhf_configs_load_as_under_deepspeed():

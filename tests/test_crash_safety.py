@@ -262,6 +262,30 @@ def test_a_renamed_or_moved_checkpoint_still_resumes(tmp_path):
     assert resume.target(str(moved), str(tmp_path / "run"))[:2] == (str(moved), "complete")
 
 
+def test_a_missing_resume_path_says_where_it_looked_and_what_output_dir_holds(tmp_path, monkeypatch):
+    """`--resume_from_checkpoint checkpoint-6` is read from the current directory, not from output_dir: the error said
+    only "checkpoint-6 does not exist", neither where it looked nor the checkpoint beside it."""
+    run = tmp_path / "run"
+    for step in (4, 6):
+        ckpt = run / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / resume.TRAINER_STATE).write_text("{}")
+        resume.write_marker(str(ckpt), {"step": step})
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    with pytest.raises(resume.NotACheckpoint) as e:
+        resume.target("checkpoint-6", str(run))
+    assert str(e.value).endswith(f"checkpoint-6 does not exist (a relative path is read from the current directory, "
+                                 f"{tmp_path / 'cwd'}); did you mean {run / 'checkpoint-6'}, in output_dir?"), e.value
+    with pytest.raises(resume.NotACheckpoint) as e:
+        resume.target(str(run / "checkpoint-9"), str(run))
+    assert str(e.value).endswith(f"checkpoint-9 does not exist; output_dir {run} holds 2 checkpoint(s), the newest "
+                                 f"complete one {run / 'checkpoint-6'} (what --resume_from_checkpoint true takes)")
+    with pytest.raises(resume.NotACheckpoint, match=r"nope does not exist \(a relative path is read from the current "
+                                                    r"directory, [^)]*\)$"):
+        resume.target("nope", str(tmp_path / "empty"))
+
+
 def test_atomic_writes_reach_the_disk_directory_entry_included(tmp_path, monkeypatch):
     """fsync of the file alone leaves the rename in the page cache: after a power cut the name can be the old file
     (or none) while the completion marker, written later, survived."""

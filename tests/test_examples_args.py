@@ -521,6 +521,75 @@ def test_plot_curves_cli(tmp_path, capsys):
         assert err.startswith("plot_curves.py: error: ") and needle in err, err
 
 
+@pytest.mark.parametrize("script, blocked, args", [
+    ("run_demo.py", "torch", ["--smoke", "--cpu"]),
+    ("run_demo.py", "matplotlib", ["--smoke", "--cpu"]),  # the plot came last, after the whole training
+    ("plot_curves.py", "matplotlib", []),
+    ("plot_curves.py", "hf_zero_offload", []),
+])
+def test_an_example_run_by_a_python_without_its_dependencies_says_so_in_one_line(tmp_path, script, blocked, args):
+    """The system's python3 instead of the .venv's (the README's `source .venv/bin/activate` forgotten): run_demo.py
+    wrote its data, then died in a traceback; plot_curves.py died in one at its first import."""
+    path = os.path.join(EX, script)
+    argv = [path, *args, *(["--output_root", str(tmp_path)] if script == "run_demo.py" else [str(tmp_path)])]
+    code = (f"import runpy, sys; sys.modules[{blocked!r}] = None; sys.argv = {argv!r}; "
+            f"runpy.run_path({path!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{script}: error: this Python ({sys.executable}) has no module named ") and \
+        repr(blocked) in err and ".venv/bin/python" in err, err
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["synthetic_data.py", "--n-train=5"], "unrecognized arguments: --n-train=5 (did you mean --n_train?); the "
+                                           "following arguments are required: out_dir"),
+    (["synthetic_data.py", "OUT", "--n_trian", "5"], "unrecognized arguments: --n_trian (did you mean --n_train?)"),
+    (["synthetic_data.py", "OUT", "--n_train", "x"], "argument --n_train: invalid int value: 'x'"),
+    (["run_demo.py", "--cpuu"], "unrecognized arguments: --cpuu (did you mean --cpu?)"),
+    (["plot_curves.py"], "the following arguments are required: output_dir"),
+])
+def test_the_small_example_scripts_say_a_command_line_mistake_in_one_line(tmp_path, argv, says):
+    """argparse printed its usage block above the error, and a misspelled flag beside a missing positional was
+    reported as the missing positional alone (`synthetic_data.py --n-train=5`: "required: out_dir")."""
+    r = subprocess.run([sys.executable, os.path.join(EX, argv[0]), *argv[1:]], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err == f"{argv[0]}: error: {says} (usage: {argv[0]} --help)", err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_ctrl_c_during_the_demo_waits_for_finetune_trainer_and_says_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in `make demo` reaches run_demo.py and its finetune_trainer.py child alike: the child said its line,
+    then run_demo.py died in a KeyboardInterrupt traceback (and could exit before the child had finished)."""
+    import run_demo
+
+    waits = []
+
+    class Child:  # the child as a Ctrl-C finds it: the parent's wait interrupted, the child ends on its own (130)
+        def __init__(self, cmd, **kwargs):
+            assert cmd[1].endswith("finetune_trainer.py")
+
+        def wait(self):
+            waits.append(1)
+            if len(waits) == 1:
+                raise KeyboardInterrupt
+            return 130
+
+        def kill(self):
+            raise AssertionError("the child was killed instead of awaited")
+
+    monkeypatch.setattr(run_demo.subprocess, "Popen", Child)
+    with pytest.raises(SystemExit) as e:
+        run_demo.main(["--smoke", "--cpu", "--output_root", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and len(waits) == 2, (e.value.code, waits)
+    assert err.strip().splitlines() == [f"[demo] interrupted: make demo starts again from the first step (its data "
+                                        f"in {tmp_path / 'demo_smoke_data'} is kept)"], err
+
+
 def test_gradient_checkpointing_flag_is_mapped_without_a_deprecation_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -3,6 +3,7 @@ them, BLEU against the reference texts of the split, the loss of accumulated mic
 flag that could not work refused in one line naming it."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -252,7 +253,9 @@ def test_a_missing_data_dir_is_named_before_the_model_config(tmp_path, monkeypat
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
                         lambda *a, **k: pytest.fail("the model config was looked up first"))
-    with pytest.raises(NotADirectoryError, match=r"--data_dir wmt_en_ro: not found; it names the folder"):
+    monkeypatch.chdir(tmp_path)  # and where a relative one was looked for (it said only "not found")
+    with pytest.raises(NotADirectoryError, match=r"--data_dir wmt_en_ro: not found \(a relative path is read from the "
+                                                 rf"current directory, {re.escape(str(tmp_path))}\); it names the folder"):
         finetune_trainer.main(["--model_name_or_path", "t5-large", "--data_dir", "wmt_en_ro", "--output_dir",
                                str(tmp_path / "o"), "--do_train", "--use_cpu", "--report_to", "none"])
 

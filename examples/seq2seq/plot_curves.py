@@ -71,10 +71,14 @@ def plot(output_dir: str, name: str = "curves.png") -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import example_cli
+
+    example_cli.require(os.path.basename(__file__), ("hf_zero_offload", "matplotlib"))
     from hf_zero_offload.usage import run_reporting, take_debug_flag
 
     debug, argv = take_debug_flag(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],  # (None under python -OO)
+    parser = example_cli.OneLineParser(description=(__doc__ or "").split("\n\n")[0],  # (None under python -OO)
                                      epilog="errors print one line and exit 2; --debug shows the traceback")
     parser.add_argument("output_dir", help="the --output_dir of a finetune_trainer.py run (holds trainer_state.json); "
                                            "curves.png is written there")

@@ -27,8 +27,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import example_cli  # noqa: E402
 import plot_curves  # noqa: E402
 import synthetic_data  # noqa: E402
+
+# what the demo's two steps import: finetune_trainer.py (run by this same Python) and the plot at the end, which
+# came after minutes of training when matplotlib was missing
+NEEDS = ("torch", "transformers", "accelerate", "safetensors", "sentencepiece", "sacrebleu", "hf_zero_offload",
+         "matplotlib")
 
 # Full demo: sized so that it finishes in well under 5 minutes on a 2-core CPU and BLEU rises clearly from ~0.
 # (Measured: the legacy --sortish_sampler slows convergence on this toy task a lot, 38 vs 62 BLEU, so it is off;
@@ -84,8 +90,31 @@ def build_command(data_dir: str, output_dir: str, sizes: dict, model_config: str
     return cmd
 
 
+def interrupted(data_dir: str | None = None) -> None:
+    """Ctrl-C: one line and 130, as finetune_trainer.py says its own (run_demo.py died in a KeyboardInterrupt
+    traceback under the child's line). The demo saves no checkpoint: `make demo` starts again, its data kept."""
+    kept = f" (its data in {data_dir} is kept)" if data_dir and os.path.isdir(data_dir) else ""
+    sys.stderr.write(f"[demo] interrupted: make demo starts again from the first step{kept}\n")
+    raise SystemExit(130)
+
+
+def run_child(cmd: list, env: dict, data_dir: str) -> int:
+    """finetune_trainer.py's exit status. A Ctrl-C reaches the child too (one process group): wait for it to say
+    its line and end, then say ours (a second Ctrl-C stops it at once)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+        interrupted(data_dir)
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = example_cli.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="toy sizes and 6 training steps (for tests)")
     p.add_argument("--output_root", default=os.path.join(ROOT, "output"),
                    help="where demo_data/ and demo/ go (demo_smoke_data/ and demo_smoke/ with --smoke; "
@@ -93,6 +122,7 @@ def main(argv=None) -> dict:
     p.add_argument("--model_config", default=os.path.join(ROOT, "configs", "models", "t5-demo.json"))
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even when CUDA is available")
     a = p.parse_args(argv)
+    example_cli.require("run_demo.py", NEEDS)  # before any data is written
 
     t0 = time.time()
     if not a.smoke:
@@ -122,7 +152,7 @@ def main(argv=None) -> dict:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
-    rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    rc = run_child(cmd, env, data_dir)
     if rc:
         raise SystemExit(f"[demo] FAILED: finetune_trainer.py exited with {rc} (its message is above)")
 
@@ -142,4 +172,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # (while writing the data or drawing the curves)
+        interrupted()

@@ -14,8 +14,9 @@ from transformers import HfArgumentParser
 
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments, ops, resume
 from hf_zero_offload.args_view import early_view, training_precision
-from hf_zero_offload.config import check, resolve
+from hf_zero_offload.config import resolve
 from hf_zero_offload.launch_checks import check_arguments
+from hf_zero_offload.trainer.args import checked_config
 from hf_zero_offload.other_engines import legacy_sharded_ddp
 from hf_zero_offload.usage import not_utf8_text
 
@@ -236,7 +237,7 @@ def check_zero_config(training_args, config) -> None:
         if training_args.sharded_ddp:  # ZeRO-2 without offload: the arguments the engine cannot honour, now too
             check_arguments(training_args)
         return
-    checked = check(training_args.zero_offload)  # a path or a shipped config's name
+    checked = checked_config(training_args)  # a path, a shipped config's name, or JSON text (named so)
     # the Trainer's precision (--bf16_full_eval is bf16 too): "enabled": true was refused here and the Trainer took it
     cfg = resolve(checked, early_view(training_args, checked.cfg, *training_precision(training_args),
                                       types.SimpleNamespace(config=config) if config is not None else None))

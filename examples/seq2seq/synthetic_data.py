@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 from typing import Dict, List, Sequence, Tuple
 
 __all__ = ["LEXICON", "translate", "make_pair", "make_corpus", "write_corpus", "main"]
@@ -146,7 +147,10 @@ def write_corpus(out_dir: str, n_train: int = 2000, n_val: int = 200, n_test: in
 
 
 def main(argv=None) -> str:
-    p = argparse.ArgumentParser(description="Write a SYNTHETIC toy en->ro-looking parallel corpus (legacy data_dir layout).")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from example_cli import OneLineParser  # (a mistake is one line, the nearest flag named)
+
+    p = OneLineParser(description="Write a SYNTHETIC toy en->ro-looking parallel corpus (legacy data_dir layout).")
     p.add_argument("out_dir")
     p.add_argument("--n_train", type=int, default=2000)
     p.add_argument("--n_val", type=int, default=200)

@@ -48,6 +48,10 @@ def _json_hint(text: str, e: json.JSONDecodeError) -> str:
     before = text[:e.pos].rstrip()
     if before.endswith(",") and rest[:1] in ("}", "]"):
         return f"a trailing comma before {rest[0]!r}; JSON allows none, remove it"
+    if e.msg == "Extra data" and before.lstrip("\ufeff").startswith('"') and rest.lstrip().startswith(":"):
+        # the README's extension block, pasted as the whole file, said only "Extra data"
+        return ('a "key": value outside any object (a fragment pasted as the whole file?): a ds_config is one JSON '
+                "object, so wrap the file's content in { }")
     return e.msg
 
 

@@ -29,6 +29,7 @@ from .marker import (MARKER, changed_files, load_marker, marker_problem, read_ma
 from .foreign import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # noqa: F401 (resume API)
                                  foreign_state, missing_state_message, plain_checkpoint)
 from .schedule import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
+from .missing import where_to_look
 from . import path_limits
 
 TRAINER_STATE = "trainer_state.json"
@@ -201,11 +202,11 @@ class NotACheckpoint(IncompleteCheckpoint):
     or missing path): the message says what it is and what to pass instead."""
 
 
-def _not_a_checkpoint(path: str) -> str | None:
+def _not_a_checkpoint(path: str, output_dir: str | None = None) -> str | None:
     """Why ``path`` is not a Trainer checkpoint at all, or None when it is one (whole or cut short). A directory named
     ``checkpoint-N`` is one even when empty: its writer may have been stopped before the first file."""
     if not os.path.exists(path):
-        return f"resume_from_checkpoint: {path} does not exist"
+        return f"resume_from_checkpoint: {path} does not exist{where_to_look(path, output_dir)}"
     if not os.path.isdir(path):
         return f"resume_from_checkpoint: {path} is a file, not a checkpoint directory (checkpoint-N)"
     if checkpoint_step(path) is not None or read_marker(path) is not None:
@@ -243,11 +244,11 @@ def _not_a_checkpoint(path: str) -> str | None:
             "optimizer state in it); pass a checkpoint-N folder of a run's output_dir")
 
 
-def check(checkpoint: str) -> tuple[str, dict | None]:
+def check(checkpoint: str, output_dir: str | None = None) -> tuple[str, dict | None]:
     """(status, marker) of a checkpoint about to be resumed; an incomplete one is an :class:`IncompleteCheckpoint`
     that names the newest whole checkpoint beside it, and a path that is no checkpoint at all a
     :class:`NotACheckpoint` saying what it is."""
-    wrong = _not_a_checkpoint(checkpoint)
+    wrong = _not_a_checkpoint(checkpoint, output_dir)
     if wrong is not None:  # transformers' own words first: scripts (and its test suite) match them
         raise NotACheckpoint(f"Can't find a valid checkpoint at {checkpoint}. {wrong}")
     state = status(checkpoint)
@@ -358,7 +359,7 @@ def target(requested, output_dir: str) -> tuple[str, str, list[tuple[int, str]]]
         if word is not None:  # what was asked for, not a problem: information, at the level of the resume's summary
             notes.append((logging.INFO, f"hf_zero_offload: --resume_from_checkpoint {word}: the newest complete "
                                         f"checkpoint of {output_dir}, {requested}"))
-    state, _ = check(str(requested))
+    state, _ = check(str(requested), output_dir)
     if state == "legacy" and not plain_checkpoint(str(requested)):  # (a plain Trainer's: said once its state loads)
         problem = marker_problem(str(requested))
         why = (f"{problem}" if problem else f"has no completion marker {MARKER} (written before markers existed, or "

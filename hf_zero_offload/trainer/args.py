@@ -10,7 +10,7 @@ from transformers import Seq2SeqTrainingArguments, TrainingArguments
 from .. import resume
 from ..config.checks import plain_numbers
 from ..config import ConfigError
-from ..config.loader import check, is_inline, parse_inline
+from ..config.loader import INLINE, check, is_inline, parse_inline
 from ..launch_checks import check_launch_env
 from ..other_engines import refuse_other_engines, take_launcher_precision
 
@@ -37,16 +37,29 @@ class _ZeroOffloadFields:
     )
 
 
+def checked_config(args):
+    """``args.zero_offload`` read and validated, named as the user gave it: a ``--zero_offload '{...}'`` text is a
+    dict from the arguments on, and its later mistakes (a value contradicting the command line) and the start line
+    said "<dict>", a name the user never wrote."""
+    checked = check(args.zero_offload)
+    if args.zero_offload is getattr(args, "_zo_inline", None):  # (not a dict set in its place since)
+        checked = checked._replace(source=INLINE)
+    return checked
+
+
 def _before_post_init(args) -> None:
     refuse_other_engines(args)  # (which also reads sharded_ddp's legacy spellings as a bool)
-    if is_inline(args.zero_offload):  # --zero_offload '{...}': a dict, as transformers reads a --deepspeed JSON string
-        check(args.zero_offload)  # its mistakes named as the text's now (the dict's, "<dict>", later)
+    inline = is_inline(args.zero_offload)
+    if inline:  # --zero_offload '{...}': a dict, as transformers reads a --deepspeed JSON string
+        check(args.zero_offload)  # its mistakes named as the text's now (and later too: checked_config)
         args.zero_offload = parse_inline(args.zero_offload)
     if isinstance(args.zero_offload, dict):  # numpy numbers, which the config takes, failed args.to_json_string()
         try:
             args.zero_offload = plain_numbers(args.zero_offload)
         except RecursionError:  # (500 levels in a free-form key: check() takes them, this walk did not)
             raise ConfigError("zero_offload: nested too deeply for a ds_config") from None
+        if inline:  # (an attribute, not a field: never serialised with the arguments)
+            args._zo_inline = args.zero_offload
     take_launcher_precision(args)
     # Before TrainingArguments' __post_init__, which sets up the process group from torchrun's variables (and may
     # hang on an inconsistent set); only when our engine is asked for, as plain runs are transformers' business.

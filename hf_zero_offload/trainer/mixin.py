@@ -38,6 +38,7 @@ from .saving import CheckpointSaving
 from .next_train import CarriedOverEngine, adopt_changed_params  # noqa: F401 (adopt_changed_params: callback.py's)
 from . import end_rotation
 from .shared_dir import agreed_target, distributed, first_problem
+from .args import checked_config
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -75,7 +76,7 @@ class ZeroOffloadMixin(NamedPeerFailures, SameBatches, CheckpointSaving, AgreedC
         self._zo_left_said: set[str] = set()  # folders a rotation left out, named once (saving.py)
         if targs is not None and (getattr(targs, "zero_offload", None) is not None or getattr(targs, "sharded_ddp", False)):
             if targs.zero_offload is not None:
-                self._zo_raw = check(targs.zero_offload)  # validated once: fail fast, before any model work
+                self._zo_raw = checked_config(targs)  # validated once: fail fast, before any model work
             else:  # --sharded_ddp alone: ZeRO-2 without offload, named so in the start line
                 self._zo_raw = check({"zero_optimization": {"stage": 2}})._replace(source="--sharded_ddp (stage 2)")
             # as transformers' DeepSpeed integration: --fp16_full_eval means the fp16 model (ours trains as it evals)
