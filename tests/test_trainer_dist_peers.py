@@ -208,3 +208,35 @@ def test_iterable_shards_ending_their_epochs_at_other_steps_train_as_ddp(tmp_pat
     for a, b in zip(ref[0]["params"], ours[0]["params"]):
         assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert ours[0]["saved"] == ["checkpoint-3", "checkpoint-6"], ours[0]["saved"]
+
+
+def _killed_in_evaluate(rank, world_size, out_dir):
+    """Both ranks train(), then both evaluate() (the usual script); rank 1 is killed (SIGKILL) in its evaluation's
+    first batch. Rank 0 writes what it raised to a file."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    class KilledOnRank1(ToyDataset):
+        def __getitem__(self, i):
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().__getitem__(i)
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "killed_eval"),
+                                        train_dataset=ToyDataset(), eval_dataset=KilledOnRank1(8))
+    trainer.train()
+    try:
+        trainer.evaluate()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        with open(f"{out_dir}/rank{rank}.txt", "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+
+
+def test_a_peer_killed_in_the_evaluate_both_ranks_call_after_train_is_not_said_to_have_returned(tmp_path):
+    """Rank 1's "returned from its train()" key stayed in the store while it evaluated: killed there, rank 0 said it
+    had returned and was not in the collective ("every rank must make the same calls"), blaming the script."""
+    with pytest.raises(DistributedError, match="rank 1 ---\nprocess exited with code -9"):
+        run_distributed(_killed_in_evaluate, str(tmp_path), timeout=120, collective_timeout=60)
+    said = (tmp_path / "rank0.txt").read_text()
+    assert said.startswith("RuntimeError: rank 1 stopped without an error of its own while this rank (rank 0) "
+                           "waited for it in a collective, in evaluate(): killed"), said

@@ -14,8 +14,8 @@ run lock's broadcast or at ``train()``'s first gather), ``train()``'s own checks
 ``predict()`` and a checkpoint save called from user code. A peer that raised nothing is told apart too: one that
 had returned from its ``train()`` (a call made on one rank only, ``if rank == 0: trainer.evaluate()``, which fails
 or hangs as under plain DDP) is named as such, and one that wrote nothing at all as stopped without an error of its
-own (a SIGKILL, the out-of-memory killer). One store write per call that fails and one per ``train()`` that returns;
-nothing per step.
+own (a SIGKILL, the out-of-memory killer). One store write per call that fails, one per ``train()`` that returns and one
+(taking that back) at the next call; nothing per step.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import torch.distributed as dist
 _KEY = "hf_zero_offload/failed/{}/rank{}"  # train() generation, rank
 _LOST_KEY = "hf_zero_offload/lost/{}/rank{}"  # a rank that met a collective failure (it is alive: not the one gone)
 _LEFT_KEY = "hf_zero_offload/left/rank{}"  # "<generation>\n<step>\n<host>" at each train() that returned
+# the _LEFT_KEY this process wrote and has not taken back: one per process (its rank), whichever Trainer wrote it
+_LEFT: set = set()
 _WAIT_S = 3.0  # for the failing rank's key: it is written before its process ends and closes the connection
 # what gloo and NCCL say when a peer is gone or never came (torch raises some of them as a plain RuntimeError)
 _COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
@@ -117,6 +119,18 @@ def failed_peer(store, generation: int, ranks) -> str | None:
     return None
 
 
+def _back_in() -> None:
+    """This rank in a Trainer call again: its "returned from train()" key taken back (one store call, after a train()
+    that returned only). Left there, a peer that lost this rank in the evaluate() both ranks make after train() (this
+    rank killed in it) said it had returned and was not in the call, blaming the script."""
+    if not _LEFT:
+        return
+    from .saving import shared_store
+    key = _LEFT.pop()
+    with contextlib.suppress(Exception):  # (the store gone: no peer is left to read the key)
+        shared_store(dist.get_world_size()).delete_key(key)
+
+
 class NamedPeerFailures:
     """Mixed into ``ZeroOffloadMixin``: its calls with collectives run in ``_zo_named``. Reads the process group and
     its store only (the constructor runs it before the Trainer has ``args``)."""
@@ -124,6 +138,7 @@ class NamedPeerFailures:
     def _zo_named(self, doing: str, call, next_train: bool = False):
         """``call()``; an error out of it said to the peers, or a peer's failure raised in place of gloo's words.
         ``next_train``: the constructor, whose peers look in the generation of their next train()."""
+        _back_in()
         try:
             return call()
         except BaseException as e:
@@ -163,6 +178,7 @@ class NamedPeerFailures:
             if count is not None:
                 store.set(_LEFT_KEY.format(dist.get_rank()),
                           f"{count[0]}\n{self.state.global_step}\n{socket.gethostname()}")
+                _LEFT.add(_LEFT_KEY.format(dist.get_rank()))
 
     def evaluate(self, *args, **kwargs):
         return self._zo_named("evaluate()", functools.partial(super().evaluate, *args, **kwargs))
