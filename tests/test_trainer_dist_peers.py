@@ -240,3 +240,24 @@ def test_a_peer_killed_in_the_evaluate_both_ranks_call_after_train_is_not_said_t
     said = (tmp_path / "rank0.txt").read_text()
     assert said.startswith("RuntimeError: rank 1 stopped without an error of its own while this rank (rank 0) "
                            "waited for it in a collective, in evaluate(): killed"), said
+
+
+def _loader_on_rank_0(rank, world_size, out_dir):
+    """Rank 0 alone builds the training dataloader (to print its length) before both ranks train()."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "loader"), train_dataset=ToyDataset())
+    try:
+        if rank == 0:
+            len(trainer.get_train_dataloader())
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return trainer.state.global_step
+
+
+def test_a_training_dataloader_built_on_one_rank_outside_train_gathers_nothing(tmp_path):
+    """The batch count's comparison ran in every get_train_dataloader(): rank 0's own call, outside train(), met
+    rank 1's first gather of train() and both failed (a plain Trainer's call gathers nothing)."""
+    assert run_distributed(_loader_on_rank_0, str(tmp_path), timeout=120, collective_timeout=30) == [2, 2]
