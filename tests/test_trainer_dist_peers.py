@@ -261,3 +261,27 @@ def test_a_training_dataloader_built_on_one_rank_outside_train_gathers_nothing(t
     """The batch count's comparison ran in every get_train_dataloader(): rank 0's own call, outside train(), met
     rank 1's first gather of train() and both failed (a plain Trainer's call gathers nothing)."""
     assert run_distributed(_loader_on_rank_0, str(tmp_path), timeout=120, collective_timeout=30) == [2, 2]
+
+
+@pytest.mark.parametrize("kind", ["DistBackendError", "DistNetworkError", "RuntimeError"])
+@pytest.mark.parametrize("peer", ["failed", "returned", "silent"])
+def test_the_error_naming_a_peer_keeps_the_collective_errors_type(monkeypatch, kind, peer):
+    """The named error replaced torch's DistBackendError (a collective timeout) with a plain RuntimeError: a script's
+    ``except torch.distributed.DistBackendError`` (a retry or a requeue on a lost peer) no longer caught it, now that
+    evaluate(), predict() and saves are named too. Same type, its message the named one, chained to torch's."""
+    import torch.distributed as dist
+
+    from hf_zero_offload.trainer import peer_failure
+
+    monkeypatch.setattr(peer_failure, "_WAIT_S", 0.2)
+    store = dist.HashStore()
+    if peer == "failed":
+        store.set(peer_failure._KEY.format(1, 1), "h\nKeyError: 'boom'")
+    elif peer == "returned":
+        store.set(peer_failure._LEFT_KEY.format(1), "1\n2\nh")
+    error = getattr(dist, kind, RuntimeError)("[gloo] Connection closed by peer [127.0.0.1]:1")
+    named = peer_failure.peer_failed(error, store, 1, 0, 2, "evaluate()")
+    assert type(named) is type(error), repr(named)
+    assert str(named).startswith({"failed": "rank 1 (host h) failed: KeyError: 'boom'",
+                                  "returned": "rank 1 (host h) had returned from its train() (at step 2)",
+                                  "silent": "rank 1 stopped without an error of its own"}[peer]), named

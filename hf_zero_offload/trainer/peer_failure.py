@@ -48,6 +48,16 @@ def _said(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
 
 
+def _in_place_of(e: BaseException, text: str) -> BaseException:
+    """The error naming the peer, of ``e``'s type where torch's own (a script's ``except DistBackendError`` around a
+    call, to retry or requeue, still catches it), else a RuntimeError (gloo's plain one, or a type that may not take
+    one message)."""
+    if isinstance(e, dist.DistError):
+        with contextlib.suppress(Exception):  # (a subclass of another constructor: a RuntimeError, as before)
+            return type(e)(text)
+    return RuntimeError(text)
+
+
 def _ranks(ranks: list) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
@@ -55,9 +65,9 @@ def _ranks(ranks: list) -> str:
 def peer_failed(e: BaseException, store, generation: int, rank: int, world_size: int,
                 doing: str = "train()") -> BaseException | None:
     """At ``e`` leaving this rank's ``doing`` (a Trainer call): this rank's own failure written to ``store`` (None: a
-    collective failure, or nothing to write); a collective failure answered with the error to raise in its place,
-    naming the first peer that wrote one within a moment, else the peers that had returned from their train() or
-    wrote nothing (None: none of these)."""
+    collective failure, or nothing to write); a collective failure answered with the error to raise in its place (of
+    its type, _in_place_of), naming the first peer that wrote one within a moment, else the peers that had returned
+    from their train() or wrote nothing (None: none of these)."""
     if store is None or not isinstance(e, Exception):
         return None
     host = socket.gethostname()
@@ -72,19 +82,20 @@ def peer_failed(e: BaseException, store, generation: int, rank: int, world_size:
         while True:
             found = failed_peer(store, generation, peers)
             if found:
-                return RuntimeError(f"{found}; this rank (rank {rank}) stopped in the collective it was waiting in for "
-                                    f"it ({_said(e)[:200]})")
+                return _in_place_of(e, f"{found}; this rank (rank {rank}) stopped in the collective it was waiting "
+                                       f"in for it ({_said(e)[:200]})")
             if time.monotonic() > give_up:  # (the other survivors have said they are alive by now)
-                return _absent(store, generation, rank, peers, doing, _said(e)[:200])
+                return _absent(e, store, generation, rank, peers, doing)
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store gone with its host: this rank's error is the one to see
         return None
 
 
-def _absent(store, generation: int, rank: int, peers: list, doing: str, said: str) -> BaseException | None:
-    """The peers of a collective failure that raised nothing: those whose train() of this generation returned, else
-    those that said nothing at all (None: every peer is alive, or returned from another generation's train())."""
-    left, silent = [], []
+def _absent(e: BaseException, store, generation: int, rank: int, peers: list,
+            doing: str) -> BaseException | None:
+    """The peers of collective failure ``e`` that raised nothing: those whose train() of this generation returned,
+    else those that said nothing at all (None: every peer is alive, or returned from another generation's train())."""
+    left, silent, said = [], [], _said(e)[:200]
     for r in peers:
         key = _LEFT_KEY.format(r)
         if store.check([key]):
@@ -95,15 +106,15 @@ def _absent(store, generation: int, rank: int, peers: list, doing: str, said: st
         if not store.check([_LOST_KEY.format(generation, r)]):
             silent.append(r)
     if left:
-        return RuntimeError(f"{'; '.join(left)} and was not in the collective this rank (rank {rank}) waited in, in "
-                            f"{doing}: train(), evaluate(), predict() and checkpoint saves of a sharded run gather "
-                            "from every rank, so every rank must make the same calls (under plain DDP a call made on "
-                            f"some ranks only fails or hangs alike) ({said})")
+        return _in_place_of(e, f"{'; '.join(left)} and was not in the collective this rank (rank {rank}) waited in, "
+                               f"in {doing}: train(), evaluate(), predict() and checkpoint saves of a sharded run "
+                               "gather from every rank, so every rank must make the same calls (under plain DDP a call "
+                               f"made on some ranks only fails or hangs alike) ({said})")
     if silent:
-        return RuntimeError(f"{_ranks(silent)} stopped without an error of its own while this rank (rank {rank}) "
-                            f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory killer), "
-                            "or its script ended or went elsewhere without making this call; see that rank's log "
-                            f"({said})")
+        return _in_place_of(e, f"{_ranks(silent)} stopped without an error of its own while this rank (rank {rank}) "
+                               f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory "
+                               "killer), or its script ended or went elsewhere without making this call; see that "
+                               f"rank's log ({said})")
     return None
 
 
