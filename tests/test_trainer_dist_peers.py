@@ -105,9 +105,10 @@ def test_a_resume_given_on_one_rank_only_is_refused_on_every_rank(tmp_path):
                      "must resume from the same checkpoint, or none (the same train() call on every rank)"), ours
 
 
-def _killed(rank, world_size, out_dir):
-    """Rank 1 killed (SIGKILL) at step 2's end; rank 0 writes what it raised to a file (its peer's death fails the
-    test's run)."""
+def _killed(rank, world_size, out_dir, where):
+    """Rank 1 killed (SIGKILL) at step 2's end (``train``), or (``evaluate``) in the first batch of the evaluate()
+    both ranks call after train() (the usual script); rank 0 writes what it raised to a file (its peer's death fails
+    the test's run)."""
     from transformers import TrainerCallback
 
     from _t5 import ToyDataset, tiny_t5
@@ -115,28 +116,38 @@ def _killed(rank, world_size, out_dir):
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if rank == 1 and state.global_step == 2:
+            if rank == 1 and state.global_step == 2 and where == "train":
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "killed", max_steps=4),
-                                        train_dataset=ToyDataset(), callbacks=[Kill()])
+    class KilledOnRank1(ToyDataset):
+        def __getitem__(self, i):
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().__getitem__(i)
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, where, max_steps=4),
+                                        train_dataset=ToyDataset(), eval_dataset=KilledOnRank1(8), callbacks=[Kill()])
     try:
         trainer.train()
+        trainer.evaluate()
     except Exception as e:  # noqa: BLE001 - the message is the result
         with open(f"{out_dir}/rank{rank}.txt", "w") as f:
             f.write(f"{type(e).__name__}: {e}")
 
 
-def test_a_peer_killed_mid_run_is_named_as_stopped_without_an_error(tmp_path):
+@pytest.mark.parametrize("where, doing", [("train", "train()"), ("evaluate", "evaluate()")])
+def test_a_peer_killed_is_named_as_stopped_without_an_error(tmp_path, where, doing):
     """An outside probe: rank 1 killed by SIGKILL (the out-of-memory killer's signal) left rank 0 with gloo's words
-    only ("Connection closed by peer ... GLHF!")."""
+    only ("Connection closed by peer ... GLHF!"). Killed in the evaluate() after train(), its "returned from its
+    train()" key still in the store, rank 0 said it had returned and was not in the collective ("every rank must
+    make the same calls"), blaming the script."""
     start = time.monotonic()
     with pytest.raises(DistributedError, match="rank 1 ---\nprocess exited with code -9"):
-        run_distributed(_killed, str(tmp_path), timeout=120, collective_timeout=60)
+        run_distributed(_killed, str(tmp_path), where, timeout=120, collective_timeout=60)
     assert time.monotonic() - start < 60
     said = (tmp_path / "rank0.txt").read_text()
     assert said.startswith("RuntimeError: rank 1 stopped without an error of its own while this rank (rank 0) "
-                           "waited for it in a collective, in train(): killed (SIGKILL, the out-of-memory "
+                           f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory "
                            "killer)"), said
 
 
@@ -208,38 +219,6 @@ def test_iterable_shards_ending_their_epochs_at_other_steps_train_as_ddp(tmp_pat
     for a, b in zip(ref[0]["params"], ours[0]["params"]):
         assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert ours[0]["saved"] == ["checkpoint-3", "checkpoint-6"], ours[0]["saved"]
-
-
-def _killed_in_evaluate(rank, world_size, out_dir):
-    """Both ranks train(), then both evaluate() (the usual script); rank 1 is killed (SIGKILL) in its evaluation's
-    first batch. Rank 0 writes what it raised to a file."""
-    from _t5 import ToyDataset, tiny_t5
-    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
-
-    class KilledOnRank1(ToyDataset):
-        def __getitem__(self, i):
-            if rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return super().__getitem__(i)
-
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "killed_eval"),
-                                        train_dataset=ToyDataset(), eval_dataset=KilledOnRank1(8))
-    trainer.train()
-    try:
-        trainer.evaluate()
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        with open(f"{out_dir}/rank{rank}.txt", "w") as f:
-            f.write(f"{type(e).__name__}: {e}")
-
-
-def test_a_peer_killed_in_the_evaluate_both_ranks_call_after_train_is_not_said_to_have_returned(tmp_path):
-    """Rank 1's "returned from its train()" key stayed in the store while it evaluated: killed there, rank 0 said it
-    had returned and was not in the collective ("every rank must make the same calls"), blaming the script."""
-    with pytest.raises(DistributedError, match="rank 1 ---\nprocess exited with code -9"):
-        run_distributed(_killed_in_evaluate, str(tmp_path), timeout=120, collective_timeout=60)
-    said = (tmp_path / "rank0.txt").read_text()
-    assert said.startswith("RuntimeError: rank 1 stopped without an error of its own while this rank (rank 0) "
-                           "waited for it in a collective, in evaluate(): killed"), said
 
 
 def _loader_on_rank_0(rank, world_size, out_dir):
