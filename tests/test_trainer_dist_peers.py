@@ -264,3 +264,34 @@ def test_the_error_naming_a_peer_keeps_the_collective_errors_type(monkeypatch, k
     assert str(named).startswith({"failed": "rank 1 (host h) failed: KeyError: 'boom'",
                                   "returned": "rank 1 (host h) had returned from its train() (at step 2)",
                                   "silent": "rank 1 stopped without an error of its own"}[peer]), named
+
+
+def _stuck(rank, world_size, out_dir):
+    """Rank 1 alive but stuck past the collective timeout (a dataloader or a callback that hangs) at step 1's end."""
+    from transformers import TrainerCallback
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    class Stuck(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 1 and state.global_step == 1:
+                time.sleep(12)
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "stuck"), train_dataset=ToyDataset(),
+                                        callbacks=[Stuck()])
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_peer_alive_past_the_collective_timeout_is_not_said_to_be_killed(tmp_path):
+    """Rank 0's collective timed out while rank 1, alive, had not come to it: rank 0 said rank 1 "stopped without an
+    error of its own ... killed (SIGKILL, the out-of-memory killer)", sending its user to look for a dead process."""
+    ours = run_distributed(_stuck, str(tmp_path), timeout=120, collective_timeout=5)
+    assert ours[0].startswith("RuntimeError: rank 1 did not come within the collective timeout to the collective "
+                              "this rank (rank 0) waited in, in train(), and said no error of its own: alive "
+                              "elsewhere"), ours
+    assert "killed" not in ours[0], ours

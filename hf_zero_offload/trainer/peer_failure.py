@@ -14,8 +14,9 @@ run lock's broadcast or at ``train()``'s first gather), ``train()``'s own checks
 ``predict()`` and a checkpoint save called from user code. A peer that raised nothing is told apart too: one that
 had returned from its ``train()`` (a call made on one rank only, ``if rank == 0: trainer.evaluate()``, which fails
 or hangs as under plain DDP) is named as such, and one that wrote nothing at all as stopped without an error of its
-own (a SIGKILL, the out-of-memory killer). One store write per call that fails, one per ``train()`` that returns and one
-(taking that back) at the next call; nothing per step.
+own (a SIGKILL, the out-of-memory killer), or, where this rank's wait ran out (a killed peer closes its connections
+instead), as not come within the collective timeout. One store write per call that fails, one per ``train()`` that
+returns and one (taking that back) at the next call; nothing per step.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ _WAIT_S = 3.0  # for the failing rank's key: it is written before its process en
 # what gloo and NCCL say when a peer is gone or never came (torch raises some of them as a plain RuntimeError)
 _COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
                      "timeout caused pair closure", "gloo/transport", "NCCL", "ProcessGroup")
+# what they say when this rank's own wait ran out (the peer may be alive): gloo's, NCCL's watchdog's
+_TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
 
 
 def collective_failure(e: BaseException) -> bool:
@@ -110,6 +113,11 @@ def _absent(e: BaseException, store, generation: int, rank: int, peers: list,
                                f"in {doing}: train(), evaluate(), predict() and checkpoint saves of a sharded run "
                                "gather from every rank, so every rank must make the same calls (under plain DDP a call "
                                f"made on some ranks only fails or hangs alike) ({said})")
+    if silent and any(w in str(e) for w in _TIMEOUT_WORDS):  # (a peer killed closes its connections: no timeout)
+        return _in_place_of(e, f"{_ranks(silent)} did not come within the collective timeout to the collective this "
+                               f"rank (rank {rank}) waited in, in {doing}, and said no error of its own: alive "
+                               "elsewhere (stuck in its data loading, a callback or another call) or stopped without a "
+                               f"word; see that rank's log ({said})")
     if silent:
         return _in_place_of(e, f"{_ranks(silent)} stopped without an error of its own while this rank (rank {rank}) "
                                f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory "
