@@ -105,9 +105,10 @@ def test_a_resume_given_on_one_rank_only_is_refused_on_every_rank(tmp_path):
                      "must resume from the same checkpoint, or none (the same train() call on every rank)"), ours
 
 
-def _killed(rank, world_size, out_dir):
-    """Rank 1 killed (SIGKILL) at step 2's end; rank 0 writes what it raised to a file (its peer's death fails the
-    test's run)."""
+def _killed(rank, world_size, out_dir, where):
+    """Rank 1 killed (SIGKILL) at step 2's end (``train``), or (``evaluate``) in the first batch of the evaluate()
+    both ranks call after train() (the usual script); rank 0 writes what it raised to a file (its peer's death fails
+    the test's run)."""
     from transformers import TrainerCallback
 
     from _t5 import ToyDataset, tiny_t5
@@ -115,28 +116,38 @@ def _killed(rank, world_size, out_dir):
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if rank == 1 and state.global_step == 2:
+            if rank == 1 and state.global_step == 2 and where == "train":
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "killed", max_steps=4),
-                                        train_dataset=ToyDataset(), callbacks=[Kill()])
+    class KilledOnRank1(ToyDataset):
+        def __getitem__(self, i):
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().__getitem__(i)
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, where, max_steps=4),
+                                        train_dataset=ToyDataset(), eval_dataset=KilledOnRank1(8), callbacks=[Kill()])
     try:
         trainer.train()
+        trainer.evaluate()
     except Exception as e:  # noqa: BLE001 - the message is the result
         with open(f"{out_dir}/rank{rank}.txt", "w") as f:
             f.write(f"{type(e).__name__}: {e}")
 
 
-def test_a_peer_killed_mid_run_is_named_as_stopped_without_an_error(tmp_path):
+@pytest.mark.parametrize("where, doing", [("train", "train()"), ("evaluate", "evaluate()")])
+def test_a_peer_killed_is_named_as_stopped_without_an_error(tmp_path, where, doing):
     """An outside probe: rank 1 killed by SIGKILL (the out-of-memory killer's signal) left rank 0 with gloo's words
-    only ("Connection closed by peer ... GLHF!")."""
+    only ("Connection closed by peer ... GLHF!"). Killed in the evaluate() after train(), its "returned from its
+    train()" key still in the store, rank 0 said it had returned and was not in the collective ("every rank must
+    make the same calls"), blaming the script."""
     start = time.monotonic()
     with pytest.raises(DistributedError, match="rank 1 ---\nprocess exited with code -9"):
-        run_distributed(_killed, str(tmp_path), timeout=120, collective_timeout=60)
+        run_distributed(_killed, str(tmp_path), where, timeout=120, collective_timeout=60)
     assert time.monotonic() - start < 60
     said = (tmp_path / "rank0.txt").read_text()
     assert said.startswith("RuntimeError: rank 1 stopped without an error of its own while this rank (rank 0) "
-                           "waited for it in a collective, in train(): killed (SIGKILL, the out-of-memory "
+                           f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory "
                            "killer)"), said
 
 
@@ -208,3 +219,79 @@ def test_iterable_shards_ending_their_epochs_at_other_steps_train_as_ddp(tmp_pat
     for a, b in zip(ref[0]["params"], ours[0]["params"]):
         assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert ours[0]["saved"] == ["checkpoint-3", "checkpoint-6"], ours[0]["saved"]
+
+
+def _loader_on_rank_0(rank, world_size, out_dir):
+    """Rank 0 alone builds the training dataloader (to print its length) before both ranks train()."""
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "loader"), train_dataset=ToyDataset())
+    try:
+        if rank == 0:
+            len(trainer.get_train_dataloader())
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return trainer.state.global_step
+
+
+def test_a_training_dataloader_built_on_one_rank_outside_train_gathers_nothing(tmp_path):
+    """The batch count's comparison ran in every get_train_dataloader(): rank 0's own call, outside train(), met
+    rank 1's first gather of train() and both failed (a plain Trainer's call gathers nothing)."""
+    assert run_distributed(_loader_on_rank_0, str(tmp_path), timeout=120, collective_timeout=30) == [2, 2]
+
+
+@pytest.mark.parametrize("kind", ["DistBackendError", "DistNetworkError", "RuntimeError"])
+@pytest.mark.parametrize("peer", ["failed", "returned", "silent"])
+def test_the_error_naming_a_peer_keeps_the_collective_errors_type(monkeypatch, kind, peer):
+    """The named error replaced torch's DistBackendError (a collective timeout) with a plain RuntimeError: a script's
+    ``except torch.distributed.DistBackendError`` (a retry or a requeue on a lost peer) no longer caught it, now that
+    evaluate(), predict() and saves are named too. Same type, its message the named one, chained to torch's."""
+    import torch.distributed as dist
+
+    from hf_zero_offload.trainer import peer_failure
+
+    monkeypatch.setattr(peer_failure, "_WAIT_S", 0.2)
+    store = dist.HashStore()
+    if peer == "failed":
+        store.set(peer_failure._KEY.format(1, 1), "h\nKeyError: 'boom'")
+    elif peer == "returned":
+        store.set(peer_failure._LEFT_KEY.format(1), "1\n2\nh")
+    error = getattr(dist, kind, RuntimeError)("[gloo] Connection closed by peer [127.0.0.1]:1")
+    named = peer_failure.peer_failed(error, store, 1, 0, 2, "evaluate()")
+    assert type(named) is type(error), repr(named)
+    assert str(named).startswith({"failed": "rank 1 (host h) failed: KeyError: 'boom'",
+                                  "returned": "rank 1 (host h) had returned from its train() (at step 2)",
+                                  "silent": "rank 1 stopped without an error of its own"}[peer]), named
+
+
+def _stuck(rank, world_size, out_dir):
+    """Rank 1 alive but stuck past the collective timeout (a dataloader or a callback that hangs) at step 1's end."""
+    from transformers import TrainerCallback
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    class Stuck(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 1 and state.global_step == 1:
+                time.sleep(12)
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "stuck"), train_dataset=ToyDataset(),
+                                        callbacks=[Stuck()])
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_peer_alive_past_the_collective_timeout_is_not_said_to_be_killed(tmp_path):
+    """Rank 0's collective timed out while rank 1, alive, had not come to it: rank 0 said rank 1 "stopped without an
+    error of its own ... killed (SIGKILL, the out-of-memory killer)", sending its user to look for a dead process."""
+    ours = run_distributed(_stuck, str(tmp_path), timeout=120, collective_timeout=5)
+    assert ours[0].startswith("RuntimeError: rank 1 did not come within the collective timeout to the collective "
+                              "this rank (rank 0) waited in, in train(), and said no error of its own: alive "
+                              "elsewhere"), ours
+    assert "killed" not in ours[0], ours

@@ -14,8 +14,9 @@ run lock's broadcast or at ``train()``'s first gather), ``train()``'s own checks
 ``predict()`` and a checkpoint save called from user code. A peer that raised nothing is told apart too: one that
 had returned from its ``train()`` (a call made on one rank only, ``if rank == 0: trainer.evaluate()``, which fails
 or hangs as under plain DDP) is named as such, and one that wrote nothing at all as stopped without an error of its
-own (a SIGKILL, the out-of-memory killer). One store write per call that fails and one per ``train()`` that returns;
-nothing per step.
+own (a SIGKILL, the out-of-memory killer), or, where this rank's wait ran out (a killed peer closes its connections
+instead), as not come within the collective timeout. One store write per call that fails, one per ``train()`` that
+returns and one (taking that back) at the next call; nothing per step.
 """
 from __future__ import annotations
 
@@ -29,10 +30,14 @@ import torch.distributed as dist
 _KEY = "hf_zero_offload/failed/{}/rank{}"  # train() generation, rank
 _LOST_KEY = "hf_zero_offload/lost/{}/rank{}"  # a rank that met a collective failure (it is alive: not the one gone)
 _LEFT_KEY = "hf_zero_offload/left/rank{}"  # "<generation>\n<step>\n<host>" at each train() that returned
+# the _LEFT_KEY this process wrote and has not taken back: one per process (its rank), whichever Trainer wrote it
+_LEFT: set = set()
 _WAIT_S = 3.0  # for the failing rank's key: it is written before its process ends and closes the connection
 # what gloo and NCCL say when a peer is gone or never came (torch raises some of them as a plain RuntimeError)
 _COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
                      "timeout caused pair closure", "gloo/transport", "NCCL", "ProcessGroup")
+# what they say when this rank's own wait ran out (the peer may be alive): gloo's, NCCL's watchdog's
+_TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
 
 
 def collective_failure(e: BaseException) -> bool:
@@ -46,6 +51,16 @@ def _said(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
 
 
+def _in_place_of(e: BaseException, text: str) -> BaseException:
+    """The error naming the peer, of ``e``'s type where torch's own (a script's ``except DistBackendError`` around a
+    call, to retry or requeue, still catches it), else a RuntimeError (gloo's plain one, or a type that may not take
+    one message)."""
+    if isinstance(e, dist.DistError):
+        with contextlib.suppress(Exception):  # (a subclass of another constructor: a RuntimeError, as before)
+            return type(e)(text)
+    return RuntimeError(text)
+
+
 def _ranks(ranks: list) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
@@ -53,9 +68,9 @@ def _ranks(ranks: list) -> str:
 def peer_failed(e: BaseException, store, generation: int, rank: int, world_size: int,
                 doing: str = "train()") -> BaseException | None:
     """At ``e`` leaving this rank's ``doing`` (a Trainer call): this rank's own failure written to ``store`` (None: a
-    collective failure, or nothing to write); a collective failure answered with the error to raise in its place,
-    naming the first peer that wrote one within a moment, else the peers that had returned from their train() or
-    wrote nothing (None: none of these)."""
+    collective failure, or nothing to write); a collective failure answered with the error to raise in its place (of
+    its type, _in_place_of), naming the first peer that wrote one within a moment, else the peers that had returned
+    from their train() or wrote nothing (None: none of these)."""
     if store is None or not isinstance(e, Exception):
         return None
     host = socket.gethostname()
@@ -70,19 +85,20 @@ def peer_failed(e: BaseException, store, generation: int, rank: int, world_size:
         while True:
             found = failed_peer(store, generation, peers)
             if found:
-                return RuntimeError(f"{found}; this rank (rank {rank}) stopped in the collective it was waiting in for "
-                                    f"it ({_said(e)[:200]})")
+                return _in_place_of(e, f"{found}; this rank (rank {rank}) stopped in the collective it was waiting "
+                                       f"in for it ({_said(e)[:200]})")
             if time.monotonic() > give_up:  # (the other survivors have said they are alive by now)
-                return _absent(store, generation, rank, peers, doing, _said(e)[:200])
+                return _absent(e, store, generation, rank, peers, doing)
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store gone with its host: this rank's error is the one to see
         return None
 
 
-def _absent(store, generation: int, rank: int, peers: list, doing: str, said: str) -> BaseException | None:
-    """The peers of a collective failure that raised nothing: those whose train() of this generation returned, else
-    those that said nothing at all (None: every peer is alive, or returned from another generation's train())."""
-    left, silent = [], []
+def _absent(e: BaseException, store, generation: int, rank: int, peers: list,
+            doing: str) -> BaseException | None:
+    """The peers of collective failure ``e`` that raised nothing: those whose train() of this generation returned,
+    else those that said nothing at all (None: every peer is alive, or returned from another generation's train())."""
+    left, silent, said = [], [], _said(e)[:200]
     for r in peers:
         key = _LEFT_KEY.format(r)
         if store.check([key]):
@@ -93,15 +109,20 @@ def _absent(store, generation: int, rank: int, peers: list, doing: str, said: st
         if not store.check([_LOST_KEY.format(generation, r)]):
             silent.append(r)
     if left:
-        return RuntimeError(f"{'; '.join(left)} and was not in the collective this rank (rank {rank}) waited in, in "
-                            f"{doing}: train(), evaluate(), predict() and checkpoint saves of a sharded run gather "
-                            "from every rank, so every rank must make the same calls (under plain DDP a call made on "
-                            f"some ranks only fails or hangs alike) ({said})")
+        return _in_place_of(e, f"{'; '.join(left)} and was not in the collective this rank (rank {rank}) waited in, "
+                               f"in {doing}: train(), evaluate(), predict() and checkpoint saves of a sharded run "
+                               "gather from every rank, so every rank must make the same calls (under plain DDP a call "
+                               f"made on some ranks only fails or hangs alike) ({said})")
+    if silent and any(w in str(e) for w in _TIMEOUT_WORDS):  # (a peer killed closes its connections: no timeout)
+        return _in_place_of(e, f"{_ranks(silent)} did not come within the collective timeout to the collective this "
+                               f"rank (rank {rank}) waited in, in {doing}, and said no error of its own: alive "
+                               "elsewhere (stuck in its data loading, a callback or another call) or stopped without a "
+                               f"word; see that rank's log ({said})")
     if silent:
-        return RuntimeError(f"{_ranks(silent)} stopped without an error of its own while this rank (rank {rank}) "
-                            f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory killer), "
-                            "or its script ended or went elsewhere without making this call; see that rank's log "
-                            f"({said})")
+        return _in_place_of(e, f"{_ranks(silent)} stopped without an error of its own while this rank (rank {rank}) "
+                               f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory "
+                               "killer), or its script ended or went elsewhere without making this call; see that "
+                               f"rank's log ({said})")
     return None
 
 
@@ -117,6 +138,18 @@ def failed_peer(store, generation: int, ranks) -> str | None:
     return None
 
 
+def _back_in() -> None:
+    """This rank in a Trainer call again: its "returned from train()" key taken back (one store call, after a train()
+    that returned only). Left there, a peer that lost this rank in the evaluate() both ranks make after train() (this
+    rank killed in it) said it had returned and was not in the call, blaming the script."""
+    if not _LEFT:
+        return
+    from .saving import shared_store
+    key = _LEFT.pop()
+    with contextlib.suppress(Exception):  # (the store gone: no peer is left to read the key)
+        shared_store(dist.get_world_size()).delete_key(key)
+
+
 class NamedPeerFailures:
     """Mixed into ``ZeroOffloadMixin``: its calls with collectives run in ``_zo_named``. Reads the process group and
     its store only (the constructor runs it before the Trainer has ``args``)."""
@@ -124,6 +157,7 @@ class NamedPeerFailures:
     def _zo_named(self, doing: str, call, next_train: bool = False):
         """``call()``; an error out of it said to the peers, or a peer's failure raised in place of gloo's words.
         ``next_train``: the constructor, whose peers look in the generation of their next train()."""
+        _back_in()
         try:
             return call()
         except BaseException as e:
@@ -163,6 +197,7 @@ class NamedPeerFailures:
             if count is not None:
                 store.set(_LEFT_KEY.format(dist.get_rank()),
                           f"{count[0]}\n{self.state.global_step}\n{socket.gethostname()}")
+                _LEFT.add(_LEFT_KEY.format(dist.get_rank()))
 
     def evaluate(self, *args, **kwargs):
         return self._zo_named("evaluate()", functools.partial(super().evaluate, *args, **kwargs))

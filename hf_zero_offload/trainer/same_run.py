@@ -73,11 +73,11 @@ def check_same_run(args, train_dataset, eval_dataset=None) -> None:
 
 class SameBatches:
     """Mixed into ``ZeroOffloadMixin``: the training dataloader's batches per epoch compared across the ranks (one
-    all-gather per dataloader built, once per ``train()``). Its length comes from each rank's own sampler: one that
-    yields another count on one rank (a ``_get_train_sampler`` override, a per-rank sampler) gave each rank its own
-    ``max_steps``; an outside probe (2 gloo ranks, 2 and 3 batches) stopped at a lr that "differs across ranks"
-    under a decaying schedule, blaming the schedule, and under a constant one trained rank 1 on 2 of its 3 batches
-    (plain DDP: gloo's "Connection reset by peer").
+    all-gather per dataloader the training loop builds, once per ``train()``). Its length comes from each rank's own
+    sampler: one that yields another count on one rank (a ``_get_train_sampler`` override, a per-rank sampler) gave
+    each rank its own ``max_steps``; an outside probe (2 gloo ranks, 2 and 3 batches) stopped at a lr that "differs
+    across ranks" under a decaying schedule, blaming the schedule, and under a constant one trained rank 1 on 2 of
+    its 3 batches (plain DDP: gloo's "Connection reset by peer").
 
     A loader without a length (an IterableDataset each rank reads its own shard of, ``dispatch_batches`` off) ends
     its epochs where its rank's shard ends: at such an epoch end the log/evaluate/save point is each rank's own
@@ -86,6 +86,7 @@ class SameBatches:
     epoch-end agreement against rank 1's gradient reduction, and both waited until the collective timeout (plain
     DDP trained on)."""
     _zo_no_length = False  # this train()'s dataloader has no length
+    _zo_in_loop = False  # within transformers' training loop, whose dataloader every rank builds
     _zo_own_end = False  # within a point at such a loader's epoch end
     _zo_last_point: tuple | None = None  # (the train()'s state, its global_step) at the last point
 
@@ -96,7 +97,8 @@ class SameBatches:
         except Exception:  # noqa: BLE001 - a len() that fails in another way than _length's: taken as none
             n = None
         self._zo_no_length = n is None
-        if getattr(self, "_zo_raw", None) is not None and distributed(self.args.world_size):
+        # (the loop's own call only: a get_train_dataloader() of the user's on one rank met its peers' next gather)
+        if self._zo_in_loop and getattr(self, "_zo_raw", None) is not None and distributed(self.args.world_size):
             try:
                 check_ranks_agree({"the training dataloader's batches per epoch": n}, None, self.args.world_size,
                                   "were started for different runs",
@@ -106,6 +108,13 @@ class SameBatches:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         return loader
+
+    def _inner_training_loop(self, *args, **kwargs):
+        self._zo_in_loop = True
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        finally:
+            self._zo_in_loop = False
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         last, now = self._zo_last_point, (self.state, self.state.global_step)
