@@ -221,6 +221,42 @@ def test_iterable_shards_ending_their_epochs_at_other_steps_train_as_ddp(tmp_pat
     assert ours[0]["saved"] == ["checkpoint-3", "checkpoint-6"], ours[0]["saved"]
 
 
+def _epoch_end_save_on_rank_1(rank, world_size, out_dir):
+    """An IterableDataset read through accelerate's dispatcher (its default: rank 0 reads, every rank gets a part of
+    each batch, so every rank ends its epochs at one step); a callback sets should_save at the first epoch end on
+    rank 1 only."""
+    import torch
+    from transformers import TrainerCallback
+
+    from _t5 import ToyDataset, tiny_t5
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+
+    data = ToyDataset()
+
+    class Whole(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return (data[i] for i in range(8))
+
+    class SaveOnRank1(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kwargs):
+            if rank == 1 and state.epoch is not None and state.global_step == 1:
+                control.should_save = True
+
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "dispatched", max_steps=3),
+                                        train_dataset=Whole(), callbacks=[SaveOnRank1()])
+    trainer.train()
+    return {"step": trainer.state.global_step, "saved": sorted(os.listdir(f"{out_dir}/dispatched"))}
+
+
+def test_an_epoch_end_flag_of_one_rank_is_agreed_when_the_dispatcher_ends_every_rank_together(tmp_path):
+    """The epoch end of a loader without a length is each rank's own only where each rank reads its own shard:
+    through accelerate's dispatcher every rank ends its epochs at one step, and a flag set there on one rank is
+    agreed as at any other point (taken as each rank's own, rank 1's save waited for rank 0 until the timeout)."""
+    got = run_distributed(_epoch_end_save_on_rank_1, str(tmp_path), timeout=120, collective_timeout=30)
+    for r in (0, 1):
+        assert got[r]["step"] == 3 and "checkpoint-1" in got[r]["saved"], got
+
+
 def _loader_on_rank_0(rank, world_size, out_dir):
     """Rank 0 alone builds the training dataloader (to print its length) before both ranks train()."""
     from _t5 import ToyDataset, tiny_t5

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sized
 
+from accelerate.data_loader import DataLoaderDispatcher
+
 from ..config import ConfigError
 from ..engine.sharded.agree import check_ranks_agree
 from .shared_dir import distributed
@@ -96,7 +98,9 @@ class SameBatches:
             n = _length(loader)
         except Exception:  # noqa: BLE001 - a len() that fails in another way than _length's: taken as none
             n = None
-        self._zo_no_length = n is None
+        # accelerate's dispatcher (its default for an IterableDataset) hands every rank a part of rank 0's batches,
+        # so every rank ends its epochs at one step: there the flags are still agreed
+        self._zo_no_length = n is None and not isinstance(loader, DataLoaderDispatcher)
         # (the loop's own call only: a get_train_dataloader() of the user's on one rank met its peers' next gather)
         if self._zo_in_loop and getattr(self, "_zo_raw", None) is not None and distributed(self.args.world_size):
             try:
