@@ -93,3 +93,22 @@ def test_a_resume_the_engine_loads_says_nothing_and_is_exact(saved, tmp_path, ca
     assert not _said(caplog)
     for a, b in zip(full.parameters(), model.parameters()):
         assert torch.equal(a, b)
+
+
+
+
+@pytest.mark.parametrize("given", ["train", "args"])
+def test_a_loaded_checkpoint_of_a_second_train_says_nothing(tmp_path, caplog, given):
+    """A Trainer's second train() saves the engine's count of both runs (6 at checkpoint-2): resumed, its optimizer.pt
+    loaded, the count is not the global_step, and that was said as a state left unloaded."""
+    _, first = _callback_trainer(tmp_path / "out")
+    first.train()
+    first.train()
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    assert torch.load(ckpt / "optimizer.pt", weights_only=True)["global_steps"] == 6
+    _, trainer = _callback_trainer(tmp_path / "out", seed=1,
+                                   **({"resume_from_checkpoint": str(ckpt)} if given == "args" else {}))
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        trainer.train(resume_from_checkpoint=str(ckpt))
+    assert not _said(caplog)
+    assert trainer.optimizer.optimizer.global_steps == 8  # (AcceleratedOptimizer around the engine)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from ..engine.checkpoint import read_header
 from .foreign import missing_state_message, plain_checkpoint
 from .marker import marker_problem, read_marker
@@ -95,6 +97,17 @@ def unloaded_reason(checkpoint: str, state_dir: str) -> str | None:
         return (f"it has no {' and no '.join(missing)} (a --save_only_model checkpoint, or one a file was lost "
                 "from), and transformers loads the two together or neither")
     return None
+
+
+def saved_optimizer_steps(checkpoint: str) -> int | None:
+    """The engine step count its optimizer.pt holds (what a plain Trainer's resume loads), None when there is none
+    or it is no engine's state_dict. Memory-mapped: the tensors are not read."""
+    try:
+        state = torch.load(os.path.join(checkpoint, "optimizer.pt"), map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, ValueError, EOFError):
+        return None
+    steps = state.get("global_steps") if isinstance(state, dict) else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def unloaded_engine_message(checkpoint: str | None, step: int, engine: str, engine_steps: int,
