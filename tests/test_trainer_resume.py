@@ -498,6 +498,32 @@ def test_an_fp32_run_resumed_in_fp16_scales_its_loss(full, tmp_path, caplog):
         in caplog.text
 
 
+DPU = {"zero_optimization": {**OFFLOAD["zero_optimization"],
+                              "delayed_param_update": {"enabled": True, "warmup_steps": 1}}}
+
+
+@pytest.mark.parametrize("saved, now, said", [
+    (OFFLOAD, DPU, "delayed_param_update was off in the saved run and is on in this one: each step after "
+                   "warmup_steps=1"),
+    (DPU, OFFLOAD, "delayed_param_update was on in the saved run and is off in this one: a step in flight"),
+    (DPU, DPU, None),
+], ids=["off-on", "on-off", "on-on"])
+def test_a_resume_that_switches_the_delayed_param_update_is_a_warning(full, tmp_path, caplog, saved, now, said):
+    """It was said only in the INFO line of what was restored ("dpu False -> True"), though the steps after it run
+    another schedule than the saved run's."""
+    out = _copy(full, tmp_path) if saved is OFFLOAD else tmp_path / "run"
+    if saved is not OFFLOAD:
+        _trainer(out, zero_offload=saved)[1].train()
+    _, trainer = _trainer(out, seed=1, zero_offload=now)
+    with caplog.at_level(logging.WARNING, logger="hf_zero_offload"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.WARNING and "delayed_param_update" in r.getMessage()]
+    assert len(warned) == (0 if said is None else 1), warned
+    if said is not None:
+        assert said in warned[0] and "differs from the saved one's" in warned[0], warned
+
+
 def test_our_state_resumed_without_zero_offload_is_a_warning(full, tmp_path, caplog):
     out = _copy(full, tmp_path)
     _, trainer = _trainer(out, seed=1, zero_offload=None, optim="adamw_torch")

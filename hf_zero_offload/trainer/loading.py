@@ -110,8 +110,12 @@ class CheckpointLoading(TorchStateResume):
             logger.warning(resume_report.missing_scheduler_message(checkpoint, self._get_learning_rate(), SCHEDULER_NAME))
         state = getattr(self, "_zo_resume", None) or resume.status(checkpoint)
         if self.args.should_log:  # once per job (per node with log_on_each_node), not once per rank
-            logger.info(resume_report.describe(checkpoint, state, resume_report.saved_engine(checkpoint, STATE_DIR),
+            held = resume_report.saved_engine(checkpoint, STATE_DIR)
+            logger.info(resume_report.describe(checkpoint, state, held,
                                         {"world_size": self.args.world_size, **(self._zo_engine_info() or {})}))
+            options = self.zero_engine.options  # a changed schedule changes the numerics: warned, not only logged
+            if changed := resume_report.dpu_change_message(held, options.dpu, options.dpu_warmup_steps):
+                logger.warning(changed)
         saved = (getattr(self.zero_engine, "restored", None) or {}).get("world_size")
         if saved not in (None, self.args.world_size) and self.args.should_log and getattr(
                 self, "model_accepts_loss_kwargs", False) and getattr(self.args, "average_tokens_across_devices", 0):
