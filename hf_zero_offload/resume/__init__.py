@@ -11,15 +11,14 @@ sibling proves the writer knew the marker, so it was cut short). ``resume_from_c
 step written before a lower step's (two runs in one output_dir). Nothing here imports transformers.
 
 The package's other modules: ``marker`` (the completion marker) and ``manifest`` (the files it vouches for),
-``foreign`` (other tools' optimizer state in a checkpoint), ``schedule`` (a saved LR schedule into this run's) and
-``report`` (what a resume says).
+``foreign`` (other tools' optimizer state in a checkpoint), ``schedule`` (a saved LR schedule into this run's),
+``folders`` (checkpoint-N names in an output_dir) and ``report`` (what a resume says).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
 
 from ..config import ConfigError
 from ..engine.checkpoint import read_header, remove_durably, remove_stale_temporaries
@@ -30,11 +29,10 @@ from .foreign import (FRESH_START, TORCH_OPTIMIZER_FILES, deepspeed_state,  # no
                                  foreign_state, missing_state_message, plain_checkpoint)
 from .schedule import DamagedFile, OtherSchedule, load_scheduler  # noqa: F401 (the resume API)
 from .missing import where_to_look
-from . import path_limits
-
-TRAINER_STATE = "trainer_state.json"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
+from . import path_limits  # noqa: F401 (resume.path_limits: the Trainer checks the paths at init)
+# checkpoint-N folder names (resume.checkpoints, resume.output_dir_problem, ... stay importable from here)
+from .folders import (TRAINER_STATE, _in_the_way, checkpoint_step, checkpoints,  # noqa: F401
+                      output_dir_problem)
 
 class IncompleteCheckpoint(ConfigError):
     """A checkpoint that was not written to the end; the message names the newest whole one, if any."""
@@ -50,30 +48,6 @@ def clear_marker(checkpoint: str) -> None:
     # missing), never as a plain Trainer's finished --save_only_model checkpoint (trainer_state.json, no marker)
     remove_durably(checkpoint, (TRAINER_STATE,))
     remove_durably(checkpoint, (MARKER,))
-
-
-def _in_the_way(path: str) -> str:
-    return (f"{path} is a file, not a directory: the Trainer saves (and rotates) its checkpoint-N folders there; "
-            "move or rename it")
-
-
-def output_dir_problem(output_dir: str, training: bool = True, max_steps: int | None = None,
-                       world_size: int = 1) -> str | None:
-    """What keeps a run from writing ``output_dir`` (None: nothing), before any model work: a file where the
-    directory belongs (os.makedirs said only "[Errno 17] File exists"), or, for training, checkpoint paths over the
-    file system's limits (``path_limits``) or a file named like a checkpoint (both found only at that save, after the
-    steps since the last one were lost)."""
-    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
-        return f"--output_dir {output_dir} is a file, not a directory"
-    if not training:
-        return None
-    if too_long := path_limits.problem(output_dir, max_steps, world_size):
-        return too_long
-    if not os.path.isdir(output_dir):
-        return None
-    in_the_way = sorted((p for p in (os.path.join(output_dir, n) for n in os.listdir(output_dir))
-                         if checkpoint_step(p) is not None and not os.path.isdir(p)), key=checkpoint_step)
-    return _in_the_way(in_the_way[0]) if in_the_way else None
 
 
 def not_whole(checkpoint: str) -> str:
@@ -114,25 +88,11 @@ def looks_plain(checkpoint: str) -> bool:
             and not os.path.lexists(os.path.join(checkpoint, "zero_offload")))
 
 
-def checkpoint_step(path: str) -> int | None:
-    """N of a folder named exactly ``checkpoint-N`` (None otherwise: checkpoint-500-old, ckpt500)."""
-    m = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
-    return int(m.group(1)) if m else None
-
-
 def recorded_step(checkpoint: str) -> int | None:
     """The step its marker records (the folder's name when there is none): a checkpoint-3 renamed checkpoint-6 was
     said to be at step 6, and to leave nothing to train in a 6-step run."""
     step = (read_marker(checkpoint) or {}).get("step")
     return step if isinstance(step, int) and not isinstance(step, bool) else checkpoint_step(checkpoint)
-
-
-def checkpoints(folder: str) -> list[str]:
-    """``checkpoint-N`` directories of ``folder``, oldest step first."""
-    if not os.path.isdir(folder):
-        return []
-    found = [(checkpoint_step(n), os.path.join(folder, n)) for n in os.listdir(folder)]
-    return [p for s, p in sorted((s, p) for s, p in found if s is not None and os.path.isdir(p))]
 
 
 def status(checkpoint: str) -> str:
