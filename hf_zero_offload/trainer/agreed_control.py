@@ -23,7 +23,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .shared_dir import distributed
+from .shared_dir import distributed, ranks_named
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -45,10 +45,6 @@ def agree(control, rank: int, world_size: int, device) -> list[tuple[str, list[i
         if on and len(on) < world_size:
             differed.append((flag, on, [r for r in range(world_size) if not every[r][i]]))
     return differed
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 class AgreedControl:
@@ -74,7 +70,7 @@ class AgreedControl:
                         "hf_zero_offload: control.%s was set on %s and not on %s (%s, step %d): every rank takes it, "
                         "as the ranks of a sharded run must log, evaluate, save and stop together (each takes part "
                         "in the collectives; one rank alone aborted or hung in them). A flag set on any rank is "
-                        "taken by all; said once per flag and train()", flag, _ranks(on), _ranks(off), where,
+                        "taken by all; said once per flag and train()", flag, ranks_named(on), ranks_named(off), where,
                         self.state.global_step)
         c = self.control
         return bool(c.should_log or c.should_evaluate or c.should_save)

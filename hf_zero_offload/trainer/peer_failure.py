@@ -27,6 +27,8 @@ import time
 
 import torch.distributed as dist
 
+from .shared_dir import ranks_named
+
 _KEY = "hf_zero_offload/failed/{}/rank{}"  # train() generation, rank
 _LOST_KEY = "hf_zero_offload/lost/{}/rank{}"  # a rank that met a collective failure (it is alive: not the one gone)
 _LEFT_KEY = "hf_zero_offload/left/rank{}"  # "<generation>\n<step>\n<host>" at each train() that returned
@@ -59,10 +61,6 @@ def _in_place_of(e: BaseException, text: str) -> BaseException:
         with contextlib.suppress(Exception):  # (a subclass of another constructor: a RuntimeError, as before)
             return type(e)(text)
     return RuntimeError(text)
-
-
-def _ranks(ranks: list) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def peer_failed(e: BaseException, store, generation: int, rank: int, world_size: int,
@@ -114,13 +112,13 @@ def _absent(e: BaseException, store, generation: int, rank: int, peers: list,
                                "gather from every rank, so every rank must make the same calls (under plain DDP a call "
                                f"made on some ranks only fails or hangs alike) ({said})")
     if silent and any(w in str(e) for w in _TIMEOUT_WORDS):  # (a peer killed closes its connections: no timeout)
-        return _in_place_of(e, f"{_ranks(silent)} did not come within the collective timeout to the collective this "
-                               f"rank (rank {rank}) waited in, in {doing}, and said no error of its own: alive "
+        return _in_place_of(e, f"{ranks_named(silent)} did not come within the collective timeout to the collective "
+                               f"this rank (rank {rank}) waited in, in {doing}, and said no error of its own: alive "
                                "elsewhere (stuck in its data loading, a callback or another call) or stopped without a "
                                f"word; see that rank's log ({said})")
     if silent:
-        return _in_place_of(e, f"{_ranks(silent)} stopped without an error of its own while this rank (rank {rank}) "
-                               f"waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory "
+        return _in_place_of(e, f"{ranks_named(silent)} stopped without an error of its own while this rank (rank "
+                               f"{rank}) waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory "
                                "killer), or its script ended or went elsewhere without making this call; see that "
                                f"rank's log ({said})")
     return None

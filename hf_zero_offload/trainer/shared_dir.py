@@ -28,6 +28,11 @@ def distributed(world_size: int) -> bool:
     return world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
+def ranks_named(ranks: list[int]) -> str:
+    """"rank 1" or "ranks 0, 2", for the messages that name the ranks that differed or failed."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 def _gather(mine, world_size: int) -> list:
     every = [None] * world_size
     dist.all_gather_object(every, mine)
