@@ -142,10 +142,12 @@ def _saved_with_markers(checkpoint: str) -> bool:
     return next(("save_id" in header for _, header in _state_headers(checkpoint)), False)
 
 
-def newest_whole(folder: str, below: int | None = None) -> str | None:
-    """The newest checkpoint of ``folder`` (with a step < ``below``) that is complete or legacy."""
+def newest_whole(folder: str, below: int | None = None, holding=None) -> str | None:
+    """The newest checkpoint of ``folder`` (with a step < ``below``; for which ``holding(c)`` is true) that is
+    complete or legacy."""
     for c in reversed(checkpoints(folder)):
-        if (below is None or checkpoint_step(c) < below) and status(c) != "incomplete":
+        if (below is None or checkpoint_step(c) < below) and status(c) != "incomplete" and (
+                holding is None or holding(c)):
             return c
     return None
 

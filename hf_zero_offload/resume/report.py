@@ -11,7 +11,7 @@ import torch
 from ..engine.checkpoint import read_header
 from .foreign import missing_state_message, plain_checkpoint
 from .marker import marker_problem, read_marker
-from . import TRAINER_STATE, checkpoint_step, checkpoints, held_step, recorded_step, status
+from . import TRAINER_STATE, checkpoint_step, held_step, newest_whole, recorded_step
 
 
 def saved_engine(checkpoint: str, state_dir: str) -> dict | None:
@@ -91,13 +91,12 @@ def no_state_message(checkpoint: str, state_dir: str) -> str:
     step = held_step(checkpoint)
     if step is None:
         return message
-    folder = os.path.dirname(os.path.normpath(checkpoint))
-    for c in reversed(checkpoints(folder)):
-        if checkpoint_step(c) < step[0] and status(c) != "incomplete" and (
-                os.path.isdir(os.path.join(c, state_dir)) or plain_checkpoint(c)):
-            return (f"{message}. Or go on from the newest earlier checkpoint beside it that holds optimizer state, {c} "
-                    f"(step {checkpoint_step(c)}: the steps after it train again)")
-    return message
+    c = newest_whole(os.path.dirname(os.path.normpath(checkpoint)), step[0],
+                     lambda c: os.path.isdir(os.path.join(c, state_dir)) or plain_checkpoint(c))
+    if c is None:
+        return message
+    return (f"{message}. Or go on from the newest earlier checkpoint beside it that holds optimizer state, {c} "
+            f"(step {checkpoint_step(c)}: the steps after it train again)")
 
 
 def unloaded_reason(checkpoint: str, state_dir: str) -> str | None:
