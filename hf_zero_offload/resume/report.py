@@ -62,9 +62,10 @@ def dpu_change_message(engine: dict | None, dpu: bool, warmup_steps: int) -> str
     if not isinstance(was, bool) or was == dpu:
         return None
     if was:
-        return ("hf_zero_offload: delayed_param_update was on in the saved run and is off in this one: a step in flight at "
-                "the save reaches the model now and every step after the resume is synchronous (each forward sees the last step's "
-                "weights, not those of the step before it), so the run differs from the saved one's DPU schedule")
+        return ("hf_zero_offload: delayed_param_update was on in the saved run and is off in this one: a step in "
+                "flight at the save reaches the model now and every step after the resume is synchronous (each "
+                "forward sees the last step's weights, not those of the step before it), so the run differs from the "
+                "saved one's DPU schedule")
     return ("hf_zero_offload: delayed_param_update was off in the saved run and is on in this one: each step after "
             f"warmup_steps={warmup_steps} (counted from the run's first step) runs its forward on the weights of the "
             "step before the last, so the run differs from the saved one's synchronous schedule")
