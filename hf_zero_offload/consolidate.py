@@ -25,6 +25,7 @@ from .engine import checkpoint
 from .engine.checkpoint.folder import check_save_id, check_sources, read_range, sources
 from .resume.marker import MARKER, changed_files, load_marker, marker_problem, read_marker, recorded_save_id
 from .saved_names import NAMES_FILE, read_json
+from .usage import relative_path_hint
 from .weight_files import open_weights
 
 
@@ -84,9 +85,8 @@ def state_dir_of(checkpoint_dir: str) -> str:
         raise NotADirectoryError(f"{checkpoint_dir} is a file, not a checkpoint folder: give the checkpoint-N "
                                  "folder that holds zero_offload/")
     if not os.path.isdir(checkpoint_dir):
-        where = "" if os.path.isabs(checkpoint_dir) else f" (a relative path is read from the current directory, " \
-            f"{os.getcwd()})"  # `output/checkpoint-500` typed from another directory named no directory at all
-        raise FileNotFoundError(f"{checkpoint_dir}: no such checkpoint folder{where}")
+        # `output/checkpoint-500` typed from another directory named no directory at all
+        raise FileNotFoundError(f"{checkpoint_dir}: no such checkpoint folder{relative_path_hint(checkpoint_dir)}")
     state_dir = os.path.join(checkpoint_dir, "zero_offload")
     if os.path.isdir(state_dir):
         return state_dir

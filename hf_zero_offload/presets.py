@@ -12,6 +12,7 @@ import logging
 import os
 
 from .config.schema import ConfigError  # .schema, not the package: the package imports presets
+from .usage import relative_path_hint
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -87,7 +88,7 @@ def is_shipped(path: str) -> bool:
 def missing_file_hint(path: str) -> str:
     """What to add to "cannot read" for a ds_config path that does not exist: where a relative path was looked
     up, and the shipped name when the file is one of ours (``configs/ds_config.json`` run from outside the clone)."""
-    hint = "" if os.path.isabs(path) else f" (a relative path is read from the current directory, {os.getcwd()})"
+    hint = relative_path_hint(path)
     name = _preset_name(os.path.basename(path))
     if name in PRESETS:
         hint += f"; the same config ships with the package: --zero_offload {name}"

@@ -124,6 +124,13 @@ def first_bad_utf8(data: bytes) -> tuple[int, int]:
     return len(re.split(rb"\r\n|\r|\n", data[:bad])), bad
 
 
+def relative_path_hint(path: str) -> str:
+    """What to add to "not found" for a path: where a relative one was looked up ("" for an absolute one). A path
+    typed for another directory (``output/checkpoint-500``, the blog's ``--data_dir wmt_en_ro``) was said missing
+    without the directory it was read from."""
+    return "" if os.path.isabs(path) else f" (a relative path is read from the current directory, {os.getcwd()})"
+
+
 def not_utf8_text(source: str, data: bytes, what: str) -> str:
     """The one-line error for a file ``source`` whose ``data`` is not UTF-8: its line and byte, then ``what`` the file
     should be."""

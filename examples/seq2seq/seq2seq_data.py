@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 from torch.utils.data import Dataset
 
-from hf_zero_offload.usage import not_utf8_text
+from hf_zero_offload.usage import not_utf8_text, relative_path_hint
 
 
 
@@ -39,10 +39,9 @@ def read_lines(path: str) -> List[str]:
 def check_data_dir(data_dir: str) -> None:
     if not os.path.isdir(data_dir):
         # the blog's `--data_dir wmt_en_ro` is relative to where it runs (examples/seq2seq/ in the blog): say where
-        where = "" if os.path.isabs(data_dir) else f" (a relative path is read from the current directory, " \
-            f"{os.getcwd()})"
         raise NotADirectoryError(f"--data_dir {data_dir}: {'a file' if os.path.exists(data_dir) else 'not found'}"
-                                 f"{where}; it names the folder holding train|val|test.source/.target")
+                                 f"{relative_path_hint(data_dir)}; it names the folder holding "
+                                 "train|val|test.source/.target")
 
 
 def read_split(data_dir: str, split: str, n_obs: int = -1) -> Tuple[List[str], List[str]]:

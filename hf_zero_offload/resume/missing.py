@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 
+from ..usage import relative_path_hint
+
 
 def where_to_look(path: str, output_dir: str | None) -> str:
     from . import checkpoints, newest_whole  # (the package imports this module)
 
-    relative = not os.path.isabs(path)
-    hint = f" (a relative path is read from the current directory, {os.getcwd()})" if relative else ""
+    relative, hint = not os.path.isabs(path), relative_path_hint(path)
     if not output_dir:
         return hint
     inside = os.path.join(output_dir, path)
