@@ -109,11 +109,12 @@ class ZeroOffloadCallback(TrainerCallback):
         # An engine stepped in an earlier train() of its Trainer saves more steps than the Trainer's global_step (8
         # at checkpoint-4 of a second train()): its count equal to the one such a checkpoint's optimizer.pt holds is
         # that file loaded. (No hook can tell a load: accelerate's prepare round-trips the engine's state_dict)
-        if engine is not None and any(not resume_report.unloaded_reason(c, STATE_DIR)
-                                      and resume_report.saved_optimizer_steps(c) == engine.global_steps for c in found):
+        unloadable = {c: resume_report.unloaded_reason(c, STATE_DIR) is not None for c in found}
+        if engine is not None and any(not unloadable[c] and resume_report.saved_optimizer_steps(c) ==
+                                      engine.global_steps for c in found):
             return
         # a folder of that step that would not load (one that would, left unloaded, is not the one resumed)
-        ckpt = next((c for c in found if resume_report.unloaded_reason(c, STATE_DIR)), None)
+        ckpt = next((c for c in found if unloadable[c]), None)
         if engine is not None:
             message = resume_report.unloaded_engine_message(ckpt, state.global_step, type(engine).__name__,
                                                             engine.global_steps, STATE_DIR)
