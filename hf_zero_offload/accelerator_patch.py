@@ -3,11 +3,38 @@
 With ``zero_offload`` the engine owns loss scaling, the gradient reduction and the optimizer state, so three of
 Accelerate's steps change: backward scales the loss by the engine's scale; the model gets no DDP wrapper; the
 optimizer is wrapped without device placement, and reports the engine's skipped (fp16 overflow) steps as
-Accelerate's own.
+Accelerate's own. ``adapt_accelerator`` makes the same changes for a training loop of one's own.
 """
 from __future__ import annotations
 
 import types
+
+
+def adapt_accelerator(accelerator, engine) -> None:
+    """For a training loop of your own: ``accelerator`` runs ``engine`` (an ``OffloadAdam`` or ``ShardedAdam``) as the
+    Trainer integration runs it. Call it before ``accelerator.prepare``. Without it, Accelerate reported an engine's
+    skipped fp16 overflow step as taken (``optimizer_step_was_skipped`` False, and a prepared LR scheduler advanced
+    on it), copied the engine's whole state (fp32 masters and moments) to ``accelerator.device`` and back when
+    preparing it, and wrapped the model in DDP on several processes (the engine reduces the gradients itself).
+    ``accelerator.backward(loss)`` then scales the loss by the engine's scale: do not call ``engine.scale_loss``
+    too."""
+    from .engine.core import AdamCore  # (here: importing the engine loads the kernels, which the Trainer has done)
+
+    if not isinstance(engine, AdamCore):
+        raise TypeError(f"adapt_accelerator: engine must be an OffloadAdam or ShardedAdam, got {type(engine).__name__}"
+                        " (CPUAdam and torch's optimizers need no adapting: pass them to accelerator.prepare as they are)")
+    if getattr(accelerator, "_zo_patched", False):
+        raise RuntimeError("adapt_accelerator: this Accelerator already runs an engine (adapted before, or a "
+                           "ZeroOffload Trainer's): build a new Accelerator for another engine")
+    if getattr(accelerator, "_optimizers", None):
+        raise RuntimeError("adapt_accelerator: call it before accelerator.prepare; this Accelerator has prepared an "
+                           "optimizer already, which would keep Accelerate's device placement and its own skip flag")
+    if getattr(accelerator, "scaler", None) is not None:  # (on a CPU Accelerate makes none)
+        raise ValueError("adapt_accelerator: Accelerator(mixed_precision='fp16') scales the loss with torch's "
+                         "GradScaler, which finds no gradient to unscale (the engine takes them during backward): "
+                         "use the engine's own loss scaling (OffloadOptions(fp16=...), a model cast to fp16) with "
+                         "mixed_precision='no', or bf16")
+    patch_accelerator(accelerator, lambda: engine)
 
 
 def patch_accelerator(accelerator, engine_of) -> None:
