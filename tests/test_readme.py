@@ -11,6 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+# the README's details moved to docs/*.md: what the README promised is checked where it now stands
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ALL_DOCS = "\n".join(f.read_text(encoding="utf-8") for f in DOCS)
 
 
 def _blocks(lang: str) -> list[str]:
@@ -35,10 +38,10 @@ def test_python_blocks_run_as_written_outside_the_clone(tmp_path):
 
 
 def test_named_paths_and_modules_exist():
-    text = README
+    text = ALL_DOCS
     for path in sorted(set(re.findall(r"(?<![\w/.])((?:configs|examples|benchmarks|tests|hf_zero_offload)/[\w./-]+"
                                       r"\.(?:py|json|sh|md))", text))):
-        assert (ROOT / path).exists(), f"README.md names {path}, which does not exist"
+        assert (ROOT / path).exists(), f"README.md or docs/ names {path}, which does not exist"
     for module in sorted(set(re.findall(r"python -m (benchmarks(?:\.\w+)+)", text))):
         assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
 
@@ -57,7 +60,7 @@ def test_what_the_readme_says_an_overflow_step_logs_and_sigterm_does():
     that overflows) logs nan, as clip_grad_norm_ does. SIGTERM got no word while Ctrl-C's hint was documented."""
     from hf_zero_offload.engine.loss_scaler import LossScaler, decide_step
 
-    flat = " ".join(README.split())
+    flat = " ".join(ALL_DOCS.split())
     for sumsq, shown in ((float("inf"), "`inf` on a skipped overflow step"), (float("nan"), "or `nan` where a gradient "
                                                                                            "is NaN")):
         result, grad_scale = decide_step(LossScaler.from_fp16(enabled=True, loss_scale=128), sumsq, 1.0)
@@ -106,3 +109,28 @@ def test_only_the_packages_own_modules_are_lazy_attributes():
     for name in (".", "a..b", "py.typed", "engine.core", "configs", "nothing", "_C2"):
         assert not hasattr(hf_zero_offload, name), name
     assert hf_zero_offload.torch_state.__name__ == "hf_zero_offload.torch_state"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_resolve():
+    """The README's details live in docs/*.md and point at each other by file and heading: a heading renamed or a
+    file moved leaves a link to nothing, which no reader reports."""
+    bad = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                bad.append(f"{doc.name}: {target}: no such file")
+            elif anchor and dest.suffix == ".md":
+                heads = {_anchor(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(encoding="utf-8"), flags=re.M)}
+                if anchor not in heads:
+                    bad.append(f"{doc.name}: {target}: no such heading")
+    assert not bad, bad
