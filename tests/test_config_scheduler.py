@@ -125,7 +125,7 @@ def test_a_warmup_longer_than_the_run_is_warned_about(block, caplog):
 
 @pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
 def test_a_warmup_of_0_loads_as_the_readme_says(kind):
-    """The README says a warmup_num_steps of 0 or 1 stays 1 (DeepSpeed takes 0 and makes it 2), but 0 was refused as
+    """The docs say (docs/CONFIGURATION.md) a warmup_num_steps of 0 or 1 stays 1 (DeepSpeed takes 0 and makes it 2), but 0 was refused as
     "expected an integer >= 1"; and a config's 500 was said to contradict "--warmup_steps 1", a value the user never
     gave (the default is 0: the message showed the max(1, .) it becomes)."""
     block = {"scheduler": {"type": kind, "params": {"warmup_num_steps": 0,

@@ -112,7 +112,7 @@ def test_a_run_folder_with_the_output_inside_it_is_named_as_a_run_folder(tmp_pat
     (lambda m: m["files"]["config.json"].update(size="757"), r"the \"files\" entry of config.json is \{'size': '757'"),
 ], ids=["save-id-int", "step-str", "entry-list", "size-str"])
 def test_a_marker_field_of_another_type_is_damage_not_nothing_recorded(whole, tmp_path, edit, said):
-    """A field of the wrong type (a hand edit: the README has users delete entries of "files") was read as nothing
+    """A field of the wrong type (a hand edit: docs/CHECKPOINTS.md has users delete entries of "files") was read as nothing
     recorded and the check it feeds passed over in silence: a save id of 5 let consolidate take any save's optimizer
     state, a "files" entry that is no object left its file unchecked, and a size of "757" was refused as "757 bytes
     where its save wrote 757"."""

@@ -252,7 +252,7 @@ def test_dpu_follows_the_delayed_schedule(mode, warmup):
 @pytest.mark.parametrize("at", [2, 5, 8], ids=["warm-up", "in-flight", "last"])
 def test_dpu_params_written_between_steps_are_what_the_next_step_starts_from(mode, at):
     """A write while a delayed step was in flight (a Trainer callback's edit) was published over, with a warning
-    to flush() first: the plain Trainer trains on from the written weights (README: a param written between steps
+    to flush() first: the plain Trainer trains on from the written weights (docs/TORCH_CONVENTIONS.md: a param written between steps
     is what the next step starts from)."""
     data = mode.data(batches(8))
     torch.manual_seed(0)

@@ -629,7 +629,7 @@ def test_dataset_name_without_datasets_is_a_clear_error(tmp_path):
                                       ({"OMP_WAIT_POLICY": "active"}, None)])
 def test_the_script_shortens_the_openmp_spin_unless_the_user_chose(env, want):
     """torch's OpenMP workers spin for milliseconds after each parallel op on the cores the CPU step needs
-    next; the script sets a shorter spin (README, Limitations) and keeps a GOMP_SPINCOUNT or
+    next; the script sets a shorter spin (README, Limitations; docs/LIMITATIONS.md) and keeps a GOMP_SPINCOUNT or
     OMP_WAIT_POLICY the user gave."""
     environ = dict(env)
     finetune_trainer.shorten_openmp_spin(environ)

@@ -71,7 +71,7 @@ class _StopAt(TrainerCallback):
 def test_a_final_save_only_model_checkpoint_holds_the_last_step(tmp_path, path, stop, event):
     """It held the model one step behind (the last step lived only in the masters, which it does not save): a
     from_pretrained of the last checkpoint lost a step without a word. ZeroOffloadCallback sees a stop set by the
-    callbacks listed before it (README), here in their on_step_end or on_log."""
+    callbacks listed before it (docs/CONFIGURATION.md, the DPU schedule), here in their on_step_end or on_log."""
     model, trainer = _trainer(tmp_path, path, [_StopAt(stop, event)] if stop else [], save_strategy="steps",
                               save_steps=1, save_only_model=True)
     trainer.train()

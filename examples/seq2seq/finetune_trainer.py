@@ -32,7 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Training on CPU, torch's OpenMP workers (libgomp) spin for up to 300,000 iterations (milliseconds) after
 # each parallel op, on the very cores the optimizer step's threads need right after backward. A shorter spin,
 # read by libgomp when torch loads it (so before `import torch`): 20M params, 2 cores, int8 moments, opt.step
-# 17.2-18.0 -> 12.0-13.5 ms and the whole step 61.7-64.6 -> 57.4-61.8 ms (README, "Limitations").
+# 17.2-18.0 -> 12.0-13.5 ms and the whole step 61.7-64.6 -> 57.4-61.8 ms (docs/LIMITATIONS.md).
 # A GOMP_SPINCOUNT or OMP_WAIT_POLICY of the user's own is kept.
 
 

@@ -44,7 +44,7 @@ FULL = dict(n_train=5000, n_val=200, n_test=200, epochs=6, train_bs=32, eval_bs=
 # Smoke: the same pipeline in seconds (one evaluation during training, so the curve has a BLEU point to draw).
 SMOKE = dict(n_train=64, n_val=16, n_test=16, epochs=1, train_bs=8, eval_bs=16, lr=3e-3, warmup=0, max_steps=6,
              eval_steps=3, logging_steps=2)
-# What `make demo` costs, measured (README "Demo"); printed at the start so a slow machine is not mistaken for a hang.
+# What `make demo` costs, measured (docs/RESULTS.md, "Demo"); printed at the start so a slow machine is not mistaken for a hang.
 EXPECTED = ("about 2 min on an idle 2-core CPU; 25 min measured with other jobs keeping the 2 cores busy (load "
             "average 7); 80 s on one H200 with 16 cores")
 

@@ -163,7 +163,7 @@ class _Resolver:
                                    cos_min_ratio=float(params.get("cos_min_ratio", 1e-4)))
         lo = 0.0 if params.get("warmup_min_lr", 0.0) == AUTO else params.get("warmup_min_lr", 0.0)
         # left out: DeepSpeed's WarmupLR peaks at the optimizer's (first group's) lr, WarmupDecayLR at 1e-3; with the
-        # Trainer's arguments, --learning_rate (as "auto" would: README, Configuration)
+        # Trainer's arguments, --learning_rate (as "auto" would: docs/CONFIGURATION.md)
         peak = self.get("optimizer.params.lr") if kind == "WarmupLR" else None
         hi = self.take(p + "warmup_max_lr", a and a.learning_rate, "--learning_rate",
                        peak if isinstance(peak, (int, float)) and not isinstance(peak, bool) else 1e-3)

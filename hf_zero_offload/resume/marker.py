@@ -68,7 +68,7 @@ def marker_problem(checkpoint: str, marker_read: MarkerRead | None = None) -> st
         return f"its {MARKER} is damaged (\"files\" is {marker['files']!r}, not the files its save wrote)"
     if marker.get("engine") is not None and not isinstance(marker["engine"], dict):
         return f"its {MARKER} is damaged (\"engine\" is a {type(marker['engine']).__name__}, not an object)"
-    # the fields the checks read, of the type a save writes: one of another type (a hand edit: the README has users
+    # the fields the checks read, of the type a save writes: one of another type (a hand edit: docs/CHECKPOINTS.md has users
     # delete an entry of "files") was read as nothing recorded, and the check it feeds passed over in silence (a
     # save id of 5 let consolidate take any save's optimizer state; a size of "757" read "757 bytes where its save
     # wrote 757")
