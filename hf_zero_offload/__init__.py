@@ -42,11 +42,12 @@ def _import(module: str, wanted: str):
     try:
         return _importlib.import_module(f"{__name__}.{module}")
     except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "transformers":
+        from .extras import missing  # (any optional dependency: safetensors for consolidate too)
+
+        error = missing(e, f"hf_zero_offload.{wanted}")
+        if error is e:
             raise
-        raise ModuleNotFoundError(f"hf_zero_offload.{wanted} needs transformers, an optional dependency: install it "
-                                  "with the [trainer] extra (pip install 'hf_zero_offload[trainer]')",
-                                  name=e.name) from None
+        raise error from None
 
 
 def __getattr__(name: str):
