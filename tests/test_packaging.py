@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 import hf_zero_offload
 from hf_zero_offload import extras
@@ -180,12 +181,21 @@ def test_the_wheel_holds_every_module_and_runs_outside_the_checkout(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "t"),
                         wheel], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    code = ("import hf_zero_offload, torch; from hf_zero_offload import CPUAdam; print(hf_zero_offload.__file__); "
-            "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3); CPUAdam([p], lr=0.5).step(); print(p[0].item())")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "t"))
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.split() == [str(tmp_path / "t" / "hf_zero_offload" / "__init__.py"), "0.5"], \
-        r.stdout + r.stderr[-3000:]
+    code = ("import hf_zero_offload, torch; from hf_zero_offload import CPUAdam; print(hf_zero_offload.__file__)\n"
+            "p = torch.nn.Parameter(torch.randn(99)); q = torch.nn.Parameter(p.detach().clone())\n"
+            "a, b = CPUAdam([p], lr=0.1), torch.optim.AdamW([q], lr=0.1, weight_decay=0.0, foreach=False)\n"
+            "for _ in range(3):\n"
+            "    p.grad = torch.randn(99); q.grad = p.grad.clone(); a.step(); b.step()\n"
+            "print(all(torch.equal(a.state[p][k], b.state[q][k]) for k in ('exp_avg', 'exp_avg_sq')), "
+            "bool((p - q).abs().max() < 1e-6))")
+    # -S: no .pth files, so not this venv's editable install (its finder comes before PYTHONPATH); torch from the
+    # venv's site-packages, after the wheel's folder
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "t"), site]))
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == [str(tmp_path / "t" / "hf_zero_offload" / "__init__.py"), "True", "True"], r.stdout
 
 
 # -- the build on other machines -------------------------------------------------------------------------------------
