@@ -5,6 +5,7 @@ must not leak AVX code into what runs before CPUID is checked. Everything else i
 from __future__ import annotations
 
 import glob
+import importlib.machinery
 import os
 import re
 import shutil
@@ -196,6 +197,39 @@ def test_the_wheel_holds_every_module_and_runs_outside_the_checkout(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == [str(tmp_path / "t" / "hf_zero_offload" / "__init__.py"), "True", "True"], r.stdout
+
+
+def _import_error_beside(tmp_path: Path, name: str, data: bytes) -> str:
+    """stderr of `import hf_zero_offload` from a copy of its __init__.py with ``data`` as the file ``name``."""
+    pkg = tmp_path / "hf_zero_offload"
+    pkg.mkdir(parents=True)
+    shutil.copy(ROOT / "hf_zero_offload" / "__init__.py", pkg / "__init__.py")
+    (pkg / name).write_bytes(data)
+    r = subprocess.run([sys.executable, "-S", "-c", "import hf_zero_offload"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "not built" not in r.stderr, r.stderr[-2000:]
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_kernels_built_on_a_newer_system_say_so_and_what_to_do(tmp_path):
+    """A wheel built here (glibc 2.36, GCC 12) on an older system: the loader's "version `GLIBCXX_3.4.30' not found";
+    the error said the kernels were "not built" and to run make install in a checkout."""
+    from hf_zero_offload import _C
+
+    data = Path(_C.__file__).read_bytes()
+    if b"GLIBCXX_3.4" not in data:
+        pytest.skip("this build needs no versioned libstdc++ symbol")
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    line = _import_error_beside(tmp_path, "_C" + suffix, data.replace(b"GLIBCXX_3.4", b"GLIBCXX_9.4"))  # (too new)
+    assert f"kernels ({tmp_path / 'hf_zero_offload' / ('_C' + suffix)}) do not load on this machine" in line, line
+    assert "newer C/C++ runtime" in line and "GLIBCXX_9.4" in line and "from its sdist" in line, line
+
+
+def test_kernels_of_another_python_or_unloadable_say_which(tmp_path):
+    line = _import_error_beside(tmp_path / "a", "_C.cpython-39-x86_64-linux-gnu.so", b"x")
+    assert "(_C.cpython-39-x86_64-linux-gnu.so) were built for another Python" in line, line
+    line = _import_error_beside(tmp_path / "b", "_C" + importlib.machinery.EXTENSION_SUFFIXES[0], b"not an ELF")
+    assert "do not load on this machine [ImportError: " in line and "newer" not in line, line
 
 
 # -- the build on other machines -------------------------------------------------------------------------------------
