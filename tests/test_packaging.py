@@ -66,7 +66,7 @@ model = torch.nn.Linear(4, 2)
 engine = OffloadAdam(model.named_parameters(), lr=1e-2, options=OffloadOptions())
 model(torch.randn(3, 4)).sum().backward(); engine.step(); engine.close()
 assert cli.main(["configs"]) == 0
-import hf_zero_offload.torch_state, hf_zero_offload.planner  # no transformers at import
+import hf_zero_offload.torch_state, hf_zero_offload.planner.heads  # no transformers at import
 print("CORE-OK")
 
 def said(what, run):
@@ -81,6 +81,8 @@ said("trainer", lambda: __import__("hf_zero_offload.trainer"))
 said("consolidate", lambda: __import__("hf_zero_offload.consolidate"))
 said("attr-consolidate", lambda: hf_zero_offload.consolidate)
 said("attr-trainer", lambda: hf_zero_offload.ZeroOffloadSeq2SeqTrainer)
+said("planner", lambda: hf_zero_offload.planner.plan({"model_type": "t5"}))
+said("planner-heads", lambda: hf_zero_offload.planner.heads.model_class(None))
 for argv in (["estimate", "--model", os.path.join(tempfile.mkdtemp(), "c.json")], ["consolidate", "a", "b"]):
     try:
         code = cli.main(argv)
@@ -99,7 +101,8 @@ def test_without_the_trainer_extra_the_core_works_and_the_rest_names_the_extra(t
     assert r.returncode == 0 and "CORE-OK" in r.stdout, r.stderr[-3000:]
     command = extras.install_command("trainer")
     said = dict(ln.split(" ", 2)[1:] for ln in r.stdout.splitlines() if ln.startswith("SAID "))
-    assert set(said) == {"trainer", "consolidate", "attr-consolidate", "attr-trainer"}, r.stdout
+    assert set(said) == {"trainer", "consolidate", "attr-consolidate", "attr-trainer", "planner", "planner-heads"}, \
+        r.stdout
     for what, message in said.items():
         assert "[trainer] extra" in message and command in message and "\n" not in message, (what, message)
         assert re.search(r"needs (transformers|safetensors)", message), (what, message)
