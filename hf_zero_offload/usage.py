@@ -24,7 +24,6 @@ from .switches import env_switch
 DEBUG_ENV = "HF_ZERO_OFFLOAD_DEBUG"
 USER_ERRORS = (ValueError, OSError, ImportError)
 EXIT_USAGE = 2
-# the optional packages, by the pyproject extra that installs them
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
