@@ -6,18 +6,43 @@ import transformers) load on first access.
 from __future__ import annotations
 
 import importlib as _importlib
+import importlib.machinery as _machinery
 import importlib.util as _util
 import pkgutil as _pkgutil
 import os as _os
+import sys as _sys
+
+
+def _kernels_error(e: ImportError) -> ImportError:
+    """Why ``_C`` did not import, from what lies beside this file: not built (a source tree), built for another
+    Python, or built but not loadable here (a wheel built on a newer system: every case was "not built")."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    cause = f"[{type(e).__name__}: {e}]"
+    built = sorted(f for f in _os.listdir(here) if f.startswith("_C.") and f.endswith((".so", ".pyd")))
+    ours = [f for f in built if f[len("_C"):] in _machinery.EXTENSION_SUFFIXES]
+    if ours:
+        newer = any(w in str(e) for w in ("GLIBC", "CXXABI"))  # "version `GLIBCXX_3.4.30' not found"
+        return ImportError(
+            f"hf_zero_offload's compiled kernels ({_os.path.join(here, ours[0])}) do not load on this machine"
+            + (": they were built on a system with a newer C/C++ runtime (glibc, libstdc++) than this one; install "
+               "hf_zero_offload here from its sdist or checkout, which compiles them for this machine" if newer else "")
+            + f" {cause}")
+    if built:
+        return ImportError(
+            f"hf_zero_offload's compiled kernels in {here} ({', '.join(built)}) were built for another Python, not "
+            f"this one ({_sys.version.split()[0]}, which loads {_machinery.EXTENSION_SUFFIXES[0]}): reinstall "
+            f"hf_zero_offload with this Python {cause}")
+    # (said "partially initialized module ... (most likely due to a circular import)")
+    return ImportError(
+        f"hf_zero_offload's compiled kernels (_C) are not built in {here}: build them there (make install, or pip "
+        "install -e . in that checkout); when hf_zero_offload is also installed elsewhere, this source tree hides it "
+        f"(it comes first on sys.path: run from another directory) {cause}")
+
 
 try:
     from . import _C  # noqa: F401 (the compiled kernels; the typed wrapper is ops)
-except ImportError as _e:  # said "partially initialized module ... (most likely due to a circular import)"
-    _here = _os.path.dirname(_os.path.abspath(__file__))
-    raise ImportError(
-        f"hf_zero_offload's compiled kernels (_C) are not built in {_here}: build them there (make install, or pip "
-        "install -e . in that checkout); when hf_zero_offload is also installed elsewhere, this source tree hides it "
-        f"(it comes first on sys.path: run from another directory) [{type(_e).__name__}: {_e}]") from None
+except ImportError as _e:
+    raise _kernels_error(_e) from None
 
 from . import ops  # noqa: E402
 from .adam.cpu_adam import CPUAdam  # noqa: E402
@@ -42,11 +67,12 @@ def _import(module: str, wanted: str):
     try:
         return _importlib.import_module(f"{__name__}.{module}")
     except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "transformers":
+        from .extras import missing  # (any optional dependency: safetensors for consolidate too)
+
+        error = missing(e, f"hf_zero_offload.{wanted}")
+        if error is e:
             raise
-        raise ModuleNotFoundError(f"hf_zero_offload.{wanted} needs transformers, an optional dependency: install it "
-                                  "with the [trainer] extra (pip install 'hf_zero_offload[trainer]')",
-                                  name=e.name) from None
+        raise error from None
 
 
 def __getattr__(name: str):

@@ -18,7 +18,11 @@ import shlex
 import shutil
 
 import torch
-from safetensors.torch import save_file
+
+from .extras import require
+
+require(__name__, "safetensors")  # the [trainer] extra, named if missing
+from safetensors.torch import save_file  # noqa: E402
 
 from . import peft_names, resume, torch_state
 from .engine import checkpoint

@@ -18,14 +18,12 @@ import signal
 import sys
 from typing import Callable, Sequence
 
+from . import extras
 from .switches import env_switch
 
 DEBUG_ENV = "HF_ZERO_OFFLOAD_DEBUG"
 USER_ERRORS = (ValueError, OSError, ImportError)
 EXIT_USAGE = 2
-# the optional packages, by the pyproject extra that installs them
-_EXTRA_OF = {"transformers": "trainer", "accelerate": "trainer", "safetensors": "trainer", "sentencepiece": "examples",
-             "sacrebleu": "examples", "matplotlib": "examples", "google": "examples"}
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
@@ -92,10 +90,9 @@ def run_reporting(prog: str, fn: Callable[[], object], *, debug: bool,
             raise
         # one line, whatever the library wrote (transformers' offline error spans two)
         message = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
-        extra = _EXTRA_OF.get((getattr(e, "name", None) or "").split(".")[0])
-        if isinstance(e, ModuleNotFoundError) and extra:  # it said only "No module named 'transformers'"
-            message += (f": an optional dependency of hf_zero_offload; install it with the [{extra}] extra (pip "
-                        f"install '<the checkout>[{extra}]'), or use the checkout's .venv (make install)")
+        extra = extras.extra_of(e)
+        if extra and "optional dependency" not in message:  # it said only "No module named 'transformers'"
+            message += f": {extras.hint(extra)}"
         elif isinstance(e, ImportError) and (getattr(e, "name", None) or "").split(".")[0] == "hf_zero_offload":
             # an example from a newer checkout than the installed package (a non-editable install, then git pull)
             message += (": the installed hf_zero_offload lacks it: older than this script? Reinstall it from this "

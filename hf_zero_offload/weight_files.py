@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-from safetensors import SafetensorError, safe_open
+from .extras import require
+
+require(__name__, "safetensors")  # the [trainer] extra, named if missing
+from safetensors import SafetensorError, safe_open  # noqa: E402
 
 
 class WeightFileError(ValueError):

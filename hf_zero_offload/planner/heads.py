@@ -11,6 +11,8 @@ plan wrong without a word.
 """
 from __future__ import annotations
 
+from ..extras import require
+
 
 def _names(table: dict, model_type) -> tuple[str, ...]:
     names = table.get(model_type, ())
@@ -27,6 +29,7 @@ def _class(transformers, name: str):
 
 
 def model_class(config) -> type:
+    require("hf_zero_offload.planner", "transformers")  # the [trainer] extra, named if missing
     import transformers
     from transformers.models.auto import modeling_auto as auto
 

@@ -45,6 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..extras import require
 from ..fp32_logits import widen_logits
 from .heads import model_class
 
@@ -133,6 +134,7 @@ class Trace:
 def load_config(model_config_or_path):
     """A transformers config from a PretrainedConfig, a dict (with ``model_type``), a config JSON file
     or a model directory. Never touches the network: a path must exist."""
+    require("hf_zero_offload.planner", "transformers")  # the [trainer] extra, named if missing
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model_config_or_path, PretrainedConfig):

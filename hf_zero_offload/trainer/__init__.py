@@ -26,10 +26,14 @@ the delayed parameter update, the last step published before the end of training
 """
 from __future__ import annotations
 
-from .args import ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainingArguments
-from .callback import ZeroOffloadCallback
-from .mixin import ZeroOffloadMixin, ZeroOffloadSeq2SeqTrainer, ZeroOffloadTrainer, logger
-from .saving import STATE_DIR
+from ..extras import require
+
+require("hf_zero_offload.trainer", "transformers", "accelerate", "safetensors")  # the [trainer] extra, named if missing
+
+from .args import ZeroOffloadSeq2SeqTrainingArguments, ZeroOffloadTrainingArguments  # noqa: E402
+from .callback import ZeroOffloadCallback  # noqa: E402
+from .mixin import ZeroOffloadMixin, ZeroOffloadSeq2SeqTrainer, ZeroOffloadTrainer, logger  # noqa: E402
+from .saving import STATE_DIR  # noqa: E402
 
 __all__ = [
     "ZeroOffloadTrainingArguments",
