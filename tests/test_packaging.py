@@ -281,6 +281,18 @@ def test_a_build_without_a_cxx_compiler_says_what_to_install(tmp_path):
     assert f"CXX='{tmp_path / 'no-such-compiler'}'" in out and "apt install g++" in out
 
 
+def test_a_cxx_of_a_wrapper_and_its_compiler_builds_with_both(tmp_path):
+    """CXX="ccache g++" (a wrapper, then the compiler; here `env g++`, the same shape): the compiler check cached the
+    wrapper's path alone, and CMake then took /usr/bin/env for the compiler ("identification is unknown")."""
+    if shutil.which("g++") is None or shutil.which("env") is None:
+        pytest.skip("needs g++ and env")
+    env = dict(os.environ, CXX="env g++")
+    r = subprocess.run([_tool("cmake"), "-S", str(ROOT), "-B", str(tmp_path / "b")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert "The CXX compiler identification is GNU" in out, out[-3000:]
+
+
 def _isa_objects() -> list[Path]:
     found = sorted(ROOT.glob("build/cp*/CMakeFiles/hzo_*.dir/csrc/*.o"))  # make install's build (build/{wheel_tag})
     if not found:
