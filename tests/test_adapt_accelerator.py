@@ -1,7 +1,7 @@
 """``adapt_accelerator`` beyond one process and one training (tests/test_user_loops.py has the one-process loops):
 two gloo ranks running a ``ShardedAdam`` through Accelerate, element by element against ``torch.optim.AdamW`` over
-the whole batch, with a non-finite gradient on one rank only; ``free_memory()``/``clear()`` between two trainings; a model
-prepared before adapting."""
+the whole batch, with a non-finite gradient on one rank only; ``free_memory()``/``clear()`` between two trainings;
+a model prepared before adapting."""
 from __future__ import annotations
 
 import gc
