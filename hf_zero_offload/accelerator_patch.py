@@ -37,7 +37,7 @@ def adapt_accelerator(accelerator, engine) -> None:
                          "GradScaler, which finds no gradient to unscale (the engine takes them during backward): "
                          "use the engine's own loss scaling (OffloadOptions(fp16=...), a model cast to fp16) with "
                          "mixed_precision='no', or bf16")
-    patch_accelerator(accelerator, lambda: engine)
+    patch_accelerator(accelerator, lambda: engine, others=_other_optimizer)
     kept = accelerator.__dict__.get("free_memory")
     free_memory = accelerator.free_memory
 
@@ -52,6 +52,19 @@ def adapt_accelerator(accelerator, engine) -> None:
     accelerator.free_memory = free_memory_and_engine
 
 
+def _other_optimizer(engine, optimizer, prepare_optimizer, device_placement):
+    """An optimizer beside the adapted engine (a GAN's discriminator): Accelerate's own preparation, its own skip
+    flag. With fp16 loss scaling it is refused: ``accelerator.backward`` scales every loss by the engine's scale,
+    and that optimizer stepped the scaled gradients (65536x) without a word."""
+    if engine.scaler.enabled:
+        raise ValueError(
+            f"adapt_accelerator: this Accelerator runs its engine ({type(engine).__name__}) with fp16 loss scaling, "
+            "so accelerator.backward multiplies every loss by the engine's scale; another optimizer prepared on it "
+            f"({type(optimizer).__name__}) would step gradients scaled by it: prepare that one on an Accelerator of "
+            "its own, or leave this one unadapted and call engine.scale_loss(loss) yourself for the engine's loss")
+    return prepare_optimizer(optimizer, device_placement=device_placement)
+
+
 def _restore(accelerator, name: str, kept) -> None:
     """Put back ``accelerator.name`` as it was before a patch: ``kept``, or the class's method (None)."""
     if kept is None:
@@ -60,10 +73,11 @@ def _restore(accelerator, name: str, kept) -> None:
         setattr(accelerator, name, kept)
 
 
-def patch_accelerator(accelerator, engine_of) -> None:
+def patch_accelerator(accelerator, engine_of, others=None) -> None:
     """``engine_of()``: the engine once it exists (None before ``create_optimizer``). Once per Accelerator (the
     Trainer's ``create_accelerator_and_postprocess`` and the end of its ``__init__`` both ask): a second wrap would
-    scale the loss twice."""
+    scale the loss twice. ``others(engine, optimizer, prepare_optimizer, device_placement)``: how an optimizer
+    other than the engine is prepared (None: as the engine is; the Trainer prepares its engine alone)."""
     if getattr(accelerator, "_zo_patched", False):
         return
     accelerator._zo_patched = True
@@ -93,6 +107,9 @@ def patch_accelerator(accelerator, engine_of) -> None:
     prepare_optimizer = accelerator.prepare_optimizer
 
     def prepare_in_place(optimizer, device_placement=None):
+        engine = engine_of()
+        if others is not None and engine is not None and optimizer is not engine:
+            return others(engine, optimizer, prepare_optimizer, device_placement)
         # Accelerate's device placement round-trips state_dict() through the accelerator's
         # device: a full copy of the fp32 masters and moments (12 B/param) on the GPU. Our
         # state stays where the engine put it.

@@ -142,3 +142,33 @@ def test_a_model_prepared_before_adapting_is_refused():
     with pytest.raises(RuntimeError, match="before accelerator.prepare.*a model already"):
         adapt_accelerator(acc, engine)
     engine.close()
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_another_optimizer_beside_the_engine(fp16):
+    """A GAN's second optimizer on the adapted Accelerator: with fp16 loss scaling every accelerator.backward is
+    scaled by the engine's scale, and that optimizer stepped the scaled gradients (65536x) without a word: refused,
+    and on an Accelerator of its own it trains as AdamW alone. Without loss scaling it is Accelerate's to prepare."""
+    gen, disc, ref = net(), net(), net()
+    options = OffloadOptions(fp16={"enabled": True, "initial_scale_power": 16} if fp16 else None)
+    engine = OffloadAdam(gen.named_parameters(), lr=LR, options=options)
+    acc = accelerate.Accelerator(cpu=True)
+    adapt_accelerator(acc, engine)
+    gen, engine_w = acc.prepare(gen, engine)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR, foreach=False) for m in (disc, ref))
+    if fp16:
+        with pytest.raises(ValueError, match=r"fp16 loss scaling.*another optimizer prepared on it \(AdamW\)"):
+            acc.prepare(opt)
+        acc = accelerate.Accelerator(cpu=True)
+    disc, opt = acc.prepare(disc, opt)
+    for x, y in batches()[:3]:
+        acc.backward(((disc(x) - y) ** 2).mean())
+        opt.step()
+        opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert not acc.optimizer_step_was_skipped
+    for p, q in zip(ref.parameters(), acc.unwrap_model(disc).parameters()):
+        assert torch.equal(q, p)
+    engine.close()
