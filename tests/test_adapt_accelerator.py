@@ -172,3 +172,54 @@ def test_another_optimizer_beside_the_engine(fp16):
     for p, q in zip(ref.parameters(), acc.unwrap_model(disc).parameters()):
         assert torch.equal(q, p)
     engine.close()
+
+
+def fp16_window_run(order, gas=2, overflow_at=2):
+    """fp16 loss scaling, ``gas`` micro-batches a step, an overflow on a window's first micro-batch. ``order`` None:
+    no Accelerate, by hand (the reference): the window's losses scaled and divided, the LR held on a skipped step."""
+    model = net()
+    engine = OffloadAdam(model.named_parameters(), lr=LR, weight_decay=WD, options=OffloadOptions(
+        fp16={"enabled": True, "initial_scale_power": 16}, gradient_accumulation_steps=gas))
+    opt, sched = engine, L.LambdaLR(engine, lambda s: 1 / (1 + s))
+    acc = None
+    if order is not None:
+        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=gas)
+        adapt_accelerator(acc, engine)
+        if order == "scheduler-first":
+            sched, opt, model = acc.prepare(sched, opt, model)
+        else:  # one call each, the scheduler last
+            model, opt, sched = acc.prepare(model), acc.prepare(opt), acc.prepare(sched)
+    skipped, lrs = [], []
+    for i, (x, y) in enumerate(batches()):
+        loss = ((model(x.half()).float() - y) ** 2).mean() * (1e30 if i == overflow_at else 1.0)
+        if acc is None:
+            engine.scale_loss(loss / gas).backward()
+            if (i + 1) % gas:
+                continue
+            opt.step()
+            if not engine.last.skipped:
+                sched.step()
+            skipped.append(engine.last.skipped)
+        else:
+            with acc.accumulate(model):
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                if not acc.sync_gradients:
+                    opt.zero_grad()
+                    continue
+                skipped.append(acc.optimizer_step_was_skipped)
+        opt.zero_grad()
+        lrs.append(engine.param_groups[0]["lr"])
+    engine.close()
+    return skipped, lrs, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("order", ["scheduler-first", "separate-calls"])
+def test_an_overflow_inside_an_accumulation_window_skips_that_step_and_holds_the_lr(order):
+    ref_skipped, ref_lrs, ref = fp16_window_run(None)
+    assert ref_skipped == [False, True, False]
+    skipped, lrs, got = fp16_window_run(order)
+    assert (skipped, lrs) == (ref_skipped, ref_lrs)
+    for p, q in zip(ref, got):
+        assert torch.equal(q, p)
