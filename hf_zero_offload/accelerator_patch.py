@@ -17,8 +17,9 @@ def adapt_accelerator(accelerator, engine) -> None:
     on it), copied the engine's whole state (fp32 masters and moments) to ``accelerator.device`` and back when
     preparing it, and wrapped the model in DDP on several processes (the engine reduces the gradients itself).
     ``accelerator.backward(loss)`` then scales the loss by the engine's scale: do not call ``engine.scale_loss``
-    too. ``accelerator.free_memory()`` (or ``clear()``), Accelerate's reset between two trainings, undoes all of
-    this: the Accelerator is a plain one again, which another engine may be adapted to."""
+    too (another optimizer prepared beside the engine is therefore refused while the engine scales its loss).
+    ``accelerator.free_memory()`` (or ``clear()``), Accelerate's reset between two trainings, undoes all of this: the
+    Accelerator is a plain one again, which another engine may be adapted to."""
     from .engine.core import AdamCore  # (here: importing the engine loads the kernels, which the Trainer has done)
 
     if not isinstance(engine, AdamCore):
@@ -26,7 +27,8 @@ def adapt_accelerator(accelerator, engine) -> None:
                         " (CPUAdam and torch's optimizers need no adapting: pass them to accelerator.prepare as they are)")
     if getattr(accelerator, "_zo_patched", False):
         raise RuntimeError("adapt_accelerator: this Accelerator already runs an engine (adapted before, or a "
-                           "ZeroOffload Trainer's): build a new Accelerator for another engine")
+                           "ZeroOffload Trainer's): build a new Accelerator for another engine, or call "
+                           "accelerator.free_memory() first")
     prepared = [what for what in ("optimizer", "model") if getattr(accelerator, f"_{what}s", None)]
     if prepared:  # (a model prepared on several processes is in DDP already, whose reduction the engine refuses)
         raise RuntimeError(f"adapt_accelerator: call it before accelerator.prepare; this Accelerator has prepared "
