@@ -19,11 +19,17 @@ def _kernels_error(e: ImportError) -> ImportError:
     here = _os.path.dirname(_os.path.abspath(__file__))
     cause = f"[{type(e).__name__}: {e}]"
     built = sorted(f for f in _os.listdir(here) if f.startswith("_C.") and f.endswith((".so", ".pyd")))
-    ours = [f for f in built if f[len("_C"):] in _machinery.EXTENSION_SUFFIXES]
+    ours = [_os.path.join(here, f) for f in built if f[len("_C"):] in _machinery.EXTENSION_SUFFIXES]
+    try:  # an editable install (make install) keeps _C in site-packages, found by scikit-build-core's import hook
+        spec = _util.find_spec(f"{__name__}._C")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin and _os.path.isfile(spec.origin):
+        ours = [spec.origin]  # (the file the import tried: "not built" said the source tree lacked it)
     if ours:
         newer = any(w in str(e) for w in ("GLIBC", "CXXABI"))  # "version `GLIBCXX_3.4.30' not found"
         return ImportError(
-            f"hf_zero_offload's compiled kernels ({_os.path.join(here, ours[0])}) do not load on this machine"
+            f"hf_zero_offload's compiled kernels ({ours[0]}) do not load on this machine"
             + (": they were built on a system with a newer C/C++ runtime (glibc, libstdc++) than this one; install "
                "hf_zero_offload here from its sdist or checkout, which compiles them for this machine" if newer else "")
             + f" {cause}")

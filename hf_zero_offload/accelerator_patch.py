@@ -17,7 +17,9 @@ def adapt_accelerator(accelerator, engine) -> None:
     on it), copied the engine's whole state (fp32 masters and moments) to ``accelerator.device`` and back when
     preparing it, and wrapped the model in DDP on several processes (the engine reduces the gradients itself).
     ``accelerator.backward(loss)`` then scales the loss by the engine's scale: do not call ``engine.scale_loss``
-    too."""
+    too (another optimizer prepared beside the engine is therefore refused while the engine scales its loss).
+    ``accelerator.free_memory()`` (or ``clear()``), Accelerate's reset between two trainings, undoes all of this: the
+    Accelerator is a plain one again, which another engine may be adapted to."""
     from .engine.core import AdamCore  # (here: importing the engine loads the kernels, which the Trainer has done)
 
     if not isinstance(engine, AdamCore):
@@ -25,25 +27,70 @@ def adapt_accelerator(accelerator, engine) -> None:
                         " (CPUAdam and torch's optimizers need no adapting: pass them to accelerator.prepare as they are)")
     if getattr(accelerator, "_zo_patched", False):
         raise RuntimeError("adapt_accelerator: this Accelerator already runs an engine (adapted before, or a "
-                           "ZeroOffload Trainer's): build a new Accelerator for another engine")
-    if getattr(accelerator, "_optimizers", None):
-        raise RuntimeError("adapt_accelerator: call it before accelerator.prepare; this Accelerator has prepared an "
-                           "optimizer already, which would keep Accelerate's device placement and its own skip flag")
+                           "ZeroOffload Trainer's): build a new Accelerator for another engine, or call "
+                           "accelerator.free_memory() first")
+    prepared = [what for what in ("optimizer", "model") if getattr(accelerator, f"_{what}s", None)]
+    if prepared:  # (a model prepared on several processes is in DDP already, whose reduction the engine refuses)
+        raise RuntimeError(f"adapt_accelerator: call it before accelerator.prepare; this Accelerator has prepared "
+                           f"a{'n' if prepared[0] == 'optimizer' else ''} {prepared[0]} already, which keeps "
+                           "Accelerate's device placement, skip flag or DDP wrapper")
     if getattr(accelerator, "scaler", None) is not None:  # (on a CPU Accelerate makes none)
         raise ValueError("adapt_accelerator: Accelerator(mixed_precision='fp16') scales the loss with torch's "
                          "GradScaler, which finds no gradient to unscale (the engine takes them during backward): "
                          "use the engine's own loss scaling (OffloadOptions(fp16=...), a model cast to fp16) with "
                          "mixed_precision='no', or bf16")
-    patch_accelerator(accelerator, lambda: engine)
+    patch_accelerator(accelerator, lambda: engine, others=_other_optimizer)
+    kept = accelerator.__dict__.get("free_memory")
+    free_memory = accelerator.free_memory
+
+    def free_memory_and_engine(*objects):
+        # Accelerate's reset between two trainings (clear() calls it too). Patched on, the Accelerator scaled the
+        # next loop's losses by the released engine's fp16 scale (a torch AdamW's gradients 65536x), kept that
+        # engine alive, gave a new model no DDP wrapper and refused a new engine.
+        accelerator._zo_unpatch()
+        _restore(accelerator, "free_memory", kept)
+        return free_memory(*objects)
+
+    accelerator.free_memory = free_memory_and_engine
 
 
-def patch_accelerator(accelerator, engine_of) -> None:
+def _other_optimizer(engine, optimizer, prepare_optimizer, device_placement):
+    """An optimizer beside the adapted engine (a GAN's discriminator): Accelerate's own preparation, its own skip
+    flag. With fp16 loss scaling it is refused: ``accelerator.backward`` scales every loss by the engine's scale,
+    and that optimizer stepped the scaled gradients (65536x) without a word."""
+    if engine.scaler.enabled:
+        raise ValueError(
+            f"adapt_accelerator: this Accelerator runs its engine ({type(engine).__name__}) with fp16 loss scaling, "
+            "so accelerator.backward multiplies every loss by the engine's scale; another optimizer prepared on it "
+            f"({type(optimizer).__name__}) would step gradients scaled by it: prepare that one on an Accelerator of "
+            "its own, or leave this one unadapted and call engine.scale_loss(loss) yourself for the engine's loss")
+    return prepare_optimizer(optimizer, device_placement=device_placement)
+
+
+def _restore(accelerator, name: str, kept) -> None:
+    """Put back ``accelerator.name`` as it was before a patch: ``kept``, or the class's method (None)."""
+    if kept is None:
+        accelerator.__dict__.pop(name, None)
+    else:
+        setattr(accelerator, name, kept)
+
+
+def patch_accelerator(accelerator, engine_of, others=None) -> None:
     """``engine_of()``: the engine once it exists (None before ``create_optimizer``). Once per Accelerator (the
     Trainer's ``create_accelerator_and_postprocess`` and the end of its ``__init__`` both ask): a second wrap would
-    scale the loss twice."""
+    scale the loss twice. ``others(engine, optimizer, prepare_optimizer, device_placement)``: how an optimizer
+    other than the engine is prepared (None: as the engine is; the Trainer prepares its engine alone)."""
     if getattr(accelerator, "_zo_patched", False):
         return
     accelerator._zo_patched = True
+    kept = {name: accelerator.__dict__.get(name) for name in ("backward", "prepare_model", "prepare_optimizer")}
+
+    def unpatch():
+        for name, method in kept.items():
+            _restore(accelerator, name, method)
+        del accelerator._zo_patched, accelerator._zo_unpatch
+
+    accelerator._zo_unpatch = unpatch
     backward = accelerator.backward
 
     def scaled_backward(loss, **kw):
@@ -62,6 +109,9 @@ def patch_accelerator(accelerator, engine_of) -> None:
     prepare_optimizer = accelerator.prepare_optimizer
 
     def prepare_in_place(optimizer, device_placement=None):
+        engine = engine_of()
+        if others is not None and engine is not None and optimizer is not engine:
+            return others(engine, optimizer, prepare_optimizer, device_placement)
         # Accelerate's device placement round-trips state_dict() through the accelerator's
         # device: a full copy of the fp32 masters and moments (12 B/param) on the GPU. Our
         # state stays where the engine put it.

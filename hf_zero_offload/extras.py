@@ -54,11 +54,14 @@ def missing(exc: ModuleNotFoundError, what: str) -> ModuleNotFoundError:
 
 def require(what: str, *modules: str) -> None:
     """Import ``modules`` (top-level names of the extras' packages), or raise :func:`missing`'s error for the first
-    one absent: a module needing them calls this before its own imports."""
+    extra's package absent, itself or one it imports: a module needing them calls this before its own imports."""
     for module in modules:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:
-            if e.name != module:  # the package is there and one of its own imports failed: its message
+            # another extra's package missing under this one's import is named too (accelerate importing an absent
+            # safetensors said only "No module named 'safetensors'"); any other module missing: its own message
+            error = missing(e, what)
+            if error is e:
                 raise
-            raise missing(e, what) from None
+            raise error from None

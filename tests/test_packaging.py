@@ -111,6 +111,16 @@ def test_without_the_trainer_extra_the_core_works_and_the_rest_names_the_extra(t
     assert "EXIT estimate 2" in r.stderr and "EXIT consolidate 2" in r.stderr and "checkout" not in r.stderr
 
 
+def test_one_package_of_the_extra_missing_is_named_whichever_imports_it(tmp_path):
+    """transformers and accelerate there, safetensors not (installed on their own, or uninstalled): accelerate's own
+    import of safetensors failed inside ``require``, whose message was only "No module named 'safetensors'"."""
+    code = ("import sys; sys.modules['safetensors'] = None\n"
+            "try:\n    import hf_zero_offload.trainer\nexcept ModuleNotFoundError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.stdout.startswith("hf_zero_offload.trainer needs safetensors, an optional dependency"), r.stdout + r.stderr
+
+
 def test_the_install_command_names_the_installed_package_or_else_the_source_tree(monkeypatch):
     try:
         metadata.distribution("hf_zero_offload")
@@ -235,6 +245,30 @@ def test_kernels_of_another_python_or_unloadable_say_which(tmp_path):
     assert "do not load on this machine [ImportError: " in line and "newer" not in line, line
 
 
+def test_an_editable_installs_unloadable_kernels_are_not_called_unbuilt(tmp_path):
+    """An editable install (make install) keeps _C in site-packages, found by scikit-build-core's import hook, not
+    beside __init__.py: kernels there that did not load (a newer system's build) were called "not built" in the
+    source tree, with make install to run."""
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    built = tmp_path / "site" / ("_C" + suffix)
+    built.parent.mkdir()
+    built.write_bytes(b"not an ELF")
+    hook = (f"import importlib.util, sys\n"
+            f"class Redirect:\n"
+            f"    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name == 'hf_zero_offload._C':\n"
+            f"            return importlib.util.spec_from_file_location(name, {str(built)!r})\n"
+            f"sys.meta_path.insert(0, Redirect())\n")
+    pkg = tmp_path / "src" / "hf_zero_offload"
+    pkg.mkdir(parents=True)
+    shutil.copy(ROOT / "hf_zero_offload" / "__init__.py", pkg / "__init__.py")
+    r = subprocess.run([sys.executable, "-S", "-c", hook + "import hf_zero_offload"], cwd=pkg.parent,
+                       capture_output=True, text=True, timeout=120)
+    line = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and "not built" not in line, line
+    assert f"kernels ({built}) do not load on this machine [ImportError: " in line, line
+
+
 # -- the build on other machines -------------------------------------------------------------------------------------
 def test_a_build_without_a_cxx_compiler_says_what_to_install(tmp_path):
     """CMake's own error was "Could not find compiler set in environment variable CXX: g++." on a machine where
@@ -245,6 +279,18 @@ def test_a_build_without_a_cxx_compiler_says_what_to_install(tmp_path):
     out = " ".join((r.stdout + r.stderr).split())
     assert r.returncode != 0 and "hf_zero_offload: no working C++ compiler found" in out, out[-3000:]
     assert f"CXX='{tmp_path / 'no-such-compiler'}'" in out and "apt install g++" in out
+
+
+def test_a_cxx_of_a_wrapper_and_its_compiler_builds_with_both(tmp_path):
+    """CXX="ccache g++" (a wrapper, then the compiler; here `env g++`, the same shape): the compiler check cached the
+    wrapper's path alone, and CMake then took /usr/bin/env for the compiler ("identification is unknown")."""
+    if shutil.which("g++") is None or shutil.which("env") is None:
+        pytest.skip("needs g++ and env")
+    env = dict(os.environ, CXX="env g++")
+    r = subprocess.run([_tool("cmake"), "-S", str(ROOT), "-B", str(tmp_path / "b")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert "The CXX compiler identification is GNU" in out, out[-3000:]
 
 
 def _isa_objects() -> list[Path]:
