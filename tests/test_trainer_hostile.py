@@ -334,9 +334,8 @@ def test_a_second_trainer_on_the_same_model_trains_it(tmp_path, first, second):
     """The notebook pattern ``t1.train(); t2 = Trainer(model=model, ...); t2.train()``: the first engine's backward
     hooks stayed on the params and took every gradient, so the second Trainer (ours or a plain one) changed nothing
     and logged grad_norm 0 (ZeRO-2: crashed in backward). Now it equals the same Trainer run on a copy of the model
-    (the plain Trainer, or with DPU a fresh one of ours) element by element, the first engine's memory is freed
-    when ours replaces it (``del t1`` frees it after a plain one), and the first Trainer, whose engine was replaced,
-    refuses to train again, saying why."""
+    (the plain Trainer, or with DPU a fresh one of ours) element by element, the first engine's memory is freed when
+    ours replaces it (``del t1`` after a plain one), and the first Trainer refuses to train again, saying why."""
     import copy
     import gc
     import weakref
@@ -364,7 +363,7 @@ def test_a_second_trainer_on_the_same_model_trains_it(tmp_path, first, second):
                                                r"Trainer on this model\)"):
             t1.train()
         assert holder() is None  # released at the replacement, t1 still alive
-    del t1, engine
+    del t1, engine  # (a plain Trainer replaced nothing)
     gc.collect()
     assert holder() is None
 
