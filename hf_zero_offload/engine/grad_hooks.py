@@ -137,9 +137,9 @@ def _check_last(p: torch.Tensor, key: int) -> None:
 
 
 class ParamOwner:
-    """Which engine takes the params' gradients: the part of ``AdamCore`` that claims its params, is replaced by a
-    later engine, and attaches or detaches its hooks. Its methods read the core's fields (``_flat``, ``_pending``,
-    ``_wait_worker``) as their own."""
+    """Which engine takes the params' gradients: the part of ``AdamCore`` that attaches or detaches its hooks and
+    takes or hands back the zero ``.grad`` (its claim of the params and its replacement: ``lifetime.EngineEnd``). Its
+    methods read the core's fields (``_flat``, ``_pending``, ``_wait_worker``) as their own."""
     _said_16bit_sum = False       # summed_in_16_bits said once per engine
     _zeros_kept = False           # the last zero_grad() kept zeros (set_to_none=False): torch's .grad stay
 
