@@ -232,8 +232,9 @@ def _train_tiny(sim: str, opts: dict, mutate=None):
         s.synchronize()
         device_params = [p.detach().clone() for p in model.parameters()]
         opt.flush()
+        master = opt.master.clone()  # (close() releases it)
         opt.close()
-        return device_params, opt.master.clone(), s.copies
+        return device_params, master, s.copies
     finally:
         handle.remove()
 

@@ -102,34 +102,48 @@ def test_a_cpu_runs_gradient_buckets_count_in_the_host_ram_check(monkeypatch):
     assert torch.get_default_dtype() == torch.float32
 
 
-def test_a_build_that_fails_for_memory_leaves_the_engine_holding_the_params_training(monkeypatch):
-    """The new engine took the params (replacing the live one, which then refused to step: "OffloadAdam was replaced
-    by a OffloadAdam built on the same parameters") and cast them to its dtype before its last allocation failed."""
+def test_a_build_that_fails_for_memory_after_replacing_an_engine_says_so_and_keeps_nothing(monkeypatch):
+    """A new engine releases the one it replaces before allocating (peak host memory: one arena, lifetime.py), so
+    an allocation that fails past the host-RAM check leaves that engine done. The error says so (a note), the live
+    engine's refusal names the failed build, the params are left as they were (not cast), the failed engine keeps
+    no memory (a notebook's sys.last_traceback holds it) and no hook: backward leaves .grad to torch."""
     import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     from _models import TinyNet, batches, loss_fn
-    from hf_zero_offload.engine import OffloadAdam, OffloadOptions, offload
+    from hf_zero_offload.engine import OffloadAdam, OffloadOptions, buffers, offload
 
     torch.manual_seed(0)
     model = TinyNet()
     live = OffloadAdam(model.parameters(), lr=1e-2, options=OffloadOptions(num_threads=1))
-    real_empty = torch.empty
+    live_arena = StorageWeakRef(live.master.untyped_storage())
+    real_empty, arenas = torch.empty, []
 
     def empty(*args, **kwargs):  # the gradient buckets (2, bucket) fail, as past a limit the check missed
         if len(args) == 2 and args[0] == 2:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
         return real_empty(*args, **kwargs)
 
+    class Arena(buffers.HostArena):  # the failed build's arena, to see it freed
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            arenas.append(StorageWeakRef(self._buf.untyped_storage()))
+
     monkeypatch.setattr(offload.torch, "empty", empty)
-    with pytest.raises(RuntimeError, match="can't allocate memory"):
+    monkeypatch.setattr(offload, "HostArena", Arena)
+    with pytest.raises(RuntimeError, match="can't allocate memory") as failed:
         OffloadAdam(model.parameters(), lr=1e-2, param_dtype=torch.bfloat16, options=OffloadOptions(num_threads=1))
-    monkeypatch.setattr(offload.torch, "empty", real_empty)
+    monkeypatch.undo()
+    assert any("the OffloadAdam that held these parameters was replaced (its memory released) before this "
+               "OffloadAdam failed to build: it can no longer train them" in n for n in failed.value.__notes__)
+    assert live_arena.expired() and len(arenas) == 1 and arenas[0].expired()
     assert all(p.dtype == torch.float32 for p in model.parameters())  # not cast
     ids, labels, use_branch = batches(1)[0]
     loss_fn(model, ids, labels, use_branch).backward()
-    before = model.body[0].weight.detach().clone()
-    live.step()  # still this model's engine
-    assert not torch.equal(model.body[0].weight, before)
+    assert model.body[0].weight.grad is not None  # no engine took it
+    with pytest.raises(RuntimeError, match=r"OffloadAdam was replaced by a new OffloadAdam built on the same parameters "
+                                           r".*; that new OffloadAdam then failed to build \(RuntimeError\)"):
+        live.step()
     live.close()
 
 

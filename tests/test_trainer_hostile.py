@@ -334,8 +334,8 @@ def test_a_second_trainer_on_the_same_model_trains_it(tmp_path, first, second):
     """The notebook pattern ``t1.train(); t2 = Trainer(model=model, ...); t2.train()``: the first engine's backward
     hooks stayed on the params and took every gradient, so the second Trainer (ours or a plain one) changed nothing
     and logged grad_norm 0 (ZeRO-2: crashed in backward). Now it equals the same Trainer run on a copy of the model
-    (the plain Trainer, or with DPU a fresh one of ours) element by element, ``del t1`` frees the first engine's
-    memory, and the first Trainer, whose engine was replaced, refuses to train again, saying why."""
+    (the plain Trainer, or with DPU a fresh one of ours) element by element, the first engine's memory is freed when
+    ours replaces it (``del t1`` after a plain one), and the first Trainer refuses to train again, saying why."""
     import copy
     import gc
     import weakref
@@ -344,6 +344,7 @@ def test_a_second_trainer_on_the_same_model_trains_it(tmp_path, first, second):
     t1 = ZeroOffloadSeq2SeqTrainer(model=model, args=_args(tmp_path, "t1", zero_offload=_AFTER[first], max_steps=2),
                                    train_dataset=ToyDataset())
     t1.train()
+    holder = weakref.ref(getattr(t1.zero_engine, "pipeline", None) or t1.zero_engine.reducer)  # the gradient store's
     copied = copy.deepcopy(model)
     kw = dict(max_steps=3, learning_rate=5e-3)
     ours = dict(zero_offload=_AFTER[second]) if second != "plain" else dict(optim="adamw_torch")
@@ -361,8 +362,8 @@ def test_a_second_trainer_on_the_same_model_trains_it(tmp_path, first, second):
         with pytest.raises(RuntimeError, match=r"was replaced by a new \w+ built on the same parameters \(e.g. another "
                                                r"Trainer on this model\)"):
             t1.train()
-    holder = weakref.ref(getattr(engine, "pipeline", None) or engine.reducer)  # holds the gradient store
-    del t1, engine
+        assert holder() is None  # released at the replacement, t1 still alive
+    del t1, engine  # (a plain Trainer replaced nothing)
     gc.collect()
     assert holder() is None
 

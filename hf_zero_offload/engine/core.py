@@ -11,7 +11,9 @@ layout for ``OffloadAdam``, one rank's shard for ``ShardedAdam``. The core owns:
   published at step k+1 (or ``flush``), before anything else touches the masters;
 - the Adam call on a range of the slice, ``_adam``: the one place that reads and writes moments;
 - the state: ``state_meta``/``state_tensors``, one state-file format (``checkpoint``) and one checkpoint directory
-  layout (``checkpoint.folder``) that any engine at any world size loads, in the mixin ``SavedState`` (saved_state.py).
+  layout (``checkpoint.folder``) that any engine at any world size loads, in the mixin ``SavedState`` (saved_state.py);
+- its end (``close()``, or replacement by a new engine on the same params), which releases its memory: the mixin
+  ``EngineEnd`` (lifetime.py).
 
 A subclass supplies what differs: ``_gradients()`` (how gradients arrive and are summed), ``_begin_window()`` (the
 next step's gradients go to ``self.store``), ``_after_update()`` (how the updated slice reaches the device
@@ -29,6 +31,7 @@ from .. import ops
 from . import param_names
 from .delayed import DelayedUpdate
 from .grad_hooks import ParamOwner
+from .lifetime import EngineEnd
 from .group_flags import check_group_flags, layout_change, torch_style_groups, value
 from .moments import Moments, Q
 from .loss_scaler import LossScaled, LossScaler, StepResult, decide_step, unscaled_norm
@@ -40,7 +43,7 @@ from .streams import Streams, make_streams
 from .torch_import import TorchStateImport
 
 
-class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScaled, torch.optim.Optimizer):
+class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdate, LossScaled, torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
     _grads_from_backward = True   # gradients come from backward hooks, not from .grad at step()
     _step_supports_amp_scaling = True  # GradScaler.step() calls step() directly, which names the problem (above)
@@ -112,6 +115,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         this call, keep stepping with a zero gradient until a ``zero_grad(set_to_none=True)``, as
         torch.optim steps their zeroed ``.grad``. (On several ranks a param any rank holds a zero for
         steps: the flags join the step's one all-reduce, see ShardedAdam._global_stats.)"""
+        self._check_open("zero_grad()")
         super().zero_grad(set_to_none)
         self._drain_window()  # no copy still in flight may land in the window started next
         self._zeros_kept = not set_to_none  # (what a close hands back: ParamOwner._hand_back_zero_grads)
@@ -298,6 +302,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
         """The global L2 norm of this step's (unscaled, averaged) gradients before clipping: inf with an infinite
         gradient, nan with a NaN one, as torch's clip_grad_norm_ returns. Computed once per step (``step()`` reuses
         it), so the Trainer can log it first."""
+        self._check_open("grad_norm()")
         return unscaled_norm(self.scaler, self._prepare()[0], self._divisor)
 
     def _adam_pass(self, runs: list[Run], store: torch.Tensor, grad_scale: float, hyper: list[dict],
@@ -374,24 +379,3 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, DelayedUpdate, LossScal
 
     def _barrier(self) -> None:
         """All ranks reach this point (one process: nothing to wait for)."""
-
-    def close(self) -> None:
-        """Hooks removed, helper threads stopped (a delayed step not flushed before is dropped); the engine
-        refuses to step after. Calling it again does nothing."""
-        if self._done_why == "closed":
-            return
-        if self._step_unpublished and self._done_why is None:
-            logger.warning("hf_zero_offload: %s closed with a delayed (DPU) step not published: the model keeps the "
-                           "weights of one step before the masters; call flush() before close()", type(self).__name__)
-        self._done_why = "closed"
-        self.detach_hooks()
-        self._hand_back_zero_grads()
-        try:
-            self._wait_worker()
-        except Exception as e:  # noqa: BLE001 - no reason to keep the worker and the arena: said, not raised
-            logger.warning("hf_zero_offload: %s closed; its delayed (DPU) step had failed (%s: %s)",
-                           type(self).__name__, type(e).__name__, e)
-        self.streams.synchronize()  # no copy may still read the arena we unpin
-        if self._worker is not None:
-            self._worker.shutdown()
-

@@ -91,6 +91,7 @@ class DelayedUpdate:
     def flush(self) -> None:
         """Finish an in-flight DPU step and publish its parameters (end of training, before
         evaluation or a final save; sharded, every rank calls it)."""
+        self._check_open("flush()")
         self._wait_worker()
         self._publish()
         if self.uploader is not None:
@@ -102,6 +103,7 @@ class DelayedUpdate:
         was in flight: its publish, at the next step or ``flush()``, would overwrite them. The step is dropped
         and the masters take the model's weights (``adopt_changed_params``; the moments stay, as a torch
         optimizer's do). Returns how many params of this slice were taken."""
+        self._check_open("drop_delayed_step()")
         self._wait_worker()
         self.needs_publish, self._uploaded, self._step_unpublished = False, None, False
         return self.adopt_changed_params()

@@ -5,10 +5,11 @@ and free it. Hooks left behind by an engine no longer in use took every gradient
 next (a second Trainer on the same model, a plain torch optimizer, a manual ``backward()``), which then stepped
 nothing, without an error. So:
 
-- every engine claims its trainable params when it is built (:func:`claim`); an engine that held any of them is
-  replaced (``AdamCore._replaced``: its hooks go, and it refuses to step or take gradients again, as its masters
-  no longer describe the model). It publishes nothing: whether it is still alive depends on the garbage
-  collector, so the new engine starts from the model's weights as they are, on every rank alike;
+- every engine claims its trainable params when it is built (:func:`claim`), before it allocates its memory; an
+  engine that held any of them is replaced (``lifetime.EngineEnd._replaced``: its hooks go, its memory is released,
+  and it refuses to step or take gradients again, as its masters no longer describe the model). It publishes
+  nothing: whether it is still alive depends on the garbage collector, so the new engine starts from the model's
+  weights as they are, on every rank alike;
 - :class:`GradHooks` can be detached and attached again (the Trainer detaches them when ``train()`` returns, so
   between runs the model is plain torch) and are removed by ``close()``;
 - a hook holds its engine's callback weakly and is removed when that callback's owner is garbage-collected, so a
@@ -30,15 +31,20 @@ _owner = WeakIdKeyDictionary()  # param -> weakref to the engine that claimed it
 logger = logging.getLogger("hf_zero_offload")
 
 
-def claim(engine, params) -> None:
-    """``engine`` owns ``params`` from now on; a live engine that owned any of them is replaced first."""
+def holders(engine, params) -> list:
+    """The live engines other than ``engine`` that own any of ``params`` (each once)."""
     others = {}
     for p in params:
         ref = _owner.get(p)
         other = ref() if ref is not None else None
         if other is not None and other is not engine:
             others[id(other)] = other
-    for other in others.values():
+    return list(others.values())
+
+
+def claim(engine, params) -> None:
+    """``engine`` owns ``params`` from now on; a live engine that owned any of them is replaced first."""
+    for other in holders(engine, params):
         other._replaced(by=engine)
     for p in params:
         _owner[p] = weakref.ref(engine)
@@ -131,10 +137,9 @@ def _check_last(p: torch.Tensor, key: int) -> None:
 
 
 class ParamOwner:
-    """Which engine takes the params' gradients: the part of ``AdamCore`` that claims its params, is replaced by a
-    later engine, and attaches or detaches its hooks. Its methods read the core's fields (``_flat``, ``_pending``,
-    ``_wait_worker``) as their own."""
-    _done_why: str | None = None  # closed or replaced: why it may no longer step
+    """Which engine takes the params' gradients: the part of ``AdamCore`` that attaches or detaches its hooks and
+    takes or hands back the zero ``.grad`` (its claim of the params and its replacement: ``lifetime.EngineEnd``). Its
+    methods read the core's fields (``_flat``, ``_pending``, ``_wait_worker``) as their own."""
     _said_16bit_sum = False       # summed_in_16_bits said once per engine
     _zeros_kept = False           # the last zero_grad() kept zeros (set_to_none=False): torch's .grad stay
 
@@ -143,12 +148,6 @@ class ParamOwner:
         if not self._said_16bit_sum and (said := summed_in_16_bits(type(self).__name__, store, counts)):
             self._said_16bit_sum = True
             logger.warning(said)
-
-    def _take_params(self) -> None:
-        """The subclass calls this once its memory is allocated, before it reads the params: an engine that
-        held them is replaced (its hooks go; it publishes nothing, see ``_replaced``)."""
-        claim(self, [p for p, _, _ in self._flat])
-        self._take_zero_grads()
 
     def _take_zero_grads(self) -> None:
         """The zero ``.grad`` a param holds when the engine is built (torch's ``zero_grad(set_to_none=False)``,
@@ -185,30 +184,9 @@ class ParamOwner:
         """The subclass's gradient hooks (None: it reads ``.grad`` at ``step()``)."""
         return None
 
-    def _replaced(self, by) -> None:
-        if self._done_why is not None:
-            return
-        # No publish (for ShardedAdam a collective): whether this engine is still alive to be replaced depends on
-        # when the garbage collector ran, which differs between ranks. The new engine starts from the model's
-        # weights as they are, whatever became of this one; its worker's step in flight ends first (local only).
-        try:
-            self._wait_worker()
-        except Exception as e:  # noqa: BLE001 - this engine is done; its failure is no reason to refuse the new one
-            logger.warning("hf_zero_offload: the replaced %s's last delayed step failed (%s)", type(self).__name__, e)
-            self._pending = None
-        self.detach_hooks()
-        self._hand_back_zero_grads()
-        self._done_why = (f"replaced by a new {type(by).__name__} built on the same parameters (e.g. another Trainer "
-                          "on this model): its masters no longer describe the model")
-
-    def _check_open(self) -> None:
-        if self._done_why is not None:
-            raise RuntimeError(f"{type(self).__name__} was {self._done_why}; build a new engine (a new Trainer) "
-                               "to train these parameters")
-
     def attach_hooks(self) -> None:
         """Gradients go to this engine during backward again (after ``detach_hooks``)."""
-        self._check_open()
+        self._check_open("attach_hooks() (training it)")
         hooks = self._hooks()
         if hooks is not None:
             hooks.attach()
@@ -218,4 +196,3 @@ class ParamOwner:
         hooks = self._hooks()
         if hooks is not None:
             hooks.detach()
-

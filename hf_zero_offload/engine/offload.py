@@ -30,6 +30,7 @@ import torch
 from .. import ops
 from .buffers import HostArena, plan_host_memory
 from .core import AdamCore
+from .lifetime import weak_label
 from .options import OffloadOptions
 from .pipeline import GradPipeline
 from .runs import FlatIndex, host_bytes_leaving, make_runs
@@ -41,6 +42,7 @@ logger = logging.getLogger("hf_zero_offload")
 
 class OffloadAdam(AdamCore):
     stage = 2  # one process; gradients leave the device during backward, as in ZeRO-2
+    _RELEASED = AdamCore._RELEASED + ("param_staging", "pipeline")  # (lifetime.EngineEnd)
 
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
@@ -57,23 +59,27 @@ class OffloadAdam(AdamCore):
             state_dtype=options.state_dtype)
         bucket_n = self.plan.regions["grad_buckets"][0] // 2
         # on a CPU run the plan's "device" regions (the gradient buckets) are host RAM too: checked with the arena
-        self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda,
-                               also=self.plan.device_bytes if self.device.type == "cpu" else 0,
-                               freed=host_bytes_leaving(self._flat, self.device))
+        beside = self.plan.device_bytes if self.device.type == "cpu" else 0
+        # every check first; then an engine that held these params is replaced, its memory released before this one
+        # allocates (lifetime.py)
+        with self._taking_params(self.plan.host_bytes + beside, host_bytes_leaving(self._flat, self.device)):
+            self._allocate(bucket_n)
+
+    def _allocate(self, bucket_n: int) -> None:
+        """The arena and the buffers, bound; the masters from the params."""
+        options = self.options
+        self.arena = HostArena(self.plan, pin=options.pin_memory and self.streams.cuda, check_ram=False)
         r = self.arena.regions
         self._bind_state(r, 0, self.numel)
         self.param_staging = r["param_staging"]
         # DPU: the full-size staging is published whole, so it mirrors every master
         self.mirror = self.param_staging if options.dpu else None
-        # every allocation before the params are taken: a build that fails for memory leaves the engine that holds
-        # them training (it was replaced, and refused to step)
         buckets = torch.empty(2, bucket_n, dtype=self.param_dtype, device=self.device)
-        self._take_params()
         self._init_masters(FlatIndex(self._flat))
         staging = r["grad_staging"].view(2, bucket_n) if "grad_staging" in r else None
         self.pipeline = GradPipeline(self._flat, streams=self.streams, buckets=buckets, staging=staging,
                                      scatter_thread=options.scatter_thread, num_threads=options.num_threads,
-                                     label=self._param_label)
+                                     label=weak_label(self._param_label))
         self._begin_window()
         self.uploader = ParamUploader(self.streams, self._flat, self.param_staging, full=options.dpu,
                                       tile_numel=options.tile_numel)
@@ -139,7 +145,6 @@ class OffloadAdam(AdamCore):
         for p, off, n in self._flat:
             p.data.view(-1).copy_(self.master[off:off + n])  # rounded to nearest even, as the kernel
 
-    def close(self) -> None:
-        super().close()
-        self.pipeline.close()
-        self.arena.close()
+    def _stop_helpers(self, drain: bool) -> None:
+        if getattr(self, "pipeline", None) is not None:
+            self.pipeline.close()  # (its scatter thread's last copy into the store lands first)

@@ -37,8 +37,9 @@ class CarriedOverEngine:
             return
         if problem := accumulation_problem(engine, gas):
             raise ConfigError(f"{problem}, in the first train() of this Trainer. Build a new Trainer for this train() "
-                              "(the model carries over; load the engine's state_dict() into the new one to keep the "
-                              f"moments), or keep gradient_accumulation_steps={was}")
+                              "(the model carries over; to keep the moments take this engine's state_dict() before the "
+                              "new Trainer builds its engine, which releases this one, and load it into that one), "
+                              f"or keep gradient_accumulation_steps={was}")
         engine.options = dataclasses.replace(engine.options, gradient_accumulation_steps=gas)
 
 

@@ -69,8 +69,8 @@ import torch.distributed as dist
 
 from ... import ops
 from ..buffers import HostArena, HostPlan
-from ..memory_limits import check_host_ram
 from ..core import AdamCore
+from ..lifetime import weak_label
 from ..options import OffloadOptions
 from ..runs import host_bytes_leaving
 from ..streams import Streams
@@ -94,6 +94,7 @@ class ShardedAdam(AdamCore):
     (torch's fused AdamW on CUDA, the fused CPU kernel when the device is the CPU), or "torch" /
     "kernel" to force one (the tests run the CUDA path's math on the CPU with "torch").
     """
+    _RELEASED = AdamCore._RELEASED + ("regions", "_gather_buf", "reducer")  # (lifetime.EngineEnd)
 
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
@@ -138,24 +139,29 @@ class ShardedAdam(AdamCore):
         self.reducer = GradReducer(slots=self._flat, partition=part, rank=self.rank, process_group=process_group,
                                    streams=self.streams, param_dtype=self.param_dtype, stage=stage,
                                    bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs,
-                                   label=self._param_label)
+                                   label=weak_label(self._param_label))
         self._index, self._slot_of = self.reducer.index, self.reducer.slot_of
         self._gchunk = max(1, min(allgather_bucket_numel // W, S))
         tiled = offload and self.streams.async_copies
         self.plan = make_plan(S, self.reducer.seg, self.reducer.buffer_numel, self._gchunk, W,
                               param_dtype=self.param_dtype, options=options, stage=stage, offload=offload, cuda=cuda,
                               tiled=tiled, torch_adam=self._torch_adam)
+        # every check first; then an engine on these params is replaced (it publishes nothing, lifetime.py)
+        beside = self.plan.device_bytes if self.device.type == "cpu" else 0  # on a CPU run, host RAM too
+        with self._taking_params(self.plan.host_bytes + beside, host_bytes_leaving(self._flat, self.device)):
+            self._build_state(cuda, tiled, allgather_bucket_numel)
+
+    # -- construction ----------------------------------------------------------------------------
+    def _build_state(self, cuda: bool, tiled: bool, allgather_bucket_numel: int) -> None:
+        """The arena and the buffers, bound; rank 0's weights to every rank, the masters from them."""
         r = self._allocate(cuda)
-        self._bind_state(r, part.start(self.rank), part.end(self.rank))
+        self._bind_state(r, self.partition.start(self.rank), self.partition.end(self.rank))
         self.shard_start, self.shard_end = self.lo, self.hi
         self.mirror = r.get("shard_out")          # the updated shard in the training dtype, ready to gather
         self._gather_buf = r["gather_buffer"]
         if tiled:  # updated tiles go up through staging into the device shard
-            self.uploader = ParamUploader(self.streams, [(self.mirror, 0, S)], r["param_staging"], full=False,
-                                          tile_numel=options.tile_numel)
-        # once everything that may refuse these options has: an engine built on these params before is replaced
-        # (it publishes nothing) before rank 0's weights go to every rank
-        self._take_params()
+            self.uploader = ParamUploader(self.streams, [(self.mirror, 0, self.partition.shard_numel)],
+                                          r["param_staging"], full=False, tile_numel=self.options.tile_numel)
         self._broadcast_params(allgather_bucket_numel)
         self._init_masters(self._index)
         with torch.no_grad():  # after the weights leaving for the device freed their pages (the host-RAM credit)
@@ -163,7 +169,6 @@ class ShardedAdam(AdamCore):
                 t.zero_()
         self.reducer.bind(r["grad_buckets"], self.store, r.get("grad_staging"))
 
-    # -- construction ----------------------------------------------------------------------------
     def _setup_description(self, reduce_scatter: bool, device_adam: str, allgather_bucket_numel: int) -> dict:
         """What every rank must agree on (``agree.check_ranks_agree``). CPU threads, tiles, pinning and the scatter
         thread are each rank's own: they change neither the collectives nor the bits."""
@@ -182,16 +187,10 @@ class ShardedAdam(AdamCore):
         return d
 
     def _allocate(self, cuda: bool) -> dict:
+        """The plan's regions (host RAM checked before: ``_taking_params``)."""
         host = {k: v for k, v in self.plan.regions.items() if v[2] == "host"}
-        # on a CPU run the "device" regions are host RAM too: checked with the arena
-        beside = self.plan.device_bytes if self.device.type == "cpu" else 0
-        freed = host_bytes_leaving(self._flat, self.device)
-        if host:
-            self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda, also=beside,
-                                   freed=freed)
-        else:
-            self.arena = None
-            check_host_ram(beside, freed)
+        self.arena = HostArena(HostPlan(self.plan.numel, host), pin=self.options.pin_memory and cuda,
+                               check_ram=False) if host else None
         r = dict(self.arena.regions) if self.arena else {}
         for k, (n, dt, where) in self.plan.regions.items():
             if where == "device":
@@ -378,6 +377,7 @@ class ShardedAdam(AdamCore):
 
     def flush(self) -> None:
         """Also finishes in-flight reductions (every rank calls it)."""
+        self._check_open("flush()")
         self.reducer.drain()
         super().flush()
 
@@ -391,8 +391,8 @@ class ShardedAdam(AdamCore):
                 "param_buffers": get("shard_out", "gather_buffer", "param_staging"),
                 "host": self.plan.host_bytes, "device": self.plan.device_bytes}
 
-    def close(self) -> None:
-        self.reducer.close()
-        super().close()
-        if self.arena is not None:
-            self.arena.close()
+    def _stop_helpers(self, drain: bool) -> None:
+        # a close drains what is in flight; a replacement only stops taking gradients (no wait on a collective
+        # whose peers may never join it: replacement happens at a time that differs between ranks)
+        if (reducer := getattr(self, "reducer", None)) is not None:
+            reducer.close() if drain else self.detach_hooks()
