@@ -8,7 +8,6 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 

@@ -19,7 +19,6 @@ the planner's ``device_bytes_at_batch_size``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

@@ -69,8 +69,6 @@ def plot(output_dir: str, name: str = "curves.png") -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import example_cli
 
