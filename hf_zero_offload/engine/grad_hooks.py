@@ -66,13 +66,17 @@ def _remove(handles: list) -> None:
 
 
 class GradHooks:
-    """Post-accumulate-grad hooks calling ``on_grad(p)`` (a bound method, held weakly) on each of ``params``."""
+    """Post-accumulate-grad hooks calling ``on_grad(p)`` (a bound method, held weakly) on each of ``params``;
+    ``label(p)`` names a param in a refusal, ``who`` the engine."""
 
-    def __init__(self, params, on_grad):
+    def __init__(self, params, on_grad, *, label=lambda p: f"of shape {tuple(p.shape)}", who: str = "the engine"):
         self._params = list(params)
         # the sizes the engine's flat layout was built for: a param resized since would be copied into a slot of
         # another size (torch's "The size of tensor a (2048) must match the size of tensor b (2304)")
         self._numel = {id(p): p.numel() for p in self._params}
+        # the device each param trains on (the engine's, its buffers' and streams'): a model moved after the build
+        self._device = {id(p): p.device for p in self._params}
+        self._label, self._who = label, who
         self._on_grad = weakref.WeakMethod(on_grad)
         self._handles: list = []
         self._ids: dict = {}  # id(param) -> our hook's key in its _post_accumulate_grad_hooks
@@ -83,13 +87,16 @@ class GradHooks:
     def attach(self) -> None:
         if self._handles:
             return
-        target, numel, ids = self._on_grad, self._numel, self._ids
+        target, numel, ids, devices, label, who = (self._on_grad, self._numel, self._ids, self._device, self._label,
+                                                   self._who)
 
         def hook(p):
             f = target()
             if f is not None:  # its engine is gone: the gradient stays in .grad, as without hooks
                 check_dense(p)
                 _check_size(p, numel[id(p)])
+                if p.device != devices[id(p)]:
+                    raise RuntimeError(device_moved(who, label(p), devices[id(p)], p.device))
                 _check_last(p, ids[id(p)])
                 f(p)
 
@@ -121,6 +128,18 @@ def size_changed(p: torch.Tensor, numel: int) -> str:
     return (f"a param of {numel} elements when the engine was built is now {tuple(p.shape)} ({p.numel()} elements): "
             "the engine's flat layout is fixed when it is built (resize_token_embeddings, or p.data = t of another "
             "size, after building it?): change the model first, then build the engine (the Trainer)")
+
+
+def device_moved(who: str, label: str, built: torch.device, now: torch.device) -> str:
+    """A param on another device than the one its engine was built for (``model.to("cuda")``, ``accelerator.prepare``
+    or a plain Trainer placing the model after the engine was built over it on the CPU): the engine's gradient
+    buckets, its streams and its copies are set for one device when it is built. Refused by name: before, the
+    gradients took a synchronous copy path the engine was not built for (unverified on a GPU)."""
+    return (f"{who} was built with its params on {built}; param {label} is now on {now}: an engine's gradient buckets "
+            "and copy streams are set for one device when it is built. Build the engine after moving the model "
+            "(model.to(device) first, or give the engine device=..., which moves the params itself; a plain "
+            "Trainer moves the model in its __init__: build the engine with device=args.device, or use "
+            f"ZeroOffloadTrainer, which builds it after), or move the model back to {built}")
 
 
 def _check_last(p: torch.Tensor, key: int) -> None:

@@ -79,7 +79,7 @@ class OffloadAdam(AdamCore):
         staging = r["grad_staging"].view(2, bucket_n) if "grad_staging" in r else None
         self.pipeline = GradPipeline(self._flat, streams=self.streams, buckets=buckets, staging=staging,
                                      scatter_thread=options.scatter_thread, num_threads=options.num_threads,
-                                     label=weak_label(self._param_label))
+                                     label=weak_label(self._param_label), who=type(self).__name__)
         self._begin_window()
         self.uploader = ParamUploader(self.streams, self._flat, self.param_staging, full=options.dpu,
                                       tile_numel=options.tile_numel)

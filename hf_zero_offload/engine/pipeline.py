@@ -24,7 +24,7 @@ _SMALL = 1 << 16  # below this many elements a kernel call is cheaper on one thr
 class GradPipeline:
     def __init__(self, slots: list[tuple[torch.nn.Parameter, int, int]], *, streams: Streams,
                  buckets: torch.Tensor, staging: torch.Tensor | None, scatter_thread: bool | None = None,
-                 num_threads: int | None = None, label=lambda p: f"of shape {tuple(p.shape)}"):
+                 num_threads: int | None = None, label=lambda p: f"of shape {tuple(p.shape)}", who: str = "the engine"):
         self.streams = streams
         self._label = label               # how an error names a param (the engine's param_label)
         self.num_threads = num_threads    # the engine's step threads (None: torch's)
@@ -48,7 +48,7 @@ class GradPipeline:
             if numel > self.bucket_numel:
                 raise ValueError(f"bucket of {self.bucket_numel} elements cannot hold a {numel}-element parameter")
             self._index[p] = (i, offset, numel)
-        self.hooks = GradHooks(self._index, self._on_grad)
+        self.hooks = GradHooks(self._index, self._on_grad, label=label, who=who)
 
     def close(self) -> None:
         self.hooks.detach()

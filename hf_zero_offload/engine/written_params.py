@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from .grad_hooks import size_changed
+from .grad_hooks import device_moved, size_changed
 from .runs import FlatIndex, make_contiguous
 
 logger = logging.getLogger("hf_zero_offload")
@@ -25,10 +25,12 @@ class WrittenParams:
         edit under ``no_grad``) or rebound (``p.data = t``), is what this step starts from, as with torch.optim
         (the stale master was published over it). A look at each param's version counter and storage (no pass
         over the values unless one moved). A write through ``p.data.<op>_()`` moves neither: call
-        ``adopt_changed_params()`` after such a write."""
+        ``adopt_changed_params()`` after such a write. One rebound to another device is refused by name."""
+        written = self._written_params()
+        self._refuse_moved(written)  # (a delayed step in flight too: its publish would write across devices)
         if self.needs_publish:
             return  # a delayed step is in flight: its publish, in this step, looks for writes and keeps them (_publish)
-        if not self._written_params():
+        if not written:
             return
         if n := self.adopt_changed_params():
             logger.info("hf_zero_offload: %d parameter(s) written since the last step; the step starts from them", n)
@@ -46,6 +48,14 @@ class WrittenParams:
                 raise ValueError(size_changed(p, numel))
         return written
 
+    def _refuse_moved(self, params) -> None:
+        """A param now on another device than the engine's (the model moved after the build: ``model.to("cuda")``,
+        ``accelerator.prepare``, a plain Trainer placing it) is refused by name (``grad_hooks.device_moved``); a
+        move within the engine's device (a cast, ``.to(memory_format=...)``, CPU to CPU) is a rebind it adopts."""
+        for p in params:
+            if p.device != self.device:
+                raise RuntimeError(device_moved(type(self).__name__, self._param_label(p), self.device, p.device))
+
     @torch.no_grad()
     def adopt_changed_params(self) -> int:
         """Parameters written since this engine last set them (another optimizer trained the model, or
@@ -54,6 +64,7 @@ class WrittenParams:
         CPUAdam and torch.optim keep theirs). Without this the next step published the stale masters over them,
         without a word. Returns how many params of this slice changed. A DPU state one step ahead is left as is."""
         self._check_open("adopt_changed_params()")
+        self._refuse_moved([p for p, _, _ in self._flat])
         self._wait_worker()
         make_contiguous(self.param_groups)  # a rebind since (model.to(memory_format=...)) left one strided
         if self.needs_publish:

@@ -139,7 +139,7 @@ class ShardedAdam(AdamCore):
         self.reducer = GradReducer(slots=self._flat, partition=part, rank=self.rank, process_group=process_group,
                                    streams=self.streams, param_dtype=self.param_dtype, stage=stage,
                                    bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs,
-                                   label=weak_label(self._param_label))
+                                   label=weak_label(self._param_label), who=type(self).__name__)
         self._index, self._slot_of = self.reducer.index, self.reducer.slot_of
         self._gchunk = max(1, min(allgather_bucket_numel // W, S))
         tiled = offload and self.streams.async_copies

@@ -57,9 +57,9 @@ def buffer_layout(slots: list, partition: Partition, stage: int, bucket_numel: i
 class GradReducer:
     def __init__(self, *, slots: list, partition: Partition, rank: int, process_group, streams: Streams,
                  param_dtype: torch.dtype, stage: int, bucket_numel: int, num_threads: int | None, use_rs: bool,
-                 label=lambda p: f"of shape {tuple(p.shape)}"):
+                 label=lambda p: f"of shape {tuple(p.shape)}", who: str = "the engine"):
         self.slots, self.partition, self.rank = slots, partition, rank
-        self._label = label  # how an error names a param (the engine's param_label)
+        self._label, self._who = label, who  # how an error names a param (the engine's param_label) and the engine
         self.world_size = partition.world_size
         self.process_group, self.streams, self.param_dtype = process_group, streams, param_dtype
         self.stage, self.num_threads, self.use_rs = stage, num_threads, use_rs
@@ -92,7 +92,7 @@ class GradReducer:
         self.store, self.staging = store, staging
         if self.stage == 2:
             self.bucket_bufs = buffer.view(2, -1)
-            self.hooks = GradHooks([p for p, _, _ in self.slots], self._on_grad)
+            self.hooks = GradHooks([p for p, _, _ in self.slots], self._on_grad, label=self._label, who=self._who)
         else:
             W, c = self.world_size, self.chunk
             self.round_in, self.round_out = buffer[:W * c], (buffer[W * c:] if self.use_rs else None)
