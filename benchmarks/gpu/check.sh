@@ -12,9 +12,12 @@
 #   3. cuda tests    (a cuda_device step first: it fails where no CUDA device is usable, as on a CPU with SMALL=1,
 #                    since the tests would all skip and pytest say ok) pytest -m cuda tests/test_engine.py
 #                    tests/test_engine_async.py tests/test_sharding.py
-#                    tests/test_compact_states.py tests/test_placement.py (every cuda-marked test; GPU parity with torch
+#                    tests/test_compact_states.py tests/test_placement.py tests/test_cuda_release.py
+#                    tests/test_engine_moved.py (every cuda-marked test; GPU parity with torch
 #                    AdamW, gradient accumulation, clipping, fp16 overflow, DPU, resume, the stream-race
-#                    test, gradient memory bounded by the buckets, pinned arena). An image without pytest
+#                    test, gradient memory bounded by the buckets, pinned arena; close/replacement giving back the
+#                    device buffers and the pinning, adapt_accelerator on CUDA, a model moved after the build).
+#                    An image without pytest
 #                    (session 29's H200 had it) installs it from wheels carried in .gpu_wheels/ (`make gpu-wheels` here, then
 #                    carry ".gpu_wheels")                                         -> $OUT/cuda_tests.log
 #   4. offload step  benchmarks/engine/offload_step.py, CUDA memory capped at 24 GiB
@@ -98,7 +101,8 @@ if ! "$PY" -c "import pytest" 2>/dev/null; then
   run install_pytest 60 "$PY" -m pip install --no-index --find-links .gpu_wheels pytest pytest-timeout
 fi
 run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider tests/test_engine.py tests/test_engine_async.py \
-  tests/test_sharding.py tests/test_compact_states.py tests/test_placement.py
+  tests/test_sharding.py tests/test_compact_states.py tests/test_placement.py tests/test_cuda_release.py \
+  tests/test_engine_moved.py
 
 # 4. one training step with and without offload (JSON per size); 24 GiB CUDA cap
 run offload_step_500m 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
