@@ -33,12 +33,12 @@ def build(kind, model, **kw):
 
 def built_on(engine, device: str) -> None:
     """Stand-in: the engine (and its gradient hooks) believe they were built on ``device``."""
-    engine.device = torch.device(device)
+    engine._params_on = torch.device(device)
     for owner in ("pipeline", "reducer"):
         hooks = getattr(getattr(engine, owner, None), "hooks", None)
         if hooks is not None:
             for k in hooks._device:
-                hooks._device[k] = engine.device
+                hooks._device[k] = engine._params_on
 
 
 def refusal(cls, built, now, name=""):

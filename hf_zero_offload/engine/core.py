@@ -174,6 +174,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         for p, off, a, b in index.pieces(lo, self.hi):
             self.master[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
         place_params([p for p, _, _ in self._flat], self.device, self.param_dtype)
+        self._params_on = self._flat[0][0].device  # as placed ("cpu" for device="cpu:0"): _refuse_moved compares it
         self.moments.zero_()  # after: their pages resident only once params leaving for the device freed theirs
         self._sync_mirror()
         self._mark_params()

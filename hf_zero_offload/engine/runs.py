@@ -53,8 +53,6 @@ def flat_layout(param_groups: list[dict], who: str, device=None) -> tuple[list[l
                          f"({'no values' if device.type == 'meta' else 'no CUDA device is available here'})")
     if device.type == "cuda" and device.index is None:  # compared with the params' own device later: cuda:N
         device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cpu":  # a CPU tensor's device is "cpu", never "cpu:0": compared with it later, as above
-        device = torch.device("cpu")
     return slots, offset, device
 
 

@@ -52,9 +52,10 @@ class WrittenParams:
         """A param now on another device than the engine's (the model moved after the build: ``model.to("cuda")``,
         ``accelerator.prepare``, a plain Trainer placing it) is refused by name (``grad_hooks.device_moved``); a
         move within the engine's device (a cast, ``.to(memory_format=...)``, CPU to CPU) is a rebind it adopts."""
-        for p in params:
-            if p.device != self.device:
-                raise RuntimeError(device_moved(type(self).__name__, self._param_label(p), self.device, p.device))
+        built = getattr(self, "_params_on", None)  # (None: not built yet)
+        for p in params if built is not None else ():
+            if p.device != built:
+                raise RuntimeError(device_moved(type(self).__name__, self._param_label(p), built, p.device))
 
     @torch.no_grad()
     def adopt_changed_params(self) -> int:
