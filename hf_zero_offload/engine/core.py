@@ -23,6 +23,7 @@ masters, after loading a DPU state).
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -55,6 +56,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         super().__init__(torch_style_groups(params), defaults)
         self._layout_fixed = True  # from here on add_param_group refuses (see there)
+        self._lock = threading.RLock()  # held by step() and by the engine's end (lifetime.EngineEnd._end)
         param_names.check_given(self.param_groups, type(self).__name__)  # a load compares them (param_names.py)
         self.options = options
         self._check_hyper()
@@ -191,6 +193,10 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
     @torch._disable_dynamo  # never traced (raw pointers into the arena; CPUAdam.step says why)
     @torch.no_grad()
     def step(self, closure=None):
+        with self._lock:
+            return self._step(closure)
+
+    def _step(self, closure):
         if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step just before this call
             self._refuse_torch_grad_scaler(self._grads_from_backward)
         self._check_open()
@@ -200,6 +206,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
             raise ValueError(problem)
         with torch.enable_grad():
             loss = closure() if closure is not None else None
+        self._check_open()  # (the closure's backward may have closed it: a user's hook)
         self._adopt_written_params()
         sumsq, received = self._prepare()
         self._prepared = None

@@ -80,6 +80,8 @@ class GradHooks:
         self._on_grad = weakref.WeakMethod(on_grad)
         self._handles: list = []
         self._ids: dict = {}  # id(param) -> our hook's key in its _post_accumulate_grad_hooks
+        self._live = [False]  # this attach's hooks run: torch runs a param's hooks from a copy taken before the first
+        # of them, so a hook detached by an earlier one (a user's hook closing the engine mid-backward) still ran
         # the finalizer holds the handles, not this object: it runs when the owner of ``on_grad`` goes
         weakref.finalize(on_grad.__self__, _remove, self._handles)
         self.attach()
@@ -89,9 +91,10 @@ class GradHooks:
             return
         target, numel, ids, devices, label, who = (self._on_grad, self._numel, self._ids, self._device, self._label,
                                                    self._who)
+        self._live = live = [True]
 
         def hook(p):
-            f = target()
+            f = target() if live[0] else None
             if f is not None:  # its engine is gone: the gradient stays in .grad, as without hooks
                 check_dense(p)
                 _check_size(p, numel[id(p)])
@@ -116,6 +119,7 @@ class GradHooks:
             ids[id(p)] = handle.id
 
     def detach(self) -> None:
+        self._live[0] = False
         _remove(self._handles)
 
 

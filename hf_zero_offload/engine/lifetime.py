@@ -28,6 +28,7 @@ import weakref
 
 from .grad_hooks import claim, holders
 from .memory_limits import check_host_ram
+from .step_guard import DeferredSigint
 
 logger = logging.getLogger("hf_zero_offload")
 
@@ -70,7 +71,21 @@ class EngineEnd:
                   "model): its masters no longer describe the model", drain=False)
 
     def _end(self, why: str, *, drain: bool) -> None:
-        self._done_why = why
+        # under the step's lock: a close() from another thread waits for a step() in progress, which released buffers
+        # under it failed on a None (or on a stopped worker) half way through its update
+        with self._lock:
+            if self._done_why is not None:
+                return  # (two closes at once: the second found the first's reason)
+            self._done_why = why
+            try:
+                with DeferredSigint():  # a Ctrl-C lands once the memory is released (a second one at once)
+                    self._stop_all(why, drain)
+            finally:
+                # whatever failed above (a stream sync, a helper's close, a second Ctrl-C), the engine refuses from
+                # here on, so its memory goes now: a second close() returns at once and would never release it
+                self._release()
+
+    def _stop_all(self, why: str, drain: bool) -> None:
         self._stop_helpers(drain)  # no hook, scatter or reduction writes into the buffers from here
         self.detach_hooks()
         self._hand_back_zero_grads()
@@ -80,16 +95,18 @@ class EngineEnd:
             logger.warning("hf_zero_offload: the %s %s; its delayed (DPU) step had failed (%s: %s)",
                            why.split(" ")[0], type(self).__name__, type(e).__name__, e)
         self.streams.synchronize()  # no copy may still read or write the memory released below
-        if self._worker is not None:
-            self._worker.shutdown()
-            self._worker = None
+
+    def _release(self) -> None:
         self.needs_publish = self._step_unpublished = False  # nothing can publish it any more (close() said so)
-        if getattr(self, "arena", None) is not None:
-            self.arena.close()  # (unpinned)
-        self.arena = None
+        worker, self._worker = self._worker, None
+        arena, self.arena = getattr(self, "arena", None), None
         for name in self._RELEASED:
             if name in self.__dict__:
                 setattr(self, name, None)
+        if worker is not None:
+            worker.shutdown()
+        if arena is not None:
+            arena.close()  # (unpinned)
 
     def _stop_helpers(self, drain: bool) -> None:
         """The subclass's helpers (gradient pipeline, reducer) stop; ``drain``: reductions in flight land first."""
@@ -100,6 +117,17 @@ class EngineEnd:
                                f"train these parameters. Its optimizer state and memory were released then, so "
                                f"{what} has nothing to work on (to keep the state, take state_dict() or "
                                "save_checkpoint() before close() or before building the next engine)")
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this engine (this rank) holds, by role (``plan`` has them by region; exact sizes, where the arena
+        rounds each region to a page): all 0 once it ended, its memory released (a monitor may still read it)."""
+        b = {} if self._done_why is not None else self.plan.bytes_by_region()
+        get = lambda *ks: sum(b.get(k, 0) for k in ks)  # noqa: E731
+        return {"optimizer_state": get("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"),
+                "grad_store": get("grad_store"),
+                "grad_buffers": get("grad_buckets", "grad_staging"),
+                "param_buffers": get("shard_out", "gather_buffer", "param_staging"),
+                "host": self.plan.host_bytes if b else 0, "device": self.plan.device_bytes if b else 0}
 
     def _held_host_bytes(self) -> int:
         """Host RAM this engine gives back when it ends (its arena; on a CPU run its "device" buffers too)."""

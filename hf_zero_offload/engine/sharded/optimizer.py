@@ -87,7 +87,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class ShardedAdam(AdamCore):
     """Adam/AdamW over replicated parameters with the optimizer state sharded across ranks.
 
-    The public surface is ``OffloadAdam``'s (``AdamCore``) plus ``memory_bytes()``. ``stage``: 1 or
+    The public surface is ``OffloadAdam``'s (``AdamCore``). ``stage``: 1 or
     2 (0: one process, gradients taken from ``.grad`` at ``step()``, as stage 1); ``offload``:
     optimizer state and step on the CPU; ``reduce_scatter``: False reduces each owner's piece to it; ``process_group``: default group when None
     (no initialised group: one process, world size 1). ``device_adam`` (no offload only): "auto"
@@ -196,7 +196,6 @@ class ShardedAdam(AdamCore):
             if where == "device":
                 r[k] = torch.empty(n, dtype=dt, device=self.device)
         self.regions = r
-        self.allocated_bytes = self.plan.bytes_by_region()  # exact sizes (the arena rounds each to a page)
         return r
 
     @torch.no_grad()
@@ -381,18 +380,8 @@ class ShardedAdam(AdamCore):
         self.reducer.drain()
         super().flush()
 
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank allocated, by role (``plan`` has them by region)."""
-        b = self.allocated_bytes
-        get = lambda *ks: sum(b.get(k, 0) for k in ks)  # noqa: E731
-        return {"optimizer_state": get("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"),
-                "grad_store": get("grad_store"),
-                "grad_buffers": get("grad_buckets", "grad_staging"),
-                "param_buffers": get("shard_out", "gather_buffer", "param_staging"),
-                "host": self.plan.host_bytes, "device": self.plan.device_bytes}
-
     def _stop_helpers(self, drain: bool) -> None:
         # a close drains what is in flight; a replacement only stops taking gradients (no wait on a collective
         # whose peers may never join it: replacement happens at a time that differs between ranks)
         if (reducer := getattr(self, "reducer", None)) is not None:
-            reducer.close() if drain else self.detach_hooks()
+            reducer.close() if drain else reducer.stop()

@@ -84,6 +84,7 @@ class GradReducer:
         self._buf_slot = 0
         self._inflight = [None, None]     # CUDA: per buffer, the reduction not yet delivered
         self.hooks: GradHooks | None = None  # stage 2: set by ``bind``
+        self._stopped = False  # its engine ended (``stop``)
         self._reset_backward()
 
     def bind(self, buffer: torch.Tensor, store: torch.Tensor, staging: torch.Tensor | None) -> None:
@@ -108,6 +109,13 @@ class GradReducer:
 
     def close(self) -> None:
         self.drain()
+        self.stop()
+
+    def stop(self) -> None:
+        """Its engine ended: no gradient taken, no reduction launched from here (no wait either: a replacement's peers
+        may never join one). An end of backward queued before, by a close mid-backward (a user's hook), launched the
+        buckets still waiting: a collective of an ended engine, which took the gradients the model keeps now."""
+        self._stopped = True
         if self.hooks is not None:
             self.hooks.detach()
 
@@ -146,6 +154,8 @@ class GradReducer:
             self._next += 1
 
     def _end_backward(self) -> None:
+        if self._stopped:
+            return self._reset_backward()
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
