@@ -7,7 +7,7 @@ Accelerate's own. ``adapt_accelerator`` makes the same changes for a training lo
 """
 from __future__ import annotations
 
-import types
+import weakref
 
 
 def adapt_accelerator(accelerator, engine) -> None:
@@ -41,15 +41,16 @@ def adapt_accelerator(accelerator, engine) -> None:
                          "mixed_precision='no', or bf16")
     patch_accelerator(accelerator, lambda: engine, others=_other_optimizer)
     kept = accelerator.__dict__.get("free_memory")
-    free_memory = accelerator.free_memory
+    acc = weakref.ref(accelerator)
 
     def free_memory_and_engine(*objects):
         # Accelerate's reset between two trainings (clear() calls it too). Patched on, the Accelerator scaled the
         # next loop's losses by the released engine's fp16 scale (a torch AdamW's gradients 65536x), kept that
         # engine alive, gave a new model no DDP wrapper and refused a new engine.
-        accelerator._zo_unpatch()
-        _restore(accelerator, "free_memory", kept)
-        return free_memory(*objects)
+        a = acc()
+        a._zo_unpatch()
+        _restore(a, "free_memory", kept)
+        return a.free_memory(*objects)
 
     accelerator.free_memory = free_memory_and_engine
 
@@ -83,53 +84,74 @@ def patch_accelerator(accelerator, engine_of, others=None) -> None:
     if getattr(accelerator, "_zo_patched", False):
         return
     accelerator._zo_patched = True
+    # Every function stored on the Accelerator holds it weakly and calls the method it replaces through it: a
+    # closure over the Accelerator (or its bound methods) stored on the Accelerator made a reference cycle, and the
+    # engine its prepared optimizer holds (host arena included) then lived on after ``del trainer`` until the
+    # garbage collector ran (a plain Trainer is freed at once).
     kept = {name: accelerator.__dict__.get(name) for name in ("backward", "prepare_model", "prepare_optimizer")}
+    acc = weakref.ref(accelerator)
+
+    def original(name: str):
+        a = acc()
+        return kept[name] if kept[name] is not None else getattr(type(a), name).__get__(a)
 
     def unpatch():
+        a = acc()
         for name, method in kept.items():
-            _restore(accelerator, name, method)
-        del accelerator._zo_patched, accelerator._zo_unpatch
+            _restore(a, name, method)
+        del a._zo_patched, a._zo_unpatch
 
     accelerator._zo_unpatch = unpatch
-    backward = accelerator.backward
 
     def scaled_backward(loss, **kw):
         engine = engine_of()
-        return backward(engine.scale_loss(loss) if engine is not None else loss, **kw)
+        return original("backward")(engine.scale_loss(loss) if engine is not None else loss, **kw)
 
     accelerator.backward = scaled_backward
-    prepare_model = accelerator.prepare_model
 
     def prepare_without_ddp(model, device_placement=None, evaluation_mode=False):
         # No DDP wrapper: the engine reduces (or reduce-scatters) gradients itself, and a DDP
         # all-reduce on top would double the reduction. evaluation_mode skips only the wrapping.
-        return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        return original("prepare_model")(model, device_placement=device_placement, evaluation_mode=True)
 
     accelerator.prepare_model = prepare_without_ddp
-    prepare_optimizer = accelerator.prepare_optimizer
 
     def prepare_in_place(optimizer, device_placement=None):
         engine = engine_of()
         if others is not None and engine is not None and optimizer is not engine:
-            return others(engine, optimizer, prepare_optimizer, device_placement)
+            return others(engine, optimizer, original("prepare_optimizer"), device_placement)
         # Accelerate's device placement round-trips state_dict() through the accelerator's
         # device: a full copy of the fp32 masters and moments (12 B/param) on the GPU. Our
         # state stays where the engine put it.
-        wrapped = prepare_optimizer(optimizer, device_placement=False)
-        step = wrapped.step
+        wrapped = original("prepare_optimizer")(optimizer, device_placement=False)
+        wrapped._zo_engine_of = engine_of
+        # a class, not a bound method stored on the instance (a cycle through the instance): optimizer.step stays a
+        # bound method, as torch's LR schedulers expect (they wrap step.__func__)
+        wrapped.__class__ = _reporting_skips(type(wrapped))
+        return wrapped
 
-        def step_reporting_skips(_self, *a, **kw):
-            out = step(*a, **kw)
+    accelerator.prepare_optimizer = prepare_in_place
+
+
+_REPORTING: dict[type, type] = {}
+
+
+def _reporting_skips(cls: type) -> type:
+    """``cls`` (Accelerate's optimizer wrapper) whose ``step`` reports the engine's skipped steps, made once per class."""
+    if getattr(cls, "_zo_reports_skips", False):
+        return cls
+    if cls not in _REPORTING:
+        def step(self, *a, **kw):
+            out = super(sub, self).step(*a, **kw)
             # An fp16 overflow step is skipped by the engine. Accelerate's step_was_skipped (read by
             # the Trainer before it steps the LR schedule) reports its own GradScaler's skips from
             # this flag; setting it leaves the scheduler unwrapped, so transformers still sees its
             # type (ReduceLROnPlateau / GreedyLR step on metrics, not here).
-            engine = engine_of()
-            wrapped._is_overflow = bool(engine is not None and engine.last.skipped)
+            engine = self._zo_engine_of()
+            self._is_overflow = bool(engine is not None and engine.last.skipped)
             return out
 
-        # a bound method, as torch's LR schedulers expect of optimizer.step (they wrap step.__func__)
-        wrapped.step = types.MethodType(step_reporting_skips, wrapped)
-        return wrapped
-
-    accelerator.prepare_optimizer = prepare_in_place
+        sub = type(cls.__name__, (cls,), {"step": step, "_zo_reports_skips": True, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _REPORTING[cls] = sub
+    return _REPORTING[cls]

@@ -223,3 +223,28 @@ def test_an_overflow_inside_an_accumulation_window_skips_that_step_and_holds_the
     assert (skipped, lrs) == (ref_skipped, ref_lrs)
     for p, q in zip(ref, got):
         assert torch.equal(q, p)
+
+
+def test_an_adapted_accelerator_dropped_frees_its_engine_without_the_garbage_collector():
+    """Its patches held the Accelerator (and the prepared optimizer itself) in reference cycles: the engine a loop
+    had dropped lived on, host arena included, until the garbage collector ran."""
+    from accelerate import Accelerator
+
+    def loop():
+        model = torch.nn.Linear(8, 4)
+        engine = OffloadAdam(model.named_parameters(), lr=1e-3)
+        accelerator = Accelerator(cpu=True)
+        adapt_accelerator(accelerator, engine)
+        model, opt = accelerator.prepare(model, engine)
+        accelerator.backward(model(torch.randn(2, 8)).square().sum())
+        opt.step()
+        opt.zero_grad()
+        return weakref.ref(engine), weakref.ref(accelerator)
+
+    gc.collect()
+    gc.disable()
+    try:
+        engine, accelerator = loop()
+        assert accelerator() is None and engine() is None
+    finally:
+        gc.enable()

@@ -188,3 +188,24 @@ def test_a_second_trainer_on_the_model_holds_one_arena_at_a_time(tmp_path, monke
     with pytest.raises(RuntimeError, match=r"OffloadAdam was replaced by a new OffloadAdam built on the same "
                                            r"parameters \(e.g. another Trainer on this model\)"):
         t1.train()
+
+
+def test_del_trainer_frees_the_engine_without_the_garbage_collector(tmp_path):
+    """A hyperparameter search, or a notebook dropping its Trainer: the plain Trainer is freed at ``del trainer``;
+    ours lived on with its engine's host arena until the garbage collector ran (the Accelerator patch's closures held
+    the Trainer and the Accelerator's own bound methods; the optimizer wrapper held a bound method to itself)."""
+    from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
+
+    args = ZeroOffloadSeq2SeqTrainingArguments(output_dir=str(tmp_path), zero_offload=OFFLOAD, max_steps=2,
+                                               per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                                               save_strategy="no", disable_tqdm=True)
+    trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=ToyDataset())
+    trainer.train()
+    held = buffers(trainer.zero_engine)
+    gc.collect()
+    gc.disable()
+    try:
+        del trainer
+        assert all(ref.expired() for ref in held)
+    finally:
+        gc.enable()

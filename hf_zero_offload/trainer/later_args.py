@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import weakref
 
 from ..args_view import training_precision
 from ..accelerator_patch import patch_accelerator
@@ -93,7 +94,10 @@ class ArgsAfterInit:
         return out
 
     def _zo_patch_accelerator(self) -> None:
-        patch_accelerator(self.accelerator, lambda: self.zero_engine)  # (once per Accelerator)
+        # (once per Accelerator) the Trainer held weakly: the Accelerator it owns must not hold it back (a cycle kept
+        # the engine's host arena alive after ``del trainer`` until the garbage collector ran)
+        trainer = weakref.ref(self)
+        patch_accelerator(self.accelerator, lambda: getattr(trainer(), "zero_engine", None))
 
     def _zo_check_args_again(self) -> None:
         """``check_arguments`` as at ``__init__``, on the arguments as they are now (a hyperparameter search trial's
