@@ -17,18 +17,9 @@ from hf_zero_offload.accelerator_patch import adapt_accelerator
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 accelerate = pytest.importorskip("accelerate")
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from _accelerate_state import fresh_accelerate_state  # noqa: E402,F401 (autouse)
 
 LR, WD, STEPS = 1e-2, 0.1, 6
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def net():

@@ -20,20 +20,11 @@ from hf_zero_offload.accelerator_patch import adapt_accelerator
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 accelerate = pytest.importorskip("accelerate")
+from _accelerate_state import fresh_accelerate_state  # noqa: E402,F401 (autouse)
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 LR, WD = 1e-2, 0.1
 KINDS = ["offload", "cpu_adam"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate keeps its state in process-wide singletons: each test builds its Accelerator anew."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 class Net(nn.Module):
