@@ -28,6 +28,7 @@ import weakref
 
 from .grad_hooks import claim, holders
 from .memory_limits import check_host_ram
+from .runs import host_bytes_leaving
 from .step_guard import DeferredSigint
 
 logger = logging.getLogger("hf_zero_offload")
@@ -129,22 +130,28 @@ class EngineEnd:
                 "param_buffers": get("shard_out", "gather_buffer", "param_staging"),
                 "host": self.plan.host_bytes if b else 0, "device": self.plan.device_bytes if b else 0}
 
+    def _ram_beside_arena(self) -> int:
+        """Host RAM the plan allocates outside the arena: on a CPU run its "device" regions (the gradient buckets)."""
+        return self.plan.device_bytes if self.device.type == "cpu" else 0
+
     def _held_host_bytes(self) -> int:
-        """Host RAM this engine gives back when it ends (its arena; on a CPU run its "device" buffers too)."""
+        """Host RAM this engine gives back when it ends (its arena, and what it allocated beside it)."""
         if self._done_why is not None or getattr(self, "plan", None) is None:
             return 0
         arena = getattr(self, "arena", None)
-        return (arena.nbytes if arena is not None else 0) + (self.plan.device_bytes if self.device.type == "cpu" else 0)
+        return (arena.nbytes if arena is not None else 0) + self._ram_beside_arena()
 
     @contextlib.contextmanager
-    def _taking_params(self, host_bytes: int, freed: int):
-        """The build's allocations run in this block, once its params are taken: first the host-RAM check
-        (``host_bytes``: the arena and what is allocated beside it; ``freed``: what the build frees, counted with what
-        the engines it replaces give back), then those engines are replaced, which releases their memory, so the peak
-        is one arena. A failure in the block gives back what this engine allocated, and says the replaced are done."""
+    def _taking_params(self):
+        """The build's allocations (its ``plan``) run in this block, once its params are taken: first the host-RAM
+        check (the plan's host bytes and what it allocates beside the arena, against what is free plus what the build
+        frees: the params leaving for the device and the arenas of the engines it replaces), then those engines are
+        replaced, which releases their memory, so the peak is one arena. A failure in the block gives back what this
+        engine allocated, and says the replaced are done."""
         params = [p for p, _, _ in self._flat]
         others = holders(self, params)
-        check_host_ram(host_bytes, freed + sum(o._held_host_bytes() for o in others))
+        check_host_ram(self.plan.host_bytes + self._ram_beside_arena(),
+                       host_bytes_leaving(self._flat, self.device) + sum(o._held_host_bytes() for o in others))
         claim(self, params)
         self._take_zero_grads()
         try:

@@ -33,7 +33,7 @@ from .core import AdamCore
 from .lifetime import weak_label
 from .options import OffloadOptions
 from .pipeline import GradPipeline
-from .runs import FlatIndex, host_bytes_leaving, make_runs
+from .runs import FlatIndex, make_runs
 from .streams import Streams
 from .upload import ParamUploader
 
@@ -58,11 +58,9 @@ class OffloadAdam(AdamCore):
             max_param_numel=max(n for _, _, n in self._flat), cuda=self.streams.async_copies,
             state_dtype=options.state_dtype)
         bucket_n = self.plan.regions["grad_buckets"][0] // 2
-        # on a CPU run the plan's "device" regions (the gradient buckets) are host RAM too: checked with the arena
-        beside = self.plan.device_bytes if self.device.type == "cpu" else 0
-        # every check first; then an engine that held these params is replaced, its memory released before this one
-        # allocates (lifetime.py)
-        with self._taking_params(self.plan.host_bytes + beside, host_bytes_leaving(self._flat, self.device)):
+        # every check first (host RAM: the arena, and on a CPU run the gradient buckets); then an engine that held
+        # these params is replaced, its memory released before this one allocates (lifetime.py)
+        with self._taking_params():
             self._allocate(bucket_n)
 
     def _allocate(self, bucket_n: int) -> None:

@@ -72,7 +72,6 @@ from ..buffers import HostArena, HostPlan
 from ..core import AdamCore
 from ..lifetime import weak_label
 from ..options import OffloadOptions
-from ..runs import host_bytes_leaving
 from ..streams import Streams
 from ..upload import ParamUploader
 from .agree import check_ranks_agree, hyper_disagreement
@@ -147,8 +146,7 @@ class ShardedAdam(AdamCore):
                               param_dtype=self.param_dtype, options=options, stage=stage, offload=offload, cuda=cuda,
                               tiled=tiled, torch_adam=self._torch_adam)
         # every check first; then an engine on these params is replaced (it publishes nothing, lifetime.py)
-        beside = self.plan.device_bytes if self.device.type == "cpu" else 0  # on a CPU run, host RAM too
-        with self._taking_params(self.plan.host_bytes + beside, host_bytes_leaving(self._flat, self.device)):
+        with self._taking_params():
             self._build_state(cuda, tiled, allgather_bucket_numel)
 
     # -- construction ----------------------------------------------------------------------------
