@@ -5,7 +5,6 @@ import transformers) load on first access.
 """
 from __future__ import annotations
 
-import importlib as _importlib
 import importlib.machinery as _machinery
 import importlib.util as _util
 import pkgutil as _pkgutil
@@ -70,15 +69,9 @@ __all__ = ["ops", "CPUAdam", "__version__",
 
 
 def _import(module: str, wanted: str):
-    try:
-        return _importlib.import_module(f"{__name__}.{module}")
-    except ModuleNotFoundError as e:
-        from .extras import missing  # (any optional dependency: safetensors for consolidate too)
+    from .extras import import_named  # (any optional dependency missing named: safetensors for consolidate too)
 
-        error = missing(e, f"hf_zero_offload.{wanted}")
-        if error is e:
-            raise
-        raise error from None
+    return import_named(f"{__name__}.{module}", f"hf_zero_offload.{wanted}")
 
 
 def __getattr__(name: str):

@@ -52,16 +52,21 @@ def missing(exc: ModuleNotFoundError, what: str) -> ModuleNotFoundError:
     return ModuleNotFoundError(f"{what} needs {module}, {hint(extra)}", name=exc.name)
 
 
+def import_named(module: str, what: str):
+    """``module`` imported; where an extra's package is missing, itself or one it imports, :func:`missing`'s error
+    naming ``what`` needs it (another extra's package missing under this one's import is named too: accelerate
+    importing an absent safetensors said only "No module named 'safetensors'"); any other module missing: its own."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        error = missing(e, what)
+        if error is e:
+            raise
+        raise error from None
+
+
 def require(what: str, *modules: str) -> None:
     """Import ``modules`` (top-level names of the extras' packages), or raise :func:`missing`'s error for the first
-    extra's package absent, itself or one it imports: a module needing them calls this before its own imports."""
+    extra's package absent: a module needing them calls this before its own imports."""
     for module in modules:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            # another extra's package missing under this one's import is named too (accelerate importing an absent
-            # safetensors said only "No module named 'safetensors'"); any other module missing: its own message
-            error = missing(e, what)
-            if error is e:
-                raise
-            raise error from None
+        import_named(module, what)
