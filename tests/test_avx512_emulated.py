@@ -12,13 +12,13 @@ import importlib.metadata
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _tools import tool
 from hf_zero_offload import ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,14 +42,6 @@ def _simde_include() -> Path | None:
     return include if (include / "simde" / "x86" / "avx512.h").is_file() else None
 
 
-def _tool(name: str) -> str:
-    here = Path(sys.executable).parent / name  # the venv's cmake (Makefile), else the PATH's
-    found = str(here) if here.is_file() else shutil.which(name)
-    if found is None:
-        pytest.skip(f"{name} not found")
-    return found
-
-
 def _run(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, \
@@ -64,7 +56,7 @@ def emulated_extension() -> Path:
         pytest.skip("SIMDe headers missing: pip install cmeel-simde (in the [test] extra)")
     import pybind11
 
-    cmake = _tool("cmake")
+    cmake = tool("cmake")
     _run([cmake, "-S", str(ROOT), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release", "-DHZO_EMULATE_AVX512=ON",
           f"-DHZO_SIMDE_INCLUDE={include}", f"-DPython_EXECUTABLE={sys.executable}",
           f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"], timeout=300)

@@ -20,18 +20,11 @@ import pytest
 import torch
 
 import hf_zero_offload
+from _tools import tool
 from hf_zero_offload import extras
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ["torch", "numpy", "psutil"]  # pyproject's dependencies: what a plain `pip install` brings
-
-
-def _tool(name: str) -> str:
-    here = Path(sys.executable).parent / name  # the venv's (Makefile), else the PATH's
-    found = str(here) if here.is_file() else shutil.which(name)
-    if found is None:
-        pytest.skip(f"{name} not found")
-    return found
 
 
 def _tracked(prefix: str = "") -> set[str]:
@@ -274,7 +267,7 @@ def test_a_build_without_a_cxx_compiler_says_what_to_install(tmp_path):
     """CMake's own error was "Could not find compiler set in environment variable CXX: g++." on a machine where
     nobody had set CXX (scikit-build-core sets it)."""
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"))
-    r = subprocess.run([_tool("cmake"), "-S", str(ROOT), "-B", str(tmp_path / "b")], env=env, capture_output=True,
+    r = subprocess.run([tool("cmake"), "-S", str(ROOT), "-B", str(tmp_path / "b")], env=env, capture_output=True,
                        text=True, timeout=120)
     out = " ".join((r.stdout + r.stderr).split())
     assert r.returncode != 0 and "hf_zero_offload: no working C++ compiler found" in out, out[-3000:]
@@ -287,7 +280,7 @@ def test_a_cxx_of_a_wrapper_and_its_compiler_builds_with_both(tmp_path):
     if shutil.which("g++") is None or shutil.which("env") is None:
         pytest.skip("needs g++ and env")
     env = dict(os.environ, CXX="env g++")
-    r = subprocess.run([_tool("cmake"), "-S", str(ROOT), "-B", str(tmp_path / "b")], env=env, capture_output=True,
+    r = subprocess.run([tool("cmake"), "-S", str(ROOT), "-B", str(tmp_path / "b")], env=env, capture_output=True,
                        text=True, timeout=120)
     out = r.stdout + r.stderr
     assert "The CXX compiler identification is GNU" in out, out[-3000:]
@@ -304,7 +297,7 @@ def test_the_per_isa_objects_share_no_code_with_the_rest():
     """Each instruction set's unit is compiled with its own -m flags; an inline function or template it shares with
     the generic code (a weak, COMDAT symbol) could be linked from that unit's AVX copy into code that runs on any
     x86-64 (SIGILL on a CPU without AVX). Each unit may define its kernel table alone, and call nothing."""
-    nm = _tool("nm")
+    nm = tool("nm")
     for obj in _isa_objects():
         isa = obj.parent.parent.name[len("hzo_"):-len(".dir")]
         r = subprocess.run([nm, "-C", str(obj)], capture_output=True, text=True, timeout=60, check=True)
@@ -312,7 +305,7 @@ def test_the_per_isa_objects_share_no_code_with_the_rest():
         shared = [s for s in symbols if s[0] not in "tdbrn"]  # anything but the unit's own (local) code and data
         if isa == "scalar":  # built without -m flags: the reference path of every x86-64 (and other) CPU
             assert not [s for s in shared if s[0] in "WVuv"], (obj, shared)
-            dis = subprocess.run([_tool("objdump"), "-d", str(obj)], capture_output=True, text=True, timeout=60).stdout
+            dis = subprocess.run([tool("objdump"), "-d", str(obj)], capture_output=True, text=True, timeout=60).stdout
             assert not re.search(r"%[yz]mm|vfmadd", dis), obj
         else:
             assert shared == [["T", f"hzo::{isa}_kernels()"]], (obj, shared)
