@@ -141,17 +141,23 @@ class EngineEnd:
         arena = getattr(self, "arena", None)
         return (arena.nbytes if arena is not None else 0) + self._ram_beside_arena()
 
-    @contextlib.contextmanager
-    def _taking_params(self):
-        """The build's allocations (its ``plan``) run in this block, once its params are taken: first the host-RAM
-        check (the plan's host bytes and what it allocates beside the arena, against what is free plus what the build
-        frees: the params leaving for the device and the arenas of the engines it replaces), then those engines are
-        replaced, which releases their memory, so the peak is one arena. A failure in the block gives back what this
-        engine allocated, and says the replaced are done."""
-        params = [p for p, _, _ in self._flat]
-        others = holders(self, params)
+    def _room_for_build(self) -> list:
+        """The host-RAM check (the plan's host bytes and what it allocates beside the arena, against what is free plus
+        what the build frees: the params leaving for the device and the arenas of the engines it replaces); returns
+        those engines. Before ``_taking_params`` (a sharded build agrees on every rank's verdict in between)."""
+        others = holders(self, [p for p, _, _ in self._flat])
         check_host_ram(self.plan.host_bytes + self._ram_beside_arena(),
                        host_bytes_leaving(self._flat, self.device) + sum(o._held_host_bytes() for o in others))
+        return others
+
+    @contextlib.contextmanager
+    def _taking_params(self, others: list | None = None):
+        """The build's allocations (its ``plan``) run in this block, once its params are taken: first the host-RAM
+        check (``_room_for_build``, unless its ``others`` are given: it ran), then those engines are replaced, which
+        releases their memory, so the peak is one arena. A failure in the block gives back what this engine
+        allocated, and says the replaced are done."""
+        params = [p for p, _, _ in self._flat]
+        others = self._room_for_build() if others is None else others
         claim(self, params)
         self._take_zero_grads()
         try:

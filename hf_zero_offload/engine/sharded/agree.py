@@ -11,23 +11,35 @@ differs and on which ranks.
 """
 from __future__ import annotations
 
+import socket
+
 import torch
 import torch.distributed as dist
 
+from .peers import said
+
 _SHOWN = 6  # differences named in the message
+_FAILED = "\0failed"  # a rank's payload key in place of its setup: the error its own build raised before the gather
 
 
 def check_ranks_agree(setup: dict, process_group, world_size: int, built: str = "built different ShardedAdam engines",
                       advice: str = "Every rank must build the same one (the same ds_config, command line and model on "
-                                    "every node)") -> None:
+                                    "every node)", failure: BaseException | None = None) -> None:
     """``setup``: this rank's description (key -> a value that compares with ``==`` and prints). Raises ValueError
-    on every rank when any rank's differs from rank 0's (``built``, ``advice``: what the message says of that)."""
+    on every rank when any rank's differs from rank 0's (``built``, ``advice``: what the message says of that).
+    ``failure``: this rank's own build raised it before the gather (``setup``: what it has, {} if none): it joins
+    the gather anyway and raises it after, and every other rank raises naming it (a bad argument or a host-RAM check on one rank
+    only raised there alone, its peers left in this gather with gloo's words or until the collective timeout)."""
     if world_size == 1:
+        if failure is not None:
+            raise failure
         return
+    mine = {**setup, _FAILED: f"{socket.gethostname()}\n{said(failure)}"} if failure is not None else setup
     every: list = [None] * world_size
-    dist.all_gather_object(every, setup, group=process_group)
+    dist.all_gather_object(every, mine, group=process_group)
+    failed = [(r, *s.pop(_FAILED).split("\n", 1)) for r, s in enumerate(every) if _FAILED in s]
     diffs = []
-    for key, first in every[0].items():
+    for key, first in (every[0].items() if all(every) else ()):  # (a rank that failed before its setup: none)
         others: dict = {}
         for rank, theirs in enumerate(every[1:], start=1):
             value = theirs.get(key)
@@ -35,11 +47,19 @@ def check_ranks_agree(setup: dict, process_group, world_size: int, built: str = 
                 others.setdefault(repr(value), (value, []))[1].append(rank)
         for value, ranks in others.values():
             diffs.append(_describe(key, first, value, ranks))
-    extra = sorted({k for s in every[1:] for k in s} - set(every[0]))
+    extra = sorted({k for s in every[1:] for k in s} - set(every[0])) if all(every) else []
     diffs += [f"{k}: absent on rank 0" for k in extra]
-    if diffs:
+    if diffs:  # (first: a rank's own refusal may follow from what differs)
         shown = "; ".join(diffs[:_SHOWN]) + (f"; and {len(diffs) - _SHOWN} more" if len(diffs) > _SHOWN else "")
-        raise ValueError(f"the {world_size} ranks {built}: {shown}. {advice}")
+        raise ValueError(f"the {world_size} ranks {built}: {shown}. {advice}") from failure
+    if failure is not None:
+        failure.add_note("hf_zero_offload: said to the other ranks, which raised naming this rank")
+        raise failure
+    if failed:
+        named = "; ".join(f"rank {r} (host {host}) raised {why}" for r, host, why in failed)
+        raise RuntimeError(f"{named}, where this rank (rank {dist.get_rank(process_group)}) passed its own checks: "
+                           "the ranks did not all get as far as comparing what they built (see that rank's error); "
+                           "none goes on")
 
 
 def _describe(key: str, first, value, ranks: list) -> str:

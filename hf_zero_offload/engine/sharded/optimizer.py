@@ -75,6 +75,7 @@ from ..options import OffloadOptions
 from ..streams import Streams
 from ..upload import ParamUploader
 from .agree import check_ranks_agree, hyper_disagreement
+from .peers import PeerNotes, SaidToPeers, said
 from .layout import Partition
 from .plan import make_plan
 from .reduce import GradReducer
@@ -83,7 +84,7 @@ FORCE_REDUCE_SCATTER = False  # tests: run the NCCL layout's reduce-scatter on g
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedAdam(AdamCore):
+class ShardedAdam(SaidToPeers, AdamCore):
     """Adam/AdamW over replicated parameters with the optimizer state sharded across ranks.
 
     The public surface is ``OffloadAdam``'s (``AdamCore``). ``stage``: 1 or
@@ -100,25 +101,51 @@ class ShardedAdam(AdamCore):
                  options: OffloadOptions = OffloadOptions(), stage: int = 2, offload: bool = True,
                  process_group=None, allgather_bucket_numel: int = 200_000_000, device_adam: str = "auto",
                  reduce_scatter: bool = True, streams: Streams | None = None, device=None):
+        # the group first: whatever this rank refuses from here is said to the others at the agreement below (one
+        # rank's bad argument or host-RAM check raised there alone; its peers waited in the gather with gloo's words)
+        W, rank = 1, 0
+        if dist.is_available() and dist.is_initialized():
+            W, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        elif process_group is not None:
+            raise ValueError("a process_group was given but torch.distributed is not initialised")
+        self._peers = PeerNotes(process_group, rank, W)
+        setup, failure, others = {}, None, []
+        try:
+            self._check_arguments(stage, offload, options, device_adam, W)
+            super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                             param_dtype=param_dtype, options=options, streams=streams, device=device)
+            self.stage, self.offload, self.process_group = stage, offload, process_group
+            self.world_size, self.rank = W, rank
+            setup = self._setup_description(reduce_scatter, device_adam, allgather_bucket_numel)
+            tiled = self._lay_out(device_adam, reduce_scatter, allgather_bucket_numel)
+            others = self._room_for_build()
+        except Exception as e:  # noqa: BLE001 - raised by check_ranks_agree, after every rank has heard of it
+            failure = e
+            self._peers.say(f"failed to build its ShardedAdam: {said(e)}")
+        for o in others:  # said before the agreement, where this rank waits if its peers are still training with them
+            if isinstance(o, SaidToPeers):
+                o._said_replaced("began to build")
+        # every rank's setup compared, and every rank's verdict: all go on or all raise, naming the rank
+        check_ranks_agree(setup, process_group, W, failure=failure)
+        self._divisor = self.world_size  # the store holds the sum over ranks: grad_scale also averages
+        # every check first; then an engine on these params is replaced (it publishes nothing, lifetime.py)
+        with self._peers.call("the ShardedAdam's build"), self._taking_params(others):
+            self._build_state(self.streams.cuda, tiled, allgather_bucket_numel)
+
+    @staticmethod
+    def _check_arguments(stage: int, offload: bool, options: OffloadOptions, device_adam: str, world_size: int):
         if stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0 (one process), 1 or 2, got {stage!r}")
         if options.dpu and not offload:
             raise ValueError("the delayed parameter update hides the CPU step: it needs offload=True")
         if device_adam not in ("auto", "torch", "kernel"):
             raise ValueError(f"device_adam must be 'auto', 'torch' or 'kernel', got {device_adam!r}")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                         param_dtype=param_dtype, options=options, streams=streams, device=device)
-        self.stage, self.offload, self.process_group = stage, offload, process_group
-        if dist.is_available() and dist.is_initialized():
-            self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        elif process_group is not None:
-            raise ValueError("a process_group was given but torch.distributed is not initialised")
-        if stage == 0 and self.world_size > 1:
-            raise ValueError(f"stage 0 (no partitioning) runs on one process, not {self.world_size}; use stage 1 or 2")
-        # before anything that may refuse on one rank only, and before the first collective that could mismatch
-        check_ranks_agree(self._setup_description(reduce_scatter, device_adam, allgather_bucket_numel), process_group,
-                          self.world_size)
-        self._divisor = self.world_size  # the store holds the sum over ranks: grad_scale also averages
+        if stage == 0 and world_size > 1:
+            raise ValueError(f"stage 0 (no partitioning) runs on one process, not {world_size}; use stage 1 or 2")
+
+    def _lay_out(self, device_adam: str, reduce_scatter: bool, allgather_bucket_numel: int) -> bool:
+        """The partition, the reducer and the plan (no allocation, no collective); whether updates go up tiled."""
+        options, offload, stage, process_group = self.options, self.offload, self.stage, self.process_group
         # The simulator (``streams``) covers the offload upload path; reductions stay synchronous
         # (gloo) there.
         cuda = self.streams.cuda
@@ -138,16 +165,14 @@ class ShardedAdam(AdamCore):
         self.reducer = GradReducer(slots=self._flat, partition=part, rank=self.rank, process_group=process_group,
                                    streams=self.streams, param_dtype=self.param_dtype, stage=stage,
                                    bucket_numel=options.bucket_numel, num_threads=options.num_threads, use_rs=use_rs,
-                                   label=weak_label(self._param_label), who=type(self).__name__)
+                                   label=weak_label(self._param_label), who=type(self).__name__, peers=self._peers)
         self._index, self._slot_of = self.reducer.index, self.reducer.slot_of
         self._gchunk = max(1, min(allgather_bucket_numel // W, S))
         tiled = offload and self.streams.async_copies
         self.plan = make_plan(S, self.reducer.seg, self.reducer.buffer_numel, self._gchunk, W,
                               param_dtype=self.param_dtype, options=options, stage=stage, offload=offload, cuda=cuda,
                               tiled=tiled, torch_adam=self._torch_adam)
-        # every check first; then an engine on these params is replaced (it publishes nothing, lifetime.py)
-        with self._taking_params():
-            self._build_state(cuda, tiled, allgather_bucket_numel)
+        return tiled
 
     # -- construction ----------------------------------------------------------------------------
     def _build_state(self, cuda: bool, tiled: bool, allgather_bucket_numel: int) -> None:
@@ -375,8 +400,9 @@ class ShardedAdam(AdamCore):
     def flush(self) -> None:
         """Also finishes in-flight reductions (every rank calls it)."""
         self._check_open("flush()")
-        self.reducer.drain()
-        super().flush()
+        with self._said("flush()"):
+            self.reducer.drain()
+            super().flush()
 
     def _stop_helpers(self, drain: bool) -> None:
         # a close drains what is in flight; a replacement only stops taking gradients (no wait on a collective

@@ -57,8 +57,9 @@ def buffer_layout(slots: list, partition: Partition, stage: int, bucket_numel: i
 class GradReducer:
     def __init__(self, *, slots: list, partition: Partition, rank: int, process_group, streams: Streams,
                  param_dtype: torch.dtype, stage: int, bucket_numel: int, num_threads: int | None, use_rs: bool,
-                 label=lambda p: f"of shape {tuple(p.shape)}", who: str = "the engine"):
+                 label=lambda p: f"of shape {tuple(p.shape)}", who: str = "the engine", peers=None):
         self.slots, self.partition, self.rank = slots, partition, rank
+        self._peers = peers  # (peers.PeerNotes) a collective failure in backward names the peer that left
         self._label, self._who = label, who  # how an error names a param (the engine's param_label) and the engine
         self.world_size = partition.world_size
         self.process_group, self.streams, self.param_dtype = process_group, streams, param_dtype
@@ -206,8 +207,14 @@ class GradReducer:
             buf[numel - b.start:].zero_()
         segs = self.partition.segments(b.start, b.end)
         mine = [lo for r, lo, _ in segs if r == self.rank]
-        self._reduce(buf, [(r, lo - b.start, hi - b.start) for r, lo, hi in segs],
-                     mine[0] - self.shard_start if mine else 0, j, first=self.micro == 0 and not late)
+        try:
+            self._reduce(buf, [(r, lo - b.start, hi - b.start) for r, lo, hi in segs],
+                         mine[0] - self.shard_start if mine else 0, j, first=self.micro == 0 and not late)
+        except Exception as e:
+            named = self._peers.named(e, "the gradient reduction of a backward") if self._peers is not None else None
+            if named is not None:
+                raise named from e
+            raise
 
     # -- stage 1 -----------------------------------------------------------------------------------
     @torch.no_grad()

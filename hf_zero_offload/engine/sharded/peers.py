@@ -1,0 +1,163 @@
+"""A rank that leaves the sharded engine's lockstep alone says so; a peer whose collective then fails names it.
+
+The ranks of a ``ShardedAdam`` run the same collectives in the same order. A rank that stopped doing so alone (its
+engine closed or replaced there only, a step or save that raised there only, a ``save_checkpoint()`` called there
+only) left its peers in their next collective with gloo's words alone ("Connection closed by peer ... GLHF!", once
+its process ended) or, while its process lived on, until the process group's timeout (30 minutes by default) with no
+rank named (2 gloo ranks, tests/test_one_rank_engine.py). Now such a rank writes one line to the store the process
+group shares (``say``: at close, replacement, a failed build, an error out of a collective method, and at the start
+of a save/load, taken back at its end), and a rank whose collective fails reads its peers' lines and raises one error
+naming the rank and what it did, chained to gloo's (``named``). Nothing per step: the lines are written when a rank
+leaves the lockstep, and read only once a collective has failed.
+
+Keys carry the engine's number on its group (each process counts the engines it builds there, so ranks that build
+the same engines agree on it): a line about an engine closed on every rank is not read by the next one's failure.
+Only for the default process group (a subgroup's ranks are not the store's); with a ``file://`` store nothing is
+written (its file would grow a line per write).
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import torch.distributed as dist
+
+# what gloo and NCCL say when a peer is gone or never came (torch raises some of them as a plain RuntimeError)
+COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+                    "timeout caused pair closure", "gloo/transport", "NCCL", "ProcessGroup")
+# what they say when this rank's own wait ran out (the peer may be alive): gloo's, NCCL's watchdog's
+TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
+_KEY = "hf_zero_offload/engine/{}/rank{}"  # engine number on the default group, rank
+_BUILT = [0]  # ShardedAdam engines this process began to build on the default group with several ranks
+
+
+def collective_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective's failure (a peer gone or late), as opposed to a failure of this rank's own."""
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(w in str(e) for w in
+                                                                                   COLLECTIVE_WORDS))
+
+
+def said(e: BaseException, cap: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:cap]}" if text else type(e).__name__
+
+
+def _default_store(process_group):
+    if process_group is not None and process_group != dist.group.WORLD:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    under = store
+    while hasattr(under, "underlying_store"):  # (PrefixStores over the TCPStore or FileStore, 2 deep under torchrun)
+        under = under.underlying_store
+    return None if isinstance(under, dist.FileStore) else store
+
+
+class PeerNotes:
+    """One engine's lines in the store: what this rank did alone, and its peers' lines when a collective fails."""
+
+    def __init__(self, process_group, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.store = _default_store(process_group) if world_size > 1 else None
+        if self.store is not None:
+            _BUILT[0] += 1
+        self.number = _BUILT[0]
+        self._host = socket.gethostname()
+
+    def say(self, text: str) -> None:
+        """This rank's line: ``text`` says what it did ("closed its ShardedAdam after step 2")."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # (the store gone with its host: the error in flight is the one)
+                self.store.set(_KEY.format(self.number, self.rank), f"{self._host}\n{text}")
+
+    def unsay(self) -> None:
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(_KEY.format(self.number, self.rank))
+
+    def named(self, e: BaseException, doing: str) -> BaseException | None:
+        """The error to raise in place of collective failure ``e`` met in ``doing``, naming the peers that said what
+        they did (None: not a collective failure, or no peer said anything)."""
+        if self.store is None or not collective_failure(e) or getattr(e, "_hzo_named", False):
+            return None
+        lines = []
+        try:
+            for r in range(self.world_size):
+                key = _KEY.format(self.number, r)
+                if r != self.rank and self.store.check([key]):
+                    host, _, text = self.store.get(key).decode().partition("\n")
+                    lines.append(f"rank {r} (host {host}) {text}")
+        except Exception:  # noqa: BLE001 - the store gone with its host: gloo's words are all there is
+            return None
+        if not lines:
+            return None
+        waited = "until the collective timeout" if any(w in str(e) for w in TIMEOUT_WORDS) else "until it was gone"
+        out = RuntimeError(f"{'; '.join(lines)}; this rank (rank {self.rank}) waited for it in {doing} {waited}: "
+                           "every rank must make the same ShardedAdam calls (build, step, close, save_checkpoint, "
+                           f"load_checkpoint, flush) in the same order ({said(e, 200)})")
+        out._hzo_named = True
+        return out
+
+    @contextlib.contextmanager
+    def call(self, doing: str, entering: str | None = None):
+        """``doing`` (a collective method) runs in this block: a collective failure in it is raised naming the peers'
+        lines, and an error of this rank's own is said to them. ``entering``: a line said while it runs (a save, a
+        load: a peer that never makes the call then learns this one was in it), taken back when it returns."""
+        if entering is not None:
+            self.say(entering)
+        try:
+            yield
+        except Exception as e:
+            named = self.named(e, doing)
+            if named is None and entering is not None and self.store is not None and collective_failure(e):
+                named = RuntimeError(f"this rank (rank {self.rank}) was in {doing} and the other ranks did not come to "
+                                     f"it (none said why): every rank must call {doing} ({said(e, 200)})")
+            if named is not None:
+                raise named from e
+            if not collective_failure(e):
+                self.say(f"raised in {doing}: {said(e)}")
+            raise
+        if entering is not None:
+            self.unsay()
+
+
+class SaidToPeers:
+    """Mixed into ``ShardedAdam`` (before ``AdamCore``): its collective methods run in ``PeerNotes.call``, and its end
+    (``close()``, a replacement) is said, so that a peer still in the lockstep learns of it (``_peers``)."""
+    _peers: PeerNotes | None = None
+
+    def step(self, closure=None):
+        with self._said("step()"):
+            return super().step(closure)
+
+    def save_checkpoint(self, directory: str) -> str:
+        with self._said("save_checkpoint()", f"was in save_checkpoint() (after its step {self.global_steps})"):
+            return super().save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str, *args, **kwargs) -> dict:
+        with self._said("load_checkpoint()", f"was in load_checkpoint() (after its step {self.global_steps})"):
+            return super().load_checkpoint(directory, *args, **kwargs)
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._said("load_state_dict()", f"was in load_state_dict() (after its step {self.global_steps})"):
+            return super().load_state_dict(state)
+
+    def _said(self, doing: str, entering: str | None = None):
+        if self._peers is None or self._done_why is not None:  # (a refusal of an ended engine: its end was said)
+            return contextlib.nullcontext()
+        return self._peers.call(doing, entering)
+
+    def _end(self, why: str, *, drain: bool) -> None:
+        if self._peers is not None and self._done_why is None:
+            if why == "closed":
+                self._peers.say(f"closed its ShardedAdam (close()) after its step {self.global_steps}")
+            elif why.startswith("replaced"):
+                self._said_replaced("replaced it by")
+        super()._end(why, drain=drain)
+
+    def _said_replaced(self, verb: str) -> None:
+        if self._peers is not None and self._done_why is None:
+            self._peers.say(f"{verb} a new engine on the parameters of its ShardedAdam after its step "
+                            f"{self.global_steps} (another Trainer or ShardedAdam built on that rank alone?)")
