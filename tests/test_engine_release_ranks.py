@@ -1,7 +1,8 @@
 """Engine replacement on 2 gloo ranks (engine/lifetime.py): a replacement runs no collective of its own.
 
 Both ranks replacing (a new Trainer on every rank) trains as DDP + a fresh torch AdamW from the model's weights; one
-rank replacing alone is a user error that fails (a gloo timeout, here 5 s) rather than hanging past the timeout.
+rank replacing alone is a user error that fails (a gloo timeout, here 4 s), the peer naming the rank that replaced
+its engine (engine/sharded/peers.py).
 """
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ def _one_replaces_job(rank, world):
     return None
 
 
-def test_one_rank_replacing_alone_fails_within_the_collective_timeout():
+def test_one_rank_replacing_alone_fails_within_the_collective_timeout_naming_it():
     said = run_distributed(_one_replaces_job, timeout=40, collective_timeout=4)
     assert all(s is not None and ("Timed out" in s or "Connection" in s) for s in said), said
+    # rank 1, in its backward's reduction, names what rank 0 did (it used to say gloo's words alone)
+    assert said[1].startswith("rank 0 (host ") and "began to build a new engine on the parameters of its ShardedAdam " \
+        "after its step 2" in said[1], said[1]

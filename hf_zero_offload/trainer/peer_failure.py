@@ -27,6 +27,8 @@ import time
 
 import torch.distributed as dist
 
+from ..engine.sharded.peers import TIMEOUT_WORDS as _TIMEOUT_WORDS
+from ..engine.sharded.peers import collective_failure  # noqa: F401 - (used below, and by name elsewhere)
 from .shared_dir import ranks_named
 
 _KEY = "hf_zero_offload/failed/{}/rank{}"  # train() generation, rank
@@ -35,17 +37,7 @@ _LEFT_KEY = "hf_zero_offload/left/rank{}"  # "<generation>\n<step>\n<host>" at e
 # the _LEFT_KEY this process wrote and has not taken back: one per process (its rank), whichever Trainer wrote it
 _LEFT: set = set()
 _WAIT_S = 3.0  # for the failing rank's key: it is written before its process ends and closes the connection
-# what gloo and NCCL say when a peer is gone or never came (torch raises some of them as a plain RuntimeError)
-_COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
-                     "timeout caused pair closure", "gloo/transport", "NCCL", "ProcessGroup")
-# what they say when this rank's own wait ran out (the peer may be alive): gloo's, NCCL's watchdog's
-_TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
-
-
-def collective_failure(e: BaseException) -> bool:
-    """Whether ``e`` is a collective's failure (a peer gone), as opposed to a failure of this rank's own."""
-    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(w in str(e) for w in
-                                                                                   _COLLECTIVE_WORDS))
+# (what gloo and NCCL say of a peer gone or late: engine/sharded/peers.py, which the engine's own errors use too)
 
 
 def _said(e: BaseException) -> str:

@@ -62,6 +62,18 @@ def check_ranks_agree(setup: dict, process_group, world_size: int, built: str = 
                            "none goes on")
 
 
+def check_arguments(stage: int, offload: bool, dpu: bool, device_adam: str, world_size: int) -> None:
+    """ShardedAdam's own arguments, each rank's verdict said to the others at ``check_ranks_agree``."""
+    if stage not in (0, 1, 2):
+        raise ValueError(f"stage must be 0 (one process), 1 or 2, got {stage!r}")
+    if dpu and not offload:
+        raise ValueError("the delayed parameter update hides the CPU step: it needs offload=True")
+    if device_adam not in ("auto", "torch", "kernel"):
+        raise ValueError(f"device_adam must be 'auto', 'torch' or 'kernel', got {device_adam!r}")
+    if stage == 0 and world_size > 1:
+        raise ValueError(f"stage 0 (no partitioning) runs on one process, not {world_size}; use stage 1 or 2")
+
+
 def _describe(key: str, first, value, ranks: list) -> str:
     where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     if isinstance(first, tuple) and isinstance(value, tuple) and key.endswith(" param shapes"):

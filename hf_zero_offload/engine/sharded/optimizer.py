@@ -74,7 +74,7 @@ from ..lifetime import weak_label
 from ..options import OffloadOptions
 from ..streams import Streams
 from ..upload import ParamUploader
-from .agree import check_ranks_agree, hyper_disagreement
+from .agree import check_arguments, check_ranks_agree, hyper_disagreement
 from .peers import PeerNotes, SaidToPeers, said
 from .layout import Partition
 from .plan import make_plan
@@ -111,7 +111,7 @@ class ShardedAdam(SaidToPeers, AdamCore):
         self._peers = PeerNotes(process_group, rank, W)
         setup, failure, others = {}, None, []
         try:
-            self._check_arguments(stage, offload, options, device_adam, W)
+            check_arguments(stage, offload, options.dpu, device_adam, W)
             super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                              param_dtype=param_dtype, options=options, streams=streams, device=device)
             self.stage, self.offload, self.process_group = stage, offload, process_group
@@ -131,17 +131,6 @@ class ShardedAdam(SaidToPeers, AdamCore):
         # every check first; then an engine on these params is replaced (it publishes nothing, lifetime.py)
         with self._peers.call("the ShardedAdam's build"), self._taking_params(others):
             self._build_state(self.streams.cuda, tiled, allgather_bucket_numel)
-
-    @staticmethod
-    def _check_arguments(stage: int, offload: bool, options: OffloadOptions, device_adam: str, world_size: int):
-        if stage not in (0, 1, 2):
-            raise ValueError(f"stage must be 0 (one process), 1 or 2, got {stage!r}")
-        if options.dpu and not offload:
-            raise ValueError("the delayed parameter update hides the CPU step: it needs offload=True")
-        if device_adam not in ("auto", "torch", "kernel"):
-            raise ValueError(f"device_adam must be 'auto', 'torch' or 'kernel', got {device_adam!r}")
-        if stage == 0 and world_size > 1:
-            raise ValueError(f"stage 0 (no partitioning) runs on one process, not {world_size}; use stage 1 or 2")
 
     def _lay_out(self, device_adam: str, reduce_scatter: bool, allgather_bucket_numel: int) -> bool:
         """The partition, the reducer and the plan (no allocation, no collective); whether updates go up tiled."""
