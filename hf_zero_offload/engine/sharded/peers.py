@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import socket
 
+import torch
 import torch.distributed as dist
 
 # what gloo and NCCL say when a peer is gone or never came (torch raises some of them as a plain RuntimeError)
@@ -128,6 +129,7 @@ class SaidToPeers:
     (``close()``, a replacement) is said, so that a peer still in the lockstep learns of it (``_peers``)."""
     _peers: PeerNotes | None = None
 
+    @torch._disable_dynamo  # (as AdamCore.step: never traced)
     def step(self, closure=None):
         with self._said("step()"):
             return super().step(closure)
@@ -145,7 +147,8 @@ class SaidToPeers:
             return super().load_state_dict(state)
 
     def _said(self, doing: str, entering: str | None = None):
-        if self._peers is None or self._done_why is not None:  # (a refusal of an ended engine: its end was said)
+        # one process, no store, or an ended engine (its refusal: its end was said): nothing to say or to read
+        if self._peers is None or self._peers.store is None or self._done_why is not None:
             return contextlib.nullcontext()
         return self._peers.call(doing, entering)
 
