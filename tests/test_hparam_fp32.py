@@ -145,6 +145,8 @@ CONFIG = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
       "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e300, "total_num_steps": 10}}},
      r"scheduler\.params\.warmup_max_lr: lr=1e\+300 overflows"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e39}}},  # (no optimizer block)
+     r"scheduler\.params\.warmup_max_lr: lr=1e\+39 overflows"),
 ])
 def test_a_ds_config_value_the_step_cannot_take_is_named_with_its_key(blocks, match):
     with pytest.raises(ConfigError, match=r"<dict>: " + match):

@@ -259,9 +259,12 @@ class _Resolver:
 
     def check_fp32(self, opt: OptimizerConfig | None, sched: SchedulerConfig | None) -> None:
         """The resolved optimizer values, and the peak lr a WarmupLR/WarmupDecayLR sets, as the step computes with them
-        (``ops.hparams.fp32_problem``): named as the file (or the argument an "auto" took) gives them."""
-        if opt is None:
-            return  # the arguments' values (check_arguments), or the defaults
+        (``ops.hparams.fp32_problem``), named by their key (a value an "auto" took from the arguments was named as
+        the argument already: check_arguments)."""
+        a = self.args
+        if opt is None:  # the arguments' values run (checked by check_arguments), or the defaults: a peak lr is left
+            opt = OptimizerConfig() if a is None else OptimizerConfig(
+                lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, weight_decay=a.weight_decay)
         p = "optimizer.params."
         lrs = [(p + "lr", opt.lr)]
         if sched is not None and sched.type != "WarmupCosineLR":  # (its ratios scale the optimizer's lr down)
@@ -271,9 +274,7 @@ class _Resolver:
                                    adamw=opt.adam_w_mode)
             if problem:
                 key = lr_key if problem[0] == "lr" else p + problem[0]
-                given = self.get(key) not in (AUTO, _MISSING) or self.args is None
-                origin = "" if given else f" (from --{_ARG_OF[key.rsplit('.', 1)[1].replace('warmup_max_', '')]})"
-                raise ConfigError(f"{self.source}: {key}{origin}: {problem[1]}")
+                raise ConfigError(f"{self.source}: {key}: {problem[1]}")
 
     def run(self) -> TrainingConfig:
         a, cfg = self.args, self.cfg
@@ -311,7 +312,7 @@ class _Resolver:
                               check_grad_overflow=bf16 and check_overflow)
 
 
-# the TrainingArguments an optimizer key's "auto" takes (check_arguments, check_fp32)
+# the TrainingArguments an optimizer key's "auto" takes (check_arguments)
 _ARG_OF = {"lr": "learning_rate", "eps": "adam_epsilon", "weight_decay": "weight_decay"}
 
 
