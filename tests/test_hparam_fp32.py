@@ -22,6 +22,7 @@ KINDS = ("cpu_adam", "offload", "offload-dpu")
 BF16 = torch.bfloat16
 BAD = [  # (group values, the key and value the error names)
     (dict(lr=1e300), r"lr=1e\+300 overflows float32"),
+    (dict(lr=10**400), r"lr=10000000000000000000\.\.\. \(401 digits\) overflows float32"),
     (dict(lr=1e38), r"lr=1e\+38 makes the step size lr / \(1 - beta1\^t\) = 1e\+39 at step 1"),
     (dict(eps=1e-320), r"eps=1e-320 is 0 in float32"),
     (dict(eps=1e39), r"eps=1e\+39 overflows float32"),

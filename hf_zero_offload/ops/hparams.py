@@ -96,7 +96,11 @@ def check_hyperparameters(*, lr, betas, eps, weight_decay, adamw: bool = True, s
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < top:
             want = "a finite number >= 0" if top == math.inf else "in [0, 1)"
             raise ValueError(f"{name} must be {want}, got {v!r}")
-        values[name] = float(v)
+        try:
+            values[name] = float(v)
+        except OverflowError:  # an int past any float (10**400): refused as the overflow it is
+            raise ValueError(f"{name}={str(v)[:20]}... ({len(str(v))} digits) overflows float32 (largest "
+                             f"{FLT_MAX:.4g}), the precision the step computes in") from None
     problem = fp32_problem(lr=values["lr"], beta1=values["beta1"], eps=values["eps"],
                            weight_decay=values["weight_decay"], adamw=bool(adamw), step=step)
     if problem:
