@@ -133,6 +133,10 @@ def test_the_kernel_call_checks_the_step_size_of_its_own_step():
     p, g, m, v = arrays()
     ops.adam_step(p, g, m, v, step=100, lr=1e38)
     assert torch.isfinite(p).all()
+    # Adam's L2 mode forms no decay 1 - lr * weight_decay: taken there, refused in AdamW's
+    CPUAdam([nn.Parameter(torch.ones(2))], lr=1e20, weight_decay=1e20, adamw_mode=False)
+    with pytest.raises(ValueError, match=r"weight_decay=1e\+20 with lr=1e\+20 makes the decay"):
+        CPUAdam([nn.Parameter(torch.ones(2))], lr=1e20, weight_decay=1e20)
 
 
 CONFIG = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},

@@ -59,7 +59,7 @@ class CPUAdam(torch.optim.Optimizer):
         differentiable: bool = False,
     ):
         try:  # before torch sees them: None, a string or nan would otherwise pass or fail obscurely
-            ops.check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            ops.check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=bool(adamw_mode))
         except ValueError as e:
             raise ValueError(f"CPUAdam: {e}") from None
         ops.check_state_dtype(state_dtype)
