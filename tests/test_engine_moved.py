@@ -203,3 +203,28 @@ def test_a_plain_trainer_moving_the_model_after_the_build(tmp_path):
     trainer.train()
     assert engine.global_steps == 2
     engine.close()
+
+
+@pytest.mark.parametrize("kind", ["offload-dpu", "zero2-offload-dpu"])
+def test_flush_of_a_moved_model_is_refused_by_name_and_keeps_the_step_in_flight(kind):
+    """flush() (a delayed step's publish) was the one use of an engine whose model moved that was not refused: it
+    published across devices. Now refused as backward, step() and adopt_changed_params() are, leaving the step in
+    flight; once the model is back, the flush publishes it, equal to an engine never refused."""
+    torch.manual_seed(0)
+    model, ref = TinyNet(), TinyNet()
+    ref.load_state_dict(model.state_dict())
+    engine, ref_engine = build(kind, model), build(kind, ref)
+    run_steps(model, engine, batches(3))
+    run_steps(ref, ref_engine, batches(3))
+    assert engine.needs_publish  # a delayed step in flight
+    before = [p.detach().clone() for p in model.parameters()]
+    built_on(engine, "meta")
+    with pytest.raises(RuntimeError, match=refusal(type(engine), "meta", "cpu", "embed.weight")):
+        engine.flush()
+    assert engine.needs_publish and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    built_on(engine, "cpu")
+    engine.flush()
+    ref_engine.flush()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    engine.close()
+    ref_engine.close()

@@ -59,7 +59,7 @@ class CPUAdam(torch.optim.Optimizer):
         differentiable: bool = False,
     ):
         try:  # before torch sees them: None, a string or nan would otherwise pass or fail obscurely
-            ops.check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            ops.check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=bool(adamw_mode))
         except ValueError as e:
             raise ValueError(f"CPUAdam: {e}") from None
         ops.check_state_dtype(state_dtype)
@@ -360,7 +360,7 @@ def _check_group(group: dict, index: int | None = None) -> None:
     try:
         ops.check_state_dtype(group.get("state_dtype", "fp32"))
         ops.check_hyperparameters(lr=group.get("lr"), betas=group.get("betas"), eps=group.get("eps"),
-                                  weight_decay=group.get("weight_decay"))
+                                  weight_decay=group.get("weight_decay"), adamw=group.get("adamw_mode", True))
     except ValueError as e:
         raise ValueError(f"{where}{e}") from None
 

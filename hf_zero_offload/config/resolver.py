@@ -8,6 +8,7 @@ import math
 import numbers
 from typing import Any
 
+from ..ops.hparams import fp32_problem
 from .loader import Checked, check
 from .schema import AUTO, ConfigError
 from .training import (DEFAULT_BUCKET_SIZE, ArgsView, DPUConfig, FP16Config, OptimizerConfig, SchedulerConfig,
@@ -249,6 +250,31 @@ class _Resolver:
                if not ok(getattr(a, name))]
         if bad:
             raise ConfigError("; ".join(bad))
+        # in range as Python floats, but the step computes in fp32 (ops/hparams.py): --learning_rate 1e300 trained
+        # every weight to NaN, --adam_epsilon 1e-320 with no eps
+        problem = fp32_problem(lr=a.learning_rate, beta1=a.adam_beta1, eps=a.adam_epsilon, weight_decay=a.weight_decay)
+        if problem:
+            name = _ARG_OF[problem[0]]
+            raise ConfigError(f"--{name} {getattr(a, name)!r}: {problem[1]}")
+
+    def check_fp32(self, opt: OptimizerConfig | None, sched: SchedulerConfig | None) -> None:
+        """The resolved optimizer values, and the peak lr a WarmupLR/WarmupDecayLR sets, as the step computes with them
+        (``ops.hparams.fp32_problem``), named by their key (a value an "auto" took from the arguments was named as
+        the argument already: check_arguments)."""
+        a = self.args
+        if opt is None:  # the arguments' values run (checked by check_arguments), or the defaults: a peak lr is left
+            opt = OptimizerConfig() if a is None else OptimizerConfig(
+                lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, weight_decay=a.weight_decay)
+        p = "optimizer.params."
+        lrs = [(p + "lr", opt.lr)]
+        if sched is not None and sched.type != "WarmupCosineLR":  # (its ratios scale the optimizer's lr down)
+            lrs.append(("scheduler.params.warmup_max_lr", sched.warmup_max_lr))
+        for lr_key, lr in lrs:
+            problem = fp32_problem(lr=lr, beta1=opt.betas[0], eps=opt.eps, weight_decay=opt.weight_decay,
+                                   adamw=opt.adam_w_mode)
+            if problem:
+                key = lr_key if problem[0] == "lr" else p + problem[0]
+                raise ConfigError(f"{self.source}: {key}: {problem[1]}")
 
     def run(self) -> TrainingConfig:
         a, cfg = self.args, self.cfg
@@ -275,6 +301,7 @@ class _Resolver:
                        + ("; fp16's loss scaling skips overflow steps itself" if fp16 else ""))
         if scheduler is not None:
             self.check_schedule(scheduler)
+        self.check_fp32(optimizer, scheduler)
         f = cfg.get("fp16", {})
         fp16_cfg = FP16Config(fp16, float(f.get("loss_scale", 0.0)), f.get("initial_scale_power", 16),
                               f.get("loss_scale_window", 1000), f.get("hysteresis", 2),
@@ -283,6 +310,10 @@ class _Resolver:
                               cfg.get("steps_per_print", 10), cfg.get("wall_clock_breakdown", False), self.source,
                               grad_accum_fp32=(cfg.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
                               check_grad_overflow=bf16 and check_overflow)
+
+
+# the TrainingArguments an optimizer key's "auto" takes (check_arguments)
+_ARG_OF = {"lr": "learning_rate", "eps": "adam_epsilon", "weight_decay": "weight_decay"}
 
 
 def resolve(raw_or_path: Any, args: ArgsView | None = None) -> TrainingConfig:

@@ -275,7 +275,8 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         for i, g in enumerate(self.param_groups):
             try:
                 check_group_flags(g, self.options.state_dtype)
-                ops.check_hyperparameters(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
+                ops.check_hyperparameters(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
+                                          adamw=g["adamw_mode"])
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__} param group {i}: {e}") from None
 

@@ -92,6 +92,10 @@ class DelayedUpdate:
         """Finish an in-flight DPU step and publish its parameters (end of training, before
         evaluation or a final save; sharded, every rank calls it)."""
         self._check_open("flush()")
+        # a model moved since the build (model.to("cuda") after building over the CPU model) is refused by name, as
+        # at backward, step() and adopt_changed_params(): the publish would have written across devices (nothing
+        # is waited for or published: the step stays in flight for a flush once the model is back)
+        self._refuse_moved([p for p, _, _ in self._flat])
         self._wait_worker()
         self._publish()
         if self.uploader is not None:

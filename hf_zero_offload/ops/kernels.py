@@ -9,6 +9,7 @@ import torch
 
 from .. import _C
 from ._args import _DTYPE_CODE, _HALF_OR_FLOAT, _check, _threads
+from .hparams import check_hyperparameters
 from .moments import _STATE_CODE, _state_kind, check_blocks
 
 _FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -71,7 +72,7 @@ def adam_step(
     step = int(step)
     if not 1 <= step < 2**63:
         raise ValueError(f"step must be in [1, 2**63) (the 1-based count after this update), got {step}")
-    check_hyperparameters(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    check_hyperparameters(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, adamw=adamw, step=step)
     # A negative scale would ascend the gradient. nan passes, as NaN gradients do: the engines'
     # clipping coefficient of a non-finite norm is nan, so the NaNs reach the params as with torch.
     if not (type(grad_scale) is float or (isinstance(grad_scale, numbers.Real) and not isinstance(grad_scale, bool))
@@ -112,31 +113,6 @@ def check_separate(**arrays) -> None:
 
 def _extent(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:
-    """Adam's hyper-parameters as a step uses them (a param group's values, as they are): lr, eps and
-    weight_decay finite and >= 0, two betas in [0, 1); a one-element tensor counts as its value. A
-    ValueError names the first bad one. Checked at every step, not only when an optimizer is built:
-    an LR scheduler (or an edited param group) that yields nan, inf or a negative value would
-    otherwise corrupt every master it reaches."""
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be two numbers, got {betas!r}") from None
-    # plain floats in range (nan fails every comparison) pass at the cost of a few compares: this
-    # runs at every kernel call
-    if (type(lr) is float and type(eps) is float and type(weight_decay) is float and type(beta1) is float
-            and type(beta2) is float and 0.0 <= lr < math.inf and 0.0 <= eps < math.inf
-            and 0.0 <= weight_decay < math.inf and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        return
-    for name, v, top in (("lr", lr, math.inf), ("eps", eps, math.inf), ("weight_decay", weight_decay, math.inf),
-                         ("beta1", beta1, 1.0), ("beta2", beta2, 1.0)):
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < top:
-            want = "a finite number >= 0" if top == math.inf else "in [0, 1)"
-            raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 def stream_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,

@@ -181,8 +181,14 @@ class ZeroOffloadMixin(NamedPeerFailures, SameBatches, CheckpointSaving, AgreedC
         return self._zo_build(self.model, groups_from_optimizer(opt, where, self.model), where)
 
     def create_optimizer(self, model=None):
-        if self._zo_raw is None or self.optimizer is not None:
-            return super().create_optimizer(model) if self._zo_raw is None else self.optimizer
+        if self._zo_raw is None:
+            return super().create_optimizer(model)
+        if self.optimizer is not None:
+            if (engine := self.zero_engine) is not None:
+                # closed, or replaced by another Trainer's (or a user's) engine on this model: said now, naming why,
+                # as train() says it; it was handed back, to be refused only at its first use
+                engine._check_open("create_optimizer()")
+            return self.optimizer
         model = self.model if model is None else model
         base = self._zo_base_create_optimizer()
         if base is None and getattr(self, "optimizer_cls_and_kwargs", None) is not None:
