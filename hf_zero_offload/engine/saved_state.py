@@ -153,7 +153,7 @@ class SavedState(WrittenParams):
         params' names too (``param_names.check_names``)."""
         meta = contents.with_empty_groups(meta, self._slot_meta(), self.param_groups)
         contents.check_meta(meta, where, numel=self.numel, slots=self._slot_meta(), groups=len(self.param_groups),
-                             steps=self._param_steps.numel())
+                             steps=self._param_steps.numel(), own_groups=self.param_groups)
         if names:
             param_names.check_names(meta, self.param_groups, self._slots, where)
         try:

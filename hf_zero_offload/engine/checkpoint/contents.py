@@ -74,9 +74,15 @@ def check_model(meta: dict, numel: int, slots: list) -> None:
                          f"in {params} params, this model has {numel} in {sum(map(len, slots))}")
 
 
-def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, steps: int) -> None:
+_STEP_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw_mode")  # a group's values the step checks
+
+
+def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, steps: int,
+               own_groups: list[dict] | None = None) -> None:
     """The small fields of a saved state (a file header or a state dict), checked before anything is
-    loaded, so a foreign or tampered state is refused by name and the engine stays as it was."""
+    loaded, so a foreign or tampered state is refused by name and the engine stays as it was. ``own_groups``: the
+    loading engine's param groups, whose values a saved group's missing keys leave in place (the load checks the
+    values its next step would check)."""
     check_model(meta, numel, slots)
 
     def bad(field: str, want: str, got) -> StateFileError:
@@ -89,14 +95,20 @@ def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, 
     if not isinstance(saved, list) or len(saved) != groups or not all(isinstance(g, dict) for g in saved):
         raise bad("param_groups", f"a list of {groups} dicts", saved)
     for i, g in enumerate(saved):
-        try:  # the values a step would check (ops.check_hyperparameters); a missing key is left to the defaults
-            ops.check_hyperparameters(lr=g.get("lr", 0.0), betas=g.get("betas", (0.0, 0.0)), eps=g.get("eps", 0.0),
-                                      weight_decay=g.get("weight_decay", 0.0))
+        if not isinstance(g.get("adamw_mode", True), bool):
+            raise bad(f"param_groups[{i}].adamw_mode", "a bool", g["adamw_mode"])
+        # the values the next step checks (ops.check_hyperparameters), as the load leaves them: the saved ones over the
+        # engine's own; adamw_mode too (an Adam state whose lr * weight_decay overflows the AdamW decay it never
+        # forms was refused here while its step took it)
+        v = {"lr": 0.0, "betas": (0.0, 0.0), "eps": 0.0, "weight_decay": 0.0, "adamw_mode": True,
+             **({k: own_groups[i][k] for k in _STEP_KEYS if k in own_groups[i]} if own_groups else {}),
+             **{k: g[k] for k in _STEP_KEYS if k in g}}
+        try:
+            ops.check_hyperparameters(lr=v["lr"], betas=v["betas"], eps=v["eps"], weight_decay=v["weight_decay"],
+                                      adamw=v["adamw_mode"])
         except ValueError as e:
             raise StateFileError(f"{where}: param_groups[{i}].{e}; this state was not written by hf_zero_offload "
                                  "(or is damaged)") from None
-        if not isinstance(g.get("adamw_mode", True), bool):
-            raise bad(f"param_groups[{i}].adamw_mode", "a bool", g["adamw_mode"])
     counts = meta.get("param_steps")
     if not isinstance(counts, list) or len(counts) != steps or not all(map(is_count, counts)):
         raise bad("param_steps", f"a list of {steps} ints >= 0", counts)
