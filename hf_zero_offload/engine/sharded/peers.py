@@ -29,6 +29,7 @@ COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Br
 # what they say when this rank's own wait ran out (the peer may be alive): gloo's, NCCL's watchdog's
 TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
 _KEY = "hf_zero_offload/engine/{}/rank{}"  # engine number on the default group, rank
+_ITS_OWN = ("raised in ", "was interrupted", "failed to build")  # a peer's line of its own error, not of its calls
 _BUILT = [0]  # ShardedAdam engines this process began to build on the default group with several ranks
 
 
@@ -78,26 +79,41 @@ class PeerNotes:
             with contextlib.suppress(Exception):
                 self.store.delete_key(_KEY.format(self.number, self.rank))
 
-    def named(self, e: BaseException, doing: str) -> BaseException | None:
+    def named(self, e: BaseException, doing: str, mine: str | None = None) -> BaseException | None:
         """The error to raise in place of collective failure ``e`` met in ``doing``, naming the peers that said what
-        they did (None: not a collective failure, or no peer said anything)."""
+        they did (None: not a collective failure, or no peer said anything). ``mine``: the line this rank said on
+        entering ``doing``; a peer that said the same is in the same call, not out of step (it was killed, or is
+        stuck in it), and is named so, not blamed for the order of calls."""
         if self.store is None or not collective_failure(e) or getattr(e, "_hzo_named", False):
             return None
-        lines = []
+        lines, same = [], []
         try:
             for r in range(self.world_size):
                 key = _KEY.format(self.number, r)
                 if r != self.rank and self.store.check([key]):
                     host, _, text = self.store.get(key).decode().partition("\n")
-                    lines.append(f"rank {r} (host {host}) {text}")
+                    if mine is not None and text == mine:
+                        same.append(f"rank {r} (host {host})")
+                    else:
+                        lines.append((f"rank {r} (host {host}) {text}", text.startswith(_ITS_OWN)))
         except Exception:  # noqa: BLE001 - the store gone with its host: gloo's words are all there is
             return None
-        if not lines:
+        timeout = any(w in str(e) for w in TIMEOUT_WORDS)
+        if lines:
+            waited = "until the collective timeout" if timeout else "until it was gone"
+            advice = ("see that rank's error" if all(own for _, own in lines) else "every rank must make the same "
+                      "ShardedAdam calls (build, step, close, save_checkpoint, load_checkpoint, flush) in the same "
+                      "order")
+            text = f"{'; '.join(t for t, _ in lines)}; this rank (rank {self.rank}) waited for it in {doing} {waited}: " \
+                   f"{advice}"
+        elif same:
+            ended = ("did not get on (stuck, e.g. in a file write?) until this rank's collective timeout" if timeout
+                     else "ended without a word (its process killed: out of memory, a signal?)")
+            text = (f"{' and '.join(same)} {'was' if len(same) == 1 else 'were'} in {doing} too, as this rank (rank "
+                    f"{self.rank}) was, and {'' if len(same) == 1 else 'one of them '}{ended}: see that rank's log")
+        else:
             return None
-        waited = "until the collective timeout" if any(w in str(e) for w in TIMEOUT_WORDS) else "until it was gone"
-        out = RuntimeError(f"{'; '.join(lines)}; this rank (rank {self.rank}) waited for it in {doing} {waited}: "
-                           "every rank must make the same ShardedAdam calls (build, step, close, save_checkpoint, "
-                           f"load_checkpoint, flush) in the same order ({said(e, 200)})")
+        out = RuntimeError(f"{text} ({said(e, 200)})")
         out._hzo_named = True
         return out
 
@@ -111,7 +127,7 @@ class PeerNotes:
         try:
             yield
         except Exception as e:
-            named = self.named(e, doing)
+            named = self.named(e, doing, entering)
             if named is None and entering is not None and self.store is not None and collective_failure(e):
                 named = RuntimeError(f"this rank (rank {self.rank}) was in {doing} and the other ranks did not come to "
                                      f"it (none said why): every rank must call {doing} ({said(e, 200)})")
@@ -119,6 +135,9 @@ class PeerNotes:
                 raise named from e
             if not collective_failure(e):
                 self.say(f"raised in {doing}: {said(e)}")
+            raise
+        except BaseException as e:  # Ctrl-C (KeyboardInterrupt), SystemExit: the peers wait for this rank too
+            self.say(f"was interrupted ({type(e).__name__}) in {doing}")
             raise
         if entering is not None:
             self.unsay()
