@@ -67,3 +67,25 @@ def test_a_rank_killed_in_the_same_save_is_not_blamed_for_the_order_of_calls(tmp
     # save_checkpoint() until it was gone: every rank must make the same ShardedAdam calls ... in the same order"
     assert said0.startswith("RuntimeError: rank 1 (host ") and "was in save_checkpoint() too, as this rank (rank 0) " \
         "was, and ended without a word" in said0 and "same order" not in said0, said0
+
+
+def _many_engines_job(rank, world, n):
+    import torch.distributed as dist
+
+    from hf_zero_offload.engine.sharded import peers
+    store = dist.distributed_c10d._get_default_store()
+    model = TinyNet()
+    numbers = []
+    for _ in range(n):  # a long run's engines: built, trained a step, saved nothing, closed
+        engine = _engine(model, 2)
+        run_steps(model, engine, batches(1, seed=rank))
+        numbers.append(engine._peers.number)
+        engine.close()
+    dist.barrier()
+    return [bool(store.check([peers._KEY.format(k, r)])) for k in numbers for r in range(world)]
+
+
+def test_the_lines_of_engines_every_rank_left_are_taken_back_at_the_next_build():
+    # before: each close left its line in the store for good (one key per engine and rank of a long run)
+    kept0, kept1 = run_distributed(_many_engines_job, 4, timeout=60, collective_timeout=20)
+    assert kept0 == kept1 == [False] * 6 + [True] * 2, (kept0, kept1)

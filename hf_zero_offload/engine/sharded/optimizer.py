@@ -127,6 +127,7 @@ class ShardedAdam(SaidToPeers, AdamCore):
                 o._said_replaced("began to build")
         # every rank's setup compared, and every rank's verdict: all go on or all raise, naming the rank
         check_ranks_agree(setup, process_group, W, failure=failure)
+        self._peers.forget_older()  # (every rank is here: none is still in an earlier engine's collectives)
         self._divisor = self.world_size  # the store holds the sum over ranks: grad_scale also averages
         # every check first; then an engine on these params is replaced (it publishes nothing, lifetime.py)
         with self._peers.call("the ShardedAdam's build"), self._taking_params(others):

@@ -12,6 +12,8 @@ leaves the lockstep, and read only once a collective has failed.
 
 Keys carry the engine's number on its group (each process counts the engines it builds there, so ranks that build
 the same engines agree on it): a line about an engine closed on every rank is not read by the next one's failure.
+A process's lines about earlier engines are deleted once every rank has agreed on a new build (``forget_older``):
+the store holds no line per engine of a long run.
 Only for the default process group (a subgroup's ranks are not the store's); with a ``file://`` store nothing is
 written (its file would grow a line per write).
 """
@@ -31,6 +33,9 @@ TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
 _KEY = "hf_zero_offload/engine/{}/rank{}"  # engine number on the default group, rank
 _ITS_OWN = ("raised in ", "was interrupted", "failed to build")  # a peer's line of its own error, not of its calls
 _BUILT = [0]  # ShardedAdam engines this process began to build on the default group with several ranks
+# (engine number, key) of the lines this process said and has not taken back: those of engines that every rank has
+# left are deleted at the next agreed build (``forget_older``), so the store keeps no line per engine of a long run
+_WRITTEN: set = set()
 
 
 def collective_failure(e: BaseException) -> bool:
@@ -73,11 +78,24 @@ class PeerNotes:
         if self.store is not None:
             with contextlib.suppress(Exception):  # (the store gone with its host: the error in flight is the one)
                 self.store.set(_KEY.format(self.number, self.rank), f"{self._host}\n{text}")
+                _WRITTEN.add((self.number, _KEY.format(self.number, self.rank)))
 
     def unsay(self) -> None:
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.delete_key(_KEY.format(self.number, self.rank))
+                _WRITTEN.discard((self.number, _KEY.format(self.number, self.rank)))
+
+    def forget_older(self) -> None:
+        """This process's lines about earlier engines, deleted: called once every rank has agreed on this engine's
+        build, so no rank is in a collective of theirs (a close's line was left in the store for good, one per
+        engine and rank of a long run)."""
+        if self.store is None:
+            return
+        for number, key in sorted(k for k in _WRITTEN if k[0] < self.number):
+            with contextlib.suppress(Exception):  # (a store since replaced by another process group: not there)
+                self.store.delete_key(key)
+            _WRITTEN.discard((number, key))
 
     def named(self, e: BaseException, doing: str, mine: str | None = None) -> BaseException | None:
         """The error to raise in place of collective failure ``e`` met in ``doing``, naming the peers that said what
