@@ -12,6 +12,7 @@ from ..config.checks import plain_numbers
 from ..config import ConfigError
 from ..config.loader import INLINE, check, is_inline, parse_inline
 from ..launch_checks import check_launch_env
+from ..launch_watch import watch_world_size
 from ..other_engines import refuse_other_engines, take_launcher_precision
 
 
@@ -65,6 +66,7 @@ def _before_post_init(args) -> None:
     # hang on an inconsistent set); only when our engine is asked for, as plain runs are transformers' business.
     if args.zero_offload is not None or args.sharded_ddp:
         check_launch_env()
+        watch_world_size()  # (another process's WORLD_SIZE: the rendezvous below would hang on it, launch_watch.py)
     # --resume_from_checkpoint false: no resume, as "true" means the newest checkpoint (it was taken for a path, and
     # a script's "output_dir not empty" check, which tests the value's truth, let the run write over the folder)
     args.resume_from_checkpoint = resume.no_resume_word(args.resume_from_checkpoint)

@@ -1,0 +1,99 @@
+"""Processes of one launch started with different ``WORLD_SIZE`` values, found and named instead of a hang.
+
+``launch_checks.check_launch_env`` checks one process's variables; it cannot see that rank 1 was started with
+``WORLD_SIZE=3`` while rank 0 has ``WORLD_SIZE=2`` (a hand-made launch, a script that sets the variables per
+process). torch does not compare them either: rank 0's store waits for 3 workers, or rank 1's gloo rendezvous waits
+for a rank 2 that never comes, inside ``init_process_group`` (TrainingArguments' setup), until the process group's
+timeout, 30 minutes by default, with no word (an outside probe: 2 processes, 2 vs 3 and 3 vs 2, both hung).
+
+Here each process of such a launch writes its ``WORLD_SIZE`` to rank 0's rendezvous store (``MASTER_ADDR``:
+``MASTER_PORT``, the TCPStore torch's ``env://`` rendezvous serves there) from a daemon thread, and reads the
+others': a process that finds another value prints one error naming both ranks and values and ends (its main thread
+is blocked inside torch's C++ rendezvous, where no Python exception reaches; its peers then end too). All alike: the
+thread ends, and nothing more is done. Not under torchrun (its variables are consistent by construction, and its
+agent's store outlives a restart with another world size) nor under MPI launchers.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .launch_checks import _MPI_RANK_VARS, launch_count
+
+_KEY = "hf_zero_offload/launch/world_size/rank{}"
+_POLL_S = 1.0
+_WATCH_S = 600.0  # then the thread gives up quietly (a peer that never came is torch's timeout to report)
+_STARTED: list = []
+
+
+def watch_world_size(env=None) -> None:
+    """Start the watch for this process (once), where ``env`` (``os.environ``) is a hand-made multi-process launch."""
+    env = os.environ if env is None else env
+    if _STARTED or (dist.is_available() and dist.is_initialized()) or "TORCHELASTIC_RUN_ID" in env \
+            or any(n in env for n in _MPI_RANK_VARS):
+        return
+    world, rank = launch_count(env, "WORLD_SIZE"), launch_count(env, "RANK")
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
+    if not world or world < 2 or rank is None or not addr or not port.strip().isdecimal():
+        return
+    _STARTED.append(True)
+
+    def connect():
+        # a plain socket first, until rank 0's store listens: a TCPStore client retrying a port not yet served
+        # logs a C++ traceback per try, in every healthy launch whose rank 0 starts last
+        deadline = time.monotonic() + _WATCH_S
+        while True:
+            try:
+                socket.create_connection((addr, int(port)), timeout=1.0).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        return dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=_WATCH_S))
+
+    threading.Thread(target=_watch, args=(connect, rank, world, _end_process), daemon=True,
+                     name="hf_zero_offload launch watch").start()
+
+
+def _watch(connect, rank: int, world: int, on_mismatch) -> None:
+    """Write ``world`` as rank ``rank``'s, then read the others' until all ``world`` ranks said the same (return) or
+    one said another (``on_mismatch(message)``). ``connect()``: the store client."""
+    try:
+        store = connect()
+        store.set(_KEY.format(rank), str(world))
+        deadline = time.monotonic() + _WATCH_S
+        seen: dict = {}
+        while time.monotonic() < deadline:
+            for r in range(max([world, *[int(v) for v in seen.values()]])):
+                if r not in seen and store.check([_KEY.format(r)]):
+                    seen[r] = store.get(_KEY.format(r)).decode()
+            other = {r: v for r, v in seen.items() if v != str(world)}
+            if other:
+                shown = ", ".join(f"WORLD_SIZE={v} on rank {r}" for r, v in sorted(other.items()))
+                on_mismatch(f"hf_zero_offload: LaunchError: WORLD_SIZE={world} on this process (rank {rank}) but "
+                            f"{shown}: every process of a run must be started with the same WORLD_SIZE (torchrun "
+                            "sets it so); torch.distributed's rendezvous would wait for ranks that never come until "
+                            "its timeout (30 minutes by default), so this process stops now")
+                return
+            if len(seen) >= world:
+                return
+            time.sleep(_POLL_S)
+    except Exception:  # noqa: BLE001 - no store to reach (another launch's port, a peer gone): torch says it
+        return
+
+
+def _end_process(message: str) -> None:
+    # the main thread is inside torch's C++ rendezvous (or a collective), which no Python exception interrupts
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(3 * _POLL_S)  # (rank 0 serves the store: its peers' watches read it before it goes)
+    os._exit(1)

@@ -1,0 +1,83 @@
+"""Processes of one hand-made launch started with different WORLD_SIZE values (hf_zero_offload/launch_watch.py):
+each names the mismatch and stops, where torch's rendezvous waited for ranks that never come until its timeout (30
+minutes by default; an outside probe: 2 vs 3 and 3 vs 2, both processes hung in TrainingArguments' setup)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from hf_zero_offload import launch_watch
+
+
+def _watch_all(worlds: list) -> list:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    said: list = [None] * len(worlds)
+
+    def one(rank, world):
+        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=20))
+        launch_watch._watch(lambda: client, rank, world, lambda m: said.__setitem__(rank, m))
+    threads = [threading.Thread(target=one, args=(r, w)) for r, w in enumerate(worlds)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    return said
+
+
+@pytest.mark.parametrize("worlds", [[2, 3], [3, 2]])
+def test_another_world_size_on_a_peer_is_named_on_every_process(worlds):
+    said = _watch_all(worlds)
+    for rank, world in enumerate(worlds):
+        other = worlds[1 - rank]
+        assert f"WORLD_SIZE={world} on this process (rank {rank}) but WORLD_SIZE={other} on rank {1 - rank}: every " \
+               "process of a run must be started with the same WORLD_SIZE" in said[rank], said
+
+
+def test_the_same_world_size_everywhere_ends_the_watch_without_a_word():
+    assert _watch_all([2, 2]) == [None, None]
+
+
+def test_torchrun_and_one_process_start_no_watch(monkeypatch):
+    monkeypatch.setattr(launch_watch, "_STARTED", [])
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0"}
+    for env in ({**base, "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}, {**base, "WORLD_SIZE": "1"}, {}):
+        launch_watch.watch_world_size(env)
+    assert launch_watch._STARTED == []
+
+
+_SCRIPT = """
+from hf_zero_offload import ZeroOffloadSeq2SeqTrainingArguments
+a = ZeroOffloadSeq2SeqTrainingArguments(output_dir={out!r}, use_cpu=True, report_to=[], zero_offload="zero2-offload")
+print("world", a.world_size, flush=True)
+import torch.distributed as dist
+dist.barrier()  # (training's first collective: rank 0, through its rendezvous, waits here for a rank still in it)
+"""
+
+
+@pytest.mark.slow
+def test_the_trainer_arguments_of_two_processes_with_another_world_size_stop_naming_it(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, world in enumerate((2, 3)):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
+        procs.append(subprocess.Popen([sys.executable, "-c", _SCRIPT.format(out=str(tmp_path / "out"))], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]  # before: both waited until the 30-minute timeout
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert "WORLD_SIZE=3 on this process (rank 1) but WORLD_SIZE=2 on rank 0" in outs[1], outs[1]
