@@ -1,7 +1,8 @@
 """A loaded state's hyper-parameters are checked as the next step checks them (engine/checkpoint/contents.py): with
 the group's adamw_mode, and with the loading engine's own values where the saved group lacks a key. An Adam (L2,
 adamw_mode=False) state whose lr * weight_decay overflows the AdamW decay 1 - lr * weight_decay (a constant Adam
-never forms) was refused at load as "not written by hf_zero_offload (or is damaged)" while its step took it."""
+never forms) was refused at load as "not written by hf_zero_offload (or is damaged)" while its step took it; the
+TrainingArguments an "Adam" ds_config block takes were checked as AdamW's too (config/resolver.py)."""
 from __future__ import annotations
 
 import pytest
@@ -63,3 +64,15 @@ def test_the_same_values_in_adamw_mode_are_refused_at_load_as_at_the_step():
         eb.load_state_dict(state)
     with pytest.raises(ValueError, match=r"weight_decay=1e\+38 with lr=10\.0 makes the decay"):
         _engine(nn.Linear(4, 3), **{**L2, "adamw_mode": True})
+
+
+def test_the_arguments_an_adam_block_takes_are_checked_in_its_l2_mode():
+    from hf_zero_offload.config import ArgsView, ConfigError, resolve
+    block = {"type": "Adam", "params": {"lr": "auto", "weight_decay": "auto", "adam_w_mode": False}}
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": block}
+    args = ArgsView(learning_rate=L2["lr"], weight_decay=L2["weight_decay"])
+    # before: "--weight_decay 1e+38: ... makes the decay 1 - lr * weight_decay", a constant this Adam never forms
+    assert resolve(cfg, args).optimizer.adam_w_mode is False
+    block["params"]["adam_w_mode"] = True
+    with pytest.raises(ConfigError, match=r"--weight_decay 1e\+38: weight_decay=1e\+38 with lr=10\.0 makes the decay"):
+        resolve(cfg, args)

@@ -126,9 +126,8 @@ class _Resolver:
                           (0.9, 0.999))
         eps = self.take(p + "eps", a and a.adam_epsilon, "--adam_epsilon", 1e-8)
         wd = self.take(p + "weight_decay", a and a.weight_decay, "--weight_decay", 0.0)
-        given = opt.get("params", {}).get("adam_w_mode")  # DeepSpeed reads it for "Adam" only
-        w_mode = opt["type"] == "AdamW" or given is not False
-        if opt["type"] == "AdamW" and given is False:
+        w_mode = _adam_w_mode(opt)
+        if opt["type"] == "AdamW" and opt.get("params", {}).get("adam_w_mode") is False:
             _warn_once(f'{self.source}: "type": "AdamW" with adam_w_mode=false runs AdamW (decoupled weight decay), as '
                        'in DeepSpeed; for L2-style decay use "type": "Adam"')
         return OptimizerConfig(opt["type"], float(lr), (float(betas[0]), float(betas[1])), float(eps), float(wd),
@@ -252,7 +251,9 @@ class _Resolver:
             raise ConfigError("; ".join(bad))
         # in range as Python floats, but the step computes in fp32 (ops/hparams.py): --learning_rate 1e300 trained
         # every weight to NaN, --adam_epsilon 1e-320 with no eps
-        problem = fp32_problem(lr=a.learning_rate, beta1=a.adam_beta1, eps=a.adam_epsilon, weight_decay=a.weight_decay)
+        # (in the mode the run steps in: an "Adam" block's L2 decay forms no 1 - lr * weight_decay to overflow)
+        problem = fp32_problem(lr=a.learning_rate, beta1=a.adam_beta1, eps=a.adam_epsilon, weight_decay=a.weight_decay,
+                               adamw=_adam_w_mode(self.cfg.get("optimizer")))
         if problem:
             name = _ARG_OF[problem[0]]
             raise ConfigError(f"--{name} {getattr(a, name)!r}: {problem[1]}")
@@ -310,6 +311,12 @@ class _Resolver:
                               cfg.get("steps_per_print", 10), cfg.get("wall_clock_breakdown", False), self.source,
                               grad_accum_fp32=(cfg.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
                               check_grad_overflow=bf16 and check_overflow)
+
+
+def _adam_w_mode(opt: dict | None) -> bool:
+    """Whether the run's Adam decays as AdamW: unless an "Adam" block says adam_w_mode false (DeepSpeed reads the key
+    for "Adam" only); AdamW without a block (the Trainer's)."""
+    return opt is None or opt["type"] == "AdamW" or opt.get("params", {}).get("adam_w_mode") is not False
 
 
 # the TrainingArguments an optimizer key's "auto" takes (check_arguments)
