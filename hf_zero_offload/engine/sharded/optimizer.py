@@ -87,10 +87,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class ShardedAdam(SaidToPeers, AdamCore):
     """Adam/AdamW over replicated parameters with the optimizer state sharded across ranks.
 
-    The public surface is ``OffloadAdam``'s (``AdamCore``). ``stage``: 1 or
-    2 (0: one process, gradients taken from ``.grad`` at ``step()``, as stage 1); ``offload``:
-    optimizer state and step on the CPU; ``reduce_scatter``: False reduces each owner's piece to it; ``process_group``: default group when None
-    (no initialised group: one process, world size 1). ``device_adam`` (no offload only): "auto"
+    The public surface is ``OffloadAdam``'s (``AdamCore``). ``stage``: 1 or 2 (0: one process, gradients taken
+    from ``.grad`` at ``step()``, as stage 1); ``offload``: optimizer state and step on the CPU; ``reduce_scatter``:
+    False reduces each owner's piece to it; ``process_group``: default group when None (no initialised group: one
+    process, world size 1). ``device_adam`` (no offload only): "auto"
     (torch's fused AdamW on CUDA, the fused CPU kernel when the device is the CPU), or "torch" /
     "kernel" to force one (the tests run the CUDA path's math on the CPU with "torch").
     """
