@@ -90,9 +90,8 @@ class ShardedAdam(SaidToPeers, AdamCore):
     The public surface is ``OffloadAdam``'s (``AdamCore``). ``stage``: 1 or 2 (0: one process, gradients taken
     from ``.grad`` at ``step()``, as stage 1); ``offload``: optimizer state and step on the CPU; ``reduce_scatter``:
     False reduces each owner's piece to it; ``process_group``: default group when None (no initialised group: one
-    process, world size 1). ``device_adam`` (no offload only): "auto"
-    (torch's fused AdamW on CUDA, the fused CPU kernel when the device is the CPU), or "torch" /
-    "kernel" to force one (the tests run the CUDA path's math on the CPU with "torch").
+    process, world size 1). ``device_adam`` (no offload only): "auto" (torch's fused AdamW on CUDA, the fused CPU
+    kernel on the CPU), or "torch" / "kernel" to force one (tests run the CUDA path's math on the CPU with "torch").
     """
     _RELEASED = AdamCore._RELEASED + ("regions", "_gather_buf", "reducer")  # (lifetime.EngineEnd)
 
