@@ -13,13 +13,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError
 
 from .. import resume
 from ..resume import rotation
 from ..saved_names import write_param_names
 from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
+from ..engine.sharded.peers import default_store
 from ..run_lock import confirm_job_lock
 from .shared_dir import distributed, failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
@@ -70,18 +70,8 @@ def _remove_checkpoint(folder: str) -> list[str]:
 
 
 def shared_store(world_size: int):
-    """The store the ranks' process group shares, with several ranks (None: one process, none to be had, or a
-    FileStore, whose file would grow by a line per rank and step)."""
-    if not distributed(world_size):
-        return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return None
-    under = store
-    while hasattr(under, "underlying_store"):  # (PrefixStores over the TCPStore or FileStore, 2 deep under torchrun)
-        under = under.underlying_store
-    return None if isinstance(under, dist.FileStore) else store
+    """The store the ranks' process group shares, with several ranks (None: one process, or no store to be had)."""
+    return default_store() if distributed(world_size) else None
 
 
 def progress_count(store, rank: int) -> list | None:

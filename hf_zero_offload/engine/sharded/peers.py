@@ -49,7 +49,9 @@ def said(e: BaseException, cap: int = 300) -> str:
     return f"{type(e).__name__}: {text[:cap]}" if text else type(e).__name__
 
 
-def _default_store(process_group):
+def default_store(process_group=None):
+    """The store of the default process group (None: ``process_group`` is another group, there is none, or it is a
+    FileStore, whose file would grow by a line per write). The Trainer integration's saves share it (saving.py)."""
     if process_group is not None and process_group != dist.group.WORLD:
         return None
     try:
@@ -67,7 +69,7 @@ class PeerNotes:
 
     def __init__(self, process_group, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-        self.store = _default_store(process_group) if world_size > 1 else None
+        self.store = default_store(process_group) if world_size > 1 else None
         if self.store is not None:
             _BUILT[0] += 1
         self.number = _BUILT[0]
