@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_distributed
-from _models import TinyNet, batches, loss_fn, param_groups, run_steps
+from _models import TinyNet, batches, param_groups, run_steps
 from hf_zero_offload.engine import OffloadOptions, ShardedAdam
 
 
