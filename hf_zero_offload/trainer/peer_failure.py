@@ -6,7 +6,7 @@ by peer [127.0.0.1]:37056 ... GLHF!"), naming neither the rank nor the cause (an
 rank whose ``train()`` raises writes its error to the store the process group shares (one key, before its process
 ends), and a rank whose own error is such a collective failure looks there for a moment and raises one line naming
 the rank that failed first and its error, chained to its own. Nothing with one process or without a shared store
-(a ``file://`` one: ``saving.shared_store``).
+(a ``file://`` one: ``progress.shared_store``).
 
 The same holds around every call of the Trainer with collectives (``NamedPeerFailures``): its constructor (a
 ds_config file one node cannot read, a ``model_init`` raising on one rank: the others failed in gloo's words at the
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..engine.sharded.peers import TIMEOUT_WORDS as _TIMEOUT_WORDS
 from ..engine.sharded.peers import collective_failure  # noqa: F401 - (used below, and by name elsewhere)
+from .progress import progress_count, shared_store
 from .shared_dir import ranks_named
 
 _KEY = "hf_zero_offload/failed/{}/rank{}"  # train() generation, rank
@@ -134,7 +135,6 @@ def _back_in() -> None:
     rank killed in it) said it had returned and was not in the call, blaming the script."""
     if not _LEFT:
         return
-    from .saving import shared_store
     key = _LEFT.pop()
     with contextlib.suppress(Exception):  # (the store gone: no peer is left to read the key)
         shared_store(dist.get_world_size()).delete_key(key)
@@ -161,7 +161,6 @@ class NamedPeerFailures:
             return None
         with contextlib.suppress(Exception):
             e._zo_seen = True
-        from .saving import progress_count, shared_store  # (saving's store and train() generations; it imports us)
         try:
             if not (dist.is_available() and dist.is_initialized()):
                 return None
@@ -180,7 +179,6 @@ class NamedPeerFailures:
     def _zo_returned(self) -> None:
         """After a train() that returned: its generation and step, for a peer left in a collective this rank never
         joins (a call made on one rank only)."""
-        from .saving import progress_count, shared_store
         with contextlib.suppress(Exception):  # (nothing to say it in: nothing lost)
             store = shared_store(dist.get_world_size()) if dist.is_initialized() else None
             count = progress_count(store, dist.get_rank()) if store is not None else None

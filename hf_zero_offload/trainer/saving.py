@@ -19,31 +19,17 @@ from .. import resume
 from ..resume import rotation
 from ..saved_names import write_param_names
 from ..engine.checkpoint import atomic_path, fsync_dir, fsync_tree, remove_durably
-from ..engine.sharded.peers import default_store
 from ..run_lock import confirm_job_lock
 from .shared_dir import distributed, failed_elsewhere, missing_rank_files
 from .last_step import publish_for_final_save
 from .peer_failure import failed_peer
+from .progress import PROGRESS_KEY, parse_progress, progress_count, shared_store
 from .save_errors import CheckpointSaveError, failed_on, wrap  # noqa: F401 (CheckpointSaveError: the API)
 
 logger = logging.getLogger(__name__)
 
 STATE_DIR = "zero_offload"
 SCHEDULER_NAME = "scheduler.pt"
-
-
-# Where each rank is, in the store every rank shares: "<g>:<n>:saving" or "<g>:<n>:passed", n counting the Trainer's
-# log/evaluate/save points in this rank's g-th train() (the same on every rank: one after each step and each epoch;
-# each train() starts again from 0, so a retry after an interrupt that caught the ranks at different points lines up
-# again). The counts go on from this rank's own key when this module is (re)loaded: a module-level count, which
-# %autoreload set back to 0 while the peers' keys held the old counts, had a save read them as gone on.
-_PROGRESS_KEY = "hf_zero_offload/progress/rank{}"
-_COUNT: dict = {}  # key -> [g, n] of this rank, read from the store once per import
-
-
-def _parse(seen: str) -> tuple[tuple[int, int], str]:
-    g, n, state = seen.split(":")
-    return (int(g), int(n)), state
 
 
 def _remove_checkpoint(folder: str) -> list[str]:
@@ -67,21 +53,6 @@ def _remove_checkpoint(folder: str) -> list[str]:
         said(None, folder, e)
     shutil.rmtree(folder, **({"onexc": said} if sys.version_info >= (3, 12) else {"onerror": said}))
     return failed
-
-
-def shared_store(world_size: int):
-    """The store the ranks' process group shares, with several ranks (None: one process, or no store to be had)."""
-    return default_store() if distributed(world_size) else None
-
-
-def progress_count(store, rank: int) -> list | None:
-    """[g, n] of ``rank`` (this process): its train() generation and its point in it (None: no ``store``)."""
-    if store is None:
-        return None
-    key = _PROGRESS_KEY.format(rank)
-    if key not in _COUNT:
-        _COUNT[key] = list(_parse(store.get(key).decode())[0]) if store.check([key]) else [0, 0]
-    return _COUNT[key]
 
 
 class CheckpointSaving:
@@ -119,7 +90,7 @@ class CheckpointSaving:
 
     def _zo_say(self, state: str) -> None:
         g, n = self._zo_point
-        self._zo_store().set(_PROGRESS_KEY.format(self.args.process_index), f"{g}:{n}:{state}")
+        self._zo_store().set(PROGRESS_KEY.format(self.args.process_index), f"{g}:{n}:{state}")
 
     def _zo_store(self):
         return shared_store(self.args.world_size)
@@ -147,8 +118,8 @@ class CheckpointSaving:
         not_saving, pause = [], 0.002
         while waiting:
             for r in list(waiting):
-                key = _PROGRESS_KEY.format(r)
-                there, state = _parse(store.get(key).decode()) if store.check([key]) else ((0, 0), "passed")
+                key = PROGRESS_KEY.format(r)
+                there, state = parse_progress(store.get(key).decode()) if store.check([key]) else ((0, 0), "passed")
                 if there == point and state == "saving":
                     waiting.remove(r)
                 elif there > point or (there == point and state == "passed"):
