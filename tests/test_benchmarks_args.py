@@ -156,9 +156,9 @@ def test_sample_flags(argv, says, capsys):
 def test_help_of_every_entry_point_is_whole():
     """``--help`` of each, as a user runs it: status 0, the description not cut to its first line (compact_quality's
     stopped mid-sentence), every option listed."""
-    from _procs import run_together
+    from _help import help_runs  # each help runs once a session (test_docs_commands reads them too)
 
-    runs = run_together([[sys.executable, "-m", m, "--help"] for m in ENTRY_POINTS], cwd=ROOT, timeout=120)
+    runs = help_runs([("-m", m) for m in ENTRY_POINTS])
     for module, r in zip(ENTRY_POINTS, runs):
         assert r.returncode == 0 and r.stdout.startswith("usage:") and "Traceback" not in r.stderr, (module, r.stderr)
         doc = importlib.import_module(module).__doc__.strip().splitlines()

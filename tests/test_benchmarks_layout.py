@@ -132,19 +132,18 @@ def test_benchmark_models_by_name_or_path_and_results_only_when_asked(capsys):
 
 def test_gpu_check_passes_only_flags_its_benchmarks_know():
     """benchmarks/gpu/check.sh runs once, on a borrowed GPU: a flag a module does not know costs that run."""
-    import subprocess
-    import sys
+    from _help import help_runs  # each help runs once a session (test_benchmarks_args reads them all)
 
     script = (BENCH / "gpu" / "check.sh").read_text(encoding="utf-8").replace("\\\n", " ")
     arrays = {}
     for name, body in re.findall(r"(\w+)=\(([^)]*)\)", script):
         arrays.setdefault(name, []).extend(re.findall(r"--[\w-]+", body))
-    for module, rest in sorted(set(re.findall(r"-m (benchmarks\.\w+\.\w+) ([^\n]*)", script))):
+    calls = sorted(set(re.findall(r"-m (benchmarks\.\w+\.\w+) ([^\n]*)", script)))
+    for (module, rest), run in zip(calls, help_runs([("-m", module) for module, _ in calls])):
         flags = set(re.findall(r"(?<![\w-])--[\w-]+", rest))
         for name in re.findall(r"\$\{(\w+)\[@\]\}", rest):
             flags |= set(arrays[name])
-        help_text = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=120).stdout
+        help_text = run.stdout
         unknown = sorted(f for f in flags if f not in help_text)
         assert not unknown, f"check.sh passes {unknown} to {module}"
 

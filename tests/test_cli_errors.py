@@ -457,18 +457,20 @@ def test_accelerates_parallelism_config_is_refused_beside_ours(tmp_path, monkeyp
     refuse_other_engines(args)
 
 
-@pytest.mark.parametrize("older", ["sys.modules['hf_zero_offload.run_lock'] = None",
-                                   "import hf_zero_offload.usage as u; del u.not_utf8_text"],
-                         ids=["module missing", "name missing"])
-def test_an_example_newer_than_the_installed_package_says_so_in_one_line(older):
+def test_an_example_newer_than_the_installed_package_says_so_in_one_line():
     """An outside probe: a wheel installed, then `git pull`: the example failed with a ModuleNotFoundError traceback
-    for a module the older package lacks (or an ImportError for a name it lacks)."""
-    code = ("import sys, runpy; %s; sys.argv = ['finetune_trainer.py', '--help']; runpy.run_path(%r, "
-            "run_name='__main__')" % (older, str(ROOT / "examples" / "seq2seq" / "finetune_trainer.py")))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "HF_ZERO_OFFLOAD_DEBUG": ""})
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "lacks it: older than this script? Reinstall it" in r.stderr and "Traceback" not in r.stderr
+    for a module the older package lacks (or an ImportError for a name it lacks). Both children side by side."""
+    from _procs import run_together
+
+    olders = {"module missing": "sys.modules['hf_zero_offload.run_lock'] = None",
+              "name missing": "import hf_zero_offload.usage as u; del u.not_utf8_text"}
+    script = str(ROOT / "examples" / "seq2seq" / "finetune_trainer.py")
+    runs = run_together([[sys.executable, "-c", "import sys, runpy; %s; sys.argv = ['finetune_trainer.py', '--help']; "
+                          "runpy.run_path(%r, run_name='__main__')" % (older, script)] for older in olders.values()],
+                        timeout=120, env={**os.environ, "HF_ZERO_OFFLOAD_DEBUG": ""})
+    for case, r in zip(olders, runs):
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (case, r.stderr)
+        assert "lacks it: older than this script? Reinstall it" in r.stderr and "Traceback" not in r.stderr, case
 
 
 def test_a_path_the_locale_cannot_encode_names_the_locale(capsys, monkeypatch):

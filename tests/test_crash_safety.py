@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,7 @@ _TAKER = textwrap.dedent("""
     import os, sys, time
     from hf_zero_offload import run_lock
     from hf_zero_offload.run_lock import RunLock, RunLockError
-    out, judge_s, go = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    out, judge_s, go, done = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
     alive = run_lock._alive
 
     def slow_alive(owner):  # widens the window between judging the owner gone and replacing it
@@ -187,7 +188,9 @@ _TAKER = textwrap.dedent("""
     try:
         RunLock(out).acquire()
         print("won", flush=True)
-        time.sleep(3)  # hold it while the other taker looks
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:  # hold it until the other taker has looked
+            time.sleep(0.005)
     except RunLockError as e:
         print("lost", e, flush=True)
 """)
@@ -203,12 +206,20 @@ def test_two_takers_of_a_stale_lock_never_both_win(tmp_path):
     dead.wait()
     (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "process_start": 1.0,
                                              "started": "earlier"}))
-    go = tmp_path / "go"
-    takers = [subprocess.Popen([sys.executable, "-c", _TAKER, str(out), str(judge), str(go)],
+    go, done = tmp_path / "go", tmp_path / "done"
+    takers = [subprocess.Popen([sys.executable, "-c", _TAKER, str(out), str(judge), str(go), str(done)],
                                stdout=subprocess.PIPE, text=True) for judge in (0.1, 1.0)]
-    assert [t.stdout.readline().strip() for t in takers] == ["ready", "ready"]
-    go.touch()
-    said = [t.communicate(timeout=60)[0].strip() for t in takers]
+    stuck = threading.Timer(60, lambda: [t.kill() for t in takers])  # a taker that never says ends the test
+    stuck.start()
+    try:
+        assert [t.stdout.readline().strip() for t in takers] == ["ready", "ready"]
+        go.touch()
+        said = [t.stdout.readline().strip() for t in takers]  # the winner holds the lock until both have said
+    finally:
+        done.touch()
+        stuck.cancel()
+    for t in takers:
+        t.communicate(timeout=60)
     assert sorted(s.split()[0] for s in said) == ["lost", "won"], said
     assert "another run" in next(s for s in said if s.startswith("lost"))
 

@@ -6,16 +6,13 @@ them is test_readme.py's, test_examples*.py's and the benchmarks' own tests' job
 """
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from _help import help_run, help_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 EX = ROOT / "examples" / "seq2seq"
@@ -62,11 +59,8 @@ def _flags(words: list[str]) -> set[str]:
     return {w.split("=", 1)[0] for w in words if re.fullmatch(r"--[A-Za-z][\w-]*(=.*)?", w)}
 
 
-@lru_cache(maxsize=None)
 def _help(*argv: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = help_run(*argv)  # (tests/_help.py: each help runs once a session, without PYTHONPATH, from ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return r.stdout
 
@@ -99,19 +93,9 @@ def _help_argv(what: str) -> tuple[str, ...] | None:
 @pytest.fixture(scope="module", autouse=True)
 def _helps_side_by_side():
     """Each distinct --help is a child that mostly imports torch, single-threaded: run them two at a time
-    before the tests read them from _help's cache. A child that fails is not cached, so its test runs it
-    again and reports it."""
+    before the tests read them back (tests/_help.py keeps each, a failed one too, which its test reports)."""
     targets = [_target(words) for _, _, words in COMMANDS if words[0] != "make"]
-    argvs = {_help_argv(t[0]) for t in targets if t is not None and "<" not in t[0]} - {None}
-
-    def warm(argv):
-        try:
-            _help(*argv)
-        except (AssertionError, OSError, subprocess.SubprocessError):
-            pass
-
-    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool:
-        list(pool.map(warm, sorted(argvs)))
+    help_runs(sorted({_help_argv(t[0]) for t in targets if t is not None and "<" not in t[0]} - {None}))
 
 
 def test_the_docs_show_commands():
