@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,10 @@ _BUILT = [0]  # ShardedAdam engines this process began to build on the default g
 # (engine number, key) of the lines this process said and has not taken back: those of engines that every rank has
 # left are deleted at the next agreed build (``forget_older``), so the store keeps no line per engine of a long run
 _WRITTEN: set = set()
+# the peers' lines are read for this long at most: a TCPStore client's check()/get() wait for an answer without a
+# timeout (the store's is only wait()'s), and a store host that stopped answering without closing its connections (a
+# node gone, a stopped process) held the collective's own error for good (a probe: still waiting after 10 minutes)
+_READ_S = 10.0
 
 
 def collective_failure(e: BaseException) -> bool:
@@ -106,18 +111,15 @@ class PeerNotes:
         stuck in it), and is named so, not blamed for the order of calls."""
         if self.store is None or not collective_failure(e) or getattr(e, "_hzo_named", False):
             return None
-        lines, same = [], []
-        try:
-            for r in range(self.world_size):
-                key = _KEY.format(self.number, r)
-                if r != self.rank and self.store.check([key]):
-                    host, _, text = self.store.get(key).decode().partition("\n")
-                    if mine is not None and text == mine:
-                        same.append(f"rank {r} (host {host})")
-                    else:
-                        lines.append((f"rank {r} (host {host}) {text}", text.startswith(_ITS_OWN)))
-        except Exception:  # noqa: BLE001 - the store gone with its host: gloo's words are all there is
+        said_by = _bounded(self._peer_lines)
+        if said_by is None:  # the store gone with its host, or not answering: gloo's words are all there is
             return None
+        lines, same = [], []
+        for r, host, text in said_by:
+            if mine is not None and text == mine:
+                same.append(f"rank {r} (host {host})")
+            else:
+                lines.append((f"rank {r} (host {host}) {text}", text.startswith(_ITS_OWN)))
         timeout = any(w in str(e) for w in TIMEOUT_WORDS)
         if lines:
             waited = "until the collective timeout" if timeout else "until it was gone"
@@ -135,6 +137,15 @@ class PeerNotes:
             return None
         out = RuntimeError(f"{text} ({said(e, 200)})")
         out._hzo_named = True
+        return out
+
+    def _peer_lines(self) -> list:
+        out = []
+        for r in range(self.world_size):
+            key = _KEY.format(self.number, r)
+            if r != self.rank and self.store.check([key]):
+                host, _, text = self.store.get(key).decode().partition("\n")
+                out.append((r, host, text))
         return out
 
     @contextlib.contextmanager
@@ -161,6 +172,20 @@ class PeerNotes:
             raise
         if entering is not None:
             self.unsay()
+
+
+def _bounded(read):
+    """``read()``, or None when it raised or did not return within ``_READ_S`` (it is left waiting in a daemon thread:
+    no Python call interrupts a TCPStore client's wait)."""
+    out = []
+
+    def run():
+        with contextlib.suppress(Exception):
+            out.append(read())
+    reader = threading.Thread(target=run, daemon=True, name="hf_zero_offload peer lines")
+    reader.start()
+    reader.join(_READ_S)
+    return out[0] if out else None
 
 
 class SaidToPeers:

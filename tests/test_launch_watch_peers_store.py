@@ -1,0 +1,40 @@
+"""The peers' lines read after a collective failure (engine/sharded/peers.py) when the store's host, rank 0, stopped
+answering without closing its connections (a node gone, a stopped process): the read is given up, and the
+collective's own error raised, where a TCPStore client's ``check``/``get`` wait for an answer without a timeout."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from hf_zero_offload.engine.sharded import peers
+
+_SERVER = ("import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+           "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)")
+
+
+def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error(monkeypatch):
+    monkeypatch.setattr(peers, "_READ_S", 1.0)
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=5))
+        notes = peers.PeerNotes(None, 1, 2)
+        notes.store = client
+        client.set(peers._KEY.format(notes.number, 0), "host0\nclosed its ShardedAdam (close()) after its step 3")
+        failure = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+        assert "rank 0 (host host0) closed its ShardedAdam" in str(notes.named(failure, "step()"))  # (answering)
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        # before: check() still waiting after 10 minutes (a 5 s store timeout: check and get do not use it)
+        assert notes.named(failure, "step()") is None
+        assert time.monotonic() - start < 5
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
