@@ -38,3 +38,27 @@ def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error
     finally:
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def test_taking_lines_back_from_a_store_host_that_stopped_answering_is_given_up(monkeypatch):
+    monkeypatch.setattr(peers, "_READ_S", 1.0)
+    monkeypatch.setattr(peers, "_WRITTEN", set())
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=5))
+        notes = peers.PeerNotes(None, 1, 2)
+        notes.store = client
+        notes.say("was in save_checkpoint() (after its step 1)")
+        peers._WRITTEN.add((notes.number - 1, "an older engine's line"))
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        notes.unsay()  # (the end of a save) before: delete_key() still waiting when given up after 8 s
+        notes.forget_older()  # (the next build)
+        assert time.monotonic() - start < 5
+        # the line not known to be deleted is kept in the list, for the next build to try again
+        assert peers._WRITTEN == {(notes.number, peers._KEY.format(notes.number, 1))}
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()

@@ -37,9 +37,10 @@ _BUILT = [0]  # ShardedAdam engines this process began to build on the default g
 # (engine number, key) of the lines this process said and has not taken back: those of engines that every rank has
 # left are deleted at the next agreed build (``forget_older``), so the store keeps no line per engine of a long run
 _WRITTEN: set = set()
-# the peers' lines are read for this long at most: a TCPStore client's check()/get() wait for an answer without a
-# timeout (the store's is only wait()'s), and a store host that stopped answering without closing its connections (a
-# node gone, a stopped process) held the collective's own error for good (a probe: still waiting after 10 minutes)
+# the peers' lines are read (and this rank's deleted) for this long at most: a TCPStore client's check(), get() and
+# delete_key() wait for the answer without a timeout (the store's is wait()'s), and a store host that stopped
+# answering without closing its connections (a node gone, a stopped process) held the collective's own error (or the
+# end of a save) for good (probes: a read still waiting after 10 minutes, a delete after 8 s when given up)
 _READ_S = 10.0
 
 
@@ -88,10 +89,10 @@ class PeerNotes:
                 _WRITTEN.add((self.number, _KEY.format(self.number, self.rank)))
 
     def unsay(self) -> None:
-        if self.store is not None:
-            with contextlib.suppress(Exception):
-                self.store.delete_key(_KEY.format(self.number, self.rank))
-                _WRITTEN.discard((self.number, _KEY.format(self.number, self.rank)))
+        if self.store is not None:  # (bounded: a delete waits for the store's answer, as a read does)
+            key = _KEY.format(self.number, self.rank)
+            if _bounded(lambda: self.store.delete_key(key)) is not None:  # (else forget_older tries again)
+                _WRITTEN.discard((self.number, key))
 
     def forget_older(self) -> None:
         """This process's lines about earlier engines, deleted: called once every rank has agreed on this engine's
@@ -99,10 +100,14 @@ class PeerNotes:
         engine and rank of a long run)."""
         if self.store is None:
             return
-        for number, key in sorted(k for k in _WRITTEN if k[0] < self.number):
-            with contextlib.suppress(Exception):  # (a store since replaced by another process group: not there)
-                self.store.delete_key(key)
-            _WRITTEN.discard((number, key))
+        older = sorted(k for k in _WRITTEN if k[0] < self.number)
+        _WRITTEN.difference_update(older)
+
+        def delete():
+            for _, key in older:
+                with contextlib.suppress(Exception):  # (a store since replaced by another process group: not there)
+                    self.store.delete_key(key)
+        _bounded(delete)  # (a delete waits for the store's answer: bounded as the reads are)
 
     def named(self, e: BaseException, doing: str, mine: str | None = None) -> BaseException | None:
         """The error to raise in place of collective failure ``e`` met in ``doing``, naming the peers that said what
