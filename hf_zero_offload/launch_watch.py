@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .launch_checks import _MPI_RANK_VARS, launch_count
 
 _KEY = "hf_zero_offload/launch/world_size/rank{}"
+_VERDICT = "hf_zero_offload/launch/world_size/verdict"  # rank 0's: "" (all agree) or "<its value>\n<the others'>"
 _POLL_S = 1.0
 _WATCH_S = 600.0  # then the thread gives up quietly (a peer that never came is torch's timeout to report)
 _STARTED: list = []
@@ -64,30 +65,50 @@ def watch_world_size(env=None) -> None:
 
 
 def _watch(connect, rank: int, world: int, on_mismatch) -> None:
-    """Write ``world`` as rank ``rank``'s, then read the others' until all ``world`` ranks said the same (return) or
-    one said another (``on_mismatch(message)``). ``connect()``: the store client."""
+    """Write ``world`` as rank ``rank``'s; rank 0 reads the others' until all ``world`` ranks said the same and writes
+    its verdict, the others read rank 0's value and then that verdict: ``on_mismatch(message)`` where one said
+    another value, else return. ``connect()``: the store client. Only rank 0 reads every rank's key: every process
+    reading all of them put W² reads a second on rank 0's store during the rendezvous (262,144 for a 512-process
+    SLURM-style launch), and a mismatch anywhere is one with rank 0's value."""
     try:
         store = connect()
         store.set(_KEY.format(rank), str(world))
         deadline = time.monotonic() + _WATCH_S
         seen: dict = {}
         while time.monotonic() < deadline:
-            for r in range(max([world, *[int(v) for v in seen.values()]])):
-                if r not in seen and store.check([_KEY.format(r)]):
-                    seen[r] = store.get(_KEY.format(r)).decode()
-            other = {r: v for r, v in seen.items() if v != str(world)}
-            if other:
-                shown = ", ".join(f"WORLD_SIZE={v} on rank {r}" for r, v in sorted(other.items()))
-                on_mismatch(f"hf_zero_offload: LaunchError: WORLD_SIZE={world} on this process (rank {rank}) but "
-                            f"{shown}: every process of a run must be started with the same WORLD_SIZE (torchrun "
-                            "sets it so); torch.distributed's rendezvous would wait for ranks that never come until "
-                            "its timeout (30 minutes by default), so this process stops now")
-                return
-            if len(seen) >= world:
+            if rank == 0:
+                for r in range(max([world, *[int(v) for v in seen.values()]])):
+                    if r not in seen and store.check([_KEY.format(r)]):
+                        seen[r] = store.get(_KEY.format(r)).decode()
+                other = {r: v for r, v in seen.items() if v != str(world)}
+                if other:
+                    shown = ", ".join(f"WORLD_SIZE={v} on rank {r}" for r, v in sorted(other.items()))
+                    store.set(_VERDICT, f"{world}\n{shown}")  # (for the ranks that agree with rank 0)
+                    return on_mismatch(_message(f"WORLD_SIZE={world} on this process (rank {rank}) but {shown}"))
+                if len(seen) >= world:
+                    return store.set(_VERDICT, "")
+            elif 0 not in seen:
+                if store.check([_KEY.format(0)]):
+                    seen[0] = store.get(_KEY.format(0)).decode()
+                    if seen[0] != str(world):
+                        return on_mismatch(_message(f"WORLD_SIZE={world} on this process (rank {rank}) but "
+                                                    f"WORLD_SIZE={seen[0]} on rank 0"))
+                    continue
+            elif store.check([_VERDICT]):
+                world0, _, shown = store.get(_VERDICT).decode().partition("\n")
+                if shown:
+                    return on_mismatch(_message(f"WORLD_SIZE={world0} on rank 0 and on this process (rank {rank}) but "
+                                                f"{shown}"))
                 return
             time.sleep(_POLL_S)
     except Exception:  # noqa: BLE001 - no store to reach (another launch's port, a peer gone): torch says it
         return
+
+
+def _message(found: str) -> str:
+    return (f"hf_zero_offload: LaunchError: {found}: every process of a run must be started with the same WORLD_SIZE "
+            "(torchrun sets it so); torch.distributed's rendezvous would wait for ranks that never come until its "
+            "timeout (30 minutes by default), so this process stops now")
 
 
 def _end_process(message: str) -> None:
