@@ -27,7 +27,7 @@ def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error
                                timeout=timedelta(seconds=5))
         notes = peers.PeerNotes(None, 1, 2)
         notes.store = client
-        client.set(peers._KEY.format(notes.number, 0), "host0\nclosed its ShardedAdam (close()) after its step 3")
+        client.set(notes.key(0), "host0\nclosed its ShardedAdam (close()) after its step 3")
         failure = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
         assert "rank 0 (host host0) closed its ShardedAdam" in str(notes.named(failure, "step()"))  # (answering)
         os.kill(server.pid, signal.SIGSTOP)
@@ -58,7 +58,28 @@ def test_taking_lines_back_from_a_store_host_that_stopped_answering_is_given_up(
         notes.forget_older()  # (the next build)
         assert time.monotonic() - start < 5
         # the line not known to be deleted is kept in the list, for the next build to try again
-        assert peers._WRITTEN == {(notes.number, peers._KEY.format(notes.number, 1))}
+        assert peers._WRITTEN == {(notes.number, notes.key(1))}
     finally:
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def test_a_line_of_torchruns_earlier_attempt_is_not_read_by_the_next(monkeypatch):
+    # torchrun --max-restarts: the workers of the next attempt share the store of the one before (its agent's: a probe,
+    # 2 workers, a key written by attempt 0 seen by attempt 1), and count their engines from 1 again
+    store = dist.HashStore()
+    failure = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+    def notes_of(attempt):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        monkeypatch.setattr(peers, "_BUILT", [0])
+        notes = [peers.PeerNotes(None, r, 2) for r in range(2)]
+        for n in notes:
+            n.store, n.number = store, 1
+        return notes
+    old0, _ = notes_of("0")
+    old0.say("raised in step(): OutOfMemoryError: the cause of attempt 0's restart")
+    _, new1 = notes_of("1")
+    # before: "rank 0 (host h) raised in step(): OutOfMemoryError: the cause of attempt 0's restart; this rank ..."
+    assert new1.named(failure, "step()") is None
+    assert "the cause of attempt 0's restart" in str(notes_of("0")[1].named(failure, "step()"))  # (the same attempt)

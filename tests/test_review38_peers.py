@@ -71,18 +71,16 @@ def test_a_rank_killed_in_the_same_save_is_not_blamed_for_the_order_of_calls(tmp
 
 def _many_engines_job(rank, world, n):
     import torch.distributed as dist
-
-    from hf_zero_offload.engine.sharded import peers
     store = dist.distributed_c10d._get_default_store()
     model = TinyNet()
-    numbers = []
+    keys = []
     for _ in range(n):  # a long run's engines: built, trained a step, saved nothing, closed
         engine = _engine(model, 2)
         run_steps(model, engine, batches(1, seed=rank))
-        numbers.append(engine._peers.number)
+        keys += [engine._peers.key(r) for r in range(world)]
         engine.close()
     dist.barrier()
-    return [bool(store.check([peers._KEY.format(k, r)])) for k in numbers for r in range(world)]
+    return [bool(store.check([key])) for key in keys]
 
 
 def test_the_lines_of_engines_every_rank_left_are_taken_back_at_the_next_build():

@@ -20,6 +20,7 @@ written (its file would grow a line per write).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 
@@ -31,7 +32,10 @@ COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Br
                     "timeout caused pair closure", "gloo/transport", "NCCL", "ProcessGroup")
 # what they say when this rank's own wait ran out (the peer may be alive): gloo's, NCCL's watchdog's
 TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
-_KEY = "hf_zero_offload/engine/{}/rank{}"  # engine number on the default group, rank
+# torchrun's restart count, engine number on the default group, rank: the workers of torchrun's next attempt (its
+# --max-restarts) share the store of the one before (its agent's) and count their engines from 1 again, where a
+# peer's failure read the line of the attempt before (its error: the cause of the restart) as its own
+_KEY = "hf_zero_offload/engine/{}/{}/rank{}"
 _ITS_OWN = ("raised in ", "was interrupted", "failed to build")  # a peer's line of its own error, not of its calls
 _BUILT = [0]  # ShardedAdam engines this process began to build on the default group with several ranks
 # (engine number, key) of the lines this process said and has not taken back: those of engines that every rank has
@@ -80,17 +84,22 @@ class PeerNotes:
             _BUILT[0] += 1
         self.number = _BUILT[0]
         self._host = socket.gethostname()
+        self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+    def key(self, rank: int) -> str:
+        """The store key of rank ``rank``'s line about this engine."""
+        return _KEY.format(self._attempt, self.number, rank)
 
     def say(self, text: str) -> None:
         """This rank's line: ``text`` says what it did ("closed its ShardedAdam after step 2")."""
         if self.store is not None:
             with contextlib.suppress(Exception):  # (the store gone with its host: the error in flight is the one)
-                self.store.set(_KEY.format(self.number, self.rank), f"{self._host}\n{text}")
-                _WRITTEN.add((self.number, _KEY.format(self.number, self.rank)))
+                self.store.set(self.key(self.rank), f"{self._host}\n{text}")
+                _WRITTEN.add((self.number, self.key(self.rank)))
 
     def unsay(self) -> None:
         if self.store is not None:  # (bounded: a delete waits for the store's answer, as a read does)
-            key = _KEY.format(self.number, self.rank)
+            key = self.key(self.rank)
             if _bounded(lambda: self.store.delete_key(key)) is not None:  # (else forget_older tries again)
                 _WRITTEN.discard((self.number, key))
 
@@ -147,7 +156,7 @@ class PeerNotes:
     def _peer_lines(self) -> list:
         out = []
         for r in range(self.world_size):
-            key = _KEY.format(self.number, r)
+            key = self.key(r)
             if r != self.rank and self.store.check([key]):
                 host, _, text = self.store.get(key).decode().partition("\n")
                 out.append((r, host, text))
