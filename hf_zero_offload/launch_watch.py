@@ -7,11 +7,12 @@ for a rank 2 that never comes, inside ``init_process_group`` (TrainingArguments'
 timeout, 30 minutes by default, with no word (an outside probe: 2 processes, 2 vs 3 and 3 vs 2, both hung).
 
 Here each process of such a launch writes its ``WORLD_SIZE`` to rank 0's rendezvous store (``MASTER_ADDR``:
-``MASTER_PORT``, the TCPStore torch's ``env://`` rendezvous serves there) from a daemon thread, and reads the
-others': a process that finds another value prints one error naming both ranks and values and ends (its main thread
-is blocked inside torch's C++ rendezvous, where no Python exception reaches; its peers then end too). All alike: the
-thread ends, and nothing more is done. Not under torchrun (its variables are consistent by construction, and its
-agent's store outlives a restart with another world size) nor under MPI launchers.
+``MASTER_PORT``, the TCPStore torch's ``env://`` rendezvous serves there) from a daemon thread; rank 0 reads the
+others' and writes its verdict, the others read rank 0's value and that verdict: a process that finds another value
+prints one error naming the ranks and values and ends (its main thread is blocked inside torch's C++ rendezvous,
+where no Python exception reaches). All alike: the thread ends, and nothing more is done. Not under torchrun (its
+variables are consistent by construction, and its agent's store outlives a restart with another world size) nor
+under MPI launchers.
 """
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def _watch(connect, rank: int, world: int, on_mismatch) -> None:
     """Write ``world`` as rank ``rank``'s; rank 0 reads the others' until all ``world`` ranks said the same and writes
     its verdict, the others read rank 0's value and then that verdict: ``on_mismatch(message)`` where one said
     another value, else return. ``connect()``: the store client. Only rank 0 reads every rank's key: every process
-    reading all of them put W² reads a second on rank 0's store during the rendezvous (262,144 for a 512-process
-    SLURM-style launch), and a mismatch anywhere is one with rank 0's value."""
+    reading all of them put W² reads a second on rank 0's store during the rendezvous (by count, up to 262,144 for
+    a 512-process SLURM-style launch), and a mismatch anywhere is one with rank 0's value."""
     try:
         store = connect()
         store.set(_KEY.format(rank), str(world))
