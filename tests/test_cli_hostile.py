@@ -4,7 +4,6 @@ exit status 2, nothing is half-written, and what does run agrees with the engine
 (tests/test_cli_errors.py covers the numbers and names of ``estimate``; this file does not repeat them.)"""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -162,9 +161,9 @@ def test_help_of_each_subcommand(capsys, sub, flags):
 
 
 def test_the_example_script_help_runs():
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "seq2seq" / "finetune_trainer.py"), "--help"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    from _examples import finetune_children  # (its run beside test_examples_args' spin probe, once a session)
+
+    r = finetune_children()["help"]  # from ROOT, without PYTHONPATH
     assert r.returncode == 0 and "--zero_offload" in r.stdout, r.stderr[-2000:]
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from _examples import CONFIGS, EX, ROOT, TINY, WMT_EN_RO, write_synth
+from _examples import CONFIGS, EX, ROOT, TINY, WMT_EN_RO, run_tokenizer, write_synth
 from hf_zero_offload.engine import OffloadOptions
 from _examples import common_args as _common_args
 from _procs import run_together
@@ -291,8 +291,7 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
     """torchrun with 2 gloo ranks: --sharded_ddp + ZeRO-2 (no offload) trains and writes the legacy results; the
     generations and BLEU are those of the split's examples (the Trainer pads the last batch of 7 examples with a
     repeat of the first: test_generations.txt had 8 lines and BLEU scored them, an outside probe)."""
-    single = tmp_path / "single"
-    finetune_trainer.main(_common_args(synth_dir, single) + ["--config_name", TINY, "--do_train"])
+    single = run_tokenizer(synth_dir, tmp_path / "single")  # the one a 1-process run of these args trains
     out = tmp_path / "sharded"
     argv = _common_args(synth_dir, out) + [
         "--config_name", TINY, "--tokenizer_name", str(single), "--do_train", "--do_eval", "--predict_with_generate",

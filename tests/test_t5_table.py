@@ -29,15 +29,19 @@ def _t5_table():
 # writes itself. The three rows take 31 s more (10 s each, a process and a tokenizer each): make test-all.
 @pytest.mark.parametrize("rows", [pytest.param(SMOKE_ROWS[2:], id="dpu-row"),
                                   pytest.param(SMOKE_ROWS, id="all-rows", marks=pytest.mark.slow)])
-def test_smoke_outputs(tmp_path, rows):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "benchmarks.t5.table", "--smoke", "--cpu", "--out_dir", str(tmp_path)]
+def test_smoke_outputs(tmp_path, rows, monkeypatch, capsys):
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.chdir(ROOT)  # where the program ran
+    argv = ["--smoke", "--cpu", "--out_dir", str(tmp_path)]
     if rows != SMOKE_ROWS:
-        cmd += ["--rows", ",".join(rows)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)  # a hang guard, not a speed target
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        argv += ["--rows", ",".join(rows)]
+    # main() here, not `python -m benchmarks.t5.table` (a child importing torch and transformers again, 3-5 s): the
+    # rows run as children either way (test_benchmarks_args runs the module as a program, its --help and errors)
+    code = _t5_table().main(argv)
+    out = capsys.readouterr()
+    assert code == 0, out.out[-4000:] + out.err[-4000:]
 
     payload = json.loads((tmp_path / "t5_table_smoke.json").read_text())
     assert payload["smoke"] is True and payload["mode"] == "cpu"
