@@ -5,7 +5,15 @@ import os
 import signal
 
 import pytest
-import torch
+
+# torch's OpenMP workers (libgomp) spin ~300000 iterations after each parallel op by default, on the cores that the
+# engine's step threads and DPU worker need next: on 2 cores tests/test_trainer.py took 160 s of CPU with libgomp's
+# default and 40 s with the value the example script sets for users (docs/LIMITATIONS.md). libgomp reads it once, when
+# torch loads it, so before the import; children inherit it. It changes how long idle threads wait, not results.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import torch  # noqa: E402
 
 from _extension import load_extension
 
