@@ -2,7 +2,6 @@
 element comparison of a run against the plain Trainer's."""
 from __future__ import annotations
 
-
 import pytest
 
 from _t5 import logged

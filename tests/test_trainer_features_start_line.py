@@ -2,7 +2,6 @@
 offloads nothing, stage 1 run as stage 2 on one process) and the modules a model keeps in fp32 in a 16-bit run."""
 from __future__ import annotations
 
-
 from _t5 import OFFLOAD, ToyDataset, tiny_t5
 from _features import _args
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer

@@ -4,7 +4,6 @@ plain Trainer's ZeroOffloadCallback: test_trainer_overrides_callback.py; argumen
 calls: test_trainer_overrides_between.py)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer

@@ -3,7 +3,6 @@ the engine was built, --max_grad_norm) as the plain Trainer with torch AdamW, an
 one-process engine on several ranks, fp16, accumulation its engine would sum in 16 bits)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
