@@ -28,7 +28,7 @@ from hf_zero_offload.engine.checkpoint import folder
 from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_cli_errors import _checkpoint_of_a_linear  # noqa: E402
+from _cli_errors import _checkpoint_of_a_linear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
