@@ -1,5 +1,5 @@
-"""Shared by the ``test_trainer_resume*`` files: the tiny T5 run they resume, and the
-``full`` run whose checkpoints the tests copy (never change), trained once per session."""
+"""Shared by the ``test_trainer_resume*`` files (and test_storage_failures.py, test_rotation_rules.py): the tiny
+T5 run they resume, and the ``full`` run whose checkpoints the tests copy (never change), trained once per session."""
 from __future__ import annotations
 
 import json
@@ -27,7 +27,8 @@ def _trainer(out, seed=0, eval_dataset=None, **kw):
 
 
 # The run behind ``full``, by session temp folder: pytest makes a fixture imported into several files once per
-# file, and the three files that use it were one (one run). Safe to share as the tests only read it or copy it.
+# file, and the test_trainer_resume* files that use it were one (one run). Safe to share: its users (those files
+# and test_storage_failures.py) only read it or copy it.
 _FULL: dict = {}
 
 
