@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from _models import TinyNet, batches, loss_fn, param_groups
-from _peer_suite import (LR, WD, BRANCH_STEPS, DROPS, DTYPES, SMALL, TIGHT, _sharded, dropping_data, flat, offload, own_groups,
-                         run)
+from _peer_suite import (LR, WD, BRANCH_STEPS, DROPS, DTYPES, SMALL, TIGHT, _sharded, dropping_data, flat, offload,
+                         own_groups, run)
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
 
 FLAGS = [("amsgrad", True), ("maximize", True), ("capturable", True), ("differentiable", True),
