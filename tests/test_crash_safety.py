@@ -2,8 +2,7 @@
 Ctrl-C, SIGKILL), a checkpoint written again over an older one, two processes on one output_dir, a read-only
 checkpoint, a renamed checkpoint, consolidate stopped part way. The rule: the last good checkpoint stays loadable,
 no half-written file or directory is ever taken for a complete one, and the next save succeeds.
-(The marker and rotation basics are in test_trainer_resume.py, the lock in test_trainer_resume_lock.py, CRC
-damage in test_state_integrity.py.)"""
+(Marker, rotation: test_trainer_resume.py; lock: test_trainer_resume_lock.py; CRC: test_state_integrity.py.)"""
 from __future__ import annotations
 
 import errno
