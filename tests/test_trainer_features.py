@@ -193,6 +193,8 @@ def test_bf16_gradient_in_pieces_within_one_backward(tmp_path):
     assert _logged(trainer, "grad_norm")[0] == pytest.approx(norm, rel=1e-6)
 
 
+# ---- a training loop left part way: its gradients must not reach the next one ---------------------------------------
+
 class _OOMInBackward:
     """A CPU out-of-memory error raised once from inside backward (a hook on the encoder's output), after the
     decoder's gradients already reached the engine: where an OOM usually happens."""

@@ -15,6 +15,8 @@ from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
 from hf_zero_offload.config import ConfigError
 
 
+# ---------------------------------------------------------------- between two train() calls, and messages
+
 @pytest.mark.parametrize("field, first, second", [("max_grad_norm", 1.0, 0.3),
                                                    ("gradient_accumulation_steps", 1, 2)])
 def test_arguments_changed_between_two_train_calls(tmp_path, field, first, second):

@@ -14,6 +14,8 @@ from hf_zero_offload import ZeroOffloadCallback
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 
+# ---------------------------------------------------------------- ZeroOffloadCallback (a plain Trainer)
+
 def _callback_trainer(tmp_path, name, dpu, seed=0, clip=0.0, **kw):
     model = tiny_t5(seed)
     engine = OffloadAdam(model.parameters(), lr=1e-2, options=OffloadOptions(dpu=dpu, dpu_warmup_steps=1,

@@ -19,6 +19,8 @@ from hf_zero_offload import resume
 from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
 
 
+# ---------------------------------------------------------------- the run lock
+
 def _foreign_lock(directory, proc, host=None):
     import psutil
     os.makedirs(directory, exist_ok=True)
