@@ -1,4 +1,4 @@
-"""transformers' test regression model and its Trainer, for tests/test_peer_deepspeed.py (the port of
+"""transformers' test regression model and its Trainer, for the tests/test_peer_deepspeed*.py files (the port of
 transformers' tests/deepspeed/test_deepspeed.py), with the peer's ZeRO-2 config and the plain-Trainer reference
 runs that the port compares against element by element.
 

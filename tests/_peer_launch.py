@@ -1,6 +1,7 @@
-"""Run under torchrun by tests/test_peer_deepspeed.py: stands in for transformers' examples run_translation.py /
-run_clm.py in the peer's TestDeepSpeedWithLauncher, on a tiny random T5 / GPT-2 and synthetic data, with the peer's
-ZeRO-2 config (--sharded_ddp on more than one rank). Writes train/eval results and the model to --output_dir.
+"""Run under torchrun by tests/test_peer_deepspeed_launcher.py: stands in for transformers' examples
+run_translation.py / run_clm.py in the peer's TestDeepSpeedWithLauncher, on a tiny random T5 / GPT-2 and synthetic
+data, with the peer's ZeRO-2 config (--sharded_ddp on more than one rank). Writes train/eval results and the model
+to --output_dir.
 
 --reference runs the same with transformers' own Trainer (DDP, torch AdamW, fp32) instead: the run the test
 compares against. The config's WarmupLR warms up linearly ("warmup_type": "linear"), as the reference's

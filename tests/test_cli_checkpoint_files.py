@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_cli_hostile import ckpt_model  # noqa: E402,F401 (the fixture)
-from test_cli_errors import _one_line_error  # noqa: E402
+from _cli_errors import _one_line_error  # noqa: E402
 
 
 def _cut(path: Path, at: int) -> None:

@@ -2,7 +2,7 @@
 Ctrl-C, SIGKILL), a checkpoint written again over an older one, two processes on one output_dir, a read-only
 checkpoint, a renamed checkpoint, consolidate stopped part way. The rule: the last good checkpoint stays loadable,
 no half-written file or directory is ever taken for a complete one, and the next save succeeds.
-(The marker, rotation and lock basics are in test_trainer_resume.py, CRC damage in test_state_integrity.py.)"""
+(Marker, rotation: test_trainer_resume.py; lock: test_trainer_resume_lock.py; CRC: test_state_integrity.py.)"""
 from __future__ import annotations
 
 import errno
@@ -27,7 +27,7 @@ from hf_zero_offload.engine.checkpoint import folder
 from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_cli_errors import _checkpoint_of_a_linear  # noqa: E402
+from _cli_errors import _checkpoint_of_a_linear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

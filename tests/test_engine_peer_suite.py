@@ -2,8 +2,9 @@
 torch's test_zero_redundancy_optimizer, DeepSpeed's test_cpu_adam), on combinations the other engine
 tests leave out: param groups with their own betas/eps/lr/weight decay and an lr changed mid-run,
 torch.optim flags a group may carry, ``zero_grad(set_to_none=False)``, Adam with L2 weight decay per
-group, a closure, and a model smaller than one shard's int8 block on two ranks. Every state dtype
-(fp32, bf16, int8) and the delayed parameter update (DPU) run where they apply.
+group, a closure; the same on two ranks, and a model smaller than one shard's int8 block, are in
+test_engine_peer_suite_ranks.py. Every state dtype (fp32, bf16, int8) and the delayed parameter update (DPU) run
+where they apply.
 
 References: ``torch.optim.AdamW(foreach=False)`` (fp32: to a few ulp, as test_engine.py), DDP + AdamW
 on two ranks, and, for bf16/int8 moments, the one-process engine of the same state dtype (bit for bit
@@ -15,65 +16,15 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import run_distributed
 from _models import TinyNet, batches, loss_fn, param_groups
+from _peer_suite import (LR, WD, BRANCH_STEPS, DROPS, DTYPES, SMALL, TIGHT, _sharded, dropping_data, flat, offload,
+                         own_groups, run)
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, ShardedAdam
 
-LR, WD = 1e-2, 0.1
-SMALL = dict(bucket_numel=1200, tile_numel=300, num_threads=1)
-TIGHT = dict(rtol=1e-5, atol=1e-6)
-DTYPES = ["fp32", "bf16", "int8"]
 FLAGS = [("amsgrad", True), ("maximize", True), ("capturable", True), ("differentiable", True),
          ("foreach", True), ("fused", True), ("decoupled_weight_decay", False), ("state_dtype", "int8"),
          ("adamw_mode", "false")]
-
-
-def own_groups(model):
-    """Two groups with their own lr, betas, eps and weight decay (DeepSpeed's multi-group test)."""
-    g = param_groups(model, WD)
-    g[0].update(lr=3e-3, betas=(0.8, 0.99), eps=1e-6)
-    g[1].update(weight_decay=0.05)
-    return g
-
-
-def run(model, opt, data, *, lr_at=3, keep_zero=False, explicit_zero=False, drops=None):
-    """One step per batch; group 1's lr changes before step ``lr_at`` (a scheduler would). ``keep_zero``:
-    zero_grad(set_to_none=False); ``explicit_zero``: the unused branch gets an explicit zero gradient;
-    ``drops``: each window starts with a backward (through the branch where ``drops[i]``) that
-    zero_grad(set_to_none=False) drops, leaving a zero .grad on the params it reached."""
-    for i, (ids, labels, use_branch) in enumerate(data):
-        if i == lr_at:
-            opt.param_groups[1]["lr"] = 5e-3
-        if drops is not None:
-            loss_fn(model, labels, ids, drops[i]).backward()
-            opt.zero_grad(set_to_none=False)
-        loss = loss_fn(model, ids, labels, use_branch)
-        if explicit_zero and not use_branch:
-            loss = loss + 0 * sum(p.sum() for p in model.branch.parameters())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=not keep_zero)
-    if hasattr(opt, "flush"):
-        opt.flush()
-
-
-def flat(model):
-    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-
-
-def assert_compact_close(got, want):
-    """bf16/int8 moments of the same gradients summed in another order (the sharded path): the last bit
-    may move an int8 code by one step, and that code its param by a few % of lr (test_compact_states)."""
-    d = (got - want).abs()
-    assert d.max() <= LR / 4, d.max()
-    assert (d <= 1e-6 + 1e-5 * want.abs()).float().mean() >= 0.99
-
-
-def offload(model, groups=own_groups, **opts):
-    return OffloadAdam(groups(model), lr=LR, options=OffloadOptions(**{**SMALL, **opts}))
 
 
 # -- param groups ----------------------------------------------------------------------------------
@@ -218,18 +169,6 @@ def test_zero_grad_keeping_zeros_is_an_explicit_zero_gradient(state_dtype, dpu):
         assert torch.equal(runs[0][1][k], t), k
 
 
-# The branch per step: in the batch (BRANCH), in the dropped backward that starts the window (DROPS). Steps 1
-# and 5: only the dropped gradient reaches it (torch steps its zero .grad; the engines skipped it). Steps 2 and
-# 4: neither, after a step that updated it (torch: None since zero_grad(); the engines stepped it with zeros).
-BRANCH = [True, False, False, True, False, False]
-DROPS = [False, True, False, True, False, True]
-BRANCH_STEPS = 4
-
-
-def dropping_data(seed=0):
-    return [(ids, labels, use) for (ids, labels, _), use in zip(batches(6, seed=seed), BRANCH)]
-
-
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_gradients_dropped_by_zero_grad_keeping_zeros_leave_the_zeros_adamw_steps(state_dtype):
     """zero_grad(set_to_none=False) part way through a window leaves a zero .grad exactly on the params that
@@ -262,19 +201,6 @@ def test_gradients_dropped_by_zero_grad_keeping_zeros_leave_the_zeros_adamw_step
         assert torch.equal(flat(model), flat(zeros_model))
         zeros.close()
     opt.close()
-
-
-# -- two ranks -------------------------------------------------------------------------------------
-SHARDED = {"s1-off": dict(stage=1, offload=True), "s2-off": dict(stage=2, offload=True),
-           "s2-off-dpu": dict(stage=2, offload=True, dpu=True), "s1": dict(stage=1, offload=False),
-           "s2": dict(stage=2, offload=False)}
-
-
-def _sharded(model, groups, cfg, state_dtype="fp32"):
-    cfg = dict(cfg)
-    dpu = cfg.pop("dpu", False)
-    opts = OffloadOptions(**SMALL, state_dtype=state_dtype, dpu=dpu, dpu_warmup_steps=2)
-    return ShardedAdam(groups(model), lr=LR, options=opts, allgather_bucket_numel=1000, **cfg)
 
 
 ENGINES = {"offload": lambda m, wd: OffloadAdam(param_groups(m, wd), lr=LR, options=OffloadOptions(**SMALL)),
@@ -321,112 +247,6 @@ def test_closing_after_zero_grad_to_none_hands_back_no_grads():
     assert all(p.grad is None for p in model.parameters())
 
 
-def _two_rank_job(rank, world, ckpt):
-    out = {}
-    same = batches(6)                   # the same data on both ranks: the one-process gradient
-    own = batches(6, seed=10 + rank)    # each rank its own: against DDP
-    torch.manual_seed(0)
-    ddp_model = TinyNet()
-    # drop: each window starts with a backward through the branch that zero_grad(set_to_none=False) drops
-    for keep, drop in ((False, False), (True, False), (False, True)):
-        data, drops = (dropping_data(seed=10 + rank), DROPS) if drop else (own, None)
-        m = copy.deepcopy(ddp_model)
-        ref = torch.optim.AdamW(own_groups(m), lr=LR, foreach=False)
-        run(DDP(m, find_unused_parameters=True), ref, data, keep_zero=keep, drops=drops)
-        for name, cfg in SHARDED.items():
-            if cfg.get("dpu"):
-                continue  # one step behind AdamW by design (test_sharding_dpu.py has its reference)
-            torch.manual_seed(0)
-            model = TinyNet()
-            opt = _sharded(model, own_groups, cfg)
-            run(model, opt, data, keep_zero=keep, drops=drops)
-            torch.testing.assert_close(flat(model), flat(m), **TIGHT, msg=f"{name} keep_zero={keep} drop={drop}")
-            opt.close()
-    for st in ("bf16", "int8"):
-        for name in ("s1-off", "s2-off", "s2-off-dpu"):
-            torch.manual_seed(0)
-            model = TinyNet()
-            opt = _sharded(model, own_groups, SHARDED[name], st)
-            run(model, opt, same)
-            out[(st, name)] = flat(model)
-            opt.close()
-    # a model smaller than one int8 block (and than the ranks, in elements): rank 1's shard is all
-    # padding; stage 2 delivered its piece past the end of its store, inside backward
-    for st in DTYPES:
-        for name in ("s1-off", "s2-off", "s2-off-dpu"):
-            torch.manual_seed(0)
-            p = torch.nn.Parameter(torch.randn(5))
-            opt = _sharded(p, lambda q: [q], SHARDED[name], st)
-            for _ in range(4):
-                (p * p * torch.arange(5.0)).sum().backward()
-                opt.step()
-                opt.zero_grad()
-            opt.flush()
-            out[("tiny", st, name)] = p.detach().clone()
-            if name == "s2-off":
-                opt.save_checkpoint(f"{ckpt}/{st}")
-            opt.close()
-    dist.barrier()
-    return out
-
-
-def _tiny_one_process(state_dtype, dpu, load=None):
-    torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(5))
-    opt = OffloadAdam([p], lr=LR, options=OffloadOptions(**SMALL, state_dtype=state_dtype, dpu=dpu,
-                                                        dpu_warmup_steps=2))
-    if load:
-        opt.load_checkpoint(load)
-        return opt
-    for _ in range(4):
-        (p * p * torch.arange(5.0)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    opt.flush()
-    return opt, p
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp("ckpt")
-    return run_distributed(_two_rank_job, str(ckpt), timeout=150, collective_timeout=30), ckpt
-
-
-def test_sharded_own_groups_lr_change_and_kept_zero_grads_match_ddp(two_ranks):
-    """Stage 1/2, with and without offload, with set_to_none True and False (asserted on the ranks)."""
-    (r0, r1), _ = two_ranks
-    for key in r0:
-        if key[0] != "tiny":
-            assert torch.equal(r0[key], r1[key]), key  # both ranks hold the same params
-
-
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
-def test_sharded_compact_states_with_own_groups_match_one_process(two_ranks, state_dtype):
-    (r0, _), _ = two_ranks
-    for name in ("s1-off", "s2-off", "s2-off-dpu"):
-        torch.manual_seed(0)
-        model = TinyNet()
-        opt = offload(model, state_dtype=state_dtype, dpu=name.endswith("dpu"), dpu_warmup_steps=2)
-        run(model, opt, batches(6))
-        assert_compact_close(r0[(state_dtype, name)], flat(model))
-        opt.close()
-
-
-@pytest.mark.parametrize("state_dtype", DTYPES)
-def test_a_model_smaller_than_a_shard_block_trains_and_reloads_on_one_process(two_ranks, state_dtype):
-    (r0, r1), ckpt = two_ranks
-    for name in ("s1-off", "s2-off", "s2-off-dpu"):
-        opt, p = _tiny_one_process(state_dtype, name.endswith("dpu"))
-        for r in (r0, r1):
-            assert torch.equal(r[("tiny", state_dtype, name)], p.detach()), name
-        if name == "s2-off":
-            loaded = _tiny_one_process(state_dtype, False, load=f"{ckpt}/{state_dtype}")
-            for k, t in opt.state_tensors().items():
-                assert torch.equal(loaded.state_tensors()[k], t), k
-            loaded.close()
-        opt.close()
-
-
 @pytest.mark.parametrize("dpu", [False, True], ids=["sync", "dpu"])
 def test_int8_results_do_not_depend_on_the_tile_size(dpu):
     """A tile under one quantization block (256) split a block's update into parts, each re-encoding it: params
@@ -443,60 +263,3 @@ def test_int8_results_do_not_depend_on_the_tile_size(dpu):
         opt.close()
     for r in runs[1:]:
         assert torch.equal(r, runs[0])
-
-
-
-class _SharedInTwoSegments(torch.nn.Module):
-    """A layer used by two segments checkpointed with use_reentrant=True: each segment's backward accumulates
-    its piece of that layer's gradient on its own, so the gradient reaches the engine twice in one backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp, self.shared, self.mid, self.out = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 16),
-                                                     torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
-        self.aux = torch.nn.Linear(16, 16)  # used on some ranks only: holds back its bucket there
-
-    def forward(self, x, aux=False):
-        from torch.utils.checkpoint import checkpoint
-        h = checkpoint(lambda t: torch.tanh(self.shared(t)), self.inp(x), use_reentrant=True)
-        h = checkpoint(lambda t: torch.tanh(self.shared(self.mid(t))), h, use_reentrant=True)
-        return self.out(self.aux(h) if aux else h)
-
-
-def _shared_layer_steps(model, opt, aux):
-    """``aux``: per rank, whether it runs the aux layer (one process: the mean of the ranks' losses)."""
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(4, 8, generator=g).requires_grad_(True), torch.randn(4, 4, generator=g)
-        sum(((model(x, a) - y) ** 2).mean() for a in aux).div(len(aux)).backward()
-        opt.step()
-        opt.zero_grad()
-    return flat(model)
-
-
-def _shared_layer_job(rank, world, aux):
-    out = {}
-    # buckets of 100 and 300 elements: the shared layer's bucket goes before its second piece, on the rank that
-    # runs aux only where aux shares that bucket (on the other it waits for the end of backward)
-    for offload, bucket in ((True, 100), (False, 100), (True, 300), (False, 300)):
-        torch.manual_seed(0)
-        model = _SharedInTwoSegments()
-        opt = ShardedAdam(model.parameters(), lr=LR, stage=2, offload=offload, allgather_bucket_numel=1000,
-                          options=OffloadOptions(bucket_numel=bucket, tile_numel=300, num_threads=1))
-        out[(offload, bucket)] = _shared_layer_steps(model, opt, [aux[rank]])
-        opt.close()
-    return out
-
-
-@pytest.mark.parametrize("aux", [(False, False), (True, False)], ids=["same-graph", "aux-on-rank-0"])
-def test_zero2_sums_a_gradient_that_arrives_in_two_pieces_after_its_bucket_went(aux):
-    """ZeRO-2 left the second piece in .grad once the param's bucket had been reduced, and the step refused it as
-    "a .grad that did not come from backward()". Equal to AdamW on one process (the mean of the ranks' losses);
-    with a layer one rank skips, the ranks see the late piece at different points and still reduce alike."""
-    torch.manual_seed(0)
-    ref_model = _SharedInTwoSegments()
-    want = _shared_layer_steps(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.0,
-                                                                    foreach=False), list(aux))
-    for r in run_distributed(_shared_layer_job, aux, timeout=120, collective_timeout=30):
-        for key, got in r.items():
-            torch.testing.assert_close(got, want, **TIGHT, msg=f"offload, bucket={key}")

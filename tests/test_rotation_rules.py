@@ -20,7 +20,7 @@ from _t5 import ToyDataset, tiny_t5
 from hf_zero_offload import resume
 from hf_zero_offload.resume import rotation
 from hf_zero_offload.trainer import save_errors
-from test_trainer_resume import COMMON, _trainer
+from _resume import COMMON, _trainer
 
 
 def _dirs(out):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hf_zero_offload import resume
-from test_trainer_resume import _copy, _same, _trainer, full  # noqa: F401 (full: the 4-step run, a fixture)
+from _resume import _copy, _same, _trainer, full  # noqa: F401 (full: the 4-step run, a fixture)
 
 
 def _cut_short(ckpt, *, trainer_state=False):
