@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from _cli_errors import ROOT, TINY, _one_line_error
-from _cli_errors import _checkpoint_of_a_linear  # noqa: F401 (test_cli_hostile.py imports both from here)
+
 from hf_zero_offload import cli, usage
 from hf_zero_offload.config import ConfigError
 

@@ -3,7 +3,6 @@ architecture, paths of the wrong kind, damaged checkpoint side files. Each mista
 exit status 2, nothing is half-written, and what does run agrees with the engine's own plan.
 (tests/test_cli_errors.py covers the numbers and names of ``estimate``; this file does not repeat them.)"""
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 from hf_zero_offload import cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_cli_errors import _checkpoint_of_a_linear, _one_line_error  # noqa: E402
+from _cli_errors import _checkpoint_of_a_linear, _one_line_error  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "models" / "t5-tiny.json"

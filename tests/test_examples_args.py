@@ -261,12 +261,9 @@ def test_the_script_shortens_the_openmp_spin_unless_the_user_chose(env, want):
 
 def test_the_spin_is_set_before_torch_loads_openmp():
     """libgomp reads GOMP_SPINCOUNT once, when torch loads it: the script must set it before `import torch`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import finetune_trainer, os; "
-            "src = open(finetune_trainer.__file__).read(); "
-            "print(src.index('\\nshorten_openmp_spin(os.environ)') < src.index('\\n    import torch'), "
-            "os.environ.get('GOMP_SPINCOUNT'))")
-    out = subprocess.run([sys.executable, "-c", code, EX], env=env, capture_output=True, text=True, timeout=300)
+    from _examples import finetune_children  # (the probe runs beside test_cli_hostile's help child, once a session)
+
+    out = finetune_children()["spin"]  # _examples.SPIN_PROBE, without GOMP_SPINCOUNT and OMP_WAIT_POLICY
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True 10000"
 
