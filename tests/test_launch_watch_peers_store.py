@@ -3,6 +3,7 @@ answering without closing its connections (a node gone, a stopped process): the 
 collective's own error raised, where a TCPStore client's ``check``/``get`` wait for an answer without a timeout."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,16 +19,25 @@ _SERVER = ("import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1'
            "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)")
 
 
-def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error(monkeypatch):
-    monkeypatch.setattr(peers, "_READ_S", 1.0)
+@contextlib.contextmanager
+def _notes_on_a_child_store():
+    """Rank 1's PeerNotes on a TCPStore served by a child process (the test stops it with SIGSTOP), and the child."""
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=5))
         notes = peers.PeerNotes(None, 1, 2)
-        notes.store = client
-        client.set(notes.key(0), "host0\nclosed its ShardedAdam (close()) after its step 3")
+        notes.store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                    timeout=timedelta(seconds=5))
+        yield notes, server
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error(monkeypatch):
+    monkeypatch.setattr(peers, "_READ_S", 1.0)
+    with _notes_on_a_child_store() as (notes, server):
+        notes.store.set(notes.key(0), "host0\nclosed its ShardedAdam (close()) after its step 3")
         failure = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
         assert "rank 0 (host host0) closed its ShardedAdam" in str(notes.named(failure, "step()"))  # (answering)
         os.kill(server.pid, signal.SIGSTOP)
@@ -35,21 +45,12 @@ def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error
         # before: check() still waiting after 10 minutes (a 5 s store timeout: check and get do not use it)
         assert notes.named(failure, "step()") is None
         assert time.monotonic() - start < 5
-    finally:
-        os.kill(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 def test_taking_lines_back_from_a_store_host_that_stopped_answering_is_given_up(monkeypatch):
     monkeypatch.setattr(peers, "_READ_S", 1.0)
     monkeypatch.setattr(peers, "_WRITTEN", set())
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(server.stdout.readline())
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=5))
-        notes = peers.PeerNotes(None, 1, 2)
-        notes.store = client
+    with _notes_on_a_child_store() as (notes, server):
         notes.say("was in save_checkpoint() (after its step 1)")
         peers._WRITTEN.add((notes.number - 1, "an older engine's line"))
         os.kill(server.pid, signal.SIGSTOP)
@@ -59,9 +60,6 @@ def test_taking_lines_back_from_a_store_host_that_stopped_answering_is_given_up(
         assert time.monotonic() - start < 5
         # the line not known to be deleted is kept in the list, for the next build to try again
         assert peers._WRITTEN == {(notes.number, notes.key(1))}
-    finally:
-        os.kill(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 def test_a_line_of_torchruns_earlier_attempt_is_not_read_by_the_next(monkeypatch):
