@@ -86,5 +86,6 @@ def test_a_save_on_one_rank_is_named_on_both_at_the_collective_timeout(tmp_path)
     # stage 2: rank 1 waits in its next backward's reduction; both used to time out in gloo's words alone
     said0, said1 = run_distributed(_save_alone_job, str(tmp_path / "ck"), timeout=60, collective_timeout=3)
     assert "was in save_checkpoint() and the other ranks did not come to it" in said0, said0
+    # both ranks wait the same 3 s: rank 1's own timeout, or rank 0's error ending it first (then gloo's "closed")
     assert said1.startswith("RuntimeError: rank 0 (host ") and "was in save_checkpoint() (after its step 1)" in said1 \
-        and "until the collective timeout" in said1, said1
+        and ("until the collective timeout" in said1 or "until it was gone" in said1), said1
