@@ -28,7 +28,7 @@ import time
 import torch.distributed as dist
 
 from ..engine.sharded.peers import TIMEOUT_WORDS as _TIMEOUT_WORDS
-from ..engine.sharded.peers import collective_failure  # noqa: F401 - (used below, and by name elsewhere)
+from ..engine.sharded.peers import collective_failure, said  # noqa: F401 - (collective_failure: by name elsewhere too)
 from .progress import progress_count, shared_store
 from .shared_dir import ranks_named
 
@@ -39,11 +39,6 @@ _LEFT_KEY = "hf_zero_offload/left/rank{}"  # "<generation>\n<step>\n<host>" at e
 _LEFT: set = set()
 _WAIT_S = 3.0  # for the failing rank's key: it is written before its process ends and closes the connection
 # (what gloo and NCCL say of a peer gone or late: engine/sharded/peers.py, which the engine's own errors use too)
-
-
-def _said(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
 
 
 def _in_place_of(e: BaseException, text: str) -> BaseException:
@@ -67,7 +62,7 @@ def peer_failed(e: BaseException, store, generation: int, rank: int, world_size:
     host = socket.gethostname()
     if not collective_failure(e):
         with contextlib.suppress(Exception):  # (the store gone with rank 0: this rank's error is the one to see)
-            store.set(_KEY.format(generation, rank), f"{host}\n{_said(e)}")
+            store.set(_KEY.format(generation, rank), f"{host}\n{said(e, 400)}")
         return None
     peers = [r for r in range(world_size) if r != rank]
     give_up = time.monotonic() + _WAIT_S
@@ -77,7 +72,7 @@ def peer_failed(e: BaseException, store, generation: int, rank: int, world_size:
             found = failed_peer(store, generation, peers)
             if found:
                 return _in_place_of(e, f"{found}; this rank (rank {rank}) stopped in the collective it was waiting "
-                                       f"in for it ({_said(e)[:200]})")
+                                       f"in for it ({said(e, 400)[:200]})")
             if time.monotonic() > give_up:  # (the other survivors have said they are alive by now)
                 return _absent(e, store, generation, rank, peers, doing)
             time.sleep(0.05)
@@ -89,7 +84,7 @@ def _absent(e: BaseException, store, generation: int, rank: int, peers: list,
             doing: str) -> BaseException | None:
     """The peers of collective failure ``e`` that raised nothing: those whose train() of this generation returned,
     else those that said nothing at all (None: every peer is alive, or returned from another generation's train())."""
-    left, silent, said = [], [], _said(e)[:200]
+    left, silent, told = [], [], said(e, 400)[:200]
     for r in peers:
         key = _LEFT_KEY.format(r)
         if store.check([key]):
@@ -103,17 +98,17 @@ def _absent(e: BaseException, store, generation: int, rank: int, peers: list,
         return _in_place_of(e, f"{'; '.join(left)} and was not in the collective this rank (rank {rank}) waited in, "
                                f"in {doing}: train(), evaluate(), predict() and checkpoint saves of a sharded run "
                                "gather from every rank, so every rank must make the same calls (under plain DDP a call "
-                               f"made on some ranks only fails or hangs alike) ({said})")
+                               f"made on some ranks only fails or hangs alike) ({told})")
     if silent and any(w in str(e) for w in _TIMEOUT_WORDS):  # (a peer killed closes its connections: no timeout)
         return _in_place_of(e, f"{ranks_named(silent)} did not come within the collective timeout to the collective "
                                f"this rank (rank {rank}) waited in, in {doing}, and said no error of its own: alive "
                                "elsewhere (stuck in its data loading, a callback or another call) or stopped without a "
-                               f"word; see that rank's log ({said})")
+                               f"word; see that rank's log ({told})")
     if silent:
         return _in_place_of(e, f"{ranks_named(silent)} stopped without an error of its own while this rank (rank "
                                f"{rank}) waited for it in a collective, in {doing}: killed (SIGKILL, the out-of-memory "
                                "killer), or its script ended or went elsewhere without making this call; see that "
-                               f"rank's log ({said})")
+                               f"rank's log ({told})")
     return None
 
 
