@@ -117,7 +117,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         this call, keep stepping with a zero gradient until a ``zero_grad(set_to_none=True)``, as
         torch.optim steps their zeroed ``.grad``. (On several ranks a param any rank holds a zero for
         steps: the flags join the step's one all-reduce, see ShardedAdam._global_stats.)"""
-        self._check_open("zero_grad()")
+        self.check_open("zero_grad()")
         super().zero_grad(set_to_none)
         self._drain_window()  # no copy still in flight may land in the window started next
         self._zeros_kept = not set_to_none  # (what a close hands back: ParamOwner._hand_back_zero_grads)
@@ -199,14 +199,14 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
     def _step(self, closure):
         if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step just before this call
             self._refuse_torch_grad_scaler(self._grads_from_backward)
-        self._check_open()
+        self.check_open()
         self._check_intact()
         self._check_hyper()  # before anything moves: a scheduler may have set them since the last step
         if problem := self._layout_problem():
             raise ValueError(problem)
         with torch.enable_grad():
             loss = closure() if closure is not None else None
-        self._check_open()  # (the closure's backward may have closed it: a user's hook)
+        self.check_open()  # (the closure's backward may have closed it: a user's hook)
         self._adopt_written_params()
         sumsq, received = self._prepare()
         self._prepared = None
@@ -311,7 +311,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         """The global L2 norm of this step's (unscaled, averaged) gradients before clipping: inf with an infinite
         gradient, nan with a NaN one, as torch's clip_grad_norm_ returns. Computed once per step (``step()`` reuses
         it), so the Trainer can log it first."""
-        self._check_open("grad_norm()")
+        self.check_open("grad_norm()")
         return unscaled_norm(self.scaler, self._prepare()[0], self._divisor)
 
     def _adam_pass(self, runs: list[Run], store: torch.Tensor, grad_scale: float, hyper: list[dict],

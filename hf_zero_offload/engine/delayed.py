@@ -91,7 +91,7 @@ class DelayedUpdate:
     def flush(self) -> None:
         """Finish an in-flight DPU step and publish its parameters (end of training, before
         evaluation or a final save; sharded, every rank calls it)."""
-        self._check_open("flush()")
+        self.check_open("flush()")
         # a model moved since the build (model.to("cuda") after building over the CPU model) is refused by name, as
         # at backward, step() and adopt_changed_params(): the publish would have written across devices (nothing
         # is waited for or published: the step stays in flight for a flush once the model is back)
@@ -107,7 +107,7 @@ class DelayedUpdate:
         was in flight: its publish, at the next step or ``flush()``, would overwrite them. The step is dropped
         and the masters take the model's weights (``adopt_changed_params``; the moments stay, as a torch
         optimizer's do). Returns how many params of this slice were taken."""
-        self._check_open("drop_delayed_step()")
+        self.check_open("drop_delayed_step()")
         self._wait_worker()
         self.needs_publish, self._uploaded, self._step_unpublished = False, None, False
         return self.adopt_changed_params()

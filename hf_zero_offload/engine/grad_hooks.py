@@ -209,7 +209,7 @@ class ParamOwner:
 
     def attach_hooks(self) -> None:
         """Gradients go to this engine during backward again (after ``detach_hooks``)."""
-        self._check_open("attach_hooks() (training it)")
+        self.check_open("attach_hooks() (training it)")
         hooks = self._hooks()
         if hooks is not None:
             hooks.attach()

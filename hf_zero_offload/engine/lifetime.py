@@ -112,7 +112,8 @@ class EngineEnd:
     def _stop_helpers(self, drain: bool) -> None:
         """The subclass's helpers (gradient pipeline, reducer) stop; ``drain``: reductions in flight land first."""
 
-    def _check_open(self, what: str = "step()") -> None:
+    def check_open(self, what: str = "step()") -> None:
+        """Raises, naming why, once the engine was closed or replaced (``what``: the call that found it so)."""
         if self._done_why is not None:
             raise RuntimeError(f"{type(self).__name__} was {self._done_why}; build a new engine (a new Trainer) to "
                                f"train these parameters. Its optimizer state and memory were released then, so "

@@ -39,7 +39,7 @@ class SavedState(WrittenParams):
 
     def state_meta(self) -> dict:
         """Everything but the big tensors (JSON-serialisable; the state file's header)."""
-        self._check_open("state_meta()")
+        self.check_open("state_meta()")
         self._check_intact()
         self._wait_worker()  # the masters must be final; the device may stay one step behind (DPU)
         return {
@@ -61,7 +61,7 @@ class SavedState(WrittenParams):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Views of this slice's state (no copy, no padding): the checkpoint writer streams them."""
-        self._check_open("state_tensors()")
+        self.check_open("state_tensors()")
         self._wait_worker()
         self._masters_with_writes()
         n = self.hi - self.lo
@@ -81,7 +81,7 @@ class SavedState(WrittenParams):
     def state_dict(self) -> dict:
         """This slice's state (``state_meta`` and clones of its tensors), through torch.optim's state_dict
         hooks in torch's order: the pre hooks see the optimizer, the post hooks the dict (and may replace it)."""
-        self._check_open("state_dict()")
+        self.check_open("state_dict()")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         # Clones: torch.save of a view would write the whole arena (gradient stores included).
@@ -95,7 +95,7 @@ class SavedState(WrittenParams):
         """A state of this same slice (``load_checkpoint`` re-cuts a directory for any world size). All is checked
         before the first write: a refused state changes nothing (on any rank). torch.optim's hooks run as in torch:
         the pre hooks see (and may replace) the dict, the post hooks the optimizer as loaded."""
-        self._check_open("load_state_dict()")
+        self.check_open("load_state_dict()")
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state)
             state = state if result is None else result
@@ -172,7 +172,7 @@ class SavedState(WrittenParams):
 
     def load_state_meta(self, meta: dict) -> None:
         """The small state (hyper-parameters, step counts, loss scaler), after checking it all."""
-        self._check_open("load_state_meta()")
+        self.check_open("load_state_meta()")
         meta = self._check_saved(meta, "state meta")
         self._apply_meta(meta)
 
@@ -213,7 +213,7 @@ class SavedState(WrittenParams):
         """Every rank writes ``rank{r}_of_{W}.hzo`` atomically (``folder.save``). Returns the save's id, a
         token every file of this save holds (and ``meta.json``): a load refuses a directory whose files
         disagree on it, and one whose id is not the ``expected_save_id`` its caller recorded for it."""
-        self._check_open("save_checkpoint()")
+        self.check_open("save_checkpoint()")
         if any(self._window_received()):  # torch.optim's state holds no .grad either: said, not silent
             logger.warning("hf_zero_offload: save_checkpoint between two steps: the gradients taken since the last "
                            "step() are not saved (a resume starts that window afresh)")
@@ -238,7 +238,7 @@ class SavedState(WrittenParams):
 
         Every rank calls it; all succeed or all raise (``_on_every_rank``): a failure one rank alone sees (a
         damaged chunk only it reads) left its peers training on, to wait for it in their next collective."""
-        self._check_open("load_checkpoint()")
+        self.check_open("load_checkpoint()")
         # the agreement comes before _finish_load, whose publish is a collective a failed rank never joins
         (meta, files), failed = self._on_every_rank(lambda: self._read_checkpoint(directory, expected_save_id,
                                                                                  names_checked))

@@ -32,7 +32,7 @@ class TorchStateImport:
         """Load torch.optim.AdamW's (or Adam's) ``state_dict()`` of an optimizer over the same param groups (the same
         params, in the same order; torch numbers them group after group). ``weights``: the fp32 values of the
         params in that order (the masters; None: the params as they are). Every rank calls it with the whole dict."""
-        self._check_open("load_torch_state_dict()")
+        self.check_open("load_torch_state_dict()")
         where = "torch optimizer state dict"
         groups, ids = self._torch_groups(state_dict, where)
         flat = [p for p, _, _ in self._flat]

@@ -64,7 +64,7 @@ class WrittenParams:
         masters rounded as the kernel rounds them: their masters take the model's values (the moments stay, as
         CPUAdam and torch.optim keep theirs). Without this the next step published the stale masters over them,
         without a word. Returns how many params of this slice changed. A DPU state one step ahead is left as is."""
-        self._check_open("adopt_changed_params()")
+        self.check_open("adopt_changed_params()")
         self._refuse_moved([p for p, _, _ in self._flat])
         self._wait_worker()
         make_contiguous(self.param_groups)  # a rebind since (model.to(memory_format=...)) left one strided

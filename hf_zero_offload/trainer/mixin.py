@@ -187,7 +187,7 @@ class ZeroOffloadMixin(NamedPeerFailures, SameBatches, CheckpointSaving, AgreedC
             if (engine := self.zero_engine) is not None:
                 # closed, or replaced by another Trainer's (or a user's) engine on this model: said now, naming why,
                 # as train() says it; it was handed back, to be refused only at its first use
-                engine._check_open("create_optimizer()")
+                engine.check_open("create_optimizer()")
             return self.optimizer
         model = self.model if model is None else model
         base = self._zo_base_create_optimizer()

@@ -388,7 +388,7 @@ class ShardedAdam(SaidToPeers, AdamCore):
 
     def flush(self) -> None:
         """Also finishes in-flight reductions (every rank calls it)."""
-        self._check_open("flush()")
+        self.check_open("flush()")
         with self._said("flush()"):
             self.reducer.drain()
             super().flush()
