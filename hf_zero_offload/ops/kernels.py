@@ -9,10 +9,9 @@ import torch
 
 from .. import _C
 from ._args import _DTYPE_CODE, _HALF_OR_FLOAT, _check, _threads
-from .hparams import check_hyperparameters
+from .hparams import FLT_MAX as _FLT_MAX, check_hyperparameters
 from .moments import _STATE_CODE, _state_kind, check_blocks
 
-_FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 def adam_step(
