@@ -142,7 +142,8 @@ class CPUAdam(torch.optim.Optimizer):
         todo, index = [], 0  # index: a param's first element among the optimizer's params (rounding counter)
         pids = itertools.count()  # a param's number in state_dict(), which errors name
         for gi, group in enumerate(self.param_groups):
-            _check_group(group, gi)  # a scheduler (or an edit) may have changed it since the last step
+            _check_group(group, gi, 1 + min((int(self.state[p]["step"]) if "step" in self.state.get(p, {}) else 0
+                                             for p in group["params"] if p.grad is not None), default=0))
             for p in group["params"]:
                 index, pid = index + p.numel(), next(pids)
                 if p.grad is None:
@@ -347,8 +348,9 @@ def _loaded_group(saved: dict, mine: dict) -> dict:
     return out
 
 
-def _check_group(group: dict, index: int | None = None) -> None:
-    """A group's flags and hyper-parameters as a step uses them; the error names the group and the key."""
+def _check_group(group: dict, index: int | None = None, step: int = 1) -> None:
+    """A group's flags and hyper-parameters as a step uses them (``step``: the earliest its params take next, whose
+    step size lr / (1 - beta1^t) is the largest); the error names the group and the key."""
     where = "" if index is None else f"CPUAdam param group {index}: "
     for key in ("adamw_mode", "maximize"):
         if key in group and not isinstance(group[key], bool):  # "false" would be true
@@ -360,7 +362,8 @@ def _check_group(group: dict, index: int | None = None) -> None:
     try:
         ops.check_state_dtype(group.get("state_dtype", "fp32"))
         ops.check_hyperparameters(lr=group.get("lr"), betas=group.get("betas"), eps=group.get("eps"),
-                                  weight_decay=group.get("weight_decay"), adamw=group.get("adamw_mode", True))
+                                  weight_decay=group.get("weight_decay"), adamw=group.get("adamw_mode", True),
+                                  step=step)
     except ValueError as e:
         raise ValueError(f"{where}{e}") from None
 

@@ -201,7 +201,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
             self._refuse_torch_grad_scaler(self._grads_from_backward)
         self.check_open()
         self._check_intact()
-        self._check_hyper()  # before anything moves: a scheduler may have set them since the last step
+        self._check_hyper(self._next_steps())  # before anything moves: a scheduler may have set them since
         if problem := self._layout_problem():
             raise ValueError(problem)
         with torch.enable_grad():
@@ -271,12 +271,17 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         changed = layout_change(self._built_groups, self.param_groups)
         return changed and f"{type(self).__name__}: {changed}"
 
-    def _check_hyper(self) -> None:
+    def _next_steps(self) -> list[int]:
+        """Per group, the earliest step its params take next: the largest step size lr / (1 - beta1^t) among
+        them, which is the one that must fit in fp32 (step 1's alone refused an lr that later steps take)."""
+        return [int(self._param_steps[idx].min()) + 1 if idx else 1 for idx in self._groups]
+
+    def _check_hyper(self, steps: list[int] | None = None) -> None:
         for i, g in enumerate(self.param_groups):
             try:
                 check_group_flags(g, self.options.state_dtype)
                 ops.check_hyperparameters(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
-                                          adamw=g["adamw_mode"])
+                                          adamw=g["adamw_mode"], step=steps[i] if steps else 1)
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__} param group {i}: {e}") from None
 

@@ -277,22 +277,22 @@ class ShardedAdam(SaidToPeers, AdamCore):
                              "(see its error)")
         return stats[:-1].tolist()
 
-    def _check_hyper(self) -> None:
+    def _check_hyper(self, steps: list[int] | None = None) -> None:
         # several ranks, once built: at every step() (every rank calls it, also after grad_norm()), each rank's verdict
         # and values in one collective, so that all raise together and none steps its shard with a lr of its own
         if self.world_size == 1 or not hasattr(self, "reducer"):
-            return super()._check_hyper()
+            return super()._check_hyper(steps)
         name = type(self).__name__
         if differs := hyper_disagreement(self.param_groups, len(self._built_groups), self.process_group, self.device,
-                                         self.global_steps + 1, self._hyper_problem()):
+                                         self.global_steps + 1, self._hyper_problem(steps)):
             raise ValueError(differs if differs.startswith(name) else f"{name}: {differs}")
 
-    def _hyper_problem(self) -> str | None:
+    def _hyper_problem(self, steps: list[int] | None) -> str | None:
         name = type(self).__name__
         try:
             if problem := self._layout_problem():  # (step() names it on one rank)
                 return problem
-            super()._check_hyper()
+            super()._check_hyper(steps)
         except Exception as e:  # noqa: BLE001 - said on every rank (a key deleted from a group: a KeyError)
             return str(e) if str(e).startswith(name) else f"{name}: {type(e).__name__}: {e}"
         return None
