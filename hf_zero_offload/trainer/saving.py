@@ -106,7 +106,7 @@ class CheckpointSaving:
         should_save on one rank, or a peer that failed before the save point, left the ranks in gloo until the
         collective timeout; (2) ``--save_strategy best``, where transformers sets should_save from each rank's
         ``_determine_best_metric`` after the last agreement (a metric an ``on_evaluate`` callback adds on each rank
-        from rank-local figures). tests/test_trainer_dist.py (``no_engine``, ``best``), test_trainer_dist_states.py
+        from rank-local figures). tests/test_trainer_dist_saves.py (``no_engine``, ``best``), test_trainer_dist_states.py
         (``before_save_no_engine``). A save outside the Trainer's log/evaluate/save point is not looked at."""
         point, store = getattr(self, "_zo_point", None), self._zo_store()
         if point is None or store is None:  # (a save from elsewhere than the Trainer's log/evaluate/save point)
