@@ -2,7 +2,7 @@
 
 The reference is written by hand: DDP averages the gradients, ``torch.optim.AdamW`` steps fp32
 masters, and the model's parameters lag one step behind the masters after the warm-up, as in
-OffloadAdam's DPU (test_engine.py). Also: the simulated GPU upload path under DPU, resume in the
+OffloadAdam's DPU (test_engine_dpu.py). Also: the simulated GPU upload path under DPU, resume in the
 middle of a delayed run, and cross-loading with OffloadAdam.
 """
 from __future__ import annotations

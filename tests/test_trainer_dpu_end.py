@@ -1,6 +1,6 @@
 """The end of a run with the delayed parameter update (DPU): the last step reaches the model before anything reads it
 there (``hf_zero_offload/trainer/last_step.py``). The reference is the model after ``train()``, which the tests of
-the DPU schedule check against hand-written AdamW (test_engine.py, test_sharding_dpu.py)."""
+the DPU schedule check against hand-written AdamW (test_engine_dpu.py, test_sharding_dpu.py)."""
 from __future__ import annotations
 
 import pytest
