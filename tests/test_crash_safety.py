@@ -1,8 +1,8 @@
 """Crash safety of saves and resumes, probed as a hostile outsider would: a save stopped at every stage (a full disk,
-Ctrl-C, SIGKILL), a checkpoint written again over an older one, two processes on one output_dir, a read-only
-checkpoint, a renamed checkpoint, consolidate stopped part way. The rule: the last good checkpoint stays loadable,
-no half-written file or directory is ever taken for a complete one, and the next save succeeds.
-(Marker, rotation: test_trainer_resume.py; lock: test_trainer_resume_lock.py; CRC: test_state_integrity.py.)"""
+Ctrl-C, SIGKILL), a checkpoint written again over an older one, a read-only checkpoint, a renamed checkpoint,
+consolidate stopped part way. The rule: the last good checkpoint stays loadable, no half-written file or directory
+is ever taken for a complete one, and the next save succeeds. (Marker, rotation: test_trainer_resume.py; the lock,
+two processes on one output_dir: test_trainer_resume_lock.py; CRC: test_state_integrity.py.)"""
 from __future__ import annotations
 
 import errno
@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ import torch
 from hf_zero_offload import resume
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions, checkpoint
 from hf_zero_offload.engine.checkpoint import folder
-from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli_errors import _checkpoint_of_a_linear  # noqa: E402
@@ -144,105 +142,6 @@ def test_a_directory_saved_again_at_another_world_size_loads_the_new_state(tmp_p
     assert all(torch.equal(fresh.state_tensors()[k], v) for k, v in new.state_tensors().items())
     for o in (old, new, fresh):
         o.close()
-
-
-_HOLDER = textwrap.dedent("""
-    import sys, time
-    from hf_zero_offload.run_lock import RunLock
-    RunLock(sys.argv[1]).acquire()
-    print("held", flush=True)
-    time.sleep(60)
-""")
-
-
-def test_two_processes_on_one_output_dir(tmp_path):
-    out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RunLockError, match=rf"{out}.*another run \(pid {holder.pid}"):
-            RunLock(str(out)).acquire()
-    finally:
-        holder.send_signal(signal.SIGKILL)  # no atexit: the lock file stays, its owner dead
-        holder.wait()
-    lock = RunLock(str(out))
-    assert f"pid {holder.pid}" in lock.acquire() and json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
-    lock.release()
-
-
-_TAKER = textwrap.dedent("""
-    import os, sys, time
-    from hf_zero_offload import run_lock
-    from hf_zero_offload.run_lock import RunLock, RunLockError
-    out, judge_s, go, done = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
-    alive = run_lock._alive
-
-    def slow_alive(owner):  # widens the window between judging the owner gone and replacing it
-        time.sleep(judge_s)
-        return alive(owner)
-
-    run_lock._alive = slow_alive
-    print("ready", flush=True)
-    while not os.path.exists(go):  # both start together, once both have imported
-        time.sleep(0.005)
-    try:
-        RunLock(out).acquire()
-        print("won", flush=True)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(done) and time.monotonic() < deadline:  # hold it until the other taker has looked
-            time.sleep(0.005)
-    except RunLockError as e:
-        print("lost", e, flush=True)
-""")
-
-
-def test_two_takers_of_a_stale_lock_never_both_win(tmp_path):
-    """Two runs started together on an output_dir whose lock's owner is dead: each judges the lock stale and
-    takes it over. The one that judged faster finished taking it before the slower one replaced it, and both
-    ran (the slower one's ownership check came after its own replacement). Now exactly one runs."""
-    out = tmp_path / "out"
-    out.mkdir()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "process_start": 1.0,
-                                             "started": "earlier"}))
-    go, done = tmp_path / "go", tmp_path / "done"
-    takers = [subprocess.Popen([sys.executable, "-c", _TAKER, str(out), str(judge), str(go), str(done)],
-                               stdout=subprocess.PIPE, text=True) for judge in (0.1, 1.0)]
-    stuck = threading.Timer(60, lambda: [t.kill() for t in takers])  # a taker that never says ends the test
-    stuck.start()
-    try:
-        assert [t.stdout.readline().strip() for t in takers] == ["ready", "ready"]
-        go.touch()
-        said = [t.stdout.readline().strip() for t in takers]  # the winner holds the lock until both have said
-    finally:
-        done.touch()
-        stuck.cancel()
-    for t in takers:
-        t.communicate(timeout=60)
-    assert sorted(s.split()[0] for s in said) == ["lost", "won"], said
-    assert "another run" in next(s for s in said if s.startswith("lost"))
-
-
-@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EOPNOTSUPP, errno.EACCES])
-def test_a_file_system_without_flock_still_takes_a_stale_lock(tmp_path, monkeypatch, err):
-    """Some NFS and FUSE mounts refuse flock: the takeover then runs unguarded, as before the guard existed,
-    instead of the run failing to start."""
-    import fcntl
-
-    def no_flock(fd, op):
-        raise OSError(err, os.strerror(err))
-
-    monkeypatch.setattr(fcntl, "flock", no_flock)
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(),
-                                             "process_start": 1.0, "started": "earlier"}))
-    lock = RunLock(str(out))
-    assert "took over the stale run lock" in lock.acquire()
-    assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
-    lock.release()
-    assert not (out / LOCK_NAME).exists()
 
 
 def test_a_stale_temporary_in_a_read_only_checkpoint_does_not_stop_the_run(tmp_path, monkeypatch):

@@ -3,11 +3,17 @@ train() runs and checked at each save, a stale lock is taken over, a foreign hos
 output_dir is named."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +23,8 @@ from _resume import COMMON, OFFLOAD, _same
 from hf_zero_offload import ZeroOffloadSeq2SeqTrainer, ZeroOffloadSeq2SeqTrainingArguments
 from hf_zero_offload import resume
 from hf_zero_offload.run_lock import LOCK_NAME, RunLock, RunLockError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- the run lock
@@ -161,3 +169,104 @@ def test_stale_lock_is_taken_over_and_foreign_host_is_an_error(tmp_path, caplog)
     finally:
         alive.kill()
         alive.wait()
+
+
+# ---------------------------------------------------------------- processes racing for it (from test_crash_safety.py)
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from hf_zero_offload.run_lock import RunLock
+    RunLock(sys.argv[1]).acquire()
+    print("held", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_two_processes_on_one_output_dir(tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLockError, match=rf"{out}.*another run \(pid {holder.pid}"):
+            RunLock(str(out)).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no atexit: the lock file stays, its owner dead
+        holder.wait()
+    lock = RunLock(str(out))
+    assert f"pid {holder.pid}" in lock.acquire() and json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+_TAKER = textwrap.dedent("""
+    import os, sys, time
+    from hf_zero_offload import run_lock
+    from hf_zero_offload.run_lock import RunLock, RunLockError
+    out, judge_s, go, done = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+    alive = run_lock._alive
+
+    def slow_alive(owner):  # widens the window between judging the owner gone and replacing it
+        time.sleep(judge_s)
+        return alive(owner)
+
+    run_lock._alive = slow_alive
+    print("ready", flush=True)
+    while not os.path.exists(go):  # both start together, once both have imported
+        time.sleep(0.005)
+    try:
+        RunLock(out).acquire()
+        print("won", flush=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:  # hold it until the other taker has looked
+            time.sleep(0.005)
+    except RunLockError as e:
+        print("lost", e, flush=True)
+""")
+
+
+def test_two_takers_of_a_stale_lock_never_both_win(tmp_path):
+    """Two runs started together on an output_dir whose lock's owner is dead: each judges the lock stale and
+    takes it over. The one that judged faster finished taking it before the slower one replaced it, and both
+    ran (the slower one's ownership check came after its own replacement). Now exactly one runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "process_start": 1.0,
+                                             "started": "earlier"}))
+    go, done = tmp_path / "go", tmp_path / "done"
+    takers = [subprocess.Popen([sys.executable, "-c", _TAKER, str(out), str(judge), str(go), str(done)],
+                               stdout=subprocess.PIPE, text=True) for judge in (0.1, 1.0)]
+    stuck = threading.Timer(60, lambda: [t.kill() for t in takers])  # a taker that never says ends the test
+    stuck.start()
+    try:
+        assert [t.stdout.readline().strip() for t in takers] == ["ready", "ready"]
+        go.touch()
+        said = [t.stdout.readline().strip() for t in takers]  # the winner holds the lock until both have said
+    finally:
+        done.touch()
+        stuck.cancel()
+    for t in takers:
+        t.communicate(timeout=60)
+    assert sorted(s.split()[0] for s in said) == ["lost", "won"], said
+    assert "another run" in next(s for s in said if s.startswith("lost"))
+
+
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EOPNOTSUPP, errno.EACCES])
+def test_a_file_system_without_flock_still_takes_a_stale_lock(tmp_path, monkeypatch, err):
+    """Some NFS and FUSE mounts refuse flock: the takeover then runs unguarded, as before the guard existed,
+    instead of the run failing to start."""
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(),
+                                             "process_start": 1.0, "started": "earlier"}))
+    lock = RunLock(str(out))
+    assert "took over the stale run lock" in lock.acquire()
+    assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (out / LOCK_NAME).exists()
