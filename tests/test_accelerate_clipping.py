@@ -142,6 +142,8 @@ def test_what_cannot_be_honoured_is_refused_by_name():
             acc.clip_grad_norm_(model[2].parameters(), MAX)
         with pytest.raises(ValueError, match=r"4 of the given params \(\(16, 8\).*not trainable params of this"):
             acc.clip_grad_norm_([*model.parameters(), *other.parameters()], MAX)
+        with pytest.raises(ValueError, match=r"a param \(2.bias.*\) is given more than once"):
+            acc.clip_grad_norm_([*model.parameters(), model[2].bias], MAX)
         with pytest.raises(ValueError, match="max_norm=0.0: need a number > 0"):
             acc.clip_grad_norm_(model.parameters(), 0.0)
         with pytest.raises(ValueError, match="clip_grad_value_ on the params of OffloadAdam.*clip_grad_norm_"):

@@ -93,6 +93,11 @@ class StepClipping:
             return (f"{len(others)} of the given params ({shapes}{', ...' if len(others) > 3 else ''}) are not "
                     "trainable params of this engine: torch would clip them all by their joint norm, and the engine "
                     "knows its own gradients only; clip another optimizer's params on their own")
+        if len(ids) < len(given):  # (torch sums a gradient once per time its param is listed)
+            twice = next(p for k, p in enumerate(given) if any(q is p for q in given[:k]))
+            return (f"a param ({self._param_label(twice) if id(twice) in mine else tuple(twice.shape)}) is given "
+                    "more than once (a tied weight listed with each module?): torch would count its gradient once "
+                    "per listing in the norm, the engine counts each param once; pass model.parameters()")
         missing = [p for i, p in mine.items() if i not in ids and p.requires_grad]
         if missing:
             labels = ", ".join(self._param_label(p) for p in missing[:3])
