@@ -1,9 +1,9 @@
 """What the Trainer integration changes on its Accelerator (nothing here imports transformers).
 
-With ``zero_offload`` the engine owns loss scaling, the gradient reduction and the optimizer state, so three of
-Accelerate's steps change: backward scales the loss by the engine's scale; the model gets no DDP wrapper; the
+With ``zero_offload`` the engine owns loss scaling, the gradient reduction, the clipping and the optimizer state, so
+four of Accelerate's steps change: backward scales the loss by the engine's scale; the model gets no DDP wrapper; the
 optimizer is wrapped without device placement, and reports the engine's skipped (fp16 overflow) steps as
-Accelerate's own. ``adapt_accelerator`` makes the same changes for a training loop of one's own.
+Accelerate's own; ``clip_grad_norm_`` on the engine's params has the engine clip at its step (its ``.grad`` is gone). ``adapt_accelerator`` makes the same changes for a training loop of one's own.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ def adapt_accelerator(accelerator, engine) -> None:
     skipped fp16 overflow step as taken (``optimizer_step_was_skipped`` False, and a prepared LR scheduler advanced
     on it), copied the engine's whole state (fp32 masters and moments) to ``accelerator.device`` and back when
     preparing it, and wrapped the model in DDP on several processes (the engine reduces the gradients itself).
+    ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` returns the engine's norm of this step's gradients
+    and has the engine clip them at its step (Accelerate's found no ``.grad``, clipped nothing and returned 0.0).
     ``accelerator.backward(loss)`` then scales the loss by the engine's scale: do not call ``engine.scale_loss``
     too (another optimizer prepared beside the engine is therefore refused while the engine scales its loss).
     ``accelerator.free_memory()`` (or ``clear()``), Accelerate's reset between two trainings, undoes all of this: the
@@ -88,7 +90,8 @@ def patch_accelerator(accelerator, engine_of, others=None) -> None:
     # closure over the Accelerator (or its bound methods) stored on the Accelerator made a reference cycle, and the
     # engine its prepared optimizer holds (host arena included) then lived on after ``del trainer`` until the
     # garbage collector ran (a plain Trainer is freed at once).
-    kept = {name: accelerator.__dict__.get(name) for name in ("backward", "prepare_model", "prepare_optimizer")}
+    kept = {name: accelerator.__dict__.get(name) for name in ("backward", "prepare_model", "prepare_optimizer",
+                                                              "clip_grad_norm_", "clip_grad_value_")}
     acc = weakref.ref(accelerator)
 
     def original(name: str):
@@ -131,6 +134,39 @@ def patch_accelerator(accelerator, engine_of, others=None) -> None:
         return wrapped
 
     accelerator.prepare_optimizer = prepare_in_place
+
+    def clip_grad_norm_by_engine(parameters, max_norm, norm_type=2):
+        # Accelerate's calls torch's, which finds no .grad after the engine took them (OffloadAdam, ZeRO-2) and
+        # returned 0.0 having clipped nothing (ZeRO-0/1: this rank's .grad before the average). The engine clips
+        # at its step, by the coefficient its options' max_grad_norm applies (engine/clipping.py).
+        engine, params = engine_of(), _listed(parameters)
+        if engine is None or not engine.holds_any(params):  # another optimizer's params: Accelerate's clipping
+            return original("clip_grad_norm_")(params, max_norm, norm_type=norm_type)
+        if not acc().sync_gradients:
+            raise RuntimeError(
+                "accelerator.clip_grad_norm_ on a micro-batch that does not step (accelerator.sync_gradients is "
+                "False): torch clips the partial sum in .grad and adds the next micro-batches unclipped, which the "
+                f"engine ({type(engine).__name__}) cannot do; clip under `if accelerator.sync_gradients:`")
+        return engine.clip_grad_norm_(max_norm, norm_type, parameters=params)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_by_engine
+
+    def clip_grad_value_by_engine(parameters, clip_value):
+        engine, params = engine_of(), _listed(parameters)
+        if engine is None or not engine.holds_any(params):
+            return original("clip_grad_value_")(params, clip_value)
+        # (torch's found no .grad and failed with "Expected !nested_tensorlist[0].empty()", or clipped this rank's
+        # gradient before the average)
+        raise ValueError(f"accelerator.clip_grad_value_ on the params of {type(engine).__name__}: the engine takes "
+                         "each gradient during backward and clips by the global norm only (at its step); clip with "
+                         "accelerator.clip_grad_norm_(model.parameters(), max_norm) instead")
+
+    accelerator.clip_grad_value_ = clip_grad_value_by_engine
+
+
+def _listed(parameters) -> list:
+    """``parameters`` as torch's clipping takes them (one tensor, or an iterable, which may be a generator)."""
+    return [parameters] if hasattr(parameters, "grad") else list(parameters)
 
 
 _REPORTING: dict[type, type] = {}

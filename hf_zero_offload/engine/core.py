@@ -30,6 +30,7 @@ import torch
 
 from .. import ops
 from . import param_names
+from .clipping import StepClipping
 from .delayed import DelayedUpdate
 from .grad_hooks import ParamOwner
 from .lifetime import EngineEnd
@@ -44,7 +45,8 @@ from .streams import Streams, make_streams
 from .torch_import import TorchStateImport
 
 
-class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdate, LossScaled, torch.optim.Optimizer):
+class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdate, LossScaled, StepClipping,
+               torch.optim.Optimizer):
     stage: int | None = None      # ZeRO stage (None: one process holding everything)
     _grads_from_backward = True   # gradients come from backward hooks, not from .grad at step()
     _step_supports_amp_scaling = True  # GradScaler.step() calls step() directly, which names the problem (above)
@@ -127,7 +129,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         else:  # read after the drain: the window's last gradients are counted by then
             self._kept_grad = [k or r or w for k, r, w in
                                zip(self._kept_grad, self._last_received, self._window_received())]
-        self._prepared = None
+        self._prepared = self._clip_request = None  # (the gradients a clip_grad_norm_ was for are dropped)
         self._begin_window()
 
     def _window_received(self) -> list[bool]:
@@ -208,6 +210,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
             loss = closure() if closure is not None else None
         self.check_open()  # (the closure's backward may have closed it: a user's hook)
         self._adopt_written_params()
+        max_norm = self._step_max_norm()  # (clipping.py: clip_grad_norm_'s for this step, or the options')
         sumsq, received = self._prepare()
         self._prepared = None
         if not any(received) and not self._said_empty_step:
@@ -224,8 +227,9 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
                 # the count and the loss scaler move with the update: a Ctrl-C between them counted a step never
                 # taken (with DPU the delayed mode then began one step early)
                 self.global_steps += 1
-                self.last, grad_scale = decide_step(self.scaler, sumsq, self.options.max_grad_norm, self._divisor,
+                self.last, grad_scale = decide_step(self.scaler, sumsq, max_norm, self._divisor,
                                                     self.options.skip_nonfinite)
+                self._clip_request = None
                 self._update(grad_scale)
             except BaseException as e:
                 # some params hold this step's update and some do not: step and save refuse until a load
