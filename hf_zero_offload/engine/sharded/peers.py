@@ -70,7 +70,8 @@ class PeerNotes:
         """This rank's line: ``text`` says what it did ("closed its ShardedAdam after step 2")."""
         if self.store is not None:
             with contextlib.suppress(Exception):  # (the store gone with its host: the error in flight is the one)
-                self.store.set(_KEY.format(self.number, self.rank), f"{self._host}\n{text}", tag=("engine", self.number))
+                self.store.set(_KEY.format(self.number, self.rank), f"{self._host}\n{text}",
+                               tag=("engine", self.number))
 
     def unsay(self) -> None:
         if self.store is not None:
