@@ -10,7 +10,13 @@ Here each process of such a launch writes its ``WORLD_SIZE`` to rank 0's rendezv
 ``MASTER_PORT``, the TCPStore torch's ``env://`` rendezvous serves there) from a daemon thread; rank 0 reads the
 others' and writes its verdict, the others read rank 0's value and that verdict: a process that finds another value
 prints one error naming the ranks and values and ends (its main thread is blocked inside torch's C++ rendezvous,
-where no Python exception reaches). All alike: the thread ends, and nothing more is done. Not under torchrun (its
+where no Python exception reaches). All alike: the thread ends, and nothing more is done.
+
+Two processes started with the same ``RANK`` (ranks 0, 1, 1 of 3) hung alike (a probe: the three still waiting in
+the TrainingArguments' setup when killed after 70 s): each process claims its ``RANK`` in the store first (one
+``compare_set``, its host and pid); the second to claim one says so there and stops naming both processes, and
+rank 0, which looks for that line once a second, stops with it and writes it as its verdict, which the others read.
+Not under torchrun (its
 variables are consistent by construction, and its agent's store outlives a restart with another world size) nor
 under MPI launchers.
 """
@@ -29,6 +35,9 @@ from .launch_checks import _MPI_RANK_VARS, launch_count
 
 _KEY = "hf_zero_offload/launch/world_size/rank{}"
 _VERDICT = "hf_zero_offload/launch/world_size/verdict"  # rank 0's: "" (all agree) or "<its value>\n<the others'>"
+# (or "twice\n<what _TWICE said>")
+_CLAIM = "hf_zero_offload/launch/rank{}/process"  # "<host> pid <pid>" of the first process that claimed that RANK
+_TWICE = "hf_zero_offload/launch/twice"  # "RANK=<r> on two processes, <first> and <second>", by the second
 _POLL_S = 1.0
 _WATCH_S = 600.0  # then the thread gives up quietly (a peer that never came is torch's timeout to report)
 _STARTED: list = []
@@ -65,19 +74,30 @@ def watch_world_size(env=None) -> None:
                      name="hf_zero_offload launch watch").start()
 
 
-def _watch(connect, rank: int, world: int, on_mismatch) -> None:
+def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -> None:
     """Write ``world`` as rank ``rank``'s; rank 0 reads the others' until all ``world`` ranks said the same and writes
     its verdict, the others read rank 0's value and then that verdict: ``on_mismatch(message)`` where one said
     another value, else return. ``connect()``: the store client. Only rank 0 reads every rank's key: every process
     reading all of them put W² reads a second on rank 0's store during the rendezvous (by count, up to 262,144 for
-    a 512-process SLURM-style launch), and a mismatch anywhere is one with rank 0's value."""
+    a 512-process SLURM-style launch), and a mismatch anywhere is one with rank 0's value. ``me``: this process, as
+    its claim of ``rank`` names it (its host and pid)."""
+    me = f"{socket.gethostname()} pid {os.getpid()}" if me is None else me
     try:
         store = connect()
+        first = store.compare_set(_CLAIM.format(rank), "", me).decode()
+        if first != me:
+            found = f"RANK={rank} on two processes, {first} and {me}"
+            store.set(_TWICE, found)  # (for rank 0, and through its verdict the others)
+            return on_mismatch(_twice(f"{found} (this one)"))
         store.set(_KEY.format(rank), str(world))
         deadline = time.monotonic() + _WATCH_S
         seen: dict = {}
         while time.monotonic() < deadline:
             if rank == 0:
+                if store.check([_TWICE]):
+                    found = store.get(_TWICE).decode()
+                    store.set(_VERDICT, f"twice\n{found}")
+                    return on_mismatch(_twice(found))
                 for r in range(max([world, *[int(v) for v in seen.values()]])):
                     if r not in seen and store.check([_KEY.format(r)]):
                         seen[r] = store.get(_KEY.format(r)).decode()
@@ -97,6 +117,8 @@ def _watch(connect, rank: int, world: int, on_mismatch) -> None:
                     continue
             elif store.check([_VERDICT]):
                 world0, _, shown = store.get(_VERDICT).decode().partition("\n")
+                if world0 == "twice":
+                    return on_mismatch(_twice(shown))
                 if shown:
                     return on_mismatch(_message(f"WORLD_SIZE={world0} on rank 0 and on this process (rank {rank}) but "
                                                 f"{shown}"))
@@ -110,6 +132,12 @@ def _message(found: str) -> str:
     return (f"hf_zero_offload: LaunchError: {found}: every process of a run must be started with the same WORLD_SIZE "
             "(torchrun sets it so); torch.distributed's rendezvous would wait for ranks that never come until its "
             "timeout (30 minutes by default), so this process stops now")
+
+
+def _twice(found: str) -> str:
+    return (f"hf_zero_offload: LaunchError: {found}: every process of a run must be started with its own RANK, 0 to "
+            "WORLD_SIZE-1 (torchrun sets it so); torch.distributed's rendezvous would wait for the rank that never "
+            "comes until its timeout (30 minutes by default), so this process stops now")
 
 
 def _end_process(message: str) -> None:

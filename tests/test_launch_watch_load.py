@@ -17,6 +17,11 @@ class _CountingStore:
     def set(self, key, value):
         self.values[key] = value.encode() if isinstance(value, str) else value
 
+    def compare_set(self, key, expected, desired):  # (the claim of a RANK: TCPStore's semantics)
+        if self.values.get(key, b"").decode() == expected:
+            self.values[key] = desired.encode()
+        return self.values[key]
+
     def check(self, keys):
         self.checked.extend(keys)
         return all(k in self.values for k in keys)

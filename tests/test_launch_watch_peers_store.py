@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hf_zero_offload import dist_store
 from hf_zero_offload.engine.sharded import peers
 
 _SERVER = ("import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
@@ -26,8 +27,8 @@ def _notes_on_a_child_store():
     try:
         port = int(server.stdout.readline())
         notes = peers.PeerNotes(None, 1, 2)
-        notes.store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                    timeout=timedelta(seconds=5))
+        notes.store = dist_store.GroupStore(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                                          timeout=timedelta(seconds=5)))
         yield notes, server
     finally:
         os.kill(server.pid, signal.SIGKILL)
@@ -35,9 +36,9 @@ def _notes_on_a_child_store():
 
 
 def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error(monkeypatch):
-    monkeypatch.setattr(peers, "_READ_S", 1.0)
+    monkeypatch.setattr(dist_store, "_READ_S", 1.0)
     with _notes_on_a_child_store() as (notes, server):
-        notes.store.set(notes.key(0), "host0\nclosed its ShardedAdam (close()) after its step 3")
+        notes.store.set(peers._KEY.format(notes.number, 0), "host0\nclosed its ShardedAdam (close()) after its step 3")
         failure = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
         assert "rank 0 (host host0) closed its ShardedAdam" in str(notes.named(failure, "step()"))  # (answering)
         os.kill(server.pid, signal.SIGSTOP)
@@ -48,18 +49,17 @@ def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error
 
 
 def test_taking_lines_back_from_a_store_host_that_stopped_answering_is_given_up(monkeypatch):
-    monkeypatch.setattr(peers, "_READ_S", 1.0)
-    monkeypatch.setattr(peers, "_WRITTEN", set())
+    monkeypatch.setattr(dist_store, "_READ_S", 1.0)
     with _notes_on_a_child_store() as (notes, server):
         notes.say("was in save_checkpoint() (after its step 1)")
-        peers._WRITTEN.add((notes.number - 1, "an older engine's line"))
+        notes.store.set("an older engine's line", "h\nclosed", tag=("engine", notes.number - 1))
         os.kill(server.pid, signal.SIGSTOP)
         start = time.monotonic()
         notes.unsay()  # (the end of a save) before: delete_key() still waiting when given up after 8 s
         notes.forget_older()  # (the next build)
         assert time.monotonic() - start < 5
         # the line not known to be deleted is kept in the list, for the next build to try again
-        assert peers._WRITTEN == {(notes.number, notes.key(1))}
+        assert notes.store.written() == {notes.key(1): ("engine", notes.number)}
 
 
 def test_a_line_of_torchruns_earlier_attempt_is_not_read_by_the_next(monkeypatch):
@@ -73,7 +73,7 @@ def test_a_line_of_torchruns_earlier_attempt_is_not_read_by_the_next(monkeypatch
         monkeypatch.setattr(peers, "_BUILT", [0])
         notes = [peers.PeerNotes(None, r, 2) for r in range(2)]
         for n in notes:
-            n.store, n.number = store, 1
+            n.store, n.number = dist_store.GroupStore(store), 1
         return notes
     old0, _ = notes_of("0")
     old0.say("raised in step(): OutOfMemoryError: the cause of attempt 0's restart")

@@ -42,6 +42,29 @@ def test_another_world_size_on_a_peer_is_named_on_every_process(worlds):
                "process of a run must be started with the same WORLD_SIZE" in said[rank], said
 
 
+def test_two_processes_started_with_the_same_rank_are_named_on_every_process():
+    # before: ranks 0, 1, 1 of 3 all waited in the rendezvous (a probe: the TrainingArguments' setup, killed after 70 s)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    said: list = [None] * 3
+
+    def one(i, rank):
+        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=20))
+        launch_watch._watch(lambda: client, rank, 3, lambda m: said.__setitem__(i, m), me=f"h pid {i}")
+    threads = []
+    for i, rank in enumerate((0, 1, 1)):
+        threads.append(threading.Thread(target=one, args=(i, rank)))
+        threads[-1].start()
+        if i == 1:  # (process 1 claims rank 1 first)
+            threads[-1].join(0.3)
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    named = "LaunchError: RANK=1 on two processes, h pid 1 and h pid 2{}: every process of a run must be started " \
+            "with its own RANK"
+    assert [named.format(" (this one)" if i == 2 else "") in m for i, m in enumerate(said)] == [True] * 3, said
+
+
 def test_the_same_world_size_everywhere_ends_the_watch_without_a_word():
     assert _watch_all([2, 2]) == [None, None]
 

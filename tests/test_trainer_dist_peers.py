@@ -286,10 +286,11 @@ def test_the_error_naming_a_peer_keeps_the_collective_errors_type(monkeypatch, k
     evaluate(), predict() and saves are named too. Same type, its message the named one, chained to torch's."""
     import torch.distributed as dist
 
+    from hf_zero_offload.dist_store import GroupStore
     from hf_zero_offload.trainer import peer_failure
 
     monkeypatch.setattr(peer_failure, "_WAIT_S", 0.2)
-    store = dist.HashStore()
+    store = GroupStore(dist.HashStore())
     if peer == "failed":
         store.set(peer_failure._KEY.format(1, 1), "h\nKeyError: 'boom'")
     elif peer == "returned":

@@ -16,7 +16,9 @@ had returned from its ``train()`` (a call made on one rank only, ``if rank == 0:
 or hangs as under plain DDP) is named as such, and one that wrote nothing at all as stopped without an error of its
 own (a SIGKILL, the out-of-memory killer), or, where this rank's wait ran out (a killed peer closes its connections
 instead), as not come within the collective timeout. One store write per call that fails, one per ``train()`` that
-returns and one (taking that back) at the next call; nothing per step.
+returns and one (taking that back) at the next call; nothing per step. The store's reads are bounded and its keys
+scoped by torchrun's attempt (``dist_store.GroupStore``): a rank 0 that stopped answering no longer holds this
+rank's error, and a restarted attempt does not name the earlier attempt's error as its peer's.
 """
 from __future__ import annotations
 
@@ -29,14 +31,16 @@ import torch.distributed as dist
 
 from ..engine.sharded.peers import TIMEOUT_WORDS as _TIMEOUT_WORDS
 from ..engine.sharded.peers import collective_failure, said  # noqa: F401 - (collective_failure: by name elsewhere too)
+from ..dist_store import GroupStore
 from .progress import progress_count, shared_store
 from .shared_dir import ranks_named
 
-_KEY = "hf_zero_offload/failed/{}/rank{}"  # train() generation, rank
-_LOST_KEY = "hf_zero_offload/lost/{}/rank{}"  # a rank that met a collective failure (it is alive: not the one gone)
-_LEFT_KEY = "hf_zero_offload/left/rank{}"  # "<generation>\n<step>\n<host>" at each train() that returned
-# the _LEFT_KEY this process wrote and has not taken back: one per process (its rank), whichever Trainer wrote it
-_LEFT: set = set()
+# (names in the store of this torchrun attempt: GroupStore.key)
+_KEY = "failed/{}/rank{}"  # train() generation, rank
+_LOST_KEY = "lost/{}/rank{}"  # a rank that met a collective failure (it is alive: not the one gone)
+# "<generation>\n<step>\n<host>" at each train() that returned, taken back at this process's next Trainer call
+# (GroupStore.forget: one per process, its rank, whichever Trainer wrote it)
+_LEFT_KEY = "left/rank{}"
 _WAIT_S = 3.0  # for the failing rank's key: it is written before its process ends and closes the connection
 # (what gloo and NCCL say of a peer gone or late: engine/sharded/peers.py, which the engine's own errors use too)
 
@@ -51,7 +55,7 @@ def _in_place_of(e: BaseException, text: str) -> BaseException:
     return RuntimeError(text)
 
 
-def peer_failed(e: BaseException, store, generation: int, rank: int, world_size: int,
+def peer_failed(e: BaseException, store: GroupStore | None, generation: int, rank: int, world_size: int,
                 doing: str = "train()") -> BaseException | None:
     """At ``e`` leaving this rank's ``doing`` (a Trainer call): this rank's own failure written to ``store`` (None: a
     collective failure, or nothing to write); a collective failure answered with the error to raise in its place (of
@@ -76,7 +80,7 @@ def peer_failed(e: BaseException, store, generation: int, rank: int, world_size:
             if time.monotonic() > give_up:  # (the other survivors have said they are alive by now)
                 return _absent(e, store, generation, rank, peers, doing)
             time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - the store gone with its host: this rank's error is the one to see
+    except Exception:  # noqa: BLE001 - the store gone with its host, or silent: this rank's error is the one to see
         return None
 
 
@@ -85,14 +89,14 @@ def _absent(e: BaseException, store, generation: int, rank: int, peers: list,
     """The peers of collective failure ``e`` that raised nothing: those whose train() of this generation returned,
     else those that said nothing at all (None: every peer is alive, or returned from another generation's train())."""
     left, silent, told = [], [], said(e, 400)[:200]
+    seen = store.read([_LEFT_KEY.format(r) for r in peers] + [_LOST_KEY.format(generation, r) for r in peers])
     for r in peers:
-        key = _LEFT_KEY.format(r)
-        if store.check([key]):
-            g, step, host = store.get(key).decode().split("\n")
+        if (returned := seen.get(_LEFT_KEY.format(r))) is not None:
+            g, step, host = returned.split("\n")
             if int(g) == generation:
                 left.append(f"rank {r} (host {host}) had returned from its train() (at step {step})")
                 continue
-        if not store.check([_LOST_KEY.format(generation, r)]):
+        if _LOST_KEY.format(generation, r) not in seen:
             silent.append(r)
     if left:
         return _in_place_of(e, f"{'; '.join(left)} and was not in the collective this rank (rank {rank}) waited in, "
@@ -112,14 +116,14 @@ def _absent(e: BaseException, store, generation: int, rank: int, peers: list,
     return None
 
 
-def failed_peer(store, generation: int, ranks) -> str | None:
+def failed_peer(store: GroupStore, generation: int, ranks) -> str | None:
     """"rank R (host H) failed: <its error>" for the first of ``ranks`` whose train() of this ``generation`` raised
     (None: none). Also for a rank that waits on its peers through the store rather than in a collective (the saves'
     agreement: a peer that failed before the save point left it looking until --ddp_timeout)."""
+    seen = store.read([_KEY.format(generation, r) for r in ranks])
     for r in ranks:
-        key = _KEY.format(generation, r)
-        if store.check([key]):
-            host, _, why = store.get(key).decode().partition("\n")
+        if (line := seen.get(_KEY.format(generation, r))) is not None:
+            host, _, why = line.partition("\n")
             return f"rank {r} (host {host}) failed: {why}"
     return None
 
@@ -128,11 +132,9 @@ def _back_in() -> None:
     """This rank in a Trainer call again: its "returned from train()" key taken back (one store call, after a train()
     that returned only). Left there, a peer that lost this rank in the evaluate() both ranks make after train() (this
     rank killed in it) said it had returned and was not in the call, blaming the script."""
-    if not _LEFT:
-        return
-    key = _LEFT.pop()
     with contextlib.suppress(Exception):  # (the store gone: no peer is left to read the key)
-        shared_store(dist.get_world_size()).delete_key(key)
+        if dist.is_available() and dist.is_initialized() and (store := GroupStore.of_default_group()) is not None:
+            store.forget("left")  # (nothing sent where none was written)
 
 
 class NamedPeerFailures:
@@ -179,8 +181,7 @@ class NamedPeerFailures:
             count = progress_count(store, dist.get_rank()) if store is not None else None
             if count is not None:
                 store.set(_LEFT_KEY.format(dist.get_rank()),
-                          f"{count[0]}\n{self.state.global_step}\n{socket.gethostname()}")
-                _LEFT.add(_LEFT_KEY.format(dist.get_rank()))
+                          f"{count[0]}\n{self.state.global_step}\n{socket.gethostname()}", tag=("left", 0))
 
     def evaluate(self, *args, **kwargs):
         return self._zo_named("evaluate()", functools.partial(super().evaluate, *args, **kwargs))

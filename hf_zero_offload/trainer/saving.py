@@ -117,9 +117,10 @@ class CheckpointSaving:
         waiting = [r for r in range(self.args.world_size) if r != me]
         not_saving, pause = [], 0.002
         while waiting:
+            seen = store.read([PROGRESS_KEY.format(r) for r in waiting])  # (bounded: dist_store.StoreSilent)
             for r in list(waiting):
-                key = PROGRESS_KEY.format(r)
-                there, state = parse_progress(store.get(key).decode()) if store.check([key]) else ((0, 0), "passed")
+                line = seen.get(PROGRESS_KEY.format(r))
+                there, state = parse_progress(line) if line is not None else ((0, 0), "passed")
                 if there == point and state == "saving":
                     waiting.remove(r)
                 elif there > point or (there == point and state == "passed"):

@@ -15,37 +15,28 @@ the same engines agree on it): a line about an engine closed on every rank is no
 A process's lines about earlier engines are deleted once every rank has agreed on a new build (``forget_older``):
 the store holds no line per engine of a long run.
 Only for the default process group (a subgroup's ranks are not the store's); with a ``file://`` store nothing is
-written (its file would grow a line per write).
+written (its file would grow a line per write). The store's reads and deletes are bounded, and its keys scoped by
+torchrun's attempt, by their owner, ``dist_store.GroupStore`` (the Trainer integration's lines go through it too).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
-import threading
 
 import torch
 import torch.distributed as dist
+
+from ...dist_store import GroupStore
 
 # what gloo and NCCL say when a peer is gone or never came (torch raises some of them as a plain RuntimeError)
 COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
                     "timeout caused pair closure", "gloo/transport", "NCCL", "ProcessGroup")
 # what they say when this rank's own wait ran out (the peer may be alive): gloo's, NCCL's watchdog's
 TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
-# torchrun's restart count, engine number on the default group, rank: the workers of torchrun's next attempt (its
-# --max-restarts) share the store of the one before (its agent's) and count their engines from 1 again, where a
-# peer's failure read the line of the attempt before (its error: the cause of the restart) as its own
-_KEY = "hf_zero_offload/engine/{}/{}/rank{}"
+# engine number on the default group, rank (scoped by torchrun's attempt: dist_store.GroupStore)
+_KEY = "engine/{}/rank{}"
 _ITS_OWN = ("raised in ", "was interrupted", "failed to build")  # a peer's line of its own error, not of its calls
 _BUILT = [0]  # ShardedAdam engines this process began to build on the default group with several ranks
-# (engine number, key) of the lines this process said and has not taken back: those of engines that every rank has
-# left are deleted at the next agreed build (``forget_older``), so the store keeps no line per engine of a long run
-_WRITTEN: set = set()
-# the peers' lines are read (and this rank's deleted) for this long at most: a TCPStore client's check(), get() and
-# delete_key() wait for the answer without a timeout (the store's is wait()'s), and a store host that stopped
-# answering without closing its connections (a node gone, a stopped process) held the collective's own error (or the
-# end of a save) for good (probes: a read still waiting after 10 minutes, a delete after 8 s when given up)
-_READ_S = 10.0
 
 
 def collective_failure(e: BaseException) -> bool:
@@ -59,64 +50,41 @@ def said(e: BaseException, cap: int = 300) -> str:
     return f"{type(e).__name__}: {text[:cap]}" if text else type(e).__name__
 
 
-def default_store(process_group=None):
-    """The store of the default process group (None: ``process_group`` is another group, there is none, or it is a
-    FileStore, whose file would grow by a line per write). The Trainer integration's saves share it (saving.py)."""
-    if process_group is not None and process_group != dist.group.WORLD:
-        return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return None
-    under = store
-    while hasattr(under, "underlying_store"):  # (PrefixStores over the TCPStore or FileStore, 2 deep under torchrun)
-        under = under.underlying_store
-    return None if isinstance(under, dist.FileStore) else store
-
-
 class PeerNotes:
     """One engine's lines in the store: what this rank did alone, and its peers' lines when a collective fails."""
 
     def __init__(self, process_group, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-        self.store = default_store(process_group) if world_size > 1 else None
+        # (reads and deletes bounded, keys scoped by torchrun's attempt: the store's owner, dist_store.py)
+        self.store = GroupStore.of_default_group(process_group) if world_size > 1 else None
         if self.store is not None:
             _BUILT[0] += 1
         self.number = _BUILT[0]
         self._host = socket.gethostname()
-        self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
     def key(self, rank: int) -> str:
         """The store key of rank ``rank``'s line about this engine."""
-        return _KEY.format(self._attempt, self.number, rank)
+        return self.store.key(_KEY.format(self.number, rank))
 
     def say(self, text: str) -> None:
         """This rank's line: ``text`` says what it did ("closed its ShardedAdam after step 2")."""
         if self.store is not None:
             with contextlib.suppress(Exception):  # (the store gone with its host: the error in flight is the one)
-                self.store.set(self.key(self.rank), f"{self._host}\n{text}")
-                _WRITTEN.add((self.number, self.key(self.rank)))
+                self.store.set(_KEY.format(self.number, self.rank), f"{self._host}\n{text}",
+                               tag=("engine", self.number))
 
     def unsay(self) -> None:
-        if self.store is not None:  # (bounded: a delete waits for the store's answer, as a read does)
-            key = self.key(self.rank)
-            if _bounded(lambda: self.store.delete_key(key)) is not None:  # (else forget_older tries again)
-                _WRITTEN.discard((self.number, key))
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # (not answering: kept in the store's list, forget_older tries again)
+                self.store.delete(_KEY.format(self.number, self.rank))
 
     def forget_older(self) -> None:
         """This process's lines about earlier engines, deleted: called once every rank has agreed on this engine's
         build, so no rank is in a collective of theirs (a close's line was left in the store for good, one per
         engine and rank of a long run)."""
-        if self.store is None:
-            return
-        older = sorted(k for k in _WRITTEN if k[0] < self.number)
-        _WRITTEN.difference_update(older)
-
-        def delete():
-            for _, key in older:
-                with contextlib.suppress(Exception):  # (a store since replaced by another process group: not there)
-                    self.store.delete_key(key)
-        _bounded(delete)  # (a delete waits for the store's answer: bounded as the reads are)
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # (not answering: the next build does not try them again)
+                self.store.forget("engine", below=self.number)
 
     def named(self, e: BaseException, doing: str, mine: str | None = None) -> BaseException | None:
         """The error to raise in place of collective failure ``e`` met in ``doing``, naming the peers that said what
@@ -125,11 +93,16 @@ class PeerNotes:
         stuck in it), and is named so, not blamed for the order of calls."""
         if self.store is None or not collective_failure(e) or getattr(e, "_hzo_named", False):
             return None
-        said_by = _bounded(self._peer_lines)
-        if said_by is None:  # the store gone with its host, or not answering: gloo's words are all there is
+        names = {r: _KEY.format(self.number, r) for r in range(self.world_size) if r != self.rank}
+        try:
+            said_by = self.store.read(names.values())
+        except Exception:  # noqa: BLE001 - the store gone with its host, or not answering: gloo's words are all
             return None
         lines, same = [], []
-        for r, host, text in said_by:
+        for r, name in names.items():
+            if name not in said_by:
+                continue
+            host, _, text = said_by[name].partition("\n")
             if mine is not None and text == mine:
                 same.append(f"rank {r} (host {host})")
             else:
@@ -151,15 +124,6 @@ class PeerNotes:
             return None
         out = RuntimeError(f"{text} ({said(e, 200)})")
         out._hzo_named = True
-        return out
-
-    def _peer_lines(self) -> list:
-        out = []
-        for r in range(self.world_size):
-            key = self.key(r)
-            if r != self.rank and self.store.check([key]):
-                host, _, text = self.store.get(key).decode().partition("\n")
-                out.append((r, host, text))
         return out
 
     @contextlib.contextmanager
@@ -186,20 +150,6 @@ class PeerNotes:
             raise
         if entering is not None:
             self.unsay()
-
-
-def _bounded(read):
-    """``read()``, or None when it raised or did not return within ``_READ_S`` (it is left waiting in a daemon thread:
-    no Python call interrupts a TCPStore client's wait)."""
-    out = []
-
-    def run():
-        with contextlib.suppress(Exception):
-            out.append(read())
-    reader = threading.Thread(target=run, daemon=True, name="hf_zero_offload peer lines")
-    reader.start()
-    reader.join(_READ_S)
-    return out[0] if out else None
 
 
 class SaidToPeers:

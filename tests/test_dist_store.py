@@ -1,0 +1,108 @@
+"""The process group's store under the Trainer integration's lines (trainer/peer_failure.py, trainer/progress.py) as
+under the engine's (engine/sharded/peers.py): reads bounded where rank 0, its host, stopped answering, no call left
+waiting behind a given-up one, and keys scoped by torchrun's attempt (dist_store.GroupStore, their one owner)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from hf_zero_offload import dist_store
+from hf_zero_offload.dist_store import GroupStore, StoreSilent
+from hf_zero_offload.engine.sharded import peers
+from hf_zero_offload.trainer import peer_failure, progress
+
+_SERVER = ("import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+           "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)")
+_TIMED_OUT = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv "
+                          "operation to complete")
+
+
+@contextlib.contextmanager
+def _stopped_store():
+    """A TCPStore client (5 s timeout) whose server, a child process, is stopped (SIGSTOP), and the child."""
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=5))
+        client.set("hf_zero_offload/0/progress/rank1", "1:4:passed")
+        os.kill(server.pid, signal.SIGSTOP)
+        yield client, server
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def _within(seconds: float, call):
+    """``call()``'s result, or "still waiting" after ``seconds`` (the call left in a daemon thread)."""
+    out = []
+    waiter = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    waiter.start()
+    waiter.join(seconds)
+    return out[0] if out else "still waiting"
+
+
+def test_the_trainers_lookup_of_a_failed_peer_is_given_up_where_rank_0_stopped_answering(monkeypatch):
+    monkeypatch.setattr(dist_store, "_READ_S", 1.0)
+    monkeypatch.setattr(peer_failure, "_WAIT_S", 0.2)
+    monkeypatch.setattr(progress, "_COUNT", {})
+    with _stopped_store() as (client, server):
+        store = GroupStore(client)
+        # before: still waiting (a TCPStore client's check() waits for its answer without a timeout)
+        assert _within(5, lambda: peer_failure.peer_failed(_TIMED_OUT, store, 1, 0, 2, "evaluate()")) is None
+        # the progress read (the saves' agreement) raises at once, not behind the read left waiting
+        start = time.monotonic()
+        with pytest.raises(StoreSilent, match=r"store \(served by rank 0's process.*did not answer within 1 s"):
+            progress.progress_count(store, 1)
+        with pytest.raises(StoreSilent):
+            store.set(progress.PROGRESS_KEY.format(0), "1:5:saving")
+        assert time.monotonic() - start < 0.5
+        os.kill(server.pid, signal.SIGCONT)  # answering again: the waiting read returns, and the store is used again
+        time.sleep(0.3)
+        assert progress.progress_count(store, 1) == [1, 4]
+
+
+def test_a_write_after_the_engine_gave_its_read_up_does_not_wait_behind_it(monkeypatch):
+    monkeypatch.setattr(dist_store, "_READ_S", 1.0)
+    monkeypatch.setattr(peer_failure, "_WAIT_S", 0.2)
+    with _stopped_store() as (client, _):
+        notes = peers.PeerNotes(None, 1, 2)
+        notes.store = GroupStore(client)
+        assert _within(5, lambda: notes.named(_TIMED_OUT, "step()")) is None  # (the engine's read, given up)
+        # before: both waited for good (a TCPStore client runs one request at a time; the given-up read holds it)
+        start = time.monotonic()
+        assert _within(5, lambda: notes.say("raised in step(): ValueError: x")) is None
+        assert _within(5, lambda: peer_failure.peer_failed(_TIMED_OUT, notes.store, 1, 1, 2, "train()")) is None
+        assert time.monotonic() - start < 0.5
+
+
+def test_a_restarted_attempt_does_not_read_the_earlier_attempts_trainer_lines(monkeypatch):
+    # torchrun --max-restarts: the next attempt's workers share the agent's store and count from the start again
+    monkeypatch.setattr(peer_failure, "_WAIT_S", 0.2)
+    monkeypatch.setattr(progress, "_COUNT", {})
+    shared = dist.HashStore()
+
+    def attempt(n):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(n))
+        return GroupStore(shared)
+    first = attempt(0)
+    # attempt 0: rank 0's constructor raised (the restart's cause); rank 1 had counted 2 train()s, 5 points
+    assert peer_failure.peer_failed(KeyError("attempt 0's cause"), first, 1, 0, 2, "the Trainer's constructor") is None
+    first.set(progress.PROGRESS_KEY.format(1), "2:5:passed")
+    second = attempt(1)
+    named = peer_failure.peer_failed(_TIMED_OUT, second, 1, 1, 2, "the Trainer's constructor")
+    # before: "rank 0 (host h) failed: KeyError: \"attempt 0's cause\"; this rank (rank 1) stopped in the collective"
+    assert "attempt 0's cause" not in str(named) and str(named).startswith("rank 0 did not come within the "
+                                                                             "collective timeout"), named
+    assert progress.progress_count(second, 1) == [0, 0]  # before: [2, 5], the earlier attempt's count
+    # the same attempt still reads its own lines
+    assert "attempt 0's cause" in str(peer_failure.peer_failed(_TIMED_OUT, attempt(0), 1, 1, 2, "train()"))
