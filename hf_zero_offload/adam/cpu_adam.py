@@ -297,8 +297,7 @@ class CPUAdam(torch.optim.Optimizer):
                     if pid in by_id:
                         sdict.check_saved_state(st, by_id[pid], pid)
                 for i, (group, saved) in enumerate(zip(loaded, state_dict["param_groups"])):
-                    try:  # at the step its stepped params take next (as step() checks it; step 1's refused a
-                        # state whose run had taken an lr only step 1 could not, at its resume)
+                    try:  # at its stepped params' next step, as step() checks (step 1's refused a run's own state)
                         _check_group(group, i, 1 + min((int(state_dict["state"][pid]["step"]) for pid in
                                                         saved["params"] if pid in state_dict["state"]), default=0))
                     except (TypeError, ValueError) as e:
