@@ -144,6 +144,9 @@ def test_what_cannot_be_honoured_is_refused_by_name():
             acc.clip_grad_norm_([*model.parameters(), *other.parameters()], MAX)
         with pytest.raises(ValueError, match=r"a param \(2.bias.*\) is given more than once"):
             acc.clip_grad_norm_([*model.parameters(), model[2].bias], MAX)
+        for wrong in ((model.parameters(), 1.0), (model[2].weight, 1.0), (nn.Parameter(torch.ones(())), MAX)):
+            with pytest.raises(TypeError, match=r"max_norm must be a number, got .*: the engine's takes max_norm first"):
+                engine.clip_grad_norm_(*wrong)  # torch's order (it was refused as norm_type=1.0)
         with pytest.raises(ValueError, match="max_norm=0.0: need a number > 0"):
             acc.clip_grad_norm_(model.parameters(), 0.0)
         with pytest.raises(ValueError, match="clip_grad_value_ on the params of OffloadAdam.*clip_grad_norm_"):

@@ -138,6 +138,40 @@ def test_an_lr_only_step_one_could_not_take_is_taken_at_a_later_step(kind):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("how", ["cpu_adam", "state_dict", "checkpoint", "torch"])
+def test_a_state_stepped_at_such_an_lr_resumes(how, tmp_path):
+    """The load checked its values at step 1: the run's own state dict, checkpoint or torch AdamW's state (lr 5e37
+    from step 3) was refused at the resume; now it loads and steps as torch's AdamW goes on. (A linear loss of one
+    Linear and eps 1e30: gradients that do not grow with the params, steps of ~1e7 that stay finite.)"""
+    kind, hyper = "cpu_adam" if how == "cpu_adam" else "offload", dict(weight_decay=0.0, eps=1e30)
+    ref, model, resumed = (nn.Linear(6, 3) for _ in range(3))
+    model.load_state_dict(ref.state_dict())
+    resumed.load_state_dict(ref.state_dict())
+    ref_opt, opt, new = _make("torch", ref, **hyper), _make(kind, model, **hyper), _make(kind, resumed, **hyper)
+
+    def steps(m, o, seeds):
+        for seed in seeds:
+            (m(torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))).sum() * 0.1).backward()
+            o.step()
+            o.zero_grad()
+            o.param_groups[0]["lr"] = 5e37  # (from step 3)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        steps(m, o, [1, 2, 3])
+    resumed.load_state_dict(model.state_dict())
+    if how == "checkpoint":
+        opt.save_checkpoint(str(tmp_path))
+        new.load_checkpoint(str(tmp_path))
+    elif how == "torch":
+        new.load_torch_state_dict(ref_opt.state_dict())
+    else:
+        new.load_state_dict(opt.state_dict())
+    for m, o in ((ref, ref_opt), (resumed, new)):
+        steps(m, o, [4])
+    for a, b in zip(resumed.parameters(), ref.parameters()):
+        assert torch.isfinite(b).all() and b.abs().max() > 1e6
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0.0)
+
+
 def test_the_kernel_call_checks_the_step_size_of_its_own_step():
     """``ops.adam_step`` knows the step: lr=1e38 overflows the step size at step 1 (beta1 0.9), not at step 100."""
     n = 8

@@ -293,14 +293,15 @@ class CPUAdam(torch.optim.Optimizer):
             # (groups that do not match: torch's load_state_dict below says so, before loading anything)
             loaded = [_loaded_group(saved, mine) for saved, mine in zip(state_dict["param_groups"], self.param_groups)]
             if [len(g["params"]) for g in state_dict["param_groups"]] == [len(g["params"]) for g in self.param_groups]:
-                for i, group in enumerate(loaded):  # refused before anything is loaded
-                    try:
-                        _check_group(group, i)
-                    except (TypeError, ValueError) as e:
-                        raise type(e)(f"{e} (in the state dict being loaded)") from None
-                for pid, st in state_dict["state"].items():
+                for pid, st in state_dict["state"].items():  # refused before anything is loaded
                     if pid in by_id:
                         sdict.check_saved_state(st, by_id[pid], pid)
+                for i, (group, saved) in enumerate(zip(loaded, state_dict["param_groups"])):
+                    try:  # at its stepped params' next step, as step() checks (step 1's refused a run's own state)
+                        _check_group(group, i, 1 + min((int(state_dict["state"][pid]["step"]) for pid in
+                                                        saved["params"] if pid in state_dict["state"]), default=0))
+                    except (TypeError, ValueError) as e:
+                        raise type(e)(f"{e} (in the state dict being loaded)") from None
             super().load_state_dict(state_dict)
             for group, values in zip(self.param_groups, loaded):
                 group.update(values)

@@ -16,6 +16,8 @@ two norms), a second call for the same step, and a backward between the call and
 """
 from __future__ import annotations
 
+import reprlib
+
 import torch
 
 
@@ -33,6 +35,15 @@ class StepClipping:
         name = type(self).__name__
         if parameters is not None and (problem := self._clip_params_problem(parameters)):
             raise ValueError(f"{name}.clip_grad_norm_: {problem}")
+        try:  # (first: torch's order, clip_grad_norm_(model.parameters(), 1.0), was refused as norm_type=1.0)
+            if isinstance(max_norm, torch.Tensor) and max_norm.requires_grad:  # (a one-element param: a number)
+                raise TypeError
+            max_norm = float(max_norm)
+        except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
+            raise TypeError(f"{name}.clip_grad_norm_: max_norm must be a number, got {reprlib.repr(max_norm)}: "
+                            "the engine's takes max_norm first (the params are its own; Accelerate's signature passes "
+                            "them as parameters=...), where torch.nn.utils.clip_grad_norm_ takes the params first") \
+                from None
         try:
             p_norm = float(norm_type)
         except (TypeError, ValueError):
@@ -40,10 +51,6 @@ class StepClipping:
         if p_norm != 2.0:
             raise ValueError(f"{name}.clip_grad_norm_: norm_type={norm_type!r}: the engine computes the L2 norm of "
                              "the gradients only (norm_type=2), as they arrive; another norm is not available")
-        try:
-            max_norm = float(max_norm)
-        except (TypeError, ValueError):
-            raise TypeError(f"{name}.clip_grad_norm_: max_norm must be a number, got {max_norm!r}") from None
         if not max_norm > 0:  # (inf is allowed: the norm without clipping, as transformers' Trainer asks for it)
             raise ValueError(f"{name}.clip_grad_norm_: max_norm={max_norm!r}: need a number > 0 (torch's 0 zeroes "
                              "every gradient; for the norm alone ask for inf, or call grad_norm())")

@@ -91,9 +91,19 @@ def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, 
 
     if meta.get("state_dtype", "fp32") not in ops.STATE_DTYPES:
         raise bad("state_dtype", f"one of {ops.STATE_DTYPES}", meta.get("state_dtype"))
+    counts = meta.get("param_steps")
+    if not isinstance(counts, list) or len(counts) != steps or not all(map(is_count, counts)):
+        raise bad("param_steps", f"a list of {steps} ints >= 0", counts)
     saved = meta.get("param_groups")
     if not isinstance(saved, list) or len(saved) != groups or not all(isinstance(g, dict) for g in saved):
         raise bad("param_groups", f"a list of {groups} dicts", saved)
+    # each group's values at the step its params take next (AdamCore._next_steps: the earliest, whose step size
+    # lr / (1 - beta1^t) is the largest): checked at step 1, a state its own run had stepped with an lr only step 1
+    # could not take (5e37, beta1 0.9, at step 3) was refused at its resume
+    first, next_steps = 0, []
+    for group in slots:
+        next_steps.append(min(counts[first:first + len(group)], default=0) + 1)
+        first += len(group)
     for i, g in enumerate(saved):
         if not isinstance(g.get("adamw_mode", True), bool):
             raise bad(f"param_groups[{i}].adamw_mode", "a bool", g["adamw_mode"])
@@ -105,13 +115,10 @@ def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, 
              **{k: g[k] for k in _STEP_KEYS if k in g}}
         try:
             ops.check_hyperparameters(lr=v["lr"], betas=v["betas"], eps=v["eps"], weight_decay=v["weight_decay"],
-                                      adamw=v["adamw_mode"])
+                                      adamw=v["adamw_mode"], step=next_steps[i])
         except ValueError as e:
             raise StateFileError(f"{where}: param_groups[{i}].{e}; this state was not written by hf_zero_offload "
                                  "(or is damaged)") from None
-    counts = meta.get("param_steps")
-    if not isinstance(counts, list) or len(counts) != steps or not all(map(is_count, counts)):
-        raise bad("param_steps", f"a list of {steps} ints >= 0", counts)
     if not is_count(meta.get("global_steps")):
         raise bad("global_steps", "an int >= 0", meta.get("global_steps"))
     if not isinstance(meta.get("needs_publish", False), bool):
