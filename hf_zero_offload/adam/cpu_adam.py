@@ -29,13 +29,14 @@ import torch
 
 from .. import ops
 from . import state_dict as sdict
-from .flags import adamw_mode, check_decoupled, refused_flag, torch_style
+from .checks import check_group, check_param
+from .flags import adamw_mode, torch_style
 from .state_dict import MOMENT_KEYS as _MOMENT_KEYS
 
 logger = logging.getLogger("hf_zero_offload")
 
 # torch.optim's flags that choose how its step runs, not what it computes: a loaded group's are
-# replaced by this optimizer's (None/False: anything else is refused by _check_group)
+# replaced by this optimizer's (None/False: anything else is refused by checks.check_group)
 _IMPL_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
 
 
@@ -73,7 +74,7 @@ class CPUAdam(torch.optim.Optimizer):
                         state_dtype=state_dtype, maximize=maximize, amsgrad=amsgrad, foreach=foreach, fused=fused,
                         capturable=capturable, differentiable=differentiable)
         try:  # a refused flag, by name, before torch's checks
-            _check_group(defaults)
+            check_group(defaults)
         except (TypeError, ValueError) as e:
             raise type(e)(f"CPUAdam: {e}") from None
         super().__init__(params, defaults)  # each group through add_param_group, checked there
@@ -99,8 +100,8 @@ class CPUAdam(torch.optim.Optimizer):
         try:
             for p in group["params"]:
                 if p.requires_grad:  # a frozen one (an int8 weight, a float64 table) is never stepped, as in torch:
-                    _check_param(p, index)  # refused at a step if it gets a gradient after all
-            _check_group(group, index)
+                    check_param(p, index)  # refused at a step if it gets a gradient after all
+            check_group(group, index)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -142,13 +143,13 @@ class CPUAdam(torch.optim.Optimizer):
         todo, index = [], 0  # index: a param's first element among the optimizer's params (rounding counter)
         pids = itertools.count()  # a param's number in state_dict(), which errors name
         for gi, group in enumerate(self.param_groups):
-            _check_group(group, gi, 1 + min((int(self.state[p]["step"]) if "step" in self.state.get(p, {}) else 0
+            check_group(group, gi, 1 + min((int(self.state[p]["step"]) if "step" in self.state.get(p, {}) else 0
                                              for p in group["params"] if p.grad is not None), default=0))
             for p in group["params"]:
                 index, pid = index + p.numel(), next(pids)
                 if p.grad is None:
                     continue
-                _check_param(p, gi)  # again: p.data may have been replaced since the group was added
+                check_param(p, gi)  # again: p.data may have been replaced since the group was added
                 if p.grad.layout != torch.strided:
                     raise TypeError(f"CPUAdam does not support sparse gradients: the grad of a {tuple(p.shape)} param "
                                     f"in group {gi} is {p.grad.layout} (nn.Embedding(sparse=True)? use "
@@ -298,7 +299,7 @@ class CPUAdam(torch.optim.Optimizer):
                         sdict.check_saved_state(st, by_id[pid], pid)
                 for i, (group, saved) in enumerate(zip(loaded, state_dict["param_groups"])):
                     try:  # at its stepped params' next step, as step() checks (step 1's refused a run's own state)
-                        _check_group(group, i, 1 + min((int(state_dict["state"][pid]["step"]) for pid in
+                        check_group(group, i, 1 + min((int(state_dict["state"][pid]["step"]) for pid in
                                                         saved["params"] if pid in state_dict["state"]), default=0))
                     except (TypeError, ValueError) as e:
                         raise type(e)(f"{e} (in the state dict being loaded)") from None
@@ -349,26 +350,6 @@ def _loaded_group(saved: dict, mine: dict) -> dict:
     return out
 
 
-def _check_group(group: dict, index: int | None = None, step: int = 1) -> None:
-    """A group's flags and hyper-parameters as a step uses them (``step``: the earliest its params take next, whose
-    step size lr / (1 - beta1^t) is the largest); the error names the group and the key."""
-    where = "" if index is None else f"CPUAdam param group {index}: "
-    for key in ("adamw_mode", "maximize"):
-        if key in group and not isinstance(group[key], bool):  # "false" would be true
-            raise TypeError(f"{where}{key} must be a bool, got {group[key]!r}")
-    refused = refused_flag(group, allowed=("maximize",))  # CPUAdam negates the gradient for maximize
-    if refused:
-        raise ValueError(f"{where}{refused}")
-    check_decoupled(group, where)
-    try:
-        ops.check_state_dtype(group.get("state_dtype", "fp32"))
-        ops.check_hyperparameters(lr=group.get("lr"), betas=group.get("betas"), eps=group.get("eps"),
-                                  weight_decay=group.get("weight_decay"), adamw=group.get("adamw_mode", True),
-                                  step=step)
-    except ValueError as e:
-        raise ValueError(f"{where}{e}") from None
-
-
 def _flat(state: dict) -> dict:
     return {k: state[k].reshape(-1) for k in _MOMENT_KEYS if k in state}
 
@@ -385,17 +366,6 @@ def _dtype_of(state: dict, numel: int | None = None) -> str:
         if torch.is_tensor(state.get(k)) and not state[k].is_contiguous():
             state[k] = state[k].contiguous()
     return ops.state_dtype_of(_flat(state), numel)
-
-
-def _check_param(p: torch.Tensor, group: int) -> None:
-    if p.layout != torch.strided:
-        raise TypeError(f"CPUAdam param group {group}: needs dense parameters; got a {p.layout} one "
-                        f"(shape {tuple(p.shape)}): the kernel updates flat arrays")
-    if p.device.type != "cpu":
-        raise ValueError(f"CPUAdam param group {group}: needs CPU parameters; got one on {p.device}")
-    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"CPUAdam param group {group}: needs float32, bfloat16 or float16 parameters; got "
-                        f"{p.dtype} (shape {tuple(p.shape)})")
 
 
 def _codes_of(state: dict) -> int:
