@@ -179,3 +179,19 @@ def test_bf16_trainer_saves_reload_with_the_tie(family, tmp_path):
     consolidate(str(tmp_path / "ours" / "checkpoint-3"), str(tmp_path / "fp32"))
     assert_reloads(model, tmp_path / "fp32", masters)
 
+
+@pytest.mark.parametrize("listing", ["named-with-duplicates", "two-groups"])
+def test_a_tied_weight_listed_twice_is_refused_naming_both_places(listing):
+    """``named_parameters(remove_duplicate=False)`` (or a walk over ``model.modules()``) lists GPT-2's tied wte/lm_head
+    weight twice: refused naming both (the message named neither; across groups it was torch's own, naming none)."""
+    model = tiny("gpt2")
+    named = list(model.named_parameters(remove_duplicate=False))
+    if listing == "named-with-duplicates":
+        params, match = named, (r"'transformer.wte.weight' \(param 0 of group 0\) and 'lm_head.weight' \(param "
+                                r"\d+ of group 0\) are the same tensor \(shape \(100, 32\), one weight tied under two")
+    else:
+        params = [{"params": [p for n, p in named if n != "lm_head.weight"]}, {"params": [model.lm_head.weight]}]
+        match = r"param 0 of group 0 and param 0 of group 1 are the same tensor \(shape \(100, 32\)\), listed twice"
+    with pytest.raises(ValueError, match=match):
+        OffloadAdam(params, lr=LR)
+    OffloadAdam(model.named_parameters(), lr=LR).close()  # (each once: taken)
