@@ -17,17 +17,19 @@ from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, 
 from hf_zero_offload import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
 from hf_zero_offload.consolidate import consolidate
 from hf_zero_offload.engine import OffloadAdam
+from hf_zero_offload.engine.checkpoint.contents import LayoutMismatch
 
 V, LR, WD = 100, 1e-2, 0.1
 FAMILIES = ["gpt2", "bart", "bert"]
 OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
 
-def tiny(family: str):
+def tiny(family: str, tied: bool = True):
     torch.manual_seed(0)
     if family == "gpt2":
         return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=V, n_positions=32, bos_token_id=0,
-                                          eos_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+                                          eos_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                                          tie_word_embeddings=tied))
     if family == "bart":
         model = BartForConditionalGeneration(BartConfig(
             vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
@@ -135,15 +137,15 @@ class Rows(torch.utils.data.Dataset):
         return example(self.family, i)
 
 
-def train(family, tmp_path, name, ours: bool, **more):
-    model = tiny(family)
+def train(family, tmp_path, name, ours: bool, tied=True, resume=None, **more):
+    model = tiny(family, tied)
     kw = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=3, use_cpu=True,
               report_to=[], seed=0, disable_tqdm=True, learning_rate=LR, weight_decay=WD, max_grad_norm=1.0,
               warmup_steps=1, save_strategy="steps", save_steps=3, **more)
     args = (ZeroOffloadTrainingArguments(zero_offload=OFFLOAD, **kw) if ours
             else TrainingArguments(optim="adamw_torch", **kw))
     trainer = (ZeroOffloadTrainer if ours else Trainer)(model=model, args=args, train_dataset=Rows(family))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return model, trainer
 
 
@@ -195,3 +197,14 @@ def test_a_tied_weight_listed_twice_is_refused_naming_both_places(listing):
     with pytest.raises(ValueError, match=match):
         OffloadAdam(params, lr=LR)
     OffloadAdam(model.named_parameters(), lr=LR).close()  # (each once: taken)
+
+
+@pytest.mark.parametrize("saved_tied", [True, False], ids=["tied-then-untied", "untied-then-tied"])
+def test_a_resume_across_a_tie_made_or_undone_names_it(saved_tied, tmp_path):
+    """tie_word_embeddings changed between the save and the resume: refused (the saved state holds one master for two
+    params, or two for one), and named as the tie it is; it was named "trainable now, not in the checkpoint:
+    lm_head.weight" (or "trainable in the checkpoint, not now"), which lm_head.weight was, as wte's second name."""
+    train("gpt2", tmp_path, "run", ours=True, tied=saved_tied)
+    side = "in the checkpoint, not now" if saved_tied else "now, not in the checkpoint"
+    with pytest.raises(LayoutMismatch, match=rf"\(tied {side}: lm_head\.weight \(to transformer\.wte\.weight\); from"):
+        train("gpt2", tmp_path, "resumed", ours=True, tied=not saved_tied, resume=str(tmp_path / "run" / "checkpoint-3"))
