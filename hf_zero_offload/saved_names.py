@@ -72,17 +72,28 @@ def _plain_slots(slots: list[list[str]]) -> list[set[str]]:
     return [{unwrapped(n) for n in aliases} for aliases in slots]
 
 
-def _difference(state_dir: str, saved: list[list[str]], slot_names: list[list[str]]) -> str:
-    saved = [unwrapped(a[0]) for a in saved]
+def _difference(state_dir: str, saved_slots: list[list[str]], slot_names: list[list[str]]) -> str:
+    saved = [unwrapped(a[0]) for a in saved_slots]
     now = [unwrapped(a[0]) for a in slot_names]
 
     def first(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
+    def tied_to(slots: list[list[str]]) -> dict[str, str]:  # each alias -> the slot's first name
+        return {unwrapped(n): unwrapped(a[0]) for a in slots for n in a[1:]}
+
+    # a tie made or undone since the save (tie_word_embeddings changed): the name is a param's second name on one
+    # side and a param of its own on the other, which "trainable now / not now" misnamed as a change of what trains
+    was_tied, now_tied = tied_to(saved_slots), tied_to(slot_names)
     saved_set, now_set = set(saved), set(now)
-    added, gone = [n for n in now if n not in saved_set], [n for n in saved if n not in now_set]
+    added = [n for n in now if n not in saved_set and n not in was_tied]
+    gone = [n for n in saved if n not in now_set and n not in now_tied]
+    untied = [f"{n} (to {was_tied[n]})" for n in now if n not in saved_set and n in was_tied]
+    tied = [f"{n} (to {now_tied[n]})" for n in saved if n not in now_set and n in now_tied]
     parts = ([f"trainable now, not in the checkpoint: {first(added)}"] if added else []) + \
-        ([f"trainable in the checkpoint, not now: {first(gone)}"] if gone else [])
+        ([f"trainable in the checkpoint, not now: {first(gone)}"] if gone else []) + \
+        ([f"tied in the checkpoint, not now: {first(untied)}"] if untied else []) + \
+        ([f"tied now, not in the checkpoint: {first(tied)}"] if tied else [])
     if not parts:  # the same names: another order, or other shapes
         i = next((i for i, (a, b) in enumerate(zip(saved, now)) if a != b), None)
         parts = [f"the same params in another order (slot {i}: {saved[i]} saved, {now[i]} now)" if i is not None

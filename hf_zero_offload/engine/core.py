@@ -110,6 +110,10 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         if getattr(self, "_layout_fixed", False):
             raise RuntimeError(f"{type(self).__name__}.add_param_group: the engine's flat layout of parameters is "
                                "fixed when it is built; build a new engine with every param group")
+        given = param_group.get("params") if isinstance(param_group, dict) else None
+        if given is not None and not isinstance(given, (torch.Tensor, set)):  # (torch names those)
+            param_group = dict(param_group, params=list(given))  # (a generator is read once)
+            param_names.refuse_listed_twice([*self.param_groups, param_group], type(self).__name__)
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
