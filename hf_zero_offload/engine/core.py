@@ -110,11 +110,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         if getattr(self, "_layout_fixed", False):
             raise RuntimeError(f"{type(self).__name__}.add_param_group: the engine's flat layout of parameters is "
                                "fixed when it is built; build a new engine with every param group")
-        given = param_group.get("params") if isinstance(param_group, dict) else None
-        if given is not None and not isinstance(given, (torch.Tensor, set)):  # (torch names those)
-            param_group = dict(param_group, params=list(given))  # (a generator is read once)
-            param_names.refuse_listed_twice([*self.param_groups, param_group], type(self).__name__)
-        super().add_param_group(param_group)
+        super().add_param_group(param_names.listed_once(self.param_groups, param_group, type(self).__name__))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's meaning: the gradients of this step so far are dropped, those already
@@ -207,7 +203,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
             self._refuse_torch_grad_scaler(self._grads_from_backward)
         self.check_open()
         self._check_intact()
-        self._check_hyper(self._next_steps())  # before anything moves: a scheduler may have set them since
+        self._check_hyper(self._next_steps())  # before anything moves (a scheduler may have set them)
         if problem := self._layout_problem():
             raise ValueError(problem)
         with torch.enable_grad():

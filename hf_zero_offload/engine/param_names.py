@@ -13,6 +13,8 @@ A frozen param added, removed or renamed owns no state and is no difference; nor
 """
 from __future__ import annotations
 
+import torch
+
 from .checkpoint import StateFileError
 from .checkpoint.contents import LayoutMismatch
 
@@ -114,6 +116,18 @@ def smallest_names(named) -> dict[int, str]:
     for name, p in named:
         names[id(p)] = min(names.get(id(p), name), name)
     return names
+
+
+def listed_once(groups: list[dict], group, who: str):
+    """``group`` as ``add_param_group`` goes on with it (its params a list: a generator is read once here), once
+    ``refuse_listed_twice`` has checked it against ``groups`` (those added so far). A tensor or a set of params: as
+    given (torch's own message names those)."""
+    given = group.get("params") if isinstance(group, dict) else None
+    if given is None or isinstance(given, (torch.Tensor, set)):
+        return group
+    group = dict(group, params=list(given))
+    refuse_listed_twice([*groups, group], who)
+    return group
 
 
 def refuse_listed_twice(groups: list[dict], who: str) -> None:
