@@ -30,7 +30,7 @@ import torch
 from .. import ops
 from . import state_dict as sdict
 from .checks import check_group, check_param
-from .flags import adamw_mode, torch_style
+from .flags import adamw_mode, listed_once, torch_style
 from .state_dict import MOMENT_KEYS as _MOMENT_KEYS
 
 logger = logging.getLogger("hf_zero_offload")
@@ -85,17 +85,7 @@ class CPUAdam(torch.optim.Optimizer):
         rather than at a later step. A param listed twice is refused (torch only warns: each step
         would update it twice)."""
         index = len(self.param_groups)
-        params = param_group.get("params") if isinstance(param_group, dict) else None
-        if params is not None and not isinstance(params, (torch.Tensor, set)):
-            param_group["params"] = params = list(params)
-            tensors = [q[1] if isinstance(q, tuple) and len(q) == 2 else q for q in params]
-            seen = {}
-            for i, t in enumerate(tensors):
-                if id(t) in seen:
-                    raise ValueError(f"CPUAdam param group {index}: params {seen[id(t)]} and {i} are the same tensor "
-                                     "(each step would update it twice); list each param once")
-                seen[id(t)] = i
-        super().add_param_group(torch_style(param_group))  # torch's decoupled_weight_decay honoured
+        super().add_param_group(torch_style(listed_once(self.param_groups, param_group, "CPUAdam")))  # torch's decoupled_weight_decay honoured
         group = self.param_groups[-1]
         try:
             for p in group["params"]:

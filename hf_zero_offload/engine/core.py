@@ -29,6 +29,7 @@ from concurrent.futures import Future
 import torch
 
 from .. import ops
+from ..adam.flags import listed_once
 from . import param_names
 from .clipping import StepClipping
 from .delayed import DelayedUpdate
@@ -110,7 +111,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         if getattr(self, "_layout_fixed", False):
             raise RuntimeError(f"{type(self).__name__}.add_param_group: the engine's flat layout of parameters is "
                                "fixed when it is built; build a new engine with every param group")
-        super().add_param_group(param_names.listed_once(self.param_groups, param_group, type(self).__name__))
+        super().add_param_group(listed_once(self.param_groups, param_group, type(self).__name__))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's meaning: the gradients of this step so far are dropped, those already
@@ -276,8 +277,8 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
         return changed and f"{type(self).__name__}: {changed}"
 
     def _next_steps(self) -> list[int]:
-        """Per group, the earliest step its params take next: the largest step size lr / (1 - beta1^t) among
-        them, which is the one that must fit in fp32 (step 1's alone refused an lr that later steps take)."""
+        """Per group, the earliest step its params take next: its largest step size lr / (1 - beta1^t), which
+        must fit in fp32 (a group appended by hand has none: step 1, then ``_layout_problem`` refuses it)."""
         return [int(self._param_steps[idx].min()) + 1 if idx else 1 for idx in self._groups]
 
     def _check_hyper(self, steps: list[int] | None = None) -> None:
@@ -285,7 +286,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
             try:
                 check_group_flags(g, self.options.state_dtype)
                 ops.check_hyperparameters(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
-                                          adamw=g["adamw_mode"], step=steps[i] if steps else 1)
+                                          adamw=g["adamw_mode"], step=steps[i] if i < len(steps or ()) else 1)
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__} param group {i}: {e}") from None
 

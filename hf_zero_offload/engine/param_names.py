@@ -13,8 +13,6 @@ A frozen param added, removed or renamed owns no state and is no difference; nor
 """
 from __future__ import annotations
 
-import torch
-
 from .checkpoint import StateFileError
 from .checkpoint.contents import LayoutMismatch
 
@@ -116,40 +114,3 @@ def smallest_names(named) -> dict[int, str]:
     for name, p in named:
         names[id(p)] = min(names.get(id(p), name), name)
     return names
-
-
-def listed_once(groups: list[dict], group, who: str):
-    """``group`` as ``add_param_group`` goes on with it (its params a list: a generator is read once here), once
-    ``refuse_listed_twice`` has checked it against ``groups`` (those added so far). A tensor or a set of params: as
-    given (torch's own message names those)."""
-    given = group.get("params") if isinstance(group, dict) else None
-    if given is None or isinstance(given, (torch.Tensor, set)):
-        return group
-    group = dict(group, params=list(given))
-    refuse_listed_twice([*groups, group], who)
-    return group
-
-
-def refuse_listed_twice(groups: list[dict], who: str) -> None:
-    """A tensor listed twice in ``groups`` (the groups added so far, then the one being added, its entries a tensor or
-    torch's ``(name, tensor)``) refused naming both places: a tied weight, which ``named_parameters(remove_duplicate=
-    False)`` or a walk over ``model.modules()`` lists under each of its names. torch's AdamW steps such a param twice
-    per step within a group (with a warning), and across groups refuses it without saying which; the engine's own
-    refusal named nothing either."""
-    seen: dict[int, tuple[str, str | None]] = {}
-    for i, g in enumerate(groups):
-        given = g.get(KEY) if isinstance(g.get(KEY), (list, tuple)) else ()
-        for j, entry in enumerate(g["params"]):
-            name, p = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, entry)
-            name = name if name is not None else (given[j] if j < len(given) else None)
-            name = name if isinstance(name, str) else None
-            where = f"{name!r} (param {j} of group {i})" if name else f"param {j} of group {i}"
-            if id(p) not in seen:
-                seen[id(p)] = (where, name)
-                continue
-            first, first_name = seen[id(p)]
-            tied = ", one weight tied under two names" if name and first_name and name != first_name else ""
-            raise ValueError(
-                f"{who}: {first} and {where} are the same tensor (shape {tuple(getattr(p, 'shape', ()))}{tied}), "
-                "listed twice in the param groups: each step would update it twice. List each param once: "
-                "model.named_parameters() and model.parameters() give a tied param once, under its first name")
