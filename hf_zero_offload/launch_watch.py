@@ -18,7 +18,7 @@ the TrainingArguments' setup when killed after 70 s): each process claims its ``
 rank 0, which looks for that line once a second, stops with it and writes it as its verdict, which the others read.
 A claim is held while its process's watch runs (a count moved on once a second): a process relaunched with the RANK
 of one that died (killed while it waited in the rendezvous) takes over a claim that stood still 3 seconds, as
-torch's rendezvous takes it in.
+torch's rendezvous takes it in; one that ended with the launch agreed stays held.
 Not under torchrun (its
 variables are consistent by construction, and its agent's store outlives a restart with another world size) nor
 under MPI launchers.
@@ -43,6 +43,7 @@ _CLAIM = "hf_zero_offload/launch/rank{}/process"  # "<host> pid <pid>" of the fi
 _TWICE = "hf_zero_offload/launch/twice"  # "RANK=<r> on two processes, <first> and <second>", by the second
 _BEAT = "hf_zero_offload/launch/rank{}/beat"  # a count the claim's holder moves on once a poll while its watch runs
 _GONE_POLLS = 3  # a claim whose beat stood still this many polls is of a process gone: a relaunch takes it over
+_ENDED = "ended"  # the beat of a watch that ended with the launch agreed: its process went on, holding its claim
 _POLL_S = 1.0
 _WATCH_S = 600.0  # then the thread gives up quietly (a peer that never came is torch's timeout to report)
 _STARTED: list = []
@@ -117,7 +118,8 @@ def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -
                     store.set(_VERDICT, f"{world}\n{shown}")  # (for the ranks that agree with rank 0)
                     return on_mismatch(_message(f"WORLD_SIZE={world} on this process (rank {rank}) but {shown}"))
                 if len(seen) >= world:
-                    return store.set(_VERDICT, "")
+                    store.set(_VERDICT, "")
+                    return store.set(_BEAT.format(rank), _ENDED)
             elif 0 not in seen:
                 if store.check([_KEY.format(0)]):
                     seen[0] = store.get(_KEY.format(0)).decode()
@@ -132,7 +134,7 @@ def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -
                 if shown:
                     return on_mismatch(_message(f"WORLD_SIZE={world0} on rank 0 and on this process (rank {rank}) but "
                                                 f"{shown}"))
-                return
+                return store.set(_BEAT.format(rank), _ENDED)
             time.sleep(_POLL_S)
     except Exception:  # noqa: BLE001 - no store to reach (another launch's port, a peer gone): torch says it
         return
@@ -148,6 +150,8 @@ def _gone(store, rank: int) -> bool:
     def beat():
         return store.get(key).decode() if store.check([key]) else None
     before, give_up = beat(), time.monotonic() + _GONE_POLLS * _POLL_S
+    if before == _ENDED:  # (a process started after the launch agreed: the rendezvous is complete without it)
+        return False
     while time.monotonic() < give_up:
         time.sleep(_POLL_S / 4)
         if beat() != before:

@@ -127,3 +127,22 @@ def test_a_rank_relaunched_after_its_first_process_died_is_not_a_second_process(
         t.join(20)
     assert said == [None, None]
     assert master.get("hf_zero_offload/launch/rank1/process") == b"h pid 3"
+
+
+def test_a_process_started_with_a_rank_after_the_launch_agreed_is_still_a_second_process(monkeypatch):
+    # (its rank's first process held its claim at the end of its watch: the beat that stood still is not of a death)
+    monkeypatch.setattr(launch_watch, "_POLL_S", 0.1)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    said: list = [None] * 3
+
+    def one(i, rank):
+        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=20))
+        launch_watch._watch(lambda: client, rank, 2, lambda m: said.__setitem__(i, m), me=f"h pid {i}")
+    for started in (((0, 0), (1, 1)), ((2, 1),)):  # (process, its RANK): the launch, then a late RANK=1
+        threads = [threading.Thread(target=one, args=ir) for ir in started]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    assert said[:2] == [None, None] and "RANK=1 on two processes, h pid 1 and h pid 2 (this one)" in said[2], said
