@@ -13,7 +13,8 @@ saves' agreement) keep a few lines each in the store ``init_process_group`` set 
 - Nothing sent while a given-up call still waits: a TCPStore client runs one request at a time (a lock its waiting
   call holds), so any later call of the process on that store, a write too, waited behind it for good (a probe: the
   engine gave its read up, then the Trainer's ``set()`` of the same error hung). Such a call raises ``StoreSilent``
-  at once instead; once the waiting call has returned, the store is used again.
+  at once instead; once the waiting call has returned, the store is used again. A call from another thread of the
+  process waits for the one in flight (``_lock``) within the same bound.
 - Keys scoped by torchrun's attempt (``TORCHELASTIC_RESTART_COUNT``): under ``--max-restarts`` the workers of the
   next attempt share the store of the one before (its agent's) and count from the start again, and read the earlier
   attempt's lines, the cause of the restart, as their peers' (a probe, 2 workers: a key written by attempt 0 was
@@ -34,10 +35,14 @@ import torch.distributed as dist
 
 _ROOT = "hf_zero_offload"
 _READ_S = 10.0  # a store's answer waited for this long at most (a healthy one answers in microseconds)
+# then a moment more with the caller's GIL let go: another thread of this process that held the GIL past _READ_S
+# (a C++ call that keeps it) left an answered call unable to return, and it was taken as silent (a probe: 5 of 10)
+_GRACE_S = 0.5
 
 
 class StoreSilent(TimeoutError):
-    """The process group's store did not answer (its host, rank 0's process, stopped or unreachable)."""
+    """The process group's store did not answer (its server, rank 0's process or torchrun's agent, stopped or
+    unreachable)."""
 
 
 def default_store(process_group=None):
@@ -63,7 +68,10 @@ class GroupStore:
     def __init__(self, store, attempt: str | None = None):
         self._store = store
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if attempt is None else attempt
-        self._waiting: threading.Thread | None = None  # a given-up call still waiting for the store's answer
+        self._waiting: list = []  # given-up calls still waiting for the store's answer (threads)
+        # held by the call the store client runs (one at a time): a write from another thread behind a read in flight
+        # waited with it for good where the store stopped answering
+        self._lock = threading.Lock()
         self._written: dict = {}  # key -> (kind, number) of the lines written with a tag, not yet deleted
 
     @classmethod
@@ -87,7 +95,12 @@ class GroupStore:
         """Written (no answer awaited: a TCPStore's set() does not wait for one). ``tag``: (kind, number), for
         ``forget``. StoreSilent while a given-up call waits (this one would wait behind it)."""
         self._check_answering()
-        self._store.set(self.key(name), value)
+        if not self._lock.acquire(timeout=_READ_S):  # (another thread's call in flight, not answered)
+            raise StoreSilent(self._silence())
+        try:
+            self._store.set(self.key(name), value)
+        finally:
+            self._lock.release()
         if tag is not None:
             self._written[self.key(name)] = tag
 
@@ -113,7 +126,7 @@ class GroupStore:
     def forget(self, kind: str, below: float = math.inf) -> None:
         """This process's lines of ``kind`` numbered below ``below``, deleted (dropped from the list even where a
         delete fails: a store since replaced, or not answering)."""
-        keys = [k for k, (what, number) in self._written.items() if what == kind and number < below]
+        keys = [k for k, (what, number) in list(self._written.items()) if what == kind and number < below]
         if not keys:
             return
         for k in keys:
@@ -132,10 +145,9 @@ class GroupStore:
         return dict(self._written)
 
     def _check_answering(self) -> None:
-        if self._waiting is not None:
-            if self._waiting.is_alive():
-                raise StoreSilent(self._silence())
-            self._waiting = None
+        self._waiting = [t for t in self._waiting if t.is_alive()]
+        if self._waiting:
+            raise StoreSilent(self._silence())
 
     def _bounded(self, op):
         """``op(store)``, on a daemon thread given up after ``_READ_S`` (no Python call interrupts a TCPStore client's
@@ -145,20 +157,35 @@ class GroupStore:
 
         def run():
             try:
-                out.append(op(self._store))
+                with self._lock:
+                    out.append(op(self._store))
             except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
                 err.append(e)
         caller = threading.Thread(target=run, daemon=True, name="hf_zero_offload store call")
         caller.start()
         caller.join(_READ_S)
         if caller.is_alive():
-            self._waiting = caller
+            caller.join(_GRACE_S)
+        if caller.is_alive():
+            self._waiting.append(caller)
             raise StoreSilent(self._silence())
         if err:
             raise err[0]
         return out[0]
 
     def _silence(self) -> str:
-        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        return (f"the process group's store (served by rank 0's process, {where}) did not answer within {_READ_S:g} "
-                "s: rank 0 stopped (SIGSTOP, a debugger) or its node gone or unreachable?")
+        """Which store (its host and port, from the store itself: an ``init_method="tcp://..."`` or ``store=``
+        launch sets no MASTER_ADDR), who serves it (torchrun's agent, not rank 0, under torchrun), this rank, and
+        what to do."""
+        under = self._store
+        while hasattr(under, "underlying_store"):
+            under = under.underlying_store
+        host = getattr(under, "host", None) or os.environ.get("MASTER_ADDR", "?")
+        port = getattr(under, "port", None) or os.environ.get("MASTER_PORT", "?")
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # (as torch's env:// rendezvous reads it)
+        server = "torchrun's agent there" if agent else "rank 0's process"
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else os.environ.get("RANK", "?")
+        return (f"the process group's store at {host}:{port} (served by {server}) did not answer rank {rank} within "
+                f"{_READ_S:g} s: that process stopped (SIGSTOP, a debugger: resume it, kill -CONT) or its host gone "
+                "or unreachable from this one; see its log and its host. This rank's store calls raise this at once "
+                "until the one left waiting returns")

@@ -16,6 +16,9 @@ Two processes started with the same ``RANK`` (ranks 0, 1, 1 of 3) hung alike (a 
 the TrainingArguments' setup when killed after 70 s): each process claims its ``RANK`` in the store first (one
 ``compare_set``, its host and pid); the second to claim one says so there and stops naming both processes, and
 rank 0, which looks for that line once a second, stops with it and writes it as its verdict, which the others read.
+A claim is held while its process's watch runs (a count moved on once a second): a process relaunched with the RANK
+of one that died (killed while it waited in the rendezvous) takes over a claim that stood still 3 seconds, as
+torch's rendezvous takes it in; one that ended with the launch agreed stays held.
 Not under torchrun (its
 variables are consistent by construction, and its agent's store outlives a restart with another world size) nor
 under MPI launchers.
@@ -38,6 +41,9 @@ _VERDICT = "hf_zero_offload/launch/world_size/verdict"  # rank 0's: "" (all agre
 # (or "twice\n<what _TWICE said>")
 _CLAIM = "hf_zero_offload/launch/rank{}/process"  # "<host> pid <pid>" of the first process that claimed that RANK
 _TWICE = "hf_zero_offload/launch/twice"  # "RANK=<r> on two processes, <first> and <second>", by the second
+_BEAT = "hf_zero_offload/launch/rank{}/beat"  # a count the claim's holder moves on once a poll while its watch runs
+_GONE_POLLS = 3  # a claim whose beat stood still this many polls is of a process gone: a relaunch takes it over
+_ENDED = "ended"  # the beat of a watch that ended with the launch agreed: its process went on, holding its claim
 _POLL_S = 1.0
 _WATCH_S = 600.0  # then the thread gives up quietly (a peer that never came is torch's timeout to report)
 _STARTED: list = []
@@ -85,6 +91,8 @@ def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -
     try:
         store = connect()
         first = store.compare_set(_CLAIM.format(rank), "", me).decode()
+        if first != me and _gone(store, rank):  # (a relaunch of a process that died: torch's rendezvous takes it)
+            first = store.compare_set(_CLAIM.format(rank), first, me).decode()
         if first != me:
             found = f"RANK={rank} on two processes, {first} and {me}"
             store.set(_TWICE, found)  # (for rank 0, and through its verdict the others)
@@ -92,7 +100,10 @@ def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -
         store.set(_KEY.format(rank), str(world))
         deadline = time.monotonic() + _WATCH_S
         seen: dict = {}
+        beats = 0
         while time.monotonic() < deadline:
+            beats += 1
+            store.set(_BEAT.format(rank), str(beats))  # (this process still holds its claim: _gone)
             if rank == 0:
                 if store.check([_TWICE]):
                     found = store.get(_TWICE).decode()
@@ -107,7 +118,8 @@ def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -
                     store.set(_VERDICT, f"{world}\n{shown}")  # (for the ranks that agree with rank 0)
                     return on_mismatch(_message(f"WORLD_SIZE={world} on this process (rank {rank}) but {shown}"))
                 if len(seen) >= world:
-                    return store.set(_VERDICT, "")
+                    store.set(_VERDICT, "")
+                    return store.set(_BEAT.format(rank), _ENDED)
             elif 0 not in seen:
                 if store.check([_KEY.format(0)]):
                     seen[0] = store.get(_KEY.format(0)).decode()
@@ -122,10 +134,29 @@ def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -
                 if shown:
                     return on_mismatch(_message(f"WORLD_SIZE={world0} on rank 0 and on this process (rank {rank}) but "
                                                 f"{shown}"))
-                return
+                return store.set(_BEAT.format(rank), _ENDED)
             time.sleep(_POLL_S)
     except Exception:  # noqa: BLE001 - no store to reach (another launch's port, a peer gone): torch says it
         return
+
+
+def _gone(store, rank: int) -> bool:
+    """Whether the process that claimed ``rank`` first has stopped: its watch's beat stood still ``_GONE_POLLS``
+    polls. A rank relaunched by hand after its first process died (killed while it waited in the rendezvous for a
+    later rank) was refused as a second process with that RANK, and rank 0 stopped with it, where torch's rendezvous
+    takes the relaunch (a probe: ranks 0, 1 of 3, rank 1 killed and started again, then rank 2: all three trained)."""
+    key = _BEAT.format(rank)
+
+    def beat():
+        return store.get(key).decode() if store.check([key]) else None
+    before, give_up = beat(), time.monotonic() + _GONE_POLLS * _POLL_S
+    if before == _ENDED:  # (a process started after the launch agreed: the rendezvous is complete without it)
+        return False
+    while time.monotonic() < give_up:
+        time.sleep(_POLL_S / 4)
+        if beat() != before:
+            return False
+    return True
 
 
 def _message(found: str) -> str:

@@ -4,6 +4,7 @@ waiting behind a given-up one, and keys scoped by torchrun's attempt (dist_store
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -61,7 +62,9 @@ def test_the_trainers_lookup_of_a_failed_peer_is_given_up_where_rank_0_stopped_a
         assert _within(5, lambda: peer_failure.peer_failed(_TIMED_OUT, store, 1, 0, 2, "evaluate()")) is None
         # the progress read (the saves' agreement) raises at once, not behind the read left waiting
         start = time.monotonic()
-        with pytest.raises(StoreSilent, match=r"store \(served by rank 0's process.*did not answer within 1 s"):
+        # before: "(served by rank 0's process, ?:?)", nothing said to do (no MASTER_ADDR: a tcp:// or store= launch)
+        with pytest.raises(StoreSilent, match=rf"store at 127.0.0.1:{client.port} \(served by rank 0's process\) "
+                                              r"did not answer rank \S+ within 1 s: .*kill -CONT"):
             progress.progress_count(store, 1)
         with pytest.raises(StoreSilent):
             store.set(progress.PROGRESS_KEY.format(0), "1:5:saving")
@@ -106,3 +109,50 @@ def test_a_restarted_attempt_does_not_read_the_earlier_attempts_trainer_lines(mo
     assert progress.progress_count(second, 1) == [0, 0]  # before: [2, 5], the earlier attempt's count
     # the same attempt still reads its own lines
     assert "attempt 0's cause" in str(peer_failure.peer_failed(_TIMED_OUT, attempt(0), 1, 1, 2, "train()"))
+
+
+def test_a_write_from_another_thread_behind_a_read_in_flight_is_bounded(monkeypatch):
+    # a callback's thread, a finalizer: the write waited behind the other thread's read, not given up yet, for good
+    monkeypatch.setattr(dist_store, "_READ_S", 1.0)
+    with _stopped_store() as (client, _):
+        store = GroupStore(client)
+        def read():
+            with contextlib.suppress(Exception):  # (given up, or the server killed at the end)
+                store.read(["progress/rank1"])
+        threading.Thread(target=read, daemon=True).start()
+        time.sleep(0.2)  # (the read in flight, holding the client)
+
+        def write():
+            try:
+                store.set("failed/1/rank0", "h\nValueError: x")
+            except StoreSilent as e:
+                return e
+        assert isinstance(_within(4, write), StoreSilent)  # before: "still waiting"
+
+
+class _SlowAnswer:
+    def check(self, keys):
+        time.sleep(0.05)  # (the store's answer on its way, the GIL let go)
+        return False
+
+
+def test_an_answered_read_is_not_taken_as_silent_where_another_thread_held_the_gil(monkeypatch):
+    # a thread in a C++ call that keeps the GIL past the deadline: the answered read could not return, and was
+    # StoreSilent (a probe: 5 of 10)
+    monkeypatch.setattr(dist_store, "_READ_S", 0.2)
+    hog = ctypes.PyDLL(None).usleep  # (holds the GIL while it sleeps)
+    for _ in range(6):
+        holder = threading.Thread(target=lambda: (time.sleep(0.02), hog(350_000)))
+        holder.start()
+        assert GroupStore(_SlowAnswer(), attempt="0").read(["progress/rank1"]) == {}  # before: StoreSilent
+        holder.join()
+
+
+def test_under_torchrun_the_silent_store_is_named_as_its_agents(monkeypatch):
+    # the workers' store is the agent's (TORCHELASTIC_USE_AGENT_STORE): rank 0 stopped leaves it answering
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "3")
+    assert GroupStore(dist.HashStore())._silence().startswith(
+        "the process group's store at node0:29500 (served by torchrun's agent there) did not answer rank 3")

@@ -42,7 +42,8 @@ def test_another_world_size_on_a_peer_is_named_on_every_process(worlds):
                "process of a run must be started with the same WORLD_SIZE" in said[rank], said
 
 
-def test_two_processes_started_with_the_same_rank_are_named_on_every_process():
+def test_two_processes_started_with_the_same_rank_are_named_on_every_process(monkeypatch):
+    monkeypatch.setattr(launch_watch, "_POLL_S", 0.2)  # (the duplicate reads the first one's beat: alive)
     # before: ranks 0, 1, 1 of 3 all waited in the rendezvous (a probe: the TrainingArguments' setup, killed after 70 s)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
     said: list = [None] * 3
@@ -104,3 +105,44 @@ def test_the_trainer_arguments_of_two_processes_with_another_world_size_stop_nam
             p.kill()
     assert [p.returncode for p in procs] == [1, 1], outs
     assert "WORLD_SIZE=3 on this process (rank 1) but WORLD_SIZE=2 on rank 0" in outs[1], outs[1]
+
+
+def test_a_rank_relaunched_after_its_first_process_died_is_not_a_second_process(monkeypatch):
+    # before: the relaunch (and rank 0) stopped naming "RANK=1 on two processes" where torch's rendezvous took it
+    # (a probe: ranks 0, 1 of 3, rank 1 killed in the rendezvous and started again, then rank 2: all three trained)
+    monkeypatch.setattr(launch_watch, "_POLL_S", 0.1)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    master.compare_set("hf_zero_offload/launch/rank1/process", "", "h pid 1")  # the first process: claimed, beat, died
+    master.set("hf_zero_offload/launch/rank1/beat", "4")
+    said: list = [None] * 2
+
+    def one(rank):
+        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=20))
+        launch_watch._watch(lambda: client, rank, 2, lambda m: said.__setitem__(rank, m), me=f"h pid {rank + 2}")
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert said == [None, None]
+    assert master.get("hf_zero_offload/launch/rank1/process") == b"h pid 3"
+
+
+def test_a_process_started_with_a_rank_after_the_launch_agreed_is_still_a_second_process(monkeypatch):
+    # (its rank's first process held its claim at the end of its watch: the beat that stood still is not of a death)
+    monkeypatch.setattr(launch_watch, "_POLL_S", 0.1)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    said: list = [None] * 3
+
+    def one(i, rank):
+        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=20))
+        launch_watch._watch(lambda: client, rank, 2, lambda m: said.__setitem__(i, m), me=f"h pid {i}")
+    for started in (((0, 0), (1, 1)), ((2, 1),)):  # (process, its RANK): the launch, then a late RANK=1
+        threads = [threading.Thread(target=one, args=ir) for ir in started]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    assert said[:2] == [None, None] and "RANK=1 on two processes, h pid 1 and h pid 2 (this one)" in said[2], said
