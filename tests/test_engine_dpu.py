@@ -163,7 +163,7 @@ def test_dpu_resume_loads_the_model_and_the_engine_in_either_order(tmp_path, via
     """A state saved with a delayed step in flight, resumed: the model's weights of that moment may be loaded before or
     after the engine's state. Loaded after (a loop of one's own: engine.load_checkpoint, then model.load_state_dict),
     they counted as a write during the delayed step, which kept them and dropped that step's update: the resumed run
-    went on one update short, 1e-3 off the uninterrupted one, without a word (docs/LOOPS.md's resume)."""
+    went on one update short, 1.3e-2 off the uninterrupted one, without a word (docs/LOOPS.md's resume)."""
     data = batches(8)
     torch.manual_seed(0)
     model = TinyNet()
