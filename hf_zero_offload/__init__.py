@@ -63,8 +63,13 @@ _TRAINER_NAMES = {
     "ZeroOffloadMixin",
 }
 
+# a loop of one's own: the engines and adapt_accelerator here too (``from hf_zero_offload import OffloadAdam`` was an
+# AttributeError; their modules stay the documented paths), imported on first access like the Trainer's names
+_LOOP_NAMES = {"OffloadAdam": "engine", "OffloadOptions": "engine", "ShardedAdam": "engine", "ShardOptions": "engine",
+               "adapt_accelerator": "accelerator_patch"}
+
 # ``from hf_zero_offload import *`` without transformers (no [trainer] extra) gives the engines' names alone
-__all__ = ["ops", "CPUAdam", "__version__",
+__all__ = ["ops", "CPUAdam", "__version__", *_LOOP_NAMES,
            *(sorted(_TRAINER_NAMES) if _util.find_spec("transformers") is not None else [])]
 
 
@@ -77,6 +82,8 @@ def _import(module: str, wanted: str):
 def __getattr__(name: str):
     if name in _TRAINER_NAMES:
         return getattr(_import("trainer", name), name)
+    if name in _LOOP_NAMES:
+        return getattr(_import(_LOOP_NAMES[name], name), name)
     # a submodule used as an attribute after ``import hf_zero_offload`` alone (the README's
     # ``hf_zero_offload.torch_state.torch_optimizer_state(DIR)`` was an AttributeError), imported on first access;
     # only the package's own modules and subpackages (not a folder of data files, a namespace package to Python)

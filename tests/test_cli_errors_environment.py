@@ -75,7 +75,7 @@ def test_a_source_tree_without_its_kernels_says_so(tmp_path):
 
 def test_star_import_and_trainer_names_without_transformers():
     """Without the [trainer] extra, `from hf_zero_offload import *` failed on transformers, and a Trainer name gave
-    the bare "No module named 'transformers'"."""
+    the bare "No module named 'transformers'". The engines' names are the package's too."""
     code = """
 import importlib.util, sys
 class NoTransformers:  # an environment without transformers
@@ -87,6 +87,10 @@ find_spec = importlib.util.find_spec
 importlib.util.find_spec = lambda name, *a: None if name == 'transformers' else find_spec(name, *a)
 from hf_zero_offload import *
 assert 'CPUAdam' in dir() and 'ZeroOffloadTrainer' not in dir()
+# a loop of one's own: the engines and adapt_accelerator from the package too (they were an AttributeError)
+from hf_zero_offload.engine import OffloadAdam as O, OffloadOptions as OO, ShardedAdam as S, ShardOptions as SO
+from hf_zero_offload.accelerator_patch import adapt_accelerator as A
+assert (OffloadAdam, OffloadOptions, ShardedAdam, ShardOptions, adapt_accelerator) == (O, OO, S, SO, A)
 import hf_zero_offload
 try:
     hf_zero_offload.ZeroOffloadTrainer

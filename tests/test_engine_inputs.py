@@ -37,6 +37,23 @@ def test_option_switches_take_bools_only(cls, field, value):
     assert OffloadOptions(scatter_thread=None).scatter_thread is None
 
 
+@pytest.mark.parametrize("kind", ["offload", "zero2"])
+def test_options_may_be_a_dict_of_their_fields(kind):
+    """options={"dpu": True} (a ds_config's habit) failed inside the build with "'dict' object has no attribute
+    'state_dtype'", which named neither the argument nor what it takes; now a dict of OffloadOptions' fields is taken,
+    checked as OffloadOptions checks them, and anything else is refused by name."""
+    cls, extra = KINDS[kind]
+    opt = cls(TinyNet().named_parameters(), options={"dpu": kind == "offload", "num_threads": 1}, **extra)
+    assert opt.options == OffloadOptions(dpu=kind == "offload", num_threads=1)
+    opt.close()
+    for bad, named in (({"dpuu": True}, r"options has unknown field\(s\) dpuu; OffloadOptions' fields are "),
+                       ({"dpu": "false"}, "OffloadOptions.dpu must be True or False"),
+                       ([("dpu", True)], r"options must be an OffloadOptions \(hf_zero_offload.engine.OffloadOptions\) "
+                                         "or a dict of its fields, got list")):
+        with pytest.raises(TypeError, match=named):
+            cls(TinyNet().named_parameters(), options=bad, **extra)
+
+
 @pytest.mark.parametrize("stage", [2.0, True, 3, -1, "2"])
 def test_shard_stage_is_0_1_or_2(stage):
     with pytest.raises(ValueError, match=f"ShardOptions.stage must be 0, 1 or 2.*got {stage!r}"):

@@ -1,6 +1,6 @@
-"""The README's promises, checked as a newcomer would meet them: its Python blocks run as written from outside the
-clone (tiny, offline, on the CPU when there is no GPU), and every repository path and benchmark module it names
-exists."""
+"""The README's promises, checked as a newcomer would meet them: the Python blocks of README.md and docs/*.md run as
+written from outside the clone (tiny, offline, on the CPU when there is no GPU; docs/LOOPS.md's torchrun block on two
+gloo processes) without a warning, and every repository path and benchmark module they name exists."""
 import os
 import re
 import subprocess
@@ -8,33 +8,98 @@ import sys
 from pathlib import Path
 
 import pytest
+from _procs import run_together
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
 # the README's details moved to docs/*.md: what the README promised is checked where it now stands
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ALL_DOCS = "\n".join(f.read_text(encoding="utf-8") for f in DOCS)
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+FRAGMENT = "<!-- fragment -->"  # on the line before a ```python block: compiled, not run
+# a block whose first line is this command is saved under that name and run so: `# torchrun --nproc_per_node 2 loop.py`
+TORCHRUN = re.compile(r"# torchrun --nproc_per_node[ =](\d+) (\w+\.py)\n")
+# what a block may print that reads as a warning: advice for the CPU it runs on (the README's block says so too)
+EXPECTED = re.compile(r"hf_zero_offload: --bf16 \(bf16=True\) on a CPU without AVX512-BF16 or AMX")
 
 
-def test_python_blocks_run_as_written_outside_the_clone(tmp_path):
+def python_blocks(text: str) -> list[tuple[str, bool]]:
+    """(code, fragment) of each ```python block of a Markdown text."""
+    found = re.findall(r"^(?:(" + re.escape(FRAGMENT) + r")[ \t]*\n\s*)?```python\n(.*?)^```", text, flags=re.S | re.M)
+    return [(code, bool(mark)) for mark, code in found]
+
+
+BLOCKS = {f"{f.relative_to(ROOT)}:{i}": block for f in DOCS
+          for i, block in enumerate(python_blocks(f.read_text(encoding="utf-8")), start=1)}
+
+
+def warnings_in(output: str) -> list[str]:
+    """The lines of a run's output a user would read as a warning: Python's (``UserWarning: ...``), a logger's
+    (``WARNING:name:`` under basicConfig; our logger's bare ``hf_zero_offload: ...`` before any configuration is
+    logging's last-resort handler, WARNING and above), torch's C++ ones (``[W...]``, glog's ``W1205 ...``)."""
+    return [ln for ln in output.splitlines()
+            if (re.search(r"(?i)warn", ln) or ln.startswith("hf_zero_offload: ") or re.match(r"\[?[WE]\d{4} ", ln))
+            and not EXPECTED.search(ln)]
+
+
+@pytest.fixture(scope="module")
+def block_runs(tmp_path_factory) -> dict:
+    """Every runnable block run as written, each in a fresh interpreter in a directory of its own outside the clone
+    (no PYTHONPATH: the installed package), all side by side; a `# torchrun --nproc_per_node N x.py` block saved as
+    x.py and run by torchrun (gloo on this CPU). {where: CompletedProcess}."""
     pytest.importorskip("transformers")
-    blocks = _blocks("python")
-    assert blocks, "README.md has no python block"
-    script = tmp_path / "readme_blocks.py"
-    script.write_text("\n\n".join(blocks), encoding="utf-8")
+    pytest.importorskip("accelerate")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="2")
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=600)
+    # (OMP_NUM_THREADS set: torchrun warns that it sets it to 1 otherwise)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    argvs, cwds = [], []
+    runnable = {where: code for where, (code, fragment) in BLOCKS.items() if not fragment}
+    for where, code in runnable.items():
+        cwd = tmp_path_factory.mktemp("block")
+        launch = TORCHRUN.match(code)
+        script = cwd / (launch[2] if launch else "block.py")
+        script.write_text(code, encoding="utf-8")
+        argvs.append([sys.executable, *(("-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch[1]}")
+                                        if launch else ()), str(script)])
+        cwds.append({"cwd": cwd})
+    runs = run_together(argvs, jobs=len(argvs), per_child=cwds, env=env, timeout=600)
+    return {where: (r, c["cwd"]) for where, r, c in zip(runnable, runs, cwds)}
+
+
+@pytest.mark.parametrize("where", sorted(BLOCKS))
+def test_python_blocks_run_as_written_outside_the_clone(where, block_runs):
+    """Each ```python block of README.md and docs/*.md, as a newcomer pastes it: it runs (a fragment compiles) and
+    says nothing a user would take for a warning (the loops' blocks also check their own resume, bit for bit)."""
+    code, fragment = BLOCKS[where]
+    if fragment:
+        compile(code, where, "exec")
+        return
+    r, _ = block_runs[where]
+    assert r.returncode == 0, f"{where}:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    assert not warnings_in(r.stdout + r.stderr), f"{where} warns: {warnings_in(r.stdout + r.stderr)}"
+
+
+def test_the_docs_blocks_are_read_as_written():
+    """The README's Trainer block and docs/LOOPS.md's three loops are among them, its torchrun block launched so; a
+    fragment is marked; a warning is found in each of its forms."""
+    assert {"README.md:1", "docs/LOOPS.md:1", "docs/LOOPS.md:2", "docs/LOOPS.md:3"} <= set(BLOCKS)
+    assert TORCHRUN.match(BLOCKS["docs/LOOPS.md:3"][0]) and not any(TORCHRUN.match(c) for c, _ in
+                                                                    [BLOCKS["docs/LOOPS.md:1"], BLOCKS["README.md:1"]])
+    md = "x\n\n```python\nrun()\n```\n<!-- fragment -->\n\n```python\nengine.step()\n```\n"
+    assert python_blocks(md) == [("run()\n", False), ("engine.step()\n", True)]
+    for line in ("a.py:3: UserWarning: x", "WARNING:hf_zero_offload:x", "hf_zero_offload: OffloadAdam.step() with no",
+                 "[W1205 10:00:00.1 init.cpp:1] x", "W1205 10:00:00.1 123 run.py:1] x"):
+        assert warnings_in(line) == [line], line
+    assert not warnings_in("INFO:hf_zero_offload:hf_zero_offload: config=x\nstep 6: loss 0.27")
+
+
+def test_the_readme_trainer_block_trains_with_the_engine(block_runs):
+    r, cwd = block_runs["README.md:1"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "hf_zero_offload: config=" in r.stdout + r.stderr  # the engine ran, from the shipped config
     reserved = re.search(r"host_reserved=([\d.]+)([MG]iB)", r.stdout + r.stderr)
     assert reserved and float(reserved.group(1)) > 0, "the tiny model's host arena must not read as 0"
-    assert (tmp_path / "out").is_dir()
+    assert (cwd / "out").is_dir()
 
 
 def test_named_paths_and_modules_exist():

@@ -31,7 +31,7 @@ from .. import ops
 from .buffers import HostArena, plan_host_memory
 from .core import AdamCore
 from .lifetime import weak_label
-from .options import OffloadOptions
+from .options import OffloadOptions, as_options
 from .pipeline import GradPipeline
 from .runs import FlatIndex, make_runs
 from .streams import Streams
@@ -47,7 +47,9 @@ class OffloadAdam(AdamCore):
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, param_dtype: torch.dtype | None = None,
                  options: OffloadOptions = OffloadOptions(), streams: Streams | None = None, device=None):
-        """``device``: where the params train (default: where they are); see ``AdamCore._init_masters``."""
+        """``device``: where the params train (default: where they are); see ``AdamCore._init_masters``.
+        ``options``: an ``OffloadOptions`` or a dict of its fields."""
+        options = as_options(options, "OffloadAdam")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                          param_dtype=param_dtype, options=options, streams=streams, device=device)
         self._say_if_ranks_train_alone()

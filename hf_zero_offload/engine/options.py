@@ -124,6 +124,21 @@ class OffloadOptions:
         return self._fp16 is not None and self._fp16["enabled"]
 
 
+def as_options(options, who: str) -> OffloadOptions:
+    """An engine's ``options``: an ``OffloadOptions``, or a dict of its fields (a loop of one's own wrote
+    ``options={"dpu": True}`` and met "'dict' object has no attribute 'state_dtype'" from inside the build)."""
+    if isinstance(options, OffloadOptions):
+        return options
+    if isinstance(options, Mapping):
+        unknown = sorted(str(k) for k in options if k not in {f.name for f in dataclasses.fields(OffloadOptions)})
+        if unknown:
+            raise TypeError(f"{who}: options has unknown field(s) {', '.join(unknown)}; OffloadOptions' fields are "
+                            f"{', '.join(f.name for f in dataclasses.fields(OffloadOptions))}")
+        return OffloadOptions(**options)
+    raise TypeError(f"{who}: options must be an OffloadOptions (hf_zero_offload.engine.OffloadOptions) or a dict of "
+                    f"its fields, got {type(options).__name__}")
+
+
 @dataclass(frozen=True)
 class ShardOptions:
     """ZeRO stage and partitioning (``factory.choose`` picks the engine from these)."""

@@ -204,9 +204,13 @@ class SavedState(WrittenParams):
         self.needs_publish, self._uploaded, self._step_unpublished = False, None, False
         if meta.get("needs_publish") and self.options.dpu:
             self.needs_publish = True
+            # the params are not the engine's to mark until that publish: loading the model's weights of the saved
+            # moment after this (engine first, then model) counted as a write during the delayed step, which kept
+            # them and dropped the step's update (the resumed run went on one update short, without a word)
+            self._param_marks = None
         else:
             self._publish_masters()
-        self._mark_params()
+            self._mark_params()
 
     last_save_id: str | None = None  # the save id of this engine's last save_checkpoint
     def save_checkpoint(self, directory: str) -> str:

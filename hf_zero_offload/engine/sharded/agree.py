@@ -16,6 +16,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ..options import OffloadOptions, as_options
 from .peers import said
 
 _SHOWN = 6  # differences named in the message
@@ -62,16 +63,19 @@ def check_ranks_agree(setup: dict, process_group, world_size: int, built: str = 
                            "none goes on")
 
 
-def check_arguments(stage: int, offload: bool, dpu: bool, device_adam: str, world_size: int) -> None:
-    """ShardedAdam's own arguments, each rank's verdict said to the others at ``check_ranks_agree``."""
+def check_arguments(stage: int, offload: bool, options, device_adam: str, world_size: int) -> OffloadOptions:
+    """ShardedAdam's own arguments, each rank's verdict said to the others at ``check_ranks_agree``; the options as
+    an ``OffloadOptions`` (``options.as_options``)."""
+    options = as_options(options, "ShardedAdam")
     if stage not in (0, 1, 2):
         raise ValueError(f"stage must be 0 (one process), 1 or 2, got {stage!r}")
-    if dpu and not offload:
+    if options.dpu and not offload:
         raise ValueError("the delayed parameter update hides the CPU step: it needs offload=True")
     if device_adam not in ("auto", "torch", "kernel"):
         raise ValueError(f"device_adam must be 'auto', 'torch' or 'kernel', got {device_adam!r}")
     if stage == 0 and world_size > 1:
         raise ValueError(f"stage 0 (no partitioning) runs on one process, not {world_size}; use stage 1 or 2")
+    return options
 
 
 def _describe(key: str, first, value, ranks: list) -> str:

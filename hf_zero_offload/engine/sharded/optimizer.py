@@ -110,7 +110,7 @@ class ShardedAdam(SaidToPeers, AdamCore):
         self._peers = PeerNotes(process_group, rank, W)
         setup, failure, others = {}, None, []
         try:
-            check_arguments(stage, offload, options.dpu, device_adam, W)
+            options = check_arguments(stage, offload, options, device_adam, W)  # (a dict of options: taken)
             super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                              param_dtype=param_dtype, options=options, streams=streams, device=device)
             self.stage, self.offload, self.process_group = stage, offload, process_group
