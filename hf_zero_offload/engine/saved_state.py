@@ -23,7 +23,7 @@ from . import param_names
 from .checkpoint import contents, folder
 from .checkpoint import StateFileError
 from .moments import SCALES, Q
-from .written_params import WrittenParams
+from .written_params import DIGESTS_KEY, WrittenParams, check_digests
 
 STATE_FORMAT = "hf_zero_offload.state/2"
 _OWN_KEYS = ("params", param_names.KEY)  # a group's keys a load keeps (its params, and their names)
@@ -85,7 +85,7 @@ class SavedState(WrittenParams):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         # Clones: torch.save of a view would write the whole arena (gradient stores included).
-        state = {**self.state_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
+        state = {**self.state_meta(), **self._digests_meta(), **{k: v.clone() for k, v in self.state_tensors().items()}}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state)
             state = state if result is None else result
@@ -156,6 +156,7 @@ class SavedState(WrittenParams):
                              steps=self._param_steps.numel(), own_groups=self.param_groups)
         if names:
             param_names.check_names(meta, self.param_groups, self._slots, where)
+        check_digests(meta, len(self._flat), where)
         try:
             self.scaler.check_state_dict(meta.get("loss_scaler"))
         except ValueError as e:
@@ -204,10 +205,14 @@ class SavedState(WrittenParams):
         self.needs_publish, self._uploaded, self._step_unpublished = False, None, False
         if meta.get("needs_publish") and self.options.dpu:
             self.needs_publish = True
-            # the params are not the engine's to mark until that publish: loading the model's weights of the saved
-            # moment after this (engine first, then model) counted as a write during the delayed step, which kept
-            # them and dropped the step's update (the resumed run went on one update short, without a word)
-            self._param_marks = None
+            self._mark_params()
+            # A param written after this load keeps its values at that publish (``_publish``), as a torch optimizer's
+            # next step starts from a write (an edit by hand), except the model's weights of the saved moment loaded
+            # after the engine's state (engine first, then model): told apart by their digests, saved with the state;
+            # counted as a write, they dropped the step's update (the resumed run one update short, without a word)
+            self._saved_digests = meta.get(DIGESTS_KEY)
+            if self._saved_digests is None:  # saved before the digests were: that publish overwrites every write
+                self._param_marks = None
         else:
             self._publish_masters()
             self._mark_params()
@@ -221,7 +226,7 @@ class SavedState(WrittenParams):
         if any(self._window_received()):  # torch.optim's state holds no .grad either: said, not silent
             logger.warning("hf_zero_offload: save_checkpoint between two steps: the gradients taken since the last "
                            "step() are not saved (a resume starts that window afresh)")
-        meta = {**self.state_meta(), "save_id": self._shared_token()}
+        meta = {**self.state_meta(), **self._digests_meta(), "save_id": self._shared_token()}
         folder.save(directory, self.rank, self.world_size, meta, self.state_tensors(),
                        barrier=self._barrier, partition=self._partition_ranges(), agree=self._ranks_that_failed)
         self.last_save_id = meta["save_id"]

@@ -13,12 +13,47 @@ from .runs import FlatIndex, make_contiguous
 
 logger = logging.getLogger("hf_zero_offload")
 
+#: a state saved with a delayed step (DPU) in flight: each param's ``param_digest`` as the model held it then
+DIGESTS_KEY = "dpu_param_digests"
+_CHUNK = 1 << 22  # elements per pass: each chunk's sums stay exact in int64 (< 2**53)
+
+
+@torch.no_grad()
+def param_digest(p: torch.Tensor) -> list[int]:
+    """Two sums of a param's bits (as int16s: plain, and weighted by position), exact and the same on any device: a
+    load after which they differ from the saved moment's is a write, not the saved weights loaded back. (A pass over
+    the param on its device, only where a delayed step is in flight at a save, or at the publish after such a load.)"""
+    bits = p.detach().reshape(-1).view(torch.int16)
+    sums = [torch.stack([(x * torch.arange(a, a + x.numel(), device=x.device).remainder_(65521).add_(1)).sum(),
+                         x.sum()]) for a in range(0, bits.numel(), _CHUNK) for x in [bits[a:a + _CHUNK].long()]]
+    return [sum(col) for col in zip(*torch.stack(sums).cpu().tolist())] if sums else [0, 0]
+
+
+def check_digests(meta: dict, count: int, where: str) -> None:
+    """A saved ``DIGESTS_KEY``: one [int, int] per param, refused by name before the load's first write."""
+    saved = meta.get(DIGESTS_KEY)
+    if saved is not None and not (isinstance(saved, list) and len(saved) == count and all(
+            isinstance(d, list) and len(d) == 2 and all(type(v) is int for v in d) for d in saved)):
+        from .checkpoint import StateFileError
+
+        raise StateFileError(f"{where}: {DIGESTS_KEY} must be a list of {count} [int, int] (one per param), got "
+                             f"{str(saved)[:80]}; this state was not written by hf_zero_offload (or is damaged)")
+
 
 class WrittenParams:
     _param_marks: list | None = None  # per param (version counter, storage) when this engine last set or took it
+    # a state loaded with a delayed step in flight: each param's digest at the saved moment, until the next mark (the
+    # publish): a param written since the load that holds those values again is that moment's weights loaded back
+    _saved_digests: list | None = None
 
     def _mark_params(self) -> None:
         self._param_marks = [(p._version, p.data_ptr()) for p, _, _ in self._flat]
+        self._saved_digests = None
+
+    def _digests_meta(self) -> dict:
+        """What a save adds to its meta with a delayed step in flight: the model's params as they are now (as the
+        model's weights saved beside this state hold them), one digest each (``param_digest``)."""
+        return {DIGESTS_KEY: [param_digest(p) for p, _, _ in self._flat]} if self.needs_publish else {}
 
     def _adopt_written_params(self) -> None:
         """At each step: a parameter written since this engine last set it, in place (``load_state_dict``, an
@@ -46,6 +81,9 @@ class WrittenParams:
         for p, _, numel in self._flat if written else ():
             if p.numel() != numel:
                 raise ValueError(size_changed(p, numel))
+        if written and self._saved_digests is not None:  # the saved moment's weights loaded back are no write
+            saved = {id(p): d for (p, _, _), d in zip(self._flat, self._saved_digests)}
+            written = [p for p in written if param_digest(p) != saved[id(p)]]
         return written
 
     def _refuse_moved(self, params) -> None:

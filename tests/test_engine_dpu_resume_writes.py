@@ -1,0 +1,105 @@
+"""A state saved with a delayed step (DPU) in flight, resumed, then a param written before the first step: the write is
+what the next step starts from, as in the uninterrupted run (a write during a delayed step keeps its values,
+test_engine_dpu.py), whichever order the model's weights and the engine's state were loaded in. The model's weights of
+the saved moment loaded after the engine's state are not such a write (the digests saved with the state tell them
+apart). Compared element by element with the uninterrupted run given the same write at the same point."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from _engine_pair import LR, WD
+from _models import TinyNet, batches, param_groups, run_steps
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions
+from hf_zero_offload.engine.checkpoint import StateFileError
+
+DIGESTS_KEY = "dpu_param_digests"  # (written_params.DIGESTS_KEY)
+OPTIONS = OffloadOptions(num_threads=1, dpu=True, dpu_warmup_steps=2)
+
+
+def _by_hand(model, earlier):
+    with torch.no_grad():
+        model.body[0].weight.mul_(0)  # on purpose: torch's next step starts from the zeros
+
+
+def _other_weights(model, earlier):
+    model.load_state_dict(earlier)  # weights other than the saved moment's
+
+
+@pytest.mark.parametrize("engine_first", [True, False], ids=["engine-first", "model-first"])
+@pytest.mark.parametrize("write", [_by_hand, _other_weights, None], ids=["by-hand", "other-weights", "none"])
+def test_a_write_after_a_dpu_resume_is_what_the_next_step_starts_from(tmp_path, engine_first, write):
+    data = batches(8)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OPTIONS)
+    run_steps(model, opt, data[:3])
+    earlier = copy.deepcopy(model.state_dict())
+    run_steps(model, opt, data[3:5])
+    assert opt.needs_publish
+    weights = copy.deepcopy(model.state_dict())
+    opt.save_checkpoint(str(tmp_path))
+    if write is not None:  # during the delayed step in flight: the write is kept, that step's update of it dropped
+        write(model, earlier)
+    run_steps(model, opt, data[5:])
+    opt.flush()
+    opt.close()
+
+    torch.manual_seed(1)  # other weights than the saved ones, as a new process's model has
+    again = TinyNet()
+    resumed = OffloadAdam(param_groups(again, WD), lr=LR, options=OPTIONS)
+    loads = [lambda: again.load_state_dict(weights), lambda: resumed.load_checkpoint(str(tmp_path))]
+    for load in loads[::-1] if engine_first else loads:
+        load()
+    if write is not None:  # after both loads (before the engine's, weights are published over, as DeepSpeed's load does)
+        write(again, earlier)
+    run_steps(again, resumed, data[5:])
+    resumed.flush()
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), (name, (p - q).abs().max())
+    resumed.close()
+
+
+def test_a_flush_and_a_save_right_after_a_dpu_resume_keep_a_write(tmp_path):
+    """A load, a write, then flush() without a step, or a save and a load of that save: the write is kept."""
+    data = batches(6)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OPTIONS)
+    run_steps(model, opt, data[:5])
+    state, weights = opt.state_dict(), copy.deepcopy(model.state_dict())
+    opt.close()
+    again = TinyNet()
+    resumed = OffloadAdam(param_groups(again, WD), lr=LR, options=OPTIONS)
+    resumed.load_state_dict(state)
+    again.load_state_dict(weights)
+    _by_hand(again, None)
+    resaved = resumed.state_dict()  # the write goes into the saved masters, as a save mid-delay does
+    resumed.flush()
+    assert again.body[0].weight.eq(0).all()
+    assert not again.norm.weight.equal(weights["norm.weight"])  # the others took the step's update
+    third = TinyNet()
+    engine = OffloadAdam(param_groups(third, WD), lr=LR, options=OPTIONS)
+    engine.load_state_dict(resaved)
+    third.load_state_dict({**weights, "body.0.weight": weights["body.0.weight"] * 0})
+    engine.flush()
+    for (name, p), q in zip(again.named_parameters(), third.parameters()):
+        assert torch.equal(p, q), name
+    resumed.close()
+    engine.close()
+
+
+def test_damaged_digests_are_refused_by_name():
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OffloadAdam(param_groups(model, WD), lr=LR, options=OPTIONS)
+    run_steps(model, opt, batches(3))
+    state = opt.state_dict()
+    assert len(state[DIGESTS_KEY]) == len(opt._flat)
+    opt.close()
+    engine = OffloadAdam(param_groups(TinyNet(), WD), lr=LR, options=OPTIONS)
+    with pytest.raises(StateFileError, match=DIGESTS_KEY):
+        engine.load_state_dict({**state, DIGESTS_KEY: state[DIGESTS_KEY][:-1]})
+    engine.close()
