@@ -79,6 +79,12 @@ def _import(module: str, wanted: str):
     return import_named(f"{__name__}.{module}", f"hf_zero_offload.{wanted}")
 
 
+def __dir__() -> list[str]:
+    # the names imported on first access too (dir() and a shell's completion listed neither the engines nor the
+    # Trainer's classes, which ``from hf_zero_offload import X`` gives)
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str):
     if name in _TRAINER_NAMES:
         return getattr(_import("trainer", name), name)

@@ -131,9 +131,13 @@ def as_options(options, who: str) -> OffloadOptions:
         return options
     if isinstance(options, Mapping):
         unknown = sorted(str(k) for k in options if k not in {f.name for f in dataclasses.fields(OffloadOptions)})
+        # ShardOptions' fields (stage=2 among the options) are ShardedAdam's own keywords: said so, not "unknown" alone
+        sharding = [k for k in unknown if k in {f.name for f in dataclasses.fields(ShardOptions)}]
         if unknown:
             raise TypeError(f"{who}: options has unknown field(s) {', '.join(unknown)}; OffloadOptions' fields are "
-                            f"{', '.join(f.name for f in dataclasses.fields(OffloadOptions))}")
+                            f"{', '.join(f.name for f in dataclasses.fields(OffloadOptions))}"
+                            + (f" ({', '.join(sharding)}: ShardOptions' field(s), ShardedAdam's own keyword(s): "
+                               f"ShardedAdam(params, {sharding[0]}=..., options=...))" if sharding else ""))
         return OffloadOptions(**options)
     raise TypeError(f"{who}: options must be an OffloadOptions (hf_zero_offload.engine.OffloadOptions) or a dict of "
                     f"its fields, got {type(options).__name__}")
