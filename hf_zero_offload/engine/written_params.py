@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from .checkpoint import StateFileError
 from .grad_hooks import device_moved, size_changed
 from .runs import FlatIndex, make_contiguous
 
@@ -15,7 +16,9 @@ logger = logging.getLogger("hf_zero_offload")
 
 #: a state saved with a delayed step (DPU) in flight: each param's ``param_digest`` as the model held it then
 DIGESTS_KEY = "dpu_param_digests"
-_CHUNK = 1 << 22  # elements per pass: each chunk's sums stay exact in int64 (< 2**53)
+_M = 65521  # the position weights run 1.._M, again and again
+_CHUNK = _M * 64  # elements per pass (a whole number of weight periods: one weight tensor serves every chunk);
+# each chunk's sums stay exact in int64 (< 2**15 * 2**16 * 2**22 = 2**53)
 
 
 @torch.no_grad()
@@ -24,8 +27,9 @@ def param_digest(p: torch.Tensor) -> list[int]:
     load after which they differ from the saved moment's is a write, not the saved weights loaded back. (A pass over
     the param on its device, only where a delayed step is in flight at a save, or at the publish after such a load.)"""
     bits = p.detach().reshape(-1).view(torch.int16)
-    sums = [torch.stack([(x * torch.arange(a, a + x.numel(), device=x.device).remainder_(65521).add_(1)).sum(),
-                         x.sum()]) for a in range(0, bits.numel(), _CHUNK) for x in [bits[a:a + _CHUNK].long()]]
+    weights = torch.arange(min(_CHUNK, bits.numel()), device=bits.device).remainder_(_M).add_(1)
+    sums = [torch.stack([(x * weights[:x.numel()]).sum(), x.sum()])
+            for a in range(0, bits.numel(), _CHUNK) for x in [bits[a:a + _CHUNK].long()]]
     return [sum(col) for col in zip(*torch.stack(sums).cpu().tolist())] if sums else [0, 0]
 
 
@@ -34,8 +38,6 @@ def check_digests(meta: dict, count: int, where: str) -> None:
     saved = meta.get(DIGESTS_KEY)
     if saved is not None and not (isinstance(saved, list) and len(saved) == count and all(
             isinstance(d, list) and len(d) == 2 and all(type(v) is int for v in d) for d in saved)):
-        from .checkpoint import StateFileError
-
         raise StateFileError(f"{where}: {DIGESTS_KEY} must be a list of {count} [int, int] (one per param), got "
                              f"{str(saved)[:80]}; this state was not written by hf_zero_offload (or is damaged)")
 
