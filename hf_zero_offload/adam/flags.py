@@ -43,10 +43,12 @@ def adamw_mode(group: dict, default: bool = True) -> bool:
 
 def torch_style(group):
     """A group given the torch way (``{"decoupled_weight_decay": False}``, no ``adamw_mode``) with ``adamw_mode``
-    set from it, in a copy: the default adamw_mode=True overrode it silently (AdamW's decay where the group asked
-    for Adam's L2). Anything else (a tensor, a group already saying adamw_mode) is returned as it is."""
+    set from it: the default adamw_mode=True overrode it silently (AdamW's decay where the group asked for Adam's L2).
+    In the caller's dict, which torch's ``add_param_group`` fills with the defaults and keeps as the optimizer's group
+    (a copy broke ``opt.param_groups[0] is group``). Anything else (a tensor, a group already saying adamw_mode) is
+    returned as it is."""
     if isinstance(group, dict) and group.get("decoupled_weight_decay") is not None and "adamw_mode" not in group:
-        return dict(group, adamw_mode=bool(group["decoupled_weight_decay"]))
+        group["adamw_mode"] = bool(group["decoupled_weight_decay"])
     return group
 
 
@@ -59,13 +61,15 @@ def check_decoupled(group: dict, where: str = "") -> None:
 
 
 def listed_once(groups: list[dict], group, who: str):
-    """``group`` as ``add_param_group`` goes on with it (its params a list: a generator is read once here), once
-    ``refuse_listed_twice`` has checked it against ``groups`` (those added so far). A tensor or a set of params: as
-    given (torch's own message names those)."""
+    """``group``, its params a list (a generator is read once here), once ``refuse_listed_twice`` has checked it
+    against ``groups`` (those added so far). The caller's own dict, as torch's ``add_param_group`` keeps it (it lists
+    the params in it, and the optimizer's group is that dict: a copy here broke ``opt.param_groups[0] is group`` and
+    left a refused generator's params read and gone). A tensor or a set of params: as given (torch's own message names
+    those)."""
     given = group.get("params") if isinstance(group, dict) else None
     if given is None or isinstance(given, (torch.Tensor, set)):
         return group
-    group = dict(group, params=list(given))
+    group["params"] = list(given)
     refuse_listed_twice([*groups, group], who)
     return group
 
