@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from _engine_pair import LR, WD
+from _engine_pair import LR, WD, engine
 from _models import TinyNet, batches, param_groups, run_steps
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 from hf_zero_offload.engine.checkpoint import StateFileError
@@ -103,3 +103,33 @@ def test_damaged_digests_are_refused_by_name():
     with pytest.raises(StateFileError, match=DIGESTS_KEY):
         engine.load_state_dict({**state, DIGESTS_KEY: state[DIGESTS_KEY][:-1]})
     engine.close()
+
+
+def test_a_write_after_a_dpu_resume_is_kept_on_the_stream_simulator(mode, tmp_path):
+    """The same (engine first, an edit by hand) where copies land late (tests/_modes.py): the digests saved are those
+    of the params the device holds (the publish's copies landed), not of what the host saw part way."""
+    data = mode.data(batches(8))
+    torch.manual_seed(0)
+    model = mode.model(TinyNet())
+    opt = engine(mode, model, dpu=True, dpu_warmup_steps=2)
+    run_steps(model, opt, data[:5])
+    opt.save_checkpoint(str(tmp_path))
+    mode.sync()
+    weights = copy.deepcopy(model.state_dict())
+    for m, o in ((model, opt), (None, None)):
+        if m is None:
+            torch.manual_seed(1)
+            m = mode.model(TinyNet())
+            o = engine(mode, m, dpu=True, dpu_warmup_steps=2)
+            o.load_checkpoint(str(tmp_path))
+            m.load_state_dict(weights)
+            again, resumed = m, o
+        mode.host_write()
+        _by_hand(m, None)
+        run_steps(m, o, data[5:])
+        o.flush()
+        mode.sync()
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), (name, (p - q).abs().max())
+    opt.close()
+    resumed.close()
