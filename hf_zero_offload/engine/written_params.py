@@ -23,13 +23,16 @@ _CHUNK = _M * 64  # elements per pass (a whole number of weight periods: one wei
 
 @torch.no_grad()
 def param_digest(p: torch.Tensor) -> list[int]:
-    """Two sums of a param's bits (as int16s: plain, and weighted by position), exact and the same on any device: a
-    load after which they differ from the saved moment's is a write, not the saved weights loaded back. (A pass over
-    the param on its device, only where a delayed step is in flight at a save, or at the publish after such a load.)"""
-    bits = p.detach().reshape(-1).view(torch.int16)
-    weights = torch.arange(min(_CHUNK, bits.numel()), device=bits.device).remainder_(_M).add_(1)
-    sums = [torch.stack([(x * weights[:x.numel()]).sum(), x.sum()])
-            for a in range(0, bits.numel(), _CHUNK) for x in [bits[a:a + _CHUNK].long()]]
+    """Two sums of the bits of a param's values as fp32 (as int16s: plain, and weighted by position), exact and the
+    same on any device and in any float dtype that holds those values (a bf16 run's weights loaded into an fp32 model
+    resuming it: the same digest): a load after which they differ from the saved moment's is a write, not the saved
+    weights loaded back. (A pass over the param on its device, only where a delayed step is in flight at a save, or
+    at the publish after such a load.)"""
+    values = p.detach().reshape(-1)
+    weights = torch.arange(min(_CHUNK, 2 * values.numel()), device=values.device).remainder_(_M).add_(1)
+    half = _CHUNK // 2  # fp32 values per pass: two int16s each
+    sums = [torch.stack([(x * weights[:x.numel()]).sum(), x.sum()]) for a in range(0, values.numel(), half)
+            for x in [values[a:a + half].float().view(torch.int16).long()]]
     return [sum(col) for col in zip(*torch.stack(sums).cpu().tolist())] if sums else [0, 0]
 
 
