@@ -3,7 +3,8 @@
 With ``zero_offload`` the engine owns loss scaling, the gradient reduction, the clipping and the optimizer state, so
 four of Accelerate's steps change: backward scales the loss by the engine's scale; the model gets no DDP wrapper; the
 optimizer is wrapped without device placement, and reports the engine's skipped (fp16 overflow) steps as
-Accelerate's own; ``clip_grad_norm_`` on the engine's params has the engine clip at its step (its ``.grad`` is gone). ``adapt_accelerator`` makes the same changes for a training loop of one's own.
+Accelerate's own; ``clip_grad_norm_`` on the engine's params has the engine clip at its step (its ``.grad`` is
+gone). ``adapt_accelerator`` makes the same changes for a training loop of one's own.
 """
 from __future__ import annotations
 
