@@ -85,7 +85,8 @@ class CPUAdam(torch.optim.Optimizer):
         rather than at a later step. A param listed twice is refused (torch only warns: each step
         would update it twice)."""
         index = len(self.param_groups)
-        super().add_param_group(torch_style(listed_once(self.param_groups, param_group, "CPUAdam")))  # torch's decoupled_weight_decay honoured
+        # (torch's decoupled_weight_decay honoured)
+        super().add_param_group(torch_style(listed_once(self.param_groups, param_group, "CPUAdam")))
         group = self.param_groups[-1]
         try:
             for p in group["params"]:
