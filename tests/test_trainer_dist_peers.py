@@ -113,6 +113,9 @@ def _killed(rank, world_size, out_dir, where):
 
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+    from hf_zero_offload.trainer import peer_failure
+
+    peer_failure._WAIT_S = 1.0  # rank 0's look for the key a killed rank never writes, waited out in full: 1 s (3 s)
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
