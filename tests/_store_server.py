@@ -2,6 +2,7 @@
 
     with store_server() as (port, pid):
         client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=...)
+        stop(pid)
 
 The child forks from tests/_dist.py's server, which has imported torch once: a fresh ``python -c "import
 torch.distributed ..."`` per test spent 1.5-2 s importing on 2 cores before it served anything. The store is the
@@ -25,6 +26,19 @@ def _serve(conn) -> None:
     conn.send(store.port)
     conn.close()
     time.sleep(120)
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP, returning once the process is stopped: the signal takes effect when the kernel next runs it, and a
+    request sent at once was answered now and then on a loaded machine (1 full run in 3)."""
+    os.kill(pid, signal.SIGSTOP)
+    give_up = time.monotonic() + 10
+    while time.monotonic() < give_up:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] == "T":
+                return
+        time.sleep(0.005)
+    raise RuntimeError(f"process {pid} not stopped 10 s after SIGSTOP")
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from _store_server import store_server
+from _store_server import stop, store_server
 from hf_zero_offload import dist_store
 from hf_zero_offload.dist_store import GroupStore, StoreSilent
 from hf_zero_offload.engine.sharded import peers
@@ -31,7 +31,7 @@ def _stopped_store():
         client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                                timeout=timedelta(seconds=5))
         client.set("hf_zero_offload/0/progress/rank1", "1:4:passed")
-        os.kill(pid, signal.SIGSTOP)
+        stop(pid)
         yield client, pid
 
 
