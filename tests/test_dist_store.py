@@ -7,8 +7,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -16,31 +14,25 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from _store_server import stop, store_server
 from hf_zero_offload import dist_store
 from hf_zero_offload.dist_store import GroupStore, StoreSilent
 from hf_zero_offload.engine.sharded import peers
 from hf_zero_offload.trainer import peer_failure, progress
 
-_SERVER = ("import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
-           "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)")
 _TIMED_OUT = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv "
                           "operation to complete")
 
 
 @contextlib.contextmanager
 def _stopped_store():
-    """A TCPStore client (5 s timeout) whose server, a child process, is stopped (SIGSTOP), and the child."""
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(server.stdout.readline())
+    """A TCPStore client (5 s timeout) whose server, a child process, is stopped (SIGSTOP), and the child's pid."""
+    with store_server() as (port, pid):
         client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                                timeout=timedelta(seconds=5))
         client.set("hf_zero_offload/0/progress/rank1", "1:4:passed")
-        os.kill(server.pid, signal.SIGSTOP)
-        yield client, server
-    finally:
-        os.kill(server.pid, signal.SIGKILL)
-        server.wait()
+        stop(pid)
+        yield client, pid
 
 
 def _within(seconds: float, call):
@@ -69,7 +61,7 @@ def test_the_trainers_lookup_of_a_failed_peer_is_given_up_where_rank_0_stopped_a
         with pytest.raises(StoreSilent):
             store.set(progress.PROGRESS_KEY.format(0), "1:5:saving")
         assert time.monotonic() - start < 0.5
-        os.kill(server.pid, signal.SIGCONT)  # answering again: the waiting read returns, and the store is used again
+        os.kill(server, signal.SIGCONT)  # answering again: the waiting read returns, and the store is used again
         time.sleep(0.3)
         assert progress.progress_count(store, 1) == [1, 4]
 

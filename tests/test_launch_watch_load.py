@@ -48,8 +48,8 @@ def test_a_rank_other_than_0_reads_rank_0s_value_and_verdict_only(monkeypatch):
     assert said == [] and store.checked == [launch_watch._KEY.format(0), _VERDICT], store.checked
 
 
-def test_a_rank_that_agrees_with_rank_0_names_the_one_that_does_not():
-    said = _watch_all([3, 3, 2])
+def test_a_rank_that_agrees_with_rank_0_names_the_one_that_does_not(monkeypatch):
+    said = _watch_all([3, 3, 2], monkeypatch)
     assert "WORLD_SIZE=3 on this process (rank 0) but WORLD_SIZE=2 on rank 2" in said[0], said
     assert "WORLD_SIZE=3 on rank 0 and on this process (rank 1) but WORLD_SIZE=2 on rank 2: every process of a run " \
         "must be started with the same WORLD_SIZE" in said[1], said

@@ -4,35 +4,23 @@ collective's own error raised, where a TCPStore client's ``check``/``get`` wait 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from _store_server import stop, store_server
 from hf_zero_offload import dist_store
 from hf_zero_offload.engine.sharded import peers
 
-_SERVER = ("import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
-           "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)")
-
-
 @contextlib.contextmanager
 def _notes_on_a_child_store():
-    """Rank 1's PeerNotes on a TCPStore served by a child process (the test stops it with SIGSTOP), and the child."""
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(server.stdout.readline())
+    """Rank 1's PeerNotes on a TCPStore served by a child process (the test stops it with SIGSTOP), and its pid."""
+    with store_server() as (port, pid):
         notes = peers.PeerNotes(None, 1, 2)
         notes.store = dist_store.GroupStore(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                                                           timeout=timedelta(seconds=5)))
-        yield notes, server
-    finally:
-        os.kill(server.pid, signal.SIGKILL)
-        server.wait()
+        yield notes, pid
 
 
 def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error(monkeypatch):
@@ -41,7 +29,7 @@ def test_a_store_host_that_stopped_answering_does_not_hold_the_collectives_error
         notes.store.set(peers._KEY.format(notes.number, 0), "host0\nclosed its ShardedAdam (close()) after its step 3")
         failure = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
         assert "rank 0 (host host0) closed its ShardedAdam" in str(notes.named(failure, "step()"))  # (answering)
-        os.kill(server.pid, signal.SIGSTOP)
+        stop(server)
         start = time.monotonic()
         # before: check() still waiting after 10 minutes (a 5 s store timeout: check and get do not use it)
         assert notes.named(failure, "step()") is None
@@ -53,7 +41,7 @@ def test_taking_lines_back_from_a_store_host_that_stopped_answering_is_given_up(
     with _notes_on_a_child_store() as (notes, server):
         notes.say("was in save_checkpoint() (after its step 1)")
         notes.store.set("an older engine's line", "h\nclosed", tag=("engine", notes.number - 1))
-        os.kill(server.pid, signal.SIGSTOP)
+        stop(server)
         start = time.monotonic()
         notes.unsay()  # (the end of a save) before: delete_key() still waiting when given up after 8 s
         notes.forget_older()  # (the next build)

@@ -182,47 +182,53 @@ def test_levels_reported():
         ops.set_simd_level("avx2\0")  # the C++ message ended at the NUL
 
 
-def _import_with_env(*values):
-    """One fresh interpreter per HF_ZERO_OFFLOAD_SIMD value, side by side, each printing the level it gets."""
-    code = "from hf_zero_offload import ops; print(ops.simd_level())"
-    return run_together([[sys.executable, "-c", code]] * len(values), timeout=120,
-                        per_child=[{"env": dict(os.environ, HF_ZERO_OFFLOAD_SIMD=v)} for v in values])
+_MISSING = [lvl for lvl in ("avx2", "avx512", "avx512_bf16") if lvl not in LEVELS]
+_LEVEL_CODE = "from hf_zero_offload import ops; print(ops.simd_level())"
+_KERNEL_CODE = (
+    "import torch\n"
+    "from hf_zero_offload import CPUAdam, ops\n"
+    "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
+    "for call in (ops.simd_level, lambda: CPUAdam([p]).step(), lambda: ops.grad_norm_sq(torch.ones(3))):\n"
+    "    try:\n"
+    "        call(); print('ran')\n"
+    "    except ValueError as e:\n"
+    "        print('refused', 'HF_ZERO_OFFLOAD_SIMD' in str(e), 'sse9' in str(e))\n"
+    "assert torch.equal(p.data, torch.ones(3))\n"
+    "ops.set_simd_level('scalar'); print(ops.simd_level())\n")
 
 
-def test_env_override_selects_level():
-    (r,) = _import_with_env("scalar")
+@pytest.fixture(scope="module")
+def env_children():
+    """Every fresh interpreter of the tests below, one per HF_ZERO_OFFLOAD_SIMD value, all side by side in one batch
+    (each test's own batch left a core idle in its last round): name -> CompletedProcess."""
+    children = {("level", v): ([sys.executable, "-c", _LEVEL_CODE], v) for v in ["scalar", "sse9", *_MISSING]}
+    children["kernel", "sse9"] = ([sys.executable, "-c", _KERNEL_CODE], "sse9")
+    children["cli", "sse9"] = ([sys.executable, "-m", "hf_zero_offload.cli", "configs"], "sse9")
+    runs = run_together([argv for argv, _ in children.values()], timeout=120,
+                        per_child=[{"env": dict(os.environ, HF_ZERO_OFFLOAD_SIMD=v)} for _, v in children.values()])
+    return dict(zip(children, runs))
+
+
+def test_env_override_selects_level(env_children):
+    r = env_children["level", "scalar"]
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "scalar"
 
 
-def test_env_override_rejects_unknown_or_unsupported_level():
-    missing = [lvl for lvl in ("avx2", "avx512", "avx512_bf16") if lvl not in LEVELS]
-    values = ["sse9"] + missing
-    for value, r in zip(values, _import_with_env(*values)):
+def test_env_override_rejects_unknown_or_unsupported_level(env_children):
+    for value in ["sse9"] + _MISSING:
+        r = env_children["level", value]
         assert r.returncode != 0
         assert "HF_ZERO_OFFLOAD_SIMD" in r.stderr and value in r.stderr
-        if value in missing:
+        if value in _MISSING:
             assert "lacks" in r.stderr
 
 
-def test_a_bad_env_level_is_raised_by_kernel_calls_not_at_import():
+def test_a_bad_env_level_is_raised_by_kernel_calls_not_at_import(env_children):
     """A command that runs no kernel works (hf-zero-offload configs); the first kernel call raises the
     ValueError naming the variable, which the command lines report in one line; a level set in code
     replaces it. Importing used to raise a RuntimeError traceback, so every command failed."""
-    code = (
-        "import torch\n"
-        "from hf_zero_offload import CPUAdam, ops\n"
-        "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
-        "for call in (ops.simd_level, lambda: CPUAdam([p]).step(), lambda: ops.grad_norm_sq(torch.ones(3))):\n"
-        "    try:\n"
-        "        call(); print('ran')\n"
-        "    except ValueError as e:\n"
-        "        print('refused', 'HF_ZERO_OFFLOAD_SIMD' in str(e), 'sse9' in str(e))\n"
-        "assert torch.equal(p.data, torch.ones(3))\n"
-        "ops.set_simd_level('scalar'); print(ops.simd_level())\n")
-    env = dict(os.environ, HF_ZERO_OFFLOAD_SIMD="sse9")
-    r, cli = run_together([[sys.executable, "-c", code], [sys.executable, "-m", "hf_zero_offload.cli", "configs"]],
-                          env=env, timeout=120)
+    r, cli = env_children["kernel", "sse9"], env_children["cli", "sse9"]
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:4] == ["refused True True"] * 3 + ["scalar"]
     assert cli.returncode == 0 and "zero2-offload" in cli.stdout, cli.stderr

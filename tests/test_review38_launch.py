@@ -16,7 +16,8 @@ import torch.distributed as dist
 from hf_zero_offload import launch_watch
 
 
-def _watch_all(worlds: list) -> list:
+def _watch_all(worlds: list, monkeypatch) -> list:
+    monkeypatch.setattr(launch_watch, "_POLL_S", 0.1)  # (its 1 s between the watches' looks took each test 1 s)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
     said: list = [None] * len(worlds)
 
@@ -34,8 +35,8 @@ def _watch_all(worlds: list) -> list:
 
 
 @pytest.mark.parametrize("worlds", [[2, 3], [3, 2]])
-def test_another_world_size_on_a_peer_is_named_on_every_process(worlds):
-    said = _watch_all(worlds)
+def test_another_world_size_on_a_peer_is_named_on_every_process(worlds, monkeypatch):
+    said = _watch_all(worlds, monkeypatch)
     for rank, world in enumerate(worlds):
         other = worlds[1 - rank]
         assert f"WORLD_SIZE={world} on this process (rank {rank}) but WORLD_SIZE={other} on rank {1 - rank}: every " \
@@ -66,8 +67,8 @@ def test_two_processes_started_with_the_same_rank_are_named_on_every_process(mon
     assert [named.format(" (this one)" if i == 2 else "") in m for i, m in enumerate(said)] == [True] * 3, said
 
 
-def test_the_same_world_size_everywhere_ends_the_watch_without_a_word():
-    assert _watch_all([2, 2]) == [None, None]
+def test_the_same_world_size_everywhere_ends_the_watch_without_a_word(monkeypatch):
+    assert _watch_all([2, 2], monkeypatch) == [None, None]
 
 
 def test_torchrun_and_one_process_start_no_watch(monkeypatch):

@@ -113,6 +113,9 @@ def _killed(rank, world_size, out_dir, where):
 
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+    from hf_zero_offload.trainer import peer_failure
+
+    peer_failure._WAIT_S = 1.0  # rank 0's look for the key a killed rank never writes, waited out in full: 1 s (3 s)
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -309,19 +312,30 @@ def _stuck(rank, world_size, out_dir):
 
     from _t5 import ToyDataset, tiny_t5
     from hf_zero_offload import ZeroOffloadSeq2SeqTrainer
+    from hf_zero_offload.trainer import peer_failure
+
+    # rank 0's look for a failure key rank 1 (silent by design) never writes: 1 s instead of 3 s
+    peer_failure._WAIT_S = 1.0
+    verdict = os.path.join(out_dir, "rank0-said")
 
     class Stuck(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if rank == 1 and state.global_step == 1:
-                time.sleep(12)
+            if rank == 1 and state.global_step == 1:  # stuck until rank 0 has said what it says (a fixed 12 s before)
+                give_up = time.monotonic() + 30
+                while not os.path.exists(verdict) and time.monotonic() < give_up:
+                    time.sleep(0.1)
 
     trainer = ZeroOffloadSeq2SeqTrainer(model=tiny_t5(), args=_args(out_dir, "stuck"), train_dataset=ToyDataset(),
                                         callbacks=[Stuck()])
     try:
         trainer.train()
     except Exception as e:  # noqa: BLE001 - the message is the result
-        return f"{type(e).__name__}: {e}"
-    return None
+        said = f"{type(e).__name__}: {e}"
+    else:
+        said = None
+    if rank == 0:
+        open(verdict, "w").close()
+    return said
 
 
 def test_a_peer_alive_past_the_collective_timeout_is_not_said_to_be_killed(tmp_path):
