@@ -134,8 +134,8 @@ class CPUAdam(torch.optim.Optimizer):
         todo, index = [], 0  # index: a param's first element among the optimizer's params (rounding counter)
         pids = itertools.count()  # a param's number in state_dict(), which errors name
         for gi, group in enumerate(self.param_groups):
-            check_group(group, gi, 1 + min((int(self.state[p]["step"]) if "step" in self.state.get(p, {}) else 0
-                                             for p in group["params"] if p.grad is not None), default=0))
+            check_group(group, gi, ops.next_step(int(self.state[p]["step"]) if "step" in self.state.get(p, {}) else 0
+                                                 for p in group["params"] if p.grad is not None))
             for p in group["params"]:
                 index, pid = index + p.numel(), next(pids)
                 if p.grad is None:
@@ -290,8 +290,8 @@ class CPUAdam(torch.optim.Optimizer):
                         sdict.check_saved_state(st, by_id[pid], pid)
                 for i, (group, saved) in enumerate(zip(loaded, state_dict["param_groups"])):
                     try:  # at its stepped params' next step, as step() checks (step 1's refused a run's own state)
-                        check_group(group, i, 1 + min((int(state_dict["state"][pid]["step"]) for pid in
-                                                        saved["params"] if pid in state_dict["state"]), default=0))
+                        check_group(group, i, ops.next_step(int(state_dict["state"][pid]["step"]) for pid in
+                                                            saved["params"] if pid in state_dict["state"]))
                     except (TypeError, ValueError) as e:
                         raise type(e)(f"{e} (in the state dict being loaded)") from None
             super().load_state_dict(state_dict)

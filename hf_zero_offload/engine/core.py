@@ -279,7 +279,7 @@ class AdamCore(SavedState, TorchStateImport, ParamOwner, EngineEnd, DelayedUpdat
     def _next_steps(self) -> list[int]:
         """Per group, the earliest step its params take next: its largest step size lr / (1 - beta1^t), which
         must fit in fp32 (a group appended by hand has none: step 1, then ``_layout_problem`` refuses it)."""
-        return [int(self._param_steps[idx].min()) + 1 if idx else 1 for idx in self._groups]
+        return [ops.next_step(self._param_steps[idx].tolist()) for idx in self._groups]
 
     def _check_hyper(self, steps: list[int] | None = None) -> None:
         for i, g in enumerate(self.param_groups):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ._args import check_num_threads
 from .kernels import (accumulate_grad, adam_step, check_hyperparameters, check_separate, grad_norm_sq,
                       grad_norm_sq_and_finite, stream_reference)
+from .hparams import next_step
 from .moments import (INT8_CODES, QUANT_BLOCK, STATE_DTYPES, check_int8_codes, check_scales, check_state_dtype,
                       dequantize_blockwise, make_state, quantize_blockwise, state_dtype_of, state_from_fp32,
                       state_slice, state_to_fp32)
@@ -34,6 +35,7 @@ __all__ = [
     "dequantize_blockwise",
     "state_dtype_of",
     "check_hyperparameters",
+    "next_step",
     "check_separate",
     "check_num_threads",
     "grad_norm_sq",

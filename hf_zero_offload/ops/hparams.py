@@ -32,6 +32,12 @@ def _fp32(x: float) -> float:
     return ctypes.c_float(x).value
 
 
+def next_step(counts) -> int:
+    """The step a group whose params have taken ``counts`` steps takes next, for the check: the earliest (its step
+    size lr / (1 - beta1^t) the largest, the one that must fit in fp32); 1 for a group with none."""
+    return 1 + min(counts, default=0)
+
+
 def fp32_problem(*, lr: float, beta1: float, eps: float, weight_decay: float, adamw: bool = True,
                  step: int = 1) -> tuple[str, str] | None:
     """(key, why) for the first hyper-parameter whose fp32 constant is not what it says, or None. The values are

@@ -102,7 +102,7 @@ def check_meta(meta: dict, where: str, *, numel: int, slots: list, groups: int, 
     # could not take (5e37, beta1 0.9, at step 3) was refused at its resume
     first, next_steps = 0, []
     for group in slots:
-        next_steps.append(min(counts[first:first + len(group)], default=0) + 1)
+        next_steps.append(ops.next_step(counts[first:first + len(group)]))
         first += len(group)
     for i, g in enumerate(saved):
         if not isinstance(g.get("adamw_mode", True), bool):
