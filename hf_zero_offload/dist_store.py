@@ -54,10 +54,14 @@ def default_store(process_group=None):
         store = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
-    under = store
-    while hasattr(under, "underlying_store"):  # (PrefixStores over the TCPStore or FileStore, 2 deep under torchrun)
-        under = under.underlying_store
-    return None if isinstance(under, dist.FileStore) else store
+    return None if isinstance(_innermost(store), dist.FileStore) else store
+
+
+def _innermost(store):
+    """The store under ``store``'s PrefixStores (over the TCPStore or FileStore, 2 deep under torchrun)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
 
 
 class GroupStore:
@@ -177,9 +181,7 @@ class GroupStore:
         """Which store (its host and port, from the store itself: an ``init_method="tcp://..."`` or ``store=``
         launch sets no MASTER_ADDR), who serves it (torchrun's agent, not rank 0, under torchrun), this rank, and
         what to do."""
-        under = self._store
-        while hasattr(under, "underlying_store"):
-            under = under.underlying_store
+        under = _innermost(self._store)
         host = getattr(under, "host", None) or os.environ.get("MASTER_ADDR", "?")
         port = getattr(under, "port", None) or os.environ.get("MASTER_PORT", "?")
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # (as torch's env:// rendezvous reads it)

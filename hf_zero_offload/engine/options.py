@@ -130,12 +130,13 @@ def as_options(options, who: str) -> OffloadOptions:
     if isinstance(options, OffloadOptions):
         return options
     if isinstance(options, Mapping):
-        unknown = sorted(str(k) for k in options if k not in {f.name for f in dataclasses.fields(OffloadOptions)})
+        fields = [f.name for f in dataclasses.fields(OffloadOptions)]
+        unknown = sorted(str(k) for k in options if k not in fields)
         # ShardOptions' fields (stage=2 among the options) are ShardedAdam's own keywords: said so, not "unknown" alone
         sharding = [k for k in unknown if k in {f.name for f in dataclasses.fields(ShardOptions)}]
         if unknown:
             raise TypeError(f"{who}: options has unknown field(s) {', '.join(unknown)}; OffloadOptions' fields are "
-                            f"{', '.join(f.name for f in dataclasses.fields(OffloadOptions))}"
+                            f"{', '.join(fields)}"
                             + (f" ({', '.join(sharding)}: ShardOptions' field(s), ShardedAdam's own keyword(s): "
                                f"ShardedAdam(params, {sharding[0]}=..., options=...))" if sharding else ""))
         return OffloadOptions(**options)

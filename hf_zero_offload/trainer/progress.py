@@ -31,7 +31,8 @@ def progress_count(store: GroupStore | None, rank: int) -> list | None:
     if store is None:
         return None
     name = PROGRESS_KEY.format(rank)
-    if store.key(name) not in _COUNT:
+    key = store.key(name)
+    if key not in _COUNT:
         seen = store.get(name)
-        _COUNT[store.key(name)] = list(parse_progress(seen)[0]) if seen is not None else [0, 0]
-    return _COUNT[store.key(name)]
+        _COUNT[key] = list(parse_progress(seen)[0]) if seen is not None else [0, 0]
+    return _COUNT[key]
