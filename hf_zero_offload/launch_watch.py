@@ -19,9 +19,8 @@ rank 0, which looks for that line once a second, stops with it and writes it as 
 A claim is held while its process's watch runs (a count moved on once a second): a process relaunched with the RANK
 of one that died (killed while it waited in the rendezvous) takes over a claim that stood still 3 seconds, as
 torch's rendezvous takes it in; one that ended with the launch agreed stays held.
-Not under torchrun (its
-variables are consistent by construction, and its agent's store outlives a restart with another world size) nor
-under MPI launchers.
+Not under torchrun (its variables are consistent by construction, and its agent's store outlives a restart with
+another world size) nor under MPI launchers.
 """
 from __future__ import annotations
 
@@ -105,13 +104,12 @@ def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -
             beats += 1
             store.set(_BEAT.format(rank), str(beats))  # (this process still holds its claim: _gone)
             if rank == 0:
-                if store.check([_TWICE]):
-                    found = store.get(_TWICE).decode()
+                if (found := _read(store, _TWICE)) is not None:
                     store.set(_VERDICT, f"twice\n{found}")
                     return on_mismatch(_twice(found))
                 for r in range(max([world, *[int(v) for v in seen.values()]])):
-                    if r not in seen and store.check([_KEY.format(r)]):
-                        seen[r] = store.get(_KEY.format(r)).decode()
+                    if r not in seen and (value := _read(store, _KEY.format(r))) is not None:
+                        seen[r] = value
                 other = {r: v for r, v in seen.items() if v != str(world)}
                 if other:
                     shown = ", ".join(f"WORLD_SIZE={v} on rank {r}" for r, v in sorted(other.items()))
@@ -121,14 +119,14 @@ def _watch(connect, rank: int, world: int, on_mismatch, me: str | None = None) -
                     store.set(_VERDICT, "")
                     return store.set(_BEAT.format(rank), _ENDED)
             elif 0 not in seen:
-                if store.check([_KEY.format(0)]):
-                    seen[0] = store.get(_KEY.format(0)).decode()
+                if (value := _read(store, _KEY.format(0))) is not None:
+                    seen[0] = value
                     if seen[0] != str(world):
                         return on_mismatch(_message(f"WORLD_SIZE={world} on this process (rank {rank}) but "
                                                     f"WORLD_SIZE={seen[0]} on rank 0"))
                     continue
-            elif store.check([_VERDICT]):
-                world0, _, shown = store.get(_VERDICT).decode().partition("\n")
+            elif (verdict := _read(store, _VERDICT)) is not None:
+                world0, _, shown = verdict.partition("\n")
                 if world0 == "twice":
                     return on_mismatch(_twice(shown))
                 if shown:
@@ -145,10 +143,8 @@ def _gone(store, rank: int) -> bool:
     polls. A rank relaunched by hand after its first process died (killed while it waited in the rendezvous for a
     later rank) was refused as a second process with that RANK, and rank 0 stopped with it, where torch's rendezvous
     takes the relaunch (a probe: ranks 0, 1 of 3, rank 1 killed and started again, then rank 2: all three trained)."""
-    key = _BEAT.format(rank)
-
     def beat():
-        return store.get(key).decode() if store.check([key]) else None
+        return _read(store, _BEAT.format(rank))
     before, give_up = beat(), time.monotonic() + _GONE_POLLS * _POLL_S
     if before == _ENDED:  # (a process started after the launch agreed: the rendezvous is complete without it)
         return False
@@ -157,6 +153,11 @@ def _gone(store, rank: int) -> bool:
         if beat() != before:
             return False
     return True
+
+
+def _read(store, key: str) -> str | None:
+    """``key``'s value in the rendezvous store (None: not there yet)."""
+    return store.get(key).decode() if store.check([key]) else None
 
 
 def _message(found: str) -> str:
