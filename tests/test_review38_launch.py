@@ -16,15 +16,26 @@ import torch.distributed as dist
 from hf_zero_offload import launch_watch
 
 
+def _master():
+    """Rank 0's rendezvous store, as torch's env:// rendezvous serves it."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+
+
+def _watch_on(master, rank: int, world: int, said: list, slot: int, me: str | None = None) -> None:
+    """One process's watch, run in a thread of this one with its own client of ``master``: what it would print (and
+    end its process with) in ``said[slot]``."""
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=20))
+    launch_watch._watch(lambda: client, rank, world, lambda m: said.__setitem__(slot, m), me=me)
+
+
 def _watch_all(worlds: list, monkeypatch) -> list:
     monkeypatch.setattr(launch_watch, "_POLL_S", 0.1)  # (its 1 s between the watches' looks took each test 1 s)
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    master = _master()
     said: list = [None] * len(worlds)
 
     def one(rank, world):
-        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=20))
-        launch_watch._watch(lambda: client, rank, world, lambda m: said.__setitem__(rank, m))
+        _watch_on(master, rank, world, said, rank)
     threads = [threading.Thread(target=one, args=(r, w)) for r, w in enumerate(worlds)]
     for t in threads:
         t.start()
@@ -46,13 +57,11 @@ def test_another_world_size_on_a_peer_is_named_on_every_process(worlds, monkeypa
 def test_two_processes_started_with_the_same_rank_are_named_on_every_process(monkeypatch):
     monkeypatch.setattr(launch_watch, "_POLL_S", 0.2)  # (the duplicate reads the first one's beat: alive)
     # before: ranks 0, 1, 1 of 3 all waited in the rendezvous (a probe: the TrainingArguments' setup, killed after 70 s)
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    master = _master()
     said: list = [None] * 3
 
     def one(i, rank):
-        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=20))
-        launch_watch._watch(lambda: client, rank, 3, lambda m: said.__setitem__(i, m), me=f"h pid {i}")
+        _watch_on(master, rank, 3, said, i, me=f"h pid {i}")
     threads = []
     for i, rank in enumerate((0, 1, 1)):
         threads.append(threading.Thread(target=one, args=(i, rank)))
@@ -112,15 +121,13 @@ def test_a_rank_relaunched_after_its_first_process_died_is_not_a_second_process(
     # before: the relaunch (and rank 0) stopped naming "RANK=1 on two processes" where torch's rendezvous took it
     # (a probe: ranks 0, 1 of 3, rank 1 killed in the rendezvous and started again, then rank 2: all three trained)
     monkeypatch.setattr(launch_watch, "_POLL_S", 0.1)
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    master = _master()
     master.compare_set("hf_zero_offload/launch/rank1/process", "", "h pid 1")  # the first process: claimed, beat, died
     master.set("hf_zero_offload/launch/rank1/beat", "4")
     said: list = [None] * 2
 
     def one(rank):
-        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=20))
-        launch_watch._watch(lambda: client, rank, 2, lambda m: said.__setitem__(rank, m), me=f"h pid {rank + 2}")
+        _watch_on(master, rank, 2, said, rank, me=f"h pid {rank + 2}")
     threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
@@ -133,13 +140,11 @@ def test_a_rank_relaunched_after_its_first_process_died_is_not_a_second_process(
 def test_a_process_started_with_a_rank_after_the_launch_agreed_is_still_a_second_process(monkeypatch):
     # (its rank's first process held its claim at the end of its watch: the beat that stood still is not of a death)
     monkeypatch.setattr(launch_watch, "_POLL_S", 0.1)
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    master = _master()
     said: list = [None] * 3
 
     def one(i, rank):
-        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=20))
-        launch_watch._watch(lambda: client, rank, 2, lambda m: said.__setitem__(i, m), me=f"h pid {i}")
+        _watch_on(master, rank, 2, said, i, me=f"h pid {i}")
     for started in (((0, 0), (1, 1)), ((2, 1),)):  # (process, its RANK): the launch, then a late RANK=1
         threads = [threading.Thread(target=one, args=ir) for ir in started]
         for t in threads:
