@@ -205,8 +205,9 @@ def test_cuda_arena_is_really_pinned():
         assert _registered(regions[name]), name
     assert not _registered(regions["exp_avg"])
     assert _registered(opt.pipeline.staging) and _registered(opt.param_staging)
-    opt.close()
-    assert not opt.arena.pinned
+    arena, staging = opt.arena, regions["grad_staging"]
+    opt.close()  # the engine lets go of its arena (None), which it unpinned first
+    assert opt.arena is None and not arena.pinned and not _registered(staging)
 
     torch.manual_seed(0)
     unpinned = OffloadAdam(param_groups(TinyNet().to(DEV), WD), lr=LR,

@@ -177,3 +177,15 @@ def test_t5_3b_recipe_needs_gpu(tmp_path):
         pytest.skip("a GPU is present: the recipe would run")
     assert t5.main(["--t5_3b_recipe", "--out_dir", str(tmp_path)]) == 0
     assert not list(tmp_path.iterdir())
+
+
+def test_t5_3b_recipe_rows():
+    """--rows with the recipe: --rows parses to a list (the first H100 run's `a.rows.split` was an AttributeError
+    before anything ran), picks among the recipe's two rows, and refuses a row of the table's others by name."""
+    t5 = _t5_table()
+    pick = lambda *argv: [r.name for r in t5.recipe_rows(t5.parse_args(["--t5_3b_recipe", *argv]), cuda=True)]
+    assert pick() == ["half", "zero2_offload"]
+    assert pick("--rows", "zero2_offload") == ["zero2_offload"]
+    assert t5.recipe_rows(t5.parse_args(["--t5_3b_recipe"]), cuda=True)[1].flags[-1] == "--fp16"
+    with pytest.raises(SystemExit, match="--rows zero2: not a row of --t5_3b_recipe; its rows are half,zero2_offload"):
+        pick("--rows", "zero2,half")

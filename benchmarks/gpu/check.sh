@@ -10,10 +10,8 @@
 #                    the image already has torch, pybind11, scikit-build-core, cmake; nothing is downloaded)
 #   2. hardware      the hardware line (CPU, cores, RAM, torch, SIMD level of the build, GPU) -> $OUT/hardware.json
 #   3. cuda tests    (a cuda_device step first: it fails where no CUDA device is usable, as on a CPU with SMALL=1,
-#                    since the tests would all skip and pytest say ok) pytest -m cuda tests/test_engine.py
-#                    tests/test_engine_async.py tests/test_sharding.py
-#                    tests/test_compact_states.py tests/test_placement.py tests/test_cuda_release.py
-#                    tests/test_engine_moved.py (every cuda-marked test; GPU parity with torch
+#                    since the tests would all skip and pytest say ok) pytest -m cuda on every test file with a
+#                    cuda-marked test or conftest's `mode` fixture (every cuda-marked test; GPU parity with torch
 #                    AdamW, gradient accumulation, clipping, fp16 overflow, DPU, resume, the stream-race
 #                    test, gradient memory bounded by the buckets, pinned arena; close/replacement giving back the
 #                    device buffers and the pinning, adapt_accelerator on CUDA, a model moved after the build).
@@ -32,6 +30,8 @@
 #   6. demo          examples/seq2seq/run_demo.py (make demo's job) on the GPU       -> $OUT/demo_results.json
 #   7. t5-3b         benchmarks/t5/table.py --t5_3b_recipe, ZeRO-2 + offload at batch 9 under 24 GiB, on
 #                    a synthetic corpus of full-length lines (the planner's largest batch)  -> $OUT/t5/
+#   8. planner       benchmarks/t5/planner_validate.py --gpu: planned vs measured device peak, t5-large and t5-3b
+#                    at batch 8 with ZeRO-2 + offload                      -> $OUT/planner_validate_gpu.json
 #
 # Knobs (environment): OUT (default ./gpu_out), PY (default python3 if it has torch, else python),
 # SKIP_INSTALL=1 (package already built), SMALL=1 (tiny sizes: a smoke test of this script on any machine),
@@ -100,9 +100,10 @@ torch.cuda.get_device_name(0) if ok else ''); sys.exit(0 if ok else 1)"
 if ! "$PY" -c "import pytest" 2>/dev/null; then
   run install_pytest 60 "$PY" -m pip install --no-index --find-links .gpu_wheels pytest pytest-timeout
 fi
-run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider tests/test_engine.py tests/test_engine_async.py \
-  tests/test_sharding.py tests/test_compact_states.py tests/test_placement.py tests/test_cuda_release.py \
-  tests/test_engine_moved.py
+# every file with a cuda-marked test or a test taking conftest's `mode` (whose cuda case is marked): a list written
+# out by hand missed the files split off later (session 40: test_engine_dpu*.py's cuda cases had not run)
+CUDA_FILES=$(grep -lzP 'mark\.cuda|def test_\w+\([^)]*\bmode\b' tests/test_*.py | tr '\0\n' '  ')
+run cuda_tests 170 "$PY" -m pytest -m cuda -q -rsx -p no:cacheprovider $CUDA_FILES
 
 # 4. one training step with and without offload (JSON per size); 24 GiB CUDA cap
 run offload_step_500m 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_A[@]}" --dtype bf16 --gpu_mem_gib 24 --rows a,b,c,d \
@@ -135,6 +136,11 @@ cp "$WORK"/demo/demo*/curves.png "$OUT/demo_curves.png" 2>/dev/null
 run t5_corpus 60 "$PY" -m benchmarks.gpu.check long_corpus "$WORK/long"
 run t5_3b 240 "$PY" -m benchmarks.t5.table "${T5[@]}" --data_dir "$WORK/long" --gpu_mem_gib 24 --keep_logs \
   --out_dir "$OUT/t5"
+
+# 8. the planner against real CUDA steps (its GPU tier had never run): session 40's t5-3b recipe rows measured 1.42
+# GiB of activations per sample where the planner plans 1.81, so its largest batch (9) was 12 measured
+run planner_gpu 150 "$PY" -m benchmarks.t5.planner_validate --models t5-tiny --batches 2 --gpu \
+  --gpu-models t5-large,t5-3b --gpu-rows zero2_offload --gpu-batch 8 --json "$OUT/planner_validate_gpu.json"
 
 # summary: every step's outcome, then the measured targets
 {

@@ -134,8 +134,7 @@ def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, ste
     torch.cuda.synchronize(dev)
     real = torch.cuda.max_memory_allocated(dev)
     if isinstance(opt, OffloadAdam):
-        opt.flush()
-        opt.arena.close()
+        opt.close()  # its host arena and pinning go now, not at the next garbage collection
     del opt, model, batch_t
     torch.cuda.empty_cache()
     return {"model": name, "row": row, "batch": batch, "measured_GiB": round(real / 2**30, 3),

@@ -150,7 +150,7 @@ def _defaults(a: argparse.Namespace, cuda: bool) -> None:
         d = dict(model="configs/models/t5-tiny.json", n_train=32, n_val=8, max_source_length=32, max_target_length=32,
                  val_max_target_length=8, warmup_steps=1, batch_size=8, dpu_warmup_steps=1, nproc=1, eval_beams=2)
         a.max_steps = a.max_steps or 3
-        a.rows = a.rows or "baseline,zero2_offload,zero2_offload_dpu"
+        a.rows = a.rows or ["baseline", "zero2_offload", "zero2_offload_dpu"]
     elif a.t5_3b_recipe:
         d = dict(model="configs/models/t5-3b.json", n_train=60, n_val=10, max_source_length=128, max_target_length=128,
                  val_max_target_length=128, warmup_steps=500, batch_size=20, dpu_warmup_steps=40, nproc=1, eval_beams=4)
@@ -239,6 +239,22 @@ def run_rows(a, rows: List[RowSpec], runner: Runner, cuda: bool, dtype: str) -> 
     return out
 
 
+def recipe_rows(a: argparse.Namespace, cuda: bool) -> List[RowSpec]:
+    """The blog's t5-3b recipe: plain 16-bit and ZeRO-2 + CPU offload; ``--rows`` (a list, checked against every
+    row name) picks among them, and a name of the table's other rows is refused here, not run as no row at all."""
+    half = "--fp16" if cuda else "--bf16"
+    rows = [RowSpec("half", f"plain {half}", [half], 1),
+            RowSpec("zero2_offload", f"ZeRO-2 + CPU offload ({half[2:]}), ds_config_1gpu.json",
+                    ["--zero_offload", os.path.join(CONFIGS, "ds_config_1gpu.json"), half], 1)]
+    if not a.rows:
+        return rows
+    other = [name for name in a.rows if name not in {r.name for r in rows}]
+    if other:
+        raise SystemExit(f"--rows {','.join(other)}: not a row of --t5_3b_recipe; its rows are "
+                         f"{','.join(r.name for r in rows)}")
+    return [r for r in rows if r.name in a.rows]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     cuda = _gpu_count() > 0 and not a.cpu
@@ -262,15 +278,7 @@ def main(argv=None) -> int:
             data_dir = write_corpus(os.path.join(tmp, "data"), a.n_train, a.n_val, 1, seed=0)
             data_desc = "SYNTHETIC toy en->ro corpus (examples/seq2seq/synthetic_data.py, seed 0)"
         runner = Runner(a, tmp, data_dir, cuda, log_dir)
-        if a.t5_3b_recipe:
-            half = "--fp16" if cuda else "--bf16"
-            rows = [RowSpec("half", f"plain {half}", [half], 1),
-                    RowSpec("zero2_offload", f"ZeRO-2 + CPU offload ({half[2:]}), ds_config_1gpu.json",
-                            ["--zero_offload", os.path.join(CONFIGS, "ds_config_1gpu.json"), half], 1)]
-            if a.rows:
-                rows = [r for r in rows if r.name in a.rows.split(",")]
-        else:
-            rows = build_rows(a, tmp, cuda)
+        rows = recipe_rows(a, cuda) if a.t5_3b_recipe else build_rows(a, tmp, cuda)
         results = run_rows(a, rows, runner, cuda, dtype)
         if a.keep_logs:
             shutil.copytree(log_dir, os.path.join(a.out_dir, f"{stem}_logs"), dirs_exist_ok=True)
