@@ -30,8 +30,9 @@
 #   6. demo          examples/seq2seq/run_demo.py (make demo's job) on the GPU       -> $OUT/demo_results.json
 #   7. t5-3b         benchmarks/t5/table.py --t5_3b_recipe, ZeRO-2 + offload at batch 9 under 24 GiB, on
 #                    a synthetic corpus of full-length lines (the planner's largest batch)  -> $OUT/t5/
-#   8. planner       benchmarks/t5/planner_validate.py --gpu: planned vs measured device peak, t5-large and t5-3b
-#                    at batch 8 with ZeRO-2 + offload                      -> $OUT/planner_validate_gpu.json
+#   8. planner       benchmarks/t5/planner_validate.py --gpu: planned vs measured device peak of t5-3b with ZeRO-2
+#                    + offload at batch 4 and 8, SDPA as torch picks it and forced to math: the per-sample slope
+#                    against the trace's, as planned and with CUDA's kernels  -> $OUT/planner_validate_gpu.json
 #
 # Knobs (environment): OUT (default ./gpu_out), PY (default python3 if it has torch, else python),
 # SKIP_INSTALL=1 (package already built), SMALL=1 (tiny sizes: a smoke test of this script on any machine),
@@ -139,8 +140,9 @@ run t5_3b 240 "$PY" -m benchmarks.t5.table "${T5[@]}" --data_dir "$WORK/long" --
 
 # 8. the planner against real CUDA steps (its GPU tier had never run): session 40's t5-3b recipe rows measured 1.42
 # GiB of activations per sample where the planner plans 1.81, so its largest batch (9) was 12 measured
-run planner_gpu 150 "$PY" -m benchmarks.t5.planner_validate --models t5-tiny --batches 2 --gpu \
-  --gpu-models t5-large,t5-3b --gpu-rows zero2_offload --gpu-batch 8 --json "$OUT/planner_validate_gpu.json"
+run planner_gpu 200 "$PY" -m benchmarks.t5.planner_validate --models t5-tiny --batches 2 --gpu \
+  --gpu-models t5-3b --gpu-rows zero2_offload --gpu-attention default,math --gpu-batch 4,8 \
+  --json "$OUT/planner_validate_gpu.json"
 
 # summary: every step's outcome, then the measured targets
 {

@@ -7,14 +7,14 @@ CPU tier (default; Linux, any machine):
     tensor its own mmap, see ``planner.measure.measure_cpu_steps``) vs the meta-trace prediction in the
     row's dtype, and vs the alternative "trace fp32 and halve the activations".
 
-GPU tier (``--gpu``; needs CUDA) -- WRITTEN BUT NOT YET RUN: the build machine has no GPU and this
-task had no device machine. For t5-large / t5-3b it runs real training steps (baseline fp32 +
-torch AdamW, torch AMP fp16 + GradScaler, ZeRO-2 + CPU offload with ``OffloadAdam``) at a given batch
-size and compares ``torch.cuda.max_memory_allocated()`` over steps 2-3 (optimizer state exists) with
-the planner's ``device_bytes_at_batch_size``.
+GPU tier (``--gpu``; needs CUDA; ``benchmarks/t5/gpu_tier.py``, not yet run): for t5-large / t5-3b real training
+steps (baseline fp32 + torch AdamW, torch AMP fp16 + GradScaler, ZeRO-2 + CPU offload with ``OffloadAdam``) at each
+batch size, under each SDPA backend asked for, compare ``torch.cuda.max_memory_allocated()`` over steps 2-3
+(optimizer state exists) with the planner's ``device_bytes_at_batch_size``; the measured per-sample slope is set
+beside the trace's, as planned and traced with CUDA's kernel choices.
 
     python -m benchmarks.t5.planner_validate                        # CPU tier (--json PATH to keep the rows)
-    python -m benchmarks.t5.planner_validate --gpu --gpu-models t5-large,t5-3b --gpu-batch 8
+    python -m benchmarks.t5.planner_validate --gpu --gpu-models t5-large,t5-3b --gpu-batch 4,8
 """
 from __future__ import annotations
 
@@ -32,13 +32,11 @@ from hf_zero_offload.planner import measure, trace  # noqa: E402
 
 from benchmarks._common import (hardware, hardware_line, int_list, json_stdout, json_target, model_config,  # noqa: E402
                                model_list, name_list, positive_int, print_table, provenance, write_json)
+from benchmarks.t5.gpu_tier import (ATTENTION, GPU_ROWS, TRACES, gpu_measure, pct_error, per_sample,  # noqa: E402
+                                    traced_per_sample)
 
 MiB = 2 ** 20
 KEEP = {"fp32": True, "half": False, "amp": True}  # the gradient policy of the rows that train in each mode
-
-
-def _pct(pred, real):
-    return round(100.0 * (pred - real) / real, 2)
 
 
 def cpu_params(name: str) -> dict:
@@ -62,9 +60,7 @@ def cpu_engine(name: str) -> list[dict]:
         opt = OffloadAdam(model.parameters(), param_dtype=torch.bfloat16, options=OffloadOptions(dpu=dpu, **opts))
         out.append({"model": name, "row": row.name, "planner_host_bytes": row.host_bytes,
                     "engine_arena_nbytes": opt.arena.nbytes, "equal": row.host_bytes == opt.arena.nbytes})
-        opt.arena.close()
-        if opt._worker is not None:
-            opt._worker.shutdown()
+        opt.close()
     return out
 
 
@@ -88,57 +84,10 @@ def cpu_activations(name: str, batches, seq_len: int, tgt_len: int) -> list[dict
             halved = (f32.peak(bs, True) - f32.grad_bytes) // 2 + f32.grad_bytes + profs["amp"].param_cast_bytes
         rows.append({"model": name, "mode": mode, "batch": bs, "grads": "kept" if keep else "freed",
                      "measured_MiB": round(real / MiB, 1), "traced_MiB": round(pred / MiB, 1),
-                     "traced_err_%": _pct(pred, real),
+                     "traced_err_%": pct_error(pred, real),
                      "fp32_halved_MiB": None if halved is None else round(halved / MiB, 1),
-                     "fp32_halved_err_%": None if halved is None else _pct(halved, real)})
+                     "fp32_halved_err_%": None if halved is None else pct_error(halved, real)})
     return rows
-
-
-# -- GPU tier (untested: no GPU on the build machine) -------------------------------------------------
-GPU_ROWS = ("baseline", "fp16", "zero2_offload")  # what gpu_measure trains (any other ran plain AdamW)
-
-
-def gpu_measure(name: str, row: str, batch: int, seq_len: int, tgt_len: int, steps: int = 3) -> dict:
-    """max_memory_allocated over steps 2..steps of real training on cuda:0, vs the planner."""
-    from hf_zero_offload.engine import OffloadAdam, OffloadOptions
-
-    dev = torch.device("cuda", 0)
-    config = trace.load_config(model_config(name))
-    p = planner.plan(config, gpus=1, dtype="fp16", seq_len=seq_len, tgt_len=tgt_len, batch_size=batch, configs=[row])
-    pred = p.rows[0].device_bytes_at_batch_size
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    torch.manual_seed(0)
-    model = trace.build_model(config, device=dev)
-    batch_t = trace.dummy_batch(config, batch, seq_len, tgt_len, dev)
-    batch_t["input_ids"].random_(2, config.vocab_size)
-    batch_t["labels"].random_(2, config.vocab_size)
-    if row == "zero2_offload":
-        opt = OffloadAdam(model.parameters(), lr=1e-5, param_dtype=torch.float16,
-                          options=OffloadOptions(fp16={"enabled": True}))
-        scaler, amp = None, None
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        scaler = torch.amp.GradScaler("cuda") if row == "fp16" else None
-        amp = torch.float16 if row == "fp16" else None
-    from benchmarks._common import backward_and_step
-
-    for step in range(steps):
-        if step == 1:
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
-            loss = model(**batch_t).loss
-        backward_and_step(loss, opt, scaler)
-        del loss
-    torch.cuda.synchronize(dev)
-    real = torch.cuda.max_memory_allocated(dev)
-    if isinstance(opt, OffloadAdam):
-        opt.close()  # its host arena and pinning go now, not at the next garbage collection
-    del opt, model, batch_t
-    torch.cuda.empty_cache()
-    return {"model": name, "row": row, "batch": batch, "measured_GiB": round(real / 2**30, 3),
-            "planned_GiB": round(pred / 2**30, 3), "err_%": _pct(pred, real)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,11 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-models", type=model_list, default="t5-large,t5-3b", help="GPU tier models, as --models")
     ap.add_argument("--gpu-rows", type=name_list(GPU_ROWS, "GPU tier row"), default=",".join(GPU_ROWS),
                     help="GPU tier rows, comma-separated (gpu_measure trains these three)")
-    ap.add_argument("--gpu-batch", type=positive_int, default=4, help="GPU tier batch size")
+    ap.add_argument("--gpu-batch", type=int_list(1), default=[4, 8],
+                    help="GPU tier batch sizes, comma-separated (two or more: the per-sample slope)")
+    ap.add_argument("--gpu-attention", type=name_list(ATTENTION, "SDPA backend"), default=list(ATTENTION),
+                    help="the SDPA backends each GPU step runs under (default: what torch picks, math, efficient)")
     ap.add_argument("--json", "--out", dest="json", type=json_target, default=None,
                     help="write the results as JSON to PATH, or '-' for stdout (the published run: "
                          "benchmarks/results/planner_validate.json)")
     return ap
+
+
+def _gpu_row(name: str, row: str, bs: int, args, attention: str) -> dict:
+    try:
+        return gpu_measure(name, row, bs, args.seq_len, args.tgt_len, attention)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:  # (RuntimeError: no kernel of the forced backend fits)
+        torch.cuda.empty_cache()
+        return {"model": name, "row": row, "attention": attention, "batch": bs,
+                "error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
 def main(argv=None) -> int:
@@ -189,13 +150,18 @@ def main(argv=None) -> int:
             gpu = []
             for m in args.gpu_models:
                 for row in args.gpu_rows:
-                    try:
-                        gpu.append(gpu_measure(m, row, args.gpu_batch, args.seq_len, args.tgt_len))
-                    except torch.OutOfMemoryError as exc:
-                        gpu.append({"model": m, "row": row, "batch": args.gpu_batch, "error": f"OOM: {exc}"[:200]})
-                        torch.cuda.empty_cache()
+                    for attention in args.gpu_attention:
+                        for bs in args.gpu_batch:
+                            gpu.append(_gpu_row(m, row, bs, args, attention))
             print("\nGPU: torch.cuda.max_memory_allocated vs planner device bytes at the batch size")
-            print_table(gpu, ["model", "row", "batch", "measured_GiB", "planned_GiB", "err_%", "error"])
+            print_table(gpu, ["model", "row", "attention", "batch", "measured_GiB", "planned_GiB", "err_%", "error"])
+            slopes = per_sample(gpu)
+            for r in slopes:
+                config = trace.load_config(model_config(r["model"]))
+                r.update(traced_per_sample(config, args.seq_len, args.tgt_len))
+            print("\nGPU: GiB of activations per sample, measured (slope) vs traced (as planned; CUDA's kernels)")
+            print_table(slopes, ["model", "row", "attention", "measured_GiB_per_sample", *TRACES])
+            result["gpu_per_sample"] = slopes
             result["gpu"] = gpu
     write_json(args.json, result)
     if args.json not in (None, "-"):
