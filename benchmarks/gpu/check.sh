@@ -114,6 +114,10 @@ run offload_step_1b 150 "$PY" -m benchmarks.engine.offload_step "${SIZE_B[@]}" -
 # the same rows with host waits that sleep instead of spinning (a spinning wait holds a core the CPU Adam runs on)
 run offload_step_1b_blocking 120 "$PY" -m benchmarks.engine.offload_step "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 \
   --rows b,c --blocking_waits --json "$OUT/offload_step_gpu_1b_blocking.json"
+# DPU with one core left to the thread that launches the device's work (session 40's H100: with all 16 cores in the
+# CPU Adam the delayed row's forward+backward took 99 ms instead of 56)
+run offload_step_1b_dpu_threads 90 "$PY" -m benchmarks.engine.offload_step "${SIZE_B[@]}" --dtype bf16 --gpu_mem_gib 24 \
+  --rows b,c --threads $(( $(nproc) > 1 ? $(nproc) - 1 : 1 )) --json "$OUT/offload_step_gpu_1b_dpu_threads.json"
 # a tiny model: the offload path's fixed cost per step (the demo's 1.2M-param T5 took ~45 ms a step on the H200)
 run offload_step_2m 60 "$PY" -m benchmarks.engine.offload_step "${SIZE_C[@]}" --dtype bf16 --rows a,b,c \
   --json "$OUT/offload_step_gpu_2m.json"
