@@ -151,6 +151,11 @@ def sharded_rank(rank, world):
         for i, (x, y) in enumerate(xy(6)):
             (mse(model, x.chunk(world)[rank], y.chunk(world)[rank]) / 2).backward()
             if i % 2:
+                if i == 1:  # (stage 1: this rank's .grad is there, not yet averaged; unclipped, the check below says)
+                    with pytest.raises(ValueError, match="as bound before the first engine"):
+                        torch.nn.utils.clip_grad_norm_._hzo_engine_aware(model.parameters(), MAX)
+                    with pytest.raises(ValueError, match="clip_grad_value_ on the params of ShardedAdam"):
+                        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX).item())
                 engine.step()
                 engine.zero_grad()
