@@ -103,12 +103,16 @@ def _norm_wrapper(original):
         given = signature.bind(parameters, *args, **kwargs)
         given.apply_defaults()
         a = given.arguments  # (foreach: torch's choice of kernel, the engine has its own)
-        return engine.clip_grad_norm_(a["max_norm"], a["norm_type"], parameters=parameters,
-                                      error_if_nonfinite=a["error_if_nonfinite"],
-                                      caller=f"{_TORCH}clip_grad_norm_ over the params of {type(engine).__name__}")
+        return _engines_clipping(engine, a["max_norm"], a["norm_type"], parameters, a["error_if_nonfinite"])
 
     clip_grad_norm_._hzo_engine_aware = original
     return clip_grad_norm_
+
+
+@torch._disable_dynamo  # never traced, as the engine's step() (a compiled loop's clip graph-breaks here instead)
+def _engines_clipping(engine, max_norm, norm_type, parameters, error_if_nonfinite) -> torch.Tensor:
+    return engine.clip_grad_norm_(max_norm, norm_type, parameters=parameters, error_if_nonfinite=error_if_nonfinite,
+                                  caller=f"{_TORCH}clip_grad_norm_ over the params of {type(engine).__name__}")
 
 
 def _value_wrapper(original):
