@@ -26,6 +26,7 @@ import logging
 import traceback
 import weakref
 
+from . import torch_clip
 from .grad_hooks import claim, holders
 from .memory_limits import check_host_ram
 from .runs import host_bytes_leaving
@@ -160,6 +161,7 @@ class EngineEnd:
         params = [p for p, _, _ in self._flat]
         others = self._room_for_build() if others is None else others
         claim(self, params)
+        torch_clip.install(self)  # torch.nn.utils.clip_grad_norm_ over these params: this engine's clipping
         self._take_zero_grads()
         try:
             yield

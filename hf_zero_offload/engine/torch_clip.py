@@ -1,0 +1,165 @@
+"""``torch.nn.utils.clip_grad_norm_`` over an engine's params: the engine's clipping, not a silent no-op.
+
+The engines take each gradient during backward and free ``.grad`` (OffloadAdam, ZeRO-2), or hold this rank's
+gradient in ``.grad`` until their step averages it (ZeRO-0/1). torch's ``clip_grad_norm_(model.parameters(), 1.0)``
+between ``backward()`` and ``step()``, the most common PyTorch loop, then found no gradient, returned 0.0 and clipped
+nothing (ZeRO-0/1: clipped this rank's ``.grad`` by this rank's norm, before the average), without a word.
+
+The only hook point is the function itself, so once an engine is built (``install``, from ``lifetime``) torch's
+functions are replaced on their modules (``torch.nn.utils`` and ``torch.nn.utils.clip_grad``) by wrappers that look
+up which live engine (built, not closed or replaced) owns the params given (``grad_hooks``' claim):
+
+- ``clip_grad_norm_``: params of one engine go to ``engine.clip_grad_norm_`` (clipping.py: the global norm, returned
+  as a tensor; the engine clips at its step; what it cannot honour is refused by name); params of no live engine go to
+  torch's function as given; params of two engines are refused (torch would clip them by their joint norm);
+- ``clip_grad_value_`` over an engine's params is refused by name (the gradients are in the engine's store), and so
+  is ``clip_grads_with_norm_`` (torch >= 2.6), whose norm ``get_total_norm`` computed from ``.grad``;
+- torch's ``clip_grad_norm_`` calls ``clip_grad._clip_grads_with_norm_`` through its module, so the original
+  function, bound by ``from torch.nn.utils import clip_grad_norm_`` before the first engine existed (which keeps
+  torch's), is refused there by name when it gets an engine's params, rather than returning 0.0. Where ``.grad``
+  holds the step's whole gradient (ZeRO-0/1 on one rank) torch's clipping of it is right, and goes ahead.
+
+``get_total_norm`` takes gradient tensors, never the params: it cannot tell that the engine took them.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import types
+import weakref
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad as clip_grad_module
+
+from .grad_hooks import holders
+
+_lock = threading.Lock()
+_engines: tuple = ()  # weakrefs to every engine built: replaced whole under the lock, read without it
+_TORCH = "torch.nn.utils."
+
+
+def install(engine) -> None:
+    """``engine`` counts from now on; the wrappers are on torch's modules (once: idempotent, thread-safe)."""
+    global _engines
+    with _lock:
+        _engines = tuple(r for r in _engines if r() is not None) + (weakref.ref(engine),)
+        made = {}  # one wrapper per function: torch.nn.utils.clip_grad_norm_ stays clip_grad.clip_grad_norm_
+        for name, wrapper in (("clip_grad_norm_", _norm_wrapper), ("clip_grad_value_", _value_wrapper),
+                              ("clip_grads_with_norm_", _with_norm_wrapper)):
+            for module in (torch.nn.utils, clip_grad_module):
+                current = getattr(module, name, None)
+                if current is not None and not hasattr(current, "_hzo_engine_aware"):
+                    if id(current) not in made:
+                        made[id(current)] = wrapper(current)
+                    setattr(module, name, made[id(current)])
+        inner = getattr(clip_grad_module, "_clip_grads_with_norm_", None)  # (torch's clip_grad_norm_ calls it)
+        if inner is not None and not hasattr(inner, "_hzo_engine_aware"):
+            clip_grad_module._clip_grads_with_norm_ = _early_bound_wrapper(inner)
+
+
+def _live(ref) -> bool:
+    e = ref()
+    return e is not None and e._done_why is None
+
+
+def _engine_among(parameters, what: str):
+    """(the live engine that owns ``parameters``, or None; ``parameters`` to hand on: a generator consumed here is
+    handed on as a generator again, so torch still warns when it was empty). Two engines: refused."""
+    if not any(_live(r) for r in _engines):  # no engine alive: nothing to look up, torch's call as it was made
+        return None, parameters
+    if isinstance(parameters, torch.Tensor):
+        listed = [parameters]
+    else:
+        listed = list(parameters)
+        if isinstance(parameters, types.GeneratorType):
+            parameters = (p for p in listed)
+        elif not isinstance(parameters, (list, tuple)):  # (a one-shot iterator: consumed here)
+            parameters = listed
+    engines = [e for e in holders(None, listed) if e._done_why is None]
+    if len(engines) > 1:
+        names = " and ".join(type(e).__name__ for e in engines)
+        raise ValueError(f"{_TORCH}{what}: the given params belong to {len(engines)} engines ({names}): torch would "
+                         "clip them all by their joint norm, and each engine knows its own gradients only and clips "
+                         "them at its own step; clip each engine's params on their own (each by its own norm)")
+    return (engines[0] if engines else None), (listed if engines else parameters)
+
+
+def _grad_is_whole(engine) -> bool:
+    """``.grad`` holds the step's whole gradient (ZeRO-0/1 on one rank: read at the step, nothing to average), so
+    torch's clipping of ``.grad`` by a norm computed from it is right; elsewhere it is gone, or this rank's alone."""
+    return not engine._grads_from_backward and engine.world_size == 1
+
+
+def _norm_wrapper(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        engine, parameters = _engine_among(parameters, "clip_grad_norm_")
+        if engine is None:
+            return original(parameters, *args, **kwargs)
+        given = signature.bind(parameters, *args, **kwargs)
+        given.apply_defaults()
+        a = given.arguments  # (foreach: torch's choice of kernel, the engine has its own)
+        return _engines_clipping(engine, a["max_norm"], a["norm_type"], parameters, a["error_if_nonfinite"])
+
+    clip_grad_norm_._hzo_engine_aware = original
+    return clip_grad_norm_
+
+
+@torch._disable_dynamo  # never traced, as the engine's step() (a compiled loop's clip graph-breaks here instead)
+def _engines_clipping(engine, max_norm, norm_type, parameters, error_if_nonfinite) -> torch.Tensor:
+    return engine.clip_grad_norm_(max_norm, norm_type, parameters=parameters, error_if_nonfinite=error_if_nonfinite,
+                                  caller=f"{_TORCH}clip_grad_norm_ over the params of {type(engine).__name__}")
+
+
+def _value_wrapper(original):
+    @functools.wraps(original)
+    def clip_grad_value_(parameters, *args, **kwargs):
+        engine, parameters = _engine_among(parameters, "clip_grad_value_")
+        if engine is None:
+            return original(parameters, *args, **kwargs)
+        raise ValueError(f"{_TORCH}clip_grad_value_ on the params of {type(engine).__name__}: the engine takes each "
+                         "gradient during backward (its .grad freed, or under ZeRO-0/1 this rank's, not yet averaged) "
+                         "and clips by the global norm only, at its step; clip with "
+                         f"{_TORCH}clip_grad_norm_(model.parameters(), max_norm) (or engine.clip_grad_norm_(max_norm))"
+                         " instead")
+
+    clip_grad_value_._hzo_engine_aware = original
+    return clip_grad_value_
+
+
+def _with_norm_wrapper(original):
+    @functools.wraps(original)
+    def clip_grads_with_norm_(parameters, *args, **kwargs):
+        engine, parameters = _engine_among(parameters, "clip_grads_with_norm_")
+        if engine is None or _grad_is_whole(engine):  # (Accelerate's clip_grad_norm_, unadapted, calls it)
+            return original(parameters, *args, **kwargs)
+        raise ValueError(f"{_TORCH}clip_grads_with_norm_ on the params of {type(engine).__name__}: the engine takes "
+                         "each gradient during backward (its .grad freed, or under ZeRO-0/1 this rank's, not yet "
+                         "averaged over the ranks), so a norm from .grad (get_total_norm) is not the step's and "
+                         f"nothing would be clipped right; call {_TORCH}clip_grad_norm_(model.parameters(), max_norm) "
+                         "(the engine's global norm, clipped at its step) or engine.clip_grad_norm_(max_norm)")
+
+    clip_grads_with_norm_._hzo_engine_aware = original
+    return clip_grads_with_norm_
+
+
+def _early_bound_wrapper(original):
+    @functools.wraps(original)
+    def _clip_grads_with_norm_(parameters, *args, **kwargs):
+        engine, parameters = _engine_among(parameters, "clip_grad_norm_")
+        if engine is None or _grad_is_whole(engine):
+            return original(parameters, *args, **kwargs)
+        # only torch's own clip_grad_norm_, bound before install(), gets here with them (the wrapper never does)
+        raise ValueError(f"torch's clip_grad_norm_ as bound before the first engine was built (`from torch.nn.utils "
+                         f"import clip_grad_norm_` ran before it) got the params of {type(engine).__name__}: it found "
+                         "none of the step's gradients (the engine takes them during backward) and would return 0.0 "
+                         "having clipped nothing, or clip this rank's gradient by this rank's norm (ZeRO-0/1 on "
+                         f"several ranks); call {_TORCH}clip_grad_norm_(...) through the module (it delegates to the "
+                         "engine), or engine.clip_grad_norm_(max_norm)")
+
+    _clip_grads_with_norm_._hzo_engine_aware = original
+    return _clip_grads_with_norm_

@@ -1,0 +1,183 @@
+"""``torch.nn.utils.clip_grad_norm_`` over an engine's params is the engine's clipping (engine/torch_clip.py).
+
+The engines take each gradient during backward and free ``.grad``: torch's ``clip_grad_norm_`` between ``backward()``
+and ``step()``, the most common PyTorch loop, found none, returned 0.0 and clipped nothing (ZeRO-0/1: this rank's
+``.grad`` by this rank's norm, before the average), without a word. Reference: the same loop with
+``torch.optim.AdamW(foreach=False)``, element by element; other params keep torch's function exactly."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_distributed
+from _engine_pair import LR, WD, assert_models_close, make_pair
+from _models import batches, loss_fn
+from hf_zero_offload.engine import OffloadAdam
+
+MAX = 0.05  # below every step's norm: clipping is active
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def mse(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def xy(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 8, generator=g), 3 * torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+def test_torchs_clip_grad_norm_clips_the_engines_gradients_as_adamws(mode):
+    """2 micro-batches a step (a tied weight, a frozen layer, a branch some steps skip); every other step the norm
+    alone (inf), as transformers' Trainer asks for it. It returned 0.0 and clipped nothing."""
+    ref_model, ref, model, opt = make_pair(mode)
+    data = mode.data(batches(8))
+    ref_norms, norms = [], []
+    for step in range(4):
+        max_norm = MAX if step % 2 == 0 else float("inf")
+        for m, o, out in ((ref_model, ref, ref_norms), (model, opt, norms)):
+            for ids, labels, use_branch in data[2 * step:2 * step + 2]:
+                (loss_fn(m, ids, labels, use_branch) / 2).backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+            assert isinstance(norm, torch.Tensor) and norm.dim() == 0
+            out.append(norm.item())
+            o.step()
+            o.zero_grad()
+    assert min(ref_norms) > MAX
+    assert norms == pytest.approx(ref_norms, rel=1e-6)
+    mode.sync()
+    assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+def test_other_params_get_torchs_function_as_it_is():
+    """Beside a live engine, a plain model's clipping is torch's own call, bit for bit; after ``close()`` the
+    engine's params are plain torch's again."""
+    engine_model, model = net(), net()
+    engine = OffloadAdam(engine_model.named_parameters(), lr=LR)
+    wrapper = torch.nn.utils.clip_grad_norm_
+    original = wrapper._hzo_engine_aware  # (torch's, as it was before the first engine)
+    assert wrapper.__wrapped__ is original and torch.nn.utils.clip_grad.clip_grad_norm_ is wrapper
+    assert torch.nn.utils.clip_grad_value_._hzo_engine_aware.__module__ == "torch.nn.utils.clip_grad"
+    ref = copy.deepcopy(model)
+    x, y = xy(1)[0]
+    for m in (model, ref, engine_model):
+        mse(m, x, y).backward()
+    assert torch.equal(wrapper(model.parameters(), MAX, norm_type=3.0), original(ref.parameters(), MAX, 3.0))
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    original_value = torch.nn.utils.clip_grad_value_._hzo_engine_aware
+    original_value(ref.parameters(), 0.01)
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(q.grad, p.grad)
+    with pytest.warns(UserWarning, match="empty generator"):  # (torch's own warning, through the wrapper)
+        wrapper((p for p in ()), MAX)
+    engine.close()
+    ref = copy.deepcopy(engine_model)  # (the same weights, no engine)
+    for m in (engine_model, ref):
+        m.zero_grad()
+        mse(m, x, y).backward()
+    assert torch.equal(torch.nn.utils.clip_grad_norm_(engine_model.parameters(), MAX),
+                       original(ref.parameters(), MAX))
+    for p, q in zip(ref.parameters(), engine_model.parameters()):
+        assert torch.equal(q.grad, p.grad)
+
+
+def test_what_torch_would_do_and_the_engine_cannot_is_refused_by_name():
+    model, other, third = net(), net(), net()
+    engine = OffloadAdam(model.named_parameters(), lr=LR)
+    engine3 = OffloadAdam(third.named_parameters(), lr=LR)
+    x, y = xy(1)[0]
+    for m in (model, other, third):
+        mse(m, x, y).backward()
+    clip = torch.nn.utils.clip_grad_norm_
+    with pytest.raises(ValueError, match=r"clip_grad_norm_ over the params of OffloadAdam: 4 of the given params "
+                                         r"\(\(16, 8\).*not trainable params of this engine"):
+        clip([*model.parameters(), *other.parameters()], MAX)
+    with pytest.raises(ValueError, match=r"clip_grad_norm_: the given params belong to 2 engines \(OffloadAdam and "
+                                         r"OffloadAdam\).*joint norm"):
+        clip([*model.parameters(), *third.parameters()], MAX)
+    with pytest.raises(ValueError, match=r"over the params of OffloadAdam: norm_type=inf: .*L2 norm"):
+        clip(model.parameters(), MAX, float("inf"))
+    with pytest.raises(ValueError, match="clip_grad_value_ on the params of OffloadAdam.*clip_grad_norm_"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    with pytest.raises(ValueError, match="clip_grads_with_norm_ on the params of OffloadAdam.*clip_grad_norm_"):
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), MAX, torch.tensor(0.0))
+    early = clip._hzo_engine_aware  # what `from torch.nn.utils import clip_grad_norm_` bound before any engine
+    with pytest.raises(ValueError, match="as bound before the first engine was built .*would return 0.0"):
+        early(model.parameters(), MAX)
+    assert clip(model.parameters(), MAX).item() == pytest.approx(engine.grad_norm(), rel=1e-6)  # (none asked before)
+    with pytest.raises(RuntimeError, match=r"over the params of OffloadAdam: called a second time"):
+        clip(model.parameters(), MAX)
+    engine.close()
+    engine3.close()
+
+
+def test_error_if_nonfinite_raises_as_torchs_and_clips_nothing():
+    model, ref = net(), net()
+    engine = OffloadAdam(model.named_parameters(), lr=LR)
+    x, y = xy(1)[0]
+    x[0, 0] = float("inf")
+    for m in (model, ref):
+        mse(m, x, y).backward()
+    with pytest.raises(RuntimeError) as torchs:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError) as ours:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX, error_if_nonfinite=True)
+    assert str(ours.value) == str(torchs.value)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX)  # (not "a second time": none was asked)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX, error_if_nonfinite=False)
+    assert norm.isnan() and ref_norm.isnan()
+    engine.close()
+
+
+# -- two gloo ranks of a ShardedAdam --------------------------------------------------------------------------------
+def sharded_rank(rank, world):
+    """Stage 2 (gradients reduce-scattered during backward) and stage 1 (.grad reduced at the step), 2 micro-batches
+    a step: torch's clipping is the engine's, by the global norm of the averaged gradients."""
+    from hf_zero_offload.engine import ShardedAdam
+
+    out = []
+    for stage in (2, 1):
+        model = net()
+        engine = ShardedAdam(model.named_parameters(), lr=LR, weight_decay=WD, stage=stage, offload=True)
+        norms = []
+        for i, (x, y) in enumerate(xy(6)):
+            (mse(model, x.chunk(world)[rank], y.chunk(world)[rank]) / 2).backward()
+            if i % 2:
+                if i == 1:  # (stage 1: this rank's .grad is there, not yet averaged; unclipped, the check below says)
+                    with pytest.raises(ValueError, match="as bound before the first engine"):
+                        torch.nn.utils.clip_grad_norm_._hzo_engine_aware(model.parameters(), MAX)
+                    with pytest.raises(ValueError, match="clip_grad_value_ on the params of ShardedAdam"):
+                        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX).item())
+                engine.step()
+                engine.zero_grad()
+        engine.close()
+        out.append((norms, [p.detach().clone() for p in model.parameters()]))
+    return out
+
+
+def test_two_ranks_of_a_sharded_engine_clip_by_the_global_norm():
+    """torch's clipping found no .grad (stage 2), or this rank's .grad before the average (stage 1)."""
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    ref_norms = []
+    for i, (x, y) in enumerate(xy(6)):
+        (mse(model, x, y) / 2).backward()
+        if i % 2:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX).item())
+            opt.step()
+            opt.zero_grad()
+    assert min(ref_norms) > MAX
+    for rank in run_distributed(sharded_rank, world_size=2):
+        for norms, got in rank:
+            assert norms == pytest.approx(ref_norms, rel=1e-6)
+            for p, q in zip(model.parameters(), got):
+                torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6)
