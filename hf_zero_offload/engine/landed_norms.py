@@ -3,8 +3,10 @@
 Every step needs the squared norm of its gradients (clipping, the fp16 overflow check, the norm the Trainer logs),
 and a pass over the whole store at ``step()`` costs what the store weighs: 24 ms of a 1B-param step on the H100
 machine of session 40 (its CPU Adam pass: 266 ms), 10 of 90 ms at 50M on a 2-core CPU. The pipeline that writes each
-gradient into the store sums the squares of what it just wrote, on its scatter thread while backward goes on (inline
-on CPU, where the values are still in cache), so ``step()`` adds up a few numbers instead.
+gradient into the store sums the squares of what it just wrote, on its scatter thread while backward goes on (where
+the values are still in cache, one thread: no hand-off to the kernels' pool), so ``step()`` adds up a few numbers
+instead. Without a scatter thread (the CPU default: the store is written inline, in backward) ``step()`` keeps its one
+pass: a sum there would only move the same work onto backward.
 
 What a sum covers can go stale: a later micro-batch (or a checkpointed layer's second gradient) writes a param
 again, and the sum of the range that held it no longer describes the store. Each range's sum is therefore kept with

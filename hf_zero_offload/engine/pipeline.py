@@ -123,6 +123,8 @@ class GradPipeline:
             piece = src[boff:boff + numel]
             write_grad(dst, piece, first=seen == 0, num_threads=1 if numel < _SMALL else self.num_threads)
             self.received[i] = seen + 1
+            if self._pool is None:
+                continue  # inline: step() sums the store in one pass (a sum here would only move it onto backward)
             # Summed soon after the write, while the values are in cache: small pieces adjacent in the store (backward
             # hands them over in descending order) in one call, a large one alone.
             if run is not None and (run[0] == offset + numel or run[1] == offset) and run[1] - run[0] < _SMALL:
@@ -133,11 +135,11 @@ class GradPipeline:
         self._sum_landed(run)
 
     def _sum_landed(self, run) -> None:
+        # On this (scatter) thread alone: it runs beside backward, off the step's path, and a hand-off to the
+        # kernels' pool after torch's copy_ (OpenMP threads still spinning) took 2x the time of one thread on 2 cores.
         if run is not None:
             start, end, slots = run
-            n = end - start
-            self.norms.landed(slots, ops.grad_norm_sq(self.store[start:end], num_threads=1 if n < _SMALL else
-                                                      self.num_threads))
+            self.norms.landed(slots, ops.grad_norm_sq(self.store[start:end], num_threads=1))
 
     def taken(self) -> list[bool]:
         """Per slot: a gradient taken in this window, scattered into the store or still in a bucket (with the
