@@ -45,7 +45,7 @@ from .grad_hooks import holders
 # Kept across importlib.reload (a notebook's autoreload): the installed wrappers read these globals, and a reload
 # that emptied them forgot the live engines, whose params then got torch's clipping again, 0.0 without a word
 _lock = globals().get("_lock") or threading.Lock()
-_engines: tuple = globals().get("_engines", ())  # weakrefs to every engine built: replaced whole under the lock
+_engines: tuple = globals().get("_engines", ())  # weakrefs to the engines built (of _held): replaced whole
 _owned: frozenset = globals().get("_owned", frozenset())  # id() of each of their params (a superset: see above)
 _held: tuple = globals().get("_held", ())  # (weakref, its params' ids) per engine: what _owned is rebuilt from
 _TORCH = "torch.nn.utils."
@@ -59,9 +59,9 @@ def install(engine, params) -> None:
     thread-safe)."""
     global _engines, _owned, _held
     with _lock:
-        _engines = tuple(r for r in _engines if r() is not None) + (weakref.ref(engine),)
         _held = tuple((r, ids) for r, ids in _held if r() is not None) + ((weakref.ref(engine),
                                                                          frozenset(id(p) for p in params)),)
+        _engines = tuple(r for r, _ in _held)
         _owned = frozenset().union(*(ids for _, ids in _held))
         made = {}  # one wrapper per function: torch.nn.utils.clip_grad_norm_ stays clip_grad.clip_grad_norm_
         for name, wrapper in (("clip_grad_norm_", _norm_wrapper), ("clip_grad_value_", _value_wrapper),
