@@ -3,11 +3,14 @@ its params, never counted stale; the engine's norm and clipping equal torch's wh
 touch different params (so the store ranges summed in one micro-batch are written in part by the next)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from _engine_pair import assert_models_close, make_pair
+from _engine_pair import LR, assert_models_close, make_pair
 from _models import batches, loss_fn
+from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 from hf_zero_offload.engine.landed_norms import LandedNorms
 
 
@@ -43,3 +46,56 @@ def test_norm_and_clipping_when_micro_batches_touch_different_params(mode, gas):
         assert norm > 0.05  # clipping was active
     mode.sync()
     assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
+
+
+class Shared(torch.nn.Module):
+    """A layer used by every segment (checkpointed: recomputed, so it gets one gradient per segment in one backward),
+    the segments in a per-call order of their own, an empty param, a tied output weight."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.embed = torch.nn.Embedding(30, 12)
+        self.shared = torch.nn.Linear(12, 12)
+        self.segs = torch.nn.ModuleList(torch.nn.Linear(12, 12) for _ in range(3))
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+        self.head = torch.nn.Linear(12, 30, bias=False)
+        self.head.weight = self.embed.weight
+        self.reentrant, self.order = reentrant, torch.Generator().manual_seed(5)
+
+    def seg(self, h, lin):
+        return torch.tanh(self.shared(h)) + lin(h)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for k in torch.randperm(3, generator=self.order).tolist()[:int(torch.randint(1, 4, (), generator=self.order))]:
+            h = torch.utils.checkpoint.checkpoint(self.seg, h, self.segs[k], use_reentrant=self.reentrant)
+        return self.head(h + self.empty.sum())
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_param_written_several_times_in_one_backward_and_a_norm_asked_mid_window(mode, reentrant):
+    """An outside review (session 40): a checkpointed layer shared by the segments gets several gradients in one
+    backward (a range holding it summed, then written again within the same bucket or the next), the segments in a
+    varying order and number, the norm asked after each micro-batch (a backward after grad_norm()), 40-element
+    buckets and a scatter thread: every step's norm and the clipped params as AdamW + torch's clip_grad_norm_."""
+    torch.manual_seed(0)
+    ref_model = mode.model(Shared(reentrant))
+    model = copy.deepcopy(ref_model)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    opt = OffloadAdam(model.named_parameters(), lr=LR, streams=mode.streams(),
+                      options=OffloadOptions(bucket_numel=400, scatter_thread=True, max_grad_norm=0.05))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for _ in range(3):
+            ids = torch.randint(0, 30, (2, 5), generator=g).to(mode.device)
+            for m in (ref_model, model):
+                (m(ids).square().mean() / 3).backward()
+            opt.grad_norm()
+        norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05).item()
+        assert opt.grad_norm() == pytest.approx(norm, rel=1e-6) and norm > 0.05
+        for o in (ref, opt):
+            o.step()
+            o.zero_grad()
+    mode.sync()
+    assert_models_close(ref_model, model, rtol=1e-5, atol=1e-6)
+    opt.close()

@@ -181,3 +181,75 @@ def test_two_ranks_of_a_sharded_engine_clip_by_the_global_norm():
             assert norms == pytest.approx(ref_norms, rel=1e-6)
             for p, q in zip(model.parameters(), got):
                 torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6)
+
+
+# -- beside a live engine, other params are torch's exactly (an outside review, session 40) -------------------------
+def test_items_that_are_not_params_get_torchs_own_error_and_warning():
+    """``opt.param_groups`` (dicts) or ``named_parameters()`` pairs, over an engine's params or others: torch's
+    AttributeError, not "cannot create weak reference to 'dict' object" from the owner lookup. The empty-generator
+    warning names the caller's line, as torch's does (torch's stacklevel named this wrapper's file)."""
+    model, plain = net(), net()
+    engine = OffloadAdam(model.named_parameters(), lr=LR)
+    original = torch.nn.utils.clip_grad_norm_._hzo_engine_aware
+    value, value_original = torch.nn.utils.clip_grad_value_, torch.nn.utils.clip_grad_value_._hzo_engine_aware
+    for given in (lambda: engine.param_groups, lambda: [{"params": list(plain.parameters())}],
+                  model.named_parameters, plain.named_parameters, lambda: [1]):
+        for ours, torchs in ((torch.nn.utils.clip_grad_norm_, original), (value, value_original)):
+            with pytest.raises(Exception) as expected:
+                torchs(given(), MAX)
+            with pytest.raises(type(expected.value), match=f"^{expected.value}$"):
+                ours(given(), MAX)
+    with pytest.warns(UserWarning) as torchs:
+        original((p for p in ()), MAX)
+    with pytest.warns(UserWarning) as ours:
+        torch.nn.utils.clip_grad_norm_((p for p in ()), MAX)
+    assert [(str(w.message), w.filename) for w in ours] == [(str(w.message), w.filename) for w in torchs]
+    assert ours[0].filename == __file__
+    engine.close()
+
+
+def test_compiled_fullgraph_clip_of_other_params_beside_a_live_engine():
+    """``torch.compile(fullgraph=True)`` of a function clipping a plain model (a discriminator, a reward model) failed
+    once an engine was alive ("Attempted to inline function marked as skipped: WeakIdKeyDictionary.get"). Compiled
+    before an engine takes that model, the function delegates to the engine after (a recompile, not a stale graph)."""
+    engine_model, plain, ref = net(), net(), net()
+    engine = OffloadAdam(engine_model.named_parameters(), lr=LR)
+    x, y = xy(1)[0]
+    for m in (plain, ref):
+        mse(m, x, y).backward()
+
+    def clip(m):
+        return torch.nn.utils.clip_grad_norm_(m.parameters(), MAX)
+
+    torch._dynamo.reset()
+    got = torch.compile(clip, backend="eager", fullgraph=True)(plain)
+    assert torch.equal(got, torch.nn.utils.clip_grad_norm_._hzo_engine_aware(ref.parameters(), MAX))
+    for p, q in zip(ref.parameters(), plain.parameters()):
+        assert torch.equal(q.grad, p.grad)
+    compiled = torch.compile(clip, backend="eager")
+    compiled(plain)
+    plain.zero_grad()
+    late = OffloadAdam(plain.named_parameters(), lr=LR)  # (takes the plain model's params now)
+    mse(plain, x, y).backward()
+    assert compiled(plain).item() == pytest.approx(late.grad_norm(), rel=1e-6) and late._clip_request is not None
+    torch._dynamo.reset()
+    late.close()
+    engine.close()
+
+
+def test_a_reload_of_the_module_keeps_the_live_engines():
+    """``importlib.reload`` (a notebook's autoreload) emptied the list the installed wrappers read: a live engine's
+    params got torch's clipping again, 0.0 and nothing clipped."""
+    import importlib
+
+    from hf_zero_offload.engine import torch_clip
+
+    model = net()
+    engine = OffloadAdam(model.named_parameters(), lr=LR)
+    importlib.reload(torch_clip)
+    assert torch.nn.utils.clip_grad_norm_._hzo_engine_aware.__module__ == "torch.nn.utils.clip_grad"  # (once)
+    x, y = xy(1)[0]
+    mse(model, x, y).backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), MAX).item() == pytest.approx(engine.grad_norm(),
+                                                                                            rel=1e-6)
+    engine.close()

@@ -161,7 +161,7 @@ class EngineEnd:
         params = [p for p, _, _ in self._flat]
         others = self._room_for_build() if others is None else others
         claim(self, params)
-        torch_clip.install(self)  # torch.nn.utils.clip_grad_norm_ over these params: this engine's clipping
+        torch_clip.install(self, params)  # torch.nn.utils.clip_grad_norm_ over these params: this engine's clipping
         self._take_zero_grads()
         try:
             yield

@@ -20,6 +20,12 @@ up which live engine (built, not closed or replaced) owns the params given (``gr
   holds the step's whole gradient (ZeRO-0/1 on one rank) torch's clipping of it is right, and goes ahead.
 
 ``get_total_norm`` takes gradient tensors, never the params: it cannot tell that the engine took them.
+
+Over other params the wrappers must be torch's function exactly, under ``torch.compile(fullgraph=True)`` too, where
+the owner lookup (a ``WeakIdKeyDictionary``) cannot be traced: a set of the ``id`` of every param an engine took
+(``_owned``, a global dynamo guards on) answers "none of them" first, traceably and in well under a microsecond a
+param; only an id in it (an engine's param, or a freed one's id reused) goes on to the exact lookup. Items that are
+not tensors (``opt.param_groups``, ``named_parameters()`` pairs) are torch's to refuse, with torch's own error.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import functools
 import inspect
 import threading
 import types
+import warnings
 import weakref
 
 import torch
@@ -35,16 +42,27 @@ import torch.nn.utils.clip_grad as clip_grad_module
 
 from .grad_hooks import holders
 
-_lock = threading.Lock()
-_engines: tuple = ()  # weakrefs to every engine built: replaced whole under the lock, read without it
+# Kept across importlib.reload (a notebook's autoreload): the installed wrappers read these globals, and a reload
+# that emptied them forgot the live engines, whose params then got torch's clipping again, 0.0 without a word
+_lock = globals().get("_lock") or threading.Lock()
+_engines: tuple = globals().get("_engines", ())  # weakrefs to the engines built (of _held): replaced whole
+_owned: frozenset = globals().get("_owned", frozenset())  # id() of each of their params (a superset: see above)
+_held: tuple = globals().get("_held", ())  # (weakref, its params' ids) per engine: what _owned is rebuilt from
 _TORCH = "torch.nn.utils."
+# torch's own warning for an empty generator: its stacklevel counts torch's frames, so behind a wrapper it would name
+# this file, not the caller's line (and the "once per location" filter would show it once per process)
+_EMPTY_GENERATOR = "`parameters` is an empty generator, no gradient clipping will occur."
 
 
-def install(engine) -> None:
-    """``engine`` counts from now on; the wrappers are on torch's modules (once: idempotent, thread-safe)."""
-    global _engines
+def install(engine, params) -> None:
+    """``engine`` counts from now on, over ``params``; the wrappers are on torch's modules (once: idempotent,
+    thread-safe)."""
+    global _engines, _owned, _held
     with _lock:
-        _engines = tuple(r for r in _engines if r() is not None) + (weakref.ref(engine),)
+        _held = tuple((r, ids) for r, ids in _held if r() is not None) + ((weakref.ref(engine),
+                                                                         frozenset(id(p) for p in params)),)
+        _engines = tuple(r for r, _ in _held)
+        _owned = frozenset().union(*(ids for _, ids in _held))
         made = {}  # one wrapper per function: torch.nn.utils.clip_grad_norm_ stays clip_grad.clip_grad_norm_
         for name, wrapper in (("clip_grad_norm_", _norm_wrapper), ("clip_grad_value_", _value_wrapper),
                               ("clip_grads_with_norm_", _with_norm_wrapper)):
@@ -65,25 +83,29 @@ def _live(ref) -> bool:
 
 
 def _engine_among(parameters, what: str):
-    """(the live engine that owns ``parameters``, or None; ``parameters`` to hand on: a generator consumed here is
-    handed on as a generator again, so torch still warns when it was empty). Two engines: refused."""
+    """(the live engine that owns ``parameters``, or None; ``parameters`` to hand on: one consumed here is handed on
+    as a list, which torch takes as it takes the iterable). Two engines: refused. Traceable by dynamo up to the
+    exact lookup, which only a param in ``_owned`` reaches."""
     if not any(_live(r) for r in _engines):  # no engine alive: nothing to look up, torch's call as it was made
         return None, parameters
     if isinstance(parameters, torch.Tensor):
         listed = [parameters]
     else:
-        listed = list(parameters)
-        if isinstance(parameters, types.GeneratorType):
-            parameters = (p for p in listed)
-        elif not isinstance(parameters, (list, tuple)):  # (a one-shot iterator: consumed here)
-            parameters = listed
-    engines = [e for e in holders(None, listed) if e._done_why is None]
+        listed = parameters = list(parameters)
+    if not any(id(p) in _owned for p in listed):  # (a dict or a pair too: torch's error names it)
+        return None, parameters
+    engines = _owners(listed)
     if len(engines) > 1:
         names = " and ".join(type(e).__name__ for e in engines)
         raise ValueError(f"{_TORCH}{what}: the given params belong to {len(engines)} engines ({names}): torch would "
                          "clip them all by their joint norm, and each engine knows its own gradients only and clips "
                          "them at its own step; clip each engine's params on their own (each by its own norm)")
     return (engines[0] if engines else None), (listed if engines else parameters)
+
+
+@torch._disable_dynamo  # (a WeakIdKeyDictionary: a compiled loop over an engine's params graph-breaks here)
+def _owners(listed: list) -> list:
+    return [e for e in holders(None, [p for p in listed if isinstance(p, torch.Tensor)]) if e._done_why is None]
 
 
 def _grad_is_whole(engine) -> bool:
@@ -97,6 +119,10 @@ def _norm_wrapper(original):
 
     @functools.wraps(original)
     def clip_grad_norm_(parameters, *args, **kwargs):
+        if isinstance(parameters, types.GeneratorType):
+            parameters = list(parameters)
+            if not parameters:
+                warnings.warn(_EMPTY_GENERATOR, stacklevel=2)  # (torch's, at the caller's line; it will not warn)
         engine, parameters = _engine_among(parameters, "clip_grad_norm_")
         if engine is None:
             return original(parameters, *args, **kwargs)
