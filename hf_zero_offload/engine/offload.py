@@ -99,19 +99,13 @@ class OffloadAdam(AdamCore):
     # -- what differs from the core ------------------------------------------------------------
     def _gradients(self) -> tuple[float, list[bool]]:
         """Wait for this step's gradients; (squared norm of the loss-scaled gradients, which params
-        received one). The norm adds the sums a scatter thread took as the gradients landed (landed_norms.py), in
-        fp64, and one fused pass per run of the params no valid sum covers (all of them without that thread)."""
+        received one). The norm sums one fused pass per run of parameters, in fp64."""
         self.pipeline.drain()
         self._say_if_summed_in_16_bits(self.pipeline.store, self.pipeline.received)
         received = self._window_received()
-        sumsq, missing = self.pipeline.norms.total(received)
-        if missing:
-            unsummed = [False] * len(received)
-            for i in missing:
-                unsummed[i] = True
-            store = self.pipeline.store
-            sumsq += sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads)
-                         for r in make_runs(self._groups, self._flat, unsummed, self._param_steps.tolist()))
+        runs = make_runs(self._groups, self._flat, received, self._param_steps.tolist())
+        store = self.pipeline.store
+        sumsq = sum(ops.grad_norm_sq(store[r.start:r.end], num_threads=self.options.num_threads) for r in runs)
         return sumsq, received
 
     def _arrivals(self) -> int:

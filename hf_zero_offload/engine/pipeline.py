@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
 from .buffers import write_grad
 from .grad_hooks import GradHooks
-from .landed_norms import LandedNorms
 from .runs import grad_dtype_error
 from .streams import Streams
 from .streams.device import outcome
@@ -38,7 +36,6 @@ class GradPipeline:
         # with the next one (its gradient then counted as the next param's, added to a stale store)
         self.received = [0] * len(slots)
         self.arrivals = 0                 # gradients taken from backward, ever (the engine's cache key)
-        self.norms = LandedNorms(len(slots))  # the store's sum of squares, as the gradients land
         self._index = {}
         self._slot, self._cursor = 0, 0
         self._pending = [[], []]
@@ -116,30 +113,12 @@ class GradPipeline:
             return
         self.streams.host_wait(self._done[slot])  # the copy down must have landed in staging
         src = self.staging[slot] if self.streams.async_copies else self.buckets[slot]
-        run = None  # (start, end, slots): store range written by the last pieces, not summed yet
         for i, offset, boff, numel in pending:
             seen = self.received[i]
             dst = self.store[offset:offset + numel]
             piece = src[boff:boff + numel]
             write_grad(dst, piece, first=seen == 0, num_threads=1 if numel < _SMALL else self.num_threads)
             self.received[i] = seen + 1
-            if self._pool is None:
-                continue  # inline: step() sums the store in one pass (a sum here would only move it onto backward)
-            # Summed soon after the write, while the values are in cache: small pieces adjacent in the store (backward
-            # hands them over in descending order) in one call, a large one alone.
-            if run is not None and (run[0] == offset + numel or run[1] == offset) and run[1] - run[0] < _SMALL:
-                run = (min(run[0], offset), max(run[1], offset + numel), run[2] + [i])
-            else:
-                self._sum_landed(run)
-                run = (offset, offset + numel, [i])
-        self._sum_landed(run)
-
-    def _sum_landed(self, run) -> None:
-        # On this (scatter) thread alone: it runs beside backward, off the step's path, and a hand-off to the
-        # kernels' pool after torch's copy_ (OpenMP threads still spinning) took 2x the time of one thread on 2 cores.
-        if run is not None:
-            start, end, slots = run
-            self.norms.landed(slots, ops.grad_norm_sq(self.store[start:end], num_threads=1))
 
     def taken(self) -> list[bool]:
         """Per slot: a gradient taken in this window, scattered into the store or still in a bucket (with the
@@ -158,4 +137,3 @@ class GradPipeline:
         """Start accumulating the next step's gradients into ``store``."""
         self.store = store
         self.received = [0] * len(self.received)
-        self.norms.reset()
