@@ -38,7 +38,7 @@ for i, job in enumerate(jobs):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
         os.environ.clear()
         os.environ.update(job["env"])
-        sys.argv = ["-c"]
+        sys.argv = ["-c", *job["args"]]
         try:
             exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
             status = 0
@@ -61,13 +61,13 @@ print(json.dumps(codes))
 """
 
 
-def runner_argv(codes, envs, folder) -> tuple[list[str], list[tuple[str, str]]]:
+def runner_argv(codes, envs, folder, args=None) -> tuple[list[str], list[tuple[str, str]]]:
     """The runner's command line (for a caller that runs it beside other children, tests/_procs.py) and each
-    child's (stdout, stderr) files; ``collect`` reads them back."""
+    child's (stdout, stderr) files; ``collect`` reads them back. ``args``: each child's sys.argv[1:]."""
     jobs, files = [], []
-    for i, (code, env) in enumerate(zip(codes, envs)):
+    for i, (code, env, rest) in enumerate(zip(codes, envs, args or [()] * len(codes))):
         out, err = os.path.join(folder, f"{i}.out"), os.path.join(folder, f"{i}.err")
-        jobs.append({"code": code, "env": dict(env), "stdout": out, "stderr": err})
+        jobs.append({"code": code, "env": dict(env), "args": list(rest), "stdout": out, "stderr": err})
         files.append((out, err))
     spec = os.path.join(folder, "jobs.json")
     with open(spec, "w") as f:
@@ -85,9 +85,9 @@ def collect(runner: subprocess.CompletedProcess, codes, files) -> list[subproces
     return runs
 
 
-def run_forked(codes, envs=None, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+def run_forked(codes, envs=None, args=None, timeout: float = 300) -> list[subprocess.CompletedProcess]:
     envs = envs or [os.environ] * len(codes)
     with tempfile.TemporaryDirectory(prefix="hzo-forked-") as folder:
-        argv, files = runner_argv(codes, envs, folder)
+        argv, files = runner_argv(codes, envs, folder, args)
         runner = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         return collect(runner, codes, files)
