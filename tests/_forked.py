@@ -8,8 +8,9 @@ process imports torch, checks that nothing of hf_zero_offload is loaded yet, and
 child takes its own environment (os.environ replaced, as ``subprocess.run(env=...)`` gives it), runs its code as
 ``python -c`` runs it (``__main__``, the traceback and exit status 1 of an uncaught exception, SystemExit's status)
 and writes its own stdout and stderr. So every child imports hf_zero_offload anew, in its environment, as a fresh
-interpreter would; only torch is already loaded (as in tests/_dist.py's forked ranks). A test that checks torch's
-own import, the interpreter's start-up or a command line keeps a real ``subprocess.run``.
+interpreter would; only torch is already loaded (as in tests/_dist.py's forked ranks), so what torch reads when it
+loads (OMP_NUM_THREADS, GOMP_SPINCOUNT) is the runner's. A test that checks torch's own import or such a variable,
+the interpreter's start-up or a command line keeps a real ``subprocess.run``.
 """
 from __future__ import annotations
 
