@@ -73,10 +73,7 @@ def test_a_source_tree_without_its_kernels_says_so(tmp_path):
     assert f"compiled kernels (_C) are not built in {pkg}" in r.stderr and "this source tree hides it" in r.stderr
 
 
-def test_star_import_and_trainer_names_without_transformers():
-    """Without the [trainer] extra, `from hf_zero_offload import *` failed on transformers, and a Trainer name gave
-    the bare "No module named 'transformers'". The engines' names are the package's too."""
-    code = """
+_STAR = """
 import importlib.util, sys
 class NoTransformers:  # an environment without transformers
     def find_spec(self, name, path=None, target=None):
@@ -97,7 +94,28 @@ try:
 except ModuleNotFoundError as e:
     print(e)
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+_OLDER = {"module missing": "sys.modules['hf_zero_offload.run_lock'] = None",
+          "name missing": "import hf_zero_offload.usage as u; del u.not_utf8_text"}
+_SCRIPT = str(ROOT / "examples" / "seq2seq" / "finetune_trainer.py")
+
+
+@pytest.fixture(scope="module")
+def children():
+    """The interpreters of the two tests below, forked side by side from one runner that has imported torch alone
+    (tests/_forked.py: each imports hf_zero_offload anew; three fresh interpreters took ~6.7 s): name -> run."""
+    from _forked import run_forked
+
+    codes = {"star": _STAR, **{case: "import sys, runpy; %s; sys.argv = ['finetune_trainer.py', '--help']; "
+                                     "runpy.run_path(%r, run_name='__main__')" % (older, _SCRIPT)
+                               for case, older in _OLDER.items()}}
+    envs = [os.environ] + [{**os.environ, "HF_ZERO_OFFLOAD_DEBUG": ""}] * 2  # each test's own, as before
+    return dict(zip(codes, run_forked(list(codes.values()), envs)))
+
+
+def test_star_import_and_trainer_names_without_transformers(children):
+    """Without the [trainer] extra, `from hf_zero_offload import *` failed on transformers, and a Trainer name gave
+    the bare "No module named 'transformers'". The engines' names are the package's too."""
+    r = children["star"]
     assert r.returncode == 0, r.stderr[-2000:]
     assert "needs transformers, an optional dependency of hf_zero_offload; install it with the [trainer] extra" in r.stdout
 
@@ -132,17 +150,10 @@ def test_accelerates_parallelism_config_is_refused_beside_ours(tmp_path, monkeyp
     refuse_other_engines(args)
 
 
-def test_an_example_newer_than_the_installed_package_says_so_in_one_line():
+def test_an_example_newer_than_the_installed_package_says_so_in_one_line(children):
     """An outside probe: a wheel installed, then `git pull`: the example failed with a ModuleNotFoundError traceback
-    for a module the older package lacks (or an ImportError for a name it lacks). Both children side by side."""
-    from _procs import run_together
-
-    olders = {"module missing": "sys.modules['hf_zero_offload.run_lock'] = None",
-              "name missing": "import hf_zero_offload.usage as u; del u.not_utf8_text"}
-    script = str(ROOT / "examples" / "seq2seq" / "finetune_trainer.py")
-    runs = run_together([[sys.executable, "-c", "import sys, runpy; %s; sys.argv = ['finetune_trainer.py', '--help']; "
-                          "runpy.run_path(%r, run_name='__main__')" % (older, script)] for older in olders.values()],
-                        timeout=120, env={**os.environ, "HF_ZERO_OFFLOAD_DEBUG": ""})
-    for case, r in zip(olders, runs):
+    for a module the older package lacks (or an ImportError for a name it lacks)."""
+    for case in _OLDER:
+        r = children[case]
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (case, r.stderr)
         assert "lacks it: older than this script? Reinstall it" in r.stderr and "Traceback" not in r.stderr, case

@@ -1,4 +1,5 @@
-"""Fast CPU tier for examples/seq2seq (finetune_trainer.py, synthetic_data.py, run_demo.py) and configs/.
+"""Fast CPU tier for examples/seq2seq (finetune_trainer.py, run_demo.py) and configs/ (synthetic_data.py:
+test_examples_synthetic.py).
 
 Everything runs offline (HF_HUB_OFFLINE=1) on a randomly initialised t5-tiny with a tokenizer trained on the fly.
 The real en-ro sample is used when present (HZO_WMT_EN_RO or /work/shared/data/wmt_en_ro); never copied here.
@@ -17,7 +18,6 @@ from _examples import CONFIGS, EX, ROOT, TINY, WMT_EN_RO, run_tokenizer, write_s
 from hf_zero_offload.engine import OffloadOptions
 from _examples import common_args as _common_args
 from _procs import run_together
-import synthetic_data  # noqa: E402  (on sys.path through _examples)
 
 pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
@@ -36,51 +36,6 @@ LEGACY_KEYS = {
 @pytest.fixture(scope="module")
 def synth_dir(tmp_path_factory):
     return write_synth(tmp_path_factory)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# synthetic data
-
-
-def _read(d, name):
-    with open(os.path.join(d, name), encoding="utf-8") as f:
-        return f.read()
-
-
-def test_synthetic_data_layout_and_determinism(tmp_path):
-    a = synthetic_data.write_corpus(str(tmp_path / "a"), n_train=30, n_val=5, n_test=7, seed=3)
-    b = synthetic_data.write_corpus(str(tmp_path / "b"), n_train=30, n_val=5, n_test=7, seed=3)
-    c = synthetic_data.write_corpus(str(tmp_path / "c"), n_train=30, n_val=5, n_test=7, seed=4)
-    for split, n in (("train", 30), ("val", 5), ("test", 7)):
-        for ext in ("source", "target"):
-            name = f"{split}.{ext}"
-            text = _read(a, name)
-            assert text == _read(b, name), "same seed must give byte-identical files"
-            lines = text.split("\n")
-            assert lines[-1] == "" and len(lines) == n + 1 and all(lines[:-1])
-    assert _read(a, "train.source") != _read(c, "train.source")
-    assert sorted(os.listdir(a)) == sorted(f"{s}.{e}" for s in ("train", "val", "test") for e in ("source", "target"))
-
-
-def test_synthetic_translation_rules():
-    lex = synthetic_data.LEXICON
-    assert len(set(lex.values())) == len(lex), "the toy lexicon must be one-to-one"
-    out = synthetic_data.translate("the red house sees a small cat .".split())
-    assert out == [lex["house"] + "ul", lex["red"], lex["sees"], "un", lex["cat"], lex["small"], "."]
-    # the lexicon does not depend on the seed: the same English sentence always has the same translation
-    corpus = synthetic_data.make_corpus(50, 0, 0, seed=1)["train"] + synthetic_data.make_corpus(50, 0, 0, seed=2)["train"]
-    seen = {}
-    for src, tgt in corpus:
-        assert seen.setdefault(src, tgt) == tgt
-
-
-def test_synthetic_cli(tmp_path):
-    out = tmp_path / "cli"
-    r = subprocess.run([sys.executable, os.path.join(EX, "synthetic_data.py"), str(out), "--n_train", "5",
-                        "--n_val", "2", "--n_test", "2", "--seed", "0"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "synthetic" in r.stdout
-    assert _read(str(out), "train.source") == "".join(s + "\n" for s, _ in synthetic_data.make_corpus(5, 2, 2, 0)["train"])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -287,23 +242,40 @@ def test_run_demo_full(tmp_path):
     print(f"demo wall time {time.time() - t0:.0f} s, val_bleu {metrics['val_bleu']}")
 
 
-def test_sharded_ddp_two_processes(tmp_path, synth_dir):
+@pytest.fixture(scope="module")
+def torchruns(request, tmp_path_factory, synth_dir):
+    """The torchrun launches of the two tests below (those collected), side by side (tests/_procs.py): each keeps
+    about one core busy (its ranks import, then train on one thread each, or stop), so both take little more than
+    the longer (13.8 + 8.8 s one after the other on 2 cores). name -> (CompletedProcess, its output_dir)."""
+    tmp, wanted = tmp_path_factory.mktemp("torchruns"), {item.name for item in request.session.items}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX])}
+    launches = {}
+    if "test_sharded_ddp_two_processes" in wanted:
+        single = run_tokenizer(synth_dir, tmp / "single")  # the one a 1-process run of these args trains
+        argv = _common_args(synth_dir, tmp / "sharded") + [
+            "--config_name", TINY, "--tokenizer_name", str(single), "--do_train", "--do_eval",
+            "--predict_with_generate", "--per_device_train_batch_size", "4",
+            "--sharded_ddp", "--zero_offload", "zero2",  # the README's CPU form:
+            "--do_predict", "--n_test", "7", "--per_device_eval_batch_size", "2"]
+        # --use_cpu (in _common_args) and no --ddp_backend: the backend follows the device
+        launches["sharded"] = (argv, env, tmp / "sharded")
+    if "test_torchrun_on_cpu_without_use_cpu_names_the_flag_before_anything_is_written" in wanted:
+        argv = [a for a in _common_args(synth_dir, tmp / "out") if a != "--use_cpu"]
+        argv += ["--config_name", TINY, "--do_train", "--sharded_ddp", "--zero_offload", "zero2-offload"]
+        launches["no-use-cpu"] = (argv, {**env, "CUDA_VISIBLE_DEVICES": ""}, tmp / "out")
+    # --standalone: the rendezvous binds a free port itself (the README's form; each launch its own); a port picked
+    # here and released before torchrun binds it could be taken in between
+    runs = run_together([[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          os.path.join(EX, "finetune_trainer.py"), *argv] for argv, _, _ in launches.values()],
+                        per_child=[{"env": env} for _, env, _ in launches.values()], timeout=600, cwd=ROOT)
+    return {name: (r, out) for (name, (_, _, out)), r in zip(launches.items(), runs)}
+
+
+def test_sharded_ddp_two_processes(torchruns, synth_dir):
     """torchrun with 2 gloo ranks: --sharded_ddp + ZeRO-2 (no offload) trains and writes the legacy results; the
     generations and BLEU are those of the split's examples (the Trainer pads the last batch of 7 examples with a
     repeat of the first: test_generations.txt had 8 lines and BLEU scored them, an outside probe)."""
-    single = run_tokenizer(synth_dir, tmp_path / "single")  # the one a 1-process run of these args trains
-    out = tmp_path / "sharded"
-    argv = _common_args(synth_dir, out) + [
-        "--config_name", TINY, "--tokenizer_name", str(single), "--do_train", "--do_eval", "--predict_with_generate",
-        "--per_device_train_batch_size", "4", "--sharded_ddp", "--zero_offload", "zero2",  # the README's CPU form:
-        "--do_predict", "--n_test", "7", "--per_device_eval_batch_size", "2"]
-    # --use_cpu (in _common_args) and no --ddp_backend: the backend follows the device
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX])}
-    # --standalone: the rendezvous binds a free port itself (the README's form); a port picked here and
-    # released before torchrun binds it could be taken in between
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        os.path.join(EX, "finetune_trainer.py"), *argv],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    r, out = torchruns["sharded"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = r.stdout + r.stderr
     assert "hf_zero_offload: config=" in log and "stage=2" in log, log[-3000:]
@@ -319,16 +291,10 @@ def test_sharded_ddp_two_processes(tmp_path, synth_dir):
 
 
 
-def test_torchrun_on_cpu_without_use_cpu_names_the_flag_before_anything_is_written(tmp_path, synth_dir):
+def test_torchrun_on_cpu_without_use_cpu_names_the_flag_before_anything_is_written(torchruns):
     """Each process saw one process; the second then met the first one's run lock ("another run ... is training in
     this output_dir") and torchrun printed a traceback: the flag that fixes it was never named."""
-    out = tmp_path / "out"
-    argv = [a for a in _common_args(synth_dir, out) if a != "--use_cpu"]
-    argv += ["--config_name", TINY, "--do_train", "--sharded_ddp", "--zero_offload", "zero2-offload"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, EX]), "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        os.path.join(EX, "finetune_trainer.py"), *argv],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    r, out = torchruns["no-use-cpu"]
     if r.returncode == 0:  # accelerate 1.3 (the floor) gives the Trainer both gloo ranks: a right run, nothing to stop
         assert "ranks=2 backend=gloo" in r.stderr, r.stderr[-3000:]
         return

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from _forked import collect, runner_argv
 from _kernels import LEVELS
 from _procs import run_together
 
@@ -198,15 +199,18 @@ _KERNEL_CODE = (
 
 
 @pytest.fixture(scope="module")
-def env_children():
-    """Every fresh interpreter of the tests below, one per HF_ZERO_OFFLOAD_SIMD value, all side by side in one batch
-    (each test's own batch left a core idle in its last round): name -> CompletedProcess."""
-    children = {("level", v): ([sys.executable, "-c", _LEVEL_CODE], v) for v in ["scalar", "sse9", *_MISSING]}
-    children["kernel", "sse9"] = ([sys.executable, "-c", _KERNEL_CODE], "sse9")
-    children["cli", "sse9"] = ([sys.executable, "-m", "hf_zero_offload.cli", "configs"], "sse9")
-    runs = run_together([argv for argv, _ in children.values()], timeout=120,
-                        per_child=[{"env": dict(os.environ, HF_ZERO_OFFLOAD_SIMD=v)} for _, v in children.values()])
-    return dict(zip(children, runs))
+def env_children(tmp_path_factory):
+    """Every interpreter of the tests below, one per HF_ZERO_OFFLOAD_SIMD value: the code children forked from one
+    runner that has imported torch alone (tests/_forked.py: each imports hf_zero_offload anew, in its own
+    environment; six fresh interpreters took ~13 s on 2 cores), the command line a fresh process beside it."""
+    children = {("level", v): (_LEVEL_CODE, v) for v in ["scalar", "sse9", *_MISSING]}
+    children["kernel", "sse9"] = (_KERNEL_CODE, "sse9")
+    codes = [code for code, _ in children.values()]
+    envs = [dict(os.environ, HF_ZERO_OFFLOAD_SIMD=v) for _, v in children.values()]
+    runner, files = runner_argv(codes, envs, str(tmp_path_factory.mktemp("forked")))
+    forked, cli = run_together([runner, [sys.executable, "-m", "hf_zero_offload.cli", "configs"]], timeout=120,
+                               per_child=[{}, {"env": dict(os.environ, HF_ZERO_OFFLOAD_SIMD="sse9")}])
+    return {**dict(zip(children, collect(forked, codes, files))), ("cli", "sse9"): cli}
 
 
 def test_env_override_selects_level(env_children):
