@@ -27,6 +27,12 @@ class StepClipping:
     """The mixin of ``AdamCore`` that owns a clipping asked for the coming step (``_clip_request``)."""
     _clip_request: tuple[float, object] | None = None  # (max_norm, _arrivals() at the call), until step/zero_grad
 
+    @property
+    def holds_whole_grad(self) -> bool:
+        """``.grad`` holds the step's whole gradient (ZeRO-0/1 on one rank: read at the step, nothing to average), so
+        torch's clipping of ``.grad`` by a norm computed from it is right; elsewhere it is gone, or this rank's alone."""
+        return not self._grads_from_backward and self.world_size == 1
+
     def clip_grad_norm_(self, max_norm, norm_type=2.0, *, parameters=None, error_if_nonfinite: bool = False,
                         caller: str | None = None) -> torch.Tensor:
         """Clip this step's gradients (the sum of the backward passes since the last ``step()``) by ``max_norm`` at

@@ -113,6 +113,11 @@ class EngineEnd:
     def _stop_helpers(self, drain: bool) -> None:
         """The subclass's helpers (gradient pipeline, reducer) stop; ``drain``: reductions in flight land first."""
 
+    @property
+    def is_open(self) -> bool:
+        """Neither closed nor replaced: its params are still its own (torch_clip.py asks)."""
+        return self._done_why is None
+
     def check_open(self, what: str = "step()") -> None:
         """Raises, naming why, once the engine was closed or replaced (``what``: the call that found it so)."""
         if self._done_why is not None:

@@ -79,7 +79,7 @@ def install(engine, params) -> None:
 
 def _live(ref) -> bool:
     e = ref()
-    return e is not None and e._done_why is None
+    return e is not None and e.is_open
 
 
 def _engine_among(parameters, what: str):
@@ -105,13 +105,7 @@ def _engine_among(parameters, what: str):
 
 @torch._disable_dynamo  # (a WeakIdKeyDictionary: a compiled loop over an engine's params graph-breaks here)
 def _owners(listed: list) -> list:
-    return [e for e in holders(None, [p for p in listed if isinstance(p, torch.Tensor)]) if e._done_why is None]
-
-
-def _grad_is_whole(engine) -> bool:
-    """``.grad`` holds the step's whole gradient (ZeRO-0/1 on one rank: read at the step, nothing to average), so
-    torch's clipping of ``.grad`` by a norm computed from it is right; elsewhere it is gone, or this rank's alone."""
-    return not engine._grads_from_backward and engine.world_size == 1
+    return [e for e in holders(None, [p for p in listed if isinstance(p, torch.Tensor)]) if e.is_open]
 
 
 def _norm_wrapper(original):
@@ -141,51 +135,40 @@ def _engines_clipping(engine, max_norm, norm_type, parameters, error_if_nonfinit
                                   caller=f"{_TORCH}clip_grad_norm_ over the params of {type(engine).__name__}")
 
 
-def _value_wrapper(original):
-    @functools.wraps(original)
-    def clip_grad_value_(parameters, *args, **kwargs):
-        engine, parameters = _engine_among(parameters, "clip_grad_value_")
-        if engine is None:
-            return original(parameters, *args, **kwargs)
-        raise ValueError(f"{_TORCH}clip_grad_value_ on the params of {type(engine).__name__}: the engine takes each "
-                         "gradient during backward (its .grad freed, or under ZeRO-0/1 this rank's, not yet averaged) "
-                         "and clips by the global norm only, at its step; clip with "
-                         f"{_TORCH}clip_grad_norm_(model.parameters(), max_norm) (or engine.clip_grad_norm_(max_norm))"
-                         " instead")
+def _refusing(what: str, why, *, whole_ok: bool):
+    """A wrapper of torch's ``what`` that refuses an engine's params, saying ``why(engine's class name)``; other
+    params (and, ``whole_ok``, an engine whose ``.grad`` is the step's whole gradient) get torch's function."""
+    def wrap(original):
+        @functools.wraps(original)
+        def wrapper(parameters, *args, **kwargs):
+            engine, parameters = _engine_among(parameters, what)
+            if engine is None or (whole_ok and engine.holds_whole_grad):
+                return original(parameters, *args, **kwargs)
+            raise ValueError(why(type(engine).__name__))
 
-    clip_grad_value_._hzo_engine_aware = original
-    return clip_grad_value_
-
-
-def _with_norm_wrapper(original):
-    @functools.wraps(original)
-    def clip_grads_with_norm_(parameters, *args, **kwargs):
-        engine, parameters = _engine_among(parameters, "clip_grads_with_norm_")
-        if engine is None or _grad_is_whole(engine):  # (Accelerate's clip_grad_norm_, unadapted, calls it)
-            return original(parameters, *args, **kwargs)
-        raise ValueError(f"{_TORCH}clip_grads_with_norm_ on the params of {type(engine).__name__}: the engine takes "
-                         "each gradient during backward (its .grad freed, or under ZeRO-0/1 this rank's, not yet "
-                         "averaged over the ranks), so a norm from .grad (get_total_norm) is not the step's and "
-                         f"nothing would be clipped right; call {_TORCH}clip_grad_norm_(model.parameters(), max_norm) "
-                         "(the engine's global norm, clipped at its step) or engine.clip_grad_norm_(max_norm)")
-
-    clip_grads_with_norm_._hzo_engine_aware = original
-    return clip_grads_with_norm_
+        wrapper._hzo_engine_aware = original
+        return wrapper
+    return wrap
 
 
-def _early_bound_wrapper(original):
-    @functools.wraps(original)
-    def _clip_grads_with_norm_(parameters, *args, **kwargs):
-        engine, parameters = _engine_among(parameters, "clip_grad_norm_")
-        if engine is None or _grad_is_whole(engine):
-            return original(parameters, *args, **kwargs)
-        # only torch's own clip_grad_norm_, bound before install(), gets here with them (the wrapper never does)
-        raise ValueError(f"torch's clip_grad_norm_ as bound before the first engine was built (`from torch.nn.utils "
-                         f"import clip_grad_norm_` ran before it) got the params of {type(engine).__name__}: it found "
-                         "none of the step's gradients (the engine takes them during backward) and would return 0.0 "
-                         "having clipped nothing, or clip this rank's gradient by this rank's norm (ZeRO-0/1 on "
-                         f"several ranks); call {_TORCH}clip_grad_norm_(...) through the module (it delegates to the "
-                         "engine), or engine.clip_grad_norm_(max_norm)")
+_value_wrapper = _refusing("clip_grad_value_", lambda name: (
+    f"{_TORCH}clip_grad_value_ on the params of {name}: the engine takes each gradient during backward (its .grad "
+    "freed, or under ZeRO-0/1 this rank's, not yet averaged) and clips by the global norm only, at its step; clip "
+    f"with {_TORCH}clip_grad_norm_(model.parameters(), max_norm) (or engine.clip_grad_norm_(max_norm)) instead"),
+    whole_ok=False)
 
-    _clip_grads_with_norm_._hzo_engine_aware = original
-    return _clip_grads_with_norm_
+# (Accelerate's clip_grad_norm_, unadapted, calls it: right where .grad is whole)
+_with_norm_wrapper = _refusing("clip_grads_with_norm_", lambda name: (
+    f"{_TORCH}clip_grads_with_norm_ on the params of {name}: the engine takes each gradient during backward (its "
+    ".grad freed, or under ZeRO-0/1 this rank's, not yet averaged over the ranks), so a norm from .grad "
+    "(get_total_norm) is not the step's and nothing would be clipped right; call "
+    f"{_TORCH}clip_grad_norm_(model.parameters(), max_norm) (the engine's global norm, clipped at its step) or "
+    "engine.clip_grad_norm_(max_norm)"), whole_ok=True)
+
+# only torch's own clip_grad_norm_, bound before install(), gets here with an engine's params (the wrapper never does)
+_early_bound_wrapper = _refusing("clip_grad_norm_", lambda name: (
+    "torch's clip_grad_norm_ as bound before the first engine was built (`from torch.nn.utils import "
+    f"clip_grad_norm_` ran before it) got the params of {name}: it found none of the step's gradients (the engine "
+    "takes them during backward) and would return 0.0 having clipped nothing, or clip this rank's gradient by this "
+    f"rank's norm (ZeRO-0/1 on several ranks); call {_TORCH}clip_grad_norm_(...) through the module (it delegates to "
+    "the engine), or engine.clip_grad_norm_(max_norm)"), whole_ok=True)
