@@ -253,3 +253,35 @@ def test_a_reload_of_the_module_keeps_the_live_engines():
     assert torch.nn.utils.clip_grad_norm_(model.parameters(), MAX).item() == pytest.approx(engine.grad_norm(),
                                                                                             rel=1e-6)
     engine.close()
+
+
+def test_an_engine_with_its_hooks_detached_leaves_the_params_to_torch():
+    """After ``detach_hooks()`` (the Trainer's, when ``train()`` returns) backward leaves ``.grad`` as without the
+    engine, for whatever trains the params next (a plain Trainer on the same model: Accelerate's clipping calls
+    ``clip_grads_with_norm_``, which was refused as the engine's): torch's three functions, bit for bit; attached
+    again, the engine's."""
+    engine_model = net()
+    engine = OffloadAdam(engine_model.named_parameters(), lr=LR)
+    engine.detach_hooks()
+    ref = copy.deepcopy(engine_model)
+    x, y = xy(1)[0]
+    for m in (engine_model, ref):
+        mse(m, x, y).backward()
+    originals = {name: getattr(torch.nn.utils, name)._hzo_engine_aware
+                 for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")}
+    assert torch.equal(torch.nn.utils.clip_grad_norm_(engine_model.parameters(), 1.0),
+                       originals["clip_grad_norm_"](ref.parameters(), 1.0))
+    norm = torch.nn.utils.get_total_norm([p.grad for p in engine_model.parameters()])
+    assert norm > MAX  # (so the next call scales the gradients)
+    torch.nn.utils.clip_grads_with_norm_(engine_model.parameters(), MAX, norm)
+    originals["clip_grads_with_norm_"](ref.parameters(), MAX, norm)
+    torch.nn.utils.clip_grad_value_(engine_model.parameters(), 0.001)
+    originals["clip_grad_value_"](ref.parameters(), 0.001)
+    for p, q in zip(ref.parameters(), engine_model.parameters()):
+        assert torch.equal(q.grad, p.grad)
+    engine_model.zero_grad(set_to_none=True)
+    engine.attach_hooks()
+    mse(engine_model, x, y).backward()
+    assert all(p.grad is None for p in engine_model.parameters())  # taken by the engine again
+    assert torch.nn.utils.clip_grad_norm_(engine_model.parameters(), MAX) == pytest.approx(engine.grad_norm())
+    engine.close()

@@ -122,6 +122,10 @@ class GradHooks:
         self._live[0] = False
         _remove(self._handles)
 
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
 
 def _check_size(p: torch.Tensor, numel: int) -> None:
     if p.numel() != numel:
@@ -206,6 +210,16 @@ class ParamOwner:
     def _hooks(self) -> GradHooks | None:
         """The subclass's gradient hooks (None: it reads ``.grad`` at ``step()``)."""
         return None
+
+    @property
+    def owns_grads_now(self) -> bool:
+        """The params' gradients are this engine's now: taken by its hooks during backward, or read from ``.grad`` at
+        its step (ZeRO-0/1). With its hooks detached (the Trainer detaches them when ``train()`` returns) backward
+        leaves ``.grad`` as without the engine, for whatever trains the params next (torch_clip.py asks)."""
+        if not self._grads_from_backward:
+            return True
+        hooks = self._hooks()
+        return hooks is not None and hooks.attached
 
     def attach_hooks(self) -> None:
         """Gradients go to this engine during backward again (after ``detach_hooks``)."""

@@ -7,7 +7,8 @@ nothing (ZeRO-0/1: clipped this rank's ``.grad`` by this rank's norm, before the
 
 The only hook point is the function itself, so once an engine is built (``install``, from ``lifetime``) torch's
 functions are replaced on their modules (``torch.nn.utils`` and ``torch.nn.utils.clip_grad``) by wrappers that look
-up which live engine (built, not closed or replaced) owns the params given (``grad_hooks``' claim):
+up which live engine (built, not closed or replaced, its hooks attached) owns the params given (``grad_hooks``'
+claim):
 
 - ``clip_grad_norm_``: params of one engine go to ``engine.clip_grad_norm_`` (clipping.py: the global norm, returned
   as a tensor; the engine clips at its step; what it cannot honour is refused by name); params of no live engine go to
@@ -105,7 +106,9 @@ def _engine_among(parameters, what: str):
 
 @torch._disable_dynamo  # (a WeakIdKeyDictionary: a compiled loop over an engine's params graph-breaks here)
 def _owners(listed: list) -> list:
-    return [e for e in holders(None, [p for p in listed if isinstance(p, torch.Tensor)]) if e.is_open]
+    # (an engine whose hooks are detached, after a Trainer's train(), leaves .grad to whatever trains next: torch's)
+    tensors = [p for p in listed if isinstance(p, torch.Tensor)]
+    return [e for e in holders(None, tensors) if e.is_open and e.owns_grads_now]
 
 
 def _norm_wrapper(original):
