@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from _clip_ref import adamw_clipped, assert_ranks_match
 from _dist import run_distributed
 from hf_zero_offload.accelerator_patch import adapt_accelerator
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
@@ -218,17 +219,5 @@ def sharded_rank(rank, world):
 def test_two_ranks_of_a_sharded_engine_clip_by_the_global_norm():
     """On each rank torch's clipping found no .grad (stage 2) or this rank's .grad before the average (stage 1)."""
     model = net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    ref_norms = []
-    for i, (x, y) in enumerate(batches(6)):
-        (((model(x) - y) ** 2).mean() / 2).backward()
-        if i % 2:
-            ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX).item())
-            opt.step()
-            opt.zero_grad()
-    assert min(ref_norms) > MAX
-    for rank in run_distributed(sharded_rank, world_size=2):
-        for norms, got in rank:
-            assert norms == pytest.approx(ref_norms, rel=1e-5)
-            for p, q in zip(model.parameters(), got):
-                torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6)
+    norms = adamw_clipped(model, batches(6), MAX, lr=LR, weight_decay=WD)
+    assert_ranks_match(run_distributed(sharded_rank, world_size=2), model, norms, rel=1e-5)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from _clip_ref import adamw_clipped, assert_ranks_match
 from _dist import run_distributed
 from _engine_pair import LR, WD, assert_models_close, make_pair
 from _models import batches, loss_fn
@@ -167,23 +168,10 @@ def sharded_rank(rank, world):
 def test_two_ranks_of_a_sharded_engine_clip_by_the_global_norm():
     """torch's clipping found no .grad (stage 2), or this rank's .grad before the average (stage 1)."""
     model = net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    ref_norms = []
-    for i, (x, y) in enumerate(xy(6)):
-        (mse(model, x, y) / 2).backward()
-        if i % 2:
-            ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX).item())
-            opt.step()
-            opt.zero_grad()
-    assert min(ref_norms) > MAX
-    for rank in run_distributed(sharded_rank, world_size=2):
-        for norms, got in rank:
-            assert norms == pytest.approx(ref_norms, rel=1e-6)
-            for p, q in zip(model.parameters(), got):
-                torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6)
+    norms = adamw_clipped(model, xy(6), MAX, lr=LR, weight_decay=WD)
+    assert_ranks_match(run_distributed(sharded_rank, world_size=2), model, norms, rel=1e-6)
 
 
-# -- beside a live engine, other params are torch's exactly (an outside review, session 40) -------------------------
 def test_items_that_are_not_params_get_torchs_own_error_and_warning():
     """``opt.param_groups`` (dicts) or ``named_parameters()`` pairs, over an engine's params or others: torch's
     AttributeError, not "cannot create weak reference to 'dict' object" from the owner lookup. The empty-generator
