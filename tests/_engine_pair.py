@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from _models import TinyNet, loss_fn, param_groups
+from _models import TinyNet, loss_fn, param_groups, run_steps
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 
 LR, WD = 1e-2, 0.1
@@ -38,3 +38,20 @@ def train_both(ref_model, ref, model, opt, data):
 def assert_models_close(a, b, **tol):
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pb.detach().float(), pa.detach().float(), msg=name, **tol)
+
+
+def resume_and_train(weights, load_state, options, data, *, engine_first: bool, write=None):
+    """A new process's resume: a TinyNet of other weights and a new OffloadAdam over it, the model's ``weights`` and
+    the engine's state (``load_state(engine)``) loaded in either order, ``write(model)`` after both, then ``data``
+    trained and the delayed step flushed. (model, engine), the engine open: the caller closes it."""
+    torch.manual_seed(1)  # other weights than the saved ones, as a new process's model has
+    again = TinyNet()
+    resumed = OffloadAdam(param_groups(again, WD), lr=LR, options=options)
+    loads = [lambda: again.load_state_dict(weights), lambda: load_state(resumed)]
+    for load in loads[::-1] if engine_first else loads:
+        load()
+    if write is not None:
+        write(again)
+    run_steps(again, resumed, data)
+    resumed.flush()
+    return again, resumed

@@ -15,7 +15,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from _engine_pair import LR, WD, assert_models_close, engine  # noqa: E402
+from _engine_pair import LR, WD, assert_models_close, engine, resume_and_train  # noqa: E402
 from _models import (TinyNet, batches, delayed_update_reference, loss_fn, param_groups, run_steps,  # noqa: E402
                      write_some_params)
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions  # noqa: E402
@@ -177,15 +177,9 @@ def test_dpu_resume_loads_the_model_and_the_engine_in_either_order(tmp_path, via
     opt.flush()
     opt.close()
 
-    torch.manual_seed(1)  # other weights than the saved ones, as a new process's model has
-    again = TinyNet()
-    resumed = OffloadAdam(param_groups(again, WD), lr=LR, options=options)
-    loads = [lambda: again.load_state_dict(weights),
-             lambda: resumed.load_state_dict(state) if via == "state_dict" else resumed.load_checkpoint(str(tmp_path))]
-    for load in loads[::-1] if engine_first else loads:
-        load()
-    run_steps(again, resumed, data[5:])
-    resumed.flush()
+    load_state = (lambda e: e.load_state_dict(state)) if via == "state_dict" else (
+        lambda e: e.load_checkpoint(str(tmp_path)))
+    again, resumed = resume_and_train(weights, load_state, options, data[5:], engine_first=engine_first)
     for (name, p), q in zip(model.named_parameters(), again.parameters()):
         assert torch.equal(p, q), name
     resumed.close()

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from _engine_pair import LR, WD, engine
+from _engine_pair import LR, WD, engine, resume_and_train
 from _models import TinyNet, batches, param_groups, run_steps
 from hf_zero_offload.engine import OffloadAdam, OffloadOptions
 from hf_zero_offload.engine.checkpoint import StateFileError
@@ -47,16 +47,10 @@ def test_a_write_after_a_dpu_resume_is_what_the_next_step_starts_from(tmp_path, 
     opt.flush()
     opt.close()
 
-    torch.manual_seed(1)  # other weights than the saved ones, as a new process's model has
-    again = TinyNet()
-    resumed = OffloadAdam(param_groups(again, WD), lr=LR, options=OPTIONS)
-    loads = [lambda: again.load_state_dict(weights), lambda: resumed.load_checkpoint(str(tmp_path))]
-    for load in loads[::-1] if engine_first else loads:
-        load()
-    if write is not None:  # after both loads (before the engine's, weights are published over, as DeepSpeed's load does)
-        write(again, earlier)
-    run_steps(again, resumed, data[5:])
-    resumed.flush()
+    # the write after both loads (before the engine's, weights are published over, as DeepSpeed's load does)
+    again, resumed = resume_and_train(weights, lambda e: e.load_checkpoint(str(tmp_path)), OPTIONS, data[5:],
+                                      engine_first=engine_first,
+                                      write=None if write is None else lambda m: write(m, earlier))
     for (name, p), q in zip(model.named_parameters(), again.parameters()):
         assert torch.equal(p, q), (name, (p - q).abs().max())
     resumed.close()
@@ -149,13 +143,8 @@ def test_a_bf16_runs_dpu_state_resumes_into_fp32_in_either_order(tmp_path):
     opt.close()
     ends = []
     for engine_first in (True, False):
-        again = TinyNet()
-        resumed = OffloadAdam(param_groups(again, WD), lr=LR, options=OPTIONS)
-        loads = [lambda: again.load_state_dict(weights), lambda: resumed.load_checkpoint(str(tmp_path))]
-        for load in loads[::-1] if engine_first else loads:
-            load()
-        run_steps(again, resumed, data[5:])
-        resumed.flush()
+        again, resumed = resume_and_train(weights, lambda e: e.load_checkpoint(str(tmp_path)), OPTIONS, data[5:],
+                                          engine_first=engine_first)
         ends.append([p.detach().clone() for p in again.parameters()])
         resumed.close()
     for a, b in zip(*ends):
