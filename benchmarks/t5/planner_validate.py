@@ -156,9 +156,10 @@ def main(argv=None) -> int:
             print("\nGPU: torch.cuda.max_memory_allocated vs planner device bytes at the batch size")
             print_table(gpu, ["model", "row", "attention", "batch", "measured_GiB", "planned_GiB", "err_%", "error"])
             slopes = per_sample(gpu)
+            traced = {m: traced_per_sample(trace.load_config(model_config(m)), args.seq_len, args.tgt_len)
+                      for m in {r["model"] for r in slopes}}  # (once per model: rows and backends share its trace)
             for r in slopes:
-                config = trace.load_config(model_config(r["model"]))
-                r.update(traced_per_sample(config, args.seq_len, args.tgt_len))
+                r.update(traced[r["model"]])
             print("\nGPU: GiB of activations per sample, measured (slope) vs traced (as planned; CUDA's kernels)")
             print_table(slopes, ["model", "row", "attention", "measured_GiB_per_sample", *TRACES])
             result["gpu_per_sample"] = slopes
